@@ -1,0 +1,398 @@
+//! Small public error types shared by the layers.
+//!
+//! Layers that create errors return [`BoxError`]; callers check them with
+//! `err.downcast_ref::<CircuitOpen>()` or `err.is::<Paced>()`, like tower's
+//! `load_shed::error::Overloaded`. The three *not admitted* errors
+//! ([`CircuitOpen`], [`QuotaExceeded`], [`Paced`]) mean a gate refused **before**
+//! dispatch: no attempt was made and nothing was spent; [`NotAdmitted::of`] recognises
+//! them anywhere in an error's source chain.
+
+use std::error::Error;
+use std::fmt;
+use std::time::Duration;
+
+use crate::SourceId;
+
+/// The boxed error type used by every layer that creates errors.
+pub type BoxError = Box<dyn Error + Send + Sync>;
+
+fn secs(d: Duration) -> f64 {
+    d.as_secs_f64()
+}
+
+/// A circuit breaker is open: the source is not admitted until `retry_after` elapses.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CircuitOpen {
+    source: Option<SourceId>,
+    retry_after: Duration,
+}
+
+impl CircuitOpen {
+    /// A new error for a circuit that opens again for business in `retry_after`.
+    #[must_use]
+    pub const fn new(retry_after: Duration) -> Self {
+        Self {
+            source: None,
+            retry_after,
+        }
+    }
+
+    /// Names the source whose circuit is open.
+    #[must_use]
+    pub fn with_source(mut self, source: SourceId) -> Self {
+        self.source = Some(source);
+        self
+    }
+
+    /// Time until the breaker admits again (B10).
+    #[must_use]
+    pub const fn retry_after(&self) -> Duration {
+        self.retry_after
+    }
+
+    /// The source whose circuit is open, when known.
+    #[must_use]
+    pub const fn source(&self) -> Option<&SourceId> {
+        self.source.as_ref()
+    }
+}
+
+impl fmt::Display for CircuitOpen {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("circuit open")?;
+        if let Some(s) = &self.source {
+            write!(f, " for source {s}")?;
+        }
+        write!(f, "; retry after {:.3}s", secs(self.retry_after))
+    }
+}
+
+impl Error for CircuitOpen {}
+
+/// A quota (requests, tokens, concurrency or a hold) is full: not admitted until
+/// `retry_after` elapses.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QuotaExceeded {
+    scope: Option<String>,
+    dimension: &'static str,
+    retry_after: Duration,
+}
+
+impl QuotaExceeded {
+    /// A new error: `dimension` (`"rpm"`, `"tpm"`, `"concurrency"`, `"hold"`) is full
+    /// for `retry_after`.
+    #[must_use]
+    pub const fn new(dimension: &'static str, retry_after: Duration) -> Self {
+        Self {
+            scope: None,
+            dimension,
+            retry_after,
+        }
+    }
+
+    /// Names the scope (a source or an account) whose quota is full.
+    #[must_use]
+    pub fn with_scope(mut self, scope: impl Into<String>) -> Self {
+        self.scope = Some(scope.into());
+        self
+    }
+
+    /// Time until the quota may admit again (L6).
+    #[must_use]
+    pub const fn retry_after(&self) -> Duration {
+        self.retry_after
+    }
+
+    /// Which dimension refused: `rpm`, `tpm`, `concurrency` or `hold`.
+    #[must_use]
+    pub const fn dimension(&self) -> &'static str {
+        self.dimension
+    }
+
+    /// The scope whose quota is full, when known.
+    #[must_use]
+    pub fn scope(&self) -> Option<&str> {
+        self.scope.as_deref()
+    }
+}
+
+impl fmt::Display for QuotaExceeded {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "quota exceeded ({})", self.dimension)?;
+        if let Some(s) = &self.scope {
+            write!(f, " for {s}")?;
+        }
+        write!(f, "; retry after {:.3}s", secs(self.retry_after))
+    }
+}
+
+impl Error for QuotaExceeded {}
+
+/// The adaptive concurrency limit is reached: not admitted now, try another source
+/// or wait for an attempt in flight to finish.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Paced {
+    source: Option<SourceId>,
+}
+
+impl Paced {
+    /// A new error.
+    #[must_use]
+    pub const fn new() -> Self {
+        Self { source: None }
+    }
+
+    /// Names the paced source.
+    #[must_use]
+    pub fn with_source(mut self, source: SourceId) -> Self {
+        self.source = Some(source);
+        self
+    }
+
+    /// The paced source, when known.
+    #[must_use]
+    pub const fn source(&self) -> Option<&SourceId> {
+        self.source.as_ref()
+    }
+}
+
+impl fmt::Display for Paced {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("paced: concurrency limit reached")?;
+        if let Some(s) = &self.source {
+            write!(f, " for source {s}")?;
+        }
+        Ok(())
+    }
+}
+
+impl Error for Paced {}
+
+/// Which gate refused, and until when: the three not-admitted errors as one value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NotAdmitted {
+    /// A [`CircuitOpen`] with its `retry_after`.
+    CircuitOpen(Duration),
+    /// A [`QuotaExceeded`] with its `retry_after`.
+    QuotaExceeded(Duration),
+    /// A [`Paced`]: admissible as soon as an attempt in flight ends.
+    Paced,
+}
+
+impl NotAdmitted {
+    /// Finds a not-admitted error in `err` or its source chain.
+    #[must_use]
+    pub fn of(err: &(dyn Error + 'static)) -> Option<Self> {
+        let mut cur: Option<&(dyn Error + 'static)> = Some(err);
+        while let Some(e) = cur {
+            if let Some(c) = e.downcast_ref::<CircuitOpen>() {
+                return Some(Self::CircuitOpen(c.retry_after));
+            }
+            if let Some(q) = e.downcast_ref::<QuotaExceeded>() {
+                return Some(Self::QuotaExceeded(q.retry_after));
+            }
+            if e.is::<Paced>() {
+                return Some(Self::Paced);
+            }
+            cur = e.source();
+        }
+        None
+    }
+
+    /// The time after which the gate may admit, if it said (`Paced` does not).
+    #[must_use]
+    pub const fn retry_after(self) -> Option<Duration> {
+        match self {
+            Self::CircuitOpen(d) | Self::QuotaExceeded(d) => Some(d),
+            Self::Paced => None,
+        }
+    }
+}
+
+/// A shared-state backend (Redis) could not be reached or answered garbage.
+///
+/// Admission fails closed with this error (B12); recording degrades to a warning.
+#[derive(Debug)]
+pub struct BackendUnavailable {
+    backend: &'static str,
+    operation: &'static str,
+    cause: BoxError,
+}
+
+impl BackendUnavailable {
+    /// A new error: `operation` on `backend` failed because of `cause`.
+    pub fn new(backend: &'static str, operation: &'static str, cause: impl Into<BoxError>) -> Self {
+        Self {
+            backend,
+            operation,
+            cause: cause.into(),
+        }
+    }
+
+    /// The backend's name (`redis`).
+    #[must_use]
+    pub const fn backend(&self) -> &'static str {
+        self.backend
+    }
+
+    /// What was being done (`admit`, `record`, `hold`, ...).
+    #[must_use]
+    pub const fn operation(&self) -> &'static str {
+        self.operation
+    }
+}
+
+impl fmt::Display for BackendUnavailable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} backend unavailable during {}: {}",
+            self.backend, self.operation, self.cause
+        )
+    }
+}
+
+impl Error for BackendUnavailable {
+    fn source(&self) -> Option<&(dyn Error + 'static)> {
+        Some(&*self.cause)
+    }
+}
+
+/// An upstream answered with a non-success HTTP status.
+///
+/// Carried as an error so the classifier can see the status and `Retry-After` hint
+/// through any number of layers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UpstreamStatus {
+    status: http::StatusCode,
+    retry_after: Option<Duration>,
+    message: String,
+}
+
+impl UpstreamStatus {
+    /// A new error for `status`; `message` is the provider's error text (never a key).
+    pub fn new(status: http::StatusCode, retry_after: Option<Duration>, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            retry_after,
+            message: message.into(),
+        }
+    }
+
+    /// The HTTP status.
+    #[must_use]
+    pub const fn status(&self) -> http::StatusCode {
+        self.status
+    }
+
+    /// The parsed `Retry-After` hint, if the upstream sent one.
+    #[must_use]
+    pub const fn retry_after(&self) -> Option<Duration> {
+        self.retry_after
+    }
+
+    /// The provider's error message.
+    #[must_use]
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+}
+
+impl fmt::Display for UpstreamStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "upstream answered {}", self.status)?;
+        if !self.message.is_empty() {
+            write!(f, ": {}", self.message)?;
+        }
+        Ok(())
+    }
+}
+
+impl Error for UpstreamStatus {}
+
+/// A response arrived but the caller's validator refused it (outcome `Invalid`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InvalidResponse {
+    reason: String,
+}
+
+impl InvalidResponse {
+    /// A new error with the validator's reason.
+    pub fn new(reason: impl Into<String>) -> Self {
+        Self {
+            reason: reason.into(),
+        }
+    }
+
+    /// Why the validator refused the answer.
+    #[must_use]
+    pub fn reason(&self) -> &str {
+        &self.reason
+    }
+}
+
+impl fmt::Display for InvalidResponse {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "invalid response: {}", self.reason)
+    }
+}
+
+impl Error for InvalidResponse {}
+
+/// An upstream answered 2xx but with no completion (no content, no tool call), or a
+/// stream ended without `[DONE]`: classified `Transient`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EmptyCompletion;
+
+impl fmt::Display for EmptyCompletion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("empty completion")
+    }
+}
+
+impl Error for EmptyCompletion {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug)]
+    struct Wrap(BoxError);
+    impl fmt::Display for Wrap {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("wrapped")
+        }
+    }
+    impl Error for Wrap {
+        fn source(&self) -> Option<&(dyn Error + 'static)> {
+            Some(&*self.0)
+        }
+    }
+
+    #[test]
+    fn not_admitted_found_through_source_chain() {
+        let e = Wrap(Box::new(QuotaExceeded::new("rpm", Duration::from_secs(2))));
+        assert_eq!(
+            NotAdmitted::of(&e),
+            Some(NotAdmitted::QuotaExceeded(Duration::from_secs(2)))
+        );
+        let boxed: BoxError = Box::new(CircuitOpen::new(Duration::from_millis(5)));
+        assert_eq!(
+            NotAdmitted::of(&*boxed).and_then(NotAdmitted::retry_after),
+            Some(Duration::from_millis(5))
+        );
+        assert_eq!(NotAdmitted::of(&Paced::new()), Some(NotAdmitted::Paced));
+        assert_eq!(NotAdmitted::of(&EmptyCompletion), None);
+    }
+
+    #[test]
+    fn display_is_lowercase_and_names_the_source() {
+        let e = CircuitOpen::new(Duration::from_millis(1500)).with_source("s1".into());
+        assert_eq!(e.to_string(), "circuit open for source s1; retry after 1.500s");
+        let q = QuotaExceeded::new("tpm", Duration::ZERO).with_scope("account:a");
+        assert_eq!(
+            q.to_string(),
+            "quota exceeded (tpm) for account:a; retry after 0.000s"
+        );
+    }
+}

@@ -1,0 +1,125 @@
+//! The in-call history (H5): which sources this call tried and how each attempt ended.
+//!
+//! Created by the retry layer for each call, carried with the request to the balancer
+//! on every attempt, and never shared between calls. Cloning shares the same history
+//! (it is a handle), so a request cloned for the next attempt carries what the earlier
+//! attempts recorded.
+
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use crate::{Outcome, SourceId};
+
+/// One attempt of a call.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AttemptRecord {
+    /// The source that served it (`None` when the service below has no sources).
+    pub source: Option<SourceId>,
+    /// How it ended.
+    pub outcome: Outcome,
+}
+
+/// A call-local record of attempts, shared by handle between the retry layer and the
+/// balancer of one call.
+#[derive(Clone, Debug, Default)]
+pub struct CallHistory {
+    attempts: Arc<Mutex<Vec<AttemptRecord>>>,
+}
+
+impl CallHistory {
+    /// An empty history for a new call.
+    #[must_use]
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Vec<AttemptRecord>> {
+        // The lock is never held across an await or a user callback; a poisoned lock can
+        // only come from a panic inside one of these short methods, and the data is
+        // still a valid Vec.
+        self.attempts.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Records one attempt.
+    pub fn record(&self, source: Option<SourceId>, outcome: Outcome) {
+        self.lock().push(AttemptRecord { source, outcome });
+    }
+
+    /// How many attempts of this call failed on `source` (outcomes whose health sample
+    /// is a failure: 429, transient, source dead).
+    #[must_use]
+    pub fn failures(&self, source: &SourceId) -> u32 {
+        let n = self
+            .lock()
+            .iter()
+            .filter(|a| a.source.as_ref() == Some(source) && a.outcome.health_sample() == Some(false))
+            .count();
+        u32::try_from(n).unwrap_or(u32::MAX)
+    }
+
+    /// The most recent attempt.
+    #[must_use]
+    pub fn last(&self) -> Option<AttemptRecord> {
+        self.lock().last().cloned()
+    }
+
+    /// Every attempt so far, oldest first.
+    #[must_use]
+    pub fn attempts(&self) -> Vec<AttemptRecord> {
+        self.lock().clone()
+    }
+
+    /// The number of attempts so far.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Whether no attempt was recorded yet.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.lock().is_empty()
+    }
+}
+
+/// Requests that can carry a [`CallHistory`].
+///
+/// Implemented for `http::Request<B>` (in its extensions). Implement it for your own
+/// request type to let the retry layer and the balancer share in-call history; a type
+/// that returns `None` simply gets no in-call deprioritization.
+pub trait CarriesHistory {
+    /// The history this request carries, if any.
+    fn call_history(&self) -> Option<&CallHistory>;
+    /// Attaches a history to this request.
+    fn set_call_history(&mut self, history: CallHistory);
+}
+
+impl<B> CarriesHistory for http::Request<B> {
+    fn call_history(&self) -> Option<&CallHistory> {
+        self.extensions().get::<CallHistory>()
+    }
+
+    fn set_call_history(&mut self, history: CallHistory) {
+        self.extensions_mut().insert(history);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn clones_share_and_failures_count_health_failures_only() {
+        let h = CallHistory::new();
+        let s1 = SourceId::from("s1");
+        let mut req = http::Request::new(());
+        req.set_call_history(h.clone());
+        let carried = req.call_history().unwrap().clone();
+        carried.record(Some(s1.clone()), Outcome::Transient);
+        carried.record(Some(s1.clone()), Outcome::Invalid);
+        carried.record(Some(s1.clone()), Outcome::RateLimited { retry_after: None });
+        carried.record(Some("s2".into()), Outcome::Transient);
+        assert_eq!(h.failures(&s1), 2);
+        assert_eq!(h.len(), 4);
+        assert_eq!(h.last().unwrap().source, Some(SourceId::from("s2")));
+    }
+}

@@ -1,0 +1,31 @@
+//! The hold hook (L9, R3): make a source not admitted until a time.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+use crate::{BoxError, SourceId};
+
+/// A boxed, sendable future, as returned by [`Hold::hold`].
+pub type HoldFuture = Pin<Box<dyn Future<Output = Result<(), BoxError>> + Send + 'static>>;
+
+/// Something that can hold a source (and, if it knows it, the source's account) so no
+/// process admits it for a while.
+///
+/// The retry layer calls it on 429 pushback (R3); `tower-ratelimit-redis` implements it
+/// with one round trip shared by every process (L9). Defined here so the retry layer
+/// does not depend on the limiter.
+pub trait Hold: Send + Sync {
+    /// Holds `source` for `duration` from now.
+    fn hold(&self, source: &SourceId, duration: Duration) -> HoldFuture;
+}
+
+/// A hold that does nothing: the default when no limiter is present.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NoHold;
+
+impl Hold for NoHold {
+    fn hold(&self, _source: &SourceId, _duration: Duration) -> HoldFuture {
+        Box::pin(std::future::ready(Ok(())))
+    }
+}

@@ -1,0 +1,56 @@
+//! The shared vocabulary of the pgw layers.
+//!
+//! Every pgw layer speaks the same small language, defined once here:
+//!
+//! - [`Outcome`]: the class of one attempt (DESIGN.md section 2) and what each class
+//!   means for the breaker, the health EWMA, AIMD and the retry budget;
+//! - [`Classify`]: how any service's `&Result<Res, E>` becomes an [`Outcome`], with
+//!   ready classifiers for HTTP ([`HttpClassifier`]) and OpenAI-compatible chat
+//!   completions ([`OpenAiClassifier`]);
+//! - the *not admitted* errors a gate answers before dispatch ([`CircuitOpen`],
+//!   [`QuotaExceeded`], [`Paced`]) and [`NotAdmitted::of`] to recognise them;
+//! - [`retry_after`] parsing, defensive against garbage;
+//! - [`SourceId`], the name of a source, and [`CallHistory`], the in-call record the
+//!   retry layer and the balancer share;
+//! - [`openai`] chat types and [`sse`] framing, shared by the simulator and the gateway;
+//! - with feature `redis`, [`redis_conn`]: one connection type for standalone and
+//!   cluster servers, used by every Redis backend.
+//!
+//! ```
+//! use pgw_core::{Classify, NotAdmitted, OpenAiClassifier, Outcome, QuotaExceeded, BoxError};
+//! use std::time::Duration;
+//!
+//! // A gate refused before dispatch: not an attempt, nothing spent.
+//! let err: BoxError = Box::new(QuotaExceeded::new("rpm", Duration::from_secs(4)));
+//! assert_eq!(NotAdmitted::of(&*err), Some(NotAdmitted::QuotaExceeded(Duration::from_secs(4))));
+//!
+//! // An attempt that timed out: a transient failure, one unit of the attempt budget.
+//! let timeout: BoxError = Box::new(std::io::Error::from(std::io::ErrorKind::TimedOut));
+//! let outcome = OpenAiClassifier.classify(&Err(timeout));
+//! assert_eq!(outcome, Outcome::Transient);
+//! assert!(outcome.consumes_attempt());
+//! ```
+
+mod classify;
+pub mod error;
+mod history;
+mod hold;
+mod http_classify;
+pub mod openai;
+mod outcome;
+#[cfg(feature = "redis")]
+pub mod redis_conn;
+pub mod retry_after;
+mod source;
+pub mod sse;
+
+pub use classify::{Classify, OkIsSuccess};
+pub use error::{
+    BackendUnavailable, BoxError, CircuitOpen, EmptyCompletion, InvalidResponse, NotAdmitted, Paced,
+    QuotaExceeded, UpstreamStatus,
+};
+pub use history::{AttemptRecord, CallHistory, CarriesHistory};
+pub use hold::{Hold, HoldFuture, NoHold};
+pub use http_classify::{HttpClassifier, OpenAiClassifier, classify_error, classify_status};
+pub use outcome::{BreakerVerdict, Outcome};
+pub use source::SourceId;

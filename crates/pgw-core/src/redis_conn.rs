@@ -1,0 +1,299 @@
+//! The Redis connection shared by the breaker and limiter backends (feature `redis`).
+//!
+//! One multiplexed connection per process (cheap to clone, reconnects by itself), to a
+//! standalone server or a cluster, behind one type so backends are written once.
+
+use std::fmt;
+use std::time::Duration;
+
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClientBuilder;
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, Pipeline, RedisFuture, Value};
+
+use crate::error::BackendUnavailable;
+
+/// How long one Redis operation may take before it counts as unreachable: 500 ms.
+///
+/// A loopback round trip is ~70 us (DESIGN.md section 6); a gate that waits longer
+/// than this costs the caller more than refusing and trying another source.
+pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// How long connecting may take: 2 s.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Where the shared state lives.
+#[derive(Clone, PartialEq, Eq)]
+pub enum RedisTarget {
+    /// A standalone server, `redis://host:port[/db]`.
+    Standalone(String),
+    /// The seed nodes of a Redis Cluster.
+    Cluster(Vec<String>),
+}
+
+impl RedisTarget {
+    /// Parses `redis://host:port` (standalone) or
+    /// `redis+cluster://host1:port1,host2:port2,...` (cluster).
+    ///
+    /// ```
+    /// use pgw_core::redis_conn::RedisTarget;
+    /// assert_eq!(
+    ///     RedisTarget::parse("redis+cluster://127.0.0.1:7000,127.0.0.1:7001").unwrap(),
+    ///     RedisTarget::Cluster(vec!["redis://127.0.0.1:7000".into(), "redis://127.0.0.1:7001".into()])
+    /// );
+    /// assert!(RedisTarget::parse("http://x").is_err());
+    /// ```
+    ///
+    /// # Errors
+    /// A message naming the URL when the scheme is neither.
+    pub fn parse(url: &str) -> Result<Self, String> {
+        if let Some(rest) = url.strip_prefix("redis+cluster://") {
+            let nodes: Vec<String> = rest
+                .split(',')
+                .map(str::trim)
+                .filter(|n| !n.is_empty())
+                .map(|n| format!("redis://{n}"))
+                .collect();
+            if nodes.is_empty() {
+                return Err(format!("redis cluster url {url:?} names no node"));
+            }
+            Ok(Self::Cluster(nodes))
+        } else if url.starts_with("redis://") || url.starts_with("rediss://") || url.starts_with("unix://") {
+            Ok(Self::Standalone(url.to_owned()))
+        } else {
+            Err(format!(
+                "redis url {:?} must start with redis://, rediss://, unix:// or redis+cluster://",
+                redact_url(url)
+            ))
+        }
+    }
+}
+
+/// Hides a password in a Redis URL (`redis://:secret@host` -> `redis://:***@host`).
+#[must_use]
+pub fn redact_url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s + 3 => format!("{}://***@{}", &url[..s], &url[at + 1..]),
+        _ => url.to_owned(),
+    }
+}
+
+impl fmt::Debug for RedisTarget {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Standalone(u) => f.debug_tuple("Standalone").field(&redact_url(u)).finish(),
+            Self::Cluster(n) => f
+                .debug_tuple("Cluster")
+                .field(&n.iter().map(|u| redact_url(u)).collect::<Vec<_>>())
+                .finish(),
+        }
+    }
+}
+
+impl fmt::Display for RedisTarget {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Standalone(u) => f.write_str(&redact_url(u)),
+            Self::Cluster(n) => write!(
+                f,
+                "cluster {}",
+                n.iter().map(|u| redact_url(u)).collect::<Vec<_>>().join(",")
+            ),
+        }
+    }
+}
+
+/// A connection to a standalone server or a cluster; clone it freely (clones share one
+/// multiplexed connection).
+#[derive(Clone)]
+pub enum RedisConn {
+    /// A standalone server through a reconnecting multiplexed connection.
+    Standalone(ConnectionManager),
+    /// A cluster (commands routed by key slot).
+    Cluster(ClusterConnection),
+}
+
+impl fmt::Debug for RedisConn {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Standalone(_) => "RedisConn::Standalone",
+            Self::Cluster(_) => "RedisConn::Cluster",
+        })
+    }
+}
+
+impl RedisConn {
+    /// Connects with [`DEFAULT_CONNECT_TIMEOUT`] and [`DEFAULT_RESPONSE_TIMEOUT`].
+    ///
+    /// # Errors
+    /// [`BackendUnavailable`] naming the (redacted) address when the server cannot be
+    /// reached.
+    pub async fn connect(target: &RedisTarget) -> Result<Self, BackendUnavailable> {
+        Self::connect_with(target, DEFAULT_CONNECT_TIMEOUT, DEFAULT_RESPONSE_TIMEOUT).await
+    }
+
+    /// Connects with explicit timeouts.
+    ///
+    /// # Errors
+    /// As [`RedisConn::connect`].
+    pub async fn connect_with(
+        target: &RedisTarget,
+        connect_timeout: Duration,
+        response_timeout: Duration,
+    ) -> Result<Self, BackendUnavailable> {
+        let fail =
+            |e: redis::RedisError| BackendUnavailable::new("redis", "connect", format!("{target}: {e}"));
+        match target {
+            RedisTarget::Standalone(url) => {
+                let client = redis::Client::open(url.as_str()).map_err(fail)?;
+                let config = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(connect_timeout))
+                    .set_response_timeout(Some(response_timeout))
+                    .set_number_of_retries(1)
+                    .set_max_delay(Duration::from_millis(200));
+                let fut = ConnectionManager::new_with_config(client, config);
+                match tokio::time::timeout(connect_timeout + response_timeout, fut).await {
+                    Ok(r) => r.map(Self::Standalone).map_err(fail),
+                    Err(_) => Err(BackendUnavailable::new(
+                        "redis",
+                        "connect",
+                        format!("{target}: timed out after {connect_timeout:?}"),
+                    )),
+                }
+            }
+            RedisTarget::Cluster(nodes) => {
+                let client = ClusterClientBuilder::new(nodes.clone())
+                    .connection_timeout(connect_timeout)
+                    .response_timeout(response_timeout)
+                    .retries(1)
+                    .build()
+                    .map_err(fail)?;
+                let fut = client.get_async_connection();
+                match tokio::time::timeout(connect_timeout + response_timeout, fut).await {
+                    Ok(r) => r.map(Self::Cluster).map_err(fail),
+                    Err(_) => Err(BackendUnavailable::new(
+                        "redis",
+                        "connect",
+                        format!("{target}: timed out after {connect_timeout:?}"),
+                    )),
+                }
+            }
+        }
+    }
+
+    /// Whether this is a cluster connection.
+    #[must_use]
+    pub const fn is_cluster(&self) -> bool {
+        matches!(self, Self::Cluster(_))
+    }
+}
+
+impl ConnectionLike for RedisConn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Self::Standalone(c) => c.req_packed_command(cmd),
+            Self::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Self::Standalone(c) => c.req_packed_commands(pipeline, offset, count),
+            Self::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Self::Standalone(c) => c.get_db(),
+            Self::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// Runs one Redis operation under `timeout`, mapping every failure (server error,
+/// dropped connection, timeout) to [`BackendUnavailable`] for `operation`.
+///
+/// # Errors
+/// [`BackendUnavailable`] on any failure.
+pub async fn run<T, F>(operation: &'static str, timeout: Duration, fut: F) -> Result<T, BackendUnavailable>
+where
+    F: std::future::Future<Output = redis::RedisResult<T>>,
+{
+    match tokio::time::timeout(timeout, fut).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(BackendUnavailable::new("redis", operation, e)),
+        Err(_) => Err(BackendUnavailable::new(
+            "redis",
+            operation,
+            format!("no answer within {timeout:?}"),
+        )),
+    }
+}
+
+/// The hash-tagged key prefix of one scope, so every key of a source (or an account)
+/// lives in one cluster slot: `{prefix}:{scope}` becomes `prefix:{scope}:`.
+#[must_use]
+pub fn scope_key(prefix: &str, scope: &str) -> String {
+    format!("{prefix}:{{{scope}}}:")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redaction_hides_passwords() {
+        assert_eq!(
+            redact_url("redis://:hunter2@127.0.0.1:6379"),
+            "redis://***@127.0.0.1:6379"
+        );
+        let t = RedisTarget::parse("redis://user:hunter2@h:1/0").unwrap();
+        assert!(!format!("{t:?} {t}").contains("hunter2"));
+        assert!(RedisTarget::parse("redis+cluster://").is_err());
+        assert_eq!(scope_key("pgw:brk", "s1"), "pgw:brk:{s1}:");
+    }
+
+    /// A Lua script round-trips through the standalone test server and the cluster.
+    #[tokio::test]
+    async fn lua_roundtrip_standalone_and_cluster() {
+        let script = redis::Script::new(
+            "local t = redis.call('TIME'); redis.call('SET', KEYS[1], ARGV[1], 'EX', 60); return {redis.call('GET', KEYS[1]), t[1]}",
+        );
+        let mut targets = Vec::new();
+        if let Some(url) = pgw_test_support::redis_url() {
+            targets.push(RedisTarget::Standalone(url));
+        }
+        if let Some(nodes) = pgw_test_support::redis_cluster_nodes() {
+            targets.push(RedisTarget::Cluster(nodes));
+        }
+        for target in targets {
+            let mut conn = RedisConn::connect(&target).await.unwrap();
+            let key = format!("{}x", scope_key(&pgw_test_support::unique_prefix("lua"), "s1"));
+            let (v, t): (String, u64) = run(
+                "test",
+                DEFAULT_RESPONSE_TIMEOUT,
+                script.key(&key).arg("hello").invoke_async(&mut conn),
+            )
+            .await
+            .unwrap();
+            assert_eq!(v, "hello", "{target}");
+            assert!(t > 1_700_000_000, "server TIME looks wrong: {t}");
+        }
+    }
+
+    #[tokio::test]
+    async fn unreachable_server_is_a_clear_error() {
+        let target = RedisTarget::Standalone("redis://127.0.0.1:1".into());
+        let err = RedisConn::connect_with(&target, Duration::from_millis(200), Duration::from_millis(200))
+            .await
+            .unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("127.0.0.1:1") && msg.contains("connect"), "{msg}");
+    }
+}

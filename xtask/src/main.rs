@@ -1,0 +1,142 @@
+//! Project automation for the pgw workspace.
+//!
+//! - `cargo xtask test`: installs redis-server when missing, starts a throwaway
+//!   standalone Redis and a 3-node Redis Cluster on free loopback ports, runs the whole
+//!   test suite against them, stops them, exits with the tests' status.
+//! - `cargo xtask ci`: exactly what CI does: fmt, clippy, doc, then `cargo xtask test`.
+//! - `cargo xtask soak`: the P6 soak (see the `pgw-soak` crate).
+//! - `cargo xtask redis`: starts the same servers and waits, for running tests by hand.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod redis;
+
+#[derive(Parser)]
+#[command(about = "pgw project automation")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Start Redis (standalone + 3-node cluster) on loopback, run the whole test suite.
+    Test {
+        /// Extra arguments passed to `cargo test` (after `--workspace --all-features`).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Run exactly what CI runs: fmt, clippy, doc, then `cargo xtask test`.
+    Ci,
+    /// Run the P6 soak on the simulated fault pool and print the scoreboard.
+    Soak {
+        /// Arguments for the soak (see `cargo xtask soak -- --help`).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Start the test servers, print their addresses, and wait for Ctrl-C.
+    Redis,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.cmd {
+        Cmd::Test { args } => test(&args),
+        Cmd::Ci => ci(),
+        Cmd::Soak { args } => soak(&args),
+        Cmd::Redis => redis::serve_forever(),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("xtask: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+type Result<T> = std::result::Result<T, String>;
+
+fn cargo() -> std::process::Command {
+    std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+}
+
+fn status_code(status: std::process::ExitStatus) -> ExitCode {
+    match status.code() {
+        Some(0) => ExitCode::SUCCESS,
+        Some(c) => ExitCode::from(u8::try_from(c).unwrap_or(1)),
+        None => ExitCode::FAILURE,
+    }
+}
+
+fn test(args: &[String]) -> Result<ExitCode> {
+    let servers = redis::Servers::start()?;
+    eprintln!(
+        "xtask: REDIS_URL={} REDIS_CLUSTER_NODES={}",
+        servers.standalone_url(),
+        servers.cluster_nodes()
+    );
+    let status = cargo()
+        .args(["test", "--workspace", "--all-features"])
+        .args(args)
+        .env("REDIS_URL", servers.standalone_url())
+        .env("REDIS_CLUSTER_NODES", servers.cluster_nodes())
+        .env("PGW_REDIS_CLI", redis::cli_path())
+        .status()
+        .map_err(|e| format!("cannot run cargo test: {e}"))?;
+    drop(servers);
+    Ok(status_code(status))
+}
+
+fn ci() -> Result<ExitCode> {
+    let steps: [(&str, &[&str], Option<(&str, &str)>); 3] = [
+        ("fmt", &["fmt", "--all", "--", "--check"], None),
+        (
+            "clippy",
+            &[
+                "clippy",
+                "--workspace",
+                "--all-targets",
+                "--all-features",
+                "--",
+                "-D",
+                "warnings",
+            ],
+            None,
+        ),
+        (
+            "doc",
+            &["doc", "--workspace", "--no-deps", "--all-features"],
+            Some(("RUSTDOCFLAGS", "-D warnings")),
+        ),
+    ];
+    for (name, args, env) in steps {
+        eprintln!("xtask ci: cargo {}", args.join(" "));
+        let mut cmd = cargo();
+        cmd.args(args);
+        if let Some((k, v)) = env {
+            cmd.env(k, v);
+        }
+        let status = cmd
+            .status()
+            .map_err(|e| format!("cannot run cargo {name}: {e}"))?;
+        if !status.success() {
+            eprintln!("xtask ci: {name} failed");
+            return Ok(status_code(status));
+        }
+    }
+    test(&[])
+}
+
+fn soak(args: &[String]) -> Result<ExitCode> {
+    // The soak runs hours of virtual time; it is built with optimizations so the default
+    // 8000-call run takes seconds, not minutes.
+    let status = cargo()
+        .args(["run", "--quiet", "--release", "--package", "pgw-soak", "--"])
+        .args(args)
+        .status()
+        .map_err(|e| format!("cannot run the soak: {e}"))?;
+    Ok(status_code(status))
+}
