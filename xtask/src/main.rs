@@ -3,7 +3,8 @@
 //! - `cargo xtask test`: installs redis-server when missing, starts a throwaway
 //!   standalone Redis and a 3-node Redis Cluster on free loopback ports, runs the whole
 //!   test suite against them, stops them, exits with the tests' status.
-//! - `cargo xtask ci`: exactly what CI does: fmt, clippy, doc, then `cargo xtask test`.
+//! - `cargo xtask lint`: fmt, clippy `-D warnings`, rustdoc `-D warnings`.
+//! - `cargo xtask ci`: exactly what CI does (`.ci/run`): `cargo xtask lint`, then `cargo xtask test`.
 //! - `cargo xtask soak`: the P6 soak (see the `pgw-soak` crate).
 //! - `cargo xtask redis`: starts the same servers and waits, for running tests by hand.
 
@@ -28,8 +29,10 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
-    /// Run exactly what CI runs: fmt, clippy, doc, then `cargo xtask test`.
+    /// Run exactly what CI runs: `cargo xtask lint`, then `cargo xtask test`.
     Ci,
+    /// The lints: `cargo fmt --check`, clippy `-D warnings`, rustdoc `-D warnings`.
+    Lint,
     /// Run the P6 soak on the simulated fault pool and print the scoreboard.
     Soak {
         /// Arguments for the soak (see `cargo xtask soak -- --help`).
@@ -45,6 +48,7 @@ fn main() -> ExitCode {
     let result = match cli.cmd {
         Cmd::Test { args } => test(&args),
         Cmd::Ci => ci(),
+        Cmd::Lint => lint(),
         Cmd::Soak { args } => soak(&args),
         Cmd::Redis => redis::serve_forever(),
     };
@@ -90,42 +94,52 @@ fn test(args: &[String]) -> Result<ExitCode> {
     Ok(status_code(status))
 }
 
-fn ci() -> Result<ExitCode> {
-    let steps: [(&str, &[&str], Option<(&str, &str)>); 3] = [
-        ("fmt", &["fmt", "--all", "--", "--check"], None),
-        (
-            "clippy",
-            &[
-                "clippy",
-                "--workspace",
-                "--all-targets",
-                "--all-features",
-                "--",
-                "-D",
-                "warnings",
-            ],
-            None,
-        ),
-        (
-            "doc",
-            &["doc", "--workspace", "--no-deps", "--all-features"],
-            Some(("RUSTDOCFLAGS", "-D warnings")),
-        ),
-    ];
-    for (name, args, env) in steps {
-        eprintln!("xtask ci: cargo {}", args.join(" "));
+/// One lint step of CI.
+struct Lint {
+    name: &'static str,
+    args: &'static [&'static str],
+    rustdocflags: bool,
+}
+
+const LINTS: [Lint; 3] = [
+    Lint {
+        name: "fmt",
+        args: &["fmt", "--all", "--", "--check"],
+        rustdocflags: false,
+    },
+    Lint {
+        name: "clippy",
+        args: &["clippy", "--workspace", "--all-targets", "--all-features", "--", "-D", "warnings"],
+        rustdocflags: false,
+    },
+    Lint {
+        name: "doc",
+        args: &["doc", "--workspace", "--no-deps", "--all-features"],
+        rustdocflags: true,
+    },
+];
+
+fn lint() -> Result<ExitCode> {
+    for step in &LINTS {
+        eprintln!("xtask lint: cargo {}", step.args.join(" "));
         let mut cmd = cargo();
-        cmd.args(args);
-        if let Some((k, v)) = env {
-            cmd.env(k, v);
+        cmd.args(step.args);
+        if step.rustdocflags {
+            cmd.env("RUSTDOCFLAGS", "-D warnings");
         }
-        let status = cmd
-            .status()
-            .map_err(|e| format!("cannot run cargo {name}: {e}"))?;
+        let status = cmd.status().map_err(|e| format!("cannot run cargo {}: {e}", step.name))?;
         if !status.success() {
-            eprintln!("xtask ci: {name} failed");
+            eprintln!("xtask lint: {} failed", step.name);
             return Ok(status_code(status));
         }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn ci() -> Result<ExitCode> {
+    let code = lint()?;
+    if code != ExitCode::SUCCESS {
+        return Ok(code);
     }
     test(&[])
 }
