@@ -109,7 +109,15 @@ const LINTS: [Lint; 3] = [
     },
     Lint {
         name: "clippy",
-        args: &["clippy", "--workspace", "--all-targets", "--all-features", "--", "-D", "warnings"],
+        args: &[
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--all-features",
+            "--",
+            "-D",
+            "warnings",
+        ],
         rustdocflags: false,
     },
     Lint {
@@ -127,7 +135,9 @@ fn lint() -> Result<ExitCode> {
         if step.rustdocflags {
             cmd.env("RUSTDOCFLAGS", "-D warnings");
         }
-        let status = cmd.status().map_err(|e| format!("cannot run cargo {}: {e}", step.name))?;
+        let status = cmd
+            .status()
+            .map_err(|e| format!("cannot run cargo {}: {e}", step.name))?;
         if !status.success() {
             eprintln!("xtask lint: {} failed", step.name);
             return Ok(status_code(status));
