@@ -1,0 +1,175 @@
+//! Configuration and the named defaults of DESIGN.md A1-A2.
+
+use crate::error::ConfigError;
+
+/// Initial limit of a source (DESIGN.md A1; seed 000 section 3.35: "initial 8").
+pub const DEFAULT_INITIAL_LIMIT: f64 = 8.0;
+
+/// The limit never drops below this floor (DESIGN.md A1; seed 000 section 3.35: "floor 1").
+pub const DEFAULT_MIN_LIMIT: f64 = 1.0;
+
+/// Multiplicative cut on a `RateLimited` outcome (DESIGN.md A2; seed 000 section 3.37
+/// moved it from 0.7 to 0.5, the aggressive end of Netflix's 0.5-0.9 advice).
+pub const DEFAULT_DECREASE_FACTOR: f64 = 0.5;
+
+/// Ceiling when neither the source's max concurrency nor the caller's concurrency is
+/// known (the default `maxLimit` of Netflix concurrency-limits' `AIMDLimit`).
+pub const DEFAULT_MAX_LIMIT: usize = 200;
+
+/// AIMD settings of one source.
+///
+/// The ceiling is `min(max_concurrency, caller_concurrency)` (A1), whichever of the two
+/// are set, or [`DEFAULT_MAX_LIMIT`] when neither is. An `initial_limit` above the
+/// ceiling starts at the ceiling.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AimdConfig {
+    /// Starting limit (default [`DEFAULT_INITIAL_LIMIT`]).
+    pub initial_limit: f64,
+    /// Floor of the limit (default [`DEFAULT_MIN_LIMIT`]); at least 1.
+    pub min_limit: f64,
+    /// Multiplicative cut applied on `RateLimited` (default [`DEFAULT_DECREASE_FACTOR`]),
+    /// in `(0, 1)`.
+    pub decrease_factor: f64,
+    /// The source's configured max concurrency, if any.
+    pub max_concurrency: Option<usize>,
+    /// The caller's concurrency (workers x tasks), if known.
+    pub caller_concurrency: Option<usize>,
+}
+
+impl Default for AimdConfig {
+    fn default() -> Self {
+        Self {
+            initial_limit: DEFAULT_INITIAL_LIMIT,
+            min_limit: DEFAULT_MIN_LIMIT,
+            decrease_factor: DEFAULT_DECREASE_FACTOR,
+            max_concurrency: None,
+            caller_concurrency: None,
+        }
+    }
+}
+
+impl AimdConfig {
+    /// The ceiling of the limit: `min(max_concurrency, caller_concurrency)` (A1).
+    #[must_use]
+    pub fn ceiling(&self) -> f64 {
+        let c = match (self.max_concurrency, self.caller_concurrency) {
+            (Some(a), Some(b)) => a.min(b),
+            (Some(a), None) | (None, Some(a)) => a,
+            (None, None) => DEFAULT_MAX_LIMIT,
+        };
+        #[allow(clippy::cast_precision_loss)]
+        let c = c as f64;
+        c
+    }
+
+    /// Checks every field.
+    ///
+    /// # Errors
+    /// A [`ConfigError`] naming the first bad field.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if !(self.min_limit.is_finite() && self.min_limit >= 1.0) {
+            return Err(ConfigError::new("min_limit", "must be a finite number >= 1"));
+        }
+        if !(self.initial_limit.is_finite() && self.initial_limit >= self.min_limit) {
+            return Err(ConfigError::new(
+                "initial_limit",
+                "must be a finite number >= min_limit",
+            ));
+        }
+        if !(self.decrease_factor > 0.0 && self.decrease_factor < 1.0) {
+            return Err(ConfigError::new("decrease_factor", "must be in (0, 1)"));
+        }
+        if self.max_concurrency == Some(0) {
+            return Err(ConfigError::new("max_concurrency", "must be at least 1"));
+        }
+        if self.caller_concurrency == Some(0) {
+            return Err(ConfigError::new("caller_concurrency", "must be at least 1"));
+        }
+        if self.ceiling() < self.min_limit {
+            return Err(ConfigError::new(
+                "min_limit",
+                "is above the ceiling min(max_concurrency, caller_concurrency)",
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_fields_are_named() {
+        let cases = [
+            (
+                AimdConfig {
+                    min_limit: 0.5,
+                    ..AimdConfig::default()
+                },
+                "min_limit",
+            ),
+            (
+                AimdConfig {
+                    initial_limit: f64::NAN,
+                    ..AimdConfig::default()
+                },
+                "initial_limit",
+            ),
+            (
+                AimdConfig {
+                    decrease_factor: 1.0,
+                    ..AimdConfig::default()
+                },
+                "decrease_factor",
+            ),
+            (
+                AimdConfig {
+                    max_concurrency: Some(0),
+                    ..AimdConfig::default()
+                },
+                "max_concurrency",
+            ),
+            (
+                AimdConfig {
+                    caller_concurrency: Some(0),
+                    ..AimdConfig::default()
+                },
+                "caller_concurrency",
+            ),
+            (
+                AimdConfig {
+                    min_limit: 4.0,
+                    max_concurrency: Some(2),
+                    ..AimdConfig::default()
+                },
+                "min_limit",
+            ),
+        ];
+        for (cfg, field) in cases {
+            let err = cfg.validate().unwrap_err();
+            assert_eq!(err.field(), field);
+            assert!(err.to_string().contains(field), "{err}");
+        }
+        assert!(AimdConfig::default().validate().is_ok());
+    }
+
+    #[test]
+    fn ceiling_is_the_smaller_bound() {
+        let c = AimdConfig {
+            max_concurrency: Some(10),
+            caller_concurrency: Some(64),
+            ..AimdConfig::default()
+        };
+        assert!((c.ceiling() - 10.0).abs() < f64::EPSILON);
+        let c = AimdConfig {
+            max_concurrency: Some(100),
+            caller_concurrency: Some(64),
+            ..AimdConfig::default()
+        };
+        assert!((c.ceiling() - 64.0).abs() < f64::EPSILON);
+        #[allow(clippy::cast_precision_loss)]
+        let d = DEFAULT_MAX_LIMIT as f64;
+        assert!((AimdConfig::default().ceiling() - d).abs() < f64::EPSILON);
+    }
+}

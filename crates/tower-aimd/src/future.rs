@@ -1,0 +1,83 @@
+//! [`ResponseFuture`]: holds the slot until the attempt ends, on every path (A4).
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+
+use pgw_core::{BoxError, Classify, NotAdmitted, Paced};
+use pin_project_lite::pin_project;
+
+use crate::limiter::Permit;
+
+pin_project! {
+    #[project = KindProj]
+    enum Kind<F, C> {
+        Called { #[pin] fut: F, permit: Option<Permit>, classifier: C },
+        Paced { error: Option<Paced> },
+    }
+}
+
+pin_project! {
+    /// The response future of [`Aimd`](crate::Aimd). Dropping it (or a panic in the
+    /// inner future) releases the slot.
+    pub struct ResponseFuture<F, C> {
+        #[pin]
+        kind: Kind<F, C>,
+    }
+}
+
+impl<F, C> ResponseFuture<F, C> {
+    pub(crate) const fn called(fut: F, permit: Permit, classifier: C) -> Self {
+        Self {
+            kind: Kind::Called {
+                fut,
+                permit: Some(permit),
+                classifier,
+            },
+        }
+    }
+
+    pub(crate) const fn paced(error: Paced) -> Self {
+        Self {
+            kind: Kind::Paced { error: Some(error) },
+        }
+    }
+}
+
+impl<F, C, T, E> Future for ResponseFuture<F, C>
+where
+    F: Future<Output = Result<T, E>>,
+    E: Into<BoxError>,
+    C: Classify<T, BoxError>,
+{
+    type Output = Result<T, BoxError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project().kind.project() {
+            KindProj::Called {
+                fut,
+                permit,
+                classifier,
+            } => {
+                let result = ready!(fut.poll(cx)).map_err(Into::into);
+                if let Some(permit) = permit.take() {
+                    // A not-admitted answer from below is not an attempt: the limit
+                    // stays, only the slot is given back.
+                    let not_admitted = matches!(&result, Err(e) if NotAdmitted::of(&**e).is_some());
+                    if !not_admitted {
+                        permit.limiter().on_outcome(classifier.classify(&result));
+                    }
+                }
+                Poll::Ready(result)
+            }
+            KindProj::Paced { error } => Poll::Ready(Err(error.take().unwrap_or_default().into())),
+        }
+    }
+}
+
+impl<F, C> fmt::Debug for ResponseFuture<F, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ResponseFuture").finish_non_exhaustive()
+    }
+}

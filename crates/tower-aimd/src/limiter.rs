@@ -1,0 +1,288 @@
+//! The per-source limiter: a float limit and an inflight count, both atomics.
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+
+use pgw_core::{Outcome, SourceId};
+use tokio::sync::Notify;
+
+use crate::AimdConfig;
+
+/// Shared state of one source.
+pub(crate) struct Limiter {
+    limit_bits: AtomicU64,
+    inflight: AtomicUsize,
+    /// Set by whoever was refused (a shed `Paced`, a waiting `poll_ready`) before it
+    /// re-checks; a release that finds it set fires the release signal. This keeps
+    /// `Notify::notify_waiters` (which takes a lock) off the path where nobody waits.
+    refused: AtomicBool,
+    signal: Arc<Notify>,
+    floor: f64,
+    ceiling: f64,
+    cut: f64,
+    source: Option<SourceId>,
+}
+
+impl Limiter {
+    pub(crate) fn new(config: &AimdConfig, source: Option<SourceId>, signal: Arc<Notify>) -> Self {
+        let ceiling = config.ceiling();
+        Self {
+            limit_bits: AtomicU64::new(config.initial_limit.min(ceiling).to_bits()),
+            inflight: AtomicUsize::new(0),
+            refused: AtomicBool::new(false),
+            signal,
+            floor: config.min_limit,
+            ceiling,
+            cut: config.decrease_factor,
+            source,
+        }
+    }
+
+    pub(crate) fn limit(&self) -> f64 {
+        f64::from_bits(self.limit_bits.load(Ordering::Relaxed))
+    }
+
+    pub(crate) fn inflight(&self) -> usize {
+        self.inflight.load(Ordering::SeqCst)
+    }
+
+    pub(crate) fn source(&self) -> Option<&SourceId> {
+        self.source.as_ref()
+    }
+
+    pub(crate) fn signal(&self) -> &Arc<Notify> {
+        &self.signal
+    }
+
+    /// Takes a slot if `inflight < floor(limit)` (A3).
+    pub(crate) fn try_acquire(&self) -> bool {
+        // The limit is >= 1, so the truncation is the floor and fits.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let max = self.limit() as usize;
+        let mut cur = self.inflight.load(Ordering::SeqCst);
+        loop {
+            if cur >= max {
+                return false;
+            }
+            match self
+                .inflight
+                .compare_exchange_weak(cur, cur + 1, Ordering::SeqCst, Ordering::SeqCst)
+            {
+                Ok(_) => return true,
+                Err(actual) => cur = actual,
+            }
+        }
+    }
+
+    /// Like [`try_acquire`](Self::try_acquire), but a refusal marks the limiter so the
+    /// next release fires the signal. The caller must have enabled its `Notified`
+    /// before calling this if it means to wait on it.
+    pub(crate) fn acquire_or_mark(&self) -> bool {
+        if self.try_acquire() {
+            return true;
+        }
+        // Dekker-style: mark, then re-check. A release that the re-check does not see
+        // comes later in the SeqCst order and therefore sees the mark.
+        self.refused.store(true, Ordering::SeqCst);
+        self.try_acquire()
+    }
+
+    /// Gives a slot back and wakes whoever was refused since the last release.
+    pub(crate) fn release(&self) {
+        self.inflight.fetch_sub(1, Ordering::SeqCst);
+        if self.refused.load(Ordering::SeqCst) && self.refused.swap(false, Ordering::SeqCst) {
+            self.signal.notify_waiters();
+        }
+    }
+
+    /// Adjusts the limit for one attempt's outcome (A2).
+    pub(crate) fn on_outcome(&self, outcome: Outcome) {
+        match outcome {
+            Outcome::RateLimited { .. } => self.update(|l| (l * self.cut).max(self.floor)),
+            Outcome::Success => self.update(|l| (l + 1.0 / l).min(self.ceiling)),
+            Outcome::Transient | Outcome::SourceDead | Outcome::Rejected | Outcome::Invalid => {}
+        }
+    }
+
+    fn update(&self, f: impl Fn(f64) -> f64) {
+        let mut cur = self.limit_bits.load(Ordering::Relaxed);
+        loop {
+            let next = f(f64::from_bits(cur)).to_bits();
+            if next == cur {
+                return;
+            }
+            match self
+                .limit_bits
+                .compare_exchange_weak(cur, next, Ordering::Relaxed, Ordering::Relaxed)
+            {
+                Ok(_) => return,
+                Err(actual) => cur = actual,
+            }
+        }
+    }
+}
+
+/// One slot of a source's limit; released on drop, on every path (A4).
+pub(crate) struct Permit {
+    limiter: Arc<Limiter>,
+}
+
+impl Permit {
+    pub(crate) fn new(limiter: Arc<Limiter>) -> Self {
+        Self { limiter }
+    }
+
+    pub(crate) fn limiter(&self) -> &Limiter {
+        &self.limiter
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        self.limiter.release();
+    }
+}
+
+impl fmt::Debug for Permit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Permit")
+            .field("source", &self.limiter.source)
+            .finish()
+    }
+}
+
+/// A read-only view of one source's limiter, for metrics (S6) and tests.
+///
+/// ```
+/// use tower_aimd::{AimdLayer, DEFAULT_INITIAL_LIMIT};
+/// let layer = AimdLayer::default();
+/// let h = layer.handle();
+/// assert_eq!(h.limit(), DEFAULT_INITIAL_LIMIT);
+/// assert_eq!(h.inflight(), 0);
+/// ```
+#[derive(Clone)]
+pub struct AimdHandle {
+    pub(crate) limiter: Arc<Limiter>,
+}
+
+impl AimdHandle {
+    /// The current (float) limit.
+    #[must_use]
+    pub fn limit(&self) -> f64 {
+        self.limiter.limit()
+    }
+
+    /// Attempts in flight (slots taken), including a slot reserved by `poll_ready`.
+    #[must_use]
+    pub fn inflight(&self) -> usize {
+        self.limiter.inflight()
+    }
+
+    /// The source this limiter belongs to, when named.
+    #[must_use]
+    pub fn source(&self) -> Option<&SourceId> {
+        self.limiter.source()
+    }
+
+    /// The signal fired when a slot is released after a refusal (what a balancer
+    /// waits on when every source is paced, H7).
+    #[must_use]
+    pub fn release_signal(&self) -> Arc<Notify> {
+        Arc::clone(self.limiter.signal())
+    }
+}
+
+impl fmt::Debug for AimdHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AimdHandle")
+            .field("source", &self.limiter.source)
+            .field("limit", &self.limit())
+            .field("inflight", &self.inflight())
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limiter(cfg: &AimdConfig) -> Arc<Limiter> {
+        Arc::new(Limiter::new(cfg, None, Arc::new(Notify::new())))
+    }
+
+    #[test]
+    fn cut_growth_floor_and_ceiling() {
+        let l = limiter(&AimdConfig {
+            max_concurrency: Some(12),
+            caller_concurrency: Some(10),
+            ..AimdConfig::default()
+        });
+        assert!((l.limit() - 8.0).abs() < 1e-12);
+        l.on_outcome(Outcome::RateLimited { retry_after: None });
+        assert!((l.limit() - 4.0).abs() < 1e-12, "x0.5 cut");
+        l.on_outcome(Outcome::Success);
+        assert!((l.limit() - 4.25).abs() < 1e-12, "+1/limit growth");
+        for _ in 0..10 {
+            l.on_outcome(Outcome::RateLimited { retry_after: None });
+        }
+        assert!((l.limit() - 1.0).abs() < 1e-12, "floor 1");
+        for _ in 0..10_000 {
+            l.on_outcome(Outcome::Success);
+        }
+        assert!((l.limit() - 10.0).abs() < 1e-12, "ceiling min(12, 10)");
+        for o in [
+            Outcome::Transient,
+            Outcome::SourceDead,
+            Outcome::Rejected,
+            Outcome::Invalid,
+        ] {
+            l.on_outcome(o);
+        }
+        assert!((l.limit() - 10.0).abs() < 1e-12, "other outcomes leave the limit");
+    }
+
+    #[test]
+    fn initial_above_ceiling_starts_at_ceiling() {
+        let l = limiter(&AimdConfig {
+            max_concurrency: Some(3),
+            ..AimdConfig::default()
+        });
+        assert!((l.limit() - 3.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn admits_floor_of_limit() {
+        let l = limiter(&AimdConfig {
+            initial_limit: 2.9,
+            ..AimdConfig::default()
+        });
+        assert!(l.try_acquire());
+        assert!(l.try_acquire());
+        assert!(!l.acquire_or_mark());
+        assert_eq!(l.inflight(), 2);
+        l.release();
+        assert!(l.try_acquire());
+        l.release();
+        l.release();
+        assert_eq!(l.inflight(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn release_after_refusal_fires_the_signal() {
+        let l = limiter(&AimdConfig {
+            initial_limit: 1.0,
+            ..AimdConfig::default()
+        });
+        assert!(l.try_acquire());
+        let notified = Arc::clone(l.signal()).notified_owned();
+        let mut notified = Box::pin(notified);
+        notified.as_mut().enable();
+        assert!(!l.acquire_or_mark());
+        l.release();
+        // Completes at once: the release saw the mark.
+        tokio::time::timeout(std::time::Duration::from_secs(1), notified)
+            .await
+            .expect("signal fired");
+    }
+}

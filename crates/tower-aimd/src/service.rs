@@ -1,0 +1,161 @@
+//! [`Aimd`]: the service.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+
+use pgw_core::{BoxError, Classify, OkIsSuccess, Paced};
+use tokio::sync::futures::OwnedNotified;
+use tower_service::Service;
+
+use crate::future::ResponseFuture;
+use crate::limiter::{Limiter, Permit};
+use crate::{AimdConfig, AimdHandle, ConfigError, Mode};
+
+/// An adaptive concurrency limit in front of one source (DESIGN.md A1-A4).
+///
+/// In [`Mode::Wait`] a slot is taken in `poll_ready` and spent in `call`, like tower's
+/// `ConcurrencyLimit`. In [`Mode::Shed`] the service is always ready (as ready as the
+/// inner one) and a call over the limit answers [`Paced`]. In [`Mode::Wait`], a `call`
+/// made without a successful `poll_ready` tries to take a slot and answers [`Paced`]
+/// when none is free (it never panics).
+pub struct Aimd<S, C = OkIsSuccess> {
+    inner: S,
+    limiter: Arc<Limiter>,
+    mode: Mode,
+    classifier: C,
+    permit: Option<Permit>,
+    notified: Option<Pin<Box<OwnedNotified>>>,
+}
+
+impl<S> Aimd<S> {
+    /// Wraps `inner` with its own limiter, in [`Mode::Wait`].
+    ///
+    /// # Errors
+    /// A [`ConfigError`] naming the bad field.
+    pub fn new(inner: S, config: &AimdConfig) -> Result<Self, ConfigError> {
+        config.validate()?;
+        let limiter = Arc::new(Limiter::new(config, None, Arc::default()));
+        Ok(Self::from_parts(inner, limiter, Mode::Wait, OkIsSuccess))
+    }
+}
+
+impl<S, C> Aimd<S, C> {
+    pub(crate) const fn from_parts(inner: S, limiter: Arc<Limiter>, mode: Mode, classifier: C) -> Self {
+        Self {
+            inner,
+            limiter,
+            mode,
+            classifier,
+            permit: None,
+            notified: None,
+        }
+    }
+
+    /// A read-only view of the limit and inflight count.
+    #[must_use]
+    pub fn handle(&self) -> AimdHandle {
+        AimdHandle {
+            limiter: Arc::clone(&self.limiter),
+        }
+    }
+
+    /// The inner service.
+    pub const fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The inner service, mutably.
+    pub const fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Unwraps the inner service (a slot reserved by `poll_ready` is released).
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+
+    fn paced(&self) -> Paced {
+        match self.limiter.source() {
+            Some(s) => Paced::new().with_source(s.clone()),
+            None => Paced::new(),
+        }
+    }
+
+    /// Waits for a slot (Mode::Wait).
+    fn poll_slot(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        loop {
+            if self.limiter.try_acquire() {
+                break;
+            }
+            if let Some(n) = self.notified.as_mut() {
+                ready!(n.as_mut().poll(cx));
+                self.notified = None;
+                continue;
+            }
+            // Enable before marking, so a release between our refusal and our poll
+            // still wakes us.
+            let mut n = Box::pin(Arc::clone(self.limiter.signal()).notified_owned());
+            n.as_mut().enable();
+            if self.limiter.acquire_or_mark() {
+                break;
+            }
+            self.notified = Some(n);
+        }
+        self.notified = None;
+        self.permit = Some(Permit::new(Arc::clone(&self.limiter)));
+        Poll::Ready(())
+    }
+}
+
+impl<S: Clone, C: Clone> Clone for Aimd<S, C> {
+    /// The clone shares the limiter but not a slot reserved by `poll_ready`.
+    fn clone(&self) -> Self {
+        Self::from_parts(
+            self.inner.clone(),
+            Arc::clone(&self.limiter),
+            self.mode,
+            self.classifier.clone(),
+        )
+    }
+}
+
+impl<S, C, Req> Service<Req> for Aimd<S, C>
+where
+    S: Service<Req>,
+    S::Error: Into<BoxError>,
+    C: Classify<S::Response, BoxError> + Clone,
+{
+    type Response = S::Response;
+    type Error = BoxError;
+    type Future = ResponseFuture<S::Future, C>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        if self.mode == Mode::Wait && self.permit.is_none() {
+            ready!(self.poll_slot(cx));
+        }
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, req: Req) -> Self::Future {
+        let permit = match self.permit.take() {
+            Some(p) => p,
+            None if self.limiter.acquire_or_mark() => Permit::new(Arc::clone(&self.limiter)),
+            None => return ResponseFuture::paced(self.paced()),
+        };
+        ResponseFuture::called(self.inner.call(req), permit, self.classifier.clone())
+    }
+}
+
+impl<S: fmt::Debug, C> fmt::Debug for Aimd<S, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Aimd")
+            .field("inner", &self.inner)
+            .field("mode", &self.mode)
+            .field("handle", &self.handle())
+            .field("reserved", &self.permit.is_some())
+            .finish_non_exhaustive()
+    }
+}

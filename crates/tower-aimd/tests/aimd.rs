@@ -1,0 +1,251 @@
+//! Behaviour of the AIMD layer: modes, leaks on every path (A4), the not-admitted
+//! contract, and a seeded account-level 429 model (A2).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures_util::FutureExt;
+use pgw_core::{BoxError, CircuitOpen, Outcome, Paced, SourceId};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use tower::{Service, ServiceExt, service_fn};
+use tower_aimd::{Aimd, AimdConfig, AimdLayer, Mode};
+use tower_layer::Layer;
+use tower_test::{assert_request_eq, mock};
+
+fn one_slot() -> AimdConfig {
+    AimdConfig {
+        initial_limit: 1.0,
+        ..AimdConfig::default()
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn wait_mode_is_pending_until_a_slot_frees() {
+    let layer = AimdLayer::new(one_slot()).unwrap();
+    let h = layer.handle();
+    let (mut a, mut handle) = mock::spawn_layer::<&str, &str, _>(layer.clone());
+    let (mut b, _handle_b) = mock::spawn_layer::<&str, &str, _>(layer);
+
+    assert!(a.poll_ready().is_ready());
+    let fut = a.call("one");
+    assert_eq!(h.inflight(), 1);
+    assert!(b.poll_ready().is_pending(), "limit 1 reached: wait");
+    assert!(!b.is_woken());
+
+    assert_request_eq!(handle, "one").send_response("ok");
+    assert_eq!(fut.await.unwrap(), "ok");
+    assert!(b.is_woken(), "the release woke the waiter");
+    assert!(b.poll_ready().is_ready());
+    assert_eq!(h.inflight(), 1, "b holds the slot it reserved");
+    drop(b);
+    assert_eq!(h.inflight(), 0, "dropping a service releases its reserved slot");
+}
+
+#[tokio::test(start_paused = true)]
+async fn shed_mode_answers_paced_with_the_source_and_fires_the_signal() {
+    let signal = Arc::new(tokio::sync::Notify::new());
+    let layer = AimdLayer::new(one_slot())
+        .unwrap()
+        .with_source(SourceId::from("s1"))
+        .with_release_signal(Arc::clone(&signal))
+        .shedding();
+    let h = layer.handle();
+    let (mut a, mut handle) = mock::spawn_layer::<&str, &str, _>(layer.clone());
+    let mut b = layer.layer(service_fn(|_: &str| async { Ok::<_, BoxError>("never") }));
+
+    assert!(a.poll_ready().is_ready());
+    let fut = a.call("one");
+    let mut woken = Box::pin(Arc::clone(&signal).notified_owned());
+    woken.as_mut().enable();
+
+    assert!(matches!(b.ready().now_or_never(), Some(Ok(_))), "always ready");
+    let err = b.call("two").await.unwrap_err();
+    let paced = err.downcast_ref::<Paced>().expect("paced");
+    assert_eq!(paced.source().map(SourceId::as_str), Some("s1"));
+    assert_eq!(h.inflight(), 1, "a refusal takes nothing");
+
+    assert_request_eq!(handle, "one").send_response("ok");
+    fut.await.unwrap();
+    tokio::time::timeout(Duration::from_secs(1), woken)
+        .await
+        .expect("release signal fired");
+    assert_eq!(h.inflight(), 0);
+}
+
+/// A4: inflight back to zero after success, error, panic in the inner future and drop.
+#[tokio::test(start_paused = true)]
+async fn inflight_returns_to_zero_on_every_path() {
+    for mode in [Mode::Wait, Mode::Shed] {
+        let layer = AimdLayer::default().with_mode(mode);
+        let h = layer.handle();
+        let svc = layer.layer(service_fn(|kind: &'static str| async move {
+            match kind {
+                "ok" => Ok("ok"),
+                "err" => Err::<&str, BoxError>("boom".into()),
+                "panic" => panic!("inner future panicked"),
+                _ => std::future::pending().await,
+            }
+        }));
+
+        svc.clone().oneshot("ok").await.unwrap();
+        assert_eq!(h.inflight(), 0, "{mode:?} success");
+        svc.clone().oneshot("err").await.unwrap_err();
+        assert_eq!(h.inflight(), 0, "{mode:?} error");
+
+        let join = tokio::spawn(svc.clone().oneshot("panic")).await;
+        assert!(join.unwrap_err().is_panic());
+        assert_eq!(h.inflight(), 0, "{mode:?} panic");
+
+        let mut s = svc.clone();
+        let fut = s.ready().await.unwrap().call("hang");
+        assert_eq!(h.inflight(), 1);
+        let join = tokio::spawn(fut);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        join.abort();
+        assert!(join.await.unwrap_err().is_cancelled());
+        assert_eq!(h.inflight(), 0, "{mode:?} drop");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn not_admitted_from_below_changes_nothing_but_errors_pass_unchanged() {
+    let classify = |r: &Result<(), BoxError>| match r {
+        Ok(()) => Outcome::Success,
+        Err(_) => Outcome::RateLimited { retry_after: None },
+    };
+    let layer = AimdLayer::default().with_classifier(classify);
+    let h = layer.handle();
+    let svc = layer.layer(service_fn(|open: bool| async move {
+        if open {
+            Err::<(), BoxError>(Box::new(CircuitOpen::new(Duration::from_secs(3))))
+        } else {
+            Err("429".into())
+        }
+    }));
+    let err = svc.clone().oneshot(true).await.unwrap_err();
+    assert_eq!(
+        err.downcast_ref::<CircuitOpen>().unwrap().retry_after(),
+        Duration::from_secs(3)
+    );
+    assert!((h.limit() - 8.0).abs() < 1e-12, "not admitted: limit unchanged");
+    svc.clone().oneshot(false).await.unwrap_err();
+    assert!((h.limit() - 4.0).abs() < 1e-12, "a real 429 halves it");
+    assert_eq!(h.inflight(), 0);
+}
+
+#[test]
+fn bad_config_is_an_error_naming_the_field() {
+    let err = AimdLayer::new(AimdConfig {
+        decrease_factor: 0.0,
+        ..AimdConfig::default()
+    })
+    .unwrap_err();
+    assert_eq!(err.field(), "decrease_factor");
+    let err = Aimd::new(
+        (),
+        &AimdConfig {
+            max_concurrency: Some(0),
+            ..AimdConfig::default()
+        },
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("max_concurrency"), "{err}");
+}
+
+/// The account-level 429 model: the probability of a 429 grows with the account's
+/// concurrency. Returns (attempts, 429s).
+#[derive(Clone)]
+struct Account {
+    inflight: Arc<AtomicUsize>,
+    rng: Arc<Mutex<SmallRng>>,
+}
+
+impl Account {
+    fn new(seed: u64) -> Self {
+        Self {
+            inflight: Arc::default(),
+            rng: Arc::new(Mutex::new(SmallRng::seed_from_u64(seed))),
+        }
+    }
+
+    /// One attempt: 429 with probability `clamp((inflight - 4) / 8, 0, 0.95)`.
+    async fn call(self) -> Result<(), BoxError> {
+        let n = self.inflight.fetch_add(1, Ordering::SeqCst) + 1;
+        #[allow(clippy::cast_precision_loss)]
+        let p = ((n as f64 - 4.0) / 8.0).clamp(0.0, 0.95);
+        let limited = self.rng.lock().unwrap().random_bool(p);
+        let latency = if limited { 50 } else { 1000 };
+        tokio::time::sleep(Duration::from_millis(latency)).await;
+        self.inflight.fetch_sub(1, Ordering::SeqCst);
+        if limited { Err("429".into()) } else { Ok(()) }
+    }
+}
+
+/// 32 callers, 40 calls each, every call retried until it succeeds (a 429 costs one
+/// attempt). Returns (attempts, 429s).
+async fn run(paced: bool) -> (usize, usize, f64) {
+    let account = Account::new(42);
+    let classify = |r: &Result<(), BoxError>| match r {
+        Ok(()) => Outcome::Success,
+        Err(_) => Outcome::RateLimited { retry_after: None },
+    };
+    let layer = AimdLayer::new(AimdConfig {
+        caller_concurrency: Some(32),
+        ..AimdConfig::default()
+    })
+    .unwrap()
+    .with_classifier(classify);
+    let h = layer.handle();
+    let inner = {
+        let account = account.clone();
+        service_fn(move |()| account.clone().call())
+    };
+    let attempts = Arc::new(AtomicUsize::new(0));
+    let limited = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..32 {
+        let (attempts, limited) = (Arc::clone(&attempts), Arc::clone(&limited));
+        let mut svc: tower::util::BoxCloneService<(), (), BoxError> = if paced {
+            tower::util::BoxCloneService::new(layer.layer(inner.clone()))
+        } else {
+            tower::util::BoxCloneService::new(inner.clone())
+        };
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..40 {
+                loop {
+                    attempts.fetch_add(1, Ordering::Relaxed);
+                    if svc.ready().await.unwrap().call(()).await.is_ok() {
+                        break;
+                    }
+                    limited.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert_eq!(h.inflight(), 0);
+    (
+        attempts.load(Ordering::Relaxed),
+        limited.load(Ordering::Relaxed),
+        h.limit(),
+    )
+}
+
+#[tokio::test(start_paused = true)]
+async fn aimd_brings_the_429_share_far_below_the_unpaced_run() {
+    let (a0, l0, _) = run(false).await;
+    let (a1, l1, limit) = run(true).await;
+    #[allow(clippy::cast_precision_loss)]
+    let (s0, s1) = (l0 as f64 / a0 as f64, l1 as f64 / a1 as f64);
+    println!(
+        "unpaced: {l0} 429s / {a0} attempts = {:.1}%; aimd: {l1} / {a1} = {:.1}% (final limit {limit:.2})",
+        s0 * 100.0,
+        s1 * 100.0
+    );
+    assert!(s0 > 0.5, "the model punishes 32 in flight: {s0}");
+    assert!(s1 < s0 / 4.0, "aimd {s1} vs unpaced {s0}");
+}

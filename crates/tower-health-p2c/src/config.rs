@@ -1,0 +1,148 @@
+//! Configuration and the named defaults of DESIGN.md H1-H7.
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::error::ConfigError;
+
+/// Smoothing factor of the per-source success EWMA (DESIGN.md H1; seed 000 section 3.2:
+/// "alpha = 0.2": about 10 successes bring a source from 0 back to 0.9).
+pub const HEALTH_ALPHA: f64 = 0.2;
+
+/// Starting health of a new source: optimistic (DESIGN.md H1; seed 000 section 3.2).
+pub const HEALTH_INITIAL: f64 = 1.0;
+
+/// Floor of the health in the score `max(ewma, 0.05) / (1 + inflight)`: keeps a little
+/// exploration traffic on a bad source so it can recover (DESIGN.md H2; seed 000
+/// section 3.2).
+pub const HEALTH_FLOOR: f64 = 0.05;
+
+/// In-call failures after which a source goes to the tail of the order (DESIGN.md H5;
+/// seed 000 section 3.3: "failed >= 2 times in this call").
+pub const DEPRIORITIZE_AFTER_FAILURES: u32 = 2;
+
+/// A source not yet failed in this call is a credible alternative when its health is
+/// at least this share of the failed source's (DESIGN.md H5; seed 000 section 3.36).
+pub const CREDIBLE_HEALTH_RATIO: f64 = 0.5;
+
+/// Default bound on how long a call waits when no source is admitted (H7). The retry
+/// layer's stall guard (R4) usually decides earlier; this keeps the balancer alone
+/// from waiting forever.
+pub const DEFAULT_MAX_WAIT: Duration = Duration::from_secs(30);
+
+/// While every source is paced, re-check at least this often even without a release
+/// signal (a gate that does not fire one must not stall a call until `max_wait`).
+pub const DEFAULT_PACED_POLL: Duration = Duration::from_millis(100);
+
+/// How sources are ordered for each attempt (DESIGN.md H6).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Policy {
+    /// Power of two choices on `max(ewma, 0.05) / (1 + inflight)`, then the rest by
+    /// descending score (H2, H3). The default.
+    #[default]
+    HealthAware,
+    /// A shared cursor: each call starts one source further.
+    RoundRobin,
+    /// Fewest attempts in flight first.
+    LeastInflight,
+}
+
+impl Policy {
+    /// The policy's name in config: `health_aware`, `round_robin`, `least_inflight`.
+    #[must_use]
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::HealthAware => "health_aware",
+            Self::RoundRobin => "round_robin",
+            Self::LeastInflight => "least_inflight",
+        }
+    }
+
+    /// Whether the policy has a health view (H5: the others deprioritize
+    /// unconditionally).
+    #[must_use]
+    pub const fn has_health_view(self) -> bool {
+        matches!(self, Self::HealthAware)
+    }
+}
+
+impl fmt::Display for Policy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Policy {
+    type Err = ConfigError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim() {
+            "health_aware" => Ok(Self::HealthAware),
+            "round_robin" => Ok(Self::RoundRobin),
+            "least_inflight" => Ok(Self::LeastInflight),
+            _ => Err(ConfigError::new(
+                "policy",
+                "must be one of health_aware, round_robin, least_inflight",
+            )),
+        }
+    }
+}
+
+/// Balancer settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BalanceConfig {
+    /// Ordering policy (default [`Policy::HealthAware`]).
+    pub policy: Policy,
+    /// Longest wait of one call when no source is admitted (default
+    /// [`DEFAULT_MAX_WAIT`]); zero fails at once.
+    pub max_wait: Duration,
+    /// Re-check interval while sources are paced (default [`DEFAULT_PACED_POLL`]).
+    pub paced_poll: Duration,
+}
+
+impl Default for BalanceConfig {
+    fn default() -> Self {
+        Self {
+            policy: Policy::HealthAware,
+            max_wait: DEFAULT_MAX_WAIT,
+            paced_poll: DEFAULT_PACED_POLL,
+        }
+    }
+}
+
+impl BalanceConfig {
+    /// Checks every field.
+    ///
+    /// # Errors
+    /// A [`ConfigError`] naming the bad field.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.paced_poll.is_zero() {
+            return Err(ConfigError::new("paced_poll", "must be greater than zero"));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn policy_names_roundtrip_and_bad_names_name_the_field() {
+        for p in [Policy::HealthAware, Policy::RoundRobin, Policy::LeastInflight] {
+            assert_eq!(p.as_str().parse::<Policy>().unwrap(), p);
+        }
+        let err = "p2c".parse::<Policy>().unwrap_err();
+        assert_eq!(err.field(), "policy");
+        assert!(err.to_string().contains("policy"), "{err}");
+        let bad = BalanceConfig {
+            paced_poll: Duration::ZERO,
+            ..BalanceConfig::default()
+        };
+        assert_eq!(bad.validate().unwrap_err().field(), "paced_poll");
+    }
+}

@@ -1,0 +1,86 @@
+//! Errors created by the balancer. Errors of the sources pass up unchanged (boxed).
+
+use std::error::Error;
+use std::fmt;
+use std::time::Duration;
+
+use pgw_core::BoxError;
+
+/// A bad [`BalanceConfig`](crate::BalanceConfig) field.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigError {
+    field: &'static str,
+    reason: &'static str,
+}
+
+impl ConfigError {
+    pub(crate) const fn new(field: &'static str, reason: &'static str) -> Self {
+        Self { field, reason }
+    }
+
+    /// The name of the bad field.
+    #[must_use]
+    pub const fn field(&self) -> &'static str {
+        self.field
+    }
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "invalid balancer config: `{}` {}", self.field, self.reason)
+    }
+}
+
+impl Error for ConfigError {}
+
+/// The source set is empty.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NoSources;
+
+impl fmt::Display for NoSources {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("no sources to balance over")
+    }
+}
+
+impl Error for NoSources {}
+
+/// No source admitted the call within `max_wait` (H7).
+///
+/// Its [`source`](Error::source) is the last not-admitted answer (a
+/// [`pgw_core::Paced`] or [`pgw_core::QuotaExceeded`]), so
+/// [`pgw_core::NotAdmitted::of`] still recognises it: no attempt was made.
+#[derive(Debug)]
+pub struct NoneAdmitted {
+    waited: Duration,
+    last: BoxError,
+}
+
+impl NoneAdmitted {
+    pub(crate) fn new(waited: Duration, last: BoxError) -> Self {
+        Self { waited, last }
+    }
+
+    /// How long the call waited.
+    #[must_use]
+    pub const fn waited(&self) -> Duration {
+        self.waited
+    }
+}
+
+impl fmt::Display for NoneAdmitted {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "no source admitted the call within {:.3}s (last answer: {})",
+            self.waited.as_secs_f64(),
+            self.last
+        )
+    }
+}
+
+impl Error for NoneAdmitted {
+    fn source(&self) -> Option<&(dyn Error + 'static)> {
+        Some(&*self.last)
+    }
+}

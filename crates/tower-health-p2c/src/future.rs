@@ -1,0 +1,393 @@
+//! [`ResponseFuture`]: one call's walk through the order, with the H7 wait.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
+
+use pgw_core::{BoxError, CallHistory, Classify, NotAdmitted};
+use pin_project_lite::pin_project;
+use rand::SeedableRng;
+use rand::rngs::SmallRng;
+use tokio::sync::futures::OwnedNotified;
+use tokio::time::{Instant, Sleep};
+use tower_service::Service;
+
+use crate::BalanceConfig;
+use crate::error::{NoSources, NoneAdmitted};
+use crate::order;
+use crate::sources::Snapshot;
+
+/// Which sources this round still has to try.
+pub(crate) enum Plan {
+    Empty,
+    /// Only the first candidate is known (the fast path: no allocation).
+    First(usize),
+    /// The first candidate was tried; the rest is computed on demand.
+    Expand(usize),
+    /// A full order and the position of the next candidate.
+    Full(Vec<usize>, usize),
+}
+
+/// What the refusals of the current round said (H7).
+struct Round {
+    all_open: bool,
+    /// The earliest `CircuitOpen`, kept whole to be returned unchanged.
+    open: Option<(Duration, BoxError)>,
+    /// The earliest `retry_after` of any refusal.
+    wake_after: Option<Duration>,
+    paced: bool,
+    last: Option<BoxError>,
+}
+
+impl Round {
+    const fn new() -> Self {
+        Self {
+            all_open: true,
+            open: None,
+            wake_after: None,
+            paced: false,
+            last: None,
+        }
+    }
+
+    fn refuse(&mut self, na: NotAdmitted, err: BoxError) {
+        if let Some(d) = na.retry_after() {
+            self.wake_after = Some(self.wake_after.map_or(d, |w| w.min(d)));
+        }
+        match na {
+            NotAdmitted::CircuitOpen(d) => {
+                if self.open.as_ref().is_none_or(|(o, _)| d < *o) {
+                    self.open = Some((d, err));
+                    return;
+                }
+            }
+            NotAdmitted::QuotaExceeded(_) => self.all_open = false,
+            NotAdmitted::Paced => {
+                self.all_open = false;
+                self.paced = true;
+            }
+        }
+        self.last = Some(err);
+    }
+
+    fn earliest_open(&mut self) -> BoxError {
+        self.open.take().map_or_else(|| self.last_error(), |(_, e)| e)
+    }
+
+    fn last_error(&mut self) -> BoxError {
+        self.last
+            .take()
+            .or_else(|| self.open.take().map(|(_, e)| e))
+            .unwrap_or_else(|| Box::new(NoSources))
+    }
+}
+
+/// The slow path: waiting for a wake-up when no source admitted (H7).
+struct Wait {
+    started: Instant,
+    deadline: Instant,
+    /// Enabled before the round it guards, so a release during that round wakes us.
+    armed: Option<Pin<Box<OwnedNotified>>>,
+    sleep: Option<Pin<Box<Sleep>>>,
+    rounds: u64,
+}
+
+struct Ctx<S, Req, C> {
+    req: Req,
+    history: Option<CallHistory>,
+    snapshot: Arc<Snapshot<S>>,
+    plan: Plan,
+    config: BalanceConfig,
+    classifier: C,
+    seed: u64,
+    /// The source holding one of our inflight counts.
+    dispatched: Option<usize>,
+    round: Round,
+    wait: Option<Box<Wait>>,
+}
+
+impl<S, Req, C> Drop for Ctx<S, Req, C> {
+    fn drop(&mut self) {
+        // Dropped or panicked mid-attempt: give the inflight count back (A4).
+        if let Some(i) = self.dispatched.take() {
+            self.snapshot.entries[i].state.dec();
+        }
+    }
+}
+
+impl<S, Req, C> Ctx<S, Req, C> {
+    fn next_candidate(&mut self) -> Option<usize> {
+        let entries = &self.snapshot.entries;
+        match &mut self.plan {
+            Plan::Empty => None,
+            &mut Plan::First(i) => {
+                self.plan = Plan::Expand(i);
+                Some(i)
+            }
+            &mut Plan::Expand(i) => {
+                let full = order::full(self.config.policy, entries, i);
+                let next = full.get(1).copied();
+                self.plan = Plan::Full(full, 2);
+                next
+            }
+            Plan::Full(order, pos) => {
+                let next = order.get(*pos).copied();
+                *pos += 1;
+                next
+            }
+        }
+    }
+
+    /// Orders the sources afresh for the next round.
+    fn new_round(&mut self, rounds: u64) {
+        self.round = Round::new();
+        let entries = &self.snapshot.entries;
+        let policy = self.config.policy;
+        let mut rng = SmallRng::seed_from_u64(self.seed.wrapping_add(rounds));
+        #[allow(clippy::cast_possible_truncation)]
+        let cursor = self.seed.wrapping_add(rounds) as usize;
+        let first = order::first(policy, entries, &mut rng, || cursor);
+        self.plan = match self.history.as_ref().filter(|h| !h.is_empty()) {
+            None => Plan::First(first),
+            Some(h) => {
+                let mut full = order::full(policy, entries, first);
+                order::deprioritize(policy, entries, &h.attempts(), &mut full);
+                Plan::Full(full, 0)
+            }
+        };
+    }
+
+    /// The end of a round in which every source refused: fail, or wait and start a
+    /// new round (`Ready(Ok)`).
+    fn poll_round_end(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        if self.snapshot.entries.is_empty() {
+            return Poll::Ready(Err(Box::new(NoSources)));
+        }
+        if self.round.all_open {
+            // Every source is breaker-open: fail fast with the earliest (H7).
+            return Poll::Ready(Err(self.round.earliest_open()));
+        }
+        let wait = self.wait.get_or_insert_with(|| {
+            let now = Instant::now();
+            Box::new(Wait {
+                started: now,
+                deadline: now + self.config.max_wait,
+                armed: None,
+                sleep: None,
+                rounds: 0,
+            })
+        });
+        if wait.sleep.is_none() {
+            let now = Instant::now();
+            if now >= wait.deadline {
+                let waited = now - wait.started;
+                let last = self.round.last_error();
+                return Poll::Ready(Err(Box::new(NoneAdmitted::new(waited, last))));
+            }
+            if self.round.paced && wait.armed.is_none() {
+                // Arm, then try once more at once: a slot released between a refusal
+                // and the arming would otherwise be missed.
+                wait.armed = Some(armed(&self.snapshot));
+                wait.rounds += 1;
+                let rounds = wait.rounds;
+                self.new_round(rounds);
+                return Poll::Ready(Ok(()));
+            }
+            let mut until = wait.deadline;
+            if let Some(d) = self.round.wake_after {
+                until = until.min(now + d);
+            }
+            if self.round.paced {
+                until = until.min(now + self.config.paced_poll);
+            }
+            wait.sleep = Some(Box::pin(tokio::time::sleep_until(until)));
+        }
+        let released = wait
+            .armed
+            .as_mut()
+            .is_some_and(|n| n.as_mut().poll(cx).is_ready());
+        let timer = wait
+            .sleep
+            .as_mut()
+            .is_some_and(|s| s.as_mut().poll(cx).is_ready());
+        if !released && !timer {
+            return Poll::Pending;
+        }
+        wait.sleep = None;
+        wait.armed = Some(armed(&self.snapshot));
+        wait.rounds += 1;
+        let rounds = wait.rounds;
+        self.new_round(rounds);
+        Poll::Ready(Ok(()))
+    }
+
+    /// Accounts for one dispatched attempt's result. `None` means the source did not
+    /// admit the call: nothing recorded, try the next one.
+    fn finish<T>(&mut self, result: Result<T, BoxError>) -> Option<Result<T, BoxError>>
+    where
+        C: Classify<T, BoxError>,
+    {
+        let Some(i) = self.dispatched.take() else {
+            return Some(result);
+        };
+        let state = &self.snapshot.entries[i].state;
+        state.dec();
+        let result = match result {
+            Err(e) => match NotAdmitted::of(&*e) {
+                Some(na) => {
+                    self.round.refuse(na, e);
+                    return None;
+                }
+                None => Err(e),
+            },
+            ok => ok,
+        };
+        let outcome = self.classifier.classify(&result);
+        if let Some(ok) = outcome.health_sample() {
+            state.record(ok);
+        }
+        if let Some(h) = &self.history {
+            h.record(Some(state.id().clone()), outcome);
+        }
+        Some(result)
+    }
+}
+
+fn armed<S>(snapshot: &Snapshot<S>) -> Pin<Box<OwnedNotified>> {
+    let mut n = Box::pin(Arc::clone(&snapshot.wake).notified_owned());
+    n.as_mut().enable();
+    n
+}
+
+pin_project! {
+    #[project = StateProj]
+    enum State<S, F> {
+        Next,
+        Ready { svc: S },
+        Calling { #[pin] fut: F },
+        Done,
+    }
+}
+
+pin_project! {
+    /// The response future of [`HealthP2c`](crate::HealthP2c). Dropping it releases the
+    /// inflight count of the attempt in progress.
+    pub struct ResponseFuture<S, F, Req, C> {
+        #[pin]
+        state: State<S, F>,
+        ctx: Ctx<S, Req, C>,
+    }
+}
+
+impl<S, F, Req, C> ResponseFuture<S, F, Req, C> {
+    pub(crate) const fn new(
+        req: Req,
+        history: Option<CallHistory>,
+        snapshot: Arc<Snapshot<S>>,
+        plan: Plan,
+        config: BalanceConfig,
+        classifier: C,
+        seed: u64,
+    ) -> Self {
+        Self {
+            state: State::Next,
+            ctx: Ctx {
+                req,
+                history,
+                snapshot,
+                plan,
+                config,
+                classifier,
+                seed,
+                dispatched: None,
+                round: Round::new(),
+                wait: None,
+            },
+        }
+    }
+}
+
+/// The future was polled after it completed.
+#[derive(Debug)]
+struct PolledAfterCompletion;
+
+impl fmt::Display for PolledAfterCompletion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("balancer response future polled after completion")
+    }
+}
+
+impl std::error::Error for PolledAfterCompletion {}
+
+impl<S, Req, C> Future for ResponseFuture<S, S::Future, Req, C>
+where
+    S: Service<Req> + Clone,
+    S::Error: Into<BoxError>,
+    C: Classify<S::Response, BoxError>,
+    Req: Clone,
+{
+    type Output = Result<S::Response, BoxError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        loop {
+            match this.state.as_mut().project() {
+                StateProj::Next => match this.ctx.next_candidate() {
+                    Some(i) => {
+                        let entry = &this.ctx.snapshot.entries[i];
+                        entry.state.inc();
+                        this.ctx.dispatched = Some(i);
+                        let svc = entry.service.clone();
+                        this.state.set(State::Ready { svc });
+                    }
+                    None => {
+                        if let Err(e) = ready!(this.ctx.poll_round_end(cx)) {
+                            this.state.set(State::Done);
+                            return Poll::Ready(Err(e));
+                        }
+                    }
+                },
+                StateProj::Ready { svc } => match svc.poll_ready(cx) {
+                    Poll::Pending => return Poll::Pending,
+                    Poll::Ready(Ok(())) => {
+                        let fut = svc.call(this.ctx.req.clone());
+                        this.state.set(State::Calling { fut });
+                    }
+                    Poll::Ready(Err(e)) => {
+                        if let Some(r) = this.ctx.finish(Err(e.into())) {
+                            this.state.set(State::Done);
+                            return Poll::Ready(r);
+                        }
+                        this.state.set(State::Next);
+                    }
+                },
+                StateProj::Calling { fut } => {
+                    let result = ready!(fut.poll(cx)).map_err(Into::into);
+                    if let Some(r) = this.ctx.finish(result) {
+                        this.state.set(State::Done);
+                        return Poll::Ready(r);
+                    }
+                    this.state.set(State::Next);
+                }
+                StateProj::Done => return Poll::Ready(Err(Box::new(PolledAfterCompletion))),
+            }
+        }
+    }
+}
+
+impl<S, F, Req, C> fmt::Debug for ResponseFuture<S, F, Req, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ResponseFuture")
+            .field(
+                "dispatched",
+                &self
+                    .ctx
+                    .dispatched
+                    .map(|i| self.ctx.snapshot.entries[i].state.id()),
+            )
+            .finish_non_exhaustive()
+    }
+}

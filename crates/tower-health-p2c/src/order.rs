@@ -1,0 +1,243 @@
+//! Ordering of sources per attempt (H3, H5, H6).
+
+use pgw_core::AttemptRecord;
+use rand::Rng;
+use rand::rngs::SmallRng;
+
+use crate::sources::Entry;
+use crate::{CREDIBLE_HEALTH_RATIO, DEPRIORITIZE_AFTER_FAILURES, Policy};
+
+/// Two distinct random indices in `0..n` (n >= 2).
+pub(crate) fn p2c_pair(rng: &mut SmallRng, n: usize) -> (usize, usize) {
+    debug_assert!(n >= 2);
+    let a = rng.random_range(0..n);
+    let mut b = rng.random_range(0..n - 1);
+    if b >= a {
+        b += 1;
+    }
+    (a, b)
+}
+
+/// The first candidate of an attempt under `policy` (n >= 1). `cursor` is the shared
+/// round-robin cursor, read only by that policy.
+pub(crate) fn first<S>(
+    policy: Policy,
+    entries: &[Entry<S>],
+    rng: &mut SmallRng,
+    cursor: impl FnOnce() -> usize,
+) -> usize {
+    let n = entries.len();
+    if n == 1 {
+        return 0;
+    }
+    match policy {
+        Policy::HealthAware => {
+            let (a, b) = p2c_pair(rng, n);
+            if entries[b].state.score() > entries[a].state.score() {
+                b
+            } else {
+                a
+            }
+        }
+        Policy::RoundRobin => cursor() % n,
+        Policy::LeastInflight => {
+            // A random starting point spreads ties.
+            let start = rng.random_range(0..n);
+            let mut best = start;
+            let mut best_load = entries[start].state.inflight();
+            for k in 1..n {
+                let i = (start + k) % n;
+                let load = entries[i].state.inflight();
+                if load < best_load {
+                    best = i;
+                    best_load = load;
+                }
+            }
+            best
+        }
+    }
+}
+
+/// The full order of an attempt that starts with `first`: the rest by descending score
+/// (health_aware, H3), in ring order (round_robin), or by ascending inflight
+/// (least_inflight, ties in ring order).
+pub(crate) fn full<S>(policy: Policy, entries: &[Entry<S>], first: usize) -> Vec<usize> {
+    let n = entries.len();
+    let mut order: Vec<usize> = Vec::with_capacity(n);
+    order.push(first);
+    order.extend((1..n).map(|k| (first + k) % n));
+    match policy {
+        Policy::HealthAware => {
+            let mut rest: Vec<(f64, usize)> = order[1..]
+                .iter()
+                .map(|&i| (entries[i].state.score(), i))
+                .collect();
+            rest.sort_by(|x, y| y.0.total_cmp(&x.0));
+            for (slot, (_, i)) in order[1..].iter_mut().zip(rest) {
+                *slot = i;
+            }
+        }
+        Policy::RoundRobin => {}
+        Policy::LeastInflight => order[1..].sort_by_key(|&i| entries[i].state.inflight()),
+    }
+    order
+}
+
+/// In-call deprioritization (H5): a source that failed `>= 2` times in this call goes to
+/// the tail, with a health view only when a credible alternative exists (a source not
+/// yet failed in this call whose health is `>= 0.5 x` the failed one's).
+pub(crate) fn deprioritize<S>(
+    policy: Policy,
+    entries: &[Entry<S>],
+    attempts: &[AttemptRecord],
+    order: &mut Vec<usize>,
+) {
+    let mut fails = vec![0u32; entries.len()];
+    for a in attempts {
+        if a.outcome.health_sample() != Some(false) {
+            continue;
+        }
+        let Some(src) = &a.source else { continue };
+        if let Some(i) = entries.iter().position(|e| e.state.id() == src) {
+            fails[i] += 1;
+        }
+    }
+    if fails.iter().all(|&f| f < DEPRIORITIZE_AFTER_FAILURES) {
+        return;
+    }
+    let to_tail = |f: usize| -> bool {
+        if fails[f] < DEPRIORITIZE_AFTER_FAILURES {
+            return false;
+        }
+        if !policy.has_health_view() {
+            return true;
+        }
+        let bar = CREDIBLE_HEALTH_RATIO * entries[f].state.health();
+        (0..entries.len()).any(|s| fails[s] == 0 && entries[s].state.health() >= bar)
+    };
+    let (tail, mut head): (Vec<usize>, Vec<usize>) = order.iter().partition(|&&i| to_tail(i));
+    head.extend(tail);
+    *order = head;
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use pgw_core::{Outcome, SourceId};
+    use rand::SeedableRng;
+
+    use super::*;
+    use crate::sources::SourceState;
+
+    fn entries(healths: &[f64]) -> Vec<Entry<()>> {
+        healths
+            .iter()
+            .enumerate()
+            .map(|(i, &h)| {
+                let state = Arc::new(SourceState::new(SourceId::from(format!("s{}", i + 1))));
+                // Drive the EWMA down to about `h` with failures, then settle exactly
+                // enough: (1 - alpha)^k <= h.
+                while state.health() > h {
+                    state.record(false);
+                }
+                Entry { state, service: () }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn p2c_puts_the_better_of_two_first_and_visits_every_source() {
+        let es = entries(&[1.0, 0.7, 0.5, 0.3, 0.1]);
+        let mut rng = SmallRng::seed_from_u64(7);
+        let mut replay = SmallRng::seed_from_u64(7);
+        let mut drawn = [0u32; 5];
+        let mut firsts = [0u32; 5];
+        for _ in 0..2000 {
+            let f = first(Policy::HealthAware, &es, &mut rng, || 0);
+            let (a, b) = p2c_pair(&mut replay, es.len());
+            assert_ne!(a, b, "two distinct sources");
+            let better = if es[a].state.score() >= es[b].state.score() {
+                a
+            } else {
+                b
+            };
+            assert_eq!(f, better, "the better of the pair ({a}, {b}) goes first");
+            drawn[a] += 1;
+            drawn[b] += 1;
+            firsts[f] += 1;
+        }
+        assert!(drawn.iter().all(|&d| d > 0), "every source drawn: {drawn:?}");
+        assert_eq!(firsts[4], 0, "the worst is never first");
+        assert!(firsts[..4].iter().all(|&f| f > 0), "{firsts:?}");
+        // The full order continues by descending score.
+        let order = full(Policy::HealthAware, &es, 2);
+        assert_eq!(order, vec![2, 0, 1, 3, 4]);
+    }
+
+    #[test]
+    fn round_robin_and_least_inflight_orders() {
+        let es = entries(&[1.0, 1.0, 1.0]);
+        let mut rng = SmallRng::seed_from_u64(1);
+        assert_eq!(first(Policy::RoundRobin, &es, &mut rng, || 4), 1);
+        assert_eq!(full(Policy::RoundRobin, &es, 1), vec![1, 2, 0]);
+        es[0].state.inc();
+        es[0].state.inc();
+        es[2].state.inc();
+        for _ in 0..20 {
+            assert_eq!(first(Policy::LeastInflight, &es, &mut rng, || 0), 1);
+        }
+        assert_eq!(full(Policy::LeastInflight, &es, 1), vec![1, 2, 0]);
+    }
+
+    fn failed(src: &str, times: usize) -> Vec<AttemptRecord> {
+        (0..times)
+            .map(|_| AttemptRecord {
+                source: Some(src.into()),
+                outcome: Outcome::Transient,
+            })
+            .collect()
+    }
+
+    /// Seed 000 section 3.36: a healthy source that failed twice stays first when the
+    /// only alternative is a 10% source, and goes to the tail when a credible one exists.
+    #[test]
+    fn deprioritization_needs_a_credible_alternative() {
+        // s1 healthy (0.83), s2 the 10% watchdog source.
+        let es = entries(&[0.83, 0.1]);
+        let mut order = vec![0, 1];
+        deprioritize(Policy::HealthAware, &es, &failed("s1", 2), &mut order);
+        assert_eq!(order, vec![0, 1], "no credible alternative: s1 stays first");
+
+        let es = entries(&[0.83, 0.1, 0.9]);
+        let mut order = vec![0, 2, 1];
+        deprioritize(Policy::HealthAware, &es, &failed("s1", 2), &mut order);
+        assert_eq!(order, vec![2, 1, 0], "credible s3: s1 to the tail");
+
+        // One failure is not enough; Invalid and Rejected are not failures.
+        let mut order = vec![0, 2, 1];
+        let mut hist = failed("s1", 1);
+        hist.push(AttemptRecord {
+            source: Some("s1".into()),
+            outcome: Outcome::Invalid,
+        });
+        deprioritize(Policy::HealthAware, &es, &hist, &mut order);
+        assert_eq!(order, vec![0, 2, 1]);
+
+        // A candidate that already failed once in this call is not credible.
+        let es = entries(&[0.83, 0.9]);
+        let mut hist = failed("s1", 2);
+        hist.extend(failed("s2", 1));
+        let mut order = vec![0, 1];
+        deprioritize(Policy::HealthAware, &es, &hist, &mut order);
+        assert_eq!(order, vec![0, 1]);
+
+        // Without a health view: unconditional.
+        for policy in [Policy::RoundRobin, Policy::LeastInflight] {
+            let es = entries(&[0.83, 0.1]);
+            let mut order = vec![0, 1];
+            deprioritize(policy, &es, &failed("s1", 2), &mut order);
+            assert_eq!(order, vec![1, 0], "{policy}");
+        }
+    }
+}

@@ -1,0 +1,183 @@
+//! [`HealthP2c`]: the balancer service.
+
+use std::fmt;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use pgw_core::{BoxError, CarriesHistory, Classify, OkIsSuccess};
+use rand::rngs::SmallRng;
+use rand::{RngCore, SeedableRng};
+use tower_service::Service;
+
+use crate::future::{Plan, ResponseFuture};
+use crate::order;
+use crate::sources::{Snapshot, Sources};
+use crate::{BalanceConfig, ConfigError};
+
+/// A balancer over a set of per-source services (DESIGN.md H1-H7).
+///
+/// Per call it orders the sources ([`Policy`](crate::Policy)), skips those that answer
+/// *not admitted* ([`pgw_core::NotAdmitted`]: no attempt, nothing recorded) and
+/// dispatches to the first that admits. Each dispatched attempt's outcome (from the
+/// classifier `C`) feeds the source's health EWMA and is recorded, with the source, in
+/// the request's [`pgw_core::CallHistory`] when it carries one. When no source admits:
+/// all breaker-open fails at once with the earliest [`pgw_core::CircuitOpen`];
+/// otherwise the call waits for a release signal or the earliest `retry_after`, at
+/// most `max_wait` (then [`NoneAdmitted`](crate::NoneAdmitted)).
+///
+/// Always ready: readiness is asked of a clone of the chosen source's service inside
+/// the response future. Requests are cloned once per dispatch (they are cheap in the
+/// pgw stack: `Arc` inside).
+pub struct HealthP2c<S, C = OkIsSuccess> {
+    sources: Sources<S>,
+    snapshot: Arc<Snapshot<S>>,
+    version: u64,
+    config: BalanceConfig,
+    classifier: C,
+    rng: SmallRng,
+    seed: u64,
+}
+
+impl<S> HealthP2c<S> {
+    /// A balancer over `sources`, classifying with [`OkIsSuccess`], seeded from the OS.
+    ///
+    /// # Errors
+    /// A [`ConfigError`] naming the bad field.
+    pub fn new(sources: Sources<S>, config: BalanceConfig) -> Result<Self, ConfigError> {
+        config.validate()?;
+        Ok(Self::from_valid(sources, config))
+    }
+
+    pub(crate) fn from_valid(sources: Sources<S>, config: BalanceConfig) -> Self {
+        let (snapshot, version) = sources.snapshot();
+        let mut rng = SmallRng::from_os_rng();
+        let seed = rng.next_u64();
+        Self {
+            sources,
+            snapshot,
+            version,
+            config,
+            classifier: OkIsSuccess,
+            rng,
+            seed,
+        }
+    }
+}
+
+impl<S, C> HealthP2c<S, C> {
+    /// Classifies outcomes with `classifier` (e.g. `pgw_core::OpenAiClassifier`).
+    #[must_use]
+    pub fn with_classifier<C2>(self, classifier: C2) -> HealthP2c<S, C2> {
+        HealthP2c {
+            sources: self.sources,
+            snapshot: self.snapshot,
+            version: self.version,
+            config: self.config,
+            classifier,
+            rng: self.rng,
+            seed: self.seed,
+        }
+    }
+
+    /// Makes every random choice reproducible (H3: RNG injectable). Clones of this
+    /// balancer derive their own generators from `seed` and their clone number.
+    #[must_use]
+    pub fn with_seed(mut self, seed: u64) -> Self {
+        self.rng = SmallRng::seed_from_u64(seed);
+        self.seed = seed;
+        self
+    }
+
+    /// Uses `rng` for the random choices of this instance.
+    #[must_use]
+    pub fn with_rng(mut self, mut rng: SmallRng) -> Self {
+        self.seed = rng.next_u64();
+        self.rng = rng;
+        self
+    }
+
+    /// The source set (insert/remove at runtime, health views for metrics).
+    pub const fn sources(&self) -> &Sources<S> {
+        &self.sources
+    }
+
+    /// The configuration.
+    #[must_use]
+    pub fn config(&self) -> &BalanceConfig {
+        &self.config
+    }
+}
+
+impl<S, C: Clone> Clone for HealthP2c<S, C> {
+    fn clone(&self) -> Self {
+        // Each clone draws its own stream, reproducible from the seed and clone order.
+        let n = self.sources.next_clone().wrapping_add(1);
+        let seed = self.seed ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        Self {
+            sources: self.sources.clone(),
+            snapshot: Arc::clone(&self.snapshot),
+            version: self.version,
+            config: self.config,
+            classifier: self.classifier.clone(),
+            rng: SmallRng::seed_from_u64(seed),
+            seed,
+        }
+    }
+}
+
+impl<S, C, Req> Service<Req> for HealthP2c<S, C>
+where
+    S: Service<Req> + Clone,
+    S::Error: Into<BoxError>,
+    C: Classify<S::Response, BoxError> + Clone,
+    Req: Clone + CarriesHistory,
+{
+    type Response = S::Response;
+    type Error = BoxError;
+    type Future = ResponseFuture<S, S::Future, Req, C>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Req) -> Self::Future {
+        if self.sources.version() != self.version {
+            (self.snapshot, self.version) = self.sources.snapshot();
+        }
+        let snapshot = Arc::clone(&self.snapshot);
+        let history = req.call_history().cloned();
+        let policy = self.config.policy;
+        let plan = if snapshot.entries.is_empty() {
+            Plan::Empty
+        } else {
+            let sources = &self.sources;
+            let first = order::first(policy, &snapshot.entries, &mut self.rng, || sources.cursor());
+            match history.as_ref().filter(|h| !h.is_empty()) {
+                None => Plan::First(first),
+                Some(h) => {
+                    let mut full = order::full(policy, &snapshot.entries, first);
+                    order::deprioritize(policy, &snapshot.entries, &h.attempts(), &mut full);
+                    Plan::Full(full, 0)
+                }
+            }
+        };
+        ResponseFuture::new(
+            req,
+            history,
+            snapshot,
+            plan,
+            self.config,
+            self.classifier.clone(),
+            self.rng.next_u64(),
+        )
+    }
+}
+
+impl<S, C> fmt::Debug for HealthP2c<S, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HealthP2c")
+            .field("config", &self.config)
+            .field("sources", &self.sources)
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,375 @@
+//! The source set: per-source health (H1, H2) and a handle to change the set at runtime.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, PoisonError, RwLock};
+
+use pgw_core::SourceId;
+use tokio::sync::Notify;
+
+use crate::{HEALTH_ALPHA, HEALTH_FLOOR, HEALTH_INITIAL};
+
+/// Process-local health of one source (H1): a success EWMA and the balancer's
+/// inflight count, both atomics.
+pub(crate) struct SourceState {
+    id: SourceId,
+    ewma_bits: AtomicU64,
+    inflight: AtomicUsize,
+}
+
+impl SourceState {
+    pub(crate) fn new(id: SourceId) -> Self {
+        Self {
+            id,
+            ewma_bits: AtomicU64::new(HEALTH_INITIAL.to_bits()),
+            inflight: AtomicUsize::new(0),
+        }
+    }
+
+    pub(crate) const fn id(&self) -> &SourceId {
+        &self.id
+    }
+
+    pub(crate) fn health(&self) -> f64 {
+        f64::from_bits(self.ewma_bits.load(Ordering::Relaxed))
+    }
+
+    pub(crate) fn inflight(&self) -> usize {
+        self.inflight.load(Ordering::Relaxed)
+    }
+
+    /// `max(ewma, floor) / (1 + inflight)` (H2).
+    pub(crate) fn score(&self) -> f64 {
+        #[allow(clippy::cast_precision_loss)]
+        let load = 1.0 + self.inflight() as f64;
+        self.health().max(HEALTH_FLOOR) / load
+    }
+
+    /// Feeds one health sample (H4).
+    pub(crate) fn record(&self, ok: bool) {
+        let sample = if ok { 1.0 } else { 0.0 };
+        let mut cur = self.ewma_bits.load(Ordering::Relaxed);
+        loop {
+            let old = f64::from_bits(cur);
+            let next = (old + HEALTH_ALPHA * (sample - old)).to_bits();
+            match self
+                .ewma_bits
+                .compare_exchange_weak(cur, next, Ordering::Relaxed, Ordering::Relaxed)
+            {
+                Ok(_) => return,
+                Err(actual) => cur = actual,
+            }
+        }
+    }
+
+    pub(crate) fn inc(&self) {
+        self.inflight.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn dec(&self) {
+        self.inflight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A read-only live view of one source's health and inflight count, for metrics (S6).
+#[derive(Clone)]
+pub struct SourceHealth {
+    state: Arc<SourceState>,
+}
+
+impl SourceHealth {
+    /// The source's name.
+    #[must_use]
+    pub fn id(&self) -> &SourceId {
+        self.state.id()
+    }
+
+    /// The success EWMA in `[0, 1]` (H1).
+    #[must_use]
+    pub fn health(&self) -> f64 {
+        self.state.health()
+    }
+
+    /// Attempts this balancer has in flight on the source.
+    #[must_use]
+    pub fn inflight(&self) -> usize {
+        self.state.inflight()
+    }
+
+    /// The ordering score `max(health, 0.05) / (1 + inflight)` (H2).
+    #[must_use]
+    pub fn score(&self) -> f64 {
+        self.state.score()
+    }
+}
+
+impl fmt::Debug for SourceHealth {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SourceHealth")
+            .field("id", self.id())
+            .field("health", &self.health())
+            .field("inflight", &self.inflight())
+            .finish()
+    }
+}
+
+pub(crate) struct Entry<S> {
+    pub(crate) state: Arc<SourceState>,
+    pub(crate) service: S,
+}
+
+/// An immutable view of the set, shared by the calls that started under it.
+pub(crate) struct Snapshot<S> {
+    pub(crate) entries: Vec<Entry<S>>,
+    /// The set's wake signal, reachable from a call without touching the set.
+    pub(crate) wake: Arc<Notify>,
+}
+
+struct Inner<S> {
+    current: RwLock<Arc<Snapshot<S>>>,
+    version: AtomicU64,
+    wake: Arc<Notify>,
+    cursor: AtomicUsize,
+    clones: AtomicU64,
+}
+
+/// The set of sources a balancer orders, shared by handle.
+///
+/// [`insert`](Self::insert) and [`remove`](Self::remove) change it at runtime; sources
+/// that stay keep their health and inflight count (the calls already running finish on
+/// the set they started with). Cloning shares the same set.
+///
+/// ```
+/// use tower::service_fn;
+/// use tower_health_p2c::Sources;
+///
+/// let svc = service_fn(|x: u32| async move { Ok::<_, std::convert::Infallible>(x) });
+/// let sources = Sources::new();
+/// sources.insert("s1".into(), svc.clone());
+/// sources.insert("s2".into(), svc);
+/// assert_eq!(sources.len(), 2);
+/// assert!(sources.remove("s1"));
+/// assert_eq!(sources.views()[0].id().as_str(), "s2");
+/// ```
+pub struct Sources<S> {
+    inner: Arc<Inner<S>>,
+}
+
+impl<S> Clone for Sources<S> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+impl<S> Default for Sources<S> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<S> Sources<S> {
+    /// An empty set.
+    #[must_use]
+    pub fn new() -> Self {
+        let wake = Arc::new(Notify::new());
+        Self {
+            inner: Arc::new(Inner {
+                current: RwLock::new(Arc::new(Snapshot {
+                    entries: Vec::new(),
+                    wake: Arc::clone(&wake),
+                })),
+                version: AtomicU64::new(0),
+                wake,
+                cursor: AtomicUsize::new(0),
+                clones: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    pub(crate) fn snapshot(&self) -> (Arc<Snapshot<S>>, u64) {
+        // Read the version first: a change racing with us bumps it again after
+        // swapping, so the next call refreshes.
+        let version = self.inner.version.load(Ordering::Acquire);
+        let snap = Arc::clone(&self.inner.current.read().unwrap_or_else(PoisonError::into_inner));
+        (snap, version)
+    }
+
+    pub(crate) fn version(&self) -> u64 {
+        self.inner.version.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn cursor(&self) -> usize {
+        self.inner.cursor.fetch_add(1, Ordering::Relaxed)
+    }
+
+    pub(crate) fn next_clone(&self) -> u64 {
+        self.inner.clones.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// The signal a balancer waits on when every source is paced (H7). Give it to each
+    /// source's pacing gate, e.g. `tower_aimd::AimdLayer::with_release_signal`.
+    #[must_use]
+    pub fn wake_signal(&self) -> Arc<Notify> {
+        Arc::clone(&self.inner.wake)
+    }
+
+    /// The number of sources.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.snapshot().0.entries.len()
+    }
+
+    /// Whether the set is empty.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// A live view of every source's health and inflight count, in insertion order.
+    #[must_use]
+    pub fn views(&self) -> Vec<SourceHealth> {
+        self.snapshot()
+            .0
+            .entries
+            .iter()
+            .map(|e| SourceHealth {
+                state: Arc::clone(&e.state),
+            })
+            .collect()
+    }
+
+    /// The view of one source.
+    #[must_use]
+    pub fn view(&self, id: &str) -> Option<SourceHealth> {
+        self.views().into_iter().find(|v| v.id().as_str() == id)
+    }
+}
+
+impl<S: Clone> Sources<S> {
+    fn update(&self, f: impl FnOnce(&mut Vec<Entry<S>>) -> bool) -> bool {
+        let mut guard = self.inner.current.write().unwrap_or_else(PoisonError::into_inner);
+        let mut entries: Vec<Entry<S>> = guard
+            .entries
+            .iter()
+            .map(|e| Entry {
+                state: Arc::clone(&e.state),
+                service: e.service.clone(),
+            })
+            .collect();
+        let changed = f(&mut entries);
+        if changed {
+            *guard = Arc::new(Snapshot {
+                entries,
+                wake: Arc::clone(&self.inner.wake),
+            });
+            self.inner.version.fetch_add(1, Ordering::Release);
+        }
+        changed
+    }
+
+    /// Adds a source, or replaces the service of a source already present (keeping its
+    /// health). Returns `true` when the source was new.
+    pub fn insert(&self, id: SourceId, service: S) -> bool {
+        let mut new = false;
+        self.update(|entries| {
+            if let Some(e) = entries.iter_mut().find(|e| e.state.id() == &id) {
+                e.service = service;
+            } else {
+                new = true;
+                entries.push(Entry {
+                    state: Arc::new(SourceState::new(id)),
+                    service,
+                });
+            }
+            true
+        });
+        new
+    }
+
+    /// Removes a source; returns whether it was present.
+    pub fn remove(&self, id: &str) -> bool {
+        self.update(|entries| {
+            let before = entries.len();
+            entries.retain(|e| e.state.id().as_str() != id);
+            entries.len() != before
+        })
+    }
+}
+
+impl<S: Clone> FromIterator<(SourceId, S)> for Sources<S> {
+    fn from_iter<I: IntoIterator<Item = (SourceId, S)>>(iter: I) -> Self {
+        let sources = Self::new();
+        for (id, svc) in iter {
+            sources.insert(id, svc);
+        }
+        sources
+    }
+}
+
+impl<S> fmt::Debug for Sources<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.views()).finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ewma_converges_and_score_has_a_floor() {
+        let s = SourceState::new("s".into());
+        assert!((s.health() - 1.0).abs() < 1e-12, "starts optimistic");
+        s.record(false);
+        assert!((s.health() - 0.8).abs() < 1e-12, "alpha 0.2");
+        for _ in 0..60 {
+            s.record(false);
+        }
+        assert!(s.health() < 1e-5, "converges to 0: {}", s.health());
+        assert!((s.score() - HEALTH_FLOOR).abs() < 1e-12, "floored at 0.05");
+        s.inc();
+        assert!(
+            (s.score() - HEALTH_FLOOR / 2.0).abs() < 1e-12,
+            "divided by 1 + inflight"
+        );
+        s.dec();
+        for _ in 0..10 {
+            s.record(true);
+        }
+        // 1 - 0.8^10 = 0.8926: about 10 successes bring it back to 0.9 (seed 000 section 3.2).
+        assert!((s.health() - 0.892_6).abs() < 1e-3, "{}", s.health());
+        // A 10%-success stream settles near 0.1.
+        let t = SourceState::new("t".into());
+        let mut sum = 0.0;
+        for i in 0..1000 {
+            t.record(i % 10 == 0);
+            if i >= 500 {
+                sum += t.health();
+            }
+        }
+        assert!((sum / 500.0 - 0.1).abs() < 0.02, "{}", sum / 500.0);
+    }
+
+    #[test]
+    fn insert_and_remove_keep_health_of_sources_that_stay() {
+        let set: Sources<u8> = [("a".into(), 1), ("b".into(), 2)].into_iter().collect();
+        set.view("a").unwrap().state.record(false);
+        let v0 = set.version();
+        assert!(set.insert("c".into(), 3));
+        assert!(!set.insert("a".into(), 9), "replaced, not new");
+        assert!(set.remove("b"));
+        assert!(!set.remove("b"));
+        assert!(set.version() > v0);
+        let a = set.view("a").unwrap();
+        assert!((a.health() - 0.8).abs() < 1e-12, "health kept across changes");
+        let (snap, _) = set.snapshot();
+        let ids: Vec<_> = snap
+            .entries
+            .iter()
+            .map(|e| (e.state.id().as_str().to_owned(), e.service))
+            .collect();
+        assert_eq!(ids, vec![("a".to_owned(), 9), ("c".to_owned(), 3)]);
+    }
+}

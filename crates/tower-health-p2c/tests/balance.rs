@@ -1,0 +1,533 @@
+//! End-to-end behaviour of the balancer over fake per-source services.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use pgw_core::{
+    BoxError, CallHistory, CarriesHistory, CircuitOpen, NotAdmitted, Outcome, Paced, QuotaExceeded, SourceId,
+};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use tokio::time::Instant;
+use tower::util::BoxCloneSyncService;
+use tower::{Service, ServiceExt, service_fn};
+use tower_aimd::{AimdConfig, AimdLayer};
+use tower_health_p2c::{BalanceConfig, HealthP2c, NoSources, NoneAdmitted, Policy, Sources};
+use tower_layer::Layer;
+
+#[derive(Clone, Default)]
+struct Req(Option<CallHistory>);
+
+impl CarriesHistory for Req {
+    fn call_history(&self) -> Option<&CallHistory> {
+        self.0.as_ref()
+    }
+    fn set_call_history(&mut self, h: CallHistory) {
+        self.0 = Some(h);
+    }
+}
+
+type Svc = BoxCloneSyncService<Req, &'static str, BoxError>;
+
+fn with_history() -> (Req, CallHistory) {
+    let h = CallHistory::new();
+    let mut r = Req::default();
+    r.set_call_history(h.clone());
+    (r, h)
+}
+
+/// A source that answers `answer` after `latency`, counting attempts.
+fn fixed(answer: Result<&'static str, fn() -> BoxError>, latency: Duration, hits: Arc<AtomicUsize>) -> Svc {
+    BoxCloneSyncService::new(service_fn(move |_: Req| {
+        hits.fetch_add(1, Ordering::SeqCst);
+        async move {
+            tokio::time::sleep(latency).await;
+            answer.map_err(|f| f())
+        }
+    }))
+}
+
+/// A source answering success with probability `p` (seeded), after 1 s.
+fn flaky(p: f64, seed: u64, hits: Arc<AtomicUsize>) -> Svc {
+    let rng = Arc::new(Mutex::new(SmallRng::seed_from_u64(seed)));
+    BoxCloneSyncService::new(service_fn(move |_: Req| {
+        hits.fetch_add(1, Ordering::SeqCst);
+        let ok = rng.lock().unwrap().random_bool(p);
+        async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            if ok {
+                Ok("ok")
+            } else {
+                Err::<_, BoxError>("watchdog cut".into())
+            }
+        }
+    }))
+}
+
+fn balancer(sources: &Sources<Svc>, policy: Policy) -> HealthP2c<Svc> {
+    HealthP2c::new(
+        sources.clone(),
+        BalanceConfig {
+            policy,
+            ..BalanceConfig::default()
+        },
+    )
+    .unwrap()
+    .with_seed(7)
+}
+
+/// Four callers, `calls` calls each; returns the share of attempts the 10% source got
+/// after the first quarter of the run.
+async fn share_of_bad_source(policy: Policy) -> f64 {
+    let hits: Vec<Arc<AtomicUsize>> = (0..5).map(|_| Arc::default()).collect();
+    let sources = Sources::new();
+    for (i, h) in hits.iter().enumerate() {
+        let p = if i == 4 { 0.1 } else { 0.95 };
+        sources.insert(
+            SourceId::from(format!("s{}", i + 1)),
+            flaky(p, i as u64, Arc::clone(h)),
+        );
+    }
+    let lb = balancer(&sources, policy);
+    let run = |calls: usize| {
+        let tasks: Vec<_> = (0..4)
+            .map(|_| {
+                let mut lb = lb.clone();
+                tokio::spawn(async move {
+                    for _ in 0..calls {
+                        let _ = lb.ready().await.unwrap().call(Req::default()).await;
+                    }
+                })
+            })
+            .collect();
+        async move {
+            for t in tasks {
+                t.await.unwrap();
+            }
+        }
+    };
+    run(100).await; // warm-up
+    let before: Vec<usize> = hits.iter().map(|h| h.load(Ordering::SeqCst)).collect();
+    run(300).await;
+    let after: Vec<usize> = hits.iter().map(|h| h.load(Ordering::SeqCst)).collect();
+    let delta: Vec<usize> = after.iter().zip(&before).map(|(a, b)| a - b).collect();
+    let total: usize = delta.iter().sum();
+    println!("{policy}: attempts per source after warm-up {delta:?}");
+    assert!(sources.views().iter().all(|v| v.inflight() == 0));
+    #[allow(clippy::cast_precision_loss)]
+    let share = delta[4] as f64 / total as f64;
+    share
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_ten_percent_source_gets_under_five_percent_with_health_and_its_share_with_round_robin() {
+    let health = share_of_bad_source(Policy::HealthAware).await;
+    let rr = share_of_bad_source(Policy::RoundRobin).await;
+    println!(
+        "share of the 10% source: health_aware {:.1}%, round_robin {:.1}%",
+        health * 100.0,
+        rr * 100.0
+    );
+    assert!(health < 0.05, "health_aware gave it {health}");
+    assert!((rr - 0.2).abs() < 0.03, "round_robin gave it {rr}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn outcomes_feed_health_and_history_and_errors_pass_up_unchanged() {
+    let sources = Sources::new();
+    sources.insert(
+        "s1".into(),
+        fixed(
+            Err(|| Box::new(std::io::Error::other("reset"))),
+            Duration::ZERO,
+            Arc::default(),
+        ),
+    );
+    let mut lb = balancer(&sources, Policy::HealthAware);
+    let (req, history) = with_history();
+    let err = lb.ready().await.unwrap().call(req).await.unwrap_err();
+    assert!(
+        err.downcast_ref::<std::io::Error>().is_some(),
+        "inner error unchanged: {err}"
+    );
+    assert_eq!(history.attempts().len(), 1);
+    assert_eq!(history.last().unwrap().outcome, Outcome::Transient);
+    assert_eq!(history.last().unwrap().source.unwrap().as_str(), "s1");
+    assert!((sources.view("s1").unwrap().health() - 0.8).abs() < 1e-12);
+}
+
+/// Sources named `ids` answering their own name, or failing while their flag is set.
+fn named(ids: &[&'static str]) -> (Sources<Svc>, Vec<Arc<AtomicBool>>) {
+    let sources: Sources<Svc> = Sources::new();
+    let mut flags = Vec::new();
+    for &id in ids {
+        let fail = Arc::new(AtomicBool::new(false));
+        let f = Arc::clone(&fail);
+        sources.insert(
+            id.into(),
+            BoxCloneSyncService::new(service_fn(move |_: Req| {
+                let failing = f.load(Ordering::SeqCst);
+                async move {
+                    if failing {
+                        Err::<&str, BoxError>("fail".into())
+                    } else {
+                        Ok(id)
+                    }
+                }
+            })),
+        );
+        flags.push(fail);
+    }
+    (sources, flags)
+}
+
+/// Lowers source `idx`'s health by `n` real failed attempts (round robin visits it).
+async fn degrade(sources: &Sources<Svc>, flags: &[Arc<AtomicBool>], idx: usize, n: usize) {
+    flags[idx].store(true, Ordering::SeqCst);
+    let mut lb = balancer(sources, Policy::RoundRobin);
+    for _ in 0..n * flags.len() {
+        let _ = lb.ready().await.unwrap().call(Req::default()).await;
+    }
+    flags[idx].store(false, Ordering::SeqCst);
+}
+
+/// Seed 000 section 3.36 through the service: s1 (healthy) failed twice in this call.
+#[tokio::test(start_paused = true)]
+async fn in_call_deprioritization_end_to_end() {
+    let prior = |h: &CallHistory| {
+        h.record(Some("s1".into()), Outcome::Transient);
+        h.record(Some("s1".into()), Outcome::RateLimited { retry_after: None });
+    };
+
+    // s1 healthy (0.8), s5 the 10% source: no credible alternative, s1 stays first.
+    let (sources, flags) = named(&["s1", "s5"]);
+    degrade(&sources, &flags, 1, 11).await;
+    degrade(&sources, &flags, 0, 1).await;
+    let (h1, h5) = (
+        sources.view("s1").unwrap().health(),
+        sources.view("s5").unwrap().health(),
+    );
+    assert!(h5 < 0.5 * h1 && h1 < 0.85, "{sources:?}");
+    for seed in 0..20 {
+        let mut lb = balancer(&sources, Policy::HealthAware).with_seed(seed);
+        let (req, h) = with_history();
+        prior(&h);
+        assert_eq!(lb.ready().await.unwrap().call(req).await.unwrap(), "s1");
+        assert_eq!(h.len(), 3, "the balancer recorded its attempt");
+    }
+    // With a credible s3, s1 goes to the tail.
+    let (sources, flags) = named(&["s1", "s3", "s5"]);
+    degrade(&sources, &flags, 2, 11).await;
+    degrade(&sources, &flags, 0, 1).await;
+    for seed in 0..20 {
+        let mut lb = balancer(&sources, Policy::HealthAware).with_seed(seed);
+        let (req, h) = with_history();
+        prior(&h);
+        assert_eq!(lb.ready().await.unwrap().call(req).await.unwrap(), "s3");
+    }
+    // Round robin deprioritizes unconditionally, wherever its cursor is.
+    let (sources, flags) = named(&["s1", "s5"]);
+    degrade(&sources, &flags, 1, 11).await;
+    let mut lb = balancer(&sources, Policy::RoundRobin);
+    for _ in 0..4 {
+        let (req, h) = with_history();
+        prior(&h);
+        assert_eq!(lb.ready().await.unwrap().call(req).await.unwrap(), "s5");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn all_breaker_open_fails_at_once_with_the_earliest_retry_after() {
+    let sources = Sources::new();
+    for (id, secs) in [("s1", 30), ("s2", 5), ("s3", 12)] {
+        let source = SourceId::from(id);
+        sources.insert(
+            id.into(),
+            BoxCloneSyncService::new(service_fn(move |_: Req| {
+                let e = CircuitOpen::new(Duration::from_secs(secs)).with_source(source.clone());
+                async move { Err::<&str, BoxError>(Box::new(e)) }
+            })),
+        );
+    }
+    let mut lb = balancer(&sources, Policy::HealthAware);
+    let (req, history) = with_history();
+    let t0 = Instant::now();
+    let err = lb.ready().await.unwrap().call(req).await.unwrap_err();
+    assert_eq!(t0.elapsed(), Duration::ZERO, "fail fast");
+    let open = err.downcast_ref::<CircuitOpen>().expect("circuit open");
+    assert_eq!(open.retry_after(), Duration::from_secs(5));
+    assert_eq!(open.source().unwrap().as_str(), "s2");
+    assert!(history.is_empty(), "refusals are not attempts");
+    assert!(
+        sources
+            .views()
+            .iter()
+            .all(|v| (v.health() - 1.0).abs() < 1e-12 && v.inflight() == 0)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn all_paced_waits_for_a_release_and_consumes_nothing() {
+    let sources: Sources<Svc> = Sources::new();
+    let hits = Arc::new(AtomicUsize::new(0));
+    let mut gates = Vec::new();
+    for id in ["s1", "s2"] {
+        let gate = AimdLayer::new(AimdConfig {
+            initial_limit: 1.0,
+            ..AimdConfig::default()
+        })
+        .unwrap()
+        .with_source(id.into())
+        .with_release_signal(sources.wake_signal())
+        .shedding();
+        gates.push(gate.handle());
+        let inner = fixed(Ok("done"), Duration::from_secs(10), Arc::clone(&hits));
+        sources.insert(id.into(), BoxCloneSyncService::new(gate.layer(inner)));
+    }
+    // No polling: only the release signal can wake the waiting call in time.
+    let lb = HealthP2c::new(
+        sources.clone(),
+        BalanceConfig {
+            paced_poll: Duration::from_secs(1000),
+            max_wait: Duration::from_secs(500),
+            ..BalanceConfig::default()
+        },
+    )
+    .unwrap()
+    .with_seed(5);
+    // Occupy both slots.
+    let busy: Vec<_> = (0..2)
+        .map(|_| tokio::spawn(lb.clone().oneshot(Req::default())))
+        .collect();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        gates.iter().map(tower_aimd::AimdHandle::inflight).sum::<usize>(),
+        2
+    );
+
+    let (req, history) = with_history();
+    let t0 = Instant::now();
+    let answer = lb.clone().oneshot(req).await.unwrap();
+    assert_eq!(answer, "done");
+    // The busy calls end at t=10s, the waiting call starts then and takes 10s more.
+    assert_eq!(
+        t0.elapsed(),
+        Duration::from_secs(19),
+        "waited for the release, not a poll or max_wait"
+    );
+    assert_eq!(history.len(), 1, "only the dispatched attempt is recorded");
+    assert_eq!(
+        hits.load(Ordering::SeqCst),
+        3,
+        "refusals never reached the upstream"
+    );
+    for b in busy {
+        b.await.unwrap().unwrap();
+    }
+    assert!(gates.iter().all(|g| g.inflight() == 0));
+    assert!(sources.views().iter().all(|v| v.inflight() == 0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn quota_exceeded_waits_for_the_earliest_retry_after() {
+    let until = Instant::now() + Duration::from_secs(3);
+    let sources: Sources<Svc> = Sources::new();
+    for (id, wait) in [("s1", 3), ("s2", 8)] {
+        sources.insert(
+            id.into(),
+            BoxCloneSyncService::new(service_fn(move |_: Req| async move {
+                let now = Instant::now();
+                if now < until || wait > 3 {
+                    let left =
+                        (until.max(now + Duration::from_secs(wait - 3)) - now).max(Duration::from_secs(1));
+                    let left = if wait > 3 { Duration::from_secs(wait) } else { left };
+                    return Err::<&str, BoxError>(Box::new(QuotaExceeded::new("rpm", left)));
+                }
+                Ok("admitted")
+            })),
+        );
+    }
+    let mut lb = HealthP2c::new(
+        sources.clone(),
+        BalanceConfig {
+            paced_poll: Duration::from_secs(100),
+            ..BalanceConfig::default()
+        },
+    )
+    .unwrap()
+    .with_seed(3);
+    let t0 = Instant::now();
+    let (req, history) = with_history();
+    assert_eq!(lb.ready().await.unwrap().call(req).await.unwrap(), "admitted");
+    assert_eq!(
+        t0.elapsed(),
+        Duration::from_secs(3),
+        "woke at the earliest retry_after"
+    );
+    assert_eq!(history.len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_wait_is_bounded_by_max_wait_and_ends_in_a_clear_error() {
+    let sources: Sources<Svc> = Sources::new();
+    sources.insert(
+        "s1".into(),
+        BoxCloneSyncService::new(service_fn(|_: Req| async {
+            Err::<&str, BoxError>(Box::new(Paced::new()))
+        })),
+    );
+    let mut lb = HealthP2c::new(
+        sources.clone(),
+        BalanceConfig {
+            max_wait: Duration::from_secs(2),
+            ..BalanceConfig::default()
+        },
+    )
+    .unwrap();
+    let t0 = Instant::now();
+    let err = lb.ready().await.unwrap().call(Req::default()).await.unwrap_err();
+    assert_eq!(t0.elapsed(), Duration::from_secs(2));
+    let none = err.downcast_ref::<NoneAdmitted>().expect("none admitted");
+    assert_eq!(none.waited(), Duration::from_secs(2));
+    assert!(err.to_string().contains("no source admitted"), "{err}");
+    assert_eq!(
+        NotAdmitted::of(&*err),
+        Some(NotAdmitted::Paced),
+        "still recognisably not admitted"
+    );
+
+    let empty: Sources<Svc> = Sources::new();
+    let err = balancer(&empty, Policy::HealthAware)
+        .oneshot(Req::default())
+        .await
+        .unwrap_err();
+    assert!(err.is::<NoSources>());
+}
+
+#[tokio::test(start_paused = true)]
+async fn dropped_and_panicking_calls_release_inflight() {
+    let sources: Sources<Svc> = Sources::new();
+    let panic_now = Arc::new(AtomicBool::new(false));
+    let flag = Arc::clone(&panic_now);
+    sources.insert(
+        "s1".into(),
+        BoxCloneSyncService::new(service_fn(move |_: Req| {
+            let panic = flag.load(Ordering::SeqCst);
+            async move {
+                assert!(!panic, "inner future panicked");
+                std::future::pending::<Result<&str, BoxError>>().await
+            }
+        })),
+    );
+    let lb = balancer(&sources, Policy::HealthAware);
+    let view = sources.view("s1").unwrap();
+    let call = tokio::spawn(lb.clone().oneshot(Req::default()));
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    assert_eq!(view.inflight(), 1);
+    call.abort();
+    assert!(call.await.unwrap_err().is_cancelled());
+    assert_eq!(view.inflight(), 0, "drop");
+
+    panic_now.store(true, Ordering::SeqCst);
+    let join = tokio::spawn(lb.clone().oneshot(Req::default())).await;
+    assert!(join.unwrap_err().is_panic());
+    assert_eq!(view.inflight(), 0, "panic");
+    assert!((view.health() - 1.0).abs() < 1e-12, "no outcome, no sample");
+}
+
+#[tokio::test(start_paused = true)]
+async fn sources_change_at_runtime_and_keep_health() {
+    let sources: Sources<Svc> = Sources::new();
+    sources.insert(
+        "s1".into(),
+        fixed(Err(|| "fail".into()), Duration::ZERO, Arc::default()),
+    );
+    let mut lb = balancer(&sources, Policy::HealthAware);
+    let _ = lb.ready().await.unwrap().call(Req::default()).await;
+    let s1 = sources.view("s1").unwrap();
+    assert!((s1.health() - 0.8).abs() < 1e-12);
+
+    sources.insert("s2".into(), fixed(Ok("s2"), Duration::ZERO, Arc::default()));
+    sources.remove("s1");
+    assert_eq!(
+        lb.ready().await.unwrap().call(Req::default()).await.unwrap(),
+        "s2",
+        "the balancer sees the change"
+    );
+    sources.insert("s3".into(), fixed(Ok("s3"), Duration::ZERO, Arc::default()));
+    let s2 = sources.view("s2").unwrap();
+    assert!((s2.health() - 1.0).abs() < 1e-12);
+    assert_eq!(sources.views().len(), 2);
+    // s1's view is still the old state; re-adding s1 starts fresh.
+    assert!((s1.health() - 0.8).abs() < 1e-12);
+}
+
+#[tokio::test(start_paused = true)]
+async fn mixed_refusals_wait_for_the_earliest_wake_up_instead_of_failing_fast() {
+    let t_open = Instant::now() + Duration::from_secs(4);
+    let sources: Sources<Svc> = Sources::new();
+    sources.insert(
+        "s1".into(),
+        BoxCloneSyncService::new(service_fn(|_: Req| async {
+            Err::<&str, BoxError>(Box::new(CircuitOpen::new(Duration::from_secs(2))))
+        })),
+    );
+    sources.insert(
+        "s2".into(),
+        BoxCloneSyncService::new(service_fn(move |_: Req| async move {
+            let now = Instant::now();
+            if now < t_open {
+                return Err::<&str, BoxError>(Box::new(QuotaExceeded::new("rpm", t_open - now)));
+            }
+            Ok("s2")
+        })),
+    );
+    let mut lb = balancer(&sources, Policy::HealthAware);
+    let (req, history) = with_history();
+    let t0 = Instant::now();
+    assert_eq!(lb.ready().await.unwrap().call(req).await.unwrap(), "s2");
+    assert_eq!(t0.elapsed(), Duration::from_secs(4));
+    assert_eq!(history.len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn least_inflight_avoids_the_busy_source_and_the_layer_builds_a_balancer() {
+    let sources: Sources<Svc> = Sources::new();
+    sources.insert(
+        "slow".into(),
+        fixed(Ok("slow"), Duration::from_secs(60), Arc::default()),
+    );
+    sources.insert("fast".into(), fixed(Ok("fast"), Duration::ZERO, Arc::default()));
+    let layer = tower_health_p2c::HealthP2cLayer::new(BalanceConfig {
+        policy: Policy::LeastInflight,
+        ..BalanceConfig::default()
+    })
+    .unwrap()
+    .with_seed(9);
+    let lb = tower::ServiceBuilder::new().layer(layer).service(sources.clone());
+    // Occupy "slow" (or "fast", whichever comes first; "fast" ends at once).
+    let mut pending = Vec::new();
+    while sources.view("slow").unwrap().inflight() == 0 {
+        pending.push(tokio::spawn(lb.clone().oneshot(Req::default())));
+        tokio::task::yield_now().await;
+    }
+    for _ in 0..10 {
+        assert_eq!(lb.clone().oneshot(Req::default()).await.unwrap(), "fast");
+    }
+    assert_eq!(sources.view("slow").unwrap().inflight(), 1);
+}
+
+#[test]
+fn bad_config_is_an_error_naming_the_field() {
+    let err = HealthP2c::new(
+        Sources::<Svc>::new(),
+        BalanceConfig {
+            paced_poll: Duration::ZERO,
+            ..BalanceConfig::default()
+        },
+    )
+    .unwrap_err();
+    assert_eq!(err.field(), "paced_poll");
+    assert!(err.to_string().contains("paced_poll"));
+}
