@@ -1,0 +1,268 @@
+//! The errors this layer creates: why a call ended, with its attempt history.
+
+use std::error::Error;
+use std::fmt;
+use std::time::Duration;
+
+use pgw_core::{AttemptRecord, BoxError};
+
+/// Why the retry loop gave up on a call.
+///
+/// Match on it through [`RetryError::reason`]:
+///
+/// ```
+/// use tower_retry_pushback::{Reason, RetryError};
+/// # fn handle(err: pgw_core::BoxError) {
+/// match err.downcast_ref::<RetryError>().map(RetryError::reason) {
+///     Some(Reason::AllCircuitsOpen { retry_after }) => println!("come back in {retry_after:?}"),
+///     Some(Reason::Rejected) => println!("the request itself is bad"),
+///     Some(_) => println!("gave up: {err}"),
+///     None => println!("the inner service failed before any attempt: {err}"),
+/// }
+/// # }
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Reason {
+    /// The attempt budget (`max_attempts`, R1) is spent on `Transient` and
+    /// `SourceDead` outcomes.
+    BudgetExhausted,
+    /// The answer was refused by the validator `max_reasks + 1` times (R2).
+    ReasksExhausted,
+    /// The upstream rejected the request itself (400/413/422): another attempt would be
+    /// rejected too (R2).
+    Rejected,
+    /// The call has waited longer than `stall_window` and nothing in the process
+    /// succeeded within `stall_window` (R4).
+    Stalled {
+        /// How long this call had been waiting (since its first failed or refused
+        /// attempt) when the guard fired.
+        waited: Duration,
+    },
+    /// The service below answered that no source is admitted and all circuits are open
+    /// (H7): fail fast, nothing was spent.
+    AllCircuitsOpen {
+        /// When the first circuit admits again.
+        retry_after: Duration,
+    },
+    /// The next attempt may only be sent after `wait`, longer than the call may still
+    /// wait (`limit`: the stall window or the time left before the deadline), so the call
+    /// fails now instead of sleeping past it (R3).
+    WaitTooLong {
+        /// The wait asked for (`Retry-After`, backoff or a gate's `retry_after`).
+        wait: Duration,
+        /// The longest this call could still wait.
+        limit: Duration,
+    },
+    /// The call's deadline (`max_call_duration` or the request's own) passed; the
+    /// attempt in flight, if any, was dropped.
+    DeadlineExceeded,
+    /// The shared retry budget (R5) has no balance left for another retry.
+    RetryBudgetExhausted,
+    /// Client-side adaptive throttling (R6) dropped the attempt locally.
+    Throttled,
+    /// Another attempt was needed but the request could not be re-sent (the clone hook
+    /// returned `None`).
+    NotResendable,
+}
+
+impl Reason {
+    /// A short stable name for telemetry: `budget_exhausted`, `reasks_exhausted`,
+    /// `rejected`, `stalled`, `all_circuits_open`, `wait_too_long`, `deadline_exceeded`,
+    /// `retry_budget_exhausted`, `throttled`, `not_resendable`.
+    #[must_use]
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::BudgetExhausted => "budget_exhausted",
+            Self::ReasksExhausted => "reasks_exhausted",
+            Self::Rejected => "rejected",
+            Self::Stalled { .. } => "stalled",
+            Self::AllCircuitsOpen { .. } => "all_circuits_open",
+            Self::WaitTooLong { .. } => "wait_too_long",
+            Self::DeadlineExceeded => "deadline_exceeded",
+            Self::RetryBudgetExhausted => "retry_budget_exhausted",
+            Self::Throttled => "throttled",
+            Self::NotResendable => "not_resendable",
+        }
+    }
+}
+
+impl fmt::Display for Reason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::BudgetExhausted => f.write_str("attempt budget exhausted"),
+            Self::ReasksExhausted => f.write_str("re-ask budget exhausted"),
+            Self::Rejected => f.write_str("request rejected"),
+            Self::Stalled { waited } => write!(
+                f,
+                "stalled: waited {:.3}s with no progress in the process",
+                waited.as_secs_f64()
+            ),
+            Self::AllCircuitsOpen { retry_after } => write!(
+                f,
+                "all circuits open; retry after {:.3}s",
+                retry_after.as_secs_f64()
+            ),
+            Self::WaitTooLong { wait, limit } => write!(
+                f,
+                "next attempt only in {:.3}s, longer than the call may wait ({:.3}s)",
+                wait.as_secs_f64(),
+                limit.as_secs_f64()
+            ),
+            Self::DeadlineExceeded => f.write_str("call deadline exceeded"),
+            Self::RetryBudgetExhausted => f.write_str("retry budget exhausted"),
+            Self::Throttled => f.write_str("throttled locally (adaptive throttling)"),
+            Self::NotResendable => f.write_str("request cannot be re-sent"),
+        }
+    }
+}
+
+/// The final error of a call that did not succeed: why it ended, every attempt it
+/// made (source and outcome, oldest first) and the last attempt's error, if the last
+/// attempt ended in an error (its [`Error::source`]).
+///
+/// When the last attempt answered `Ok` with a failing outcome (say an `http::Response`
+/// with status 400 under `HttpClassifier`), that response is dropped: map such statuses
+/// to errors below this layer (`pgw_core::UpstreamStatus`) to keep their details.
+#[derive(Debug)]
+pub struct RetryError {
+    reason: Reason,
+    attempts: Vec<AttemptRecord>,
+    last_error: Option<BoxError>,
+}
+
+impl RetryError {
+    pub(crate) fn new(reason: Reason, attempts: Vec<AttemptRecord>, last_error: Option<BoxError>) -> Self {
+        Self {
+            reason,
+            attempts,
+            last_error,
+        }
+    }
+
+    /// Why the call ended.
+    #[must_use]
+    pub const fn reason(&self) -> Reason {
+        self.reason
+    }
+
+    /// Every attempt of the call, oldest first (not-admitted refusals are not attempts
+    /// and do not appear).
+    #[must_use]
+    pub fn attempts(&self) -> &[AttemptRecord] {
+        &self.attempts
+    }
+
+    /// The error of the last attempt (or of the refusal that ended the call), if any.
+    #[must_use]
+    pub fn last_error(&self) -> Option<&(dyn Error + Send + Sync + 'static)> {
+        self.last_error.as_deref()
+    }
+
+    /// Takes the last attempt's error out, e.g. to return the upstream's own error.
+    #[must_use]
+    pub fn into_last_error(self) -> Option<BoxError> {
+        self.last_error
+    }
+}
+
+impl fmt::Display for RetryError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "call failed: {} after {} attempt",
+            self.reason,
+            self.attempts.len()
+        )?;
+        if self.attempts.len() != 1 {
+            f.write_str("s")?;
+        }
+        if !self.attempts.is_empty() {
+            f.write_str(" [")?;
+            for (i, a) in self.attempts.iter().enumerate() {
+                if i > 0 {
+                    f.write_str(", ")?;
+                }
+                match &a.source {
+                    Some(s) => write!(f, "{s}: {}", a.outcome)?,
+                    None => write!(f, "{}", a.outcome)?,
+                }
+            }
+            f.write_str("]")?;
+        }
+        if let Some(e) = &self.last_error {
+            write!(f, "; last error: {e}")?;
+        }
+        Ok(())
+    }
+}
+
+impl Error for RetryError {
+    fn source(&self) -> Option<&(dyn Error + 'static)> {
+        self.last_error.as_deref().map(|e| e as &(dyn Error + 'static))
+    }
+}
+
+/// A configuration value is out of range.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigError {
+    field: &'static str,
+    problem: String,
+}
+
+impl ConfigError {
+    pub(crate) fn new(field: &'static str, problem: impl Into<String>) -> Self {
+        Self {
+            field,
+            problem: problem.into(),
+        }
+    }
+
+    /// The offending field, as named in [`RetryConfig`](crate::RetryConfig).
+    #[must_use]
+    pub const fn field(&self) -> &'static str {
+        self.field
+    }
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "invalid retry config: {}: {}", self.field, self.problem)
+    }
+}
+
+impl Error for ConfigError {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pgw_core::Outcome;
+
+    #[test]
+    fn display_lists_attempts_and_cause() {
+        let e = RetryError::new(
+            Reason::BudgetExhausted,
+            vec![
+                AttemptRecord {
+                    source: Some("s1".into()),
+                    outcome: Outcome::Transient,
+                },
+                AttemptRecord {
+                    source: None,
+                    outcome: Outcome::SourceDead,
+                },
+            ],
+            Some("reset".into()),
+        );
+        assert_eq!(
+            e.to_string(),
+            "call failed: attempt budget exhausted after 2 attempts [s1: transient, source_dead]; last error: reset"
+        );
+        assert_eq!(e.source().unwrap().to_string(), "reset");
+        let c = ConfigError::new("max_attempts", "must be at least 1");
+        assert_eq!(
+            c.to_string(),
+            "invalid retry config: max_attempts: must be at least 1"
+        );
+    }
+}

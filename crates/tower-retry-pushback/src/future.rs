@@ -1,0 +1,475 @@
+//! [`ResponseFuture`]: one call's retry loop as a state machine.
+//!
+//! Everything a call holds lives in this future (the attempt in flight, a hold round
+//! trip, a backoff timer, the request copy for the next attempt and the counters'
+//! guards), so dropping it stops the call and releases everything (R7).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
+
+use pgw_core::{BoxError, CallHistory, CarriesHistory, Classify, HoldFuture, NotAdmitted, Outcome, SourceId};
+use pin_project_lite::pin_project;
+use tokio::time::{Instant, Sleep};
+use tower_service::Service;
+
+use crate::config::MIN_NOT_ADMITTED_WAIT;
+use crate::error::{Reason, RetryError};
+use crate::resend::Resend;
+use crate::service::{Counters, Shared};
+
+pin_project! {
+    #[project = StateProj]
+    enum State<F> {
+        // An attempt is in flight.
+        Attempt { #[pin] fut: F },
+        // Holding the source of a 429 (R3); `wait` is slept instead if the hold fails.
+        Holding { fut: HoldFuture, wait: Duration, waiting: WaitGuard },
+        // Sleeping through a backoff, a Retry-After or a gate's retry_after (boxed:
+        // the fast path never sleeps, so its future stays small).
+        Waiting { sleep: Pin<Box<Sleep>>, waiting: WaitGuard },
+        // About to send the next attempt (stall guard, readiness, throttle first).
+        Ready,
+        // Ended before the first attempt.
+        Failed { err: Option<BoxError> },
+        Done,
+    }
+}
+
+/// Counts a call as waiting while alive.
+struct WaitGuard(Arc<Counters>);
+
+impl WaitGuard {
+    fn new(counters: &Arc<Counters>) -> Self {
+        counters.waiting.fetch_add(1, Ordering::Relaxed);
+        Self(Arc::clone(counters))
+    }
+}
+
+impl Drop for WaitGuard {
+    fn drop(&mut self) {
+        self.0.waiting.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+pin_project! {
+    /// The future of one call through [`Retry`](crate::Retry).
+    pub struct ResponseFuture<S, Req, C, R>
+    where
+        S: Service<Req>,
+    {
+        #[pin]
+        state: State<S::Future>,
+        deadline: Option<Pin<Box<Sleep>>>,
+        service: S,
+        call: Call<Req, C, R>,
+    }
+}
+
+/// The call's own bookkeeping.
+struct Call<Req, C, R> {
+    shared: Arc<Shared<C, R>>,
+    /// The copy of the request for the next attempt.
+    next: Option<Req>,
+    /// Our own handle on the call's history, when the request copies do not carry it
+    /// (see [`Call::history`]).
+    history: Option<CallHistory>,
+    /// Whether this layer created the history (nobody else reads it then).
+    own_history: bool,
+    /// History records known so far: more after an attempt means the service below
+    /// recorded it (with its source).
+    known_len: usize,
+    deadline_at: Option<Instant>,
+    /// Created at the first failed or refused attempt, so a call that succeeds at once
+    /// carries (and moves) only what it needs.
+    slow: Option<Box<Slow>>,
+}
+
+/// The bookkeeping of a call that had to wait.
+struct Slow {
+    /// When the call first had to wait: the stall guard's clock (R4).
+    waiting_since: Instant,
+    /// Attempt budget spent (R1).
+    spent: u32,
+    reasks: u32,
+    /// Backoffs drawn so far: the exponent of the next one.
+    backoffs: u32,
+    last_error: Option<BoxError>,
+    /// Whether the call still counts as retrying (and watches the progress signal).
+    counted: bool,
+}
+
+impl<Req, C, R> Call<Req, C, R> {
+    fn uncount(&mut self) {
+        if let Some(slow) = &mut self.slow
+            && std::mem::take(&mut slow.counted)
+        {
+            self.shared.counters.retrying.fetch_sub(1, Ordering::Relaxed);
+            self.shared.progress.unwatch();
+        }
+    }
+}
+
+impl<Req, C, R> Drop for Call<Req, C, R> {
+    fn drop(&mut self) {
+        self.uncount();
+    }
+}
+
+enum Next<T> {
+    Dispatch,
+    Sleep(Duration),
+    Hold(SourceId, Duration),
+    Finish(Result<T, BoxError>),
+}
+
+/// What `Retry::call` hands to the future.
+pub(crate) struct CallStart<Req> {
+    pub(crate) next: Option<Req>,
+    pub(crate) history: Option<CallHistory>,
+    pub(crate) own_history: bool,
+    pub(crate) known_len: usize,
+    pub(crate) deadline_at: Option<Instant>,
+}
+
+impl<Req: CarriesHistory, C, R> Call<Req, C, R> {
+    /// The call's history: our own handle, else the one the next request carries, else
+    /// (history from the first retry on, or a request that cannot carry one) a new one,
+    /// attached to the next request so the service below sees it from now on.
+    fn history(&mut self) -> &CallHistory {
+        if self.history.is_none() {
+            let carried = self.next.as_ref().and_then(CarriesHistory::call_history).cloned();
+            let history = carried.unwrap_or_else(|| {
+                let h = CallHistory::new();
+                if let Some(next) = &mut self.next {
+                    next.set_call_history(h.clone());
+                }
+                h
+            });
+            self.history = Some(history);
+        }
+        self.history.get_or_insert_with(CallHistory::new)
+    }
+
+    fn new(shared: Arc<Shared<C, R>>, start: CallStart<Req>) -> Self {
+        Self {
+            shared,
+            next: start.next,
+            history: start.history,
+            own_history: start.own_history,
+            known_len: start.known_len,
+            deadline_at: start.deadline_at,
+            slow: None,
+        }
+    }
+
+    fn fail<T>(&mut self, reason: Reason) -> Result<T, BoxError> {
+        let attempts = self.history().attempts();
+        tracing::debug!(
+            reason = reason.as_str(),
+            attempts = attempts.len(),
+            "retry loop gave up"
+        );
+        Err(Box::new(RetryError::new(
+            reason,
+            attempts,
+            self.slow.as_mut().and_then(|s| s.last_error.take()),
+        )))
+    }
+
+    /// The call has to wait: from now on it counts as retrying and watches progress.
+    fn start_waiting(&mut self, now: Instant) -> &mut Slow {
+        let shared = &self.shared;
+        self.slow.get_or_insert_with(|| {
+            shared.counters.retrying.fetch_add(1, Ordering::Relaxed);
+            shared.progress.watch();
+            Box::new(Slow {
+                waiting_since: now,
+                spent: 0,
+                reasks: 0,
+                backoffs: 0,
+                last_error: None,
+                counted: true,
+            })
+        })
+    }
+
+    fn next_backoff(&mut self) -> Duration {
+        let n = self.slow.as_ref().map_or(0, |s| s.backoffs);
+        let d = self.shared.backoff(n);
+        if let Some(s) = &mut self.slow {
+            s.backoffs = n.saturating_add(1);
+        }
+        d
+    }
+
+    /// The longest this call may still wait in one go (R3): the stall window, or less
+    /// when the deadline is nearer.
+    fn wait_limit(&self, now: Instant) -> Duration {
+        let stall = self.shared.config.stall_window;
+        match self.deadline_at {
+            Some(d) => stall.min(d.saturating_duration_since(now)),
+            None => stall,
+        }
+    }
+
+    fn sleep_or_fail<T>(&mut self, wait: Duration, now: Instant) -> Next<T> {
+        let limit = self.wait_limit(now);
+        if wait > limit {
+            Next::Finish(self.fail(Reason::WaitTooLong { wait, limit }))
+        } else {
+            Next::Sleep(wait)
+        }
+    }
+
+    /// R4, checked before every attempt after the first.
+    fn stalled(&self) -> Option<Duration> {
+        let since = self.slow.as_ref()?.waiting_since;
+        let now = Instant::now();
+        let waited = now.saturating_duration_since(since);
+        let stall = self.shared.config.stall_window;
+        (waited > stall && self.shared.progress.idle_for(now) > stall).then_some(waited)
+    }
+
+    /// Decides what follows one attempt.
+    fn after_attempt<T>(&mut self, result: Result<T, BoxError>) -> Next<T>
+    where
+        C: Classify<T, BoxError>,
+    {
+        if let Err(e) = &result
+            && let Some(refused) = NotAdmitted::of(&**e)
+        {
+            return self.not_admitted(refused, result);
+        }
+        let outcome = self.shared.classify.classify(&result);
+        if let Some(t) = &self.shared.throttle
+            && outcome.health_sample() != Some(false)
+        {
+            t.record_accept(Instant::now());
+        }
+        if outcome.is_success() {
+            self.shared.progress.record_success_if_watched();
+            if !self.own_history {
+                // The caller reads the history: make sure this attempt is in it.
+                let known_len = self.known_len;
+                let history = self.history();
+                if history.len() == known_len {
+                    history.record(None, outcome);
+                }
+            }
+            return Next::Finish(result);
+        }
+
+        // The service below records its attempts with their source; otherwise we do.
+        let known_len = self.known_len;
+        let history = self.history();
+        let source = if history.len() > known_len {
+            history.last().and_then(|a| a.source)
+        } else {
+            history.record(None, outcome);
+            None
+        };
+        self.known_len = history.len();
+        let now = Instant::now();
+        self.start_waiting(now).last_error = result.err();
+        tracing::debug!(outcome = outcome.as_str(), source = ?source, "attempt failed");
+
+        match outcome {
+            Outcome::Rejected => Next::Finish(self.fail(Reason::Rejected)),
+            Outcome::Invalid => {
+                let max_reasks = self.shared.config.max_reasks;
+                let slow = self.start_waiting(now);
+                if slow.reasks < max_reasks {
+                    slow.reasks += 1;
+                    Next::Dispatch
+                } else {
+                    Next::Finish(self.fail(Reason::ReasksExhausted))
+                }
+            }
+            Outcome::Transient | Outcome::SourceDead => {
+                let max_attempts = self.shared.config.max_attempts;
+                let slow = self.start_waiting(now);
+                slow.spent += 1;
+                if slow.spent >= max_attempts {
+                    return Next::Finish(self.fail(Reason::BudgetExhausted));
+                }
+                if let Some(budget) = &self.shared.budget
+                    && !budget.withdraw(now)
+                {
+                    return Next::Finish(self.fail(Reason::RetryBudgetExhausted));
+                }
+                if outcome == Outcome::SourceDead {
+                    // Nothing to wait for: that source's breaker is open now.
+                    Next::Dispatch
+                } else {
+                    let wait = self.next_backoff();
+                    self.sleep_or_fail(wait, now)
+                }
+            }
+            Outcome::RateLimited { retry_after } => {
+                let wait = retry_after.unwrap_or_default().max(self.next_backoff());
+                match (&self.shared.hold, source) {
+                    (Some(_), Some(source)) => Next::Hold(source, wait),
+                    _ => self.sleep_or_fail(wait, now),
+                }
+            }
+            // Handled above; kept for exhaustiveness.
+            Outcome::Success => Next::Dispatch,
+        }
+    }
+
+    /// The service below refused before dispatch: not an attempt, nothing spent.
+    fn not_admitted<T>(&mut self, refused: NotAdmitted, result: Result<T, BoxError>) -> Next<T> {
+        if let Some(t) = &self.shared.throttle {
+            // A local gate's refusal says nothing about upstream overload.
+            t.record_accept(Instant::now());
+        }
+        let now = Instant::now();
+        self.start_waiting(now).last_error = result.err();
+        match refused {
+            NotAdmitted::CircuitOpen(retry_after) => {
+                Next::Finish(self.fail(Reason::AllCircuitsOpen { retry_after }))
+            }
+            NotAdmitted::QuotaExceeded(retry_after) => {
+                self.sleep_or_fail(retry_after.max(MIN_NOT_ADMITTED_WAIT), now)
+            }
+            NotAdmitted::Paced => {
+                let wait = self.next_backoff().max(MIN_NOT_ADMITTED_WAIT);
+                self.sleep_or_fail(wait, now)
+            }
+        }
+    }
+}
+
+impl<S, Req, C, R> ResponseFuture<S, Req, C, R>
+where
+    S: Service<Req>,
+    Req: CarriesHistory,
+{
+    pub(crate) fn new(
+        attempt: S::Future,
+        service: S,
+        shared: Arc<Shared<C, R>>,
+        start: CallStart<Req>,
+    ) -> Self {
+        Self {
+            state: State::Attempt { fut: attempt },
+            deadline: start.deadline_at.map(|at| Box::pin(tokio::time::sleep_until(at))),
+            service,
+            call: Call::new(shared, start),
+        }
+    }
+
+    pub(crate) fn failed(
+        service: S,
+        shared: Arc<Shared<C, R>>,
+        start: CallStart<Req>,
+        err: BoxError,
+    ) -> Self {
+        Self {
+            state: State::Failed { err: Some(err) },
+            deadline: None,
+            service,
+            call: Call::new(shared, start),
+        }
+    }
+}
+
+impl<S, Req, C, R> Future for ResponseFuture<S, Req, C, R>
+where
+    S: Service<Req>,
+    S::Error: Into<BoxError>,
+    Req: CarriesHistory,
+    C: Classify<S::Response, BoxError>,
+    R: Resend<Req>,
+{
+    type Output = Result<S::Response, BoxError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        if let Some(deadline) = this.deadline.as_mut()
+            && !matches!(*this.state, State::Done)
+            && deadline.as_mut().poll(cx).is_ready()
+        {
+            // Drops the attempt in flight (R7).
+            this.state.set(State::Done);
+            this.call.uncount();
+            return Poll::Ready(this.call.fail(Reason::DeadlineExceeded));
+        }
+        loop {
+            let next = match this.state.as_mut().project() {
+                StateProj::Attempt { fut } => {
+                    let result = ready!(fut.poll(cx)).map_err(Into::into);
+                    this.call.after_attempt(result)
+                }
+                StateProj::Holding { fut, wait, .. } => {
+                    let wait = *wait;
+                    match ready!(fut.as_mut().poll(cx)) {
+                        // The gates below keep the source not admitted: go on at once.
+                        Ok(()) => Next::Dispatch,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "hold failed; sleeping through the pushback instead");
+                            this.call.sleep_or_fail(wait, Instant::now())
+                        }
+                    }
+                }
+                StateProj::Waiting { sleep, .. } => {
+                    ready!(sleep.as_mut().poll(cx));
+                    Next::Dispatch
+                }
+                StateProj::Ready => {
+                    if let Some(waited) = this.call.stalled() {
+                        Next::Finish(this.call.fail(Reason::Stalled { waited }))
+                    } else if let Err(e) = ready!(this.service.poll_ready(cx)) {
+                        Next::Finish(Err(e.into()))
+                    } else if !this.call.shared.throttle_admits() {
+                        Next::Finish(this.call.fail(Reason::Throttled))
+                    } else if let Some(req) = this.call.next.take() {
+                        this.call.next = this.call.shared.resend.resend(&req);
+                        let fut = this.service.call(req);
+                        this.state.set(State::Attempt { fut });
+                        continue;
+                    } else {
+                        Next::Finish(this.call.fail(Reason::NotResendable))
+                    }
+                }
+                StateProj::Failed { err } => {
+                    let err = err
+                        .take()
+                        .unwrap_or_else(|| "retry future polled after completion".into());
+                    Next::Finish(Err(err))
+                }
+                StateProj::Done => {
+                    return Poll::Ready(Err("retry future polled after completion".into()));
+                }
+            };
+            match next {
+                Next::Dispatch => this.state.set(State::Ready),
+                Next::Sleep(wait) => {
+                    let waiting = WaitGuard::new(&this.call.shared.counters);
+                    this.state.set(State::Waiting {
+                        sleep: Box::pin(tokio::time::sleep(wait)),
+                        waiting,
+                    });
+                }
+                Next::Hold(source, wait) => {
+                    let waiting = WaitGuard::new(&this.call.shared.counters);
+                    let fut = match &this.call.shared.hold {
+                        Some(hold) => hold.hold(&source, wait),
+                        None => Box::pin(std::future::ready(Err("no hold hook".into()))),
+                    };
+                    tracing::debug!(%source, wait_s = wait.as_secs_f64(), "holding source after pushback");
+                    this.state.set(State::Holding { fut, wait, waiting });
+                }
+                Next::Finish(result) => {
+                    this.state.set(State::Done);
+                    this.call.uncount();
+                    return Poll::Ready(result);
+                }
+            }
+        }
+    }
+}

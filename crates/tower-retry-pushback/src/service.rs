@@ -1,0 +1,257 @@
+//! [`Retry`]: the service that runs the retry loop around an inner service.
+
+use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use pgw_core::{BoxError, CallHistory, CarriesHistory, Classify, Hold, OkIsSuccess};
+use rand::Rng;
+use rand::rngs::SmallRng;
+use tokio::time::Instant;
+use tower_service::Service;
+
+use crate::budget::{AdaptiveThrottle, RetryBudget};
+use crate::config::RetryConfig;
+use crate::error::{ConfigError, Reason, RetryError};
+use crate::future::{CallStart, ResponseFuture};
+use crate::layer::{HistoryMode, RetryLayer};
+use crate::progress::Progress;
+use crate::resend::{ByClone, Resend};
+
+/// What every call of one layer shares.
+pub(crate) struct Shared<C, R> {
+    pub(crate) config: RetryConfig,
+    pub(crate) classify: C,
+    pub(crate) resend: R,
+    pub(crate) hold: Option<Arc<dyn Hold>>,
+    pub(crate) history_mode: HistoryMode,
+    pub(crate) progress: Progress,
+    pub(crate) budget: Option<RetryBudget>,
+    pub(crate) throttle: Option<AdaptiveThrottle>,
+    pub(crate) rng: Arc<Mutex<SmallRng>>,
+    pub(crate) counters: Arc<Counters>,
+}
+
+impl<C, R> Shared<C, R> {
+    /// The `n`-th full-jitter backoff: uniform in `[0, min(max, base * 2^n)]`.
+    pub(crate) fn backoff(&self, n: u32) -> Duration {
+        let ceiling = self
+            .config
+            .max_backoff
+            .min(self.config.base_backoff.saturating_mul(1 << n.min(31)));
+        let ns = u64::try_from(ceiling.as_nanos()).unwrap_or(u64::MAX);
+        Duration::from_nanos(self.rng().random_range(0..=ns))
+    }
+
+    /// A uniform draw in `[0, 1)`.
+    pub(crate) fn uniform(&self) -> f64 {
+        self.rng().random()
+    }
+
+    fn rng(&self) -> std::sync::MutexGuard<'_, SmallRng> {
+        // Held for one draw; a poisoned RNG is still a valid RNG.
+        self.rng.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// R6: counts the attempt and decides whether it may go.
+    pub(crate) fn throttle_admits(&self) -> bool {
+        match &self.throttle {
+            None => true,
+            Some(t) => t.admit(Instant::now(), self.uniform()),
+        }
+    }
+}
+
+/// Live counters of one layer, for tests and metrics.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub(crate) retrying: AtomicUsize,
+    pub(crate) waiting: AtomicUsize,
+}
+
+impl Counters {
+    pub(crate) fn snapshot(&self) -> RetryStats {
+        RetryStats {
+            retrying: self.retrying.load(Ordering::Relaxed),
+            waiting: self.waiting.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// A snapshot of a layer's live counters. Both return to zero when every call has
+/// ended, however it ended (dropped futures included, R7). Calls on the fast path (a
+/// first attempt that succeeds) touch neither.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RetryStats {
+    /// Calls past a failed or refused first attempt and not finished yet.
+    pub retrying: usize,
+    /// Calls sleeping through a backoff, a `Retry-After` or a hold.
+    pub waiting: usize,
+}
+
+/// Runs the retry loop around `S`: see the [crate docs](crate).
+pub struct Retry<S, C = OkIsSuccess, R = ByClone> {
+    inner: S,
+    shared: Arc<Shared<C, R>>,
+}
+
+impl<S> Retry<S> {
+    /// Wraps `inner` with `config` and the defaults of [`RetryLayer::new`].
+    ///
+    /// # Errors
+    /// A [`ConfigError`] naming the first invalid field.
+    pub fn new(inner: S, config: RetryConfig) -> Result<Self, ConfigError> {
+        Ok(tower_layer::Layer::layer(&RetryLayer::new(config)?, inner))
+    }
+}
+
+impl<S, C, R> Retry<S, C, R> {
+    pub(crate) fn from_shared(inner: S, shared: Arc<Shared<C, R>>) -> Self {
+        Self { inner, shared }
+    }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The inner service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Unwraps the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+
+    /// Calls retrying and waiting, over every service of this service's layer.
+    #[must_use]
+    pub fn stats(&self) -> RetryStats {
+        self.shared.counters.snapshot()
+    }
+
+    /// The progress signal this service records successes into.
+    #[must_use]
+    pub fn progress_signal(&self) -> &Progress {
+        &self.shared.progress
+    }
+}
+
+impl<S: Clone, C, R> Clone for Retry<S, C, R> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<S: fmt::Debug, C, R> fmt::Debug for Retry<S, C, R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Retry")
+            .field("inner", &self.inner)
+            .field("config", &self.shared.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, Req, C, R> Service<Req> for Retry<S, C, R>
+where
+    S: Service<Req> + Clone,
+    S::Error: Into<BoxError>,
+    Req: CarriesHistory,
+    C: Classify<S::Response, BoxError>,
+    R: Resend<Req>,
+{
+    type Response = S::Response;
+    type Error = BoxError;
+    type Future = ResponseFuture<S, Req, C, R>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, mut req: Req) -> Self::Future {
+        let shared = Arc::clone(&self.shared);
+        let own_history = req.call_history().is_none();
+        let known_len = if own_history {
+            if shared.history_mode == HistoryMode::EveryAttempt {
+                req.set_call_history(CallHistory::new());
+            }
+            0
+        } else {
+            req.call_history().map_or(0, CallHistory::len)
+        };
+        let deadline_at = match (shared.config.max_call_duration, shared.resend.deadline(&req)) {
+            (None, None) => None,
+            (max, own) => {
+                let from_config = max.map(|d| Instant::now() + d);
+                from_config.into_iter().chain(own).min()
+            }
+        };
+        if let Some(budget) = &shared.budget {
+            budget.deposit(Instant::now());
+        }
+        // The clone is not ready; the ready service goes to the future, which asks it
+        // again before any later attempt (see tower-service, "Be careful when cloning
+        // inner services").
+        let clone = self.inner.clone();
+        let mut service = std::mem::replace(&mut self.inner, clone);
+        let next = shared.resend.resend(&req);
+        // Keep our own handle only when no copy of the request will carry the history.
+        let history = if next.is_none() {
+            req.call_history().cloned()
+        } else {
+            None
+        };
+        let start = CallStart {
+            next,
+            history,
+            own_history,
+            known_len,
+            deadline_at,
+        };
+        if !shared.throttle_admits() {
+            let attempts = req.call_history().map(CallHistory::attempts).unwrap_or_default();
+            let err = RetryError::new(Reason::Throttled, attempts, None);
+            return ResponseFuture::failed(service, shared, start, Box::new(err));
+        }
+        let attempt = service.call(req);
+        ResponseFuture::new(attempt, service, shared, start)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+
+    #[tokio::test]
+    async fn backoff_is_full_jitter_under_the_ceiling() {
+        let layer = RetryLayer::default().rng_seed(5);
+        let shared = Shared {
+            config: layer.config.clone(),
+            classify: OkIsSuccess,
+            resend: ByClone,
+            hold: None,
+            history_mode: HistoryMode::default(),
+            progress: Progress::new(),
+            budget: None,
+            throttle: None,
+            rng: Arc::new(Mutex::new(SmallRng::seed_from_u64(5))),
+            counters: Arc::default(),
+        };
+        for n in [0u32, 1, 3, 6, 40, u32::MAX] {
+            let ceiling =
+                Duration::from_secs(20).min(Duration::from_millis(500).saturating_mul(1 << n.min(31)));
+            let draws: Vec<Duration> = (0..200).map(|_| shared.backoff(n)).collect();
+            assert!(draws.iter().all(|d| *d <= ceiling), "n={n}");
+            // Spread over the whole range, not stuck at one end.
+            assert!(draws.iter().any(|d| *d < ceiling / 4), "n={n}");
+            assert!(draws.iter().any(|d| *d > ceiling * 3 / 4), "n={n}");
+        }
+    }
+}

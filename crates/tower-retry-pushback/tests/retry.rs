@@ -1,0 +1,715 @@
+//! The retry loop's behaviour, under tokio's paused clock.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use pgw_core::{BoxError, CallHistory, CircuitOpen, Outcome, Paced, QuotaExceeded, SourceId};
+use support::{Ans, FailingHold, Req, Router, StuckHold, TestClassifier, TestHold, Upstream, classify};
+use tokio::time::Instant;
+use tower::{Layer, Service, ServiceExt};
+use tower_retry_pushback::{
+    CallDeadline, HttpResend, Reason, Retry, RetryConfig, RetryError, RetryLayer, RetryStats,
+};
+
+fn layer(config: RetryConfig) -> RetryLayer<TestClassifier> {
+    RetryLayer::new(config)
+        .unwrap()
+        .classifier(TestClassifier)
+        .rng_seed(42)
+}
+
+async fn call<S>(svc: &mut S, req: Req) -> Result<Ans, BoxError>
+where
+    S: Service<Req, Response = Ans, Error = BoxError>,
+{
+    svc.ready().await?.call(req).await
+}
+
+fn retry_error(err: &BoxError) -> &RetryError {
+    err.downcast_ref::<RetryError>()
+        .unwrap_or_else(|| panic!("not a RetryError: {err}"))
+}
+
+fn outcomes(err: &RetryError) -> Vec<Outcome> {
+    err.attempts().iter().map(|a| a.outcome).collect()
+}
+
+fn rl(secs: u64) -> Result<Ans, BoxError> {
+    Ok(Ans::RateLimited(Some(Duration::from_secs(secs))))
+}
+
+// ---------------------------------------------------------------- R1, R2
+
+#[tokio::test(start_paused = true)]
+async fn ten_429s_then_success_with_the_default_budget() {
+    for seed in 0..20 {
+        let mut script: Vec<Result<Ans, BoxError>> = (0..10).map(|_| Ok(Ans::RateLimited(None))).collect();
+        script.push(Ok(Ans::Ok));
+        let upstream = Upstream::with(script);
+        let mut svc = layer(RetryConfig::default())
+            .rng_seed(seed)
+            .layer(upstream.clone());
+        let history = CallHistory::new();
+        let req = Req {
+            id: 1,
+            history: Some(history.clone()),
+        };
+        assert_eq!(call(&mut svc, req).await.unwrap(), Ans::Ok, "seed {seed}");
+        assert_eq!(upstream.sent_count(), 11);
+        // The layer recorded every attempt into the caller's history.
+        assert_eq!(history.len(), 11);
+        assert_eq!(history.last().unwrap().outcome, Outcome::Success);
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn three_transient_failures_exhaust_the_budget() {
+    let upstream = Upstream::always(Ans::Transient);
+    let mut svc = layer(RetryConfig::default()).layer(upstream.clone());
+    let err = call(&mut svc, Req::new(1)).await.unwrap_err();
+    let err = retry_error(&err);
+    assert_eq!(err.reason(), Reason::BudgetExhausted);
+    assert_eq!(outcomes(err), vec![Outcome::Transient; 3]);
+    assert_eq!(upstream.sent_count(), 3);
+    assert!(
+        err.to_string()
+            .contains("attempt budget exhausted after 3 attempts"),
+        "{err}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn source_dead_spends_the_budget_and_retries_at_once() {
+    let upstream = Upstream::with(vec![Ok(Ans::Dead), Ok(Ans::Dead), Ok(Ans::Dead)]);
+    let mut svc = layer(RetryConfig::default()).layer(upstream.clone());
+    let start = Instant::now();
+    let err = call(&mut svc, Req::new(1)).await.unwrap_err();
+    assert_eq!(retry_error(&err).reason(), Reason::BudgetExhausted);
+    assert_eq!(upstream.sent_count(), 3);
+    assert_eq!(Instant::now(), start, "no backoff after SourceDead");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_400_is_attempted_once() {
+    let upstream = Upstream::always(Ans::Rejected);
+    let mut svc = layer(RetryConfig::default()).layer(upstream.clone());
+    let err = call(&mut svc, Req::new(1)).await.unwrap_err();
+    let err = retry_error(&err);
+    assert_eq!(err.reason(), Reason::Rejected);
+    assert_eq!(outcomes(err), vec![Outcome::Rejected]);
+    assert_eq!(upstream.sent_count(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_400_error_is_kept_as_the_last_error() {
+    let upstream = Upstream::with(vec![
+        Ok(Ans::Transient),
+        Err("bad request: prompt too long".into()),
+    ]);
+    let classify_400 = |r: &Result<Ans, BoxError>| match r {
+        Err(_) => Outcome::Rejected,
+        other => classify(other),
+    };
+    let mut svc = RetryLayer::default()
+        .classifier(classify_400)
+        .rng_seed(1)
+        .layer(upstream.clone());
+    let err = call(&mut svc, Req::new(1)).await.unwrap_err();
+    let err = retry_error(&err);
+    assert_eq!(err.reason(), Reason::Rejected);
+    assert_eq!(outcomes(err), vec![Outcome::Transient, Outcome::Rejected]);
+    assert_eq!(
+        err.last_error().unwrap().to_string(),
+        "bad request: prompt too long"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn invalid_is_reasked_exactly_max_reasks_times() {
+    for max_reasks in [0, 2, 4] {
+        let upstream = Upstream::always(Ans::Invalid);
+        let mut svc = layer(RetryConfig {
+            max_reasks,
+            ..RetryConfig::default()
+        })
+        .layer(upstream.clone());
+        let err = call(&mut svc, Req::new(1)).await.unwrap_err();
+        let err = retry_error(&err);
+        assert_eq!(err.reason(), Reason::ReasksExhausted);
+        assert_eq!(upstream.sent_count(), 1 + max_reasks as usize);
+        assert_eq!(outcomes(err), vec![Outcome::Invalid; 1 + max_reasks as usize]);
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn reasks_do_not_spend_the_attempt_budget() {
+    let upstream = Upstream::with(vec![
+        Ok(Ans::Invalid),
+        Ok(Ans::Transient),
+        Ok(Ans::Invalid),
+        Ok(Ans::Transient),
+        Ok(Ans::Ok),
+    ]);
+    let mut svc = layer(RetryConfig::default()).layer(upstream.clone());
+    assert_eq!(call(&mut svc, Req::new(1)).await.unwrap(), Ans::Ok);
+    assert_eq!(upstream.sent_count(), 5);
+}
+
+// ---------------------------------------------------------------- R3, standalone
+
+#[tokio::test(start_paused = true)]
+async fn retry_after_seconds_is_honoured_without_a_hold_hook() {
+    let upstream = Upstream::with(vec![rl(7)]);
+    let mut svc = layer(RetryConfig::default()).layer(upstream.clone());
+    assert_eq!(call(&mut svc, Req::new(1)).await.unwrap(), Ans::Ok);
+    let t = upstream.sent_times();
+    assert_eq!(t.len(), 2);
+    assert!(t[1] - t[0] >= Duration::from_secs(7), "{:?}", t[1] - t[0]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn retry_after_http_date_is_honoured() {
+    // 07:28:00 GMT against a wall clock of 07:27:50: ten seconds.
+    let upstream = Upstream::with(vec![Ok(Ans::RateLimitedHeader("Wed, 21 Oct 2015 07:28:00 GMT"))]);
+    let mut svc = layer(RetryConfig::default()).layer(upstream.clone());
+    assert_eq!(call(&mut svc, Req::new(1)).await.unwrap(), Ans::Ok);
+    let t = upstream.sent_times();
+    assert!(t[1] - t[0] >= Duration::from_secs(10), "{:?}", t[1] - t[0]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retry_after_beyond_the_stall_window_fails_at_once() {
+    let upstream = Upstream::always(Ans::RateLimited(Some(Duration::from_secs(200))));
+    let mut svc = layer(RetryConfig::default()).layer(upstream.clone());
+    let start = Instant::now();
+    let err = call(&mut svc, Req::new(1)).await.unwrap_err();
+    assert_eq!(Instant::now(), start, "must not sleep");
+    assert_eq!(
+        retry_error(&err).reason(),
+        Reason::WaitTooLong {
+            wait: Duration::from_secs(200),
+            limit: Duration::from_secs(120)
+        }
+    );
+    assert_eq!(upstream.sent_count(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retry_after_beyond_the_deadline_fails_at_once() {
+    let upstream = Upstream::always(Ans::RateLimited(Some(Duration::from_secs(30))));
+    let mut svc = layer(RetryConfig {
+        max_call_duration: Some(Duration::from_secs(20)),
+        ..RetryConfig::default()
+    })
+    .layer(upstream.clone());
+    let start = Instant::now();
+    let err = call(&mut svc, Req::new(1)).await.unwrap_err();
+    assert_eq!(Instant::now(), start);
+    assert_eq!(
+        retry_error(&err).reason(),
+        Reason::WaitTooLong {
+            wait: Duration::from_secs(30),
+            limit: Duration::from_secs(20)
+        }
+    );
+}
+
+// ---------------------------------------------------------------- R3, with holds
+
+#[tokio::test(start_paused = true)]
+async fn pushback_moves_to_the_other_source_at_once_and_holds_the_first() {
+    let holds = TestHold::default();
+    let s1 = Upstream::with(vec![rl(30)]);
+    let router = Router::new(
+        vec![("s1", s1.clone()), ("s2", Upstream::always(Ans::Ok))],
+        holds.clone(),
+    );
+    let mut svc = layer(RetryConfig::default())
+        .hold(Arc::new(holds.clone()))
+        .layer(router.clone());
+    let start = Instant::now();
+    let history = CallHistory::new();
+    let req = Req {
+        id: 1,
+        history: Some(history.clone()),
+    };
+    assert_eq!(call(&mut svc, req).await.unwrap(), Ans::Ok);
+    assert_eq!(Instant::now(), start, "the second attempt went out at once");
+    assert_eq!(router.times_of("s2"), vec![start]);
+    assert_eq!(
+        *holds.calls.lock().unwrap(),
+        vec![(SourceId::from("s1"), Duration::from_secs(30))]
+    );
+    let sources: Vec<_> = history
+        .attempts()
+        .into_iter()
+        .map(|a| a.source.unwrap())
+        .collect();
+    assert_eq!(sources, vec![SourceId::from("s1"), SourceId::from("s2")]);
+
+    // More calls within the hold go to s2; s1 gets nothing for 30 s.
+    for _ in 0..6 {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert_eq!(call(&mut svc, Req::new(2)).await.unwrap(), Ans::Ok);
+    }
+    // At 30 s the hold has expired: the router prefers s1 again.
+    assert_eq!(
+        router.times_of("s1"),
+        vec![start, start + Duration::from_secs(30)]
+    );
+    assert_eq!(router.times_of("s2").len(), 6);
+}
+
+#[tokio::test(start_paused = true)]
+async fn one_source_with_a_hold_waits_out_the_retry_after() {
+    let holds = TestHold::default();
+    let s1 = Upstream::with(vec![rl(7)]);
+    let router = Router::new(vec![("s1", s1.clone())], holds.clone());
+    let mut svc = layer(RetryConfig::default())
+        .hold(Arc::new(holds.clone()))
+        .layer(router.clone());
+    assert_eq!(call(&mut svc, Req::new(1)).await.unwrap(), Ans::Ok);
+    let t = router.times_of("s1");
+    assert_eq!(t.len(), 2);
+    assert_eq!(
+        t[1] - t[0],
+        Duration::from_secs(7),
+        "sent as soon as the hold ended"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn one_source_with_a_hold_beyond_the_stall_window_fails_at_once() {
+    let holds = TestHold::default();
+    let router = Router::new(vec![("s1", Upstream::with(vec![rl(500)]))], holds.clone());
+    let mut svc = layer(RetryConfig::default())
+        .hold(Arc::new(holds.clone()))
+        .layer(router.clone());
+    let start = Instant::now();
+    let err = call(&mut svc, Req::new(1)).await.unwrap_err();
+    assert_eq!(Instant::now(), start);
+    let err = retry_error(&err);
+    assert_eq!(
+        err.reason(),
+        Reason::WaitTooLong {
+            wait: Duration::from_secs(500),
+            limit: Duration::from_secs(120)
+        }
+    );
+    assert!(err.last_error().unwrap().is::<QuotaExceeded>());
+    assert_eq!(router.times_of("s1").len(), 1);
+}
+
+// ---------------------------------------------------------------- not admitted
+
+#[tokio::test(start_paused = true)]
+async fn all_circuits_open_fails_fast_without_an_attempt() {
+    let upstream = Upstream::from_fn(|_| Err(CircuitOpen::new(Duration::from_secs(42)).into()));
+    let mut svc = layer(RetryConfig::default()).layer(upstream.clone());
+    let err = call(&mut svc, Req::new(1)).await.unwrap_err();
+    let err = retry_error(&err);
+    assert_eq!(
+        err.reason(),
+        Reason::AllCircuitsOpen {
+            retry_after: Duration::from_secs(42)
+        }
+    );
+    assert!(err.attempts().is_empty(), "not admitted is not an attempt");
+    assert_eq!(upstream.sent_count(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn quota_and_pacing_are_waited_out_without_spending_the_budget() {
+    let upstream = Upstream::with(vec![
+        Err(QuotaExceeded::new("rpm", Duration::from_secs(5)).into()),
+        Err(Paced::new().into()),
+        Ok(Ans::Transient),
+        Err(QuotaExceeded::new("rpm", Duration::ZERO).into()),
+        Ok(Ans::Transient),
+        Ok(Ans::Ok),
+    ]);
+    let mut svc = layer(RetryConfig::default()).layer(upstream.clone());
+    let history = CallHistory::new();
+    let req = Req {
+        id: 1,
+        history: Some(history.clone()),
+    };
+    assert_eq!(call(&mut svc, req).await.unwrap(), Ans::Ok);
+    let t = upstream.sent_times();
+    assert!(t[1] - t[0] >= Duration::from_secs(5));
+    // A zero retry_after still waits a little: no spinning.
+    assert!(t[4] - t[3] >= Duration::from_millis(10));
+    assert_eq!(history.len(), 3, "only real attempts are recorded");
+}
+
+// ---------------------------------------------------------------- R4
+
+fn stall_config() -> RetryConfig {
+    RetryConfig {
+        stall_window: Duration::from_secs(60),
+        ..RetryConfig::default()
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn stalls_when_nothing_in_the_process_succeeds() {
+    let upstream = Upstream::always(Ans::RateLimited(Some(Duration::from_secs(10))));
+    let mut svc = layer(stall_config()).layer(upstream.clone());
+    let start = Instant::now();
+    let err = call(&mut svc, Req::new(0)).await.unwrap_err();
+    let elapsed = Instant::now() - start;
+    let Reason::Stalled { waited } = retry_error(&err).reason() else {
+        panic!("{err}")
+    };
+    assert!(waited > Duration::from_secs(60), "{waited:?}");
+    // Fails at the first check past the window (the longest single wait is 20 s).
+    assert!(elapsed <= Duration::from_secs(80), "{elapsed:?}");
+    assert!(upstream.sent_count() >= 4);
+    assert_eq!(svc.stats(), RetryStats::default());
+}
+
+#[tokio::test(start_paused = true)]
+async fn keeps_waiting_while_other_calls_succeed() {
+    // Request 0 is always pushed back; the others succeed.
+    let upstream = Upstream::from_fn(|req| {
+        Ok(if req.id == 0 {
+            Ans::RateLimited(Some(Duration::from_secs(10)))
+        } else {
+            Ans::Ok
+        })
+    });
+    let svc = layer(stall_config()).layer(upstream.clone());
+    let start = Instant::now();
+    let others = {
+        let mut svc = svc.clone();
+        tokio::spawn(async move {
+            while Instant::now() - start < Duration::from_secs(300) {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                assert_eq!(call(&mut svc, Req::new(1)).await.unwrap(), Ans::Ok);
+            }
+        })
+    };
+    let err = call(&mut svc.clone(), Req::new(0)).await.unwrap_err();
+    let ended = Instant::now() - start;
+    others.await.unwrap();
+    assert!(
+        matches!(retry_error(&err).reason(), Reason::Stalled { .. }),
+        "{err}"
+    );
+    // Progress went on until 300 s: the stuck call kept waiting; it stalled once the
+    // process had been idle for a whole window.
+    assert!(ended > Duration::from_secs(360), "{ended:?}");
+    assert!(ended <= Duration::from_secs(380), "{ended:?}");
+}
+
+// ---------------------------------------------------------------- R5, R6
+
+#[tokio::test(start_paused = true)]
+async fn retry_budget_caps_retries_under_total_failure() {
+    use tower_retry_pushback::RetryBudgetConfig;
+    let upstream = Upstream::always(Ans::Dead);
+    let mut svc = layer(RetryConfig {
+        max_attempts: 10,
+        retry_budget: Some(RetryBudgetConfig::default()),
+        ..RetryConfig::default()
+    })
+    .layer(upstream.clone());
+    let start = Instant::now();
+    let mut calls_per_window = [0u64; 3];
+    let mut budget_refusals = 0;
+    for i in 0..3000u64 {
+        let window = usize::try_from((Instant::now() - start).as_secs() / 10).unwrap();
+        calls_per_window[window] += 1;
+        let err = call(&mut svc, Req::new(1)).await.unwrap_err();
+        match retry_error(&err).reason() {
+            Reason::RetryBudgetExhausted => budget_refusals += 1,
+            Reason::BudgetExhausted => {}
+            other => panic!("call {i}: {other}"),
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut sent_per_window = [0u64; 3];
+    for t in upstream.sent_times() {
+        let window = usize::try_from((t - start).as_secs() / 10).unwrap();
+        sent_per_window[window] += 1;
+    }
+    let mut total_retries = 0;
+    for w in 0..3 {
+        let retries = sent_per_window[w] - calls_per_window[w];
+        total_retries += retries;
+        // ratio 10% of requests + 10 retries/s over 10 s.
+        let bound = calls_per_window[w] / 10 + 100;
+        assert!(retries <= bound, "window {w}: {retries} retries > {bound}");
+    }
+    // Without the budget every call would retry 9 times (27,000 retries).
+    assert!(
+        total_retries >= 400,
+        "the budget should allow retries: {total_retries}"
+    );
+    assert!(budget_refusals > 2000, "{budget_refusals}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn adaptive_throttling_drops_attempts_locally() {
+    use tower_retry_pushback::ThrottleConfig;
+    let upstream = Upstream::always(Ans::Transient);
+    let layer = layer(RetryConfig {
+        max_attempts: 1,
+        throttle: Some(ThrottleConfig::default()),
+        ..RetryConfig::default()
+    });
+    let mut svc = layer.layer(upstream.clone());
+    let mut throttled = 0;
+    for _ in 0..1000 {
+        let err = call(&mut svc, Req::new(1)).await.unwrap_err();
+        if retry_error(&err).reason() == Reason::Throttled {
+            throttled += 1;
+        }
+    }
+    let now = Instant::now();
+    let throttle = layer.throttle().unwrap();
+    assert_eq!(throttle.counts(now), (1000, 0));
+    // With no accepts the probability tends to 1: most attempts are dropped locally.
+    assert_eq!(upstream.sent_count(), 1000 - throttled);
+    assert!(throttled > 900, "{throttled}");
+    assert!(throttle.drop_probability(now) > 0.99);
+}
+
+// ---------------------------------------------------------------- R7 and deadlines
+
+#[tokio::test(start_paused = true)]
+async fn dropping_mid_backoff_stops_everything() {
+    let upstream = Upstream::always(Ans::RateLimited(Some(Duration::from_secs(10))));
+    let mut svc = layer(RetryConfig::default()).layer(upstream.clone());
+    let mut fut = Box::pin(svc.ready().await.unwrap().call(Req::new(1)));
+    assert!(
+        tokio::time::timeout(Duration::from_secs(1), &mut fut)
+            .await
+            .is_err()
+    );
+    assert_eq!(
+        svc.stats(),
+        RetryStats {
+            retrying: 1,
+            waiting: 1
+        }
+    );
+    assert_eq!(upstream.sent_count(), 1);
+    drop(fut);
+    assert_eq!(svc.stats(), RetryStats::default());
+    tokio::time::sleep(Duration::from_secs(100)).await;
+    assert_eq!(upstream.sent_count(), 1, "nothing sent after the drop");
+    assert_eq!(upstream.inflight.load(std::sync::atomic::Ordering::SeqCst), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn dropping_mid_attempt_stops_everything() {
+    let upstream = Upstream::always(Ans::Transient).delayed(Duration::from_secs(10));
+    let mut svc = layer(RetryConfig::default()).layer(upstream.clone());
+    let mut fut = Box::pin(svc.ready().await.unwrap().call(Req::new(1)));
+    assert!(
+        tokio::time::timeout(Duration::from_secs(15), &mut fut)
+            .await
+            .is_err()
+    );
+    // The second attempt is in flight.
+    assert_eq!(upstream.sent_count(), 2);
+    assert_eq!(upstream.inflight.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(
+        svc.stats(),
+        RetryStats {
+            retrying: 1,
+            waiting: 0
+        }
+    );
+    drop(fut);
+    assert_eq!(upstream.inflight.load(std::sync::atomic::Ordering::SeqCst), 0);
+    assert_eq!(svc.stats(), RetryStats::default());
+    tokio::time::sleep(Duration::from_secs(100)).await;
+    assert_eq!(upstream.sent_count(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn dropping_mid_hold_stops_everything() {
+    let s1 = Upstream::always(Ans::RateLimited(Some(Duration::from_secs(3))));
+    let router = Router::new(vec![("s1", s1.clone())], TestHold::default());
+    let mut svc = layer(RetryConfig::default())
+        .hold(Arc::new(StuckHold))
+        .layer(router.clone());
+    let mut fut = Box::pin(svc.ready().await.unwrap().call(Req::new(1)));
+    assert!(
+        tokio::time::timeout(Duration::from_secs(1), &mut fut)
+            .await
+            .is_err()
+    );
+    assert_eq!(
+        svc.stats(),
+        RetryStats {
+            retrying: 1,
+            waiting: 1
+        }
+    );
+    drop(fut);
+    assert_eq!(svc.stats(), RetryStats::default());
+    tokio::time::sleep(Duration::from_secs(100)).await;
+    assert_eq!(s1.sent_count(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_deadline_cuts_the_attempt_in_flight() {
+    let upstream = Upstream::always(Ans::Ok).delayed(Duration::from_secs(60));
+    let mut svc = layer(RetryConfig {
+        max_call_duration: Some(Duration::from_secs(5)),
+        ..RetryConfig::default()
+    })
+    .layer(upstream.clone());
+    let start = Instant::now();
+    let err = call(&mut svc, Req::new(1)).await.unwrap_err();
+    assert_eq!(Instant::now() - start, Duration::from_secs(5));
+    assert_eq!(retry_error(&err).reason(), Reason::DeadlineExceeded);
+    assert_eq!(upstream.inflight.load(std::sync::atomic::Ordering::SeqCst), 0);
+    assert_eq!(svc.stats(), RetryStats::default());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_deadline_is_read_from_http_extensions() {
+    let sent = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let inner = {
+        let sent = sent.clone();
+        tower::service_fn(move |req: http::Request<&'static str>| {
+            sent.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            assert!(req.extensions().get::<CallHistory>().is_some());
+            async { Ok::<_, BoxError>(http::Response::builder().status(429).body(()).unwrap()) }
+        })
+    };
+    let mut svc = RetryLayer::default()
+        .classifier(pgw_core::HttpClassifier)
+        .resend(HttpResend)
+        .rng_seed(3)
+        .layer(inner);
+    let mut req = http::Request::new("hi");
+    req.extensions_mut()
+        .insert(CallDeadline(Instant::now() + Duration::from_secs(30)));
+    let start = Instant::now();
+    let err = svc.ready().await.unwrap().call(req).await.unwrap_err();
+    let err = retry_error(&err);
+    // 429s without Retry-After back off until the next wait would pass the deadline.
+    match err.reason() {
+        Reason::WaitTooLong { limit, .. } => assert!(limit <= Duration::from_secs(30)),
+        Reason::DeadlineExceeded => {}
+        other => panic!("{other}"),
+    }
+    assert!(Instant::now() - start <= Duration::from_secs(30));
+    assert!(sent.load(std::sync::atomic::Ordering::SeqCst) >= 3);
+    assert!(err.attempts().iter().all(|a| a.outcome.is_rate_limited()));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_that_cannot_be_resent_ends_after_one_attempt() {
+    let upstream = Upstream::always(Ans::Transient);
+    let mut svc = layer(RetryConfig::default())
+        .resend(|_: &Req| None)
+        .layer(upstream.clone());
+    let err = call(&mut svc, Req::new(1)).await.unwrap_err();
+    assert_eq!(retry_error(&err).reason(), Reason::NotResendable);
+    assert_eq!(upstream.sent_count(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn bad_config_is_a_clear_error() {
+    let err = Retry::new(
+        Upstream::always(Ans::Ok),
+        RetryConfig {
+            max_attempts: 0,
+            ..RetryConfig::default()
+        },
+    )
+    .unwrap_err();
+    assert_eq!(err.field(), "max_attempts");
+}
+
+/// The tower-test mock: readiness is asked before each retry, and the request the
+/// retry sends is the same one.
+#[tokio::test(start_paused = true)]
+async fn readiness_is_asked_again_before_a_retry() {
+    let (mock, mut handle) = tower_test::mock::pair::<Req, Ans>();
+    let svc = layer(RetryConfig::default()).layer(mock);
+    handle.allow(1);
+    let fut = tokio::spawn({
+        let mut svc = svc.clone();
+        async move { svc.ready().await.unwrap().call(Req::new(9)).await }
+    });
+    let (req, send) = handle.next_request().await.unwrap();
+    assert_eq!(req.id, 9);
+    send.send_error(pgw_core::UpstreamStatus::new(
+        http::StatusCode::SERVICE_UNAVAILABLE,
+        None,
+        "busy",
+    ));
+    // Not ready: the retry waits for readiness, even after the backoff.
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    assert!(!fut.is_finished());
+    handle.allow(1);
+    let (req, send) = handle.next_request().await.unwrap();
+    assert_eq!(req.id, 9);
+    assert!(req.history.as_ref().is_some_and(|h| h.len() == 1));
+    send.send_response(Ans::Ok);
+    assert_eq!(fut.await.unwrap().unwrap(), Ans::Ok);
+    assert_eq!(svc.stats(), RetryStats::default());
+}
+
+#[tokio::test(start_paused = true)]
+async fn history_from_the_first_retry_records_the_first_attempt_without_source() {
+    use tower_retry_pushback::HistoryMode;
+    let holds = TestHold::default();
+    let s1 = Upstream::with(vec![rl(5), Ok(Ans::Transient)]);
+    let router = Router::new(vec![("s1", s1.clone())], holds.clone());
+    let mut svc = layer(RetryConfig {
+        max_attempts: 1,
+        ..RetryConfig::default()
+    })
+    .hold(Arc::new(holds.clone()))
+    .history_mode(HistoryMode::FromFirstRetry)
+    .layer(router.clone());
+    let start = Instant::now();
+    let err = call(&mut svc, Req::new(1)).await.unwrap_err();
+    let err = retry_error(&err);
+    assert_eq!(err.reason(), Reason::BudgetExhausted);
+    let sources: Vec<_> = err.attempts().iter().map(|a| a.source.clone()).collect();
+    assert_eq!(sources, vec![None, Some(SourceId::from("s1"))]);
+    // The first attempt's source was unknown: the layer slept instead of holding.
+    assert!(holds.calls.lock().unwrap().is_empty());
+    assert!(Instant::now() - start >= Duration::from_secs(5));
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_history_reaches_the_service_below_on_every_attempt() {
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let upstream = {
+        let seen = seen.clone();
+        Upstream::from_fn(move |req| {
+            let h = req.history.as_ref().expect("every attempt carries the history");
+            seen.lock().unwrap().push(h.len());
+            Ok(if h.len() < 2 { Ans::Transient } else { Ans::Ok })
+        })
+    };
+    let mut svc = layer(RetryConfig::default()).layer(upstream.clone());
+    assert_eq!(call(&mut svc, Req::new(1)).await.unwrap(), Ans::Ok);
+    // The layer recorded the attempts the upstream did not, in the same history.
+    assert_eq!(*seen.lock().unwrap(), vec![0, 1, 2]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failed_hold_falls_back_to_sleeping_through_the_pushback() {
+    let s1 = Upstream::with(vec![rl(9)]);
+    let router = Router::new(vec![("s1", s1.clone())], TestHold::default());
+    let mut svc = layer(RetryConfig::default())
+        .hold(Arc::new(FailingHold))
+        .layer(router.clone());
+    assert_eq!(call(&mut svc, Req::new(1)).await.unwrap(), Ans::Ok);
+    let t = router.times_of("s1");
+    assert_eq!(t.len(), 2);
+    assert!(t[1] - t[0] >= Duration::from_secs(9), "{:?}", t[1] - t[0]);
+}
