@@ -1,0 +1,654 @@
+//! The pool's configuration: sources, accounts, their fault knobs and the P6 preset.
+//!
+//! Every knob is a serde field with a documented default, so the soak can calibrate
+//! the pool from a TOML/JSON file. [`PoolConfig::validate`] names the first bad field.
+
+use std::collections::HashSet;
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// Default fraction of prompts every source rejects with 400: 0.005, DESIGN.md
+/// section 5 ("about 0.5% of prompts are rejected by the provider whatever the client does").
+pub const DEFAULT_BAD_PROMPT_RATE: f64 = 0.005;
+
+/// Default bytes of prompt text per reported prompt token: 4.0, the usual English
+/// average (the limiter's estimate in `pgw_core::openai` assumes a pessimistic 3).
+pub const DEFAULT_PROMPT_BYTES_PER_TOKEN: f64 = 4.0;
+
+/// Default upper bound on body frames of one streamed answer: 48. Tokens are grouped
+/// so a long answer costs at most this many timer wake-ups (8000 calls must simulate
+/// in seconds of wall time).
+pub const DEFAULT_MAX_STREAM_FRAMES: u32 = 48;
+
+/// Default Unix time of the pool's start, used for the `created` fields:
+/// 2026-07-21T05:07:50Z, the start of the seeds' P6 run. The simulator never reads the
+/// wall clock, so answers are byte-identical between runs.
+pub const DEFAULT_EPOCH_UNIX_S: u64 = 1_784_610_470;
+
+/// Default completion budget when a request sets no `max_tokens`: 1024 (the same
+/// figure `pgw_core::openai::DEFAULT_MAX_TOKENS_ESTIMATE` assumes).
+pub const DEFAULT_MAX_TOKENS: u64 = 1024;
+
+/// A bad configuration: which field, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigError {
+    field: String,
+    reason: String,
+}
+
+impl ConfigError {
+    fn new(field: impl Into<String>, reason: impl Into<String>) -> Self {
+        Self {
+            field: field.into(),
+            reason: reason.into(),
+        }
+    }
+
+    /// The path of the offending field, e.g. `sources[2].empty_rate`.
+    #[must_use]
+    pub fn field(&self) -> &str {
+        &self.field
+    }
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "invalid simulator config: {}: {}", self.field, self.reason)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// A log-normal distribution given by its median and 95th percentile, clamped to
+/// `[min, max]`. The unit is the one of the field holding it (seconds, tokens/s).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LogNormal {
+    /// The median.
+    pub median: f64,
+    /// The 95th percentile (`>= median`; equal means a constant).
+    pub p95: f64,
+    /// Lower clamp.
+    pub min: f64,
+    /// Upper clamp.
+    pub max: f64,
+}
+
+impl LogNormal {
+    /// A constant value.
+    #[must_use]
+    pub const fn constant(v: f64) -> Self {
+        Self {
+            median: v,
+            p95: v,
+            min: v,
+            max: v,
+        }
+    }
+
+    fn validate(&self, field: &str) -> Result<(), ConfigError> {
+        let all = [self.median, self.p95, self.min, self.max];
+        if all.iter().any(|v| !v.is_finite() || *v < 0.0) {
+            return Err(ConfigError::new(field, "values must be finite and >= 0"));
+        }
+        if self.median <= 0.0 {
+            return Err(ConfigError::new(format!("{field}.median"), "must be > 0"));
+        }
+        if self.p95 < self.median {
+            return Err(ConfigError::new(format!("{field}.p95"), "must be >= median"));
+        }
+        if self.min > self.median || self.max < self.median {
+            return Err(ConfigError::new(field, "need min <= median <= max"));
+        }
+        Ok(())
+    }
+}
+
+/// How long a completion is: `max_tokens` (or `default_max_tokens`) times a uniform
+/// fraction in `[min_fraction, max_fraction]`, at least 1 token.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CompletionConfig {
+    /// Lower fraction of the budget (default 0.2).
+    pub min_fraction: f64,
+    /// Upper fraction of the budget (default 0.9: answers usually stop before the cap).
+    pub max_fraction: f64,
+    /// Budget when the request sets no `max_tokens` (default [`DEFAULT_MAX_TOKENS`]).
+    pub default_max_tokens: u64,
+}
+
+impl Default for CompletionConfig {
+    fn default() -> Self {
+        Self {
+            min_fraction: 0.2,
+            max_fraction: 0.9,
+            default_max_tokens: DEFAULT_MAX_TOKENS,
+        }
+    }
+}
+
+/// Slow streams: with probability `rate` one inter-token gap of a streamed (or
+/// generated) answer is stretched to a uniform `[min_gap_s, max_gap_s]`, at a uniformly
+/// chosen frame after the first.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct StallConfig {
+    /// Fraction of answers with one long gap (default 0: none).
+    pub rate: f64,
+    /// Shortest stall, seconds (default 20).
+    pub min_gap_s: f64,
+    /// Longest stall, seconds (default 90).
+    pub max_gap_s: f64,
+}
+
+impl Default for StallConfig {
+    fn default() -> Self {
+        Self {
+            rate: 0.0,
+            min_gap_s: 20.0,
+            max_gap_s: 90.0,
+        }
+    }
+}
+
+/// One source: an endpoint + key + model with its own behaviour.
+///
+/// Defaults describe a healthy source with the seeds' latencies and no faults.
+#[derive(Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SourceConfig {
+    /// The source's name (`s1`, ...): the path prefix over HTTP and the key of the stats.
+    pub name: String,
+    /// The account it belongs to (an entry of [`PoolConfig::accounts`]); `None` means
+    /// an account of its own with a zero 429 curve.
+    pub account: Option<String>,
+    /// The model name echoed when the request names none (default `sim-model`).
+    pub model: String,
+    /// The bearer token the source accepts; `None` accepts any (even none). Redacted
+    /// in `Debug`.
+    pub api_key: Option<String>,
+    /// The key is revoked: 401 on every call (default false).
+    pub revoked: bool,
+    /// Fraction of requests accepted and never answered (default 0).
+    pub black_hole_rate: f64,
+    /// Fraction of requests answered 500/502/503 (default 0).
+    pub server_error_rate: f64,
+    /// Fraction of completions that are empty (200, no content; default 0).
+    pub empty_rate: f64,
+    /// Fraction of JSON-mode completions whose content is not valid JSON (default 0).
+    pub invalid_json_rate: f64,
+    /// The source's own requests-per-60-s gate (a provider-side RPM limit); requests
+    /// beyond it get 429 with `retry-after`. Counted over admitted requests. Default none.
+    pub rpm_gate: Option<u32>,
+    /// Time to first token, seconds (default median 12, p95 40, clamped 0.5..120).
+    pub ttft_s: LogNormal,
+    /// Generation speed, tokens/s, drawn once per answer (default median 60, p95 120,
+    /// clamped 20..200).
+    pub tokens_per_second: LogNormal,
+    /// Latency of error answers (401, 429, 400, 5xx), seconds (default median 0.3,
+    /// p95 1.5, clamped 0.05..5).
+    pub error_latency_s: LogNormal,
+    /// Completion length.
+    pub completion: CompletionConfig,
+    /// Slow streams.
+    pub stall: StallConfig,
+}
+
+impl fmt::Debug for SourceConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SourceConfig")
+            .field("name", &self.name)
+            .field("account", &self.account)
+            .field("model", &self.model)
+            .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
+            .field("revoked", &self.revoked)
+            .field("black_hole_rate", &self.black_hole_rate)
+            .field("server_error_rate", &self.server_error_rate)
+            .field("empty_rate", &self.empty_rate)
+            .field("invalid_json_rate", &self.invalid_json_rate)
+            .field("rpm_gate", &self.rpm_gate)
+            .field("ttft_s", &self.ttft_s)
+            .field("tokens_per_second", &self.tokens_per_second)
+            .field("error_latency_s", &self.error_latency_s)
+            .field("completion", &self.completion)
+            .field("stall", &self.stall)
+            .finish()
+    }
+}
+
+impl Default for SourceConfig {
+    fn default() -> Self {
+        Self {
+            name: String::new(),
+            account: None,
+            model: "sim-model".into(),
+            api_key: None,
+            revoked: false,
+            black_hole_rate: 0.0,
+            server_error_rate: 0.0,
+            empty_rate: 0.0,
+            invalid_json_rate: 0.0,
+            rpm_gate: None,
+            ttft_s: LogNormal {
+                median: 12.0,
+                p95: 40.0,
+                min: 0.5,
+                max: 120.0,
+            },
+            tokens_per_second: LogNormal {
+                median: 60.0,
+                p95: 120.0,
+                min: 20.0,
+                max: 200.0,
+            },
+            error_latency_s: LogNormal {
+                median: 0.3,
+                p95: 1.5,
+                min: 0.05,
+                max: 5.0,
+            },
+            completion: CompletionConfig::default(),
+            stall: StallConfig::default(),
+        }
+    }
+}
+
+impl SourceConfig {
+    /// A healthy source named `name` with the default knobs.
+    #[must_use]
+    pub fn healthy(name: &str) -> Self {
+        Self {
+            name: name.into(),
+            ..Self::default()
+        }
+    }
+
+    /// Puts the source in `account`.
+    #[must_use]
+    pub fn in_account(mut self, account: &str) -> Self {
+        self.account = Some(account.into());
+        self
+    }
+}
+
+/// The account-level 429 curve: the probability that a request is answered 429 is
+/// `min(max, base + concurrency_slope * max(0, inflight - concurrency_knee)
+/// + rpm_slope * max(0, rpm - rpm_knee))`, where `inflight` is the account's requests
+/// in flight (over all its sources, before this one) and `rpm` the account's arrivals
+/// (429s included) over the last `window_s` seconds, scaled to one minute.
+///
+/// The default is a zero curve (no 429s).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RateLimitCurve {
+    /// Probability at rest (default 0).
+    pub base: f64,
+    /// In-flight requests the account absorbs for free (default 0).
+    pub concurrency_knee: f64,
+    /// Added probability per in-flight request above the knee (default 0).
+    pub concurrency_slope: f64,
+    /// Requests per minute the account absorbs for free (default 0).
+    pub rpm_knee: f64,
+    /// Added probability per request/minute above the knee (default 0).
+    pub rpm_slope: f64,
+    /// Cap on the probability (default 0.95).
+    pub max: f64,
+    /// Window of the request-rate measure, seconds (default 60).
+    pub window_s: f64,
+}
+
+impl Default for RateLimitCurve {
+    fn default() -> Self {
+        Self {
+            base: 0.0,
+            concurrency_knee: 0.0,
+            concurrency_slope: 0.0,
+            rpm_knee: 0.0,
+            rpm_slope: 0.0,
+            max: 0.95,
+            window_s: 60.0,
+        }
+    }
+}
+
+impl RateLimitCurve {
+    /// The 429 probability at `inflight` requests in flight and `rpm` requests/minute.
+    #[must_use]
+    pub fn probability(&self, inflight: f64, rpm: f64) -> f64 {
+        let p = self.base
+            + self.concurrency_slope * (inflight - self.concurrency_knee).max(0.0)
+            + self.rpm_slope * (rpm - self.rpm_knee).max(0.0);
+        p.clamp(0.0, self.max)
+    }
+}
+
+/// Which 429s carry `retry-after`: a fraction `rate`, with a whole number of seconds
+/// uniform in `[min_s, max_s]`.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RetryAfterConfig {
+    /// Fraction of account-level 429s with a `retry-after` header (default 0.5).
+    pub rate: f64,
+    /// Shortest hint, seconds (default 1).
+    pub min_s: u64,
+    /// Longest hint, seconds (default 20).
+    pub max_s: u64,
+}
+
+impl Default for RetryAfterConfig {
+    fn default() -> Self {
+        Self {
+            rate: 0.5,
+            min_s: 1,
+            max_s: 20,
+        }
+    }
+}
+
+/// An account (one provider key / organisation) shared by several sources: its 429s
+/// are decided on the traffic of all of them.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AccountConfig {
+    /// The account's name, referenced by [`SourceConfig::account`].
+    pub name: String,
+    /// The 429 curve.
+    pub rate_limit: RateLimitCurve,
+    /// Which 429s carry `retry-after`.
+    pub retry_after: RetryAfterConfig,
+}
+
+/// The whole simulated provider pool.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PoolConfig {
+    /// The sources, in order.
+    pub sources: Vec<SourceConfig>,
+    /// The accounts sources may share.
+    pub accounts: Vec<AccountConfig>,
+    /// Fraction of prompts rejected with 400 by every source, decided by a hash of the
+    /// prompt text (default [`DEFAULT_BAD_PROMPT_RATE`]).
+    pub bad_prompt_rate: f64,
+    /// Prompt bytes per reported prompt token (default [`DEFAULT_PROMPT_BYTES_PER_TOKEN`]).
+    pub prompt_bytes_per_token: f64,
+    /// Most body frames of a streamed answer (default [`DEFAULT_MAX_STREAM_FRAMES`]).
+    pub max_stream_frames: u32,
+    /// Unix seconds of the pool's start for `created` fields (default [`DEFAULT_EPOCH_UNIX_S`]).
+    pub epoch_unix_s: u64,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        Self {
+            sources: Vec::new(),
+            accounts: Vec::new(),
+            bad_prompt_rate: DEFAULT_BAD_PROMPT_RATE,
+            prompt_bytes_per_token: DEFAULT_PROMPT_BYTES_PER_TOKEN,
+            max_stream_frames: DEFAULT_MAX_STREAM_FRAMES,
+            epoch_unix_s: DEFAULT_EPOCH_UNIX_S,
+        }
+    }
+}
+
+/// The account the P6 sources s1, s4 and s5 share.
+pub const P6_SHARED_ACCOUNT: &str = "acct-a";
+
+/// The bearer token of the P6 shared account (s1, s4, s5 accept it).
+pub const P6_SHARED_KEY: &str = "sk-sim-account-a";
+
+/// The inter-token watchdog the P6 preset assumes for s5: 8 s. Its stalls last 20-90 s,
+/// so any watchdog shorter than 20 s cuts them; healthy gaps stay under ~5 s.
+pub const P6_ASSUMED_INTER_TOKEN_WATCHDOG_S: f64 = 8.0;
+
+impl PoolConfig {
+    /// The P6 pool of DESIGN.md section 5: five sources, s1/s4/s5 on one account.
+    ///
+    /// The pool is the same for every client profile (K2). The soak calibrates only
+    /// `accounts[0].rate_limit` (the account 429 curve) so the `naive` profile lands near
+    /// the seeds' 58.1%; every other value comes from the seeds:
+    ///
+    /// - s1 healthy, `empty_rate` 0.15 (seed 003: 2211 real empty completions; seed 000
+    ///   measured 14.4-17%), account-level 429s (996 on the healthy source in seed 003,
+    ///   34% of its attempts under the naive profile's ~135 attempts/min and ~50 in flight);
+    /// - s2 revoked key: 401 always; s3 black hole: never answers;
+    /// - s4 healthy with a provider-side gate of 5 requests per minute (the client is
+    ///   configured with RPM 5; a client that exceeds it gets 429 + `retry-after`);
+    /// - s5 slow stream: 90% of answers stall 20-90 s between two frames, so an
+    ///   inter-token watchdog of [`P6_ASSUMED_INTER_TOKEN_WATCHDOG_S`] cuts them (seeds:
+    ///   10% success, 3390 inter-token cuts); non-streamed answers are delayed as much.
+    ///
+    /// Latencies: TTFT median 12 s / p95 40 s, 60 tokens/s median, so a typical
+    /// non-cached answer takes 15-25 s and the tail a minute (seed 003: successful
+    /// non-cached calls ~17-22 s p50, ~50 s p95). P3 answers are invalid JSON 8% of the
+    /// time on every healthy source (seed 003: P3 success 0.942 on a healthy pool).
+    ///
+    /// The 429 curve starting point: free up to 30 requests/min and 8 in flight, then
+    /// +0.002 per request/min and +0.004 per request in flight, capped at 0.9: about
+    /// 0.37 at the naive regime (135/min, 50 in flight) and under 0.1 at 60/min with
+    /// 12 in flight. Half of the 429s carry `retry-after` of 1-20 s.
+    #[must_use]
+    pub fn p6() -> Self {
+        let shared = |name: &str| SourceConfig {
+            api_key: Some(P6_SHARED_KEY.into()),
+            invalid_json_rate: 0.08,
+            ..SourceConfig::healthy(name).in_account(P6_SHARED_ACCOUNT)
+        };
+        let s1 = SourceConfig {
+            empty_rate: 0.15,
+            ..shared("s1")
+        };
+        let s2 = SourceConfig {
+            api_key: Some("sk-sim-revoked".into()),
+            revoked: true,
+            ..SourceConfig::healthy("s2")
+        };
+        let s3 = SourceConfig {
+            api_key: Some("sk-sim-black-hole".into()),
+            black_hole_rate: 1.0,
+            ..SourceConfig::healthy("s3")
+        };
+        let s4 = SourceConfig {
+            rpm_gate: Some(5),
+            ..shared("s4")
+        };
+        let s5 = SourceConfig {
+            stall: StallConfig {
+                rate: 0.9,
+                min_gap_s: 20.0,
+                max_gap_s: 90.0,
+            },
+            ..shared("s5")
+        };
+        Self {
+            sources: vec![s1, s2, s3, s4, s5],
+            accounts: vec![AccountConfig {
+                name: P6_SHARED_ACCOUNT.into(),
+                rate_limit: RateLimitCurve {
+                    base: 0.0,
+                    concurrency_knee: 8.0,
+                    concurrency_slope: 0.004,
+                    rpm_knee: 30.0,
+                    rpm_slope: 0.002,
+                    max: 0.9,
+                    window_s: 60.0,
+                },
+                retry_after: RetryAfterConfig {
+                    rate: 0.5,
+                    min_s: 1,
+                    max_s: 20,
+                },
+            }],
+            ..Self::default()
+        }
+    }
+
+    /// Checks every field; the error names the first bad one.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming the field (e.g. `sources[1].empty_rate`).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        rate("bad_prompt_rate", self.bad_prompt_rate)?;
+        if !(self.prompt_bytes_per_token.is_finite() && self.prompt_bytes_per_token > 0.0) {
+            return Err(ConfigError::new("prompt_bytes_per_token", "must be > 0"));
+        }
+        if self.max_stream_frames < 2 {
+            return Err(ConfigError::new("max_stream_frames", "must be >= 2"));
+        }
+        if self.sources.is_empty() {
+            return Err(ConfigError::new("sources", "at least one source is needed"));
+        }
+        let mut accounts = HashSet::new();
+        for (i, a) in self.accounts.iter().enumerate() {
+            let f = |n: &str| format!("accounts[{i}].{n}");
+            if a.name.is_empty() {
+                return Err(ConfigError::new(f("name"), "must not be empty"));
+            }
+            if !accounts.insert(a.name.as_str()) {
+                return Err(ConfigError::new(
+                    f("name"),
+                    format!("duplicate account {:?}", a.name),
+                ));
+            }
+            let c = &a.rate_limit;
+            for (n, v) in [
+                ("rate_limit.base", c.base),
+                ("rate_limit.concurrency_knee", c.concurrency_knee),
+                ("rate_limit.concurrency_slope", c.concurrency_slope),
+                ("rate_limit.rpm_knee", c.rpm_knee),
+                ("rate_limit.rpm_slope", c.rpm_slope),
+            ] {
+                if !(v.is_finite() && v >= 0.0) {
+                    return Err(ConfigError::new(f(n), "must be finite and >= 0"));
+                }
+            }
+            rate(&f("rate_limit.max"), c.max)?;
+            if !(c.window_s.is_finite() && c.window_s > 0.0) {
+                return Err(ConfigError::new(f("rate_limit.window_s"), "must be > 0"));
+            }
+            rate(&f("retry_after.rate"), a.retry_after.rate)?;
+            if a.retry_after.min_s > a.retry_after.max_s {
+                return Err(ConfigError::new(f("retry_after.min_s"), "must be <= max_s"));
+            }
+        }
+        let mut names = HashSet::new();
+        for (i, s) in self.sources.iter().enumerate() {
+            let f = |n: &str| format!("sources[{i}].{n}");
+            if s.name.is_empty() || s.name.contains('/') {
+                return Err(ConfigError::new(
+                    f("name"),
+                    "must be non-empty and contain no '/'",
+                ));
+            }
+            if !names.insert(s.name.as_str()) {
+                return Err(ConfigError::new(
+                    f("name"),
+                    format!("duplicate source {:?}", s.name),
+                ));
+            }
+            if let Some(a) = &s.account
+                && !accounts.contains(a.as_str())
+            {
+                return Err(ConfigError::new(f("account"), format!("unknown account {a:?}")));
+            }
+            rate(&f("black_hole_rate"), s.black_hole_rate)?;
+            rate(&f("server_error_rate"), s.server_error_rate)?;
+            rate(&f("empty_rate"), s.empty_rate)?;
+            rate(&f("invalid_json_rate"), s.invalid_json_rate)?;
+            rate(&f("stall.rate"), s.stall.rate)?;
+            if s.rpm_gate == Some(0) {
+                return Err(ConfigError::new(f("rpm_gate"), "must be >= 1 (or absent)"));
+            }
+            s.ttft_s.validate(&f("ttft_s"))?;
+            s.tokens_per_second.validate(&f("tokens_per_second"))?;
+            if s.tokens_per_second.min <= 0.0 {
+                return Err(ConfigError::new(f("tokens_per_second.min"), "must be > 0"));
+            }
+            s.error_latency_s.validate(&f("error_latency_s"))?;
+            let c = &s.completion;
+            if !(0.0 < c.min_fraction && c.min_fraction <= c.max_fraction && c.max_fraction <= 1.0) {
+                return Err(ConfigError::new(
+                    f("completion"),
+                    "need 0 < min_fraction <= max_fraction <= 1",
+                ));
+            }
+            if c.default_max_tokens == 0 {
+                return Err(ConfigError::new(
+                    f("completion.default_max_tokens"),
+                    "must be >= 1",
+                ));
+            }
+            let st = &s.stall;
+            if !(st.min_gap_s.is_finite()
+                && st.max_gap_s.is_finite()
+                && st.min_gap_s >= 0.0
+                && st.min_gap_s <= st.max_gap_s)
+            {
+                return Err(ConfigError::new(
+                    f("stall"),
+                    "need 0 <= min_gap_s <= max_gap_s, finite",
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn rate(field: &str, v: f64) -> Result<(), ConfigError> {
+    if (0.0..=1.0).contains(&v) {
+        Ok(())
+    } else {
+        Err(ConfigError::new(field, format!("must be within [0, 1], got {v}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn p6_is_valid_and_roundtrips() {
+        let p6 = PoolConfig::p6();
+        p6.validate().unwrap();
+        let json = serde_json::to_string(&p6).unwrap();
+        let back: PoolConfig = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, p6);
+    }
+
+    #[test]
+    fn bad_fields_are_named() {
+        let mut c = PoolConfig::p6();
+        c.sources[1].empty_rate = 1.5;
+        assert_eq!(c.validate().unwrap_err().field(), "sources[1].empty_rate");
+        let mut c = PoolConfig::p6();
+        c.sources[0].account = Some("nope".into());
+        let e = c.validate().unwrap_err();
+        assert_eq!(e.field(), "sources[0].account");
+        assert!(e.to_string().contains("unknown account"), "{e}");
+        let mut c = PoolConfig::p6();
+        c.sources[2].ttft_s.p95 = 1.0;
+        assert_eq!(c.validate().unwrap_err().field(), "sources[2].ttft_s.p95");
+        let mut c = PoolConfig::p6();
+        c.sources.push(SourceConfig::healthy("s1"));
+        assert_eq!(c.validate().unwrap_err().field(), "sources[5].name");
+        assert_eq!(PoolConfig::default().validate().unwrap_err().field(), "sources");
+    }
+
+    #[test]
+    fn debug_redacts_key() {
+        let s = format!("{:?}", PoolConfig::p6());
+        assert!(!s.contains(P6_SHARED_KEY), "{s}");
+        assert!(s.contains("<redacted>"));
+    }
+
+    #[test]
+    fn curve_grows_and_caps() {
+        let c = PoolConfig::p6().accounts[0].rate_limit;
+        assert_eq!(c.probability(0.0, 0.0), 0.0);
+        let mid = c.probability(12.0, 60.0);
+        let high = c.probability(50.0, 135.0);
+        assert!(mid > 0.0 && mid < 0.1, "{mid}");
+        assert!(high > 0.3 && high < 0.45, "{high}");
+        assert_eq!(c.probability(1e6, 1e6), c.max);
+    }
+}
