@@ -1,0 +1,74 @@
+//! Where the breaker's state lives: one small trait, two implementations.
+//!
+//! - [`memory`]: one process, `tokio::time`, a short-held lock per source;
+//! - [`redis`](mod@self::redis) (feature `redis`): many processes, one Lua script per
+//!   operation, the server's clock, one hash per source under the source's hash tag.
+//!
+//! Both run the same state machine and pass the same contract suite (B11).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+use pgw_core::{BoxError, BreakerVerdict, SourceId};
+
+use crate::config::BreakerConfig;
+use crate::state::{BreakerView, Ticket};
+
+pub mod memory;
+#[cfg(feature = "redis")]
+pub mod redis;
+
+/// A boxed, sendable future.
+pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
+
+/// The answer of one admission.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Admission {
+    /// Admitted: record the outcome against this ticket.
+    Admitted(Ticket),
+    /// Not admitted for `retry_after` (the breaker is open, or half-open with its probe
+    /// out).
+    Refused {
+        /// Time until the breaker may admit again.
+        retry_after: Duration,
+    },
+}
+
+/// A state backend: hands out the gate of each source.
+pub trait Backend {
+    /// The gate of one source.
+    type Gate: Gate;
+
+    /// The gate of `source`, with that source's configuration. Gates of the same source
+    /// from the same backend share their state.
+    fn gate(&self, source: &SourceId, config: &BreakerConfig) -> Self::Gate;
+}
+
+/// One source's breaker state, wherever it lives.
+///
+/// Contract (checked by the contract suite for every backend): admission and record
+/// are atomic and take one round trip each; [`Gate::record`] starts its work at once,
+/// so dropping the returned future never loses the record; neither panics nor waits
+/// longer than the backend's timeout.
+pub trait Gate: Clone + Send + Sync + 'static {
+    /// The future of [`Gate::admit`].
+    type Admit: Future<Output = Result<Admission, BoxError>> + Send + Unpin + 'static;
+    /// The future of [`Gate::record`]: completes when the record has landed (or failed
+    /// and been logged).
+    type Record: Future<Output = ()> + Send + 'static;
+
+    /// Asks to admit one call. Errors mean the backend is unreachable (B12).
+    fn admit(&self) -> Self::Admit;
+
+    /// Records the verdict of a call admitted with `ticket`. [`BreakerVerdict::Ignore`]
+    /// ends a probe without a verdict (B3). Failures are logged and counted, never
+    /// returned (B12).
+    fn record(&self, ticket: Ticket, verdict: BreakerVerdict) -> Self::Record;
+
+    /// A snapshot of the state, for operators and metrics.
+    fn view(&self) -> BoxFuture<Result<BreakerView, BoxError>>;
+
+    /// Records this process could not deliver (B12).
+    fn record_errors(&self) -> u64;
+}

@@ -1,0 +1,252 @@
+//! The Redis backend: state shared by every process, one Lua script per operation.
+//!
+//! Each source's gate is one HASH, `{prefix}:{source}:gate` (hash-tagged by
+//! [`scope_key`], so a cluster keeps every key of a source in one slot), with the fixed
+//! fields `open, epoch, open_until, probe_id, probe_until, failures, win_id, a0, f0, a1,
+//! f1, streak, closed_since` and a TTL refreshed on every write. Time is the server's
+//! `TIME`, never the local clock. Admission is one `EVALSHA`, and so is a record.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use pgw_core::redis_conn::{DEFAULT_RESPONSE_TIMEOUT, RedisConn, run, scope_key};
+use pgw_core::{BoxError, BreakerVerdict, SourceId};
+use redis::Script;
+use tokio::task::JoinHandle;
+
+use super::{Admission, Backend, BoxFuture, Gate};
+use crate::config::BreakerConfig;
+use crate::state::{BreakerView, Effect, GateState, Params, Ticket};
+
+static ADMIT: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/admit.lua")));
+static RECORD: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/record.lua")));
+static VIEW: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/view.lua")));
+
+/// The default key prefix: `pgw:brk`.
+pub const DEFAULT_PREFIX: &str = "pgw:brk";
+
+/// State in Redis (standalone or cluster), shared by every process using the same
+/// prefix.
+#[derive(Clone)]
+pub struct RedisBackend {
+    conn: RedisConn,
+    prefix: String,
+    timeout: Duration,
+}
+
+impl fmt::Debug for RedisBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisBackend")
+            .field("conn", &self.conn)
+            .field("prefix", &self.prefix)
+            .field("timeout", &self.timeout)
+            .finish()
+    }
+}
+
+impl RedisBackend {
+    /// A backend on `conn` with the [`DEFAULT_PREFIX`] and the connection's default
+    /// timeout ([`DEFAULT_RESPONSE_TIMEOUT`]).
+    #[must_use]
+    pub fn new(conn: RedisConn) -> Self {
+        Self {
+            conn,
+            prefix: DEFAULT_PREFIX.to_owned(),
+            timeout: DEFAULT_RESPONSE_TIMEOUT,
+        }
+    }
+
+    /// Sets the key prefix (processes sharing state must use the same one).
+    #[must_use]
+    pub fn with_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// Sets how long one operation may take before the backend counts as unreachable.
+    #[must_use]
+    pub const fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The gate hash of `source`.
+    #[must_use]
+    pub fn gate_key(&self, source: &SourceId) -> String {
+        format!("{}gate", scope_key(&self.prefix, source.as_str()))
+    }
+}
+
+impl Backend for RedisBackend {
+    type Gate = RedisGate;
+
+    fn gate(&self, source: &SourceId, config: &BreakerConfig) -> RedisGate {
+        RedisGate(Arc::new(Inner {
+            conn: self.conn.clone(),
+            key: self.gate_key(source),
+            source: source.clone(),
+            params: Params::of(config),
+            timeout: self.timeout,
+            record_errors: AtomicU64::new(0),
+        }))
+    }
+}
+
+struct Inner {
+    conn: RedisConn,
+    key: String,
+    source: SourceId,
+    params: Params,
+    timeout: Duration,
+    record_errors: AtomicU64,
+}
+
+/// One source's gate in Redis.
+#[derive(Clone)]
+pub struct RedisGate(Arc<Inner>);
+
+impl fmt::Debug for RedisGate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisGate")
+            .field("key", &self.0.key)
+            .finish_non_exhaustive()
+    }
+}
+
+fn verdict_code(v: BreakerVerdict) -> &'static str {
+    match v {
+        BreakerVerdict::Success => "s",
+        BreakerVerdict::Failure => "f",
+        BreakerVerdict::ForceOpen => "o",
+        BreakerVerdict::Ignore => "i",
+    }
+}
+
+fn non_negative(v: i64) -> u64 {
+    u64::try_from(v).unwrap_or(0)
+}
+
+impl RedisGate {
+    async fn record_once(inner: &Inner, ticket: Ticket, verdict: BreakerVerdict) {
+        let mut conn = inner.conn.clone();
+        let p = &inner.params;
+        let mut call = RECORD.prepare_invoke();
+        call.key(&inner.key)
+            .arg(ticket.epoch())
+            .arg(ticket.probe())
+            .arg(verdict_code(verdict))
+            .arg(p.threshold)
+            .arg(p.min_calls)
+            .arg(p.fail_rate)
+            .arg(p.half_window)
+            .arg(p.cooldown)
+            .arg(p.max_cooldown)
+            .arg(p.key_ttl);
+        match run("record", inner.timeout, call.invoke_async::<i64>(&mut conn)).await {
+            Ok(code) => {
+                tracing::trace!(source = %inner.source, effect = ?Effect::from_code(code), "breaker record");
+            }
+            Err(e) => {
+                inner.record_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(source = %inner.source, error = %e, "breaker outcome not recorded");
+            }
+        }
+    }
+}
+
+impl Gate for RedisGate {
+    type Admit = BoxFuture<Result<Admission, BoxError>>;
+    type Record = RecordFuture;
+
+    fn admit(&self) -> Self::Admit {
+        let inner = self.0.clone();
+        Box::pin(async move {
+            let mut conn = inner.conn.clone();
+            let p = &inner.params;
+            let mut call = ADMIT.prepare_invoke();
+            call.key(&inner.key)
+                .arg(p.probe_ttl)
+                .arg(p.cooldown)
+                .arg(p.key_ttl);
+            let (admitted, epoch, probe, retry_ms): (i64, i64, i64, i64) =
+                run("admit", inner.timeout, call.invoke_async(&mut conn)).await?;
+            Ok(if admitted == 1 {
+                Admission::Admitted(Ticket::new(non_negative(epoch), non_negative(probe)))
+            } else {
+                Admission::Refused {
+                    retry_after: Duration::from_millis(non_negative(retry_ms)),
+                }
+            })
+        })
+    }
+
+    fn record(&self, ticket: Ticket, verdict: BreakerVerdict) -> RecordFuture {
+        let inner = self.0.clone();
+        // Spawned, so the record lands even when the caller drops the future (B3).
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => RecordFuture(Some(
+                rt.spawn(async move { Self::record_once(&inner, ticket, verdict).await }),
+            )),
+            Err(_) => {
+                inner.record_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(source = %inner.source, "breaker outcome not recorded: no tokio runtime");
+                RecordFuture(None)
+            }
+        }
+    }
+
+    fn view(&self) -> BoxFuture<Result<BreakerView, BoxError>> {
+        let inner = self.0.clone();
+        Box::pin(async move {
+            let mut conn = inner.conn.clone();
+            let mut call = VIEW.prepare_invoke();
+            call.key(&inner.key);
+            let v: Vec<i64> = run("view", inner.timeout, call.invoke_async(&mut conn)).await?;
+            if v.len() != 14 {
+                return Err(format!("breaker view script answered {} fields, expected 14", v.len()).into());
+            }
+            let n = |i: usize| non_negative(v[i]);
+            let c = |i: usize| u32::try_from(n(i)).unwrap_or(u32::MAX);
+            let state = GateState {
+                open: n(1) == 1,
+                epoch: n(2),
+                open_until: n(3),
+                probe_id: n(4),
+                probe_until: n(5),
+                failures: c(6),
+                win_id: n(7),
+                a: [c(8), c(10)],
+                f: [c(9), c(11)],
+                streak: c(12),
+                closed_since: n(13),
+            };
+            let mut view = state.view(n(0), &inner.params);
+            view.record_errors = inner.record_errors.load(Ordering::Relaxed);
+            Ok(view)
+        })
+    }
+
+    fn record_errors(&self) -> u64 {
+        self.0.record_errors.load(Ordering::Relaxed)
+    }
+}
+
+/// Waits for a spawned record to land. Dropping it does not cancel the record.
+#[derive(Debug)]
+pub struct RecordFuture(Option<JoinHandle<()>>);
+
+impl Future for RecordFuture {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        match &mut self.0 {
+            Some(h) => Pin::new(h).poll(cx).map(|_| ()),
+            None => Poll::Ready(()),
+        }
+    }
+}

@@ -1,0 +1,125 @@
+//! The [`ResponseFuture`] of [`Breaker`](crate::Breaker).
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+
+use futures_core::TryFuture;
+use pgw_core::{BoxError, BreakerVerdict, Classify, NotAdmitted};
+use pin_project_lite::pin_project;
+
+use crate::backend::Gate;
+use crate::service::Lease;
+
+pin_project! {
+    #[project = StateProj]
+    enum State<F, R> {
+        Refused { error: Option<BoxError> },
+        Calling { #[pin] fut: F },
+        Recording { #[pin] record: R },
+    }
+}
+
+pin_project! {
+    /// The response future of [`Breaker`](crate::Breaker).
+    ///
+    /// Holds the admission (and, in half-open, the probe lease): completing records the
+    /// classified outcome against the admission's epoch; dropping it early, or a panic
+    /// in the inner future, ends a probe with no verdict (B3). Resolves after the
+    /// record has landed, so a caller's next admission sees its outcome.
+    pub struct ResponseFuture<F, G, C>
+    where
+        F: TryFuture,
+        G: Gate,
+    {
+        #[pin]
+        state: State<F, G::Record>,
+        lease: Option<Lease<G>>,
+        classifier: Option<C>,
+        output: Option<Result<F::Ok, BoxError>>,
+    }
+}
+
+impl<F: TryFuture, G: Gate, C> ResponseFuture<F, G, C> {
+    pub(crate) const fn called(fut: F, lease: Lease<G>, classifier: C) -> Self {
+        Self {
+            state: State::Calling { fut },
+            lease: Some(lease),
+            classifier: Some(classifier),
+            output: None,
+        }
+    }
+
+    pub(crate) const fn refused(error: BoxError) -> Self {
+        Self {
+            state: State::Refused { error: Some(error) },
+            lease: None,
+            classifier: None,
+            output: None,
+        }
+    }
+}
+
+impl<F: TryFuture, G: Gate, C> fmt::Debug for ResponseFuture<F, G, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = match self.state {
+            State::Refused { .. } => "refused",
+            State::Calling { .. } => "calling",
+            State::Recording { .. } => "recording",
+        };
+        f.debug_struct("ResponseFuture")
+            .field("state", &state)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<F, G, C> Future for ResponseFuture<F, G, C>
+where
+    F: TryFuture,
+    F::Error: Into<BoxError>,
+    G: Gate,
+    C: Classify<F::Ok, BoxError>,
+{
+    type Output = Result<F::Ok, BoxError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        loop {
+            match this.state.as_mut().project() {
+                StateProj::Refused { error } => {
+                    return Poll::Ready(Err(error
+                        .take()
+                        .unwrap_or_else(|| "breaker response future polled after completion".into())));
+                }
+                StateProj::Calling { fut } => {
+                    let result = ready!(fut.try_poll(cx)).map_err(Into::into);
+                    let verdict = match &result {
+                        // A gate below refused: not an attempt, nothing to count (B3).
+                        Err(e) if NotAdmitted::of(&**e).is_some() => BreakerVerdict::Ignore,
+                        r => this
+                            .classifier
+                            .as_ref()
+                            .map_or(BreakerVerdict::Ignore, |c| c.classify(r).breaker_verdict()),
+                    };
+                    let record = this.lease.take().and_then(|lease| lease.finish(verdict));
+                    match record {
+                        Some(record) => {
+                            *this.output = Some(result);
+                            this.state.set(State::Recording { record });
+                        }
+                        None => return Poll::Ready(result),
+                    }
+                }
+                StateProj::Recording { record } => {
+                    ready!(record.poll(cx));
+                    return Poll::Ready(
+                        this.output
+                            .take()
+                            .unwrap_or_else(|| Err("breaker response future polled after completion".into())),
+                    );
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,241 @@
+//! The [`Breaker`] service.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+
+use pgw_core::{BoxError, BreakerVerdict, CircuitOpen, Classify, OkIsSuccess, SourceId};
+use tokio::time::Sleep;
+use tower_service::Service;
+
+use crate::backend::memory::MemoryGate;
+use crate::backend::{Admission, BoxFuture, Gate};
+use crate::future::ResponseFuture;
+use crate::state::{BreakerView, Ticket};
+
+/// What an open breaker does to a caller.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Mode {
+    /// Always ready; a refused call fails at once with [`CircuitOpen`] from the response
+    /// future, without touching the inner service (like tower's `LoadShed`). The mode for
+    /// a breaker under a balancer, which tries the next source.
+    #[default]
+    Shed,
+    /// `poll_ready` is `Pending` until the breaker admits, woken by a timer at
+    /// `open_until` (like tower's `ConcurrencyLimit`). The mode for a breaker used alone.
+    Wait,
+}
+
+/// An admission held by a call: ends the probe lease on every path (B3).
+///
+/// Dropped without [`Lease::finish`] (the caller dropped the future, or a panic
+/// unwound it), a probe is released with no verdict so the next admission may probe
+/// at once.
+pub(crate) struct Lease<G: Gate> {
+    gate: G,
+    ticket: Ticket,
+    live: bool,
+}
+
+impl<G: Gate> Lease<G> {
+    fn new(gate: G, ticket: Ticket) -> Self {
+        Self {
+            gate,
+            ticket,
+            live: true,
+        }
+    }
+
+    /// Ends the admission with `verdict`; `None` when there is nothing to record (a
+    /// closed-state call whose outcome the breaker ignores costs no round trip).
+    pub(crate) fn finish(mut self, verdict: BreakerVerdict) -> Option<G::Record> {
+        self.live = false;
+        if !self.ticket.is_probe() && verdict == BreakerVerdict::Ignore {
+            return None;
+        }
+        Some(self.gate.record(self.ticket, verdict))
+    }
+}
+
+impl<G: Gate> Drop for Lease<G> {
+    fn drop(&mut self) {
+        if self.live && self.ticket.is_probe() {
+            // Started at once by the gate; the returned future only waits.
+            drop(self.gate.record(self.ticket, BreakerVerdict::Ignore));
+        }
+    }
+}
+
+enum Readiness<G: Gate> {
+    Idle,
+    Admitting(G::Admit),
+    Waiting(Pin<Box<Sleep>>),
+    Admitted(Lease<G>),
+    Refused(BoxError),
+}
+
+/// A cheap handle on one breaker's state, for operators and metrics.
+#[derive(Clone)]
+pub struct BreakerHandle {
+    source: SourceId,
+    view: Arc<dyn Fn() -> BoxFuture<Result<BreakerView, BoxError>> + Send + Sync>,
+}
+
+impl fmt::Debug for BreakerHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BreakerHandle")
+            .field("source", &self.source)
+            .finish_non_exhaustive()
+    }
+}
+
+impl BreakerHandle {
+    pub(crate) fn new<G: Gate>(source: SourceId, gate: G) -> Self {
+        Self {
+            source,
+            view: Arc::new(move || gate.view()),
+        }
+    }
+
+    /// The source this breaker guards.
+    #[must_use]
+    pub const fn source(&self) -> &SourceId {
+        &self.source
+    }
+
+    /// A snapshot of the state: state, epoch, time to `open_until`, streak, counters.
+    ///
+    /// # Errors
+    /// The backend could not be read ([`pgw_core::BackendUnavailable`]).
+    pub fn view(&self) -> impl Future<Output = Result<BreakerView, BoxError>> + Send + 'static {
+        (self.view)()
+    }
+}
+
+/// A circuit breaker in front of one source's service `S`.
+///
+/// Built by [`BreakerLayer`](crate::BreakerLayer). Admission happens in `poll_ready`
+/// and is spent by `call`; the response future holds it (with the probe lease, in
+/// half-open) and records the classified outcome against its epoch.
+pub struct Breaker<S, G: Gate = MemoryGate, C = OkIsSuccess> {
+    inner: S,
+    gate: G,
+    source: SourceId,
+    classifier: C,
+    mode: Mode,
+    readiness: Readiness<G>,
+}
+
+impl<S: fmt::Debug, G: Gate + fmt::Debug, C: fmt::Debug> fmt::Debug for Breaker<S, G, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Breaker")
+            .field("inner", &self.inner)
+            .field("gate", &self.gate)
+            .field("source", &self.source)
+            .field("classifier", &self.classifier)
+            .field("mode", &self.mode)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S: Clone, G: Gate, C: Clone> Clone for Breaker<S, G, C> {
+    fn clone(&self) -> Self {
+        // Readiness is per service instance: a clone starts unadmitted.
+        Self {
+            inner: self.inner.clone(),
+            gate: self.gate.clone(),
+            source: self.source.clone(),
+            classifier: self.classifier.clone(),
+            mode: self.mode,
+            readiness: Readiness::Idle,
+        }
+    }
+}
+
+impl<S, G: Gate, C> Breaker<S, G, C> {
+    /// A breaker for `source` on `gate`, classifying outcomes with `classifier`.
+    pub fn new(inner: S, gate: G, source: SourceId, classifier: C, mode: Mode) -> Self {
+        Self {
+            inner,
+            gate,
+            source,
+            classifier,
+            mode,
+            readiness: Readiness::Idle,
+        }
+    }
+
+    /// The inner service.
+    pub const fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The inner service, mutably.
+    pub const fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// The inner service (an admission held by this instance is released).
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+
+    /// A handle on this breaker's state.
+    #[must_use]
+    pub fn handle(&self) -> BreakerHandle {
+        BreakerHandle::new(self.source.clone(), self.gate.clone())
+    }
+}
+
+impl<S, G, C, Req> Service<Req> for Breaker<S, G, C>
+where
+    S: Service<Req>,
+    S::Error: Into<BoxError>,
+    G: Gate,
+    C: Classify<S::Response, BoxError> + Clone,
+{
+    type Response = S::Response;
+    type Error = BoxError;
+    type Future = ResponseFuture<S::Future, G, C>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        loop {
+            match &mut self.readiness {
+                Readiness::Idle => self.readiness = Readiness::Admitting(self.gate.admit()),
+                Readiness::Admitting(admit) => {
+                    self.readiness = match ready!(Pin::new(admit).poll(cx)) {
+                        Ok(Admission::Admitted(ticket)) => {
+                            Readiness::Admitted(Lease::new(self.gate.clone(), ticket))
+                        }
+                        Ok(Admission::Refused { retry_after }) => match self.mode {
+                            Mode::Shed => Readiness::Refused(Box::new(
+                                CircuitOpen::new(retry_after).with_source(self.source.clone()),
+                            )),
+                            Mode::Wait => Readiness::Waiting(Box::pin(tokio::time::sleep(retry_after))),
+                        },
+                        // B12: fail closed, from the future, in both modes.
+                        Err(e) => Readiness::Refused(e),
+                    };
+                }
+                Readiness::Waiting(sleep) => {
+                    ready!(sleep.as_mut().poll(cx));
+                    self.readiness = Readiness::Idle;
+                }
+                Readiness::Admitted(_) => return self.inner.poll_ready(cx).map_err(Into::into),
+                Readiness::Refused(_) => return Poll::Ready(Ok(())),
+            }
+        }
+    }
+
+    fn call(&mut self, req: Req) -> Self::Future {
+        match std::mem::replace(&mut self.readiness, Readiness::Idle) {
+            Readiness::Admitted(lease) => {
+                ResponseFuture::called(self.inner.call(req), lease, self.classifier.clone())
+            }
+            Readiness::Refused(error) => ResponseFuture::refused(error),
+            _ => panic!("Breaker::call without poll_ready returning Ready first"),
+        }
+    }
+}

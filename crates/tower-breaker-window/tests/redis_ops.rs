@@ -1,0 +1,296 @@
+//! Redis-specific behaviour: round trips per operation, two processes racing for the
+//! probe, and an outage of the server (B12) on a throwaway `redis-server` of our own.
+
+mod common;
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use common::*;
+use futures_util::future::join_all;
+use pgw_core::redis_conn::{RedisConn, RedisTarget};
+use pgw_core::{BackendUnavailable, BoxError, BreakerVerdict};
+use tokio::process::{Child, Command};
+use tower::{Service, ServiceExt, service_fn};
+use tower_breaker_window::{Admission, Backend, BreakerConfig, BreakerLayer, Gate, RedisBackend};
+use tower_layer::Layer;
+
+fn redis_server_bin() -> PathBuf {
+    if let Some(cli) = std::env::var_os("PGW_REDIS_CLI") {
+        let sibling = PathBuf::from(cli).with_file_name("redis-server");
+        if sibling.exists() {
+            return sibling;
+        }
+    }
+    PathBuf::from("redis-server")
+}
+
+/// A redis-server of this test's own, on a free loopback port.
+struct Throwaway {
+    port: u16,
+    child: Option<Child>,
+}
+
+impl Throwaway {
+    async fn start() -> Self {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut s = Self { port, child: None };
+        s.restart().await;
+        s
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    async fn restart(&mut self) {
+        let child = Command::new(redis_server_bin())
+            .args([
+                "--port",
+                &self.port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+            ])
+            .args([
+                "--appendonly",
+                "no",
+                "--protected-mode",
+                "no",
+                "--loglevel",
+                "warning",
+            ])
+            .kill_on_drop(true)
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("redis-server is installed (PATH or next to PGW_REDIS_CLI)");
+        self.child = Some(child);
+        let client = redis::Client::open(self.url()).unwrap();
+        for _ in 0..100 {
+            let conn = tokio::time::timeout(
+                Duration::from_millis(200),
+                client.get_multiplexed_async_connection(),
+            )
+            .await;
+            if let Ok(Ok(mut c)) = conn
+                && redis::cmd("PING").query_async::<String>(&mut c).await.is_ok()
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("throwaway redis-server on port {} never answered", self.port);
+    }
+
+    async fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            child.kill().await.unwrap();
+        }
+    }
+}
+
+fn config(threshold: u32) -> BreakerConfig {
+    BreakerConfig::builder()
+        .fail_threshold(threshold)
+        .cooldown(REDIS_UNIT)
+        .build()
+        .unwrap()
+}
+
+fn commandstats(info: &str) -> Vec<(String, u64)> {
+    info.lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix("cmdstat_")?;
+            let (name, stats) = rest.split_once(':')?;
+            let calls = stats
+                .split(',')
+                .find_map(|kv| kv.strip_prefix("calls="))?
+                .parse()
+                .ok()?;
+            Some((name.to_owned(), calls))
+        })
+        .collect()
+}
+
+/// Exactly one round trip (one EVALSHA) per admission and per record, on every path:
+/// closed, open (refused), half-open probe, probe verdict.
+#[tokio::test]
+async fn one_round_trip_per_admission_and_per_record() {
+    let server = Throwaway::start().await;
+    let target = RedisTarget::Standalone(server.url());
+    let backend = RedisBackend::new(RedisConn::connect(&target).await.unwrap()).with_prefix("rt");
+    let gate = backend.gate(&"s".into(), &config(3));
+    // Load the scripts (the first EVALSHA of each falls back to loading it).
+    call(&gate, S).await;
+    let _ = gate.view().await.unwrap();
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut stats = client.get_multiplexed_async_connection().await.unwrap();
+    redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query_async::<()>(&mut stats)
+        .await
+        .unwrap();
+
+    let (mut admissions, mut records) = (0u64, 0u64);
+    for outcome in [S, S, F, S, F, F, F] {
+        let t = admit(&gate).await;
+        gate.record(t, outcome.breaker_verdict()).await;
+        admissions += 1;
+        records += 1;
+    }
+    for _ in 0..5 {
+        refused(&gate).await; // open: still one round trip each
+        admissions += 1;
+    }
+    tokio::time::sleep(REDIS_UNIT + REDIS_UNIT / 6).await;
+    let probe = admit(&gate).await;
+    assert!(probe.is_probe());
+    gate.record(probe, BreakerVerdict::Success).await;
+    admissions += 1;
+    records += 1;
+
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut stats)
+        .await
+        .unwrap();
+    let calls = commandstats(&info);
+    let evalsha = calls.iter().find(|(n, _)| n == "evalsha").map_or(0, |c| c.1);
+    let others: Vec<_> = calls
+        .iter()
+        // Commands the scripts run inside the server are counted too; they are not
+        // round trips.
+        .filter(|(n, _)| {
+            !matches!(
+                n.as_str(),
+                "evalsha" | "info" | "config|resetstat" | "time" | "hmget" | "hset" | "pexpire"
+            )
+        })
+        .collect();
+    println!(
+        "round trips: {admissions} admissions + {records} records = {evalsha} EVALSHA; other commands: {others:?}"
+    );
+    assert_eq!(evalsha, admissions + records, "{info}");
+    assert!(others.is_empty(), "unexpected commands: {others:?}");
+}
+
+/// Two processes (two connections) racing in half-open: exactly one probe.
+async fn two_processes_one_probe(env: RedisEnv) {
+    let other = env.other_process().await;
+    let config = cfg(&env, 1).build().unwrap();
+    let a = env.gate("s", &config);
+    let b = other.gate(&"s".into(), &config);
+    call(&a, F).await;
+    env.pass(env.unit()).await;
+    let admits = (0..64).map(|i| {
+        let g = if i % 2 == 0 { a.clone() } else { b.clone() };
+        async move { g.admit().await.unwrap() }
+    });
+    let answers = join_all(admits).await;
+    let probes: Vec<_> = answers
+        .iter()
+        .filter_map(|a| match a {
+            Admission::Admitted(t) => Some(*t),
+            Admission::Refused { .. } => None,
+        })
+        .collect();
+    assert_eq!(probes.len(), 1, "{answers:?}");
+    assert!(probes[0].is_probe());
+    // The other process sees the lease and the verdict.
+    assert!(view(&b).await.probe_in_flight);
+    b.record(probes[0], BreakerVerdict::Success).await;
+    assert_eq!(view(&a).await.state, tower_breaker_window::BreakerState::Closed);
+}
+
+#[tokio::test]
+async fn standalone_two_processes_one_probe() {
+    two_processes_one_probe(RedisEnv::standalone("race").await).await;
+}
+
+#[tokio::test]
+async fn cluster_two_processes_one_probe() {
+    two_processes_one_probe(RedisEnv::cluster("race").await).await;
+}
+
+/// B12: Redis stops mid-test. Admission fails closed with `BackendUnavailable`
+/// (through the layer too, without calling the inner service); recording warns, counts
+/// and returns; nothing hangs past the timeout; after a restart the breaker works again.
+#[tokio::test]
+async fn outage_fails_closed_then_recovers() {
+    let mut server = Throwaway::start().await;
+    let target = RedisTarget::Standalone(server.url());
+    let timeout = Duration::from_millis(300);
+    let conn = RedisConn::connect_with(&target, timeout, timeout).await.unwrap();
+    let backend = RedisBackend::new(conn)
+        .with_prefix("outage")
+        .with_timeout(timeout);
+    let layer = BreakerLayer::new(&backend, "s", &config(3));
+    let gate = layer.gate().clone();
+    let handle = layer.handle();
+    let reached = Arc::new(AtomicU32::new(0));
+    let mut svc = layer.layer({
+        let reached = reached.clone();
+        service_fn(move |()| {
+            reached.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<_, BoxError>("ok") }
+        })
+    });
+    assert_eq!(svc.ready().await.unwrap().call(()).await.unwrap(), "ok");
+    let ticket = admit(&gate).await;
+
+    server.stop().await;
+    let bound = Duration::from_secs(3);
+    let err = tokio::time::timeout(bound, gate.admit())
+        .await
+        .expect("admission hung")
+        .unwrap_err();
+    let unavailable = err
+        .downcast_ref::<BackendUnavailable>()
+        .expect("BackendUnavailable");
+    assert_eq!(
+        (unavailable.backend(), unavailable.operation()),
+        ("redis", "admit")
+    );
+    let err = tokio::time::timeout(bound, async { svc.ready().await.unwrap().call(()).await })
+        .await
+        .expect("call hung")
+        .unwrap_err();
+    assert!(err.is::<BackendUnavailable>(), "{err}");
+    assert_eq!(
+        reached.load(Ordering::SeqCst),
+        1,
+        "fail closed: the inner service was not called"
+    );
+    tokio::time::timeout(bound, gate.record(ticket, BreakerVerdict::Failure))
+        .await
+        .expect("record hung");
+    assert_eq!(gate.record_errors(), 1);
+    assert!(
+        tokio::time::timeout(bound, handle.view())
+            .await
+            .expect("view hung")
+            .is_err()
+    );
+
+    server.restart().await;
+    let mut back = false;
+    for _ in 0..50 {
+        if matches!(gate.admit().await, Ok(Admission::Admitted(_))) {
+            back = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(back, "the breaker never recovered after Redis came back");
+    assert_eq!(svc.ready().await.unwrap().call(()).await.unwrap(), "ok");
+    let v = handle.view().await.unwrap();
+    assert_eq!((v.window_calls, v.record_errors), (1, 1));
+}
