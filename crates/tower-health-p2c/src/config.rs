@@ -37,6 +37,11 @@ pub const DEFAULT_MAX_WAIT: Duration = Duration::from_secs(30);
 /// signal (a gate that does not fire one must not stall a call until `max_wait`).
 pub const DEFAULT_PACED_POLL: Duration = Duration::from_millis(100);
 
+/// The shortest wait after a round in which no source admitted, whatever `retry_after`
+/// the gates said: 10 ms, so a gate answering `retry_after = 0` cannot make a call spin
+/// (the same floor as tower-retry-pushback's `MIN_NOT_ADMITTED_WAIT`).
+pub const MIN_WAKE_WAIT: Duration = Duration::from_millis(10);
+
 /// How sources are ordered for each attempt (DESIGN.md H6).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]

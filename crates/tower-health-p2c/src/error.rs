@@ -45,11 +45,14 @@ impl fmt::Display for NoSources {
 
 impl Error for NoSources {}
 
-/// No source admitted the call within `max_wait` (H7).
+/// No source admitted the call within `max_wait`, or none can before `max_wait` ends
+/// (H7).
 ///
-/// Its [`source`](Error::source) is the last not-admitted answer (a
-/// [`pgw_core::Paced`] or [`pgw_core::QuotaExceeded`]), so
-/// [`pgw_core::NotAdmitted::of`] still recognises it: no attempt was made.
+/// Its [`source`](Error::source) is the refusal of the last round that says best when
+/// to come back: a [`pgw_core::Paced`] if a source was paced, else the
+/// [`pgw_core::QuotaExceeded`] with the earliest `retry_after`. So
+/// [`pgw_core::NotAdmitted::of`] still recognises it (no attempt was made) and a retry
+/// layer above waits for the earliest quota, not whichever was refused last.
 #[derive(Debug)]
 pub struct NoneAdmitted {
     waited: Duration,

@@ -15,10 +15,10 @@ use tokio::sync::futures::OwnedNotified;
 use tokio::time::{Instant, Sleep};
 use tower_service::Service;
 
-use crate::BalanceConfig;
 use crate::error::{NoSources, NoneAdmitted};
 use crate::order;
 use crate::sources::Snapshot;
+use crate::{BalanceConfig, MIN_WAKE_WAIT};
 
 /// Which sources this round still has to try.
 pub(crate) enum Plan {
@@ -36,10 +36,13 @@ struct Round {
     all_open: bool,
     /// The earliest `CircuitOpen`, kept whole to be returned unchanged.
     open: Option<(Duration, BoxError)>,
+    /// The earliest `QuotaExceeded`, kept whole: the source of a [`NoneAdmitted`], so
+    /// a retry layer above waits for the earliest quota, not the last one refused.
+    quota: Option<(Duration, BoxError)>,
     /// The earliest `retry_after` of any refusal.
     wake_after: Option<Duration>,
-    paced: bool,
-    last: Option<BoxError>,
+    /// A `Paced` refusal: admissible as soon as an attempt in flight ends.
+    paced: Option<BoxError>,
 }
 
 impl Round {
@@ -47,9 +50,9 @@ impl Round {
         Self {
             all_open: true,
             open: None,
+            quota: None,
             wake_after: None,
-            paced: false,
-            last: None,
+            paced: None,
         }
     }
 
@@ -57,29 +60,34 @@ impl Round {
         if let Some(d) = na.retry_after() {
             self.wake_after = Some(self.wake_after.map_or(d, |w| w.min(d)));
         }
-        match na {
-            NotAdmitted::CircuitOpen(d) => {
-                if self.open.as_ref().is_none_or(|(o, _)| d < *o) {
-                    self.open = Some((d, err));
-                    return;
-                }
+        let keep_earliest = |slot: &mut Option<(Duration, BoxError)>, d: Duration, err: BoxError| {
+            if slot.as_ref().is_none_or(|(o, _)| d < *o) {
+                *slot = Some((d, err));
             }
-            NotAdmitted::QuotaExceeded(_) => self.all_open = false,
+        };
+        match na {
+            NotAdmitted::CircuitOpen(d) => keep_earliest(&mut self.open, d, err),
+            NotAdmitted::QuotaExceeded(d) => {
+                self.all_open = false;
+                keep_earliest(&mut self.quota, d, err);
+            }
             NotAdmitted::Paced => {
                 self.all_open = false;
-                self.paced = true;
+                self.paced.get_or_insert(err);
             }
         }
-        self.last = Some(err);
     }
 
     fn earliest_open(&mut self) -> BoxError {
         self.open.take().map_or_else(|| self.last_error(), |(_, e)| e)
     }
 
+    /// The refusal that says best when to come back: a `Paced` (as soon as an attempt
+    /// ends), else the earliest `QuotaExceeded`, else the earliest `CircuitOpen`.
     fn last_error(&mut self) -> BoxError {
-        self.last
+        self.paced
             .take()
+            .or_else(|| self.quota.take().map(|(_, e)| e))
             .or_else(|| self.open.take().map(|(_, e)| e))
             .unwrap_or_else(|| Box::new(NoSources))
     }
@@ -174,7 +182,7 @@ impl<S, Req, C> Ctx<S, Req, C> {
             let now = Instant::now();
             Box::new(Wait {
                 started: now,
-                deadline: now + self.config.max_wait,
+                deadline: later(now, self.config.max_wait),
                 armed: None,
                 sleep: None,
                 rounds: 0,
@@ -182,12 +190,17 @@ impl<S, Req, C> Ctx<S, Req, C> {
         });
         if wait.sleep.is_none() {
             let now = Instant::now();
-            if now >= wait.deadline {
+            let paced = self.round.paced.is_some();
+            // With nothing paced, no source can admit before the earliest `retry_after`:
+            // when that is past the deadline, fail now instead of sleeping until it.
+            let wake_at = self.round.wake_after.map(|d| later(now, d));
+            let hopeless = !paced && wake_at.is_some_and(|at| at > wait.deadline);
+            if now >= wait.deadline || hopeless {
                 let waited = now - wait.started;
                 let last = self.round.last_error();
                 return Poll::Ready(Err(Box::new(NoneAdmitted::new(waited, last))));
             }
-            if self.round.paced && wait.armed.is_none() {
+            if paced && wait.armed.is_none() {
                 // Arm, then try once more at once: a slot released between a refusal
                 // and the arming would otherwise be missed.
                 wait.armed = Some(armed(&self.snapshot));
@@ -197,11 +210,12 @@ impl<S, Req, C> Ctx<S, Req, C> {
                 return Poll::Ready(Ok(()));
             }
             let mut until = wait.deadline;
-            if let Some(d) = self.round.wake_after {
-                until = until.min(now + d);
+            if let Some(at) = wake_at {
+                // A gate answering `retry_after = 0` must not make the call spin.
+                until = until.min(at.max(now + MIN_WAKE_WAIT));
             }
-            if self.round.paced {
-                until = until.min(now + self.config.paced_poll);
+            if paced {
+                until = until.min(later(now, self.config.paced_poll));
             }
             wait.sleep = Some(Box::pin(tokio::time::sleep_until(until)));
         }
@@ -254,6 +268,13 @@ impl<S, Req, C> Ctx<S, Req, C> {
         }
         Some(result)
     }
+}
+
+/// `now + d`, saturating far in the future instead of panicking on a huge `d` (a bad
+/// `max_wait` or a gate's garbage `retry_after` must not panic the call).
+fn later(now: Instant, d: Duration) -> Instant {
+    now.checked_add(d)
+        .unwrap_or_else(|| now + Duration::from_secs(30 * 365 * 24 * 3600))
 }
 
 fn armed<S>(snapshot: &Snapshot<S>) -> Pin<Box<OwnedNotified>> {

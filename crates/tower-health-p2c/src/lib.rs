@@ -17,7 +17,9 @@
 //! When no source admits: if all are breaker-open, the earliest `CircuitOpen` comes
 //! back at once; otherwise the call waits for the [wake signal](Sources::wake_signal)
 //! (fired by `tower-aimd` on release) or the earliest `retry_after`, at most
-//! [`BalanceConfig::max_wait`], then fails with [`NoneAdmitted`].
+//! [`BalanceConfig::max_wait`], then fails with [`NoneAdmitted`]. When no source is
+//! paced and the earliest `retry_after` is past `max_wait`, it fails at once instead
+//! of sleeping until `max_wait` for nothing.
 //!
 //! Health is process-local; the hot path is atomics only and never reads the clock.
 //! The source set may change at runtime through [`Sources`] without losing the health
@@ -73,7 +75,7 @@ mod sources;
 
 pub use config::{
     BalanceConfig, CREDIBLE_HEALTH_RATIO, DEFAULT_MAX_WAIT, DEFAULT_PACED_POLL, DEPRIORITIZE_AFTER_FAILURES,
-    HEALTH_ALPHA, HEALTH_FLOOR, HEALTH_INITIAL, Policy,
+    HEALTH_ALPHA, HEALTH_FLOOR, HEALTH_INITIAL, MIN_WAKE_WAIT, Policy,
 };
 pub use error::{ConfigError, NoSources, NoneAdmitted};
 pub use future::ResponseFuture;

@@ -461,6 +461,36 @@ async fn sources_change_at_runtime_and_keep_health() {
     assert_eq!(sources.views().len(), 2);
     // s1's view is still the old state; re-adding s1 starts fresh.
     assert!((s1.health() - 0.8).abs() < 1e-12);
+
+    // A source that stays keeps its health across changes, and the balancer keeps
+    // feeding the same state after it picked up the new set.
+    let s2_fails = Arc::new(AtomicBool::new(true));
+    let flag = Arc::clone(&s2_fails);
+    sources.insert(
+        "s2".into(),
+        BoxCloneSyncService::new(service_fn(move |_: Req| {
+            let fail = flag.load(Ordering::SeqCst);
+            async move {
+                if fail {
+                    Err::<&str, BoxError>("fail".into())
+                } else {
+                    Ok("s2")
+                }
+            }
+        })),
+    );
+    sources.remove("s3");
+    let _ = lb.ready().await.unwrap().call(Req::default()).await;
+    assert!(
+        (s2.health() - 0.8).abs() < 1e-12,
+        "the view taken before the change sees it"
+    );
+    sources.insert("s4".into(), fixed(Ok("s4"), Duration::ZERO, Arc::default()));
+    let fresh = sources.view("s2").unwrap();
+    assert!(
+        (fresh.health() - 0.8).abs() < 1e-12,
+        "replacing the service kept the health"
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -530,4 +560,131 @@ fn bad_config_is_an_error_naming_the_field() {
     .unwrap_err();
     assert_eq!(err.field(), "paced_poll");
     assert!(err.to_string().contains("paced_poll"));
+}
+
+/// A source refusing with `retry_after = 0` while the other is paced: the call re-checks
+/// every few milliseconds, it does not spin (with the paused clock, a spin would never
+/// let time reach the moment the quota frees).
+#[tokio::test(start_paused = true)]
+async fn a_zero_retry_after_does_not_make_the_call_spin() {
+    let free_at = Instant::now() + Duration::from_secs(1);
+    let refusals = Arc::new(AtomicUsize::new(0));
+    let sources: Sources<Svc> = Sources::new();
+    sources.insert(
+        "s1".into(),
+        BoxCloneSyncService::new(service_fn(|_: Req| async {
+            Err::<&str, BoxError>(Box::new(Paced::new()))
+        })),
+    );
+    let counted = Arc::clone(&refusals);
+    sources.insert(
+        "s2".into(),
+        BoxCloneSyncService::new(service_fn(move |_: Req| {
+            let counted = Arc::clone(&counted);
+            async move {
+                if Instant::now() < free_at {
+                    let n = counted.fetch_add(1, Ordering::SeqCst);
+                    assert!(n < 10_000, "the balancer spins on retry_after = 0");
+                    return Err::<&str, BoxError>(Box::new(QuotaExceeded::new("rpm", Duration::ZERO)));
+                }
+                Ok("s2")
+            }
+        })),
+    );
+    let mut lb = HealthP2c::new(
+        sources.clone(),
+        BalanceConfig {
+            paced_poll: Duration::from_secs(1000),
+            ..BalanceConfig::default()
+        },
+    )
+    .unwrap()
+    .with_seed(4);
+    let t0 = Instant::now();
+    assert_eq!(
+        lb.ready().await.unwrap().call(Req::default()).await.unwrap(),
+        "s2"
+    );
+    assert!(t0.elapsed() >= Duration::from_secs(1));
+    let n = refusals.load(Ordering::SeqCst);
+    assert!(n <= 1 + 1000 / 10 + 1, "one re-check per 10 ms at most: {n}");
+}
+
+/// No source paced and the earliest quota frees after `max_wait`: fail at once, and
+/// say the earliest quota (not whichever refused last) so a retry layer above waits
+/// for the right one.
+#[tokio::test(start_paused = true)]
+async fn quota_past_max_wait_fails_at_once_with_the_earliest_quota() {
+    let sources: Sources<Svc> = Sources::new();
+    for (id, secs) in [("s1", 60), ("s2", 200), ("s3", 90)] {
+        sources.insert(
+            id.into(),
+            BoxCloneSyncService::new(service_fn(move |_: Req| async move {
+                Err::<&str, BoxError>(Box::new(
+                    QuotaExceeded::new("hold", Duration::from_secs(secs)).with_scope(id),
+                ))
+            })),
+        );
+    }
+    for seed in 0..12 {
+        let mut lb = HealthP2c::new(
+            sources.clone(),
+            BalanceConfig {
+                max_wait: Duration::from_secs(30),
+                ..BalanceConfig::default()
+            },
+        )
+        .unwrap()
+        .with_seed(seed);
+        let (req, history) = with_history();
+        let t0 = Instant::now();
+        let err = lb.ready().await.unwrap().call(req).await.unwrap_err();
+        assert_eq!(t0.elapsed(), Duration::ZERO, "seed {seed}: no sleep to max_wait");
+        assert!(err.is::<NoneAdmitted>(), "{err}");
+        assert_eq!(
+            NotAdmitted::of(&*err),
+            Some(NotAdmitted::QuotaExceeded(Duration::from_secs(60))),
+            "seed {seed}: the earliest quota"
+        );
+        assert!(history.is_empty());
+    }
+}
+
+/// Huge durations (a `max_wait` meaning "forever", a garbage `retry_after`) do not
+/// overflow the clock.
+#[tokio::test(start_paused = true)]
+async fn huge_durations_do_not_panic() {
+    let free_at = Instant::now() + Duration::from_secs(2);
+    let sources: Sources<Svc> = Sources::new();
+    sources.insert(
+        "s1".into(),
+        BoxCloneSyncService::new(service_fn(|_: Req| async {
+            Err::<&str, BoxError>(Box::new(QuotaExceeded::new("hold", Duration::MAX)))
+        })),
+    );
+    sources.insert(
+        "s2".into(),
+        BoxCloneSyncService::new(service_fn(move |_: Req| async move {
+            let now = Instant::now();
+            if now < free_at {
+                return Err::<&str, BoxError>(Box::new(QuotaExceeded::new("rpm", free_at - now)));
+            }
+            Ok("s2")
+        })),
+    );
+    let mut lb = HealthP2c::new(
+        sources.clone(),
+        BalanceConfig {
+            max_wait: Duration::MAX,
+            ..BalanceConfig::default()
+        },
+    )
+    .unwrap()
+    .with_seed(2);
+    let t0 = Instant::now();
+    assert_eq!(
+        lb.ready().await.unwrap().call(Req::default()).await.unwrap(),
+        "s2"
+    );
+    assert_eq!(t0.elapsed(), Duration::from_secs(2));
 }

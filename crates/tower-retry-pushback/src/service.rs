@@ -188,7 +188,9 @@ where
         let deadline_at = match (shared.config.max_call_duration, shared.resend.deadline(&req)) {
             (None, None) => None,
             (max, own) => {
-                let from_config = max.map(|d| Instant::now() + d);
+                // A duration too large for the clock (e.g. `Duration::MAX` for "no
+                // limit") is no deadline, not a panic.
+                let from_config = max.and_then(|d| Instant::now().checked_add(d));
                 from_config.into_iter().chain(own).min()
             }
         };

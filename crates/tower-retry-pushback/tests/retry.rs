@@ -197,6 +197,18 @@ async fn a_retry_after_beyond_the_stall_window_fails_at_once() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_max_call_duration_too_large_for_the_clock_is_no_deadline_not_a_panic() {
+    let upstream = Upstream::with(vec![rl(7)]);
+    let mut svc = layer(RetryConfig {
+        max_call_duration: Some(Duration::MAX),
+        ..RetryConfig::default()
+    })
+    .layer(upstream.clone());
+    assert_eq!(call(&mut svc, Req::new(1)).await.unwrap(), Ans::Ok);
+    assert_eq!(upstream.sent_count(), 2);
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_retry_after_beyond_the_deadline_fails_at_once() {
     let upstream = Upstream::always(Ans::RateLimited(Some(Duration::from_secs(30))));
     let mut svc = layer(RetryConfig {
@@ -260,6 +272,31 @@ async fn pushback_moves_to_the_other_source_at_once_and_holds_the_first() {
         vec![start, start + Duration::from_secs(30)]
     );
     assert_eq!(router.times_of("s2").len(), 6);
+}
+
+/// R3: a Retry-After longer than the call may wait still moves the call on at once to
+/// another source (only a call that would have to sleep through it fails).
+#[tokio::test(start_paused = true)]
+async fn a_retry_after_beyond_the_stall_window_moves_on_to_another_source() {
+    let holds = TestHold::default();
+    let router = Router::new(
+        vec![
+            ("s1", Upstream::with(vec![rl(500)])),
+            ("s2", Upstream::always(Ans::Ok)),
+        ],
+        holds.clone(),
+    );
+    let mut svc = layer(RetryConfig::default())
+        .hold(Arc::new(holds.clone()))
+        .layer(router.clone());
+    let start = Instant::now();
+    assert_eq!(call(&mut svc, Req::new(1)).await.unwrap(), Ans::Ok);
+    assert_eq!(Instant::now(), start);
+    assert_eq!(router.times_of("s2"), vec![start]);
+    assert_eq!(
+        *holds.calls.lock().unwrap(),
+        vec![(SourceId::from("s1"), Duration::from_secs(500))]
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -367,6 +404,18 @@ async fn stalls_when_nothing_in_the_process_succeeds() {
     // Fails at the first check past the window (the longest single wait is 20 s).
     assert!(elapsed <= Duration::from_secs(80), "{elapsed:?}");
     assert!(upstream.sent_count() >= 4);
+    assert_eq!(svc.stats(), RetryStats::default());
+}
+
+/// R4 is a double condition: a process that has been quiet for many windows does not
+/// stall a call that has only just started waiting.
+#[tokio::test(start_paused = true)]
+async fn a_quiet_process_does_not_stall_a_call_that_just_started_waiting() {
+    let upstream = Upstream::with(vec![rl(10), rl(10)]);
+    let mut svc = layer(stall_config()).layer(upstream.clone());
+    tokio::time::sleep(Duration::from_secs(300)).await;
+    assert_eq!(call(&mut svc, Req::new(1)).await.unwrap(), Ans::Ok);
+    assert_eq!(upstream.sent_count(), 3);
     assert_eq!(svc.stats(), RetryStats::default());
 }
 
