@@ -1,0 +1,218 @@
+//! Where the limiter's state lives: [`MemoryBackend`] (one process, tokio clock) or
+//! [`RedisBackend`] (every process, Redis server clock). Both keep one contract, checked
+//! by one test suite.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use pgw_core::{BackendUnavailable, QuotaExceeded};
+
+use crate::config::{Quota, RateLimitConfig};
+
+pub(crate) mod memory;
+pub(crate) mod redis;
+
+pub use memory::MemoryBackend;
+pub use redis::RedisBackend;
+
+/// The shared state of the limiter: memory or Redis.
+#[derive(Clone, Debug)]
+pub enum Backend {
+    /// One process; windows on the tokio clock.
+    Memory(MemoryBackend),
+    /// Every process sharing one Redis (standalone or cluster); windows on the server clock.
+    Redis(RedisBackend),
+}
+
+impl From<MemoryBackend> for Backend {
+    fn from(b: MemoryBackend) -> Self {
+        Self::Memory(b)
+    }
+}
+
+impl From<RedisBackend> for Backend {
+    fn from(b: RedisBackend) -> Self {
+        Self::Redis(b)
+    }
+}
+
+impl Backend {
+    pub(crate) fn bind(&self, config: &RateLimitConfig) -> Arc<dyn Gate> {
+        let scopes = ScopeSpec::of(config);
+        match self {
+            Self::Memory(m) => Arc::new(m.bind(scopes, config)),
+            Self::Redis(r) => Arc::new(r.bind(&scopes, config)),
+        }
+    }
+}
+
+/// The clock an [`Admission`](crate::Admission)'s instant is read on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Clock {
+    /// The Redis server's `TIME`: instants are durations since the Unix epoch.
+    RedisServer,
+    /// The tokio clock of the process: instants are durations since the memory backend
+    /// was created.
+    Tokio,
+}
+
+/// Which scope a [`hold`](crate::RateLimiter::hold) applies to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HoldScope {
+    /// The source only.
+    Source,
+    /// The account only (every source of the account); the source alone if it has none.
+    Account,
+    /// The source and its account, in one round trip.
+    Both,
+}
+
+/// Whether a scope is a source or an account.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ScopeKind {
+    Source,
+    Account,
+}
+
+/// One scope of a limiter, as the backends see it.
+#[derive(Clone, Debug)]
+pub(crate) struct ScopeSpec {
+    pub(crate) kind: ScopeKind,
+    pub(crate) quota: Quota,
+    /// `source:NAME` or `account:NAME`: the name used in errors and state.
+    pub(crate) label: Arc<str>,
+}
+
+impl ScopeSpec {
+    /// The scopes of a limiter, account first (the order every backend locks or lists
+    /// them in).
+    fn of(config: &RateLimitConfig) -> Vec<Self> {
+        let mut v = Vec::with_capacity(2);
+        if let Some((a, q)) = &config.account {
+            v.push(Self {
+                kind: ScopeKind::Account,
+                quota: *q,
+                label: Arc::from(format!("account:{a}")),
+            });
+        }
+        v.push(Self {
+            kind: ScopeKind::Source,
+            quota: config.source_quota,
+            label: Arc::from(format!("source:{}", config.source)),
+        });
+        v
+    }
+
+    pub(crate) fn held_by(&self, which: HoldScope, has_account: bool) -> bool {
+        self.kind.held_by(which, has_account)
+    }
+}
+
+impl ScopeKind {
+    /// Whether a hold of `which` covers a scope of this kind.
+    pub(crate) const fn held_by(self, which: HoldScope, has_account: bool) -> bool {
+        match (which, self) {
+            (HoldScope::Both, _)
+            | (HoldScope::Source, ScopeKind::Source)
+            | (HoldScope::Account, ScopeKind::Account) => true,
+            (HoldScope::Account, ScopeKind::Source) => !has_account,
+            (HoldScope::Source, ScopeKind::Account) => false,
+        }
+    }
+}
+
+/// A concurrency lease id, unique in this process (the Redis backend adds a process
+/// nonce).
+pub(crate) type LeaseId = u64;
+
+/// The backend's answer to an admission.
+#[derive(Debug)]
+pub(crate) enum Verdict {
+    /// Admitted at `at` (on the backend's clock), in window `window`.
+    Admitted { at: Duration, window: u64 },
+    /// Not admitted.
+    Refused(QuotaExceeded),
+}
+
+/// What settling an admission changes.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Settle {
+    pub(crate) window: u64,
+    pub(crate) requests: i64,
+    pub(crate) tokens: i64,
+    pub(crate) lease: Option<LeaseId>,
+}
+
+impl Settle {
+    pub(crate) const fn is_noop(&self) -> bool {
+        self.requests == 0 && self.tokens == 0 && self.lease.is_none()
+    }
+}
+
+/// One limiter's view of a backend: its scopes resolved to state cells or keys.
+pub(crate) trait Gate: Send + Sync + fmt::Debug {
+    /// Checks and reserves every dimension of every scope, all or nothing.
+    fn admit(
+        &self,
+        tokens: u64,
+        lease: Option<LeaseId>,
+    ) -> BackendFuture<Result<Verdict, BackendUnavailable>>;
+    /// Reconciles or refunds, and releases the lease.
+    fn settle(&self, settle: Settle) -> BackendFuture<Result<(), BackendUnavailable>>;
+    /// Extends a lease; `false` when it had already expired.
+    fn renew(&self, lease: LeaseId) -> BackendFuture<Result<bool, BackendUnavailable>>;
+    /// Holds scopes for `duration`; answers the hold's end on the backend's clock.
+    fn hold(
+        &self,
+        which: HoldScope,
+        duration: Duration,
+    ) -> BackendFuture<Result<Duration, BackendUnavailable>>;
+    /// The clock admissions are read on.
+    fn clock(&self) -> Clock;
+}
+
+/// A backend operation: already done (memory) or a round trip in flight (Redis).
+pub(crate) enum BackendFuture<T> {
+    Ready(Option<T>),
+    Pending(Pin<Box<dyn Future<Output = T> + Send + 'static>>),
+}
+
+impl<T> BackendFuture<T> {
+    pub(crate) fn ready(v: T) -> Self {
+        Self::Ready(Some(v))
+    }
+
+    /// The value, when the operation finished synchronously.
+    pub(crate) fn now_or(self) -> Result<T, Self> {
+        match self {
+            Self::Ready(Some(v)) => Ok(v),
+            other => Err(other),
+        }
+    }
+}
+
+impl<T> Unpin for BackendFuture<T> {}
+
+impl<T> Future for BackendFuture<T> {
+    type Output = T;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
+        match self.get_mut() {
+            Self::Ready(v) => Poll::Ready(v.take().expect("BackendFuture polled after completion")),
+            Self::Pending(f) => f.as_mut().poll(cx),
+        }
+    }
+}
+
+impl<T> fmt::Debug for BackendFuture<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Ready(_) => "BackendFuture::Ready",
+            Self::Pending(_) => "BackendFuture::Pending",
+        })
+    }
+}

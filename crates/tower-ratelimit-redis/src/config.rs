@@ -1,0 +1,330 @@
+//! Quotas, scopes and the limiter's configuration, with the named defaults.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use pgw_core::SourceId;
+
+use crate::error::ConfigError;
+
+/// Default window length: 60 s, because provider quotas are per minute (RPM, TPM).
+pub const DEFAULT_WINDOW: Duration = Duration::from_secs(60);
+
+/// Default concurrency lease TTL: 30 s. A process that dies holds its slots at most
+/// this long; a live call renews its lease every [`RENEW_FRACTION`] of it.
+pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(30);
+
+/// A live lease is renewed every `lease_ttl / RENEW_FRACTION` (3: two renewals may be
+/// lost before the lease expires under a call that is still running).
+pub const RENEW_FRACTION: u32 = 3;
+
+/// `retry_after` reported when every concurrency slot is taken: at most 50 ms.
+///
+/// A slot frees when some call ends, which no clock predicts; the hint is a polling
+/// interval (shorter when the earliest lease expires sooner).
+pub const DEFAULT_SLOT_RETRY_AFTER: Duration = Duration::from_millis(50);
+
+/// Default Redis key prefix: `pgw:rl`.
+pub const DEFAULT_KEY_PREFIX: &str = "pgw:rl";
+
+/// The limits of one scope (a source or an account). `None` means unlimited.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Quota {
+    /// Requests per window (RPM for a 60 s window).
+    pub requests: Option<u64>,
+    /// Tokens per window (TPM for a 60 s window).
+    pub tokens: Option<u64>,
+    /// Concurrent requests (leases).
+    pub concurrency: Option<u64>,
+}
+
+impl Quota {
+    /// No limit on any dimension.
+    #[must_use]
+    pub const fn unlimited() -> Self {
+        Self {
+            requests: None,
+            tokens: None,
+            concurrency: None,
+        }
+    }
+
+    /// Limits requests per window.
+    #[must_use]
+    pub const fn requests(mut self, n: u64) -> Self {
+        self.requests = Some(n);
+        self
+    }
+
+    /// Limits tokens per window.
+    #[must_use]
+    pub const fn tokens(mut self, n: u64) -> Self {
+        self.tokens = Some(n);
+        self
+    }
+
+    /// Limits concurrent requests.
+    #[must_use]
+    pub const fn concurrency(mut self, n: u64) -> Self {
+        self.concurrency = Some(n);
+        self
+    }
+
+    fn validate(&self, scope: &str) -> Result<(), ConfigError> {
+        for (name, v) in [
+            ("requests", self.requests),
+            ("tokens", self.tokens),
+            ("concurrency", self.concurrency),
+        ] {
+            if v == Some(0) {
+                return Err(ConfigError::new(
+                    format!("{scope}.{name}"),
+                    "must be at least 1 (leave it unset for no limit)",
+                ));
+            }
+            if v.is_some_and(|v| v > i64::MAX as u64 / 2) {
+                return Err(ConfigError::new(format!("{scope}.{name}"), "is too large"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What happens when a request is not admitted.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Mode {
+    /// Answer [`QuotaExceeded`](pgw_core::QuotaExceeded) at once, so a balancer can try
+    /// another source (the default: gates shed, they don't block).
+    #[default]
+    Shed,
+    /// Wait until admissible, for at most `max_wait` (then answer `QuotaExceeded`).
+    ///
+    /// The wait happens in the response future, not in `poll_ready`: the token
+    /// reservation depends on the request, which `poll_ready` does not see.
+    Wait {
+        /// The longest a request waits for admission; `None` waits as long as it takes.
+        max_wait: Option<Duration>,
+    },
+}
+
+/// The configuration of one source's limiter.
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_ratelimit_redis::{Quota, RateLimitConfig};
+///
+/// let config = RateLimitConfig::new("s4", Quota::unlimited().requests(5).concurrency(2))
+///     .account("acct-1", Quota::unlimited().tokens(200_000))
+///     .window(Duration::from_secs(60));
+/// assert_eq!(config.source_name().as_str(), "s4");
+/// ```
+#[derive(Clone, Debug)]
+pub struct RateLimitConfig {
+    pub(crate) source: SourceId,
+    pub(crate) source_quota: Quota,
+    pub(crate) account: Option<(Arc<str>, Quota)>,
+    pub(crate) window: Duration,
+    pub(crate) lease_ttl: Duration,
+    pub(crate) slot_retry_after: Duration,
+    pub(crate) mode: Mode,
+    pub(crate) key_prefix: String,
+    pub(crate) response_timeout: Duration,
+}
+
+impl RateLimitConfig {
+    /// A limiter for `source` with its own `quota`, every other setting at its default.
+    pub fn new(source: impl Into<SourceId>, quota: Quota) -> Self {
+        Self {
+            source: source.into(),
+            source_quota: quota,
+            account: None,
+            window: DEFAULT_WINDOW,
+            lease_ttl: DEFAULT_LEASE_TTL,
+            slot_retry_after: DEFAULT_SLOT_RETRY_AFTER,
+            mode: Mode::Shed,
+            key_prefix: DEFAULT_KEY_PREFIX.to_owned(),
+            response_timeout: pgw_core::redis_conn::DEFAULT_RESPONSE_TIMEOUT,
+        }
+    }
+
+    /// The source also draws on `account`'s `quota`, shared with every source of that
+    /// account (every process must configure the same account quota).
+    #[must_use]
+    pub fn account(mut self, account: &str, quota: Quota) -> Self {
+        self.account = Some((Arc::from(account), quota));
+        self
+    }
+
+    /// The window length (default [`DEFAULT_WINDOW`]); whole milliseconds.
+    #[must_use]
+    pub const fn window(mut self, window: Duration) -> Self {
+        self.window = window;
+        self
+    }
+
+    /// The concurrency lease TTL (default [`DEFAULT_LEASE_TTL`]).
+    #[must_use]
+    pub const fn lease_ttl(mut self, ttl: Duration) -> Self {
+        self.lease_ttl = ttl;
+        self
+    }
+
+    /// The `retry_after` hint when every slot is taken (default
+    /// [`DEFAULT_SLOT_RETRY_AFTER`]).
+    #[must_use]
+    pub const fn slot_retry_after(mut self, hint: Duration) -> Self {
+        self.slot_retry_after = hint;
+        self
+    }
+
+    /// Shedding or waiting (default [`Mode::Shed`]).
+    #[must_use]
+    pub const fn mode(mut self, mode: Mode) -> Self {
+        self.mode = mode;
+        self
+    }
+
+    /// The Redis key prefix (default [`DEFAULT_KEY_PREFIX`]).
+    #[must_use]
+    pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.key_prefix = prefix.into();
+        self
+    }
+
+    /// How long one Redis operation may take before it counts as unreachable (default
+    /// [`pgw_core::redis_conn::DEFAULT_RESPONSE_TIMEOUT`]).
+    #[must_use]
+    pub const fn response_timeout(mut self, timeout: Duration) -> Self {
+        self.response_timeout = timeout;
+        self
+    }
+
+    /// The source this limiter guards.
+    #[must_use]
+    pub const fn source_name(&self) -> &SourceId {
+        &self.source
+    }
+
+    /// The account, if the source shares one.
+    #[must_use]
+    pub fn account_name(&self) -> Option<&str> {
+        self.account.as_ref().map(|(a, _)| &**a)
+    }
+
+    /// The window length.
+    #[must_use]
+    pub const fn window_len(&self) -> Duration {
+        self.window
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
+        check_name("source", self.source.as_str())?;
+        self.source_quota.validate("source")?;
+        if let Some((a, q)) = &self.account {
+            check_name("account", a)?;
+            q.validate("account")?;
+        }
+        if self.window < Duration::from_millis(1) || !self.window.subsec_nanos().is_multiple_of(1_000_000) {
+            return Err(ConfigError::new(
+                "window",
+                "must be a whole number of milliseconds, at least 1 ms",
+            ));
+        }
+        if self.lease_ttl < Duration::from_millis(3)
+            || !self.lease_ttl.subsec_nanos().is_multiple_of(1_000_000)
+        {
+            return Err(ConfigError::new(
+                "lease_ttl",
+                "must be a whole number of milliseconds, at least 3 ms",
+            ));
+        }
+        if self.response_timeout.is_zero() {
+            return Err(ConfigError::new("response_timeout", "must be more than zero"));
+        }
+        if self.key_prefix.contains(['{', '}']) {
+            return Err(ConfigError::new(
+                "key_prefix",
+                "must not contain '{' or '}' (hash tags)",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The largest token reservation any scope can ever admit.
+    pub(crate) fn max_tokens(&self) -> Option<(u64, &str)> {
+        let src = self.source_quota.tokens.map(|t| (t, "source"));
+        let acc = self
+            .account
+            .as_ref()
+            .and_then(|(_, q)| q.tokens.map(|t| (t, "account")));
+        match (src, acc) {
+            (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
+            (a, b) => a.or(b),
+        }
+    }
+}
+
+fn check_name(field: &'static str, name: &str) -> Result<(), ConfigError> {
+    if name.is_empty() {
+        return Err(ConfigError::new(field, "must not be empty"));
+    }
+    if name.contains(['{', '}']) {
+        return Err(ConfigError::new(
+            field,
+            "must not contain '{' or '}' (they delimit Redis Cluster hash tags)",
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_config_names_the_field() {
+        let cases = [
+            (
+                RateLimitConfig::new("s", Quota::unlimited().requests(0)),
+                "source.requests",
+            ),
+            (
+                RateLimitConfig::new("s", Quota::unlimited()).account("a", Quota::unlimited().tokens(0)),
+                "account.tokens",
+            ),
+            (RateLimitConfig::new("", Quota::unlimited()), "source"),
+            (RateLimitConfig::new("s{x}", Quota::unlimited()), "source"),
+            (
+                RateLimitConfig::new("s", Quota::unlimited()).window(Duration::from_micros(1500)),
+                "window",
+            ),
+            (
+                RateLimitConfig::new("s", Quota::unlimited()).lease_ttl(Duration::ZERO),
+                "lease_ttl",
+            ),
+            (
+                RateLimitConfig::new("s", Quota::unlimited()).key_prefix("a{b"),
+                "key_prefix",
+            ),
+        ];
+        for (config, field) in cases {
+            let err = config.validate().unwrap_err();
+            assert_eq!(err.field(), field, "{err}");
+            assert!(err.to_string().contains(field), "{err}");
+        }
+        assert!(
+            RateLimitConfig::new("s", Quota::unlimited().requests(1))
+                .validate()
+                .is_ok()
+        );
+    }
+
+    #[test]
+    fn max_tokens_is_the_smaller_scope() {
+        let c = RateLimitConfig::new("s", Quota::unlimited().tokens(100))
+            .account("a", Quota::unlimited().tokens(50));
+        assert_eq!(c.max_tokens(), Some((50, "account")));
+        let c = RateLimitConfig::new("s", Quota::unlimited()).account("a", Quota::unlimited());
+        assert_eq!(c.max_tokens(), None);
+    }
+}

@@ -1,0 +1,98 @@
+//! The limiter's errors.
+//!
+//! Not admitted is [`QuotaExceeded`] (re-exported from `pgw_core`), a backend that
+//! cannot be reached is [`BackendUnavailable`] (admission fails closed); both come as a
+//! `BoxError` from the response future. The errors defined here are the limiter's own.
+
+use std::error::Error;
+use std::fmt;
+
+pub use pgw_core::{BackendUnavailable, QuotaExceeded};
+
+/// A configuration value is invalid; `field` names it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigError {
+    field: String,
+    reason: &'static str,
+}
+
+impl ConfigError {
+    pub(crate) fn new(field: impl Into<String>, reason: &'static str) -> Self {
+        Self {
+            field: field.into(),
+            reason,
+        }
+    }
+
+    /// The offending field (`window`, `source.requests`, `account.tokens`, ...).
+    #[must_use]
+    pub fn field(&self) -> &str {
+        &self.field
+    }
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "invalid rate limit config: {} {}", self.field, self.reason)
+    }
+}
+
+impl Error for ConfigError {}
+
+/// The request's token estimate is larger than a whole window's token quota: it can
+/// never be admitted by this source, so it is refused at once instead of waiting
+/// forever. Not a *not admitted* error: waiting would not help.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RequestTooLarge {
+    tokens: u64,
+    quota: u64,
+    scope: String,
+}
+
+impl RequestTooLarge {
+    pub(crate) fn new(tokens: u64, quota: u64, scope: String) -> Self {
+        Self { tokens, quota, scope }
+    }
+
+    /// The request's token estimate.
+    #[must_use]
+    pub const fn tokens(&self) -> u64 {
+        self.tokens
+    }
+
+    /// The token quota per window it exceeds.
+    #[must_use]
+    pub const fn quota(&self) -> u64 {
+        self.quota
+    }
+
+    /// The scope whose quota it exceeds (`source:NAME` or `account:NAME`).
+    #[must_use]
+    pub fn scope(&self) -> &str {
+        &self.scope
+    }
+}
+
+impl fmt::Display for RequestTooLarge {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "request too large: estimated {} tokens exceed the whole token quota of {} per window for {}",
+            self.tokens, self.quota, self.scope
+        )
+    }
+}
+
+impl Error for RequestTooLarge {}
+
+/// A hold was asked for a source no limiter of this [`Holds`](crate::Holds) knows.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnknownSource(pub(crate) String);
+
+impl fmt::Display for UnknownSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "no rate limiter is configured for source {}", self.0)
+    }
+}
+
+impl Error for UnknownSource {}

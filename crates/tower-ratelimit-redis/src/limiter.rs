@@ -1,0 +1,608 @@
+//! The limiter of one source: admission, permits (reservations + leases), holds.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use pgw_core::{BackendUnavailable, BoxError, Hold, HoldFuture, SourceId};
+
+use crate::backend::{Backend, BackendFuture, Clock, Gate, HoldScope, LeaseId, Settle, Verdict};
+use crate::config::{RENEW_FRACTION, RateLimitConfig};
+use crate::error::{ConfigError, RequestTooLarge, UnknownSource};
+
+/// Lease ids, unique in the process: limiters of one account share the account's
+/// lease set (the Redis backend adds a per-process nonce).
+static NEXT_LEASE: AtomicU64 = AtomicU64::new(1);
+
+/// One source's rate limiter: its quotas (and its account's), bound to a backend.
+///
+/// Cheap to clone (an `Arc`). Used by [`RateLimitLayer`](crate::RateLimitLayer), or
+/// directly: [`RateLimiter::acquire`] returns a [`Permit`] to settle after the call.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// use tower_ratelimit_redis::{MemoryBackend, Quota, RateLimitConfig, RateLimiter};
+///
+/// let limiter = RateLimiter::new(
+///     RateLimitConfig::new("s1", Quota::unlimited().requests(1).tokens(1000)),
+///     MemoryBackend::new(),
+/// )
+/// .unwrap();
+/// let permit = limiter.acquire(400).await.unwrap();
+/// assert_eq!(permit.admission().tokens(), 400);
+/// assert!(limiter.acquire(1).await.is_err()); // one request per window
+/// permit.finish(Some(250)).await.unwrap(); // real usage: 150 tokens refunded
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct RateLimiter {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    config: RateLimitConfig,
+    gate: Arc<dyn Gate>,
+    stats: Stats,
+    uses_leases: bool,
+    max_tokens: Option<(u64, String)>,
+}
+
+impl fmt::Debug for RateLimiter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RateLimiter")
+            .field("config", &self.inner.config)
+            .field("gate", &self.inner.gate)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Counters of the limiter's own health (reconciliation failures are logged *and*
+/// counted here; nothing panics).
+#[derive(Debug, Default)]
+struct Stats {
+    admitted: AtomicU64,
+    refused: AtomicU64,
+    unavailable: AtomicU64,
+    settle_failures: AtomicU64,
+    renew_failures: AtomicU64,
+    leases_lost: AtomicU64,
+}
+
+/// A snapshot of a limiter's counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LimiterStats {
+    /// Admissions granted.
+    pub admitted: u64,
+    /// Admissions refused (`QuotaExceeded`).
+    pub refused: u64,
+    /// Admissions failed closed because the backend was unreachable.
+    pub unavailable: u64,
+    /// Reconciliations, refunds or lease releases that failed (logged; the lease then
+    /// expires by its TTL, the reservation stays charged).
+    pub settle_failures: u64,
+    /// Lease renewals that failed (logged).
+    pub renew_failures: u64,
+    /// Renewals that found their lease already expired.
+    pub leases_lost: u64,
+}
+
+impl RateLimiter {
+    /// A limiter for `config`'s source, with its state in `backend`.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming the invalid field.
+    pub fn new(config: RateLimitConfig, backend: impl Into<Backend>) -> Result<Self, ConfigError> {
+        config.validate()?;
+        let gate = backend.into().bind(&config);
+        let uses_leases = config.source_quota.concurrency.is_some()
+            || config
+                .account
+                .as_ref()
+                .is_some_and(|(_, q)| q.concurrency.is_some());
+        let max_tokens = config.max_tokens().map(|(t, kind)| {
+            let scope = if kind == "account" {
+                format!("account:{}", config.account_name().unwrap_or_default())
+            } else {
+                format!("source:{}", config.source)
+            };
+            (t, scope)
+        });
+        Ok(Self {
+            inner: Arc::new(Inner {
+                config,
+                gate,
+                stats: Stats::default(),
+                uses_leases,
+                max_tokens,
+            }),
+        })
+    }
+
+    /// The configuration.
+    #[must_use]
+    pub fn config(&self) -> &RateLimitConfig {
+        &self.inner.config
+    }
+
+    /// The source this limiter guards.
+    #[must_use]
+    pub fn source(&self) -> &SourceId {
+        &self.inner.config.source
+    }
+
+    /// The clock admissions are read on.
+    #[must_use]
+    pub fn clock(&self) -> Clock {
+        self.inner.gate.clock()
+    }
+
+    /// The limiter's counters.
+    #[must_use]
+    pub fn stats(&self) -> LimiterStats {
+        let s = &self.inner.stats;
+        LimiterStats {
+            admitted: s.admitted.load(Ordering::Relaxed),
+            refused: s.refused.load(Ordering::Relaxed),
+            unavailable: s.unavailable.load(Ordering::Relaxed),
+            settle_failures: s.settle_failures.load(Ordering::Relaxed),
+            renew_failures: s.renew_failures.load(Ordering::Relaxed),
+            leases_lost: s.leases_lost.load(Ordering::Relaxed),
+        }
+    }
+
+    /// How often a live lease is renewed.
+    pub(crate) fn renew_every(&self) -> Option<Duration> {
+        self.inner
+            .uses_leases
+            .then(|| self.inner.config.lease_ttl / RENEW_FRACTION)
+    }
+
+    /// Starts one admission of `tokens`: refused at once when it can never fit.
+    pub(crate) fn start(&self, tokens: u64) -> Result<Pending, RequestTooLarge> {
+        if let Some((max, scope)) = &self.inner.max_tokens
+            && tokens > *max
+        {
+            return Err(RequestTooLarge::new(tokens, *max, scope.clone()));
+        }
+        let lease = self
+            .inner
+            .uses_leases
+            .then(|| NEXT_LEASE.fetch_add(1, Ordering::Relaxed));
+        Ok(Pending {
+            fut: self.inner.gate.admit(tokens, lease),
+            ticket: Ticket { tokens, lease },
+        })
+    }
+
+    /// Turns a backend answer into a permit or a boxed not-admitted/unavailable error.
+    pub(crate) fn conclude(
+        &self,
+        ticket: Ticket,
+        verdict: Result<Verdict, BackendUnavailable>,
+    ) -> Result<Permit, BoxError> {
+        let s = &self.inner.stats;
+        match verdict {
+            Ok(Verdict::Admitted { at, window }) => {
+                s.admitted.fetch_add(1, Ordering::Relaxed);
+                Ok(Permit {
+                    admission: Admission {
+                        limiter: self.clone(),
+                        at,
+                        window,
+                        tokens: ticket.tokens,
+                    },
+                    lease: ticket.lease,
+                    armed: true,
+                })
+            }
+            Ok(Verdict::Refused(q)) => {
+                s.refused.fetch_add(1, Ordering::Relaxed);
+                Err(Box::new(q))
+            }
+            Err(e) => {
+                s.unavailable.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(source = %self.inner.config.source, error = %e, "rate limit admission failed closed");
+                Err(Box::new(e))
+            }
+        }
+    }
+
+    /// Asks for one admission of `tokens` (shedding: one try, no waiting).
+    ///
+    /// # Errors
+    /// [`QuotaExceeded`](pgw_core::QuotaExceeded) when not admitted,
+    /// [`RequestTooLarge`] when `tokens` exceeds a whole window's token quota,
+    /// [`BackendUnavailable`] when the backend cannot answer (fails closed).
+    pub async fn acquire(&self, tokens: u64) -> Result<Permit, BoxError> {
+        let Pending { fut, ticket } = self.start(tokens)?;
+        self.conclude(ticket, fut.await)
+    }
+
+    /// Holds a scope: not admitted until `duration` from now (on the backend's clock),
+    /// in every process. One round trip. Answers when the hold ends, on the
+    /// backend's clock. A hold only extends; a shorter one never cuts a longer one.
+    ///
+    /// # Errors
+    /// [`BackendUnavailable`] when the backend cannot answer.
+    pub async fn hold(&self, scope: HoldScope, duration: Duration) -> Result<Duration, BackendUnavailable> {
+        self.inner.gate.hold(scope, duration).await
+    }
+
+    /// A settle operation with failure logging and counting.
+    fn settle(&self, settle: Settle) -> BackendFuture<Result<(), BackendUnavailable>> {
+        if settle.is_noop() {
+            return BackendFuture::ready(Ok(()));
+        }
+        match self.inner.gate.settle(settle).now_or() {
+            Ok(r) => {
+                self.note_settle(r.as_ref().err());
+                BackendFuture::ready(r)
+            }
+            Err(fut) => {
+                let this = self.clone();
+                BackendFuture::Pending(Box::pin(async move {
+                    let r = fut.await;
+                    this.note_settle(r.as_ref().err());
+                    r
+                }))
+            }
+        }
+    }
+
+    fn note_settle(&self, err: Option<&BackendUnavailable>) {
+        if let Some(e) = err {
+            self.inner.stats.settle_failures.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                source = %self.inner.config.source,
+                error = %e,
+                "rate limit reconciliation failed; the lease expires by its TTL"
+            );
+        }
+    }
+
+    pub(crate) fn renew(&self, lease: LeaseId) -> BackendFuture<Result<bool, BackendUnavailable>> {
+        let this = self.clone();
+        let note = move |r: &Result<bool, BackendUnavailable>| match r {
+            Ok(true) => {}
+            Ok(false) => {
+                this.inner.stats.leases_lost.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(source = %this.inner.config.source, "concurrency lease had expired before renewal");
+            }
+            Err(e) => {
+                this.inner.stats.renew_failures.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(source = %this.inner.config.source, error = %e, "concurrency lease renewal failed");
+            }
+        };
+        match self.inner.gate.renew(lease).now_or() {
+            Ok(r) => {
+                note(&r);
+                BackendFuture::ready(r)
+            }
+            Err(fut) => BackendFuture::Pending(Box::pin(async move {
+                let r = fut.await;
+                note(&r);
+                r
+            })),
+        }
+    }
+}
+
+/// An admission in flight.
+#[derive(Debug)]
+pub(crate) struct Pending {
+    pub(crate) fut: BackendFuture<Result<Verdict, BackendUnavailable>>,
+    pub(crate) ticket: Ticket,
+}
+
+/// What one admission asks for.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Ticket {
+    pub(crate) tokens: u64,
+    lease: Option<LeaseId>,
+}
+
+/// The record of one admission: when (on the limiter's clock), in which window, how
+/// many tokens were reserved.
+///
+/// The scoreboard's measure: bucket admissions by [`Admission::window`] (or by
+/// [`Admission::at`] divided by [`Admission::window_len`]), on this clock, counting
+/// only traffic that passed the gate. Completion times and local clocks give false
+/// violations (seed 003).
+#[derive(Clone)]
+pub struct Admission {
+    /// The limiter that admitted: source, account, window length and clock come from
+    /// it (one reference count per admission, not three).
+    limiter: RateLimiter,
+    at: Duration,
+    window: u64,
+    tokens: u64,
+}
+
+impl fmt::Debug for Admission {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Admission")
+            .field("source", self.source())
+            .field("account", &self.account())
+            .field("at", &self.at)
+            .field("window", &self.window)
+            .field("tokens", &self.tokens)
+            .field("clock", &self.clock())
+            .finish()
+    }
+}
+
+impl PartialEq for Admission {
+    fn eq(&self, other: &Self) -> bool {
+        self.source() == other.source()
+            && self.account() == other.account()
+            && (self.at, self.window, self.tokens, self.window_len())
+                == (other.at, other.window, other.tokens, other.window_len())
+    }
+}
+
+impl Eq for Admission {}
+
+impl Admission {
+    /// The admission instant on the limiter's [`clock`](Self::clock): since the Unix
+    /// epoch on the Redis server, or since the memory backend's creation.
+    #[must_use]
+    pub const fn at(&self) -> Duration {
+        self.at
+    }
+
+    /// The window id: `at / window_len`, rounded down.
+    #[must_use]
+    pub const fn window(&self) -> u64 {
+        self.window
+    }
+
+    /// The window length.
+    #[must_use]
+    pub fn window_len(&self) -> Duration {
+        self.limiter.inner.config.window
+    }
+
+    /// The window's end on the limiter's clock.
+    #[must_use]
+    pub fn window_end(&self) -> Duration {
+        let nanos = (u128::from(self.window) + 1) * self.window_len().as_nanos();
+        Duration::from_nanos(u64::try_from(nanos).unwrap_or(u64::MAX))
+    }
+
+    /// The tokens reserved at admission (the estimate).
+    #[must_use]
+    pub const fn tokens(&self) -> u64 {
+        self.tokens
+    }
+
+    /// The admitted source.
+    #[must_use]
+    pub fn source(&self) -> &SourceId {
+        self.limiter.source()
+    }
+
+    /// The source's account, when it has one.
+    #[must_use]
+    pub fn account(&self) -> Option<&str> {
+        self.limiter.inner.config.account_name()
+    }
+
+    /// The clock [`at`](Self::at) is read on.
+    #[must_use]
+    pub fn clock(&self) -> Clock {
+        self.limiter.clock()
+    }
+}
+
+/// An admission's reservation and concurrency lease.
+///
+/// Settle it with [`finish`](Self::finish) (reconcile tokens to real usage) or
+/// [`refund`](Self::refund) (the call was not admitted below: undo everything).
+/// Dropping it releases the lease (the reservation stays charged: the request may
+/// have reached the provider).
+pub struct Permit {
+    admission: Admission,
+    lease: Option<LeaseId>,
+    armed: bool,
+}
+
+impl fmt::Debug for Permit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Permit")
+            .field("admission", &self.admission)
+            .field("lease", &self.lease)
+            .finish_non_exhaustive()
+    }
+}
+
+/// How a permit ends.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Ending {
+    /// The call happened; `Some(n)`: the response reported `n` tokens used.
+    Finished(Option<u64>),
+    /// The call was not admitted further down: not an attempt, undo everything.
+    Refunded,
+}
+
+impl Permit {
+    /// The admission record.
+    #[must_use]
+    pub const fn admission(&self) -> &Admission {
+        &self.admission
+    }
+
+    /// Whether this permit holds a concurrency lease.
+    #[must_use]
+    pub const fn has_lease(&self) -> bool {
+        self.lease.is_some()
+    }
+
+    pub(crate) fn renew_now(&self) -> Option<BackendFuture<Result<bool, BackendUnavailable>>> {
+        self.lease.map(|l| self.admission.limiter.renew(l))
+    }
+
+    pub(crate) fn limiter(&self) -> &RateLimiter {
+        &self.admission.limiter
+    }
+
+    pub(crate) fn end(mut self, ending: Ending) -> BackendFuture<Result<(), BackendUnavailable>> {
+        self.armed = false;
+        let tokens = i64::try_from(self.admission.tokens).unwrap_or(i64::MAX);
+        let (requests, tokens) = match ending {
+            Ending::Finished(None) => (0, 0),
+            Ending::Finished(Some(used)) => (0, i64::try_from(used).unwrap_or(i64::MAX) - tokens),
+            Ending::Refunded => (-1, -tokens),
+        };
+        self.admission.limiter.settle(Settle {
+            window: self.admission.window,
+            requests,
+            tokens,
+            lease: self.lease,
+        })
+    }
+
+    /// The call is done and used `used_tokens` (when the response said): the token
+    /// reservation is reconciled (refund or charge, in the window of admission only)
+    /// and the lease released, in one round trip.
+    ///
+    /// # Errors
+    /// [`BackendUnavailable`] (also logged and counted in
+    /// [`LimiterStats::settle_failures`]).
+    pub async fn finish(self, used_tokens: Option<u64>) -> Result<(), BackendUnavailable> {
+        self.end(Ending::Finished(used_tokens)).await
+    }
+
+    /// The call was not admitted below (not an attempt): the request and its tokens are
+    /// given back to the window of admission and the lease released.
+    ///
+    /// # Errors
+    /// As [`finish`](Self::finish).
+    pub async fn refund(self) -> Result<(), BackendUnavailable> {
+        self.end(Ending::Refunded).await
+    }
+
+    /// Renews the lease now; `Ok(false)` when it had already expired.
+    ///
+    /// # Errors
+    /// [`BackendUnavailable`] (also counted in [`LimiterStats::renew_failures`]).
+    pub async fn renew(&self) -> Result<bool, BackendUnavailable> {
+        match self.lease {
+            Some(l) => self.admission.limiter.renew(l).await,
+            None => Ok(true),
+        }
+    }
+
+    /// Abandons the permit without releasing anything, as a crashed process would: the
+    /// lease frees itself when its TTL expires. For tests and crash drills.
+    pub fn forget(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        if !self.armed || self.lease.is_none() {
+            return;
+        }
+        let fut = self.admission.limiter.settle(Settle {
+            window: self.admission.window,
+            requests: 0,
+            tokens: 0,
+            lease: self.lease,
+        });
+        detach(fut);
+    }
+}
+
+/// Lets a backend operation finish in the background (failures are already logged
+/// and counted by the limiter). Without a runtime, the lease expires by its TTL.
+pub(crate) fn detach<T: Send + 'static>(fut: BackendFuture<T>) {
+    if let BackendFuture::Pending(f) = fut {
+        match tokio::runtime::Handle::try_current() {
+            Ok(h) => {
+                drop(h.spawn(f));
+            }
+            Err(_) => {
+                tracing::warn!("no tokio runtime to release a concurrency lease; it expires by its TTL");
+            }
+        }
+    }
+}
+
+/// A cheap, cloneable handle that holds sources (and their accounts) for 429 pushback:
+/// `pgw_core::Hold` for the retry layer (L9, R3).
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// use std::time::Duration;
+/// use pgw_core::Hold;
+/// use tower_ratelimit_redis::{Holds, MemoryBackend, Quota, RateLimitConfig, RateLimiter};
+///
+/// let backend = MemoryBackend::new();
+/// let s1 = RateLimiter::new(RateLimitConfig::new("s1", Quota::unlimited()), backend.clone()).unwrap();
+/// let holds = Holds::new([s1.clone()]);
+/// holds.hold(&"s1".into(), Duration::from_secs(5)).await.unwrap();
+/// let err = s1.acquire(1).await.unwrap_err();
+/// assert!(err.to_string().contains("hold"));
+/// # }
+/// ```
+#[derive(Clone, Default)]
+pub struct Holds {
+    by_source: Arc<HashMap<SourceId, RateLimiter>>,
+}
+
+impl fmt::Debug for Holds {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_set().entries(self.by_source.keys()).finish()
+    }
+}
+
+impl Holds {
+    /// A handle over the limiters of several sources.
+    pub fn new(limiters: impl IntoIterator<Item = RateLimiter>) -> Self {
+        Self {
+            by_source: Arc::new(limiters.into_iter().map(|l| (l.source().clone(), l)).collect()),
+        }
+    }
+
+    /// The limiter of `source`, if this handle knows it.
+    #[must_use]
+    pub fn limiter(&self, source: &SourceId) -> Option<&RateLimiter> {
+        self.by_source.get(source)
+    }
+}
+
+impl Hold for Holds {
+    /// Holds the source and its account (when configured) in one round trip.
+    fn hold(&self, source: &SourceId, duration: Duration) -> HoldFuture {
+        match self.by_source.get(source) {
+            Some(l) => l.hold_future(duration),
+            None => Box::pin(std::future::ready(Err(
+                Box::new(UnknownSource(source.to_string())) as BoxError,
+            ))),
+        }
+    }
+}
+
+impl RateLimiter {
+    fn hold_future(&self, duration: Duration) -> HoldFuture {
+        let fut = self.inner.gate.hold(HoldScope::Both, duration);
+        Box::pin(async move { fut.await.map(|_| ()).map_err(|e| Box::new(e) as BoxError) })
+    }
+}
+
+impl Hold for RateLimiter {
+    /// Holds this limiter's source and its account; an error for another source.
+    fn hold(&self, source: &SourceId, duration: Duration) -> HoldFuture {
+        if source == self.source() {
+            self.hold_future(duration)
+        } else {
+            Box::pin(std::future::ready(Err(
+                Box::new(UnknownSource(source.to_string())) as BoxError,
+            )))
+        }
+    }
+}

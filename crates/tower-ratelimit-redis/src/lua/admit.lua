@@ -1,0 +1,85 @@
+-- Checks and reserves every dimension of every scope of one admission, atomically
+-- (all or nothing), on the server clock. One call = one round trip (L3).
+--
+-- KEYS, three per scope (account first, then source; all share one hash tag):
+--   q  hash {w = window id, r = requests, t = tokens} of the current window
+--   c  zset of concurrency leases, scored by expiry (ms)
+--   h  hold: the instant (ms) until which the scope is not admitted
+-- ARGV: nscopes, window_ms, tokens, lease_id ('' = no lease), lease_ttl_ms, slot_hint_ms,
+--       then per scope: rpm, tpm, concurrency (-1 = unlimited)
+-- Returns {1, now_ms, window} when admitted,
+--         {0, now_ms, scope_index, dimension, retry_after_ms} when not
+--         (dimension: 1 rpm, 2 tpm, 3 concurrency, 4 hold; the longest wait wins).
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local n = tonumber(ARGV[1])
+local wms = tonumber(ARGV[2])
+local tokens = tonumber(ARGV[3])
+local lease = ARGV[4]
+local ttl = tonumber(ARGV[5])
+local hint = tonumber(ARGV[6])
+local win = math.floor(now / wms)
+local wend = (win + 1) * wms
+
+local worst_dim, worst_scope, worst_wait = 0, 0, -1
+local function refuse(i, dim, wait)
+  if wait > worst_wait then
+    worst_dim, worst_scope, worst_wait = dim, i, wait
+  end
+end
+
+local used = {}
+for i = 0, n - 1 do
+  local q, c, h = KEYS[3 * i + 1], KEYS[3 * i + 2], KEYS[3 * i + 3]
+  local rpm = tonumber(ARGV[7 + 3 * i])
+  local tpm = tonumber(ARGV[8 + 3 * i])
+  local conc = tonumber(ARGV[9 + 3 * i])
+  local hold = tonumber(redis.call('GET', h) or '0')
+  if hold > now then
+    refuse(i, 4, hold - now)
+  end
+  local st = redis.call('HMGET', q, 'w', 'r', 't')
+  local r, tk, same = 0, 0, false
+  if tonumber(st[1]) == win then
+    r = tonumber(st[2]) or 0
+    tk = tonumber(st[3]) or 0
+    same = true
+  end
+  used[i] = same
+  if rpm >= 0 and r + 1 > rpm then
+    refuse(i, 1, wend - now)
+  end
+  if tpm >= 0 and tk + tokens > tpm then
+    refuse(i, 2, wend - now)
+  end
+  if conc >= 0 then
+    redis.call('ZREMRANGEBYSCORE', c, '-inf', now)
+    if redis.call('ZCARD', c) >= conc then
+      local first = redis.call('ZRANGE', c, 0, 0, 'WITHSCORES')
+      local wait = hint
+      if first[2] and tonumber(first[2]) - now < wait then
+        wait = tonumber(first[2]) - now
+      end
+      refuse(i, 3, wait)
+    end
+  end
+end
+if worst_dim > 0 then
+  return {0, now, worst_scope, worst_dim, worst_wait}
+end
+
+for i = 0, n - 1 do
+  local q, c = KEYS[3 * i + 1], KEYS[3 * i + 2]
+  if used[i] then
+    redis.call('HINCRBY', q, 'r', 1)
+    redis.call('HINCRBY', q, 't', tokens)
+  else
+    redis.call('HSET', q, 'w', win, 'r', 1, 't', tokens)
+  end
+  redis.call('PEXPIRE', q, 2 * wms)
+  if lease ~= '' and tonumber(ARGV[9 + 3 * i]) >= 0 then
+    redis.call('ZADD', c, now + ttl, lease)
+    redis.call('PEXPIRE', c, 2 * ttl)
+  end
+end
+return {1, now, win}

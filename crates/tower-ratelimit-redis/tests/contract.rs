@@ -1,0 +1,318 @@
+//! One contract, every backend: memory (paused clock), standalone Redis and the
+//! 3-node cluster (real time, 1 s windows, instants on the server clock).
+
+mod common;
+
+use std::time::Duration;
+
+use common::Harness;
+use pgw_core::{Hold, QuotaExceeded};
+use tower_ratelimit_redis::{HoldScope, Holds, Quota, RequestTooLarge};
+
+const W: Duration = Duration::from_secs(1);
+
+fn refused(err: &pgw_core::BoxError) -> &QuotaExceeded {
+    err.downcast_ref::<QuotaExceeded>()
+        .unwrap_or_else(|| panic!("expected QuotaExceeded, got {err}"))
+}
+
+/// RPM 2: two admissions, the third refused until the window rolls over, then admitted
+/// in the next window.
+async fn window_rollover(h: Harness) {
+    let l = h.limiter(h.config("s1", Quota::unlimited().requests(2)));
+    h.align(W).await;
+    let a = l.acquire(0).await.unwrap();
+    let b = l.acquire(0).await.unwrap();
+    assert_eq!(a.admission().window(), b.admission().window());
+    let err = l.acquire(0).await.unwrap_err();
+    let q = refused(&err);
+    assert_eq!(q.dimension(), "rpm");
+    assert_eq!(q.scope(), Some("source:s1"));
+    let to_end = b.admission().window_end() - b.admission().at();
+    assert!(q.retry_after() <= to_end && !q.retry_after().is_zero(), "{q}");
+    if h.exact {
+        assert_eq!(q.retry_after(), W);
+    }
+    tokio::time::sleep(q.retry_after()).await;
+    let c = l.acquire(0).await.unwrap();
+    assert_eq!(c.admission().window(), a.admission().window() + 1);
+    assert_eq!(
+        c.admission().window(),
+        c.admission().at().as_millis() as u64 / 1000
+    );
+    l.acquire(0).await.unwrap();
+    refused(&l.acquire(0).await.unwrap_err());
+}
+
+/// A refusal on one dimension reserves nothing on any other, in any scope.
+async fn all_or_nothing(h: Harness) {
+    let acct = Quota::unlimited().requests(3);
+    let s1 = h.limiter(
+        h.config("s1", Quota::unlimited().tokens(100).concurrency(1))
+            .account("acct", acct),
+    );
+    let s2 = h.limiter(h.config("s2", Quota::unlimited()).account("acct", acct));
+    h.align(W).await;
+    let p1 = s1.acquire(50).await.unwrap();
+    let err = s1.acquire(10).await.unwrap_err();
+    assert_eq!(refused(&err).dimension(), "concurrency");
+    let p2 = s2.acquire(0).await.unwrap();
+    p1.finish(None).await.unwrap();
+    // Exactly the remaining 50 tokens and the third account request: the refused
+    // admission above reserved neither.
+    let p3 = s1.acquire(50).await.unwrap();
+    assert_eq!(
+        p3.admission().window(),
+        p2.admission().window(),
+        "test straddled a window"
+    );
+    let err = s2.acquire(0).await.unwrap_err();
+    let q = refused(&err);
+    assert_eq!((q.dimension(), q.scope()), ("rpm", Some("account:acct")));
+    // Tokens full too: the source refuses on tpm, the account on rpm; the longest wait
+    // (both to the window end) is reported, and nothing was reserved.
+    drop(p3);
+    let err = s1.acquire(1).await.unwrap_err();
+    assert!(["tpm", "rpm"].contains(&refused(&err).dimension()));
+}
+
+/// The reservation is reconciled to real usage: refunds and charges, in the window of
+/// admission.
+async fn tpm_reconcile_up_and_down(h: Harness) {
+    let l = h.limiter(h.config("s1", Quota::unlimited().tokens(100)));
+    h.align(W).await;
+    let p = l.acquire(80).await.unwrap();
+    let w = p.admission().window();
+    p.finish(Some(30)).await.unwrap(); // 50 back
+    let p = l.acquire(70).await.unwrap(); // 30 + 70 = 100
+    assert_eq!(p.admission().window(), w, "test straddled a window");
+    let err = l.acquire(1).await.unwrap_err();
+    assert_eq!(refused(&err).dimension(), "tpm");
+    p.finish(Some(40)).await.unwrap(); // 30 back: 70 used
+    let p = l.acquire(30).await.unwrap();
+    p.finish(Some(60)).await.unwrap(); // 30 charged: 130 used, over the quota after the fact
+    // The window is overspent: not even a zero-token request fits.
+    let err = l.acquire(0).await.unwrap_err();
+    assert_eq!(refused(&err).dimension(), "tpm");
+    // A refund must never go below zero.
+    tokio::time::sleep(refused(&err).retry_after()).await;
+    let p = l.acquire(10).await.unwrap();
+    p.finish(Some(0)).await.unwrap();
+    let p = l.acquire(100).await.unwrap();
+    assert!(p.admission().window() > w);
+}
+
+/// A process that dies holds its slot only until the lease TTL; a renewed lease lives on.
+async fn lease_expiry_after_crash(h: Harness) {
+    let ttl = Duration::from_millis(400);
+    let l = h.limiter(h.config("s1", Quota::unlimited().concurrency(1)).lease_ttl(ttl));
+    let p = l.acquire(0).await.unwrap();
+    p.forget(); // crash: nothing released
+    let err = l.acquire(0).await.unwrap_err();
+    let q = refused(&err);
+    assert_eq!(q.dimension(), "concurrency");
+    assert!(q.retry_after() <= tower_ratelimit_redis::DEFAULT_SLOT_RETRY_AFTER);
+    tokio::time::sleep(ttl + Duration::from_millis(20)).await;
+    let p = l.acquire(0).await.expect("the crashed process's slot expired");
+    // Renewal keeps a live call's slot past the original TTL.
+    tokio::time::sleep(ttl * 3 / 4).await;
+    assert!(p.renew().await.unwrap());
+    tokio::time::sleep(ttl * 3 / 4).await;
+    let err = l.acquire(0).await.unwrap_err();
+    assert_eq!(refused(&err).dimension(), "concurrency");
+    drop(p);
+    // Released on drop: for Redis the release runs in the background.
+    let mut ok = false;
+    for _ in 0..50 {
+        if let Ok(p) = l.acquire(0).await {
+            ok = true;
+            p.finish(None).await.unwrap();
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert!(ok, "a dropped permit released its lease");
+}
+
+/// `retry_after` near the end of a window is the time left in it, and admission works
+/// again right after it elapses.
+async fn retry_after_at_window_edge(h: Harness) {
+    let l = h.limiter(h.config("s1", Quota::unlimited().requests(1)));
+    let margin = if h.exact {
+        Duration::from_millis(50)
+    } else {
+        Duration::from_millis(250)
+    };
+    for _ in 0..3 {
+        h.align(W).await;
+        let p = l.acquire(0).await.unwrap();
+        let to_edge = p.admission().window_end() - p.admission().at();
+        tokio::time::sleep(to_edge - margin).await;
+        match l.acquire(0).await {
+            Err(err) => {
+                let q = refused(&err);
+                assert!(q.retry_after() <= margin && !q.retry_after().is_zero(), "{q}");
+                if h.exact {
+                    assert_eq!(q.retry_after(), margin);
+                    tokio::time::sleep(q.retry_after() - Duration::from_millis(1)).await;
+                    let q2 = l.acquire(0).await.unwrap_err();
+                    assert_eq!(refused(&q2).retry_after(), Duration::from_millis(1));
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                } else {
+                    tokio::time::sleep(q.retry_after()).await;
+                }
+                let next = l.acquire(0).await.unwrap();
+                assert_eq!(next.admission().window(), p.admission().window() + 1);
+                return;
+            }
+            // A loaded machine slept past the edge: the window really rolled over.
+            Ok(next) => assert!(!h.exact && next.admission().window() > p.admission().window()),
+        }
+    }
+    panic!("could not observe the window edge in three tries");
+}
+
+/// A request larger than a whole window's token quota is refused at once.
+async fn oversize_request_rejected(h: Harness) {
+    let l = h.limiter(
+        h.config("s1", Quota::unlimited().tokens(100))
+            .account("acct-big", Quota::unlimited().tokens(50)),
+    );
+    let err = l.acquire(51).await.unwrap_err();
+    let e = err.downcast_ref::<RequestTooLarge>().expect("RequestTooLarge");
+    assert_eq!((e.tokens(), e.quota(), e.scope()), (51, 50, "account:acct-big"));
+    assert!(e.to_string().contains("51") && e.to_string().contains("account:acct-big"));
+    assert_eq!(l.stats().admitted, 0);
+    l.acquire(50).await.unwrap();
+}
+
+/// A hold on an account refuses every source of that account until it ends, and not a
+/// moment longer; other accounts are untouched.
+async fn account_hold(h: Harness) {
+    let s1 = h.limiter(
+        h.config("s1", Quota::unlimited())
+            .account("acct", Quota::unlimited()),
+    );
+    let s2 = h.limiter(
+        h.config("s2", Quota::unlimited())
+            .account("acct", Quota::unlimited()),
+    );
+    let s3 = h.limiter(h.config("s3", Quota::unlimited()));
+    let hold = Duration::from_millis(500);
+    let until = s1.hold(HoldScope::Account, hold).await.unwrap();
+    for l in [&s1, &s2] {
+        let err = l.acquire(0).await.unwrap_err();
+        let q = refused(&err);
+        assert_eq!((q.dimension(), q.scope()), ("hold", Some("account:acct")));
+        assert!(q.retry_after() <= hold && !q.retry_after().is_zero());
+    }
+    s3.acquire(0).await.unwrap();
+    let err = s2.acquire(0).await.unwrap_err();
+    let left = refused(&err).retry_after();
+    if h.exact {
+        assert_eq!(left, hold);
+        tokio::time::sleep(left - Duration::from_millis(1)).await;
+        assert_eq!(
+            refused(&s2.acquire(0).await.unwrap_err()).retry_after(),
+            Duration::from_millis(1)
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    } else {
+        tokio::time::sleep(left).await;
+    }
+    let p = s2.acquire(0).await.expect("admitted the moment the hold ends");
+    assert!(p.admission().at() >= until);
+    s1.acquire(0).await.unwrap();
+
+    // The retry layer's handle holds the source and its account in one call.
+    let holds = Holds::new([s1.clone(), s2.clone(), s3.clone()]);
+    holds.hold(&"s1".into(), hold).await.unwrap();
+    assert_eq!(refused(&s1.acquire(0).await.unwrap_err()).dimension(), "hold");
+    assert_eq!(refused(&s2.acquire(0).await.unwrap_err()).dimension(), "hold");
+    s3.acquire(0).await.unwrap();
+    let err = holds.hold(&"nope".into(), hold).await.unwrap_err();
+    assert!(err.to_string().contains("nope"));
+    // A source hold leaves its account's other sources alone.
+    holds.hold(&"s3".into(), hold).await.unwrap();
+    assert_eq!(
+        refused(&s3.acquire(0).await.unwrap_err()).scope(),
+        Some("source:s3")
+    );
+    // A shorter hold never cuts a longer one.
+    s3.hold(HoldScope::Source, Duration::from_millis(1))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert!(s3.acquire(0).await.is_err());
+}
+
+/// Sources of one account share its concurrency slots, and releasing one source's
+/// lease never releases another's.
+async fn account_concurrency_shared(h: Harness) {
+    let acct = Quota::unlimited().concurrency(2);
+    let s1 = h.limiter(
+        h.config("s1", Quota::unlimited().concurrency(5))
+            .account("acct", acct),
+    );
+    let s2 = h.limiter(
+        h.config("s2", Quota::unlimited().concurrency(5))
+            .account("acct", acct),
+    );
+    let p1 = s1.acquire(0).await.unwrap();
+    let p2 = s2.acquire(0).await.unwrap();
+    let err = s1.acquire(0).await.unwrap_err();
+    assert_eq!(refused(&err).scope(), Some("account:acct"));
+    p1.finish(None).await.unwrap();
+    let p3 = s1.acquire(0).await.unwrap();
+    let err = s2.acquire(0).await.unwrap_err();
+    assert_eq!(
+        refused(&err).dimension(),
+        "concurrency",
+        "p2's lease is still held"
+    );
+    p2.finish(None).await.unwrap();
+    p3.finish(None).await.unwrap();
+}
+
+macro_rules! contract {
+    ($($case:ident),* $(,)?) => {
+        mod memory {
+            use super::*;
+            $(
+                #[tokio::test(start_paused = true)]
+                async fn $case() {
+                    super::$case(Harness::memory()).await;
+                }
+            )*
+        }
+        mod redis_standalone {
+            use super::*;
+            $(
+                #[tokio::test]
+                async fn $case() {
+                    super::$case(Harness::redis(common::standalone(), stringify!($case)).await).await;
+                }
+            )*
+        }
+        mod redis_cluster {
+            use super::*;
+            $(
+                #[tokio::test]
+                async fn $case() {
+                    super::$case(Harness::redis(common::cluster(), stringify!($case)).await).await;
+                }
+            )*
+        }
+    };
+}
+
+contract!(
+    window_rollover,
+    all_or_nothing,
+    tpm_reconcile_up_and_down,
+    lease_expiry_after_crash,
+    retry_after_at_window_edge,
+    oversize_request_rejected,
+    account_hold,
+    account_concurrency_shared,
+);

@@ -1,0 +1,252 @@
+//! Redis-only properties: never over quota under many processes, one round trip per
+//! operation, failing closed when the server dies.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::{Harness, PrivateRedis};
+use pgw_core::redis_conn::{RedisConn, RedisTarget};
+use pgw_core::{BackendUnavailable, BoxError};
+use tower::{Service, ServiceExt, service_fn};
+use tower_layer::Layer;
+use tower_ratelimit_redis::{
+    HoldScope, NoTokens, Quota, RateLimitConfig, RateLimitLayer, RateLimiter, RedisBackend,
+};
+
+/// Several connections (stand-ins for processes), 64 tasks hammering RPM 5 and TPM 50
+/// with 10-token requests: every window admits exactly 5 requests and 50 tokens, never
+/// more, judged by admission instants on the server clock.
+async fn hammer(target: RedisTarget) {
+    let prefix = pgw_test_support::unique_prefix("hammer");
+    let window = Duration::from_secs(1);
+    let config = RateLimitConfig::new("s4", Quota::unlimited().requests(5))
+        .account("acct", Quota::unlimited().tokens(50))
+        .window(window)
+        .key_prefix(prefix.clone());
+    let mut limiters = Vec::new();
+    for _ in 0..4 {
+        let conn = RedisConn::connect(&target).await.unwrap();
+        limiters.push(RateLimiter::new(config.clone(), RedisBackend::new(conn)).unwrap());
+    }
+    let h = Harness {
+        backend: RedisBackend::new(RedisConn::connect(&target).await.unwrap()).into(),
+        prefix,
+        exact: false,
+    };
+    h.align(window).await;
+    let admitted = Arc::new(Mutex::new(Vec::new()));
+    let stop = tokio::time::Instant::now() + Duration::from_millis(3500);
+    let mut tasks = Vec::new();
+    for i in 0..64 {
+        let l = limiters[i % limiters.len()].clone();
+        let admitted = admitted.clone();
+        tasks.push(tokio::spawn(async move {
+            while tokio::time::Instant::now() < stop {
+                match l.acquire(10).await {
+                    Ok(p) => {
+                        admitted.lock().unwrap().push(p.admission().clone());
+                        p.finish(Some(10)).await.unwrap();
+                    }
+                    Err(e) => {
+                        assert!(e.is::<pgw_core::QuotaExceeded>(), "{e}");
+                        tokio::time::sleep(Duration::from_millis(2)).await;
+                    }
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let admitted = admitted.lock().unwrap();
+    let mut per_window: BTreeMap<u64, (u64, u64)> = BTreeMap::new();
+    for a in admitted.iter() {
+        let by_instant = u64::try_from(a.at().as_millis() / window.as_millis()).unwrap();
+        assert_eq!(a.window(), by_instant, "window id follows the server instant");
+        let e = per_window.entry(by_instant).or_default();
+        e.0 += 1;
+        e.1 += a.tokens();
+    }
+    assert!(per_window.len() >= 3, "{per_window:?}");
+    for (w, (n, t)) in &per_window {
+        assert!(
+            *n <= 5 && *t <= 50,
+            "window {w} over quota: {n} requests, {t} tokens"
+        );
+    }
+    // Every window but the last (cut by the stop) is full: exactly the quota.
+    let full: Vec<_> = per_window.values().take(per_window.len() - 1).collect();
+    for (n, t) in full {
+        assert_eq!((*n, *t), (5, 50), "{per_window:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn never_over_quota_standalone() {
+    hammer(common::standalone()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn never_over_quota_cluster() {
+    hammer(common::cluster()).await;
+}
+
+/// `calls=` of a `cmdstat_NAME:calls=..,usec=..` line.
+fn calls(info: &str, cmd: &str) -> u64 {
+    let prefix = format!("cmdstat_{cmd}:calls=");
+    info.lines()
+        .find_map(|l| l.trim().strip_prefix(prefix.as_str()))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |v| v.parse().unwrap())
+}
+
+/// Client commands seen by `MONITOR` (script-internal calls are marked `lua` and
+/// left out), collected by a `redis-cli monitor` child.
+struct Monitor {
+    child: std::process::Child,
+    lines: Arc<Mutex<Vec<String>>>,
+}
+
+impl Monitor {
+    fn start(port: u16) -> Self {
+        use std::io::BufRead;
+        let mut child = std::process::Command::new("redis-cli")
+            .args(["-p", &port.to_string(), "monitor"])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = std::io::BufReader::new(child.stdout.take().unwrap());
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let sink = lines.clone();
+        std::thread::spawn(move || {
+            for line in out.lines().map_while(Result::ok) {
+                if line == "OK" {
+                    let _ = tx.send(());
+                } else {
+                    sink.lock().unwrap().push(line);
+                }
+            }
+        });
+        rx.recv_timeout(Duration::from_secs(5)).expect("MONITOR started");
+        Self { child, lines }
+    }
+
+    fn client_commands(mut self) -> Vec<String> {
+        std::thread::sleep(Duration::from_millis(200));
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let lines = self.lines.lock().unwrap();
+        lines
+            .iter()
+            .filter(|l| !l.contains(" lua]"))
+            .map(|l| l.split('"').nth(1).unwrap_or_default().to_lowercase())
+            .collect()
+    }
+}
+
+/// Exactly one round trip per admission, per settle and per hold, counted by the
+/// server (INFO commandstats on a private server nobody else uses).
+#[tokio::test]
+async fn one_round_trip_per_operation() {
+    let server = PrivateRedis::start();
+    let target = RedisTarget::Standalone(server.url());
+    let conn = RedisConn::connect(&target).await.unwrap();
+    let l = RateLimiter::new(
+        RateLimitConfig::new(
+            "s1",
+            Quota::unlimited()
+                .requests(10_000)
+                .tokens(1_000_000)
+                .concurrency(1000),
+        )
+        .account(
+            "acct",
+            Quota::unlimited()
+                .requests(10_000)
+                .tokens(1_000_000)
+                .concurrency(1000),
+        ),
+        RedisBackend::new(conn.clone()),
+    )
+    .unwrap();
+    // Warm-up loads the scripts (NOSCRIPT -> SCRIPT LOAD, once per server).
+    l.acquire(1).await.unwrap().finish(Some(1)).await.unwrap();
+    l.hold(HoldScope::Both, Duration::from_millis(1)).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let mut info_conn = conn.clone();
+    let info = |c: &mut RedisConn| {
+        let mut c = c.clone();
+        async move {
+            redis::cmd("INFO")
+                .arg("all")
+                .query_async::<String>(&mut c)
+                .await
+                .unwrap()
+        }
+    };
+    let before = info(&mut info_conn).await;
+    let monitor = Monitor::start(server.port);
+    const N: u64 = 50;
+    for _ in 0..N {
+        let p = l.acquire(7).await.unwrap();
+        p.finish(Some(3)).await.unwrap();
+    }
+    l.hold(HoldScope::Both, Duration::from_millis(1)).await.unwrap();
+    let seen = monitor.client_commands();
+    let after = info(&mut info_conn).await;
+    let evalsha = calls(&after, "evalsha") - calls(&before, "evalsha");
+    assert_eq!(evalsha, 2 * N + 1, "admit + settle per call, one per hold");
+    assert_eq!(seen.len() as u64, 2 * N + 1, "client commands: {seen:?}");
+    assert!(seen.iter().all(|c| c == "evalsha"), "{seen:?}");
+}
+
+/// The server dies: admission fails closed with BackendUnavailable, settling failures
+/// are counted, nothing panics, and the service answers the error quickly.
+#[tokio::test]
+async fn redis_down_fails_closed() {
+    let mut server = PrivateRedis::start();
+    let target = RedisTarget::Standalone(server.url());
+    let conn = RedisConn::connect_with(&target, Duration::from_millis(200), Duration::from_millis(200))
+        .await
+        .unwrap();
+    let l = RateLimiter::new(
+        RateLimitConfig::new("s1", Quota::unlimited().concurrency(2))
+            .response_timeout(Duration::from_millis(200)),
+        RedisBackend::new(conn),
+    )
+    .unwrap();
+    let p1 = l.acquire(0).await.unwrap();
+    let p2 = l.acquire(0).await.unwrap();
+    server.kill();
+
+    let err = l.acquire(0).await.unwrap_err();
+    let e = err.downcast_ref::<BackendUnavailable>().expect("fails closed");
+    assert_eq!((e.backend(), e.operation()), ("redis", "admit"));
+    assert_eq!(l.stats().unavailable, 1);
+
+    let err = p1.finish(Some(5)).await.unwrap_err();
+    assert_eq!(err.operation(), "settle");
+    assert_eq!(l.stats().settle_failures, 1);
+    drop(p2); // background release fails: counted, not a panic
+    for _ in 0..100 {
+        if l.stats().settle_failures == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(l.stats().settle_failures, 2);
+    assert!(l.hold(HoldScope::Source, Duration::from_secs(1)).await.is_err());
+
+    let mut svc = RateLimitLayer::new(l.clone())
+        .token_estimate(NoTokens)
+        .usage(NoTokens)
+        .layer(service_fn(|_: ()| async { Ok::<_, BoxError>(()) }));
+    let started = tokio::time::Instant::now();
+    let err = svc.ready().await.unwrap().call(()).await.unwrap_err();
+    assert!(err.is::<BackendUnavailable>(), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(2));
+}
