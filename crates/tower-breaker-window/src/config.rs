@@ -28,6 +28,11 @@ pub const DEFAULT_PROBE_TTL_FLOOR: Duration = Duration::from_secs(60);
 /// The finest duration the backends keep: 1 ms (Redis `TIME` is read in milliseconds).
 pub const RESOLUTION: Duration = Duration::from_millis(1);
 
+/// The longest duration a field may take: 365 days. Every sum of a backend's clock
+/// and a duration, and the Redis key TTL (4 x the longest one), then stays exact in
+/// `u64` milliseconds and in Lua's doubles, and within what `PEXPIRE` accepts.
+pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
+
 /// The validated configuration of one source's breaker.
 ///
 /// Built with [`BreakerConfig::builder`]; every invalid value is refused by
@@ -159,10 +164,17 @@ fn secs(d: Duration) -> f64 {
 
 fn duration(field: &'static str, secs: Option<f64>) -> Result<Option<Duration>, ConfigError> {
     let Some(s) = secs else { return Ok(None) };
-    let d = Duration::try_from_secs_f64(s)
-        .map_err(|_| ConfigError::new(field, format!("{s} is not a non-negative number of seconds")))?;
+    let d = Duration::try_from_secs_f64(s).map_err(|_| {
+        ConfigError::new(
+            field,
+            format!("{s} is not a number of seconds from 0.001 to 365 days"),
+        )
+    })?;
     if d < RESOLUTION {
         return Err(ConfigError::new(field, format!("{s}s is shorter than 1 ms")));
+    }
+    if d > MAX_DURATION {
+        return Err(ConfigError::new(field, format!("{s}s is longer than 365 days")));
     }
     Ok(Some(d))
 }
@@ -332,6 +344,14 @@ mod tests {
             (base().window(Duration::from_millis(1)), "window_s"),
             (base().max_cooldown(Duration::from_secs(10)), "max_cooldown_s"),
             (base().probe_ttl(Duration::ZERO), "probe_ttl_s"),
+            // Beyond MAX_DURATION the backends' clock arithmetic would overflow.
+            (
+                base().cooldown(Duration::from_secs(100_000_000_000_000_000)),
+                "cooldown_s",
+            ),
+            (base().max_cooldown(MAX_DURATION + RESOLUTION), "max_cooldown_s"),
+            (base().window(Duration::MAX), "window_s"),
+            (base().probe_ttl(MAX_DURATION * 2), "probe_ttl_s"),
         ];
         for (b, field) in cases {
             let err = b.build().unwrap_err();
@@ -340,6 +360,15 @@ mod tests {
         }
         let neg: BreakerConfigBuilder = toml::from_str("fail_threshold = 1\ncooldown_s = -1").unwrap();
         assert_eq!(neg.build().unwrap_err().field(), "cooldown_s");
+        let huge: BreakerConfigBuilder = toml::from_str("fail_threshold = 1\ncooldown_s = 1e300").unwrap();
+        assert_eq!(huge.build().unwrap_err().field(), "cooldown_s");
+        let longest = base()
+            .cooldown(MAX_DURATION)
+            .window(MAX_DURATION)
+            .probe_ttl(MAX_DURATION)
+            .build()
+            .unwrap();
+        assert_eq!(longest.max_cooldown(), MAX_DURATION);
         let unknown = toml::from_str::<BreakerConfigBuilder>("fail_threshold = 1\ncooldown = 3");
         assert!(unknown.is_err());
     }

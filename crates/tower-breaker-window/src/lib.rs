@@ -68,7 +68,7 @@ pub use backend::redis::{RedisBackend, RedisGate};
 pub use backend::{Admission, Backend, Gate};
 pub use config::{
     BreakerConfig, BreakerConfigBuilder, DEFAULT_FAIL_RATE, DEFAULT_MAX_COOLDOWN_FLOOR, DEFAULT_MIN_CALLS,
-    DEFAULT_PROBE_TTL_FLOOR, DEFAULT_WINDOW, RESOLUTION,
+    DEFAULT_PROBE_TTL_FLOOR, DEFAULT_WINDOW, MAX_DURATION, RESOLUTION,
 };
 pub use error::ConfigError;
 pub use future::ResponseFuture;

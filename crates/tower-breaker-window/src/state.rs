@@ -48,6 +48,15 @@ impl Params {
         }
     }
 
+    /// The rate channel's test (B5): `calls >= min_calls` and `fails / calls >= fail_rate`.
+    ///
+    /// The rate is divided, not `fails >= fail_rate * calls`: a rate exactly at the bar
+    /// (7 of 25 against 0.28) must open, and the product rounds above it
+    /// (`0.28 * 25 = 7.000000000000001`). `record.lua` computes the same quotient.
+    pub(crate) fn rate_opens(&self, calls: u32, fails: u32) -> bool {
+        calls >= self.min_calls && calls > 0 && f64::from(fails) / f64::from(calls) >= self.fail_rate
+    }
+
     /// Open duration for a streak (B7): `cooldown * 2^(streak-1)`, capped; a streak of
     /// 0 (a consecutive-channel open on a fresh source) opens for one cooldown.
     pub(crate) fn open_for(&self, streak: u32) -> Ms {
@@ -153,7 +162,7 @@ impl GateState {
         }
         // No lease, or the last one expired (a lost probe): issue a new one.
         self.probe_id += 1;
-        self.probe_until = now + p.probe_ttl;
+        self.probe_until = now.saturating_add(p.probe_ttl);
         Ok(Ticket::new(self.epoch, self.probe_id))
     }
 
@@ -194,7 +203,7 @@ impl GateState {
                 self.count(now, p, false);
                 if self.streak > 0
                     && self.closed_since != 0
-                    && now.saturating_sub(self.closed_since) >= 2 * p.open_for(self.streak)
+                    && now.saturating_sub(self.closed_since) >= p.open_for(self.streak).saturating_mul(2)
                 {
                     self.streak = 0;
                 }
@@ -210,7 +219,7 @@ impl GateState {
             BreakerVerdict::Failure => {
                 self.failures = self.failures.saturating_add(1);
                 let (calls, fails) = self.count(now, p, true);
-                if calls >= p.min_calls && f64::from(fails) >= p.fail_rate * f64::from(calls) {
+                if p.rate_opens(calls, fails) {
                     // Rate channel (B5): grows the streak (B7), pins the count (B9).
                     self.streak = self.streak.saturating_add(1);
                     self.failures = p.threshold;
@@ -231,7 +240,7 @@ impl GateState {
     fn trip(&mut self, now: Ms, p: &Params) {
         self.open = true;
         self.epoch += 1;
-        self.open_until = now + p.open_for(self.streak);
+        self.open_until = now.saturating_add(p.open_for(self.streak));
         self.probe_until = 0;
         self.closed_since = 0;
     }
@@ -265,14 +274,22 @@ impl GateState {
         if failed {
             self.f[b] = self.f[b].saturating_add(1);
         }
-        (self.a[0] + self.a[1], self.f[0] + self.f[1])
+        self.totals()
+    }
+
+    /// Both buckets together (saturating: the counts may come from a Redis hash).
+    fn totals(&self) -> (u32, u32) {
+        (
+            self.a[0].saturating_add(self.a[1]),
+            self.f[0].saturating_add(self.f[1]),
+        )
     }
 
     /// The window totals as of `now`, without writing.
     fn window(&self, now: Ms, p: &Params) -> (u32, u32) {
         let w = now / p.half_window;
         if w <= self.win_id {
-            (self.a[0] + self.a[1], self.f[0] + self.f[1])
+            self.totals()
         } else if w == self.win_id + 1 {
             let b = (self.win_id % 2) as usize;
             (self.a[b], self.f[b])

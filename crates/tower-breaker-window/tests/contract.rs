@@ -32,6 +32,24 @@ mod cases {
         env.assert_near(refused(&g).await, env.unit(), "first open lasts one cooldown");
     }
 
+    /// (1, at the bar) A failure rate exactly at `fail_rate` opens: 7 failures in 25
+    /// samples against 0.28 (where `0.28 * 25` rounds above 7).
+    pub(super) async fn c1_rate_exactly_at_fail_rate_opens(env: impl Env) {
+        let config = cfg(&env, 100).min_calls(25).fail_rate(0.28).build().unwrap();
+        let g = env.gate("s", &config);
+        calls(&g, S, 18).await;
+        calls(&g, F, 6).await;
+        let v = view(&g).await;
+        assert_eq!((v.state, v.window_calls), (BreakerState::Closed, 24));
+        call(&g, F).await;
+        let v = view(&g).await;
+        assert_eq!(
+            (v.state, v.window_calls, v.window_failures, v.streak, v.failures),
+            (BreakerState::Open, 25, 7, 1, 100),
+            "7 / 25 = 0.28 >= 0.28"
+        );
+    }
+
     /// (2) The same 90% failure rate spread over fewer than `min_calls` samples per
     /// window never rate-opens, however long it goes on.
     pub(super) async fn c2_fewer_samples_never_rate_open(env: impl Env) {
@@ -122,14 +140,21 @@ mod cases {
         );
         call(&g, S).await;
         assert_eq!(view(&g).await.streak, 3, "too early to decay");
-        env.pass(u * 4).await; // 2 x the effective (capped) cooldown
+        env.pass(u * 3).await;
+        call(&g, S).await;
+        assert_eq!(
+            view(&g).await.streak,
+            3,
+            "closed for 3 cooldowns: past 2 x cooldown, not yet 2 x the effective one"
+        );
+        env.pass(u).await; // 2 x the effective (capped) cooldown since the close
         call(&g, S).await;
         assert_eq!(
             view(&g).await.streak,
             0,
             "decayed at the first success after 2 x cooldown"
         );
-        calls(&g, F, 2).await;
+        calls(&g, F, 3).await; // 3 failures of 6 since the close: rate 0.5
         env.assert_near(
             refused(&g).await,
             u,
@@ -275,6 +300,10 @@ macro_rules! contract_suite {
             #[$test]
             async fn c1_rate_opens_at_min_calls() {
                 cases::c1_rate_opens_at_min_calls($env("c1").await).await;
+            }
+            #[$test]
+            async fn c1_rate_exactly_at_fail_rate_opens() {
+                cases::c1_rate_exactly_at_fail_rate_opens($env("c1b").await).await;
             }
             #[$test]
             async fn c2_fewer_samples_never_rate_open() {

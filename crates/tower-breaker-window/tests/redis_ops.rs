@@ -15,7 +15,9 @@ use pgw_core::redis_conn::{RedisConn, RedisTarget};
 use pgw_core::{BackendUnavailable, BoxError, BreakerVerdict};
 use tokio::process::{Child, Command};
 use tower::{Service, ServiceExt, service_fn};
-use tower_breaker_window::{Admission, Backend, BreakerConfig, BreakerLayer, Gate, RedisBackend};
+use tower_breaker_window::{
+    Admission, Backend, BreakerConfig, BreakerLayer, BreakerState, Gate, RedisBackend,
+};
 use tower_layer::Layer;
 
 fn redis_server_bin() -> PathBuf {
@@ -293,4 +295,132 @@ async fn outage_fails_closed_then_recovers() {
     assert_eq!(svc.ready().await.unwrap().call(()).await.unwrap(), "ok");
     let v = handle.view().await.unwrap();
     assert_eq!((v.window_calls, v.record_errors), (1, 1));
+}
+
+/// Counts in the hash beyond `u32` (another writer, a corrupted key) are clamped: the
+/// view, an admission and a record neither panic nor fail.
+#[tokio::test]
+async fn oversized_counts_in_the_hash_are_clamped() {
+    let env = RedisEnv::standalone("huge").await;
+    let config = cfg(&env, 3).build().unwrap();
+    let gate = env.gate("s", &config);
+    let key = env.backend.gate_key(&"s".into());
+    let client = redis::Client::open(pgw_test_support::redis_url().unwrap()).unwrap();
+    let mut raw = client.get_multiplexed_async_connection().await.unwrap();
+    redis::cmd("HSET")
+        .arg(&key)
+        .arg(&[
+            "win_id",
+            "9000000000000000000",
+            "a0",
+            "5000000000",
+            "a1",
+            "5000000000",
+        ])
+        .arg(&["f0", "0", "f1", "0", "failures", "0"])
+        .query_async::<()>(&mut raw)
+        .await
+        .unwrap();
+    let v = view(&gate).await;
+    assert_eq!(
+        (v.window_calls, v.window_failures),
+        (u32::MAX, 0),
+        "5e9 per bucket"
+    );
+    call(&gate, S).await;
+    let v = view(&gate).await;
+    assert_eq!((v.state, v.window_calls), (BreakerState::Closed, u32::MAX));
+}
+
+/// One step of a differential sequence.
+#[derive(Clone, Debug)]
+enum Step {
+    Admit,
+    /// Record `verdict` on the `pick`-th ticket held (modulo), dropping it unless `keep`
+    /// (a kept ticket is recorded again later: a stale or duplicate record).
+    Record {
+        verdict: BreakerVerdict,
+        pick: usize,
+        keep: bool,
+    },
+}
+
+fn step() -> impl proptest::strategy::Strategy<Value = Step> {
+    use proptest::prelude::*;
+    let verdict = prop_oneof![
+        4 => Just(BreakerVerdict::Success),
+        4 => Just(BreakerVerdict::Failure),
+        1 => Just(BreakerVerdict::ForceOpen),
+        1 => Just(BreakerVerdict::Ignore),
+    ];
+    prop_oneof![
+        Just(Step::Admit),
+        (verdict, any::<usize>(), proptest::bool::weighted(0.1))
+            .prop_map(|(verdict, pick, keep)| Step::Record { verdict, pick, keep }),
+    ]
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(48))]
+
+    /// `record.lua` / `admit.lua` and the memory state machine are one contract: on any
+    /// sequence of admissions and records (in one bucket, before any cooldown ends:
+    /// durations of a year keep the real clock out of it), both backends answer the
+    /// same and end in the same state after every step.
+    #[test]
+    fn memory_and_lua_agree_on_any_sequence(
+        threshold in 1u32..6,
+        max_concurrency in 0u32..3,
+        min_calls in 1u32..8,
+        fail_rate in proptest::prop_oneof![
+            proptest::strategy::Just(0.28),
+            proptest::strategy::Just(0.6),
+            proptest::strategy::Just(1.0),
+            0.05f64..1.0,
+        ],
+        steps in proptest::collection::vec(step(), 1..60),
+    ) {
+        let config = BreakerConfig::builder()
+            .fail_threshold(threshold)
+            .max_concurrency(max_concurrency)
+            .min_calls(min_calls)
+            .fail_rate(fail_rate)
+            .cooldown(tower_breaker_window::MAX_DURATION)
+            .window(tower_breaker_window::MAX_DURATION)
+            .build()
+            .unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let env = RedisEnv::standalone("diff").await;
+            let redis = env.gate("s", &config);
+            let memory = tower_breaker_window::MemoryBackend::new().gate(&"s".into(), &config);
+            let mut held: Vec<tower_breaker_window::Ticket> = vec![];
+            for (i, s) in steps.iter().enumerate() {
+                match *s {
+                    Step::Admit => {
+                        let m = memory.admit().await.unwrap();
+                        let r = redis.admit().await.unwrap();
+                        match (m, r) {
+                            (Admission::Admitted(a), Admission::Admitted(b)) => {
+                                assert_eq!(a, b, "step {i}: tickets");
+                                held.push(a);
+                            }
+                            (Admission::Refused { .. }, Admission::Refused { .. }) => {}
+                            other => panic!("step {i}: admissions differ: {other:?}"),
+                        }
+                    }
+                    Step::Record { verdict, pick, keep } => {
+                        if held.is_empty() {
+                            continue;
+                        }
+                        let at = pick % held.len();
+                        let ticket = if keep { held[at] } else { held.swap_remove(at) };
+                        memory.record(ticket, verdict).await;
+                        redis.record(ticket, verdict).await;
+                    }
+                }
+                assert_eq!(still(&memory).await, still(&redis).await, "step {i}: {s:?} in {steps:?}");
+            }
+        });
+    }
 }

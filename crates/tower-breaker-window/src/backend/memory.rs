@@ -11,7 +11,7 @@ use tokio::time::Instant;
 
 use super::{Admission, Backend, BoxFuture, Gate};
 use crate::config::BreakerConfig;
-use crate::state::{BreakerView, GateState, Ms, Params, Ticket};
+use crate::state::{BreakerView, Effect, GateState, Ms, Params, Ticket};
 
 /// State in this process's memory. Clones share the same sources.
 ///
@@ -68,7 +68,7 @@ impl Backend for MemoryBackend {
 #[derive(Default)]
 struct Shared {
     state: Mutex<GateState>,
-    /// `epoch << 1 | open`, written under the lock after every change: a closed-state
+    /// `epoch << 1 | open`, written under the lock after every transition: a closed-state
     /// admission reads it without locking and without reading the clock.
     summary: AtomicU64,
 }
@@ -118,8 +118,8 @@ impl MemoryGate {
         }
         let now = self.now();
         let mut g = self.lock();
+        // An admission never changes `open` or `epoch`: nothing to publish.
         let answer = g.admit(now, &self.0.params);
-        self.publish(&g);
         drop(g);
         match answer {
             Ok(ticket) => Admission::Admitted(ticket),
@@ -133,8 +133,12 @@ impl MemoryGate {
     pub fn record_now(&self, ticket: Ticket, verdict: BreakerVerdict) {
         let now = self.now();
         let mut g = self.lock();
-        g.record(ticket, verdict, now, &self.0.params);
-        self.publish(&g);
+        let effect = g.record(ticket, verdict, now, &self.0.params);
+        if matches!(effect, Effect::Opened | Effect::Closed) {
+            // Only transitions change `open` and `epoch`; skipping the store otherwise
+            // keeps the line every closed-state admission reads unwritten.
+            self.publish(&g);
+        }
     }
 
     /// The state view, synchronously.

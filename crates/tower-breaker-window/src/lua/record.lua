@@ -101,7 +101,7 @@ if verdict == 'o' then
 end
 local calls = a[1] + a[2]
 local fails = f[1] + f[2]
-if calls >= min_calls and fails >= fail_rate * calls then
+if calls >= min_calls and calls > 0 and fails / calls >= fail_rate then
   -- Rate channel: grows the streak (B7), pins the failure count (B9).
   redis.call('HSET', key, 'failures', threshold)
   trip(streak + 1)
