@@ -1,7 +1,9 @@
 //! Admission cost, in one run:
 //!
-//! - memory backend, per call on one task: the limiter's admission and the whole layer
-//!   around an always-ready service, against governor's `check()` (the peer);
+//! - memory backend, per call on one task: the limiter's admission against governor's
+//!   `check()`, and the whole layer (`poll_ready` + `call` + the future) around an
+//!   always-ready service against tower's `RateLimit` doing the same (the fairest
+//!   peer: it reads the same tokio clock once per call);
 //! - Redis (a private `redis-server` started for the run): admissions per second from
 //!   one multiplexed connection at 32 in flight, against `redis-benchmark -c 32`
 //!   running the same script with the same keys on the same server (printed after the
@@ -9,6 +11,7 @@
 
 use std::num::NonZeroU32;
 use std::process::{Command, Stdio};
+use std::task::{Context, Waker};
 use std::time::{Duration, Instant};
 
 use futures_util::FutureExt;
@@ -71,7 +74,31 @@ fn memory_layer_call(b: divan::Bencher<'_, '_>) {
         .layer(service_fn(|x: u32| {
             std::future::ready(Ok::<_, std::convert::Infallible>(x))
         }));
-    b.bench_local(|| divan::black_box(svc.call(1).now_or_never().unwrap().is_ok()));
+    let mut cx = Context::from_waker(Waker::noop());
+    b.bench_local(|| {
+        assert!(svc.poll_ready(&mut cx).is_ready());
+        divan::black_box(svc.call(1).now_or_never().unwrap().is_ok())
+    });
+}
+
+/// The peer of `memory_layer_call`: tower's own rate limit, same inner service, same
+/// steps (it never refuses within `HUGE` requests per minute).
+#[divan::bench(sample_count = 200, sample_size = 2000)]
+fn tower_rate_limit_call(b: divan::Bencher<'_, '_>) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    let _g = rt.enter();
+    let mut svc =
+        tower::limit::RateLimitLayer::new(HUGE, Duration::from_secs(60)).layer(service_fn(|x: u32| {
+            std::future::ready(Ok::<_, std::convert::Infallible>(x))
+        }));
+    let mut cx = Context::from_waker(Waker::noop());
+    b.bench_local(|| {
+        assert!(svc.poll_ready(&mut cx).is_ready());
+        divan::black_box(svc.call(1).now_or_never().unwrap().is_ok())
+    });
 }
 
 fn redis_throughput() {

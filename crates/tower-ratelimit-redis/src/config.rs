@@ -7,6 +7,10 @@ use pgw_core::SourceId;
 
 use crate::error::ConfigError;
 
+/// The longest window or lease TTL: past it, clock arithmetic (tokio instants, Redis
+/// expiries) would overflow; no provider quota is longer than a year.
+const MAX_PERIOD: Duration = Duration::from_secs(366 * 24 * 3600);
+
 /// Default window length: 60 s, because provider quotas are per minute (RPM, TPM).
 pub const DEFAULT_WINDOW: Duration = Duration::from_secs(60);
 
@@ -224,18 +228,22 @@ impl RateLimitConfig {
             check_name("account", a)?;
             q.validate("account")?;
         }
-        if self.window < Duration::from_millis(1) || !self.window.subsec_nanos().is_multiple_of(1_000_000) {
+        if self.window < Duration::from_millis(1)
+            || self.window > MAX_PERIOD
+            || !self.window.subsec_nanos().is_multiple_of(1_000_000)
+        {
             return Err(ConfigError::new(
                 "window",
-                "must be a whole number of milliseconds, at least 1 ms",
+                "must be a whole number of milliseconds, at least 1 ms and at most 366 days",
             ));
         }
         if self.lease_ttl < Duration::from_millis(3)
+            || self.lease_ttl > MAX_PERIOD
             || !self.lease_ttl.subsec_nanos().is_multiple_of(1_000_000)
         {
             return Err(ConfigError::new(
                 "lease_ttl",
-                "must be a whole number of milliseconds, at least 3 ms",
+                "must be a whole number of milliseconds, at least 3 ms and at most 366 days",
             ));
         }
         if self.response_timeout.is_zero() {
@@ -305,6 +313,15 @@ mod tests {
             (
                 RateLimitConfig::new("s", Quota::unlimited()).key_prefix("a{b"),
                 "key_prefix",
+            ),
+            // Past the clock's range: renewal and waiting arithmetic would overflow.
+            (
+                RateLimitConfig::new("s", Quota::unlimited()).lease_ttl(Duration::from_secs(u64::MAX)),
+                "lease_ttl",
+            ),
+            (
+                RateLimitConfig::new("s", Quota::unlimited()).window(Duration::from_secs(400 * 24 * 3600)),
+                "window",
             ),
         ];
         for (config, field) in cases {

@@ -14,7 +14,7 @@ use tower_service::Service;
 
 use crate::backend::BackendFuture;
 use crate::hooks::{AdmissionObserver, UsageReport};
-use crate::limiter::{Ending, Pending, Permit, detach};
+use crate::limiter::{Ending, InFlight, Pending, Permit, detach};
 use crate::service::Hooks;
 
 pin_project! {
@@ -33,26 +33,35 @@ pin_project! {
     /// The response future of [`RateLimit`](crate::RateLimit).
     ///
     /// It owns the [`Permit`]: dropping it (or a panic unwinding through it) releases
-    /// the concurrency lease; a settle still in flight finishes in the background.
+    /// the concurrency lease; a settle still in flight finishes in the background, and
+    /// an admission still in flight (Redis) is refunded when it answers.
+    ///
+    /// Small on the path answered at once (memory): the state of the admission round
+    /// trip or of a wait is boxed, allocated only on those paths.
     pub struct ResponseFuture<S, Req, E, U, O>
     where
         S: Service<Req>,
     {
         #[pin]
         state: State<S::Future>,
-        // Only while admitting or waiting: the answered-at-once path holds no reference.
-        shared: Option<Arc<Hooks<E, U, O>>>,
-        usage: U,
-        inner: Option<S>,
-        req: Option<Req>,
-        pending: Option<Pending>,
-        tokens: u64,
-        deadline: Option<Instant>,
         permit: Option<Permit>,
         renew: Option<Pin<Box<Sleep>>>,
-        settling: Option<Detached>,
-        output: Option<Result<S::Response, BoxError>>,
+        usage: U,
+        error: Option<BoxError>,
+        slow: Option<Box<Slow<S, Req, E, U, O>>>,
     }
+}
+
+/// What only the admission round trip, a wait or a settle in flight needs.
+struct Slow<S: Service<Req>, Req, E, U, O> {
+    shared: Arc<Hooks<E, U, O>>,
+    inner: Option<S>,
+    req: Option<Req>,
+    pending: Option<InFlight>,
+    tokens: u64,
+    deadline: Option<Instant>,
+    settling: Option<Detached>,
+    output: Option<Result<S::Response, BoxError>>,
 }
 
 impl<S, Req, E, U, O> fmt::Debug for ResponseFuture<S, Req, E, U, O>
@@ -81,46 +90,54 @@ impl<S, Req, E, U: Clone, O> ResponseFuture<S, Req, E, U, O>
 where
     S: Service<Req>,
 {
-    fn new(shared: &Arc<Hooks<E, U, O>>, keep: bool, state: State<S::Future>) -> Self {
+    #[inline]
+    fn new(shared: &Hooks<E, U, O>, state: State<S::Future>) -> Self {
         Self {
             state,
-            shared: keep.then(|| shared.clone()),
-            usage: shared.usage.clone(),
-            inner: None,
-            req: None,
-            pending: None,
-            tokens: 0,
-            deadline: None,
             permit: None,
             renew: None,
-            settling: None,
-            output: None,
+            usage: shared.usage.clone(),
+            error: None,
+            slow: None,
         }
     }
 
+    fn slow(shared: &Arc<Hooks<E, U, O>>, inner: S, req: Req, tokens: u64) -> Box<Slow<S, Req, E, U, O>> {
+        Box::new(Slow {
+            shared: shared.clone(),
+            inner: Some(inner),
+            req: Some(req),
+            pending: None,
+            tokens,
+            deadline: None,
+            settling: None,
+            output: None,
+        })
+    }
+
     pub(crate) fn failed(shared: &Arc<Hooks<E, U, O>>, err: BoxError) -> Self {
-        let mut f = Self::new(shared, false, State::Failed);
-        f.output = Some(Err(err));
+        let mut f = Self::new(shared, State::Failed);
+        f.error = Some(err);
         f
     }
 
+    #[inline]
     pub(crate) fn calling(shared: &Arc<Hooks<E, U, O>>, fut: S::Future, permit: Permit) -> Self {
-        let mut f = Self::new(shared, false, State::Calling { fut });
+        let mut f = Self::new(shared, State::Calling { fut });
         f.renew = renewal(&permit);
         f.permit = Some(permit);
         f
     }
 
     pub(crate) fn admitting(shared: &Arc<Hooks<E, U, O>>, inner: S, req: Req, pending: Pending) -> Self {
-        let mut f = Self::new(shared, true, State::Admitting);
-        f.tokens = pending.ticket.tokens;
-        f.deadline = match shared.limiter.config().mode {
-            crate::Mode::Wait { max_wait: Some(w) } => Some(Instant::now() + w),
+        let mut f = Self::new(shared, State::Admitting);
+        let mut slow = Self::slow(shared, inner, req, pending.ticket.tokens);
+        slow.deadline = match shared.limiter.config().mode {
+            crate::Mode::Wait { max_wait: Some(w) } => Instant::now().checked_add(w),
             _ => None,
         };
-        f.inner = Some(inner);
-        f.req = Some(req);
-        f.pending = Some(pending);
+        slow.pending = Some(InFlight::new(shared.limiter.clone(), pending.fut, pending.ticket));
+        f.slow = Some(slow);
         f
     }
 
@@ -132,26 +149,33 @@ where
         max_wait: Option<Duration>,
         refused: QuotaExceeded,
     ) -> Self {
-        let deadline = max_wait.map(|w| Instant::now() + w);
-        if deadline.is_some_and(|d| Instant::now() + refused.retry_after() > d) {
+        // One clock read; a `max_wait` too large for the clock is no deadline.
+        let now = Instant::now();
+        let deadline = max_wait.and_then(|w| now.checked_add(w));
+        if deadline.is_some_and(|d| now.checked_add(refused.retry_after()).is_none_or(|t| t > d)) {
             return Self::failed(shared, Box::new(refused));
         }
         let sleep = Box::pin(tokio::time::sleep(refused.retry_after()));
-        let mut f = Self::new(shared, true, State::Waiting { sleep });
-        f.tokens = tokens;
-        f.deadline = deadline;
-        f.inner = Some(inner);
-        f.req = Some(req);
+        let mut f = Self::new(shared, State::Waiting { sleep });
+        let mut slow = Self::slow(shared, inner, req, tokens);
+        slow.deadline = deadline;
+        f.slow = Some(slow);
         f
     }
 }
 
+#[inline]
 fn renewal(permit: &Permit) -> Option<Pin<Box<Sleep>>> {
     if !permit.has_lease() {
         return None;
     }
     let every = permit.limiter().renew_every()?;
-    Some(Box::pin(tokio::time::sleep(every)))
+    // From the admission's own instant when the backend read it: no second clock read.
+    let at = permit
+        .admitted_local()
+        .unwrap_or_else(Instant::now)
+        .checked_add(every)?;
+    Some(Box::pin(tokio::time::sleep_until(at)))
 }
 
 impl<S, Req, E, U, O> Future for ResponseFuture<S, Req, E, U, O>
@@ -167,62 +191,12 @@ where
         let mut this = self.project();
         loop {
             match this.state.as_mut().project() {
-                StateProj::Admitting => {
-                    let pending = this.pending.as_mut().expect("admitting without an admission");
-                    let verdict = ready!(Pin::new(&mut pending.fut).poll(cx));
-                    let ticket = pending.ticket;
-                    *this.pending = None;
-                    let shared = this.shared.as_ref().expect("admitting without hooks");
-                    match shared.limiter.conclude(ticket, verdict) {
-                        Ok(permit) => {
-                            let req = this.req.take().expect("request taken twice");
-                            shared.observer.on_admission(&req, permit.admission());
-                            let mut svc = this.inner.take().expect("service taken twice");
-                            let fut = svc.call(req);
-                            *this.renew = renewal(&permit);
-                            *this.permit = Some(permit);
-                            this.state.set(State::Calling { fut });
-                        }
-                        Err(e) => match (waits(&shared.limiter), e.downcast::<QuotaExceeded>()) {
-                            (true, Ok(q)) => {
-                                if this
-                                    .deadline
-                                    .is_some_and(|d| Instant::now() + q.retry_after() > d)
-                                {
-                                    this.state.set(State::Done);
-                                    return Poll::Ready(Err(q));
-                                }
-                                let sleep = Box::pin(tokio::time::sleep(q.retry_after()));
-                                this.state.set(State::Waiting { sleep });
-                            }
-                            (_, Ok(q)) => {
-                                this.state.set(State::Done);
-                                return Poll::Ready(Err(q));
-                            }
-                            (_, Err(e)) => {
-                                this.state.set(State::Done);
-                                return Poll::Ready(Err(e));
-                            }
-                        },
-                    }
-                }
-                StateProj::Waiting { sleep } => {
-                    ready!(sleep.as_mut().poll(cx));
-                    let shared = this.shared.as_ref().expect("waiting without hooks");
-                    match shared.limiter.start(*this.tokens) {
-                        Ok(p) => *this.pending = Some(p),
-                        Err(e) => {
-                            this.state.set(State::Done);
-                            return Poll::Ready(Err(Box::new(e)));
-                        }
-                    }
-                    this.state.set(State::Admitting);
-                }
                 StateProj::Calling { fut } => {
                     if let (Some(sleep), Some(permit)) = (this.renew.as_mut(), this.permit.as_ref()) {
                         while sleep.as_mut().poll(cx).is_ready() {
                             detach_renewal(permit);
                             let every = permit.limiter().renew_every().unwrap_or(Duration::from_secs(1));
+                            // The lease TTL is bounded (validated): the clock cannot overflow.
                             sleep.as_mut().reset(Instant::now() + every);
                         }
                     }
@@ -242,25 +216,87 @@ where
                             this.state.set(State::Done);
                             return Poll::Ready(out);
                         }
-                        Err(f) => {
-                            *this.settling = Some(Detached(Some(f)));
-                            *this.output = Some(out);
-                            this.state.set(State::Settling);
-                        }
+                        Err(f) => match this.slow.as_mut() {
+                            Some(slow) => {
+                                slow.settling = Some(Detached(Some(f)));
+                                slow.output = Some(out);
+                                this.state.set(State::Settling);
+                            }
+                            // Backends that answer admissions at once settle at once too;
+                            // should one not, its settle finishes in the background.
+                            None => {
+                                detach(f);
+                                this.state.set(State::Done);
+                                return Poll::Ready(out);
+                            }
+                        },
                     }
                 }
+                StateProj::Admitting => {
+                    let slow = this.slow.as_mut().expect("admitting without its state");
+                    let pending = slow.pending.as_mut().expect("admitting without an admission");
+                    let verdict = ready!(Pin::new(&mut *pending).poll(cx));
+                    let ticket = pending.ticket();
+                    slow.pending = None;
+                    let shared = &slow.shared;
+                    match shared.limiter.conclude(ticket, verdict) {
+                        Ok(permit) => {
+                            let req = slow.req.take().expect("request taken twice");
+                            shared.observer.on_admission(&req, permit.admission());
+                            let mut svc = slow.inner.take().expect("service taken twice");
+                            let fut = svc.call(req);
+                            *this.renew = renewal(&permit);
+                            *this.permit = Some(permit);
+                            this.state.set(State::Calling { fut });
+                        }
+                        Err(e) => match (waits(&shared.limiter), e.downcast::<QuotaExceeded>()) {
+                            (true, Ok(q)) => {
+                                if slow.deadline.is_some_and(|d| {
+                                    Instant::now().checked_add(q.retry_after()).is_none_or(|t| t > d)
+                                }) {
+                                    this.state.set(State::Done);
+                                    return Poll::Ready(Err(q));
+                                }
+                                let sleep = Box::pin(tokio::time::sleep(q.retry_after()));
+                                this.state.set(State::Waiting { sleep });
+                            }
+                            (_, Ok(q)) => {
+                                this.state.set(State::Done);
+                                return Poll::Ready(Err(q));
+                            }
+                            (_, Err(e)) => {
+                                this.state.set(State::Done);
+                                return Poll::Ready(Err(e));
+                            }
+                        },
+                    }
+                }
+                StateProj::Waiting { sleep } => {
+                    ready!(sleep.as_mut().poll(cx));
+                    let slow = this.slow.as_mut().expect("waiting without its state");
+                    let limiter = &slow.shared.limiter;
+                    match limiter.start(slow.tokens) {
+                        Ok(p) => slow.pending = Some(InFlight::new(limiter.clone(), p.fut, p.ticket)),
+                        Err(e) => {
+                            this.state.set(State::Done);
+                            return Poll::Ready(Err(Box::new(e)));
+                        }
+                    }
+                    this.state.set(State::Admitting);
+                }
                 StateProj::Settling => {
-                    let d = this.settling.as_mut().expect("settling without a settle");
+                    let slow = this.slow.as_mut().expect("settling without its state");
+                    let d = slow.settling.as_mut().expect("settling without a settle");
                     let fut = d.0.as_mut().expect("settle taken twice");
                     // Failures are logged and counted by the limiter; the answer stands.
                     let _ = ready!(Pin::new(fut).poll(cx));
                     d.0 = None;
                     this.state.set(State::Done);
-                    return Poll::Ready(this.output.take().expect("output taken twice"));
+                    return Poll::Ready(slow.output.take().expect("output taken twice"));
                 }
                 StateProj::Failed => {
                     this.state.set(State::Done);
-                    return Poll::Ready(this.output.take().expect("output taken twice"));
+                    return Poll::Ready(Err(this.error.take().expect("error taken twice")));
                 }
                 StateProj::Done => panic!("ResponseFuture polled after completion"),
             }

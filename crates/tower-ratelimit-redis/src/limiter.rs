@@ -2,13 +2,18 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use pgw_core::{BackendUnavailable, BoxError, Hold, HoldFuture, SourceId};
 
-use crate::backend::{Backend, BackendFuture, Clock, Gate, HoldScope, LeaseId, Settle, Verdict};
+use tokio::time::Instant;
+
+use crate::backend::{AnyGate, Backend, BackendFuture, Clock, Gate, HoldScope, LeaseId, Settle, Verdict};
 use crate::config::{RENEW_FRACTION, RateLimitConfig};
 use crate::error::{ConfigError, RequestTooLarge, UnknownSource};
 
@@ -43,7 +48,7 @@ pub struct RateLimiter {
 
 struct Inner {
     config: RateLimitConfig,
-    gate: Arc<dyn Gate>,
+    gate: AnyGate,
     stats: Stats,
     uses_leases: bool,
     max_tokens: Option<(u64, String)>,
@@ -161,6 +166,7 @@ impl RateLimiter {
     }
 
     /// Starts one admission of `tokens`: refused at once when it can never fit.
+    #[inline]
     pub(crate) fn start(&self, tokens: u64) -> Result<Pending, RequestTooLarge> {
         if let Some((max, scope)) = &self.inner.max_tokens
             && tokens > *max
@@ -178,6 +184,7 @@ impl RateLimiter {
     }
 
     /// Turns a backend answer into a permit or a boxed not-admitted/unavailable error.
+    #[inline]
     pub(crate) fn conclude(
         &self,
         ticket: Ticket,
@@ -185,7 +192,7 @@ impl RateLimiter {
     ) -> Result<Permit, BoxError> {
         let s = &self.inner.stats;
         match verdict {
-            Ok(Verdict::Admitted { at, window }) => {
+            Ok(Verdict::Admitted { at, window, local }) => {
                 s.admitted.fetch_add(1, Ordering::Relaxed);
                 Ok(Permit {
                     admission: Admission {
@@ -195,6 +202,7 @@ impl RateLimiter {
                         tokens: ticket.tokens,
                     },
                     lease: ticket.lease,
+                    local,
                     armed: true,
                 })
             }
@@ -218,7 +226,11 @@ impl RateLimiter {
     /// [`BackendUnavailable`] when the backend cannot answer (fails closed).
     pub async fn acquire(&self, tokens: u64) -> Result<Permit, BoxError> {
         let Pending { fut, ticket } = self.start(tokens)?;
-        self.conclude(ticket, fut.await)
+        let verdict = match fut.now_or() {
+            Ok(verdict) => verdict,
+            Err(fut) => InFlight::new(self.clone(), fut, ticket).await,
+        };
+        self.conclude(ticket, verdict)
     }
 
     /// Holds a scope: not admitted until `duration` from now (on the backend's clock),
@@ -295,6 +307,88 @@ impl RateLimiter {
 pub(crate) struct Pending {
     pub(crate) fut: BackendFuture<Result<Verdict, BackendUnavailable>>,
     pub(crate) ticket: Ticket,
+}
+
+/// A backend admission in flight (a Redis round trip) that undoes itself when dropped
+/// before its answer: the script may have reserved anyway, so the answer is awaited in
+/// the background and an admission refunded (the request never went out: not an
+/// attempt) and its lease released, instead of staying charged until the window ends
+/// and the lease's TTL.
+pub(crate) struct InFlight {
+    fut: Option<BackendFuture<Result<Verdict, BackendUnavailable>>>,
+    limiter: RateLimiter,
+    ticket: Ticket,
+}
+
+impl fmt::Debug for InFlight {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("InFlight")
+            .field("ticket", &self.ticket)
+            .finish_non_exhaustive()
+    }
+}
+
+impl InFlight {
+    pub(crate) const fn new(
+        limiter: RateLimiter,
+        fut: BackendFuture<Result<Verdict, BackendUnavailable>>,
+        ticket: Ticket,
+    ) -> Self {
+        Self {
+            fut: Some(fut),
+            limiter,
+            ticket,
+        }
+    }
+}
+
+impl InFlight {
+    pub(crate) const fn ticket(&self) -> Ticket {
+        self.ticket
+    }
+}
+
+impl Future for InFlight {
+    type Output = Result<Verdict, BackendUnavailable>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let fut = self.fut.as_mut().expect("InFlight polled after completion");
+        let out = ready!(Pin::new(fut).poll(cx));
+        self.fut = None;
+        Poll::Ready(out)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let Some(fut) = self.fut.take() else { return };
+        let ticket = self.ticket;
+        let undo = move |verdict: Result<Verdict, BackendUnavailable>| match verdict {
+            Ok(Verdict::Admitted { window, .. }) => Some(Settle {
+                window,
+                requests: -1,
+                tokens: -i64::try_from(ticket.tokens).unwrap_or(i64::MAX),
+                lease: ticket.lease,
+            }),
+            _ => None,
+        };
+        match fut.now_or() {
+            Ok(verdict) => {
+                if let Some(settle) = undo(verdict) {
+                    detach(self.limiter.settle(settle));
+                }
+            }
+            Err(fut) => {
+                let limiter = self.limiter.clone();
+                detach(BackendFuture::Pending(Box::pin(async move {
+                    if let Some(settle) = undo(fut.await) {
+                        // Failures are logged and counted by `settle`.
+                        let _ = limiter.settle(settle).await;
+                    }
+                })));
+            }
+        }
+    }
 }
 
 /// What one admission asks for.
@@ -406,6 +500,8 @@ impl Admission {
 pub struct Permit {
     admission: Admission,
     lease: Option<LeaseId>,
+    /// The tokio instant of the admission, when the backend read it (memory).
+    local: Option<Instant>,
     armed: bool,
 }
 
@@ -446,6 +542,11 @@ impl Permit {
 
     pub(crate) fn limiter(&self) -> &RateLimiter {
         &self.admission.limiter
+    }
+
+    /// The tokio instant of the admission, if the backend read the tokio clock.
+    pub(crate) const fn admitted_local(&self) -> Option<Instant> {
+        self.local
     }
 
     pub(crate) fn end(mut self, ending: Ending) -> BackendFuture<Result<(), BackendUnavailable>> {

@@ -274,6 +274,47 @@ async fn account_concurrency_shared(h: Harness) {
     p3.finish(None).await.unwrap();
 }
 
+/// A renewal answers `false` when the lease was lost in any scope (here the account's,
+/// purged by another source's admission after the TTL), on every backend alike.
+async fn renew_reports_a_lease_lost_in_any_scope(h: Harness) {
+    let ttl = Duration::from_millis(300);
+    let acct = Quota::unlimited().concurrency(1);
+    let s1 = h.limiter(
+        h.config("s1", Quota::unlimited().concurrency(1))
+            .account("acct", acct)
+            .lease_ttl(ttl),
+    );
+    let s2 = h.limiter(
+        h.config("s2", Quota::unlimited().concurrency(1))
+            .account("acct", acct)
+            .lease_ttl(ttl),
+    );
+    let p = s1.acquire(0).await.unwrap();
+    assert!(p.renew().await.unwrap(), "a live lease renews");
+    tokio::time::sleep(ttl + Duration::from_millis(20)).await;
+    // s2's admission purges p's expired lease from the account (not from s1's scope).
+    let q = s2.acquire(0).await.unwrap();
+    assert!(
+        !p.renew().await.unwrap(),
+        "the account's slot is gone: the lease was lost"
+    );
+    assert_eq!(s1.stats().leases_lost, 1);
+    q.finish(None).await.unwrap();
+    p.finish(None).await.unwrap();
+}
+
+/// An absurd hold (`Duration::MAX`, e.g. from a bogus Retry-After) neither panics nor
+/// fails: the scope is held.
+async fn huge_hold(h: Harness) {
+    let l = h.limiter(h.config("s1", Quota::unlimited()));
+    let until = l.hold(HoldScope::Source, Duration::MAX).await.unwrap();
+    assert!(until > Duration::from_secs(365 * 24 * 3600), "{until:?}");
+    let err = l.acquire(0).await.unwrap_err();
+    let q = refused(&err);
+    assert_eq!(q.dimension(), "hold");
+    assert!(q.retry_after() > Duration::from_secs(365 * 24 * 3600), "{q}");
+}
+
 macro_rules! contract {
     ($($case:ident),* $(,)?) => {
         mod memory {
@@ -315,4 +356,6 @@ contract!(
     oversize_request_rejected,
     account_hold,
     account_concurrency_shared,
+    renew_reports_a_lease_lost_in_any_scope,
+    huge_hold,
 );

@@ -4,6 +4,7 @@
 mod common;
 
 use std::collections::BTreeMap;
+use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -249,4 +250,60 @@ async fn redis_down_fails_closed() {
     let err = svc.ready().await.unwrap().call(()).await.unwrap_err();
     assert!(err.is::<BackendUnavailable>(), "{err}");
     assert!(started.elapsed() < Duration::from_secs(2));
+}
+
+/// A caller that gives up while the admission round trip is in flight (the script may
+/// already have reserved) costs nothing: the request, its tokens and its lease are
+/// given back when the answer arrives, through the layer and through `acquire` alike.
+#[tokio::test]
+async fn dropped_while_admitting_gives_everything_back() {
+    use futures_util::FutureExt;
+    use std::task::{Context, Waker};
+
+    let h = Harness::redis(common::standalone(), "dropped_while_admitting").await;
+    // One request per minute: without the refund the second admission fails for the
+    // rest of the window; one slot whose lease lives a minute.
+    let l = h.limiter(
+        RateLimitConfig::new("s1", Quota::unlimited().requests(1).tokens(10).concurrency(1))
+            .lease_ttl(Duration::from_secs(60)),
+    );
+    let mut svc = RateLimitLayer::new(l.clone())
+        .token_estimate(|_: &()| 10)
+        .usage(NoTokens)
+        .layer(service_fn(|_: ()| async { Ok::<_, BoxError>(()) }));
+    let mut fut = Box::pin(svc.ready().await.unwrap().call(()));
+    // One poll sends the script; the answer is not back yet.
+    assert!(
+        fut.as_mut()
+            .poll(&mut Context::from_waker(Waker::noop()))
+            .is_pending()
+    );
+    drop(fut);
+    let again = async {
+        for _ in 0..200 {
+            if let Ok(p) = l.acquire(10).await {
+                return Some(p);
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        None
+    };
+    let p = again
+        .await
+        .expect("the dropped admission was refunded and its lease released");
+    assert_eq!(l.stats().settle_failures, 0);
+    p.refund().await.unwrap();
+
+    // The same through `acquire`: polled once, then dropped.
+    assert!(l.acquire(10).now_or_never().is_none());
+    let mut back = false;
+    for _ in 0..200 {
+        if let Ok(p) = l.acquire(10).await {
+            back = true;
+            p.refund().await.unwrap();
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(back, "a dropped acquire gives its reservation back");
 }

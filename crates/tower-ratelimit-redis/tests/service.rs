@@ -236,3 +236,27 @@ async fn redis_service_reconciles_before_answering() {
     assert!(l.acquire(1).await.is_err());
     p.finish(None).await.unwrap();
 }
+
+/// A `max_wait` too large for the clock is no deadline, not a panic.
+#[tokio::test(start_paused = true)]
+async fn huge_max_wait_waits_without_panicking() {
+    let l = RateLimiter::new(
+        RateLimitConfig::new("s1", Quota::unlimited().requests(1))
+            .window(Duration::from_secs(1))
+            .mode(Mode::Wait {
+                max_wait: Some(Duration::MAX),
+            }),
+        MemoryBackend::new(),
+    )
+    .unwrap();
+    let mut svc = RateLimitLayer::new(l)
+        .token_estimate(NoTokens)
+        .usage(NoTokens)
+        .layer(service_fn(|_: ()| async {
+            Ok::<_, BoxError>(tokio::time::Instant::now())
+        }));
+    let t0 = tokio::time::Instant::now();
+    svc.ready().await.unwrap().call(()).await.unwrap();
+    let second = svc.ready().await.unwrap().call(()).await.unwrap();
+    assert_eq!(second - t0, Duration::from_secs(1));
+}

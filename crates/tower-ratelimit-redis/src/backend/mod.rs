@@ -10,6 +10,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use pgw_core::{BackendUnavailable, QuotaExceeded};
+use tokio::time::Instant;
 
 use crate::config::{Quota, RateLimitConfig};
 
@@ -41,11 +42,11 @@ impl From<RedisBackend> for Backend {
 }
 
 impl Backend {
-    pub(crate) fn bind(&self, config: &RateLimitConfig) -> Arc<dyn Gate> {
+    pub(crate) fn bind(&self, config: &RateLimitConfig) -> AnyGate {
         let scopes = ScopeSpec::of(config);
         match self {
-            Self::Memory(m) => Arc::new(m.bind(scopes, config)),
-            Self::Redis(r) => Arc::new(r.bind(&scopes, config)),
+            Self::Memory(m) => AnyGate::Memory(m.bind(scopes, config)),
+            Self::Redis(r) => AnyGate::Redis(r.bind(&scopes, config)),
         }
     }
 }
@@ -132,8 +133,14 @@ pub(crate) type LeaseId = u64;
 /// The backend's answer to an admission.
 #[derive(Debug)]
 pub(crate) enum Verdict {
-    /// Admitted at `at` (on the backend's clock), in window `window`.
-    Admitted { at: Duration, window: u64 },
+    /// Admitted at `at` (on the backend's clock), in window `window`; `local` is the
+    /// tokio instant of the admission when the backend read it (memory), so nothing
+    /// after it reads the clock again.
+    Admitted {
+        at: Duration,
+        window: u64,
+        local: Option<Instant>,
+    },
     /// Not admitted.
     Refused(QuotaExceeded),
 }
@@ -175,6 +182,64 @@ pub(crate) trait Gate: Send + Sync + fmt::Debug {
     fn clock(&self) -> Clock;
 }
 
+/// A bound gate, dispatched statically: the memory path inlines into the caller.
+#[derive(Debug)]
+#[allow(
+    clippy::large_enum_variant,
+    reason = "one per limiter, inside its Arc; boxing would add a pointer chase to every admission"
+)]
+pub(crate) enum AnyGate {
+    Memory(memory::MemoryGate),
+    Redis(redis::RedisGate),
+}
+
+impl Gate for AnyGate {
+    #[inline]
+    fn admit(
+        &self,
+        tokens: u64,
+        lease: Option<LeaseId>,
+    ) -> BackendFuture<Result<Verdict, BackendUnavailable>> {
+        match self {
+            Self::Memory(g) => BackendFuture::ready(Ok(g.admit_now(tokens, lease))),
+            Self::Redis(g) => g.admit(tokens, lease),
+        }
+    }
+
+    #[inline]
+    fn settle(&self, settle: Settle) -> BackendFuture<Result<(), BackendUnavailable>> {
+        match self {
+            Self::Memory(g) => g.settle(settle),
+            Self::Redis(g) => g.settle(settle),
+        }
+    }
+
+    fn renew(&self, lease: LeaseId) -> BackendFuture<Result<bool, BackendUnavailable>> {
+        match self {
+            Self::Memory(g) => g.renew(lease),
+            Self::Redis(g) => g.renew(lease),
+        }
+    }
+
+    fn hold(
+        &self,
+        which: HoldScope,
+        duration: Duration,
+    ) -> BackendFuture<Result<Duration, BackendUnavailable>> {
+        match self {
+            Self::Memory(g) => g.hold(which, duration),
+            Self::Redis(g) => g.hold(which, duration),
+        }
+    }
+
+    fn clock(&self) -> Clock {
+        match self {
+            Self::Memory(g) => g.clock(),
+            Self::Redis(g) => g.clock(),
+        }
+    }
+}
+
 /// A backend operation: already done (memory) or a round trip in flight (Redis).
 pub(crate) enum BackendFuture<T> {
     Ready(Option<T>),
@@ -182,11 +247,13 @@ pub(crate) enum BackendFuture<T> {
 }
 
 impl<T> BackendFuture<T> {
+    #[inline]
     pub(crate) fn ready(v: T) -> Self {
         Self::Ready(Some(v))
     }
 
     /// The value, when the operation finished synchronously.
+    #[inline]
     pub(crate) fn now_or(self) -> Result<T, Self> {
         match self {
             Self::Ready(Some(v)) => Ok(v),

@@ -30,6 +30,9 @@ static SETTLE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../
 static RENEW: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/renew.lua")));
 static HOLD: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/hold.lua")));
 
+/// The longest hold sent to Redis, in milliseconds (ten years).
+const MAX_HOLD_MS: u128 = 10 * 365 * 24 * 3600 * 1000;
+
 /// A per-process random nonce, so lease ids of different processes never collide.
 static NONCE: LazyLock<u64> = LazyLock::new(|| {
     use std::hash::{BuildHasher, Hasher};
@@ -203,6 +206,7 @@ impl Gate for RedisGate {
                 [1, now, win] => Ok(Verdict::Admitted {
                     at: millis(*now),
                     window: u64::try_from(*win).unwrap_or(0),
+                    local: None,
                 }),
                 [0, _, scope, dim, wait] => {
                     let dim = match dim {
@@ -272,8 +276,10 @@ impl Gate for RedisGate {
                 inv.key(key);
             }
         }
-        // Round up: a hold must never end before the time asked for.
-        let ms = duration.as_nanos().div_ceil(1_000_000);
+        // Round up: a hold must never end before the time asked for. Capped at ten
+        // years: Redis rejects expiries past its clock's range, and the script's
+        // numbers stay exact integers.
+        let ms = duration.as_nanos().div_ceil(1_000_000).min(MAX_HOLD_MS);
         inv.arg(u64::try_from(ms).unwrap_or(u64::MAX));
         let mut conn = self.conn.clone();
         let timeout = k.timeout;
