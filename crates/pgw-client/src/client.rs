@@ -1,0 +1,430 @@
+//! [`UpstreamClient`]: one attempt of a chat completion against one source.
+
+use std::fmt;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, SystemTime};
+
+use bytes::{Bytes, BytesMut};
+use futures_util::StreamExt;
+use futures_util::future::BoxFuture;
+use http::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE, HeaderValue};
+use http_body_util::BodyExt;
+use pgw_core::openai::{ChatMessage, ChatResponse, ChunkAccumulator};
+use pgw_core::{BoxError, EmptyCompletion, SourceId, UpstreamStatus};
+use serde::Serialize;
+use serde_json::{Map, Value};
+use tokio::time::{Instant, timeout_at};
+use tower::ServiceExt;
+use tower_service::Service;
+
+use crate::error::{MalformedResponse, Watchdog, WatchdogCut};
+use crate::{
+    AttemptStats, BadSettings, ChatAnswer, ChatCall, ChunkStream, HyperTransport, SourceSettings,
+    UpstreamBody,
+};
+
+/// The most of a non-2xx body read for the provider's message: 64 KiB.
+const MAX_ERROR_BODY: usize = 64 << 10;
+/// The most of the provider's message kept in an error: 512 bytes.
+const MAX_ERROR_MESSAGE: usize = 512;
+/// The largest non-streamed answer accepted: 64 MiB.
+const MAX_ANSWER_BODY: usize = 64 << 20;
+
+struct Prepared {
+    settings: SourceSettings,
+    endpoint: http::Uri,
+    authorization: Option<HeaderValue>,
+}
+
+/// One attempt of an OpenAI-compatible chat completion against one source, as a
+/// tower `Service<ChatCall>` answering a complete [`ChatAnswer`] verdict.
+///
+/// It builds `POST {base_url}/chat/completions` with `authorization: Bearer <key>`
+/// (marked sensitive) and the request as JSON (the model replaced by the source's
+/// override), sends it on the transport `T`, and parses the answer:
+///
+/// - non-2xx: [`UpstreamStatus`] with the parsed `Retry-After` and the provider's
+///   message (scrubbed of the key);
+/// - 2xx JSON: a [`pgw_core::openai::ChatResponse`];
+/// - 2xx SSE (when `request.stream`): the chunks through a [`ChunkStream`] with its
+///   watchdogs, consumed to `[DONE]` and folded into the answer, the chunks kept in
+///   [`ChatAnswer::chunks`] for replay;
+/// - no text and no tool call: [`EmptyCompletion`]; bytes that are not a completion:
+///   [`MalformedResponse`]; a watchdog: [`WatchdogCut`]. All three are `Transient`.
+///
+/// **Why an attempt consumes the whole stream.** The stack above (breaker, health,
+/// AIMD, retry) needs one verdict per attempt, and a stream that is cut after its
+/// first token is a failed attempt the retry layer must be free to redo elsewhere.
+/// Forwarding chunks to the caller before the verdict would make that impossible (the
+/// caller would have seen half an answer). So the gateway replays a streamed answer to
+/// a streaming caller once the attempt succeeded: the caller's time to first byte is
+/// the whole answer's latency. Callers who prefer raw chunks as they arrive, with
+/// the watchdogs on but without retries, use [`UpstreamClient::open_stream`].
+///
+/// The transport is any `Service<http::Request<Bytes>, Response = http::Response<B>,
+/// Error = BoxError>`; [`HyperTransport`] for real providers, `pgw_sim::SimService`
+/// in virtual time. Every timeout runs on tokio's clock.
+pub struct UpstreamClient<T> {
+    transport: T,
+    prepared: Arc<Prepared>,
+}
+
+impl<T: Clone> Clone for UpstreamClient<T> {
+    fn clone(&self) -> Self {
+        Self {
+            transport: self.transport.clone(),
+            prepared: Arc::clone(&self.prepared),
+        }
+    }
+}
+
+impl<T> fmt::Debug for UpstreamClient<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("UpstreamClient")
+            .field("settings", &self.prepared.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+impl UpstreamClient<HyperTransport> {
+    /// A client on a fresh [`HyperTransport`] with the source's connect timeout.
+    ///
+    /// # Errors
+    /// [`BadSettings`] for an unusable base URL or key; a TLS setup error.
+    pub fn hyper(settings: SourceSettings) -> Result<Self, BoxError> {
+        let transport = HyperTransport::new(settings.timeouts.connect)?;
+        Ok(Self::new(settings, transport)?)
+    }
+}
+
+impl<T> UpstreamClient<T> {
+    /// A client for one source over `transport`.
+    ///
+    /// # Errors
+    /// [`BadSettings`] naming `base_url` (not an absolute http(s) URL) or `key` (not a
+    /// valid header value).
+    pub fn new(settings: SourceSettings, transport: T) -> Result<Self, BadSettings> {
+        let endpoint = settings.endpoint()?;
+        let authorization = match &settings.key {
+            Some(key) => {
+                let mut v = HeaderValue::try_from(format!("Bearer {}", key.expose())).map_err(|_| {
+                    BadSettings::new(&settings.id, "key", "contains characters not allowed in a header")
+                })?;
+                v.set_sensitive(true);
+                Some(v)
+            }
+            None => None,
+        };
+        Ok(Self {
+            transport,
+            prepared: Arc::new(Prepared {
+                settings,
+                endpoint,
+                authorization,
+            }),
+        })
+    }
+
+    /// The source's settings.
+    #[must_use]
+    pub fn settings(&self) -> &SourceSettings {
+        &self.prepared.settings
+    }
+
+    /// The source's name.
+    #[must_use]
+    pub fn source(&self) -> &SourceId {
+        &self.prepared.settings.id
+    }
+
+    /// The transport.
+    #[must_use]
+    pub const fn get_ref(&self) -> &T {
+        &self.transport
+    }
+}
+
+impl<T, B> UpstreamClient<T>
+where
+    T: Service<http::Request<Bytes>, Response = http::Response<B>, Error = BoxError> + Clone + Send + 'static,
+    T::Future: Send + 'static,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    /// Opens a streamed answer (the upstream is asked to stream whatever
+    /// `request.stream` says) and returns its chunks as they arrive, with the
+    /// watchdogs running while the stream is polled.
+    ///
+    /// No retry can happen once the caller saw a chunk; see the type's docs.
+    ///
+    /// # Errors
+    /// As the attempt: [`UpstreamStatus`], [`WatchdogCut`] (first token, before the
+    /// head arrived), transport errors.
+    pub fn open_stream(&self, call: &ChatCall) -> BoxFuture<'static, Result<ChunkStream, BoxError>> {
+        let prepared = Arc::clone(&self.prepared);
+        let transport = self.transport.clone();
+        let req = prepared.build(call, true);
+        Box::pin(async move {
+            let start = Instant::now();
+            let (parts, body) = head(transport.oneshot(req?), &prepared, start, true).await?;
+            if !is_event_stream(&parts.headers) {
+                return Err(MalformedResponse::new("asked for a stream, got no text/event-stream").into());
+            }
+            Ok(ChunkStream::new(body, start, prepared.settings.timeouts))
+        })
+    }
+}
+
+impl<T, B> Service<ChatCall> for UpstreamClient<T>
+where
+    T: Service<http::Request<Bytes>, Response = http::Response<B>, Error = BoxError> + Clone + Send + 'static,
+    T::Future: Send + 'static,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    type Response = ChatAnswer;
+    type Error = BoxError;
+    type Future = BoxFuture<'static, Result<ChatAnswer, BoxError>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.transport.poll_ready(cx)
+    }
+
+    fn call(&mut self, call: ChatCall) -> Self::Future {
+        // The ready transport goes into the future; a fresh clone stays (tower-service's
+        // "be careful when cloning inner services").
+        let fresh = self.transport.clone();
+        let mut transport = std::mem::replace(&mut self.transport, fresh);
+        let prepared = Arc::clone(&self.prepared);
+        Box::pin(async move {
+            let start = Instant::now();
+            let stream = call.is_stream();
+            let req = prepared.build(&call, stream)?;
+            let result = attempt(transport.call(req), &prepared, start, stream).await;
+            let id = &prepared.settings.id;
+            if let Err(e) = &result {
+                tracing::debug!(source = %id, call = %call.id(), error = %e, "attempt failed");
+            }
+            result
+        })
+    }
+}
+
+/// The outgoing body: the caller's request with the model replaced, serialized without
+/// copying the (possibly large) messages.
+#[derive(Serialize)]
+struct Outgoing<'a> {
+    model: &'a str,
+    messages: &'a [ChatMessage],
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_tokens: Option<u64>,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    stream: bool,
+    #[serde(flatten)]
+    extra: &'a Map<String, Value>,
+}
+
+impl Prepared {
+    fn build(&self, call: &ChatCall, stream: bool) -> Result<http::Request<Bytes>, BoxError> {
+        let req = call.request();
+        let body = serde_json::to_vec(&Outgoing {
+            model: self.settings.model.as_deref().unwrap_or(&req.model),
+            messages: &req.messages,
+            max_tokens: req.max_tokens,
+            stream,
+            extra: &req.extra,
+        })?;
+        let mut b = http::Request::post(self.endpoint.clone())
+            .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
+            .header(
+                ACCEPT,
+                HeaderValue::from_static(if stream {
+                    "text/event-stream"
+                } else {
+                    "application/json"
+                }),
+            );
+        if let Some(auth) = &self.authorization {
+            b = b.header(AUTHORIZATION, auth.clone());
+        }
+        Ok(b.body(Bytes::from(body))?)
+    }
+}
+
+/// Waits for the response head under the first-token (streaming) or total watchdog,
+/// and turns a non-2xx head into an [`UpstreamStatus`].
+async fn head<F, B>(
+    fut: F,
+    prepared: &Prepared,
+    start: Instant,
+    stream: bool,
+) -> Result<(http::response::Parts, UpstreamBody), BoxError>
+where
+    F: Future<Output = Result<http::Response<B>, BoxError>>,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    let t = prepared.settings.timeouts;
+    let (limit, watchdog, dur) = if stream && t.first_token < t.total {
+        (start + t.first_token, Watchdog::FirstToken, t.first_token)
+    } else {
+        (start + t.total, Watchdog::Total, t.total)
+    };
+    let resp = timeout_at(limit, fut)
+        .await
+        .map_err(|_| WatchdogCut::new(watchdog, dur))??;
+    let (parts, body) = resp.into_parts();
+    let body: UpstreamBody = body.map_err(Into::into).boxed_unsync();
+    if !parts.status.is_success() {
+        return Err(status_error(&parts, body, prepared, start).await.into());
+    }
+    Ok((parts, body))
+}
+
+async fn attempt<F, B>(
+    fut: F,
+    prepared: &Prepared,
+    start: Instant,
+    stream: bool,
+) -> Result<ChatAnswer, BoxError>
+where
+    F: Future<Output = Result<http::Response<B>, BoxError>>,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    let (parts, body) = head(fut, prepared, start, stream).await?;
+    let t = prepared.settings.timeouts;
+    let mut stats = AttemptStats {
+        source: Some(prepared.settings.id.clone()),
+        ..AttemptStats::default()
+    };
+    let (response, chunks) = if stream && is_event_stream(&parts.headers) {
+        let mut s = ChunkStream::new(body, start, t);
+        let mut acc = ChunkAccumulator::default();
+        let mut chunks = Vec::new();
+        while let Some(chunk) = s.next().await {
+            let chunk = chunk?;
+            acc.push(&chunk);
+            chunks.push(chunk);
+        }
+        stats.ttft = s.ttft();
+        stats.streamed = true;
+        (acc.finish(), chunks)
+    } else {
+        let bytes = read_body(body, start + t.total, t, MAX_ANSWER_BODY).await?;
+        let resp: ChatResponse = serde_json::from_slice(&bytes).map_err(|e| {
+            MalformedResponse::new(format!("body is not a chat completion: {e}: {}", snippet(&bytes)))
+        })?;
+        if resp.choices.is_empty()
+            && let Some(msg) = provider_error(&bytes)
+        {
+            return Err(MalformedResponse::new(format!("provider error in a 2xx answer: {msg}")).into());
+        }
+        (resp, Vec::new())
+    };
+    stats.latency = start.elapsed();
+    stats.usage = response.usage;
+    if response.is_empty_completion() {
+        return Err(EmptyCompletion.into());
+    }
+    Ok(ChatAnswer {
+        response,
+        chunks,
+        stats,
+    })
+}
+
+fn is_event_stream(headers: &http::HeaderMap) -> bool {
+    headers
+        .get(CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| {
+            v.trim_start()
+                .to_ascii_lowercase()
+                .starts_with("text/event-stream")
+        })
+}
+
+/// Reads a whole body: each frame within `inter_token` of the previous, all by
+/// `deadline`, at most `max` bytes.
+async fn read_body(
+    mut body: UpstreamBody,
+    deadline: Instant,
+    t: crate::Timeouts,
+    max: usize,
+) -> Result<Bytes, BoxError> {
+    let mut buf = BytesMut::new();
+    loop {
+        let stall = Instant::now() + t.inter_token;
+        let (limit, cut) = if stall < deadline {
+            (stall, WatchdogCut::new(Watchdog::InterToken, t.inter_token))
+        } else {
+            (deadline, WatchdogCut::new(Watchdog::Total, t.total))
+        };
+        match timeout_at(limit, body.frame()).await {
+            Err(_) => return Err(cut.into()),
+            Ok(None) => return Ok(buf.freeze()),
+            Ok(Some(frame)) => {
+                if let Ok(data) = frame?.into_data() {
+                    if buf.len() + data.len() > max {
+                        return Err(MalformedResponse::new(format!("body larger than {max} bytes")).into());
+                    }
+                    buf.extend_from_slice(&data);
+                }
+            }
+        }
+    }
+}
+
+async fn status_error(
+    parts: &http::response::Parts,
+    body: UpstreamBody,
+    prepared: &Prepared,
+    start: Instant,
+) -> UpstreamStatus {
+    let retry_after = pgw_core::retry_after::from_headers(&parts.headers, SystemTime::now());
+    let t = prepared.settings.timeouts;
+    // The message is a courtesy: read it briefly, never let it hold the attempt.
+    let deadline = (start + t.total).min(Instant::now() + t.inter_token.min(Duration::from_secs(5)));
+    let message = match read_body(body, deadline, t, MAX_ERROR_BODY).await {
+        Ok(bytes) => provider_error(&bytes).unwrap_or_else(|| snippet(&bytes)),
+        Err(_) => String::new(),
+    };
+    let message = match &prepared.settings.key {
+        Some(key) => key.scrub(&message),
+        None => message,
+    };
+    UpstreamStatus::new(parts.status, retry_after, message)
+}
+
+/// The provider's error message in an OpenAI-style error body
+/// (`{"error":{"message":..}}`, `{"error":".."}` or `{"message":..}`).
+pub(crate) fn provider_error(bytes: &[u8]) -> Option<String> {
+    let v: Value = serde_json::from_slice(bytes).ok()?;
+    let msg = match v.get("error") {
+        Some(Value::String(s)) => s.clone(),
+        Some(e @ Value::Object(_)) => e
+            .get("message")
+            .and_then(Value::as_str)
+            .map_or_else(|| e.to_string(), str::to_owned),
+        _ => v.get("message")?.as_str()?.to_owned(),
+    };
+    Some(truncate(msg))
+}
+
+fn snippet(bytes: &[u8]) -> String {
+    truncate(String::from_utf8_lossy(bytes).trim().to_owned())
+}
+
+fn truncate(mut s: String) -> String {
+    if s.len() > MAX_ERROR_MESSAGE {
+        let mut cut = MAX_ERROR_MESSAGE;
+        while !s.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        s.truncate(cut);
+        s.push_str("...");
+    }
+    s
+}

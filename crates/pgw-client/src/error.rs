@@ -1,0 +1,99 @@
+//! Errors the client creates (all classified `Transient` by
+//! [`pgw_core::classify_error`]; non-2xx answers are [`pgw_core::UpstreamStatus`] and
+//! empty completions [`pgw_core::EmptyCompletion`]).
+
+use std::fmt;
+use std::time::Duration;
+
+/// Which watchdog cut the attempt (S3).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Watchdog {
+    /// No first token within `timeouts.first_token`.
+    FirstToken,
+    /// No chunk within `timeouts.inter_token` after the previous one.
+    InterToken,
+    /// The attempt ran past `timeouts.total`.
+    Total,
+}
+
+impl Watchdog {
+    /// `first_token`, `inter_token` or `total`, as in configuration and telemetry.
+    #[must_use]
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::FirstToken => "first_token",
+            Self::InterToken => "inter_token",
+            Self::Total => "total",
+        }
+    }
+}
+
+/// A watchdog cut the attempt: outcome `Transient`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WatchdogCut {
+    watchdog: Watchdog,
+    after: Duration,
+}
+
+impl WatchdogCut {
+    /// A cut by `watchdog`, whose limit was `after`.
+    #[must_use]
+    pub const fn new(watchdog: Watchdog, after: Duration) -> Self {
+        Self { watchdog, after }
+    }
+
+    /// Which watchdog.
+    #[must_use]
+    pub const fn watchdog(&self) -> Watchdog {
+        self.watchdog
+    }
+
+    /// The limit that was exceeded.
+    #[must_use]
+    pub const fn after(&self) -> Duration {
+        self.after
+    }
+}
+
+impl fmt::Display for WatchdogCut {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "watchdog cut the attempt: {} timeout of {:.3}s",
+            self.watchdog.as_str(),
+            self.after.as_secs_f64()
+        )
+    }
+}
+
+impl std::error::Error for WatchdogCut {}
+
+/// The upstream answered 2xx with bytes that are not a chat completion (garbage, a
+/// truncated stream, an oversized event): outcome `Transient`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MalformedResponse {
+    reason: String,
+}
+
+impl MalformedResponse {
+    /// A new error.
+    pub fn new(reason: impl Into<String>) -> Self {
+        Self {
+            reason: reason.into(),
+        }
+    }
+
+    /// What was wrong.
+    #[must_use]
+    pub fn reason(&self) -> &str {
+        &self.reason
+    }
+}
+
+impl fmt::Display for MalformedResponse {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "malformed upstream response: {}", self.reason)
+    }
+}
+
+impl std::error::Error for MalformedResponse {}

@@ -1,0 +1,189 @@
+//! What the client needs to know about one source.
+
+use std::fmt;
+use std::time::Duration;
+
+use pgw_core::SourceId;
+
+use crate::SecretKey;
+
+/// Default connect timeout: 10 s. A TCP/TLS handshake to a live provider takes
+/// milliseconds; ten seconds only passes through an overloaded network.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default time to first token: 60 s. Large prompts (~300 KB, DESIGN.md section 5, P2)
+/// take tens of seconds of prefill before the first token.
+pub const DEFAULT_FIRST_TOKEN_TIMEOUT: Duration = Duration::from_secs(60);
+/// Default inter-token stall: 30 s without a chunk once the answer started.
+pub const DEFAULT_INTER_TOKEN_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default total time of one attempt: 600 s ("calls last seconds to minutes",
+/// DESIGN.md section 1; 64k-token answers take minutes).
+pub const DEFAULT_TOTAL_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// The four timeouts of one attempt (S2, S3).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Timeouts {
+    /// Connecting (TCP + TLS), enforced by the transport ([`crate::HyperTransport`]).
+    pub connect: Duration,
+    /// From dispatch to the first token of a streamed answer (the response head
+    /// included). Non-streamed answers arrive in one piece and are bounded by `total`.
+    pub first_token: Duration,
+    /// Longest gap between two chunks of a streamed answer once it started (and
+    /// between two body frames of a non-streamed one once its head arrived).
+    pub inter_token: Duration,
+    /// The whole attempt, head to last byte.
+    pub total: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Self {
+            connect: DEFAULT_CONNECT_TIMEOUT,
+            first_token: DEFAULT_FIRST_TOKEN_TIMEOUT,
+            inter_token: DEFAULT_INTER_TOKEN_TIMEOUT,
+            total: DEFAULT_TOTAL_TIMEOUT,
+        }
+    }
+}
+
+/// The settings of one source as the client needs them: where, with which key and
+/// model, and how long to wait.
+#[derive(Clone)]
+pub struct SourceSettings {
+    /// The source's name (telemetry, errors).
+    pub id: SourceId,
+    /// Base URL, e.g. `https://api.openai.com/v1`; the client posts to
+    /// `{base_url}/chat/completions`.
+    pub base_url: String,
+    /// The API key, sent as `authorization: Bearer <key>`; `None` sends no header.
+    pub key: Option<SecretKey>,
+    /// Replaces the request's `model` when set (sources of one group may name the
+    /// same model differently).
+    pub model: Option<String>,
+    /// Timeouts.
+    pub timeouts: Timeouts,
+}
+
+impl SourceSettings {
+    /// Settings for `id` at `base_url`, no key, no model override, default timeouts.
+    pub fn new(id: impl Into<SourceId>, base_url: impl Into<String>) -> Self {
+        Self {
+            id: id.into(),
+            base_url: base_url.into(),
+            key: None,
+            model: None,
+            timeouts: Timeouts::default(),
+        }
+    }
+
+    /// Sets the key.
+    #[must_use]
+    pub fn key(mut self, key: SecretKey) -> Self {
+        self.key = Some(key);
+        self
+    }
+
+    /// Sets the model override.
+    #[must_use]
+    pub fn model(mut self, model: impl Into<String>) -> Self {
+        self.model = Some(model.into());
+        self
+    }
+
+    /// Sets the timeouts.
+    #[must_use]
+    pub fn timeouts(mut self, timeouts: Timeouts) -> Self {
+        self.timeouts = timeouts;
+        self
+    }
+
+    /// The URL the client posts to.
+    ///
+    /// # Errors
+    /// [`BadSettings`] naming `base_url` when it is not an absolute http(s) URL.
+    pub fn endpoint(&self) -> Result<http::Uri, BadSettings> {
+        let base = self.base_url.trim_end_matches('/');
+        let uri: http::Uri = format!("{base}/chat/completions").parse().map_err(|e| {
+            BadSettings::new(
+                &self.id,
+                "base_url",
+                format!("{:?} is not a URL: {e}", self.base_url),
+            )
+        })?;
+        match uri.scheme_str() {
+            Some("http" | "https") if uri.authority().is_some() => Ok(uri),
+            _ => Err(BadSettings::new(
+                &self.id,
+                "base_url",
+                format!("{:?} must be an absolute http:// or https:// URL", self.base_url),
+            )),
+        }
+    }
+}
+
+impl fmt::Debug for SourceSettings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SourceSettings")
+            .field("id", &self.id)
+            .field("base_url", &self.base_url)
+            .field("key", &self.key)
+            .field("model", &self.model)
+            .field("timeouts", &self.timeouts)
+            .finish()
+    }
+}
+
+/// Settings that cannot work, naming the source and the field.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BadSettings {
+    source: SourceId,
+    field: &'static str,
+    reason: String,
+}
+
+impl BadSettings {
+    /// A new error for `field` of `source`.
+    pub fn new(source: &SourceId, field: &'static str, reason: impl Into<String>) -> Self {
+        Self {
+            source: source.clone(),
+            field,
+            reason: reason.into(),
+        }
+    }
+
+    /// The offending field.
+    #[must_use]
+    pub const fn field(&self) -> &'static str {
+        self.field
+    }
+}
+
+impl fmt::Display for BadSettings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "source {}: field `{}`: {}",
+            self.source, self.field, self.reason
+        )
+    }
+}
+
+impl std::error::Error for BadSettings {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoint_and_debug() {
+        let s = SourceSettings::new("s1", "http://127.0.0.1:9/v1/").key(SecretKey::new("sk-secret-1"));
+        assert_eq!(
+            s.endpoint().unwrap().to_string(),
+            "http://127.0.0.1:9/v1/chat/completions"
+        );
+        assert!(!format!("{s:?}").contains("sk-secret"));
+        let bad = SourceSettings::new("s2", "ftp://x").endpoint().unwrap_err();
+        assert_eq!(bad.field(), "base_url");
+        assert!(bad.to_string().contains("source s2"), "{bad}");
+        assert!(SourceSettings::new("s3", "no url").endpoint().is_err());
+    }
+}

@@ -1,0 +1,180 @@
+//! [`ChunkStream`]: a streamed answer, decoded from SSE, under the watchdogs (S3).
+
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
+
+use futures_core::Stream;
+use http_body::Body;
+use pgw_core::BoxError;
+use pgw_core::openai::{ChatChunk, Usage};
+use pgw_core::sse::{SseDecoder, SseEvent};
+use tokio::time::{Instant, Sleep};
+
+use crate::error::{MalformedResponse, Watchdog, WatchdogCut};
+use crate::{Timeouts, UpstreamBody};
+
+/// The chunks of a streamed answer as they arrive, decoded from server-sent events.
+///
+/// Three watchdogs run on tokio's clock while it is polled: no first token within
+/// `first_token` of dispatch, a gap longer than `inter_token` between two chunks once
+/// the answer started, or the attempt running past `total`, each end the stream with a
+/// [`WatchdogCut`] error (outcome `Transient`). Garbage, an oversized event or a stream
+/// that ends before `[DONE]` end it with a [`MalformedResponse`]. After the first error
+/// or `[DONE]` the stream yields `None`; dropping it closes the connection.
+///
+/// A "token" for the first-token watchdog is a chunk carrying text or a finish reason:
+/// a provider that sends the role chunk at once and then nothing is still cut at
+/// `first_token`.
+pub struct ChunkStream {
+    body: UpstreamBody,
+    decoder: SseDecoder,
+    sleep: Pin<Box<Sleep>>,
+    armed: (Watchdog, Duration),
+    timeouts: Timeouts,
+    start: Instant,
+    deadline: Instant,
+    first_token_at: Option<Instant>,
+    usage: Option<Usage>,
+    finished: bool,
+}
+
+impl std::fmt::Debug for ChunkStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChunkStream")
+            .field("armed", &self.armed.0)
+            .field("ttft", &self.ttft())
+            .field("finished", &self.finished)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ChunkStream {
+    /// A stream over `body`, an SSE response to a request dispatched at `start`.
+    #[must_use]
+    pub fn new(body: UpstreamBody, start: Instant, timeouts: Timeouts) -> Self {
+        let deadline = start + timeouts.total;
+        let mut s = Self {
+            body,
+            decoder: SseDecoder::default(),
+            sleep: Box::pin(tokio::time::sleep_until(deadline)),
+            armed: (Watchdog::Total, timeouts.total),
+            timeouts,
+            start,
+            deadline,
+            first_token_at: None,
+            usage: None,
+            finished: false,
+        };
+        s.arm(
+            start + timeouts.first_token,
+            Watchdog::FirstToken,
+            timeouts.first_token,
+        );
+        s
+    }
+
+    fn arm(&mut self, at: Instant, watchdog: Watchdog, limit: Duration) {
+        self.armed = if at >= self.deadline {
+            (Watchdog::Total, self.timeouts.total)
+        } else {
+            (watchdog, limit)
+        };
+        self.sleep.as_mut().reset(at.min(self.deadline));
+    }
+
+    /// Time from dispatch to the first token, once it arrived.
+    #[must_use]
+    pub fn ttft(&self) -> Option<Duration> {
+        self.first_token_at.map(|t| t - self.start)
+    }
+
+    /// Usage, once a chunk reported it.
+    #[must_use]
+    pub const fn usage(&self) -> Option<Usage> {
+        self.usage
+    }
+
+    /// When the request was dispatched.
+    #[must_use]
+    pub const fn started(&self) -> Instant {
+        self.start
+    }
+
+    fn fail(&mut self, err: BoxError) -> Poll<Option<Result<ChatChunk, BoxError>>> {
+        self.finished = true;
+        Poll::Ready(Some(Err(err)))
+    }
+
+    fn on_data(&mut self, data: &str) -> Result<ChatChunk, BoxError> {
+        let chunk: ChatChunk = serde_json::from_str(data).map_err(|e| {
+            MalformedResponse::new(format!("stream event is not a chat completion chunk: {e}"))
+        })?;
+        if chunk.choices.is_empty()
+            && chunk.usage.is_none()
+            && let Some(msg) = crate::client::provider_error(data.as_bytes())
+        {
+            return Err(MalformedResponse::new(format!("provider error mid-stream: {msg}")).into());
+        }
+        if chunk.usage.is_some() {
+            self.usage = chunk.usage;
+        }
+        let now = Instant::now();
+        let token = chunk
+            .choices
+            .iter()
+            .any(|c| c.delta.content.as_deref().is_some_and(|t| !t.is_empty()) || c.finish_reason.is_some());
+        if self.first_token_at.is_none() && token {
+            self.first_token_at = Some(now);
+        }
+        if self.first_token_at.is_some() {
+            let limit = self.timeouts.inter_token;
+            self.arm(now + limit, Watchdog::InterToken, limit);
+        }
+        Ok(chunk)
+    }
+}
+
+impl Stream for ChunkStream {
+    type Item = Result<ChatChunk, BoxError>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = self.get_mut();
+        if this.finished {
+            return Poll::Ready(None);
+        }
+        loop {
+            match this.decoder.next_event() {
+                Some(SseEvent::Done) => {
+                    this.finished = true;
+                    return Poll::Ready(None);
+                }
+                Some(SseEvent::Data(data)) => {
+                    return match this.on_data(&data) {
+                        Ok(chunk) => Poll::Ready(Some(Ok(chunk))),
+                        Err(e) => this.fail(e),
+                    };
+                }
+                None => {}
+            }
+            match Pin::new(&mut this.body).poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => {
+                    if let Ok(data) = frame.into_data()
+                        && let Err(e) = this.decoder.feed(&data)
+                    {
+                        return this.fail(MalformedResponse::new(e.to_string()).into());
+                    }
+                }
+                Poll::Ready(Some(Err(e))) => return this.fail(e),
+                Poll::Ready(None) => {
+                    return this.fail(MalformedResponse::new("stream ended before [DONE]").into());
+                }
+                Poll::Pending => {
+                    ready!(this.sleep.as_mut().poll(cx));
+                    let (watchdog, limit) = this.armed;
+                    return this.fail(WatchdogCut::new(watchdog, limit).into());
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,471 @@
+//! The attempt against a scripted provider, on tokio's paused clock.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::StreamExt;
+use http_body_util::BodyExt;
+use http_body_util::StreamBody;
+use http_body_util::combinators::UnsyncBoxBody;
+use pgw_client::{
+    AnswerClassifier, ChatCall, MalformedResponse, SecretKey, SourceSettings, Timeouts, UpstreamClient,
+    Watchdog, WatchdogCut,
+};
+use pgw_core::openai::{ChatChunk, ChatRequest, ChunkChoice, Delta, Usage};
+use pgw_core::{BoxError, Classify, EmptyCompletion, Outcome, UpstreamStatus};
+use tokio::time::Instant;
+use tower::{ServiceExt, service_fn};
+
+const KEY: &str = "sk-test-very-secret-42";
+
+/// What the scripted provider answers.
+#[derive(Clone, Default)]
+struct Script {
+    status: u16,
+    headers: Vec<(&'static str, String)>,
+    head_after: Option<Duration>, // None: never answers
+    frames: Vec<(Duration, Bytes)>,
+    hang_after_frames: bool,
+}
+
+type Body = UnsyncBoxBody<Bytes, BoxError>;
+
+struct DropFlag(Arc<AtomicBool>);
+impl Drop for DropFlag {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+fn body(script: &Script, dropped: Arc<AtomicBool>) -> Body {
+    let frames = script.frames.clone();
+    let hang = script.hang_after_frames;
+    let guard = DropFlag(dropped);
+    let s = futures_util::stream::unfold((frames.into_iter(), guard), move |(mut it, g)| async move {
+        match it.next() {
+            Some((delay, bytes)) => {
+                tokio::time::sleep(delay).await;
+                Some((Ok::<_, BoxError>(http_body::Frame::data(bytes)), (it, g)))
+            }
+            None if hang => std::future::pending().await,
+            None => None,
+        }
+    });
+    StreamBody::new(s).boxed_unsync()
+}
+
+#[derive(Clone, Default)]
+struct Provider {
+    seen: Arc<std::sync::Mutex<Vec<http::Request<Bytes>>>>,
+    dropped: Arc<AtomicBool>,
+}
+
+impl Provider {
+    fn client(
+        &self,
+        script: Script,
+        timeouts: Timeouts,
+    ) -> UpstreamClient<
+        impl tower::Service<http::Request<Bytes>, Response = http::Response<Body>, Error = BoxError, Future: Send>
+        + Clone
+        + Send
+        + 'static,
+    > {
+        let seen = Arc::clone(&self.seen);
+        let dropped = Arc::clone(&self.dropped);
+        let svc = service_fn(move |req: http::Request<Bytes>| {
+            seen.lock().unwrap().push(req);
+            let script = script.clone();
+            let dropped = Arc::clone(&dropped);
+            async move {
+                match script.head_after {
+                    Some(d) => tokio::time::sleep(d).await,
+                    None => std::future::pending::<()>().await,
+                }
+                let mut b = http::Response::builder().status(script.status);
+                for (k, v) in &script.headers {
+                    b = b.header(*k, v);
+                }
+                Ok::<_, BoxError>(b.body(body(&script, dropped)).unwrap())
+            }
+        });
+        let settings = SourceSettings::new("s1", "http://provider.test/v1")
+            .key(SecretKey::new(KEY))
+            .model("override-model")
+            .timeouts(timeouts);
+        UpstreamClient::new(settings, svc).unwrap()
+    }
+}
+
+fn timeouts() -> Timeouts {
+    Timeouts {
+        connect: Duration::from_secs(1),
+        first_token: Duration::from_secs(5),
+        inter_token: Duration::from_secs(2),
+        total: Duration::from_secs(60),
+    }
+}
+
+fn chunk(text: &str, finish: bool) -> Bytes {
+    let c = ChatChunk {
+        id: "c1".into(),
+        object: "chat.completion.chunk".into(),
+        model: "m".into(),
+        choices: vec![ChunkChoice {
+            index: 0,
+            delta: Delta {
+                role: None,
+                content: Some(text.into()),
+            },
+            finish_reason: finish.then(|| "stop".into()),
+        }],
+        ..ChatChunk::default()
+    };
+    Bytes::from(pgw_core::sse::encode_data(&serde_json::to_string(&c).unwrap()))
+}
+
+fn usage_chunk() -> Bytes {
+    let c = ChatChunk {
+        usage: Some(Usage {
+            prompt_tokens: 3,
+            completion_tokens: 2,
+            total_tokens: 5,
+        }),
+        ..ChatChunk::default()
+    };
+    Bytes::from(pgw_core::sse::encode_data(&serde_json::to_string(&c).unwrap()))
+}
+
+fn sse(frames: Vec<(Duration, Bytes)>) -> Script {
+    Script {
+        status: 200,
+        headers: vec![("content-type", "text/event-stream".into())],
+        head_after: Some(Duration::from_millis(100)),
+        frames,
+        hang_after_frames: false,
+    }
+}
+
+fn json(status: u16, body: &str) -> Script {
+    Script {
+        status,
+        headers: vec![("content-type", "application/json".into())],
+        head_after: Some(Duration::from_millis(300)),
+        frames: vec![(Duration::ZERO, Bytes::from(body.to_owned()))],
+        hang_after_frames: false,
+    }
+}
+
+fn stream_call() -> ChatCall {
+    let mut req = ChatRequest::user("asked-model", "hello");
+    req.stream = true;
+    ChatCall::new(req)
+}
+
+fn plain_call() -> ChatCall {
+    ChatCall::new(ChatRequest::user("asked-model", "hello"))
+}
+
+fn outcome(r: &Result<pgw_client::ChatAnswer, BoxError>) -> Outcome {
+    AnswerClassifier.classify(r)
+}
+
+const ANSWER: &str = r#"{"id":"x","object":"chat.completion","model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"hi there"},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}"#;
+
+#[tokio::test(start_paused = true)]
+async fn non_streaming_success_builds_the_request_and_records_stats() {
+    let p = Provider::default();
+    let answer = p
+        .client(json(200, ANSWER), timeouts())
+        .oneshot(plain_call())
+        .await
+        .unwrap();
+    assert_eq!(answer.content(), "hi there");
+    assert_eq!(answer.stats.usage.unwrap().total_tokens, 5);
+    assert_eq!(answer.stats.latency, Duration::from_millis(300));
+    assert_eq!(
+        answer.stats.source.as_ref().map(pgw_core::SourceId::as_str),
+        Some("s1")
+    );
+    assert!(!answer.stats.streamed && answer.chunks.is_empty());
+    let seen = p.seen.lock().unwrap();
+    let req = &seen[0];
+    assert_eq!(req.method(), http::Method::POST);
+    assert_eq!(req.uri(), "http://provider.test/v1/chat/completions");
+    assert_eq!(req.headers()["authorization"], format!("Bearer {KEY}").as_str());
+    assert!(req.headers()["authorization"].is_sensitive());
+    let sent: serde_json::Value = serde_json::from_slice(req.body()).unwrap();
+    assert_eq!(sent["model"], "override-model");
+    assert_eq!(sent["messages"][0]["content"], "hello");
+    assert!(sent.get("stream").is_none());
+}
+
+#[tokio::test(start_paused = true)]
+async fn streaming_success_folds_chunks_and_measures_ttft() {
+    let p = Provider::default();
+    let script = sse(vec![
+        (Duration::from_millis(400), chunk("hel", false)),
+        (Duration::from_millis(500), chunk("lo", true)),
+        (Duration::ZERO, usage_chunk()),
+        (Duration::ZERO, Bytes::from_static(pgw_core::sse::DONE.as_bytes())),
+    ]);
+    let answer = p.client(script, timeouts()).oneshot(stream_call()).await.unwrap();
+    assert_eq!(answer.content(), "hello");
+    assert_eq!(answer.chunks.len(), 3);
+    assert!(answer.stats.streamed);
+    assert_eq!(answer.stats.ttft, Some(Duration::from_millis(500)));
+    assert_eq!(answer.stats.latency, Duration::from_millis(1000));
+    assert_eq!(answer.stats.usage.unwrap().completion_tokens, 2);
+    let sent: serde_json::Value = serde_json::from_slice(p.seen.lock().unwrap()[0].body()).unwrap();
+    assert_eq!(sent["stream"], true);
+}
+
+fn cut_of(r: &Result<pgw_client::ChatAnswer, BoxError>) -> Watchdog {
+    r.as_ref()
+        .unwrap_err()
+        .downcast_ref::<WatchdogCut>()
+        .expect("a watchdog cut")
+        .watchdog()
+}
+
+#[tokio::test(start_paused = true)]
+async fn first_token_watchdog_cuts_a_late_stream() {
+    let p = Provider::default();
+    let script = sse(vec![(Duration::from_secs(6), chunk("late", true))]);
+    let started = Instant::now();
+    let r = p.client(script, timeouts()).oneshot(stream_call()).await;
+    assert_eq!(cut_of(&r), Watchdog::FirstToken);
+    assert_eq!(started.elapsed(), Duration::from_secs(5));
+    assert_eq!(outcome(&r), Outcome::Transient);
+    assert!(
+        p.dropped.load(Ordering::SeqCst),
+        "the body is dropped (connection closed)"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_role_only_chunk_does_not_count_as_first_token() {
+    let p = Provider::default();
+    let role = ChatChunk {
+        choices: vec![ChunkChoice {
+            delta: Delta {
+                role: Some("assistant".into()),
+                content: None,
+            },
+            ..ChunkChoice::default()
+        }],
+        ..ChatChunk::default()
+    };
+    let role = Bytes::from(pgw_core::sse::encode_data(&serde_json::to_string(&role).unwrap()));
+    let mut script = sse(vec![(Duration::ZERO, role)]);
+    script.hang_after_frames = true;
+    let r = p.client(script, timeouts()).oneshot(stream_call()).await;
+    assert_eq!(cut_of(&r), Watchdog::FirstToken);
+}
+
+#[tokio::test(start_paused = true)]
+async fn inter_token_stall_is_cut() {
+    let p = Provider::default();
+    let script = sse(vec![
+        (Duration::from_millis(100), chunk("a", false)),
+        (Duration::from_millis(1900), chunk("b", false)),
+        (Duration::from_millis(2100), chunk("c", true)),
+    ]);
+    let started = Instant::now();
+    let r = p.client(script, timeouts()).oneshot(stream_call()).await;
+    assert_eq!(cut_of(&r), Watchdog::InterToken);
+    assert_eq!(started.elapsed(), Duration::from_millis(200 + 1900 + 2000));
+    assert_eq!(outcome(&r), Outcome::Transient);
+}
+
+#[tokio::test(start_paused = true)]
+async fn black_hole_is_cut_by_first_token_or_total() {
+    let p = Provider::default();
+    let hole = Script {
+        head_after: None,
+        ..Script::default()
+    };
+    let r = p.client(hole.clone(), timeouts()).oneshot(stream_call()).await;
+    assert_eq!(cut_of(&r), Watchdog::FirstToken);
+    let started = Instant::now();
+    let r = p.client(hole, timeouts()).oneshot(plain_call()).await;
+    assert_eq!(cut_of(&r), Watchdog::Total);
+    assert_eq!(started.elapsed(), Duration::from_secs(60));
+}
+
+#[tokio::test(start_paused = true)]
+async fn total_watchdog_caps_a_steady_trickle() {
+    let p = Provider::default();
+    let frames = (0..100)
+        .map(|_| (Duration::from_secs(1), chunk("x", false)))
+        .collect();
+    let t = Timeouts {
+        total: Duration::from_secs(10),
+        ..timeouts()
+    };
+    let started = Instant::now();
+    let r = p.client(sse(frames), t).oneshot(stream_call()).await;
+    assert_eq!(cut_of(&r), Watchdog::Total);
+    assert_eq!(started.elapsed(), Duration::from_secs(10));
+}
+
+#[tokio::test(start_paused = true)]
+async fn non_2xx_carries_status_retry_after_and_scrubbed_message() {
+    let p = Provider::default();
+    let mut s = json(429, r#"{"error":{"message":"slow down","type":"rate_limit"}}"#);
+    s.headers.push(("retry-after", "7".into()));
+    let r = p.client(s, timeouts()).oneshot(plain_call()).await;
+    let e = r.as_ref().unwrap_err().downcast_ref::<UpstreamStatus>().unwrap();
+    assert_eq!(e.status(), 429);
+    assert_eq!(e.message(), "slow down");
+    assert_eq!(
+        outcome(&r),
+        Outcome::RateLimited {
+            retry_after: Some(Duration::from_secs(7))
+        }
+    );
+
+    let s = json(
+        401,
+        &format!(r#"{{"error":{{"message":"Incorrect API key provided: {KEY}"}}}}"#),
+    );
+    let r = p.client(s, timeouts()).oneshot(stream_call()).await;
+    assert_eq!(outcome(&r), Outcome::SourceDead);
+    let text = format!("{} {:?}", r.as_ref().unwrap_err(), r.as_ref().unwrap_err());
+    assert!(!text.contains(KEY), "{text}");
+    assert!(text.contains("Incorrect API key provided: ***"), "{text}");
+
+    let r = p
+        .client(json(400, "plain text refusal"), timeouts())
+        .oneshot(plain_call())
+        .await;
+    assert_eq!(outcome(&r), Outcome::Rejected);
+    assert!(r.unwrap_err().to_string().contains("plain text refusal"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn empty_completion_is_an_error() {
+    let p = Provider::default();
+    let empty = ANSWER.replace("hi there", " ");
+    let r = p
+        .client(json(200, &empty), timeouts())
+        .oneshot(plain_call())
+        .await;
+    assert!(r.as_ref().unwrap_err().is::<EmptyCompletion>());
+    assert_eq!(outcome(&r), Outcome::Transient);
+    let script = sse(vec![
+        (Duration::ZERO, chunk("", true)),
+        (Duration::ZERO, Bytes::from_static(pgw_core::sse::DONE.as_bytes())),
+    ]);
+    let r = p.client(script, timeouts()).oneshot(stream_call()).await;
+    assert!(r.unwrap_err().is::<EmptyCompletion>());
+}
+
+#[tokio::test(start_paused = true)]
+async fn garbage_is_a_clear_transient_error() {
+    let p = Provider::default();
+    let cases = [
+        (
+            json(200, "<html>gateway</html>"),
+            plain_call(),
+            "not a chat completion",
+        ),
+        (
+            sse(vec![(Duration::ZERO, Bytes::from_static(b"data: {nope\n\n"))]),
+            stream_call(),
+            "not a chat completion chunk",
+        ),
+        (
+            sse(vec![(Duration::ZERO, chunk("a", false))]),
+            stream_call(),
+            "before [DONE]",
+        ),
+        (
+            sse(vec![(
+                Duration::ZERO,
+                Bytes::from_static(b"data: {\"error\":{\"message\":\"overloaded\"}}\n\n"),
+            )]),
+            stream_call(),
+            "overloaded",
+        ),
+        (
+            json(200, r#"{"error":{"message":"quota gone"}}"#),
+            plain_call(),
+            "quota gone",
+        ),
+    ];
+    for (script, call, want) in cases {
+        let r = p.client(script, timeouts()).oneshot(call).await;
+        let err = r.as_ref().unwrap_err();
+        assert!(err.is::<MalformedResponse>(), "{err}");
+        assert!(err.to_string().contains(want), "{err} should mention {want}");
+        assert_eq!(outcome(&r), Outcome::Transient);
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_json_answer_to_a_stream_request_is_accepted() {
+    let p = Provider::default();
+    let answer = p
+        .client(json(200, ANSWER), timeouts())
+        .oneshot(stream_call())
+        .await
+        .unwrap();
+    assert_eq!(answer.content(), "hi there");
+    assert!(!answer.stats.streamed);
+}
+
+#[tokio::test(start_paused = true)]
+async fn dropping_the_attempt_drops_the_connection() {
+    let p = Provider::default();
+    let mut script = sse(vec![(Duration::ZERO, chunk("a", false))]);
+    script.hang_after_frames = true;
+    let client = p.client(script, timeouts());
+    let fut = client.oneshot(stream_call());
+    let r = tokio::time::timeout(Duration::from_secs(1), fut).await;
+    assert!(r.is_err(), "still streaming");
+    assert!(p.dropped.load(Ordering::SeqCst));
+}
+
+#[tokio::test(start_paused = true)]
+async fn open_stream_yields_chunks_as_they_arrive() {
+    let p = Provider::default();
+    let script = sse(vec![
+        (Duration::from_millis(100), chunk("a", false)),
+        (Duration::from_millis(3000), chunk("b", true)),
+    ]);
+    let client = p.client(script, timeouts());
+    let started = Instant::now();
+    let mut s = client.open_stream(&plain_call()).await.unwrap();
+    let first = s.next().await.unwrap().unwrap();
+    assert_eq!(first.choices[0].delta.content.as_deref(), Some("a"));
+    assert_eq!(started.elapsed(), Duration::from_millis(200));
+    assert_eq!(s.ttft(), Some(Duration::from_millis(200)));
+    let second = s.next().await.unwrap().unwrap_err();
+    assert_eq!(
+        second.downcast_ref::<WatchdogCut>().unwrap().watchdog(),
+        Watchdog::InterToken
+    );
+    assert!(s.next().await.is_none());
+}
+
+#[test]
+fn nothing_prints_the_key() {
+    let p = Provider::default();
+    let client = p.client(json(200, ANSWER), timeouts());
+    let dbg = format!("{client:?} {:?}", client.settings());
+    assert!(!dbg.contains(KEY), "{dbg}");
+    assert!(dbg.contains("***"));
+    let bad = SourceSettings::new("s9", "http://x").key(SecretKey::new("bad\nkey"));
+    let err = UpstreamClient::new(
+        bad,
+        tower::service_fn(|_: http::Request<Bytes>| async {
+            Ok::<http::Response<Body>, BoxError>(http::Response::new(Body::default()))
+        }),
+    )
+    .unwrap_err();
+    assert_eq!(err.field(), "key");
+    assert!(!err.to_string().contains("bad\nkey"));
+}

@@ -1,0 +1,697 @@
+//! Gateway configuration: a TOML file, `PGW__...` environment overrides, every
+//! default named and documented.
+//!
+//! ```toml
+//! backend = "memory"                 # or "redis" (then redis_url is required)
+//! # redis_url = "redis://127.0.0.1:6379"          # standalone
+//! # redis_url = "redis+cluster://h1:7000,h2:7001" # cluster
+//! fallback = ["primary", "backup"]   # group order; default: groups in source order
+//!
+//! [[sources]]
+//! name = "s1"
+//! group = "primary"
+//! base_url = "https://api.openai.com/v1"
+//! key = "sk-..."                     # or key_env = "OPENAI_API_KEY"
+//! model = "gpt-4o-mini"              # optional override of the request's model
+//! rpm = 500                          # optional quotas; 0 or absent = unlimited
+//! tpm = 200000
+//! max_concurrency = 16
+//! account = "acct-a"                 # optional: several sources sharing one account
+//! first_token_timeout_s = 30
+//!
+//! [accounts.acct-a]
+//! rpm = 1000
+//!
+//! [retry]
+//! max_attempts = 3
+//!
+//! [cache]
+//! ttl_s = 600
+//! ```
+//!
+//! An environment variable `PGW__A__B=value` sets `a.b` (segments lowercased; a
+//! number indexes an array: `PGW__SOURCES__0__KEY=sk-...`). The value is read as a
+//! TOML value when it parses as one (`5`, `true`, `0.5`, `["a"]`), else as a string.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::Path;
+use std::time::Duration;
+
+use pgw_client::{SecretKey, SourceSettings, Timeouts};
+use serde::Deserialize;
+
+/// Default breaker consecutive-failure threshold: 5 (seed 000 section 3.1; raised
+/// per source to `2 x max_concurrency`, B4).
+pub const DEFAULT_FAIL_THRESHOLD: u32 = 5;
+/// Default breaker cooldown: 30 s (seed 000 section 3.1, the first open duration).
+pub const DEFAULT_COOLDOWN_S: f64 = 30.0;
+/// Default cache TTL: 600 s (an identical prompt within ten minutes gets the same answer).
+pub const DEFAULT_CACHE_TTL_S: f64 = 600.0;
+/// Default cache size bound: 10,000 answers (memory backend).
+pub const DEFAULT_CACHE_MAX_ENTRIES: usize = 10_000;
+/// Default key prefix of every Redis key the gateway writes: `pgw`.
+pub const DEFAULT_KEY_PREFIX: &str = "pgw";
+/// Default group name of a source that names none: `default`.
+pub const DEFAULT_GROUP: &str = "default";
+
+/// A configuration that cannot work, naming the field (`sources[2].rpm`,
+/// `retry.max_attempts`, `redis_url`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigError {
+    field: String,
+    reason: String,
+}
+
+impl ConfigError {
+    /// A new error for `field`.
+    pub fn new(field: impl Into<String>, reason: impl Into<String>) -> Self {
+        Self {
+            field: field.into(),
+            reason: reason.into(),
+        }
+    }
+
+    /// The offending field, as a path (`sources[0].key`).
+    #[must_use]
+    pub fn field(&self) -> &str {
+        &self.field
+    }
+
+    /// Why it is refused.
+    #[must_use]
+    pub fn reason(&self) -> &str {
+        &self.reason
+    }
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "bad gateway configuration: `{}`: {}", self.field, self.reason)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// Where shared state lives (one switch for breaker, limiter and cache).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    /// One process (the default).
+    #[default]
+    Memory,
+    /// Several processes sharing one Redis (standalone or cluster, `redis_url`).
+    Redis,
+}
+
+/// The whole gateway configuration. Every field has a default except `sources`.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GatewayConfig {
+    /// `memory` (default) or `redis`.
+    #[serde(default)]
+    pub backend: BackendKind,
+    /// `redis://host:port[/db]` or `redis+cluster://h1:p1,h2:p2`; required with
+    /// `backend = "redis"`.
+    #[serde(default)]
+    pub redis_url: Option<String>,
+    /// Prefix of every Redis key (default [`DEFAULT_KEY_PREFIX`]).
+    #[serde(default)]
+    pub key_prefix: Option<String>,
+    /// Group order of the fallback chain (S5). Default: groups in order of first
+    /// appearance in `sources`.
+    #[serde(default)]
+    pub fallback: Vec<String>,
+    /// The sources (S2).
+    #[serde(default)]
+    pub sources: Vec<SourceConfig>,
+    /// Quotas of accounts shared by several sources.
+    #[serde(default)]
+    pub accounts: BTreeMap<String, AccountConfig>,
+    /// Retry loop (tower-retry-pushback).
+    #[serde(default)]
+    pub retry: RetrySection,
+    /// Balancer (tower-health-p2c).
+    #[serde(default)]
+    pub balance: BalanceSection,
+    /// Breaker (tower-breaker-window); `fail_threshold` and `cooldown_s` default to
+    /// [`DEFAULT_FAIL_THRESHOLD`] and [`DEFAULT_COOLDOWN_S`], the rest to the crate's.
+    #[serde(default)]
+    pub breaker: BreakerSection,
+    /// AIMD (tower-aimd).
+    #[serde(default)]
+    pub aimd: AimdSection,
+    /// Rate limiter (tower-ratelimit-redis).
+    #[serde(default)]
+    pub ratelimit: RateLimitSection,
+    /// Response cache (S4).
+    #[serde(default)]
+    pub cache: CacheSection,
+    /// Telemetry (S6).
+    #[serde(default)]
+    pub telemetry: TelemetrySection,
+    /// Prices per model, for telemetry's cost (S6).
+    #[serde(default)]
+    pub prices: BTreeMap<String, Price>,
+}
+
+/// One source (S2).
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SourceConfig {
+    /// Unique name, used in telemetry, Redis keys and errors.
+    pub name: String,
+    /// Model group (default [`DEFAULT_GROUP`]).
+    #[serde(default)]
+    pub group: Option<String>,
+    /// Base URL (`.../v1`); the client posts to `{base_url}/chat/completions`.
+    pub base_url: String,
+    /// The API key (redacted everywhere). One of `key` and `key_env` is required.
+    #[serde(default)]
+    pub key: Option<SecretKey>,
+    /// The name of an environment variable holding the key.
+    #[serde(default)]
+    pub key_env: Option<String>,
+    /// Model override.
+    #[serde(default)]
+    pub model: Option<String>,
+    /// Requests per rate window (absent or 0: unlimited).
+    #[serde(default)]
+    pub rpm: Option<i64>,
+    /// Tokens per rate window (absent or 0: unlimited).
+    #[serde(default)]
+    pub tpm: Option<i64>,
+    /// Concurrent requests (absent or 0: unlimited); also the AIMD ceiling and the
+    /// breaker's threshold floor (B4).
+    #[serde(default)]
+    pub max_concurrency: Option<i64>,
+    /// The account this source's key belongs to (quotas in `[accounts.NAME]`).
+    #[serde(default)]
+    pub account: Option<String>,
+    /// Connect timeout, seconds (default [`pgw_client::DEFAULT_CONNECT_TIMEOUT`]).
+    #[serde(default)]
+    pub connect_timeout_s: Option<f64>,
+    /// Time to first token, seconds (default [`pgw_client::DEFAULT_FIRST_TOKEN_TIMEOUT`]).
+    #[serde(default)]
+    pub first_token_timeout_s: Option<f64>,
+    /// Inter-token stall, seconds (default [`pgw_client::DEFAULT_INTER_TOKEN_TIMEOUT`]).
+    #[serde(default)]
+    pub inter_token_timeout_s: Option<f64>,
+    /// Whole attempt, seconds (default [`pgw_client::DEFAULT_TOTAL_TIMEOUT`]).
+    #[serde(default)]
+    pub total_timeout_s: Option<f64>,
+}
+
+impl fmt::Debug for SourceConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SourceConfig")
+            .field("name", &self.name)
+            .field("group", &self.group)
+            .field("base_url", &self.base_url)
+            .field("key", &self.key)
+            .field("key_env", &self.key_env)
+            .field("model", &self.model)
+            .field("rpm", &self.rpm)
+            .field("tpm", &self.tpm)
+            .field("max_concurrency", &self.max_concurrency)
+            .field("account", &self.account)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SourceConfig {
+    /// A source named `name` at `base_url` with `key`, every other field default.
+    pub fn new(name: impl Into<String>, base_url: impl Into<String>, key: SecretKey) -> Self {
+        Self {
+            name: name.into(),
+            group: None,
+            base_url: base_url.into(),
+            key: Some(key),
+            key_env: None,
+            model: None,
+            rpm: None,
+            tpm: None,
+            max_concurrency: None,
+            account: None,
+            connect_timeout_s: None,
+            first_token_timeout_s: None,
+            inter_token_timeout_s: None,
+            total_timeout_s: None,
+        }
+    }
+
+    /// Sets the group.
+    #[must_use]
+    pub fn group(mut self, group: impl Into<String>) -> Self {
+        self.group = Some(group.into());
+        self
+    }
+
+    /// The group name (default [`DEFAULT_GROUP`]).
+    #[must_use]
+    pub fn group_name(&self) -> &str {
+        self.group.as_deref().unwrap_or(DEFAULT_GROUP)
+    }
+
+    /// The timeouts, defaults filled in.
+    ///
+    /// # Errors
+    /// A [`ConfigError`] naming a timeout that is not a positive number of seconds.
+    pub fn timeouts(&self, at: &str) -> Result<Timeouts, ConfigError> {
+        let d = Timeouts::default();
+        Ok(Timeouts {
+            connect: secs(&format!("{at}.connect_timeout_s"), self.connect_timeout_s)?.unwrap_or(d.connect),
+            first_token: secs(&format!("{at}.first_token_timeout_s"), self.first_token_timeout_s)?
+                .unwrap_or(d.first_token),
+            inter_token: secs(&format!("{at}.inter_token_timeout_s"), self.inter_token_timeout_s)?
+                .unwrap_or(d.inter_token),
+            total: secs(&format!("{at}.total_timeout_s"), self.total_timeout_s)?.unwrap_or(d.total),
+        })
+    }
+
+    /// The client's view of this source (key resolved from `key_env` if needed).
+    ///
+    /// # Errors
+    /// A [`ConfigError`] naming the field: missing key, bad timeout.
+    pub fn settings(&self, at: &str) -> Result<SourceSettings, ConfigError> {
+        let key = match (&self.key, &self.key_env) {
+            (Some(k), _) if !k.is_empty() => k.clone(),
+            (_, Some(var)) => match std::env::var(var) {
+                Ok(v) if !v.is_empty() => SecretKey::new(v),
+                _ => {
+                    return Err(ConfigError::new(
+                        format!("{at}.key_env"),
+                        format!("environment variable {var} is not set"),
+                    ));
+                }
+            },
+            _ => {
+                return Err(ConfigError::new(
+                    format!("{at}.key"),
+                    "missing (set `key` or `key_env`)",
+                ));
+            }
+        };
+        let mut s = SourceSettings::new(self.name.as_str(), self.base_url.clone())
+            .key(key)
+            .timeouts(self.timeouts(at)?);
+        s.model.clone_from(&self.model);
+        s.endpoint()
+            .map_err(|e| ConfigError::new(format!("{at}.base_url"), e.to_string()))?;
+        Ok(s)
+    }
+}
+
+/// Quotas of an account shared by several sources.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AccountConfig {
+    /// Requests per window for the whole account.
+    #[serde(default)]
+    pub rpm: Option<i64>,
+    /// Tokens per window for the whole account.
+    #[serde(default)]
+    pub tpm: Option<i64>,
+    /// Concurrent requests for the whole account.
+    #[serde(default)]
+    pub max_concurrency: Option<i64>,
+}
+
+/// `[retry]`: defaults from tower-retry-pushback (`max_attempts` 3, `max_reasks` 2,
+/// backoff 0.5 s to 20 s, stall window 120 s, no deadline).
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetrySection {
+    /// Attempts per group per call (R1).
+    pub max_attempts: Option<u32>,
+    /// Re-asks after an invalid answer (R2).
+    pub max_reasks: Option<u32>,
+    /// Backoff base, seconds.
+    pub base_backoff_s: Option<f64>,
+    /// Backoff cap, seconds.
+    pub max_backoff_s: Option<f64>,
+    /// Stall window, seconds (R4).
+    pub stall_window_s: Option<f64>,
+    /// Deadline of one call in one group, seconds.
+    pub max_call_duration_s: Option<f64>,
+}
+
+/// `[balance]`: defaults from tower-health-p2c (`health_aware`, wait at most its
+/// `DEFAULT_MAX_WAIT` when nothing is admitted).
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BalanceSection {
+    /// `health_aware` (default), `round_robin` or `least_inflight`.
+    pub policy: Option<String>,
+    /// Longest wait for an admission, seconds.
+    pub max_wait_s: Option<f64>,
+    /// Seed of the balancer's random choices and the retry jitter (default: from the OS).
+    pub seed: Option<u64>,
+}
+
+/// `[breaker]`: see tower-breaker-window's `BreakerConfigBuilder`.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BreakerSection {
+    /// Consecutive failures that open (default [`DEFAULT_FAIL_THRESHOLD`]).
+    pub fail_threshold: Option<u32>,
+    /// Samples before the rate channel may open (default 10).
+    pub min_calls: Option<u32>,
+    /// Failure rate that opens (default 0.6).
+    pub fail_rate: Option<f64>,
+    /// Rate window, seconds (default 60).
+    pub window_s: Option<f64>,
+    /// First open duration, seconds (default [`DEFAULT_COOLDOWN_S`]).
+    pub cooldown_s: Option<f64>,
+    /// Cap of the open duration, seconds (default `max(300, cooldown_s)`).
+    pub max_cooldown_s: Option<f64>,
+    /// Probe lease TTL, seconds (default `max(cooldown, 60)`).
+    pub probe_ttl_s: Option<f64>,
+}
+
+/// `[aimd]`: defaults from tower-aimd (initial 8, floor 1, cut 0.5).
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AimdSection {
+    /// Starting limit.
+    pub initial_limit: Option<f64>,
+    /// Floor.
+    pub min_limit: Option<f64>,
+    /// Cut on 429.
+    pub decrease_factor: Option<f64>,
+    /// The caller's concurrency (caps the limit, A1).
+    pub caller_concurrency: Option<usize>,
+}
+
+/// `[ratelimit]`: defaults from tower-ratelimit-redis (window 60 s, lease TTL 30 s).
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RateLimitSection {
+    /// Window length, seconds.
+    pub window_s: Option<f64>,
+    /// Concurrency lease TTL, seconds.
+    pub lease_ttl_s: Option<f64>,
+}
+
+/// `[cache]` (S4).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CacheSection {
+    /// On by default.
+    #[serde(default = "yes")]
+    pub enabled: bool,
+    /// Time to live, seconds (default [`DEFAULT_CACHE_TTL_S`]).
+    #[serde(default)]
+    pub ttl_s: Option<f64>,
+    /// Size bound of the memory cache (default [`DEFAULT_CACHE_MAX_ENTRIES`]).
+    #[serde(default)]
+    pub max_entries: Option<usize>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl Default for CacheSection {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            ttl_s: None,
+            max_entries: None,
+        }
+    }
+}
+
+/// `[telemetry]` (S6).
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TelemetrySection {
+    /// Append one JSON line per attempt to this file.
+    pub jsonl_path: Option<String>,
+    /// Emit one `tracing` event per attempt (target `pgw::attempt`); off by default.
+    #[serde(default)]
+    pub tracing: bool,
+}
+
+/// The price of a model, in dollars per million tokens.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Price {
+    /// Prompt tokens.
+    pub input_per_mtok: f64,
+    /// Completion tokens.
+    pub output_per_mtok: f64,
+}
+
+pub(crate) fn secs(field: &str, v: Option<f64>) -> Result<Option<Duration>, ConfigError> {
+    match v {
+        None => Ok(None),
+        Some(s) if s.is_finite() && s > 0.0 => Duration::try_from_secs_f64(s)
+            .map(Some)
+            .map_err(|e| ConfigError::new(field, e.to_string())),
+        Some(s) => Err(ConfigError::new(
+            field,
+            format!("must be a positive number of seconds (got {s})"),
+        )),
+    }
+}
+
+pub(crate) fn quota(field: &str, v: Option<i64>) -> Result<Option<u64>, ConfigError> {
+    match v {
+        None | Some(0) => Ok(None),
+        Some(n) if n > 0 => Ok(Some(n.unsigned_abs())),
+        Some(n) => Err(ConfigError::new(field, format!("must not be negative (got {n})"))),
+    }
+}
+
+impl GatewayConfig {
+    /// Parses TOML text (no environment overrides).
+    ///
+    /// # Errors
+    /// A [`ConfigError`] naming the field (unknown fields are refused).
+    pub fn from_toml_str(text: &str) -> Result<Self, ConfigError> {
+        let value: toml::Table = toml::from_str(text).map_err(|e| toml_error(&e))?;
+        Self::from_table(value)
+    }
+
+    /// Reads a TOML file and applies `PGW__...` overrides from the environment.
+    ///
+    /// # Errors
+    /// A [`ConfigError`] naming the file or the field.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ConfigError::new(path.display().to_string(), format!("cannot read: {e}")))?;
+        Self::from_toml_str_with_env(&text, std::env::vars())
+    }
+
+    /// Parses TOML text and applies `PGW__A__B=value` overrides taken from `vars`.
+    ///
+    /// ```
+    /// use pgw_stack::GatewayConfig;
+    /// let text = "[[sources]]\nname = \"s1\"\nbase_url = \"http://127.0.0.1:1/v1\"\nkey = \"sk-x\"\n";
+    /// let env = [("PGW__RETRY__MAX_ATTEMPTS".to_string(), "5".to_string()),
+    ///            ("PGW__SOURCES__0__RPM".to_string(), "60".to_string())];
+    /// let cfg = GatewayConfig::from_toml_str_with_env(text, env).unwrap();
+    /// assert_eq!(cfg.retry.max_attempts, Some(5));
+    /// assert_eq!(cfg.sources[0].rpm, Some(60));
+    /// ```
+    ///
+    /// # Errors
+    /// A [`ConfigError`] naming the field.
+    pub fn from_toml_str_with_env(
+        text: &str,
+        vars: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Self, ConfigError> {
+        let mut table: toml::Table = toml::from_str(text).map_err(|e| toml_error(&e))?;
+        let mut overrides: Vec<(String, String)> =
+            vars.into_iter().filter(|(k, _)| k.starts_with("PGW__")).collect();
+        overrides.sort();
+        for (k, v) in overrides {
+            apply_override(&mut table, &k, &v)?;
+        }
+        Self::from_table(table)
+    }
+
+    fn from_table(table: toml::Table) -> Result<Self, ConfigError> {
+        let cfg: Self = toml::Value::Table(table).try_into().map_err(|e| toml_error(&e))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks what serde cannot: names, quotas, timeouts, keys, the backend switch.
+    ///
+    /// # Errors
+    /// A [`ConfigError`] naming the first bad field.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.sources.is_empty() {
+            return Err(ConfigError::new("sources", "at least one source is required"));
+        }
+        if self.backend == BackendKind::Redis && self.redis_url.is_none() {
+            return Err(ConfigError::new("redis_url", "required when backend = \"redis\""));
+        }
+        if let Some(url) = &self.redis_url {
+            pgw_core::redis_conn::RedisTarget::parse(url).map_err(|e| ConfigError::new("redis_url", e))?;
+        }
+        let mut names = std::collections::HashSet::new();
+        for (i, s) in self.sources.iter().enumerate() {
+            let at = format!("sources[{i}]");
+            if s.name.trim().is_empty() {
+                return Err(ConfigError::new(format!("{at}.name"), "must not be empty"));
+            }
+            if !names.insert(s.name.as_str()) {
+                return Err(ConfigError::new(
+                    format!("{at}.name"),
+                    format!("duplicate source {:?}", s.name),
+                ));
+            }
+            quota(&format!("{at}.rpm"), s.rpm)?;
+            quota(&format!("{at}.tpm"), s.tpm)?;
+            quota(&format!("{at}.max_concurrency"), s.max_concurrency)?;
+            if s.account.as_ref().is_some_and(|a| a.trim().is_empty()) {
+                return Err(ConfigError::new(format!("{at}.account"), "must not be empty"));
+            }
+            s.settings(&at)?;
+        }
+        for (name, a) in &self.accounts {
+            let at = format!("accounts.{name}");
+            quota(&format!("{at}.rpm"), a.rpm)?;
+            quota(&format!("{at}.tpm"), a.tpm)?;
+            quota(&format!("{at}.max_concurrency"), a.max_concurrency)?;
+        }
+        let groups = self.group_order();
+        for g in &self.fallback {
+            if !self.sources.iter().any(|s| s.group_name() == g) {
+                return Err(ConfigError::new("fallback", format!("group {g:?} has no source")));
+            }
+        }
+        debug_assert!(!groups.is_empty());
+        for (k, v) in [
+            ("retry.base_backoff_s", self.retry.base_backoff_s),
+            ("retry.max_backoff_s", self.retry.max_backoff_s),
+            ("retry.stall_window_s", self.retry.stall_window_s),
+            ("retry.max_call_duration_s", self.retry.max_call_duration_s),
+            ("balance.max_wait_s", self.balance.max_wait_s),
+            ("ratelimit.window_s", self.ratelimit.window_s),
+            ("ratelimit.lease_ttl_s", self.ratelimit.lease_ttl_s),
+            ("cache.ttl_s", self.cache.ttl_s),
+        ] {
+            secs(k, v)?;
+        }
+        if self.cache.max_entries == Some(0) {
+            return Err(ConfigError::new("cache.max_entries", "must be at least 1"));
+        }
+        if let Some(p) = &self.balance.policy
+            && !matches!(p.as_str(), "health_aware" | "round_robin" | "least_inflight")
+        {
+            return Err(ConfigError::new(
+                "balance.policy",
+                format!("{p:?} is not one of health_aware, round_robin, least_inflight"),
+            ));
+        }
+        for (model, p) in &self.prices {
+            if !(p.input_per_mtok >= 0.0 && p.output_per_mtok >= 0.0) {
+                return Err(ConfigError::new(
+                    format!("prices.{model}"),
+                    "prices must not be negative",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The fallback order: `fallback` if set, else groups in order of first appearance.
+    #[must_use]
+    pub fn group_order(&self) -> Vec<String> {
+        if !self.fallback.is_empty() {
+            return self.fallback.clone();
+        }
+        let mut out: Vec<String> = Vec::new();
+        for s in &self.sources {
+            if !out.iter().any(|g| g == s.group_name()) {
+                out.push(s.group_name().to_owned());
+            }
+        }
+        out
+    }
+}
+
+fn toml_error(e: &dyn fmt::Display) -> ConfigError {
+    let msg = e.to_string();
+    // serde's "unknown field `x`" / "missing field `x`" name the field; keep them first.
+    let field = ["unknown field `", "missing field `", "for key `"]
+        .iter()
+        .find_map(|p| {
+            let start = msg.find(p)? + p.len();
+            let len = msg[start..].find('`')?;
+            Some(msg[start..start + len].to_owned())
+        })
+        .unwrap_or_else(|| "config".to_owned());
+    ConfigError::new(field, msg.trim().replace('\n', " "))
+}
+
+fn apply_override(table: &mut toml::Table, var: &str, raw: &str) -> Result<(), ConfigError> {
+    let path: Vec<String> = var["PGW__".len()..]
+        .split("__")
+        .map(str::to_ascii_lowercase)
+        .collect();
+    if path.iter().any(String::is_empty) {
+        return Err(ConfigError::new(var, "empty path segment"));
+    }
+    let value = toml::from_str::<toml::Table>(&format!("v = {raw}"))
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(raw.to_owned()));
+    let mut root = toml::Value::Table(std::mem::take(table));
+    let result = set_path(&mut root, &path, &value, var);
+    if let toml::Value::Table(t) = root {
+        *table = t;
+    }
+    result
+}
+
+fn set_path(
+    root: &mut toml::Value,
+    path: &[String],
+    value: &toml::Value,
+    var: &str,
+) -> Result<(), ConfigError> {
+    let mut cur = root;
+    for (i, seg) in path.iter().enumerate() {
+        let last = i + 1 == path.len();
+        let next: &mut toml::Value = match cur {
+            toml::Value::Table(t) => {
+                if last {
+                    t.insert(seg.clone(), value.clone());
+                    break;
+                }
+                t.entry(seg.clone())
+                    .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+            }
+            toml::Value::Array(a) => {
+                let idx: usize = seg
+                    .parse()
+                    .map_err(|_| ConfigError::new(var, format!("{seg:?} is not an array index")))?;
+                if idx >= a.len() {
+                    return Err(ConfigError::new(
+                        var,
+                        format!("index {idx} is past the end ({} items)", a.len()),
+                    ));
+                }
+                if last {
+                    a[idx] = value.clone();
+                    break;
+                }
+                &mut a[idx]
+            }
+            _ => {
+                return Err(ConfigError::new(
+                    var,
+                    format!("{seg:?} is inside a value that is not a table"),
+                ));
+            }
+        };
+        cur = next;
+    }
+    Ok(())
+}

@@ -1,0 +1,259 @@
+//! Telemetry (S6): one [`AttemptTelemetry`] record per attempt (and per cache hit) to
+//! a [`TelemetrySink`], and `metrics` gauges and counters.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::fs::{File, OpenOptions};
+use std::io::{self, LineWriter, Write};
+use std::path::Path;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use pgw_core::SourceId;
+use pgw_core::openai::Usage;
+use serde::Serialize;
+
+use crate::config::Price;
+
+/// One attempt (or one cache hit), as every sink receives it.
+///
+/// Never carries a key: errors are the client's messages, scrubbed of the key.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct AttemptTelemetry {
+    /// The call.
+    pub call_id: u64,
+    /// 1-based attempt number within the call's group (0 for a cache hit).
+    pub attempt: u32,
+    /// The model group.
+    pub group: String,
+    /// The source that served it (for a cache hit: the source that answered first).
+    pub source: Option<SourceId>,
+    /// Admission instant on the limiter's clock (seconds since its epoch: Redis server
+    /// time, or the tokio clock of the memory backend); `None` for a cache hit.
+    pub admitted_at_s: Option<f64>,
+    /// The rate window of admission.
+    pub admission_window: Option<u64>,
+    /// Dispatch to verdict, milliseconds (0 for a cache hit).
+    pub latency_ms: f64,
+    /// Time to first token, milliseconds (streamed answers).
+    pub ttft_ms: Option<f64>,
+    /// Prompt tokens reported by the provider.
+    pub prompt_tokens: Option<u64>,
+    /// Completion tokens reported by the provider.
+    pub completion_tokens: Option<u64>,
+    /// Cost in dollars from the price table (`None` when the model has no price or
+    /// no usage was reported; 0 for a cache hit).
+    pub cost_usd: Option<f64>,
+    /// `success`, `rate_limited`, `transient`, `source_dead`, `rejected`, `invalid`.
+    pub outcome: &'static str,
+    /// The error, when the attempt failed.
+    pub error: Option<String>,
+    /// Whether the answer came from the cache.
+    pub cache_hit: bool,
+}
+
+/// Where attempt records go.
+pub trait TelemetrySink: Send + Sync {
+    /// Receives one record. Must not block for long: it runs on the call's task.
+    fn record(&self, record: &AttemptTelemetry);
+}
+
+/// Keeps every record in memory (tests, the soak).
+#[derive(Clone, Debug, Default)]
+pub struct MemorySink {
+    records: Arc<Mutex<Vec<AttemptTelemetry>>>,
+}
+
+impl MemorySink {
+    /// An empty sink.
+    #[must_use]
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A copy of every record so far.
+    #[must_use]
+    pub fn records(&self) -> Vec<AttemptTelemetry> {
+        self.records
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Takes every record so far.
+    #[must_use]
+    pub fn drain(&self) -> Vec<AttemptTelemetry> {
+        std::mem::take(&mut *self.records.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+}
+
+impl TelemetrySink for MemorySink {
+    fn record(&self, record: &AttemptTelemetry) {
+        self.records
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(record.clone());
+    }
+}
+
+/// Appends one JSON line per record to a file.
+pub struct JsonlSink {
+    out: Mutex<LineWriter<File>>,
+}
+
+impl fmt::Debug for JsonlSink {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("JsonlSink").finish_non_exhaustive()
+    }
+}
+
+impl JsonlSink {
+    /// Opens (creates, appends to) `path`.
+    ///
+    /// # Errors
+    /// The I/O error.
+    pub fn open(path: impl AsRef<Path>) -> io::Result<Self> {
+        let file = OpenOptions::new().create(true).append(true).open(path)?;
+        Ok(Self {
+            out: Mutex::new(LineWriter::new(file)),
+        })
+    }
+}
+
+impl TelemetrySink for JsonlSink {
+    fn record(&self, record: &AttemptTelemetry) {
+        let Ok(line) = serde_json::to_string(record) else {
+            return;
+        };
+        let mut out = self.out.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Err(e) = writeln!(out, "{line}") {
+            tracing::warn!(error = %e, "telemetry: cannot write the jsonl file");
+        }
+    }
+}
+
+/// Emits one `tracing` event per record (target `pgw::attempt`, level INFO).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TracingSink;
+
+impl TelemetrySink for TracingSink {
+    fn record(&self, r: &AttemptTelemetry) {
+        tracing::info!(
+            target: "pgw::attempt",
+            call_id = r.call_id,
+            attempt = r.attempt,
+            group = %r.group,
+            source = r.source.as_ref().map_or("", SourceId::as_str),
+            outcome = r.outcome,
+            latency_ms = r.latency_ms,
+            ttft_ms = r.ttft_ms,
+            cache_hit = r.cache_hit,
+            error = r.error.as_deref(),
+            "attempt"
+        );
+    }
+}
+
+/// The price table: dollars per million tokens by model name.
+#[derive(Clone, Debug, Default)]
+pub struct PriceTable(BTreeMap<String, Price>);
+
+impl PriceTable {
+    /// A table from `(model, price)` pairs.
+    #[must_use]
+    pub fn new(prices: BTreeMap<String, Price>) -> Self {
+        Self(prices)
+    }
+
+    /// The cost of `usage` on `model`, when both are known.
+    #[must_use]
+    pub fn cost(&self, model: &str, usage: Option<Usage>) -> Option<f64> {
+        let p = self.0.get(model)?;
+        let u = usage?;
+        #[allow(clippy::cast_precision_loss)] // token counts are far below 2^52
+        let cost = (u.prompt_tokens as f64 * p.input_per_mtok
+            + u.completion_tokens as f64 * p.output_per_mtok)
+            / 1e6;
+        Some(cost)
+    }
+}
+
+/// The sinks of one gateway and its price table.
+#[derive(Clone, Default)]
+pub(crate) struct Telemetry {
+    pub(crate) sinks: Arc<Vec<Arc<dyn TelemetrySink>>>,
+    pub(crate) prices: Arc<PriceTable>,
+}
+
+impl Telemetry {
+    pub(crate) fn emit(&self, record: &AttemptTelemetry) {
+        let source = record
+            .source
+            .as_ref()
+            .map_or_else(String::new, ToString::to_string);
+        metrics::counter!("pgw_attempts_total", "source" => source, "outcome" => record.outcome, "cache_hit" => if record.cache_hit { "true" } else { "false" }).increment(1);
+        for s in self.sinks.iter() {
+            s.record(record);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(outcome: &'static str) -> AttemptTelemetry {
+        AttemptTelemetry {
+            call_id: 7,
+            attempt: 1,
+            group: "g".into(),
+            source: Some("s1".into()),
+            admitted_at_s: Some(12.5),
+            admission_window: Some(3),
+            latency_ms: 10.0,
+            ttft_ms: None,
+            prompt_tokens: Some(1000),
+            completion_tokens: Some(500),
+            cost_usd: None,
+            outcome,
+            error: None,
+            cache_hit: false,
+        }
+    }
+
+    #[test]
+    fn cost_from_the_price_table() {
+        let mut m = BTreeMap::new();
+        m.insert(
+            "gpt".to_owned(),
+            Price {
+                input_per_mtok: 2.0,
+                output_per_mtok: 8.0,
+            },
+        );
+        let t = PriceTable::new(m);
+        let u = Usage {
+            prompt_tokens: 1_000_000,
+            completion_tokens: 500_000,
+            total_tokens: 1_500_000,
+        };
+        assert_eq!(t.cost("gpt", Some(u)), Some(6.0));
+        assert_eq!(t.cost("other", Some(u)), None);
+        assert_eq!(t.cost("gpt", None), None);
+    }
+
+    #[test]
+    fn jsonl_sink_writes_one_line_per_record() {
+        let path = std::env::temp_dir().join(format!("pgw-jsonl-{}.jsonl", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        let sink = JsonlSink::open(&path).unwrap();
+        sink.record(&record("success"));
+        sink.record(&record("transient"));
+        let text = std::fs::read_to_string(&path).unwrap();
+        let lines: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(lines.len(), 2);
+        assert_eq!(lines[1]["outcome"], "transient");
+        assert_eq!(lines[0]["source"], "s1");
+        assert_eq!(lines[0]["admitted_at_s"], 12.5);
+        std::fs::remove_file(&path).ok();
+    }
+}

@@ -1,0 +1,88 @@
+//! Bad configuration is a clear error naming the field or the address.
+
+use pgw_stack::{ConfigError, Gateway, GatewayConfig};
+
+const GOOD: &str = r#"
+[[sources]]
+name = "s1"
+base_url = "http://127.0.0.1:9/v1"
+key = "sk-config-test-123"
+"#;
+
+fn err_of(text: &str) -> ConfigError {
+    GatewayConfig::from_toml_str(text).unwrap_err()
+}
+
+#[test]
+fn unknown_field_is_named() {
+    let e = err_of(&format!("{GOOD}rpmm = 5\n"));
+    assert_eq!(e.field(), "rpmm", "{e}");
+    let e = err_of("colour = 1\n");
+    assert_eq!(e.field(), "colour");
+    let e = err_of(&format!("{GOOD}[retry]\nattempts = 2\n"));
+    assert!(e.to_string().contains("attempts"), "{e}");
+}
+
+#[test]
+fn missing_key_is_named() {
+    let e = err_of("[[sources]]\nname = \"s1\"\nbase_url = \"http://h/v1\"\n");
+    assert_eq!(e.field(), "sources[0].key");
+    let e = err_of(
+        "[[sources]]\nname = \"s1\"\nbase_url = \"http://h/v1\"\nkey_env = \"PGW_TEST_SURELY_UNSET_VAR\"\n",
+    );
+    assert_eq!(e.field(), "sources[0].key_env");
+    assert!(e.to_string().contains("PGW_TEST_SURELY_UNSET_VAR"));
+}
+
+#[test]
+fn negative_quota_is_named() {
+    let e = err_of(&format!("{GOOD}rpm = -5\n"));
+    assert_eq!(e.field(), "sources[0].rpm");
+    assert!(e.to_string().contains("-5"));
+    let e = err_of(&format!("{GOOD}account = \"a\"\n[accounts.a]\ntpm = -1\n"));
+    assert_eq!(e.field(), "accounts.a.tpm");
+}
+
+#[test]
+fn other_bad_values_are_named() {
+    let e = err_of(&format!("{GOOD}first_token_timeout_s = 0\n"));
+    assert_eq!(e.field(), "sources[0].first_token_timeout_s");
+    let e = err_of(&GOOD.replace("http://127.0.0.1:9/v1", "nope"));
+    assert_eq!(e.field(), "sources[0].base_url");
+    let e = err_of(&format!("backend = \"redis\"\n{GOOD}"));
+    assert_eq!(e.field(), "redis_url");
+    let e = err_of(&format!("fallback = [\"ghost\"]\n{GOOD}"));
+    assert_eq!(e.field(), "fallback");
+    let e = err_of(&format!(
+        "{GOOD}[[sources]]\nname = \"s1\"\nbase_url = \"http://h/v1\"\nkey = \"k\"\n"
+    ));
+    assert_eq!(e.field(), "sources[1].name");
+    assert!(err_of("").field() == "sources");
+}
+
+#[test]
+fn env_overrides_apply_and_are_checked() {
+    let env = |k: &str, v: &str| vec![(k.to_owned(), v.to_owned())];
+    let c = GatewayConfig::from_toml_str_with_env(GOOD, env("PGW__SOURCES__0__MODEL", "gpt-x")).unwrap();
+    assert_eq!(c.sources[0].model.as_deref(), Some("gpt-x"));
+    let c = GatewayConfig::from_toml_str_with_env(GOOD, env("PGW__CACHE__ENABLED", "false")).unwrap();
+    assert!(!c.cache.enabled);
+    let e = GatewayConfig::from_toml_str_with_env(GOOD, env("PGW__SOURCES__0__RPM", "-3")).unwrap_err();
+    assert_eq!(e.field(), "sources[0].rpm");
+    let e = GatewayConfig::from_toml_str_with_env(GOOD, env("PGW__SOURCES__4__RPM", "3")).unwrap_err();
+    assert_eq!(e.field(), "PGW__SOURCES__4__RPM");
+    let e = GatewayConfig::from_toml_str_with_env(GOOD, env("PGW__NOPE", "1")).unwrap_err();
+    assert_eq!(e.field(), "nope");
+}
+
+#[tokio::test]
+async fn unreachable_redis_names_the_address() {
+    let cfg = GatewayConfig::from_toml_str(&format!(
+        "backend = \"redis\"\nredis_url = \"redis://127.0.0.1:1\"\n{GOOD}"
+    ))
+    .unwrap();
+    let e = Gateway::from_config(cfg).await.unwrap_err();
+    let e = e.downcast_ref::<ConfigError>().expect("a config error");
+    assert_eq!(e.field(), "redis_url");
+    assert!(e.to_string().contains("127.0.0.1:1"), "{e}");
+}

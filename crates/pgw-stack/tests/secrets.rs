@@ -1,0 +1,125 @@
+//! No secret appears in any Debug, log line or telemetry record.
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+
+use pgw_core::openai::ChatRequest;
+use pgw_sim::config::LogNormal;
+use pgw_sim::{PoolConfig, SimPool};
+use pgw_stack::{Gateway, GatewayConfig, MemorySink, SecretKey, SourceConfig};
+
+const KEY: &str = "sk-grep-me-SECRET-9f8e7d6c";
+const WRONG_KEY: &str = "sk-grep-me-WRONG-1a2b3c4d";
+
+#[derive(Clone, Default)]
+struct Buf(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Buf {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn the_key_never_prints() {
+    let logs = Buf::default();
+    let writer = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::TRACE)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let quick = LogNormal {
+        median: 0.01,
+        p95: 0.02,
+        min: 0.005,
+        max: 0.03,
+    };
+    let sim = |name: &str| pgw_sim::SourceConfig {
+        api_key: Some(KEY.into()),
+        ttft_s: quick,
+        error_latency_s: quick,
+        tokens_per_second: LogNormal {
+            median: 2000.0,
+            p95: 3000.0,
+            min: 1000.0,
+            max: 4000.0,
+        },
+        ..pgw_sim::SourceConfig::healthy(name)
+    };
+    let pool = SimPool::new(
+        PoolConfig {
+            sources: vec![sim("good"), sim("rejects")],
+            bad_prompt_rate: 0.0,
+            ..PoolConfig::default()
+        },
+        3,
+    )
+    .unwrap();
+    let (_, server) = pgw_sim::http::serve(pool.clone(), "127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+
+    let dir = std::env::temp_dir().join(format!("pgw-secrets-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let jsonl = dir.join("attempts.jsonl");
+    let mut cfg = GatewayConfig::default();
+    cfg.telemetry.jsonl_path = Some(jsonl.display().to_string());
+    cfg.telemetry.tracing = true;
+    cfg.balance.policy = Some("round_robin".into());
+    // "rejects" is configured with a key the provider refuses: a 401 whose message
+    // may echo it.
+    cfg.sources.push(SourceConfig::new(
+        "rejects",
+        server.base_url("rejects"),
+        SecretKey::new(WRONG_KEY),
+    ));
+    cfg.sources.push(SourceConfig::new(
+        "good",
+        server.base_url("good"),
+        SecretKey::new(KEY),
+    ));
+    let sink = MemorySink::new();
+    let gw = Gateway::builder(cfg.clone())
+        .sink(Arc::new(sink.clone()))
+        .build()
+        .await
+        .unwrap();
+
+    for i in 0..3 {
+        gw.chat(ChatRequest::user("m", format!("q{i}"))).await.unwrap();
+    }
+    // A call that fails everywhere, for its error text.
+    let mut only_bad = GatewayConfig::default();
+    only_bad.sources.push(SourceConfig::new(
+        "rejects",
+        server.base_url("rejects"),
+        SecretKey::new(WRONG_KEY),
+    ));
+    let bad = Gateway::from_config(only_bad).await.unwrap();
+    let err = bad.chat(ChatRequest::user("m", "x")).await.unwrap_err();
+
+    let records = sink.records();
+    assert!(
+        records.iter().any(|r| r.outcome == "source_dead"),
+        "the 401 happened"
+    );
+    let everything = format!(
+        "{gw:?}\n{cfg:?}\n{:?}\n{err}\n{err:?}\n{records:?}\n{}\n{}\n{}",
+        cfg.sources,
+        serde_json::to_string(&records).unwrap(),
+        std::fs::read_to_string(&jsonl).unwrap(),
+        String::from_utf8_lossy(&logs.0.lock().unwrap()),
+    );
+    assert!(everything.contains("attempt"), "logs were captured");
+    assert!(everything.contains("401"), "the refusal is visible");
+    for secret in [KEY, WRONG_KEY, "SECRET-9f8e", "WRONG-1a2b"] {
+        assert!(!everything.contains(secret), "{secret} leaked");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
