@@ -628,7 +628,8 @@ impl GatewayBuilder {
             }
             let mut lb = HealthP2c::new(sources.clone(), balance_cfg)
                 .map_err(|e| ConfigError::new("balance", e.to_string()))?
-                .with_classifier(AnswerClassifier);
+                .with_classifier(AnswerClassifier)
+                .with_class(call_shape);
             if let Some(seed) = cfg.balance.seed {
                 lb = lb.with_seed(seed);
             }
@@ -659,6 +660,16 @@ impl GatewayBuilder {
             }),
         })
     }
+}
+
+/// The balancer's health class of a call: streamed calls (1) apart from the rest (0).
+///
+/// A source's slow stream, cut by the inter-token watchdog, says nothing about its
+/// short answers, and the reverse: P6's `s5` answers short calls and fails 90% of its
+/// streams. One health EWMA per source would average the two and keep sending streams
+/// there.
+fn call_shape(call: &ChatCall) -> usize {
+    usize::from(call.is_stream())
 }
 
 fn compose<G, R>(

@@ -20,6 +20,15 @@ pub const HEALTH_INITIAL: f64 = 1.0;
 /// section 3.2).
 pub const HEALTH_FLOOR: f64 = 0.05;
 
+/// How many call shapes ("classes") a source keeps a separate health EWMA for: 4.
+///
+/// A source can serve one shape of call and fail another: in the P6 pool, `s5` answers
+/// short calls but its slow stream is cut by the watchdog 90% of the time. One EWMA
+/// per source averages the two and keeps sending streams there; one per (source,
+/// class) learns each. The inflight count stays per source (it measures load, whatever
+/// the shape). Class 0 is the default; see [`HealthP2c::with_class`](crate::HealthP2c::with_class).
+pub const HEALTH_CLASSES: usize = 4;
+
 /// In-call failures after which a source goes to the tail of the order (DESIGN.md H5;
 /// seed 000 section 3.3: "failed >= 2 times in this call").
 pub const DEPRIORITIZE_AFTER_FAILURES: u32 = 2;

@@ -18,7 +18,7 @@ use tower_service::Service;
 use crate::error::{NoSources, NoneAdmitted};
 use crate::order;
 use crate::sources::Snapshot;
-use crate::{BalanceConfig, MIN_WAKE_WAIT};
+use crate::{BalanceConfig, CREDIBLE_HEALTH_RATIO, MIN_WAKE_WAIT};
 
 /// Which sources this round still has to try.
 pub(crate) enum Plan {
@@ -27,8 +27,9 @@ pub(crate) enum Plan {
     First(usize),
     /// The first candidate was tried; the rest is computed on demand.
     Expand(usize),
-    /// A full order and the position of the next candidate.
-    Full(Vec<usize>, usize),
+    /// A full order, the position of the next candidate, and where the sources
+    /// deprioritized in this call (H5) start.
+    Full(Vec<usize>, usize, usize),
 }
 
 /// What the refusals of the current round said (H7).
@@ -43,6 +44,12 @@ struct Round {
     wake_after: Option<Duration>,
     /// A `Paced` refusal: admissible as soon as an attempt in flight ends.
     paced: Option<BoxError>,
+    /// This round stopped before the sources deprioritized in this call, to wait for
+    /// a credible source that is only briefly not admitted.
+    held_back: bool,
+    /// The best health (of the call's class) among sources refused as paced or over
+    /// quota in this round: the bar a source must be credible against.
+    soon_best: f64,
 }
 
 impl Round {
@@ -53,6 +60,8 @@ impl Round {
             quota: None,
             wake_after: None,
             paced: None,
+            held_back: false,
+            soon_best: 0.0,
         }
     }
 
@@ -107,12 +116,17 @@ struct Ctx<S, Req, C> {
     req: Req,
     history: Option<CallHistory>,
     snapshot: Arc<Snapshot<S>>,
+    /// The request's health class (see `HealthP2c::with_class`).
+    class: usize,
     plan: Plan,
     config: BalanceConfig,
     classifier: C,
     seed: u64,
     /// The source holding one of our inflight counts.
     dispatched: Option<usize>,
+    /// The wait for a credible source ended without one admitting: the sources
+    /// deprioritized in this call may be dispatched.
+    release_deferred: bool,
     round: Round,
     wait: Option<Box<Wait>>,
 }
@@ -129,22 +143,35 @@ impl<S, Req, C> Drop for Ctx<S, Req, C> {
 impl<S, Req, C> Ctx<S, Req, C> {
     fn next_candidate(&mut self) -> Option<usize> {
         let entries = &self.snapshot.entries;
+        if let Plan::Expand(i) = self.plan {
+            let full = order::full(self.config.policy, entries, self.class, i);
+            let len = full.len();
+            self.plan = Plan::Full(full, 1, len);
+        }
         match &mut self.plan {
-            Plan::Empty => None,
+            // (`Expand` was made `Full` just above.)
+            Plan::Empty | Plan::Expand(_) => None,
             &mut Plan::First(i) => {
                 self.plan = Plan::Expand(i);
                 Some(i)
             }
-            &mut Plan::Expand(i) => {
-                let full = order::full(self.config.policy, entries, i);
-                let next = full.get(1).copied();
-                self.plan = Plan::Full(full, 2);
-                next
-            }
-            Plan::Full(order, pos) => {
-                let next = order.get(*pos).copied();
+            Plan::Full(order, pos, defer_at) => {
+                let next = *order.get(*pos)?;
+                // A source is dispatched only when no credible source can admit within
+                // the wait: while one is merely paced or over quota, end the round and
+                // wait for it instead of spending an attempt on a source that failed
+                // twice in this call (H5) or whose health is below half of the waiting
+                // source's (H5's credible-alternative rule, applied to every attempt).
+                let round = &mut self.round;
+                let soon = round.paced.is_some() || round.quota.is_some();
+                let not_credible = *pos >= *defer_at
+                    || entries[next].state.health(self.class) < CREDIBLE_HEALTH_RATIO * round.soon_best;
+                if soon && not_credible && !self.release_deferred {
+                    round.held_back = true;
+                    return None;
+                }
                 *pos += 1;
-                next
+                Some(next)
             }
         }
     }
@@ -157,13 +184,14 @@ impl<S, Req, C> Ctx<S, Req, C> {
         let mut rng = SmallRng::seed_from_u64(self.seed.wrapping_add(rounds));
         #[allow(clippy::cast_possible_truncation)]
         let cursor = self.seed.wrapping_add(rounds) as usize;
-        let first = order::first(policy, entries, &mut rng, || cursor);
+        let class = self.class;
+        let first = order::first(policy, entries, class, &mut rng, || cursor);
         self.plan = match self.history.as_ref().filter(|h| !h.is_empty()) {
             None => Plan::First(first),
             Some(h) => {
-                let mut full = order::full(policy, entries, first);
-                order::deprioritize(policy, entries, &h.attempts(), &mut full);
-                Plan::Full(full, 0)
+                let mut full = order::full(policy, entries, class, first);
+                let defer_at = order::deprioritize(policy, entries, class, &h.attempts(), &mut full);
+                Plan::Full(full, 0, defer_at)
             }
         };
     }
@@ -196,6 +224,13 @@ impl<S, Req, C> Ctx<S, Req, C> {
             let wake_at = self.round.wake_after.map(|d| later(now, d));
             let hopeless = !paced && wake_at.is_some_and(|at| at > wait.deadline);
             if now >= wait.deadline || hopeless {
+                if self.round.held_back {
+                    // No credible source will admit in time: go on to the sources held
+                    // back, in the same round.
+                    self.round.held_back = false;
+                    self.release_deferred = true;
+                    return Poll::Ready(Ok(()));
+                }
                 let waited = now - wait.started;
                 let last = self.round.last_error();
                 return Poll::Ready(Err(Box::new(NoneAdmitted::new(waited, last))));
@@ -252,6 +287,10 @@ impl<S, Req, C> Ctx<S, Req, C> {
         let result = match result {
             Err(e) => match NotAdmitted::of(&*e) {
                 Some(na) => {
+                    if !matches!(na, NotAdmitted::CircuitOpen(_)) {
+                        let h = state.health(self.class);
+                        self.round.soon_best = self.round.soon_best.max(h);
+                    }
                     self.round.refuse(na, e);
                     return None;
                 }
@@ -261,7 +300,7 @@ impl<S, Req, C> Ctx<S, Req, C> {
         };
         let outcome = self.classifier.classify(&result);
         if let Some(ok) = outcome.health_sample() {
-            state.record(ok);
+            state.record(self.class, ok);
         }
         if let Some(h) = &self.history {
             h.record(Some(state.id().clone()), outcome);
@@ -304,10 +343,13 @@ pin_project! {
 }
 
 impl<S, F, Req, C> ResponseFuture<S, F, Req, C> {
+    // A private constructor with one caller: a struct for its arguments would only rename them.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) const fn new(
         req: Req,
         history: Option<CallHistory>,
         snapshot: Arc<Snapshot<S>>,
+        class: usize,
         plan: Plan,
         config: BalanceConfig,
         classifier: C,
@@ -319,11 +361,13 @@ impl<S, F, Req, C> ResponseFuture<S, F, Req, C> {
                 req,
                 history,
                 snapshot,
+                class,
                 plan,
                 config,
                 classifier,
                 seed,
                 dispatched: None,
+                release_deferred: false,
                 round: Round::new(),
                 wait: None,
             },

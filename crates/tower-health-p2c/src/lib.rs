@@ -75,10 +75,10 @@ mod sources;
 
 pub use config::{
     BalanceConfig, CREDIBLE_HEALTH_RATIO, DEFAULT_MAX_WAIT, DEFAULT_PACED_POLL, DEPRIORITIZE_AFTER_FAILURES,
-    HEALTH_ALPHA, HEALTH_FLOOR, HEALTH_INITIAL, MIN_WAKE_WAIT, Policy,
+    HEALTH_ALPHA, HEALTH_CLASSES, HEALTH_FLOOR, HEALTH_INITIAL, MIN_WAKE_WAIT, Policy,
 };
 pub use error::{ConfigError, NoSources, NoneAdmitted};
 pub use future::ResponseFuture;
 pub use layer::HealthP2cLayer;
-pub use service::HealthP2c;
+pub use service::{ClassOf, HealthP2c, SingleClass};
 pub use sources::{SourceHealth, Sources};

@@ -23,6 +23,7 @@ pub(crate) fn p2c_pair(rng: &mut SmallRng, n: usize) -> (usize, usize) {
 pub(crate) fn first<S>(
     policy: Policy,
     entries: &[Entry<S>],
+    class: usize,
     rng: &mut SmallRng,
     cursor: impl FnOnce() -> usize,
 ) -> usize {
@@ -33,7 +34,7 @@ pub(crate) fn first<S>(
     match policy {
         Policy::HealthAware => {
             let (a, b) = p2c_pair(rng, n);
-            if entries[b].state.score() > entries[a].state.score() {
+            if entries[b].state.score(class) > entries[a].state.score(class) {
                 b
             } else {
                 a
@@ -61,7 +62,7 @@ pub(crate) fn first<S>(
 /// The full order of an attempt that starts with `first`: the rest by descending score
 /// (health_aware, H3), in ring order (round_robin), or by ascending inflight
 /// (least_inflight, ties in ring order).
-pub(crate) fn full<S>(policy: Policy, entries: &[Entry<S>], first: usize) -> Vec<usize> {
+pub(crate) fn full<S>(policy: Policy, entries: &[Entry<S>], class: usize, first: usize) -> Vec<usize> {
     let n = entries.len();
     let mut order: Vec<usize> = Vec::with_capacity(n);
     order.push(first);
@@ -70,7 +71,7 @@ pub(crate) fn full<S>(policy: Policy, entries: &[Entry<S>], first: usize) -> Vec
         Policy::HealthAware => {
             let mut rest: Vec<(f64, usize)> = order[1..]
                 .iter()
-                .map(|&i| (entries[i].state.score(), i))
+                .map(|&i| (entries[i].state.score(class), i))
                 .collect();
             rest.sort_by(|x, y| y.0.total_cmp(&x.0));
             for (slot, (_, i)) in order[1..].iter_mut().zip(rest) {
@@ -86,12 +87,16 @@ pub(crate) fn full<S>(policy: Policy, entries: &[Entry<S>], first: usize) -> Vec
 /// In-call deprioritization (H5): a source that failed `>= 2` times in this call goes to
 /// the tail, with a health view only when a credible alternative exists (a source not
 /// yet failed in this call whose health is `>= 0.5 x` the failed one's).
+///
+/// Returns the position where the deprioritized tail starts (`order.len()` when no
+/// source was moved).
 pub(crate) fn deprioritize<S>(
     policy: Policy,
     entries: &[Entry<S>],
+    class: usize,
     attempts: &[AttemptRecord],
     order: &mut Vec<usize>,
-) {
+) -> usize {
     let mut fails = vec![0u32; entries.len()];
     for a in attempts {
         if a.outcome.health_sample() != Some(false) {
@@ -103,7 +108,7 @@ pub(crate) fn deprioritize<S>(
         }
     }
     if fails.iter().all(|&f| f < DEPRIORITIZE_AFTER_FAILURES) {
-        return;
+        return order.len();
     }
     let to_tail = |f: usize| -> bool {
         if fails[f] < DEPRIORITIZE_AFTER_FAILURES {
@@ -112,12 +117,14 @@ pub(crate) fn deprioritize<S>(
         if !policy.has_health_view() {
             return true;
         }
-        let bar = CREDIBLE_HEALTH_RATIO * entries[f].state.health();
-        (0..entries.len()).any(|s| fails[s] == 0 && entries[s].state.health() >= bar)
+        let bar = CREDIBLE_HEALTH_RATIO * entries[f].state.health(class);
+        (0..entries.len()).any(|s| fails[s] == 0 && entries[s].state.health(class) >= bar)
     };
     let (tail, mut head): (Vec<usize>, Vec<usize>) = order.iter().partition(|&&i| to_tail(i));
+    let defer_at = head.len();
     head.extend(tail);
     *order = head;
+    defer_at
 }
 
 #[cfg(test)]
@@ -138,8 +145,8 @@ mod tests {
                 let state = Arc::new(SourceState::new(SourceId::from(format!("s{}", i + 1))));
                 // Drive the EWMA down to about `h` with failures, then settle exactly
                 // enough: (1 - alpha)^k <= h.
-                while state.health() > h {
-                    state.record(false);
+                while state.health(0) > h {
+                    state.record(0, false);
                 }
                 Entry { state, service: () }
             })
@@ -154,10 +161,10 @@ mod tests {
         let mut drawn = [0u32; 5];
         let mut firsts = [0u32; 5];
         for _ in 0..2000 {
-            let f = first(Policy::HealthAware, &es, &mut rng, || 0);
+            let f = first(Policy::HealthAware, &es, 0, &mut rng, || 0);
             let (a, b) = p2c_pair(&mut replay, es.len());
             assert_ne!(a, b, "two distinct sources");
-            let better = if es[a].state.score() >= es[b].state.score() {
+            let better = if es[a].state.score(0) >= es[b].state.score(0) {
                 a
             } else {
                 b
@@ -171,7 +178,7 @@ mod tests {
         assert_eq!(firsts[4], 0, "the worst is never first");
         assert!(firsts[..4].iter().all(|&f| f > 0), "{firsts:?}");
         // The full order continues by descending score.
-        let order = full(Policy::HealthAware, &es, 2);
+        let order = full(Policy::HealthAware, &es, 0, 2);
         assert_eq!(order, vec![2, 0, 1, 3, 4]);
     }
 
@@ -179,15 +186,15 @@ mod tests {
     fn round_robin_and_least_inflight_orders() {
         let es = entries(&[1.0, 1.0, 1.0]);
         let mut rng = SmallRng::seed_from_u64(1);
-        assert_eq!(first(Policy::RoundRobin, &es, &mut rng, || 4), 1);
-        assert_eq!(full(Policy::RoundRobin, &es, 1), vec![1, 2, 0]);
+        assert_eq!(first(Policy::RoundRobin, &es, 0, &mut rng, || 4), 1);
+        assert_eq!(full(Policy::RoundRobin, &es, 0, 1), vec![1, 2, 0]);
         es[0].state.inc();
         es[0].state.inc();
         es[2].state.inc();
         for _ in 0..20 {
-            assert_eq!(first(Policy::LeastInflight, &es, &mut rng, || 0), 1);
+            assert_eq!(first(Policy::LeastInflight, &es, 0, &mut rng, || 0), 1);
         }
-        assert_eq!(full(Policy::LeastInflight, &es, 1), vec![1, 2, 0]);
+        assert_eq!(full(Policy::LeastInflight, &es, 0, 1), vec![1, 2, 0]);
     }
 
     fn failed(src: &str, times: usize) -> Vec<AttemptRecord> {
@@ -206,12 +213,12 @@ mod tests {
         // s1 healthy (0.83), s2 the 10% watchdog source.
         let es = entries(&[0.83, 0.1]);
         let mut order = vec![0, 1];
-        deprioritize(Policy::HealthAware, &es, &failed("s1", 2), &mut order);
+        deprioritize(Policy::HealthAware, &es, 0, &failed("s1", 2), &mut order);
         assert_eq!(order, vec![0, 1], "no credible alternative: s1 stays first");
 
         let es = entries(&[0.83, 0.1, 0.9]);
         let mut order = vec![0, 2, 1];
-        deprioritize(Policy::HealthAware, &es, &failed("s1", 2), &mut order);
+        deprioritize(Policy::HealthAware, &es, 0, &failed("s1", 2), &mut order);
         assert_eq!(order, vec![2, 1, 0], "credible s3: s1 to the tail");
 
         // One failure is not enough; Invalid and Rejected are not failures.
@@ -221,7 +228,7 @@ mod tests {
             source: Some("s1".into()),
             outcome: Outcome::Invalid,
         });
-        deprioritize(Policy::HealthAware, &es, &hist, &mut order);
+        deprioritize(Policy::HealthAware, &es, 0, &hist, &mut order);
         assert_eq!(order, vec![0, 2, 1]);
 
         // A candidate that already failed once in this call is not credible.
@@ -229,14 +236,14 @@ mod tests {
         let mut hist = failed("s1", 2);
         hist.extend(failed("s2", 1));
         let mut order = vec![0, 1];
-        deprioritize(Policy::HealthAware, &es, &hist, &mut order);
+        deprioritize(Policy::HealthAware, &es, 0, &hist, &mut order);
         assert_eq!(order, vec![0, 1]);
 
         // Without a health view: unconditional.
         for policy in [Policy::RoundRobin, Policy::LeastInflight] {
             let es = entries(&[0.83, 0.1]);
             let mut order = vec![0, 1];
-            deprioritize(policy, &es, &failed("s1", 2), &mut order);
+            deprioritize(policy, &es, 0, &failed("s1", 2), &mut order);
             assert_eq!(order, vec![1, 0], "{policy}");
         }
     }

@@ -12,7 +12,7 @@ use tower_service::Service;
 use crate::future::{Plan, ResponseFuture};
 use crate::order;
 use crate::sources::{Snapshot, Sources};
-use crate::{BalanceConfig, ConfigError};
+use crate::{BalanceConfig, ConfigError, HEALTH_CLASSES};
 
 /// A balancer over a set of per-source services (DESIGN.md H1-H7).
 ///
@@ -28,14 +28,40 @@ use crate::{BalanceConfig, ConfigError};
 /// Always ready: readiness is asked of a clone of the chosen source's service inside
 /// the response future. Requests are cloned once per dispatch (they are cheap in the
 /// pgw stack: `Arc` inside).
-pub struct HealthP2c<S, C = OkIsSuccess> {
+pub struct HealthP2c<S, C = OkIsSuccess, K = SingleClass> {
     sources: Sources<S>,
     snapshot: Arc<Snapshot<S>>,
     version: u64,
     config: BalanceConfig,
     classifier: C,
+    class_of: K,
     rng: SmallRng,
     seed: u64,
+}
+
+/// Which health class a request belongs to (see [`HealthP2c::with_class`]).
+///
+/// Implemented by [`SingleClass`] (every request in class 0, the default) and by any
+/// `Fn(&Req) -> usize`.
+pub trait ClassOf<Req> {
+    /// The request's class, `0..HEALTH_CLASSES` (larger values share the last class).
+    fn class_of(&self, req: &Req) -> usize;
+}
+
+/// Every request in class 0: one health EWMA per source, as DESIGN.md H1 describes.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SingleClass;
+
+impl<Req> ClassOf<Req> for SingleClass {
+    fn class_of(&self, _req: &Req) -> usize {
+        0
+    }
+}
+
+impl<Req, F: Fn(&Req) -> usize> ClassOf<Req> for F {
+    fn class_of(&self, req: &Req) -> usize {
+        self(req)
+    }
 }
 
 impl<S> HealthP2c<S> {
@@ -58,22 +84,55 @@ impl<S> HealthP2c<S> {
             version,
             config,
             classifier: OkIsSuccess,
+            class_of: SingleClass,
             rng,
             seed,
         }
     }
 }
 
-impl<S, C> HealthP2c<S, C> {
+impl<S, C, K> HealthP2c<S, C, K> {
     /// Classifies outcomes with `classifier` (e.g. `pgw_core::OpenAiClassifier`).
     #[must_use]
-    pub fn with_classifier<C2>(self, classifier: C2) -> HealthP2c<S, C2> {
+    pub fn with_classifier<C2>(self, classifier: C2) -> HealthP2c<S, C2, K> {
         HealthP2c {
             sources: self.sources,
             snapshot: self.snapshot,
             version: self.version,
             config: self.config,
             classifier,
+            class_of: self.class_of,
+            rng: self.rng,
+            seed: self.seed,
+        }
+    }
+
+    /// Keeps a separate health EWMA per request class (an extension of H1): `class_of`
+    /// maps a request to `0..HEALTH_CLASSES`. Use it when a source can serve one
+    /// shape of call and fail another (streamed vs not: a slow stream cut by a
+    /// watchdog says nothing about short answers). Ordering, the in-call credible
+    /// alternative (H5) and the health sample of each attempt use the request's class;
+    /// the inflight count stays per source.
+    ///
+    /// ```
+    /// use tower_health_p2c::{BalanceConfig, HealthP2c, Sources};
+    /// # type Svc = tower::util::BoxCloneSyncService<(bool, ()), (), pgw_core::BoxError>;
+    /// let sources: Sources<Svc> = Sources::new();
+    /// // Streamed calls (true) in class 1, the rest in class 0.
+    /// let lb = HealthP2c::new(sources, BalanceConfig::default())
+    ///     .unwrap()
+    ///     .with_class(|req: &(bool, ())| usize::from(req.0));
+    /// # let _ = lb;
+    /// ```
+    #[must_use]
+    pub fn with_class<K2>(self, class_of: K2) -> HealthP2c<S, C, K2> {
+        HealthP2c {
+            sources: self.sources,
+            snapshot: self.snapshot,
+            version: self.version,
+            config: self.config,
+            classifier: self.classifier,
+            class_of,
             rng: self.rng,
             seed: self.seed,
         }
@@ -108,7 +167,7 @@ impl<S, C> HealthP2c<S, C> {
     }
 }
 
-impl<S, C: Clone> Clone for HealthP2c<S, C> {
+impl<S, C: Clone, K: Clone> Clone for HealthP2c<S, C, K> {
     fn clone(&self) -> Self {
         // Each clone draws its own stream, reproducible from the seed and clone order.
         let n = self.sources.next_clone().wrapping_add(1);
@@ -119,17 +178,19 @@ impl<S, C: Clone> Clone for HealthP2c<S, C> {
             version: self.version,
             config: self.config,
             classifier: self.classifier.clone(),
+            class_of: self.class_of.clone(),
             rng: SmallRng::seed_from_u64(seed),
             seed,
         }
     }
 }
 
-impl<S, C, Req> Service<Req> for HealthP2c<S, C>
+impl<S, C, K, Req> Service<Req> for HealthP2c<S, C, K>
 where
     S: Service<Req> + Clone,
     S::Error: Into<BoxError>,
     C: Classify<S::Response, BoxError> + Clone,
+    K: ClassOf<Req>,
     Req: Clone + CarriesHistory,
 {
     type Response = S::Response;
@@ -147,17 +208,19 @@ where
         let snapshot = Arc::clone(&self.snapshot);
         let history = req.call_history().cloned();
         let policy = self.config.policy;
+        let class = self.class_of.class_of(&req).min(HEALTH_CLASSES - 1);
         let plan = if snapshot.entries.is_empty() {
             Plan::Empty
         } else {
             let sources = &self.sources;
-            let first = order::first(policy, &snapshot.entries, &mut self.rng, || sources.cursor());
+            let entries = &snapshot.entries;
+            let first = order::first(policy, entries, class, &mut self.rng, || sources.cursor());
             match history.as_ref().filter(|h| !h.is_empty()) {
                 None => Plan::First(first),
                 Some(h) => {
-                    let mut full = order::full(policy, &snapshot.entries, first);
-                    order::deprioritize(policy, &snapshot.entries, &h.attempts(), &mut full);
-                    Plan::Full(full, 0)
+                    let mut full = order::full(policy, entries, class, first);
+                    let defer_at = order::deprioritize(policy, entries, class, &h.attempts(), &mut full);
+                    Plan::Full(full, 0, defer_at)
                 }
             }
         };
@@ -165,6 +228,7 @@ where
             req,
             history,
             snapshot,
+            class,
             plan,
             self.config,
             self.classifier.clone(),
@@ -173,7 +237,7 @@ where
     }
 }
 
-impl<S, C> fmt::Debug for HealthP2c<S, C> {
+impl<S, C, K> fmt::Debug for HealthP2c<S, C, K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("HealthP2c")
             .field("config", &self.config)

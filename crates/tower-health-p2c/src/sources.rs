@@ -7,13 +7,13 @@ use std::sync::{Arc, PoisonError, RwLock};
 use pgw_core::SourceId;
 use tokio::sync::Notify;
 
-use crate::{HEALTH_ALPHA, HEALTH_FLOOR, HEALTH_INITIAL};
+use crate::{HEALTH_ALPHA, HEALTH_CLASSES, HEALTH_FLOOR, HEALTH_INITIAL};
 
-/// Process-local health of one source (H1): a success EWMA and the balancer's
-/// inflight count, both atomics.
+/// Process-local health of one source (H1): a success EWMA per call class and the
+/// balancer's inflight count, all atomics.
 pub(crate) struct SourceState {
     id: SourceId,
-    ewma_bits: AtomicU64,
+    ewma_bits: [AtomicU64; HEALTH_CLASSES],
     inflight: AtomicUsize,
 }
 
@@ -21,7 +21,7 @@ impl SourceState {
     pub(crate) fn new(id: SourceId) -> Self {
         Self {
             id,
-            ewma_bits: AtomicU64::new(HEALTH_INITIAL.to_bits()),
+            ewma_bits: std::array::from_fn(|_| AtomicU64::new(HEALTH_INITIAL.to_bits())),
             inflight: AtomicUsize::new(0),
         }
     }
@@ -30,32 +30,31 @@ impl SourceState {
         &self.id
     }
 
-    pub(crate) fn health(&self) -> f64 {
-        f64::from_bits(self.ewma_bits.load(Ordering::Relaxed))
+    /// The success EWMA of call class `class` (clamped to the known classes).
+    pub(crate) fn health(&self, class: usize) -> f64 {
+        f64::from_bits(self.ewma_bits[class.min(HEALTH_CLASSES - 1)].load(Ordering::Relaxed))
     }
 
     pub(crate) fn inflight(&self) -> usize {
         self.inflight.load(Ordering::Relaxed)
     }
 
-    /// `max(ewma, floor) / (1 + inflight)` (H2).
-    pub(crate) fn score(&self) -> f64 {
+    /// `max(ewma, floor) / (1 + inflight)` (H2), with the EWMA of `class`.
+    pub(crate) fn score(&self, class: usize) -> f64 {
         #[allow(clippy::cast_precision_loss)]
         let load = 1.0 + self.inflight() as f64;
-        self.health().max(HEALTH_FLOOR) / load
+        self.health(class).max(HEALTH_FLOOR) / load
     }
 
-    /// Feeds one health sample (H4).
-    pub(crate) fn record(&self, ok: bool) {
+    /// Feeds one health sample of call class `class` (H4).
+    pub(crate) fn record(&self, class: usize, ok: bool) {
         let sample = if ok { 1.0 } else { 0.0 };
-        let mut cur = self.ewma_bits.load(Ordering::Relaxed);
+        let ewma = &self.ewma_bits[class.min(HEALTH_CLASSES - 1)];
+        let mut cur = ewma.load(Ordering::Relaxed);
         loop {
             let old = f64::from_bits(cur);
             let next = (old + HEALTH_ALPHA * (sample - old)).to_bits();
-            match self
-                .ewma_bits
-                .compare_exchange_weak(cur, next, Ordering::Relaxed, Ordering::Relaxed)
-            {
+            match ewma.compare_exchange_weak(cur, next, Ordering::Relaxed, Ordering::Relaxed) {
                 Ok(_) => return,
                 Err(actual) => cur = actual,
             }
@@ -84,10 +83,18 @@ impl SourceHealth {
         self.state.id()
     }
 
-    /// The success EWMA in `[0, 1]` (H1).
+    /// The success EWMA in `[0, 1]` of call class 0, the default class (H1).
     #[must_use]
     pub fn health(&self) -> f64 {
-        self.state.health()
+        self.state.health(0)
+    }
+
+    /// The success EWMA of call class `class` (see
+    /// [`HealthP2c::with_class`](crate::HealthP2c::with_class)); classes past
+    /// [`HEALTH_CLASSES`](crate::HEALTH_CLASSES) read the last one.
+    #[must_use]
+    pub fn health_of(&self, class: usize) -> f64 {
+        self.state.health(class)
     }
 
     /// Attempts this balancer has in flight on the source.
@@ -96,10 +103,10 @@ impl SourceHealth {
         self.state.inflight()
     }
 
-    /// The ordering score `max(health, 0.05) / (1 + inflight)` (H2).
+    /// The ordering score `max(health, 0.05) / (1 + inflight)` (H2) of call class 0.
     #[must_use]
     pub fn score(&self) -> f64 {
-        self.state.score()
+        self.state.score(0)
     }
 }
 
@@ -321,32 +328,32 @@ mod tests {
     #[test]
     fn ewma_converges_and_score_has_a_floor() {
         let s = SourceState::new("s".into());
-        assert!((s.health() - 1.0).abs() < 1e-12, "starts optimistic");
-        s.record(false);
-        assert!((s.health() - 0.8).abs() < 1e-12, "alpha 0.2");
+        assert!((s.health(0) - 1.0).abs() < 1e-12, "starts optimistic");
+        s.record(0, false);
+        assert!((s.health(0) - 0.8).abs() < 1e-12, "alpha 0.2");
         for _ in 0..60 {
-            s.record(false);
+            s.record(0, false);
         }
-        assert!(s.health() < 1e-5, "converges to 0: {}", s.health());
-        assert!((s.score() - HEALTH_FLOOR).abs() < 1e-12, "floored at 0.05");
+        assert!(s.health(0) < 1e-5, "converges to 0: {}", s.health(0));
+        assert!((s.score(0) - HEALTH_FLOOR).abs() < 1e-12, "floored at 0.05");
         s.inc();
         assert!(
-            (s.score() - HEALTH_FLOOR / 2.0).abs() < 1e-12,
+            (s.score(0) - HEALTH_FLOOR / 2.0).abs() < 1e-12,
             "divided by 1 + inflight"
         );
         s.dec();
         for _ in 0..10 {
-            s.record(true);
+            s.record(0, true);
         }
         // 1 - 0.8^10 = 0.8926: about 10 successes bring it back to 0.9 (seed 000 section 3.2).
-        assert!((s.health() - 0.892_6).abs() < 1e-3, "{}", s.health());
+        assert!((s.health(0) - 0.892_6).abs() < 1e-3, "{}", s.health(0));
         // A 10%-success stream settles near 0.1.
         let t = SourceState::new("t".into());
         let mut sum = 0.0;
         for i in 0..1000 {
-            t.record(i % 10 == 0);
+            t.record(0, i % 10 == 0);
             if i >= 500 {
-                sum += t.health();
+                sum += t.health(0);
             }
         }
         assert!((sum / 500.0 - 0.1).abs() < 0.02, "{}", sum / 500.0);
@@ -355,7 +362,7 @@ mod tests {
     #[test]
     fn insert_and_remove_keep_health_of_sources_that_stay() {
         let set: Sources<u8> = [("a".into(), 1), ("b".into(), 2)].into_iter().collect();
-        set.view("a").unwrap().state.record(false);
+        set.view("a").unwrap().state.record(0, false);
         let v0 = set.version();
         assert!(set.insert("c".into(), 3));
         assert!(!set.insert("a".into(), 9), "replaced, not new");

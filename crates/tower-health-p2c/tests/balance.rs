@@ -688,3 +688,84 @@ async fn huge_durations_do_not_panic() {
     );
     assert_eq!(t0.elapsed(), Duration::from_secs(2));
 }
+
+/// A source over quota until `until` (answering `QuotaExceeded` with the time left),
+/// then answering its name.
+fn over_quota_until(name: &'static str, until: Instant, hits: Arc<AtomicUsize>) -> Svc {
+    BoxCloneSyncService::new(service_fn(move |_: Req| {
+        let now = Instant::now();
+        let result: Result<&'static str, BoxError> = if now < until {
+            Err(Box::new(QuotaExceeded::new("rpm", until - now)))
+        } else {
+            hits.fetch_add(1, Ordering::SeqCst);
+            Ok(name)
+        };
+        async move { result }
+    }))
+}
+
+/// H5 with H7: a source that failed twice in this call is not dispatched while a
+/// credible source is only briefly over quota; it is when the wait would be too long.
+#[tokio::test(start_paused = true)]
+async fn a_twice_failed_source_waits_behind_a_briefly_refused_credible_one() {
+    for (quota_for, want, want_wait) in [
+        (Duration::from_secs(5), "b", Duration::from_secs(5)),
+        (Duration::from_secs(100), "a", Duration::ZERO),
+    ] {
+        let a_hits = Arc::new(AtomicUsize::new(0));
+        let b_hits = Arc::new(AtomicUsize::new(0));
+        let start = Instant::now();
+        let sources = Sources::new();
+        sources.insert("a".into(), fixed(Ok("a"), Duration::ZERO, Arc::clone(&a_hits)));
+        sources.insert(
+            "b".into(),
+            over_quota_until("b", start + quota_for, Arc::clone(&b_hits)),
+        );
+        for seed in 0..8 {
+            let mut lb = balancer(&sources, Policy::HealthAware).with_seed(seed);
+            let (req, h) = with_history();
+            h.record(Some("a".into()), Outcome::Transient);
+            h.record(Some("a".into()), Outcome::Transient);
+            let t0 = Instant::now();
+            let got = lb.ready().await.unwrap().call(req).await.unwrap();
+            assert_eq!(got, want, "quota for {quota_for:?}, seed {seed}");
+            if seed == 0 {
+                assert_eq!(t0.elapsed(), want_wait, "quota for {quota_for:?}");
+            }
+        }
+        if want == "b" {
+            assert_eq!(
+                a_hits.load(Ordering::SeqCst),
+                0,
+                "the twice-failed source got nothing"
+            );
+        }
+    }
+}
+
+/// H5's credible-alternative rule on a first attempt: while a healthy source is only
+/// over quota for a moment, a source with less than half its health is not spent.
+#[tokio::test(start_paused = true)]
+async fn a_poor_source_waits_behind_a_briefly_refused_healthy_one() {
+    let (sources, flags) = named(&["good", "poor"]);
+    degrade(&sources, &flags, 1, 8).await; // poor: 0.8^8 = 0.17
+    assert!(sources.view("poor").unwrap().health() < 0.5 * sources.view("good").unwrap().health());
+    // Replace `good` by a service over quota for 3 s (its health stays).
+    let good_hits = Arc::new(AtomicUsize::new(0));
+    let until = Instant::now() + Duration::from_secs(3);
+    sources.insert(
+        "good".into(),
+        over_quota_until("good", until, Arc::clone(&good_hits)),
+    );
+    let mut served = Vec::new();
+    for seed in 0..6 {
+        let mut lb = balancer(&sources, Policy::HealthAware).with_seed(seed);
+        let t0 = Instant::now();
+        let got = lb.ready().await.unwrap().call(Req::default()).await.unwrap();
+        served.push((got, t0.elapsed()));
+    }
+    // Whichever the P2C draw put first, no call went to `poor` while `good` was only
+    // briefly refused: the first waited for the quota, the rest found it open.
+    assert!(served.iter().all(|(s, _)| *s == "good"), "{served:?}");
+    assert_eq!(served[0].1, Duration::from_secs(3), "{served:?}");
+}
