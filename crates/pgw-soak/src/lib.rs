@@ -1,0 +1,37 @@
+//! The P6 soak (DESIGN.md K1-K6, section 5): client profiles side by side on the
+//! simulated fault pool, a scoreboard of invariants, and a Markdown + SVG report.
+//!
+//! - [`scenario::Scenario`]: the P6 pool, the traffic and what every profile is given
+//!   (timeouts, watchdogs, quotas), as one documented, serialisable struct;
+//! - [`profiles`]: `naive` (the seeds' first design), `tower-stock` (tower alone) and
+//!   `pgw` (`pgw-stack`'s `Gateway`), each built per worker over the simulator;
+//! - [`driver`]: bounded dispatch, the success judgement, progress, RSS samples;
+//! - [`telemetry`]: one row per attempt and per call, stored as JSON Lines;
+//! - [`scoreboard`]: judges stored rows (so `--rescore` re-judges offline);
+//! - [`report`]: the side-by-side Markdown table and a hand-written SVG chart;
+//! - [`run`]: ties them together under tokio's paused clock.
+//!
+//! ```
+//! use pgw_soak::profiles::ProfileKind;
+//! use pgw_soak::run::{RunOptions, run};
+//! use pgw_soak::scenario::Scenario;
+//!
+//! // A short P6 run of the naive baseline, in virtual time, rows kept in memory.
+//! let mut scenario = Scenario::p6(7);
+//! scenario.calls = 40;
+//! let opts = RunOptions { profiles: vec![ProfileKind::Naive], dir: None, progress: false };
+//! let outcome = run(&scenario, &opts).unwrap();
+//! let naive = &outcome.scores[0];
+//! assert_eq!(naive.calls, 40);
+//! assert!(naive.check("call ids unique").unwrap().pass);
+//! assert!(naive.check("accounting back to zero").unwrap().pass);
+//! ```
+
+pub mod driver;
+pub mod profiles;
+pub mod report;
+pub mod rss;
+pub mod run;
+pub mod scenario;
+pub mod scoreboard;
+pub mod telemetry;

@@ -1,0 +1,361 @@
+//! `naive`: the seeds' first design, the baseline (seed 003, seed 000 section 1).
+//!
+//! - Round robin over the sources, one cursor step per pick, skipping sources whose
+//!   breaker is open or whose RPM/TPM gate is full: the "hole funnel" (seed 000
+//!   section 1, defect 3) comes with it: the traffic of skipped sources falls to the
+//!   next live one.
+//! - A consecutive-failure breaker reset by any success, with the effective threshold
+//!   `max(configured, 2 x global concurrency)` (defect 2) and a fixed cooldown; 401
+//!   forces it open; 429s count as failures (the seeds' first design did); a half-open
+//!   breaker admits one probe.
+//! - 3 attempts per call, consumed by every failure, 429s and invalid answers
+//!   included, with a fixed exponential backoff; 400 fails fast.
+//! - The seed's response cache and a simple fixed-window RPM/TPM gate (to be fair: the
+//!   same quotas as every profile), both shared by the workers (the seed kept them in
+//!   Redis).
+//!
+//! Profile-local code on purpose: it is the baseline, not library code.
+
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use futures_util::future::BoxFuture;
+use pgw_client::{AnswerClassifier, BoxTransport, ChatAnswer, UpstreamClient};
+use pgw_core::openai::ChatResponse;
+use pgw_core::{BoxError, Classify, Outcome};
+use tokio::time::Instant;
+use tower::Service;
+
+use super::{Built, Env, Inflight, Recorded, chat_call};
+use crate::driver::{Client, SoakCall, is_valid_structured};
+use crate::scenario::QUOTA_WINDOW;
+use crate::telemetry::{Accounting, AttemptRow, Recorder};
+
+/// How long a call waits for any source to be admitted before it gives up.
+const MAX_WAIT_FOR_SOURCE: Duration = Duration::from_secs(120);
+/// Poll interval while no source is admitted.
+const WAIT_STEP: Duration = Duration::from_secs(1);
+
+/// No source could be admitted for 120 s of scenario time.
+#[derive(Debug)]
+pub struct NoSourceAdmitted;
+
+impl std::fmt::Display for NoSourceAdmitted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("no source admitted")
+    }
+}
+
+impl std::error::Error for NoSourceAdmitted {}
+
+#[derive(Debug, Default)]
+struct Breaker {
+    consecutive: u32,
+    open_until: Option<Instant>,
+    probing: bool,
+}
+
+#[derive(Debug, Default)]
+struct Gate {
+    window: u64,
+    requests: u64,
+    tokens: u64,
+}
+
+struct SourceState {
+    name: String,
+    /// The transport is `Send` but not `Sync`: each attempt clones the client out.
+    client: Mutex<UpstreamClient<BoxTransport>>,
+    rpm: Option<u64>,
+    tpm: Option<u64>,
+    breaker: Mutex<Breaker>,
+    gate: Mutex<Gate>,
+}
+
+struct Shared {
+    sources: Vec<SourceState>,
+    cache: Option<Mutex<HashMap<u64, ChatResponse>>>,
+    threshold: u32,
+    cooldown: Duration,
+    backoff: Duration,
+    attempts: u32,
+    origin: Instant,
+    inflight: Inflight,
+    recorder: Recorder,
+}
+
+/// Locks, ignoring poison (every critical section here is a few assignments).
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Admission of one source: `Some(probe)` when admitted (`probe` when half-open).
+fn admit(shared: &Shared, s: &SourceState, now: Instant, tokens: u64) -> Option<bool> {
+    let probe = {
+        let mut b = lock(&s.breaker);
+        match b.open_until {
+            Some(t) if now < t || b.probing => return None,
+            Some(_) => {
+                b.probing = true;
+                true
+            }
+            None => false,
+        }
+    };
+    let window = u64::try_from(now.saturating_duration_since(shared.origin).as_millis()).unwrap_or(u64::MAX)
+        / u64::try_from(QUOTA_WINDOW.as_millis()).unwrap_or(60_000);
+    let mut g = lock(&s.gate);
+    if g.window != window {
+        *g = Gate {
+            window,
+            ..Gate::default()
+        };
+    }
+    let rpm_ok = s.rpm.is_none_or(|l| g.requests < l);
+    let tpm_ok = s.tpm.is_none_or(|l| g.tokens + tokens <= l || g.tokens == 0);
+    if rpm_ok && tpm_ok {
+        g.requests += 1;
+        g.tokens += tokens;
+        Some(probe)
+    } else {
+        if probe {
+            lock(&s.breaker).probing = false;
+        }
+        None
+    }
+}
+
+/// Releases a probe flag if the attempt ends without a verdict (dropped future).
+struct ProbeGuard<'a> {
+    breaker: &'a Mutex<Breaker>,
+    armed: bool,
+}
+
+impl Drop for ProbeGuard<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            lock(self.breaker).probing = false;
+        }
+    }
+}
+
+fn record(shared: &Shared, s: &SourceState, probe: bool, outcome: Outcome) {
+    let now = Instant::now();
+    let mut b = lock(&s.breaker);
+    if probe {
+        b.probing = false;
+    }
+    match outcome {
+        Outcome::Success | Outcome::Invalid => {
+            b.consecutive = 0;
+            if probe {
+                b.open_until = None;
+            }
+        }
+        Outcome::SourceDead => {
+            b.consecutive += 1;
+            b.open_until = Some(now + shared.cooldown);
+        }
+        Outcome::Transient | Outcome::RateLimited { .. } => {
+            b.consecutive += 1;
+            if probe || b.consecutive >= shared.threshold {
+                b.open_until = Some(now + shared.cooldown);
+            }
+        }
+        Outcome::Rejected => {}
+    }
+}
+
+fn cache_key(call: &SoakCall) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    let r = &*call.request;
+    r.model.hash(&mut h);
+    for m in &r.messages {
+        m.role.hash(&mut h);
+        m.content.hash(&mut h);
+    }
+    r.max_tokens.hash(&mut h);
+    serde_json::to_string(&r.extra).unwrap_or_default().hash(&mut h);
+    h.finish()
+}
+
+struct Worker {
+    shared: Arc<Shared>,
+    worker: u32,
+    cursor: AtomicUsize,
+}
+
+impl Worker {
+    /// Round robin from the cursor, skipping sources that are not admitted.
+    fn pick(&self, tokens: u64) -> Option<(usize, bool)> {
+        let n = self.shared.sources.len();
+        let start = self.cursor.fetch_add(1, Ordering::Relaxed);
+        let now = Instant::now();
+        (0..n).find_map(|i| {
+            let idx = (start + i) % n;
+            admit(&self.shared, &self.shared.sources[idx], now, tokens).map(|probe| (idx, probe))
+        })
+    }
+
+    async fn run(self: Arc<Self>, call: SoakCall) -> Result<ChatResponse, BoxError> {
+        let shared = Arc::clone(&self.shared);
+        let key = shared.cache.as_ref().map(|_| cache_key(&call));
+        if let (Some(cache), Some(key)) = (&shared.cache, key) {
+            let hit = lock(cache).get(&key).cloned();
+            if let Some(resp) = hit {
+                let now = shared.recorder.clock().now_ms();
+                shared.recorder.attempt(AttemptRow {
+                    call_id: call.call_id(),
+                    attempt: 1,
+                    worker: self.worker,
+                    source: "cache".into(),
+                    admitted_ms: now,
+                    latency_ms: 0,
+                    ttft_ms: None,
+                    tokens: 0,
+                    outcome: "success".into(),
+                    cache_hit: true,
+                });
+                return Ok(resp);
+            }
+        }
+        let chat = chat_call(&call);
+        let tokens = chat.estimate_tokens();
+        let mut last: BoxError = NoSourceAdmitted.into();
+        for attempt in 1..=shared.attempts {
+            if attempt > 1 {
+                tokio::time::sleep(shared.backoff * 2u32.saturating_pow(attempt - 2)).await;
+            }
+            let waited_since = Instant::now();
+            let (idx, probe) = loop {
+                if let Some(p) = self.pick(tokens) {
+                    break p;
+                }
+                if waited_since.elapsed() >= MAX_WAIT_FOR_SOURCE {
+                    return Err(NoSourceAdmitted.into());
+                }
+                tokio::time::sleep(WAIT_STEP).await;
+            };
+            let source = &shared.sources[idx];
+            let mut guard = ProbeGuard {
+                breaker: &source.breaker,
+                armed: probe,
+            };
+            let client = lock(&source.client).clone();
+            let svc = Recorded::new(
+                client,
+                &source.name,
+                self.worker,
+                shared.recorder.clone(),
+                shared.inflight.clone(),
+            );
+            let result: Result<ChatAnswer, BoxError> = attempt_on(svc, chat.clone()).await;
+            guard.armed = false;
+            let mut outcome = AnswerClassifier.classify(&result);
+            if let Ok(a) = &result
+                && call.structured
+                && outcome.is_success()
+                && !is_valid_structured(a.content())
+            {
+                outcome = Outcome::Invalid;
+            }
+            record(&shared, source, probe, outcome);
+            match (result, outcome) {
+                (Ok(a), Outcome::Success) => {
+                    if let (Some(cache), Some(key)) = (&shared.cache, key) {
+                        lock(cache).insert(key, a.response.clone());
+                    }
+                    return Ok(a.response);
+                }
+                (Ok(a), _) => {
+                    last = pgw_core::InvalidResponse::new(format!(
+                        "{} chars of non-JSON content",
+                        a.content().len()
+                    ))
+                    .into();
+                }
+                (Err(e), Outcome::Rejected) => return Err(e),
+                (Err(e), _) => last = e,
+            }
+        }
+        Err(last)
+    }
+}
+
+/// One attempt on a ready-checked service, as a concrete boxed future.
+fn attempt_on(
+    mut svc: Recorded<UpstreamClient<BoxTransport>>,
+    call: pgw_client::ChatCall,
+) -> BoxFuture<'static, Result<ChatAnswer, BoxError>> {
+    Box::pin(async move {
+        std::future::poll_fn(|cx| svc.poll_ready(cx)).await?;
+        svc.call(call).await
+    })
+}
+
+struct NaiveClient(Arc<Worker>);
+
+impl Client for NaiveClient {
+    fn call(&self, call: SoakCall) -> BoxFuture<'static, Result<ChatResponse, BoxError>> {
+        Box::pin(Arc::clone(&self.0).run(call))
+    }
+}
+
+/// Builds the naive profile: one round-robin cursor per worker over shared breakers,
+/// gates and cache.
+///
+/// # Errors
+/// Unknown source or bad client settings.
+pub fn build(env: &Env) -> Result<Built, BoxError> {
+    let sc = &env.scenario;
+    let names = env.sources();
+    let mut sources = Vec::new();
+    for name in &names {
+        let q = sc.client.quota(name);
+        sources.push(SourceState {
+            name: name.clone(),
+            client: Mutex::new(env.upstream.client(sc, name)?),
+            rpm: q.and_then(|q| q.rpm),
+            tpm: q.and_then(|q| q.tpm),
+            breaker: Mutex::default(),
+            gate: Mutex::default(),
+        });
+    }
+    let inflight = Inflight::new(&names);
+    let shared = Arc::new(Shared {
+        sources,
+        cache: sc.naive.cache.then(Mutex::default),
+        threshold: sc.naive.breaker_threshold.max(2 * sc.global_concurrency()),
+        cooldown: Duration::from_secs_f64(sc.naive.cooldown_s),
+        backoff: Duration::from_secs_f64(sc.naive.backoff_s),
+        attempts: sc.client.max_attempts,
+        origin: env.recorder.clock().origin(),
+        inflight: inflight.clone(),
+        recorder: env.recorder.clone(),
+    });
+    let clients = (0..sc.workers)
+        .map(|w| {
+            Arc::new(NaiveClient(Arc::new(Worker {
+                shared: Arc::clone(&shared),
+                worker: w,
+                cursor: AtomicUsize::new(0),
+            }))) as Arc<dyn Client>
+        })
+        .collect();
+    let books = Arc::clone(&shared);
+    Ok(Built {
+        clients,
+        accounting: Box::new(move || {
+            Box::pin(std::future::ready({
+                let mut acc = Accounting::default();
+                inflight.report(&mut acc);
+                let probes = books.sources.iter().filter(|s| lock(&s.breaker).probing).count();
+                acc.counters.insert("probes in flight".into(), probes as u64);
+                acc
+            }))
+        }),
+    })
+}

@@ -1,0 +1,450 @@
+//! The report: a Markdown side-by-side table and a hand-written SVG chart.
+
+use std::fmt::Write as _;
+
+use crate::scoreboard::Score;
+
+/// Chart size.
+const W: f64 = 900.0;
+const H: f64 = 620.0;
+/// Series colours, one per profile (cycled).
+const COLOURS: [&str; 5] = ["#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e"];
+
+/// What the report says about the run besides the scores.
+#[derive(Clone, Debug, Default)]
+pub struct RunInfo {
+    /// One line describing the scenario (pool, calls, workers, seed, mode).
+    pub scenario: String,
+    /// The chart's file name, relative to the report.
+    pub chart_file: String,
+}
+
+#[allow(clippy::cast_precision_loss)]
+fn mib(kib: u64) -> f64 {
+    kib as f64 / 1024.0
+}
+
+#[allow(clippy::cast_precision_loss)]
+fn secs(ms: u64) -> f64 {
+    ms as f64 / 1000.0
+}
+
+/// The Markdown report: the side-by-side table, failures by cause, attempts per source,
+/// every check with its detail, and the chart.
+#[must_use]
+pub fn markdown(info: &RunInfo, scores: &[Score]) -> String {
+    let mut md = String::new();
+    let _ = writeln!(md, "# P6 soak\n\n{}\n", info.scenario);
+    let header = |md: &mut String, first: &str| {
+        let _ = write!(md, "| {first} |");
+        for s in scores {
+            let _ = write!(md, " {} |", s.profile);
+        }
+        md.push_str("\n|---|");
+        for _ in scores {
+            md.push_str("---:|");
+        }
+        md.push('\n');
+    };
+    let row = |md: &mut String, name: &str, f: &dyn Fn(&Score) -> String| {
+        let _ = write!(md, "| {} |", name.replace('|', "\\|"));
+        for s in scores {
+            let _ = write!(md, " {} |", f(s).replace('|', "\\|"));
+        }
+        md.push('\n');
+    };
+    header(&mut md, "");
+    row(&mut md, "**success**", &|s| {
+        format!("**{:.2}%** ({}/{})", s.success_rate * 100.0, s.ok, s.calls)
+    });
+    row(&mut md, "success excl. rejected prompts", &|s| {
+        format!(
+            "{:.2}% ({} rejected)",
+            s.recoverable_success_rate * 100.0,
+            s.rejected
+        )
+    });
+    row(&mut md, "verdict", &|s| {
+        if s.passed() { "PASS".into() } else { "FAIL".into() }
+    });
+    row(&mut md, "quota violations", &|s| s.violations.len().to_string());
+    row(&mut md, "attempts / call", &|s| {
+        format!("{:.2}", s.attempts_per_call)
+    });
+    row(&mut md, "upstream attempts", &|s| s.attempts.to_string());
+    row(&mut md, "cache hits", &|s| s.cache_hits.to_string());
+    row(&mut md, "scenario time", &|s| {
+        format!("{:.0} min", secs(s.scenario_ms) / 60.0)
+    });
+    row(&mut md, "wall time", &|s| format!("{:.1} s", secs(s.wall_ms)));
+    row(&mut md, "RSS at end", &|s| {
+        format!("{:.1} MiB", mib(s.rss_end_kib))
+    });
+
+    md.push_str("\n## Invariants\n\n");
+    header(&mut md, "check");
+    let mut names: Vec<&str> = Vec::new();
+    for s in scores {
+        for c in &s.checks {
+            if !names.contains(&c.name) {
+                names.push(c.name);
+            }
+        }
+    }
+    for name in names {
+        row(&mut md, name, &|s| match s.check(name) {
+            Some(c) => format!(
+                "{} {}",
+                match (c.pass, c.gating) {
+                    (true, _) => "PASS",
+                    (false, true) => "FAIL",
+                    (false, false) => "info",
+                },
+                c.detail
+            ),
+            None => "-".into(),
+        });
+    }
+
+    md.push_str("\n## Failed calls by cause\n\n");
+    header(&mut md, "cause");
+    let mut causes: Vec<&String> = scores.iter().flat_map(|s| s.failed_by_cause.keys()).collect();
+    causes.sort();
+    causes.dedup();
+    for cause in causes {
+        row(&mut md, cause, &|s| {
+            s.failed_by_cause.get(cause).copied().unwrap_or(0).to_string()
+        });
+    }
+
+    md.push_str("\n## Upstream attempts per source\n\n");
+    header(&mut md, "source");
+    let mut sources: Vec<&String> = Vec::new();
+    for s in scores {
+        for (src, _) in &s.attempts_by_source {
+            if !sources.contains(&src) {
+                sources.push(src);
+            }
+        }
+    }
+    for src in sources {
+        row(&mut md, src, &|s| {
+            let n = s
+                .attempts_by_source
+                .iter()
+                .find(|(x, _)| x == src)
+                .map_or(0, |(_, n)| *n);
+            #[allow(clippy::cast_precision_loss)]
+            let share = if s.attempts == 0 {
+                0.0
+            } else {
+                n as f64 * 100.0 / s.attempts as f64
+            };
+            format!("{n} ({share:.0}%)")
+        });
+    }
+
+    md.push_str("\n## Attempt outcomes\n\n");
+    header(&mut md, "outcome");
+    let mut outcomes: Vec<&String> = scores.iter().flat_map(|s| s.outcomes.keys()).collect();
+    outcomes.sort();
+    outcomes.dedup();
+    for o in outcomes {
+        row(&mut md, o, &|s| {
+            s.outcomes.get(o).copied().unwrap_or(0).to_string()
+        });
+    }
+
+    for s in scores.iter().filter(|s| !s.violations.is_empty()) {
+        let _ = writeln!(md, "\n### Quota violations: {}\n", s.profile);
+        md.push_str("| scope | dim | window start (s) | used | limit |\n|---|---|---:|---:|---:|\n");
+        for v in s.violations.iter().take(20) {
+            let _ = writeln!(
+                md,
+                "| {} | {} | {:.0} | {} | {} |",
+                v.scope,
+                v.dimension,
+                secs(v.window_start_ms),
+                v.used,
+                v.limit
+            );
+        }
+        if s.violations.len() > 20 {
+            let _ = writeln!(md, "\n({} more)", s.violations.len() - 20);
+        }
+    }
+    if !info.chart_file.is_empty() {
+        let _ = writeln!(
+            md,
+            "\n![success over time and attempts per source]({})",
+            info.chart_file
+        );
+    }
+    md
+}
+
+/// The side-by-side scoreboard for the terminal.
+#[must_use]
+pub fn terminal(scores: &[Score]) -> String {
+    let mut out = String::new();
+    let _ = write!(out, "{:<26}", "");
+    for s in scores {
+        let _ = write!(out, "{:>16}", s.profile);
+    }
+    out.push('\n');
+    let line = |out: &mut String, name: &str, f: &dyn Fn(&Score) -> String| {
+        let _ = write!(out, "{name:<26}");
+        for s in scores {
+            let _ = write!(out, "{:>16}", f(s));
+        }
+        out.push('\n');
+    };
+    line(&mut out, "success", &|s| {
+        format!("{:.2}%", s.success_rate * 100.0)
+    });
+    line(&mut out, "success excl. 400s", &|s| {
+        format!("{:.2}%", s.recoverable_success_rate * 100.0)
+    });
+    line(&mut out, "quota violations", &|s| s.violations.len().to_string());
+    line(&mut out, "attempts / call", &|s| {
+        format!("{:.2}", s.attempts_per_call)
+    });
+    line(&mut out, "cache hits", &|s| s.cache_hits.to_string());
+    line(&mut out, "wall time", &|s| format!("{:.1}s", secs(s.wall_ms)));
+    let mut names: Vec<&str> = Vec::new();
+    for s in scores {
+        for c in &s.checks {
+            if !names.contains(&c.name) {
+                names.push(c.name);
+            }
+        }
+    }
+    for name in names {
+        line(&mut out, name, &|s| {
+            s.check(name).map_or_else(
+                || "-".into(),
+                |c| match (c.pass, c.gating) {
+                    (true, _) => "PASS".into(),
+                    (false, true) => "FAIL".into(),
+                    (false, false) => "info".into(),
+                },
+            )
+        });
+    }
+    line(&mut out, "verdict", &|s| {
+        if s.passed() { "PASS".into() } else { "FAIL".into() }
+    });
+    out
+}
+
+fn esc(s: &str) -> String {
+    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+}
+
+/// The SVG chart: success rate per scenario minute (cumulative, one line per profile)
+/// on top, attempts per source (grouped bars) below. Written by hand: no dependency.
+#[must_use]
+#[allow(clippy::cast_precision_loss, clippy::too_many_lines)]
+pub fn svg(scores: &[Score]) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" font-family="sans-serif" font-size="12">"#
+    );
+    s.push_str(r#"<rect width="100%" height="100%" fill="white"/>"#);
+    s.push('\n');
+
+    // Top: cumulative success rate over scenario time.
+    let (x0, y0, pw, ph) = (60.0, 40.0, W - 200.0, 260.0);
+    let _ = writeln!(
+        s,
+        r#"<text x="{x0}" y="22" font-size="14" font-weight="bold">Cumulative success rate over scenario time</text>"#
+    );
+    let max_min = scores
+        .iter()
+        .filter_map(|sc| sc.success_by_minute.last().map(|m| m.0))
+        .max()
+        .unwrap_or(1)
+        .max(1) as f64;
+    for pct in [0, 25, 50, 75, 100] {
+        let y = y0 + ph - ph * f64::from(pct) / 100.0;
+        let _ = writeln!(
+            s,
+            r##"<line x1="{x0}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}" stroke="#ddd"/><text x="{:.1}" y="{:.1}" text-anchor="end">{pct}%</text>"##,
+            x0 + pw,
+            x0 - 6.0,
+            y + 4.0
+        );
+    }
+    let _ = writeln!(
+        s,
+        r##"<line x1="{x0}" y1="{:.1}" x2="{:.1}" y2="{:.1}" stroke="#333"/><text x="{:.1}" y="{:.1}" text-anchor="middle">scenario minutes (0 .. {max_min:.0})</text>"##,
+        y0 + ph,
+        x0 + pw,
+        y0 + ph,
+        x0 + pw / 2.0,
+        y0 + ph + 30.0
+    );
+    for (i, sc) in scores.iter().enumerate() {
+        let colour = COLOURS[i % COLOURS.len()];
+        let (mut n, mut ok) = (0u64, 0u64);
+        let pts: Vec<String> = sc
+            .success_by_minute
+            .iter()
+            .map(|&(m, calls, good)| {
+                n += calls;
+                ok += good;
+                let rate = if n == 0 { 0.0 } else { ok as f64 / n as f64 };
+                format!("{:.1},{:.1}", x0 + pw * m as f64 / max_min, y0 + ph - ph * rate)
+            })
+            .collect();
+        let _ = writeln!(
+            s,
+            r#"<polyline fill="none" stroke="{colour}" stroke-width="2" points="{}"/>"#,
+            pts.join(" ")
+        );
+        let ly = y0 + 20.0 + 20.0 * i as f64;
+        let _ = writeln!(
+            s,
+            r#"<rect x="{:.1}" y="{:.1}" width="12" height="12" fill="{colour}"/><text x="{:.1}" y="{:.1}">{} {:.1}%</text>"#,
+            x0 + pw + 15.0,
+            ly - 10.0,
+            x0 + pw + 32.0,
+            ly,
+            esc(&sc.profile),
+            sc.success_rate * 100.0
+        );
+    }
+
+    // Bottom: attempts per source, grouped bars.
+    let (bx0, by0, bw, bh) = (60.0, 370.0, W - 200.0, 200.0);
+    let _ = writeln!(
+        s,
+        r#"<text x="{bx0}" y="{:.1}" font-size="14" font-weight="bold">Upstream attempts per source</text>"#,
+        by0 - 18.0
+    );
+    let mut sources: Vec<&String> = Vec::new();
+    for sc in scores {
+        for (src, _) in &sc.attempts_by_source {
+            if !sources.contains(&src) {
+                sources.push(src);
+            }
+        }
+    }
+    let max_n = scores
+        .iter()
+        .flat_map(|sc| sc.attempts_by_source.iter().map(|(_, n)| *n))
+        .max()
+        .unwrap_or(1)
+        .max(1) as f64;
+    let group = bw / sources.len().max(1) as f64;
+    let bar = (group * 0.8) / scores.len().max(1) as f64;
+    let _ = writeln!(
+        s,
+        r##"<line x1="{bx0}" y1="{:.1}" x2="{:.1}" y2="{:.1}" stroke="#333"/><text x="{:.1}" y="{:.1}" text-anchor="end">{max_n:.0}</text>"##,
+        by0 + bh,
+        bx0 + bw,
+        by0 + bh,
+        bx0 - 6.0,
+        by0 + 4.0
+    );
+    for (g, src) in sources.iter().enumerate() {
+        let gx = bx0 + group * g as f64 + group * 0.1;
+        for (i, sc) in scores.iter().enumerate() {
+            let n = sc
+                .attempts_by_source
+                .iter()
+                .find(|(x, _)| x == *src)
+                .map_or(0, |(_, n)| *n) as f64;
+            let h = bh * n / max_n;
+            let _ = writeln!(
+                s,
+                r#"<rect x="{:.1}" y="{:.1}" width="{:.1}" height="{h:.1}" fill="{}"><title>{} {}: {n:.0}</title></rect>"#,
+                gx + bar * i as f64,
+                by0 + bh - h,
+                bar.max(1.0) - 1.0,
+                COLOURS[i % COLOURS.len()],
+                esc(&sc.profile),
+                esc(src)
+            );
+        }
+        let _ = writeln!(
+            s,
+            r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">{}</text>"#,
+            gx + group * 0.4,
+            by0 + bh + 16.0,
+            esc(src)
+        );
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scoreboard::{Expectations, judge};
+    use crate::telemetry::{AttemptRow, CallRow, ProfileRun};
+
+    fn score(name: &str, ok: bool) -> Score {
+        let run = ProfileRun {
+            profile: name.into(),
+            sources: vec!["s1".into(), "s<2>".into()],
+            calls: vec![CallRow {
+                call_id: "c".into(),
+                worker: 0,
+                kind: "P1".into(),
+                started_ms: 0,
+                ended_ms: 120_000,
+                ok,
+                cause: if ok { "ok".into() } else { "quota|x".into() },
+            }],
+            attempts: vec![AttemptRow {
+                call_id: "c".into(),
+                attempt: 1,
+                worker: 0,
+                source: "s<2>".into(),
+                admitted_ms: 0,
+                latency_ms: 1,
+                ttft_ms: None,
+                tokens: 1,
+                outcome: "success".into(),
+                cache_hit: false,
+            }],
+            ..ProfileRun::default()
+        };
+        judge(
+            &run,
+            &Expectations {
+                calls: 1,
+                success_bar: None,
+                success_band: None,
+            },
+        )
+    }
+
+    #[test]
+    fn markdown_has_a_column_per_profile_and_escapes() {
+        let scores = [score("naive", false), score("pgw", true)];
+        let md = markdown(
+            &RunInfo {
+                scenario: "x".into(),
+                chart_file: "chart.svg".into(),
+            },
+            &scores,
+        );
+        assert!(md.contains("|  | naive | pgw |"), "{md}");
+        assert!(
+            md.contains("| **success** | **0.00%** (0/1) | **100.00%** (1/1) |"),
+            "{md}"
+        );
+        assert!(md.contains("| quota\\|x | 1 | 0 |"), "{md}");
+        assert!(md.contains("![success over time and attempts per source](chart.svg)"));
+        let svg = svg(&scores);
+        assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+        assert!(svg.contains("s&lt;2&gt;") && !svg.contains("s<2>"));
+        assert_eq!(svg.matches("<polyline").count(), 2);
+        let t = terminal(&scores);
+        assert!(t.contains("success") && t.contains("100.00%"), "{t}");
+    }
+}

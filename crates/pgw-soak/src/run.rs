@@ -1,0 +1,261 @@
+//! Runs profiles on the scenario, stores their telemetry, judges and reports.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use pgw_core::BoxError;
+use pgw_sim::p6::{Kind, Traffic, TrafficConfig};
+
+use crate::driver::{DriveOptions, SoakCall, drive};
+use crate::profiles::{self, Env, ProfileKind, Upstream};
+use crate::report::{self, RunInfo};
+use crate::scenario::Scenario;
+use crate::scoreboard::{self, Expectations, Score};
+use crate::telemetry::{ProfileRun, Recorder, RunClock, stored_profiles};
+
+/// The success bar of the pgw profile (DESIGN.md section 1: >= 99%).
+pub const PGW_SUCCESS_BAR: f64 = 0.99;
+/// The calibration band of the naive profile (seed 003 measured 58.1%; issue 8: 50-65%).
+pub const NAIVE_CALIBRATION_BAND: (f64, f64) = (0.50, 0.65);
+/// RSS samples per profile run.
+pub const RSS_SAMPLES: u64 = 100;
+/// Scenario time given to the books to settle after the last call (spawned releases,
+/// hold expiries) before they are read.
+const SETTLE: Duration = Duration::from_secs(5);
+
+/// How to run.
+#[derive(Clone, Debug)]
+pub struct RunOptions {
+    /// Profiles to run, in order.
+    pub profiles: Vec<ProfileKind>,
+    /// Where to store telemetry and the report (`None`: in memory only).
+    pub dir: Option<PathBuf>,
+    /// Show the progress bars.
+    pub progress: bool,
+}
+
+/// What the scoreboard expects of `profile`.
+#[must_use]
+pub fn expectations(profile: &str, calls: u64) -> Expectations {
+    Expectations {
+        calls,
+        success_bar: (profile == ProfileKind::Pgw.as_str()).then_some(PGW_SUCCESS_BAR),
+        success_band: (profile == ProfileKind::Naive.as_str()).then_some(NAIVE_CALIBRATION_BAND),
+    }
+}
+
+/// The traffic kind's report name (`P1` .. `P5`).
+const fn kind_name(kind: Kind) -> &'static str {
+    match kind {
+        Kind::ShortChat => "P1",
+        Kind::LargePrompt => "P2",
+        Kind::Structured => "P3",
+        Kind::Repeated => "P4",
+        Kind::LongStream => "P5",
+    }
+}
+
+/// The scenario's traffic as soak calls.
+pub fn traffic(scenario: &Scenario) -> impl Iterator<Item = SoakCall> + Send + 'static {
+    let calls = usize::try_from(scenario.calls).unwrap_or(usize::MAX);
+    Traffic::with_config(
+        TrafficConfig {
+            calls,
+            ..TrafficConfig::default()
+        },
+        scenario.seed,
+    )
+    .map(|item| SoakCall {
+        id: item.index as u64 + 1,
+        worker: 0,
+        kind: kind_name(item.kind),
+        structured: item.kind == Kind::Structured,
+        request: Arc::new(item.request),
+    })
+}
+
+/// Runs one profile on the scenario in virtual time (tokio's paused clock, memory
+/// state, the simulator in process) and returns its run (rows included).
+///
+/// # Errors
+/// The profile cannot be built, the pool is invalid, or storing failed.
+pub fn run_profile_virtual(
+    scenario: &Scenario,
+    kind: ProfileKind,
+    dir: Option<&Path>,
+    progress: &ProgressBar,
+) -> Result<ProfileRun, BoxError> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()?;
+    // Wall time of the run for the report only; every behaviour runs on tokio's clock.
+    let wall = std::time::Instant::now();
+    let mut run = rt.block_on(async {
+        let clock = RunClock::start();
+        let pool = pgw_sim::SimPool::new(scenario.pool.clone(), scenario.seed)?;
+        let sources: Vec<String> = scenario.pool.sources.iter().map(|s| s.name.clone()).collect();
+        let recorder = match dir {
+            Some(d) => Recorder::to_dir(clock, sources.clone(), d, kind.as_str())?,
+            None => Recorder::in_memory(clock, sources.clone()),
+        };
+        let env = Env {
+            scenario: scenario.clone(),
+            upstream: Upstream::sim(pool),
+            recorder: recorder.clone(),
+        };
+        let built = profiles::build(kind, &env)
+            .await
+            .map_err(|e| profiles::BuildError(e.to_string()))?;
+        let opts = DriveOptions {
+            concurrency: scenario.concurrency,
+            rss_samples: RSS_SAMPLES,
+            calls: scenario.calls,
+        };
+        let rss = drive(built.clients, traffic(scenario), &recorder, opts, progress).await;
+        let scenario_ms = clock.now_ms();
+        tokio::time::sleep(SETTLE).await;
+        let mut accounting = (built.accounting)().await;
+        for (name, st) in env.upstream.pool().stats().sources {
+            accounting
+                .counters
+                .insert(format!("provider in flight {name}"), st.in_flight);
+        }
+        let (attempts, calls) = recorder.finish()?;
+        Ok::<_, BoxError>(ProfileRun {
+            profile: kind.as_str().to_owned(),
+            attempts,
+            calls,
+            rss,
+            accounting,
+            quotas: scenario.client.quota_rules(),
+            wall_ms: 0,
+            scenario_ms,
+            sources,
+        })
+    })?;
+    drop(rt);
+    run.wall_ms = u64::try_from(wall.elapsed().as_millis()).unwrap_or(u64::MAX);
+    if let Some(d) = dir {
+        run.store_meta(d)?;
+        run = ProfileRun::load(d, kind.as_str())?;
+    }
+    Ok(run)
+}
+
+fn bar(kind: ProfileKind, calls: u64, show: bool) -> ProgressBar {
+    if !show {
+        return ProgressBar::hidden();
+    }
+    let pb = ProgressBar::new(calls);
+    pb.set_style(
+        ProgressStyle::with_template("{prefix:>11} [{bar:16}] {pos:>5}/{len} {wide_msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    pb.set_prefix(kind.as_str());
+    pb
+}
+
+/// The scores of a run, and the profiles that could not be built.
+#[derive(Debug)]
+pub struct RunOutcome {
+    /// Scores in profile order.
+    pub scores: Vec<Score>,
+    /// Profiles that could not be built, with the reason.
+    pub skipped: Vec<(ProfileKind, String)>,
+}
+
+/// Runs every profile of `opts` on `scenario`, judges them, writes the report when a
+/// directory is given. A profile that cannot be built is skipped and named in
+/// [`RunOutcome::skipped`].
+///
+/// # Errors
+/// Invalid scenario or I/O errors.
+pub fn run(scenario: &Scenario, opts: &RunOptions) -> Result<RunOutcome, BoxError> {
+    scenario.validate()?;
+    if let Some(d) = &opts.dir {
+        fs::create_dir_all(d).map_err(|e| format!("{}: {e}", d.display()))?;
+        fs::write(d.join("scenario.json"), serde_json::to_vec_pretty(scenario)?)?;
+    }
+    let mut scores = Vec::new();
+    let mut skipped = Vec::new();
+    for &kind in &opts.profiles {
+        let pb = bar(kind, scenario.calls, opts.progress);
+        let run = match run_profile_virtual(scenario, kind, opts.dir.as_deref(), &pb) {
+            Ok(run) => run,
+            Err(e) if e.is::<profiles::BuildError>() => {
+                pb.abandon_with_message(format!("skipped: {e}"));
+                skipped.push((kind, e.to_string()));
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        let score = scoreboard::judge(&run, &expectations(kind.as_str(), scenario.calls));
+        pb.finish_with_message(format!(
+            "ok {:.2}%, {} quota violations, {:.2} attempts/call",
+            score.success_rate * 100.0,
+            score.violations.len(),
+            score.attempts_per_call
+        ));
+        scores.push(score);
+    }
+    if let Some(d) = &opts.dir {
+        let names: Vec<&str> = scores.iter().map(|s| s.profile.as_str()).collect();
+        fs::write(d.join("profiles.txt"), names.join("\n") + "\n")?;
+        write_report(d, &describe(scenario), &scores)?;
+    }
+    Ok(RunOutcome { scores, skipped })
+}
+
+/// One line describing the scenario for the report.
+#[must_use]
+pub fn describe(s: &Scenario) -> String {
+    format!(
+        "P6 pool ({} sources), {} calls, {} workers x {} concurrent, seed {}, virtual time, memory backend; \
+         timeouts: first token {}s, inter-token {}s, attempt {}s; {} attempts per call.",
+        s.pool.sources.len(),
+        s.calls,
+        s.workers,
+        s.concurrency,
+        s.seed,
+        s.client.first_token_s,
+        s.client.inter_token_s,
+        s.client.total_s,
+        s.client.max_attempts
+    )
+}
+
+/// Writes `report.md` and `chart.svg` into `dir`.
+///
+/// # Errors
+/// I/O errors.
+pub fn write_report(dir: &Path, scenario_line: &str, scores: &[Score]) -> std::io::Result<()> {
+    let info = RunInfo {
+        scenario: scenario_line.to_owned(),
+        chart_file: "chart.svg".into(),
+    };
+    fs::write(dir.join("chart.svg"), report::svg(scores))?;
+    fs::write(dir.join("report.md"), report::markdown(&info, scores))
+}
+
+/// Re-judges a stored run without traffic (`--rescore RUN`), rewriting its report.
+///
+/// # Errors
+/// The run directory is missing or malformed.
+pub fn rescore(dir: &Path) -> Result<Vec<Score>, BoxError> {
+    let scenario: Scenario = serde_json::from_slice(
+        &fs::read(dir.join("scenario.json")).map_err(|e| format!("{}/scenario.json: {e}", dir.display()))?,
+    )
+    .map_err(|e| format!("{}/scenario.json: {e}", dir.display()))?;
+    let mut scores = Vec::new();
+    for p in stored_profiles(dir)? {
+        let run = ProfileRun::load(dir, &p)?;
+        scores.push(scoreboard::judge(&run, &expectations(&p, scenario.calls)));
+    }
+    write_report(dir, &format!("{} (rescored)", describe(&scenario)), &scores)?;
+    Ok(scores)
+}

@@ -1,0 +1,513 @@
+//! The scoreboard (K4): judges one profile's stored telemetry.
+//!
+//! It reads only the rows ([`ProfileRun`]), never the live client, so `--rescore RUN`
+//! re-judges a stored run with exactly the same code. Quotas are judged the way the
+//! seeds' scoreboard learned to (seed 003 section 3): by **admission instant** on the
+//! **limiter's clock** (the run's tokio clock, windows aligned on the run's start),
+//! **excluding cache hits** (they never pass a gate).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use serde::Serialize;
+
+use crate::telemetry::{ProfileRun, QuotaRule};
+
+/// Failure causes no client can avoid: the provider rejects the prompt itself (about
+/// 0.5% of P6 prompts, DESIGN.md section 5).
+pub const UNRECOVERABLE_CAUSES: [&str; 2] = ["rejected", "http_400"];
+/// Calls before this fraction of the run are warm-up for the RSS judgement.
+const RSS_WARMUP_FRACTION: f64 = 0.25;
+/// Allowed relative growth of current RSS from the run's middle to its end.
+const RSS_GROWTH_RATIO: f64 = 0.25;
+/// Allowed absolute growth of current RSS from the run's middle to its end, KiB.
+const RSS_GROWTH_SLACK_KIB: u64 = 16 * 1024;
+
+/// One judged invariant.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Check {
+    /// Short name (`success rate`, `quotas`, ...).
+    pub name: &'static str,
+    /// Whether it passed.
+    pub pass: bool,
+    /// Whether a failure fails the run (informational checks do not).
+    pub gating: bool,
+    /// What was measured.
+    pub detail: String,
+}
+
+/// One window where a quota was exceeded.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Violation {
+    /// The quota's scope (`source s4`).
+    pub scope: String,
+    /// `rpm` or `tpm`.
+    pub dimension: String,
+    /// Window start, ms since the run started.
+    pub window_start_ms: u64,
+    /// What was admitted in that window.
+    pub used: u64,
+    /// The limit.
+    pub limit: u64,
+}
+
+/// The verdict on one profile's run.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Score {
+    /// The profile.
+    pub profile: String,
+    /// Calls run.
+    pub calls: u64,
+    /// Calls that returned a valid answer.
+    pub ok: u64,
+    /// `ok / calls`.
+    pub success_rate: f64,
+    /// Calls the provider rejected as bad requests (400: no client can make them pass).
+    pub rejected: u64,
+    /// `ok / (calls - rejected)`: the success of the calls a client could succeed.
+    pub recoverable_success_rate: f64,
+    /// Failed calls by cause.
+    pub failed_by_cause: BTreeMap<String, u64>,
+    /// Upstream attempts (cache hits excluded).
+    pub attempts: u64,
+    /// Cache hits.
+    pub cache_hits: u64,
+    /// Upstream attempts per call.
+    pub attempts_per_call: f64,
+    /// Upstream attempts per source, pool order.
+    pub attempts_by_source: Vec<(String, u64)>,
+    /// Attempt outcomes by name.
+    pub outcomes: BTreeMap<String, u64>,
+    /// Every window where a quota was exceeded.
+    pub violations: Vec<Violation>,
+    /// Success rate per scenario minute (by the call's end), `(minute, calls, ok)`.
+    pub success_by_minute: Vec<(u64, u64, u64)>,
+    /// The judged invariants.
+    pub checks: Vec<Check>,
+    /// Scenario time of the run, ms.
+    pub scenario_ms: u64,
+    /// Wall time of the run, ms.
+    pub wall_ms: u64,
+    /// Current RSS at the end of the run, KiB.
+    pub rss_end_kib: u64,
+}
+
+impl Score {
+    /// Whether every gating check passed.
+    #[must_use]
+    pub fn passed(&self) -> bool {
+        self.checks.iter().all(|c| c.pass || !c.gating)
+    }
+
+    /// The check named `name`.
+    #[must_use]
+    pub fn check(&self, name: &str) -> Option<&Check> {
+        self.checks.iter().find(|c| c.name == name)
+    }
+}
+
+/// What the scoreboard expects of a profile beyond the invariants every profile must hold.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Expectations {
+    /// Calls the run was asked to make.
+    pub calls: u64,
+    /// Success bar: gating when `Some` (pgw: 0.99).
+    pub success_bar: Option<f64>,
+    /// Informational band for the calibration (`naive`: 0.50..=0.65).
+    pub success_band: Option<(f64, f64)>,
+}
+
+/// Judges one run.
+#[must_use]
+pub fn judge(run: &ProfileRun, expect: &Expectations) -> Score {
+    let calls = run.calls.len() as u64;
+    let ok = run.calls.iter().filter(|c| c.ok).count() as u64;
+    let success_rate = ratio(ok, calls);
+    let rejected = run
+        .calls
+        .iter()
+        .filter(|c| !c.ok && UNRECOVERABLE_CAUSES.contains(&c.cause.as_str()))
+        .count() as u64;
+    let mut failed_by_cause = BTreeMap::new();
+    for c in run.calls.iter().filter(|c| !c.ok) {
+        *failed_by_cause.entry(c.cause.clone()).or_insert(0) += 1;
+    }
+    let upstream: Vec<_> = run.attempts.iter().filter(|a| !a.cache_hit).collect();
+    let attempts = upstream.len() as u64;
+    let cache_hits = run.attempts.len() as u64 - attempts;
+    let mut by_source: Vec<(String, u64)> = run.sources.iter().map(|s| (s.clone(), 0)).collect();
+    let mut outcomes = BTreeMap::new();
+    for a in &upstream {
+        match by_source.iter_mut().find(|(s, _)| *s == a.source) {
+            Some((_, n)) => *n += 1,
+            None => by_source.push((a.source.clone(), 1)),
+        }
+        *outcomes.entry(a.outcome.clone()).or_insert(0) += 1;
+    }
+
+    let mut checks = Vec::new();
+    checks.push(success_check(success_rate, ok, calls, expect));
+    if let Some((lo, hi)) = expect.success_band {
+        checks.push(Check {
+            name: "calibration band",
+            pass: (lo..=hi).contains(&success_rate),
+            gating: false,
+            detail: format!(
+                "{:.1}% in [{:.0}%, {:.0}%]",
+                success_rate * 100.0,
+                lo * 100.0,
+                hi * 100.0
+            ),
+        });
+    }
+    let violations = quota_violations(run);
+    checks.push(quota_check(&violations, &run.quotas));
+    checks.push(ids_check(run, expect.calls));
+    checks.push(accounting_check(run));
+    checks.push(rss_check(run));
+
+    Score {
+        profile: run.profile.clone(),
+        calls,
+        ok,
+        success_rate,
+        rejected,
+        recoverable_success_rate: ratio(ok, calls - rejected),
+        failed_by_cause,
+        attempts,
+        cache_hits,
+        attempts_per_call: ratio(attempts, calls),
+        attempts_by_source: by_source,
+        outcomes,
+        violations,
+        success_by_minute: success_by_minute(run),
+        checks,
+        scenario_ms: run.scenario_ms,
+        wall_ms: run.wall_ms,
+        rss_end_kib: run.rss.last().map_or(0, |s| s.rss_kib),
+    }
+}
+
+#[allow(clippy::cast_precision_loss)] // counts far below 2^52
+fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 { 0.0 } else { a as f64 / b as f64 }
+}
+
+fn success_check(rate: f64, ok: u64, calls: u64, expect: &Expectations) -> Check {
+    let detail = format!("{ok}/{calls} = {:.2}%", rate * 100.0);
+    match expect.success_bar {
+        Some(bar) => Check {
+            name: "success rate",
+            pass: rate >= bar,
+            gating: true,
+            detail: format!("{detail} (bar {:.1}%)", bar * 100.0),
+        },
+        None => Check {
+            name: "success rate",
+            pass: true,
+            gating: false,
+            detail,
+        },
+    }
+}
+
+/// Every window where a quota rule was exceeded, by admission instant, cache hits
+/// excluded.
+#[must_use]
+pub fn quota_violations(run: &ProfileRun) -> Vec<Violation> {
+    let mut out = Vec::new();
+    for rule in &run.quotas {
+        let mut windows: BTreeMap<u64, u64> = BTreeMap::new();
+        for a in run
+            .attempts
+            .iter()
+            .filter(|a| !a.cache_hit && rule.sources.contains(&a.source))
+        {
+            let w = a.admitted_ms / rule.window_ms.max(1);
+            let add = if rule.dimension == "tpm" { a.tokens } else { 1 };
+            *windows.entry(w).or_insert(0) += add;
+        }
+        out.extend(
+            windows
+                .into_iter()
+                .filter(|&(_, used)| used > rule.limit)
+                .map(|(w, used)| Violation {
+                    scope: rule.scope.clone(),
+                    dimension: rule.dimension.clone(),
+                    window_start_ms: w * rule.window_ms,
+                    used,
+                    limit: rule.limit,
+                }),
+        );
+    }
+    out
+}
+
+fn quota_check(violations: &[Violation], rules: &[QuotaRule]) -> Check {
+    let detail = if violations.is_empty() {
+        format!("0 violations over {} quota rules", rules.len())
+    } else {
+        let mut by: BTreeMap<(String, String), (u64, u64, u64)> = BTreeMap::new();
+        for v in violations {
+            let e = by
+                .entry((v.scope.clone(), v.dimension.clone()))
+                .or_insert((0, 0, v.limit));
+            e.0 += 1;
+            e.1 = e.1.max(v.used);
+        }
+        by.iter()
+            .map(|((scope, dim), (n, worst, limit))| {
+                format!("{scope} {dim}: {n} windows over (worst {worst} > {limit})")
+            })
+            .collect::<Vec<_>>()
+            .join("; ")
+    };
+    Check {
+        name: "quotas never exceeded",
+        pass: violations.is_empty(),
+        gating: true,
+        detail,
+    }
+}
+
+fn ids_check(run: &ProfileRun, expected: u64) -> Check {
+    let mut seen = HashSet::with_capacity(run.calls.len());
+    let dups = run
+        .calls
+        .iter()
+        .filter(|c| !seen.insert(c.call_id.as_str()))
+        .count();
+    let orphans = run
+        .attempts
+        .iter()
+        .filter(|a| !seen.contains(a.call_id.as_str()))
+        .count();
+    let mut per_call: HashMap<&str, Vec<u32>> = HashMap::new();
+    for a in &run.attempts {
+        per_call.entry(a.call_id.as_str()).or_default().push(a.attempt);
+    }
+    let mut repeated_attempt_no = 0;
+    for v in per_call.values_mut() {
+        v.sort_unstable();
+        if v.windows(2).any(|w| w[0] == w[1]) {
+            repeated_attempt_no += 1;
+        }
+    }
+    let n = run.calls.len() as u64;
+    Check {
+        name: "call ids unique",
+        pass: dups == 0 && orphans == 0 && repeated_attempt_no == 0 && n == expected,
+        gating: true,
+        detail: format!(
+            "{n}/{expected} calls, {dups} duplicate ids, {orphans} attempts of unknown calls, \
+             {repeated_attempt_no} calls with a repeated attempt number"
+        ),
+    }
+}
+
+fn accounting_check(run: &ProfileRun) -> Check {
+    let left: Vec<_> = run
+        .accounting
+        .counters
+        .iter()
+        .filter(|&(_, &v)| v != 0)
+        .map(|(k, v)| format!("{k} = {v}"))
+        .collect();
+    Check {
+        name: "accounting back to zero",
+        pass: left.is_empty() && !run.accounting.counters.is_empty(),
+        gating: true,
+        detail: if run.accounting.counters.is_empty() {
+            "no accounting reported".to_owned()
+        } else if left.is_empty() {
+            format!("{} counters all zero", run.accounting.counters.len())
+        } else {
+            left.join(", ")
+        },
+    }
+}
+
+#[allow(
+    clippy::cast_precision_loss,
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss
+)]
+fn rss_check(run: &ProfileRun) -> Check {
+    let total = run.rss.last().map_or(0, |s| s.calls_done);
+    let warm = (total as f64 * RSS_WARMUP_FRACTION) as u64;
+    let steady: Vec<_> = run.rss.iter().filter(|s| s.calls_done >= warm).collect();
+    if steady.len() < 4 {
+        return Check {
+            name: "current RSS stable",
+            pass: false,
+            gating: true,
+            detail: format!("only {} samples after warm-up", steady.len()),
+        };
+    }
+    let half = steady.len() / 2;
+    let median = |xs: &[&crate::telemetry::RssSample]| {
+        let mut v: Vec<u64> = xs.iter().map(|s| s.rss_kib).collect();
+        v.sort_unstable();
+        v[v.len() / 2]
+    };
+    let mid = median(&steady[..half]);
+    let end = median(&steady[half..]);
+    let allowed = (mid as f64 * (1.0 + RSS_GROWTH_RATIO)) as u64 + RSS_GROWTH_SLACK_KIB;
+    Check {
+        name: "current RSS stable",
+        pass: end <= allowed,
+        gating: true,
+        detail: format!(
+            "median {:.1} MiB mid-run -> {:.1} MiB at the end ({} samples, /proc/self/statm)",
+            mid as f64 / 1024.0,
+            end as f64 / 1024.0,
+            run.rss.len()
+        ),
+    }
+}
+
+fn success_by_minute(run: &ProfileRun) -> Vec<(u64, u64, u64)> {
+    let mut m: BTreeMap<u64, (u64, u64)> = BTreeMap::new();
+    for c in &run.calls {
+        let e = m.entry(c.ended_ms / 60_000).or_insert((0, 0));
+        e.0 += 1;
+        e.1 += u64::from(c.ok);
+    }
+    m.into_iter().map(|(k, (n, ok))| (k, n, ok)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::telemetry::{Accounting, AttemptRow, CallRow, RssSample};
+
+    fn attempt(call: &str, n: u32, source: &str, at_ms: u64, cache_hit: bool) -> AttemptRow {
+        AttemptRow {
+            call_id: call.into(),
+            attempt: n,
+            worker: 0,
+            source: source.into(),
+            admitted_ms: at_ms,
+            latency_ms: 10,
+            ttft_ms: None,
+            tokens: 100,
+            outcome: "success".into(),
+            cache_hit,
+        }
+    }
+
+    fn call(id: &str, ok: bool, end: u64) -> CallRow {
+        CallRow {
+            call_id: id.into(),
+            worker: 0,
+            kind: "P1".into(),
+            started_ms: 0,
+            ended_ms: end,
+            ok,
+            cause: if ok { "ok".into() } else { "transient".into() },
+        }
+    }
+
+    fn run() -> ProfileRun {
+        let mut accounting = Accounting::default();
+        accounting.counters.insert("inflight s4".into(), 0);
+        ProfileRun {
+            profile: "p".into(),
+            sources: vec!["s4".into()],
+            quotas: vec![QuotaRule {
+                scope: "source s4".into(),
+                sources: vec!["s4".into()],
+                dimension: "rpm".into(),
+                limit: 2,
+                window_ms: 60_000,
+            }],
+            accounting,
+            rss: (0..8)
+                .map(|i| RssSample {
+                    calls_done: i,
+                    rss_kib: 10_000,
+                })
+                .collect(),
+            ..ProfileRun::default()
+        }
+    }
+
+    #[test]
+    fn quota_windows_by_admission_and_cache_hits_excluded() {
+        let mut r = run();
+        r.calls = (0..4).map(|i| call(&format!("c{i}"), true, 1)).collect();
+        // Two admissions in window 0, a cache hit in it too, two in window 1: no violation.
+        r.attempts = vec![
+            attempt("c0", 1, "s4", 59_000, false),
+            attempt("c1", 1, "s4", 59_999, false),
+            attempt("c2", 1, "s4", 59_999, true),
+            attempt("c3", 1, "s4", 60_000, false),
+            attempt("c2", 2, "s4", 61_000, false),
+        ];
+        let s = judge(
+            &r,
+            &Expectations {
+                calls: 4,
+                success_bar: Some(0.99),
+                success_band: None,
+            },
+        );
+        assert!(s.violations.is_empty(), "{:?}", s.violations);
+        assert!(s.passed(), "{:?}", s.checks);
+        assert_eq!(s.cache_hits, 1);
+        // A third real admission in window 1 is a violation.
+        r.attempts.push(attempt("c1", 2, "s4", 119_999, false));
+        let s = judge(
+            &r,
+            &Expectations {
+                calls: 4,
+                success_bar: None,
+                success_band: None,
+            },
+        );
+        assert_eq!(
+            s.violations,
+            vec![Violation {
+                scope: "source s4".into(),
+                dimension: "rpm".into(),
+                window_start_ms: 60_000,
+                used: 3,
+                limit: 2
+            }]
+        );
+        assert!(!s.passed());
+    }
+
+    #[test]
+    fn ids_accounting_rss_and_bar() {
+        let mut r = run();
+        r.calls = vec![call("a", true, 0), call("a", false, 70_000)];
+        r.attempts = vec![attempt("zz", 1, "s4", 0, false)];
+        r.accounting.counters.insert("probe leases".into(), 1);
+        r.rss = (0..8)
+            .map(|i| RssSample {
+                calls_done: i,
+                rss_kib: 10_000 + i * 20_000,
+            })
+            .collect();
+        let s = judge(
+            &r,
+            &Expectations {
+                calls: 2,
+                success_bar: Some(0.99),
+                success_band: Some((0.5, 0.65)),
+            },
+        );
+        for name in [
+            "success rate",
+            "call ids unique",
+            "accounting back to zero",
+            "current RSS stable",
+        ] {
+            assert!(!s.check(name).unwrap().pass, "{name} should fail: {:?}", s.checks);
+        }
+        assert!(s.check("calibration band").unwrap().pass);
+        assert!(!s.check("calibration band").unwrap().gating);
+        assert_eq!(s.success_by_minute, vec![(0, 1, 1), (1, 1, 0)]);
+        assert_eq!(s.failed_by_cause.get("transient"), Some(&1));
+    }
+}

@@ -1,0 +1,394 @@
+//! Per-attempt and per-call telemetry of a soak run, and its storage as JSON Lines.
+//!
+//! Every profile writes the same rows, so the scoreboard judges them all alike: one
+//! [`AttemptRow`] per attempt (and per cache hit, flagged), one [`CallRow`] per call.
+//! Times are milliseconds since the start of the run on the clock the limiters use
+//! (tokio's clock; virtual under the paused runtime).
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::{BufRead, BufReader, BufWriter, Write};
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
+
+/// One attempt of one call (or one cache hit), as the scoreboard reads it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AttemptRow {
+    /// The call this attempt belongs to.
+    pub call_id: String,
+    /// 1-based attempt number within the call.
+    pub attempt: u32,
+    /// The worker (client instance) that made it.
+    pub worker: u32,
+    /// The source it was dispatched to.
+    pub source: String,
+    /// Admission instant on the limiter's clock, ms since the run started.
+    pub admitted_ms: u64,
+    /// Time from admission to the end of the attempt, ms.
+    pub latency_ms: u64,
+    /// Time to the first token, ms, when a first token arrived.
+    pub ttft_ms: Option<u64>,
+    /// Tokens counted against the TPM quota (real usage when known, else the estimate).
+    pub tokens: u64,
+    /// The outcome's name (`pgw_core::Outcome::as_str`).
+    pub outcome: String,
+    /// A response-cache hit: never reached the source nor its gates.
+    pub cache_hit: bool,
+}
+
+/// One call, as the driver saw it end.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CallRow {
+    /// The call id.
+    pub call_id: String,
+    /// The worker that ran it.
+    pub worker: u32,
+    /// The traffic kind (`P1` .. `P5`).
+    pub kind: String,
+    /// Start, ms since the run started.
+    pub started_ms: u64,
+    /// End, ms since the run started.
+    pub ended_ms: u64,
+    /// Whether the call returned a valid answer.
+    pub ok: bool,
+    /// `ok`, or why the call failed (see [`crate::driver::failure_cause`]).
+    pub cause: String,
+}
+
+/// The run's clock: milliseconds since the run started, on tokio's clock.
+#[derive(Clone, Copy, Debug)]
+pub struct RunClock {
+    start: Instant,
+}
+
+impl RunClock {
+    /// A clock starting now.
+    #[must_use]
+    pub fn start() -> Self {
+        Self {
+            start: Instant::now(),
+        }
+    }
+
+    /// The instant the run started.
+    #[must_use]
+    pub const fn origin(&self) -> Instant {
+        self.start
+    }
+
+    /// Milliseconds since the run started.
+    #[must_use]
+    pub fn now_ms(&self) -> u64 {
+        self.ms_at(Instant::now())
+    }
+
+    /// Milliseconds from the run start to `t` (0 if `t` is earlier).
+    #[must_use]
+    pub fn ms_at(&self, t: Instant) -> u64 {
+        u64::try_from(t.saturating_duration_since(self.start).as_millis()).unwrap_or(u64::MAX)
+    }
+}
+
+/// Live counters for the progress display.
+#[derive(Debug, Default)]
+pub struct LiveStats {
+    /// Attempts per source index (same order as [`Recorder::sources`]).
+    attempts: Vec<AtomicU64>,
+}
+
+/// Collects the rows of one profile's run; cheap to clone (a handle).
+#[derive(Clone, Debug)]
+pub struct Recorder {
+    inner: Arc<RecorderInner>,
+}
+
+#[derive(Debug)]
+struct RecorderInner {
+    clock: RunClock,
+    sources: Vec<String>,
+    live: LiveStats,
+    attempts: Mutex<Rows<AttemptRow>>,
+    calls: Mutex<Rows<CallRow>>,
+}
+
+/// Rows kept in memory, or streamed to a JSON Lines file so the harness's own memory
+/// stays flat and the RSS samples measure the client, not the telemetry.
+#[derive(Debug)]
+enum Rows<T> {
+    Memory(Vec<T>),
+    File(BufWriter<fs::File>),
+}
+
+impl<T: Serialize> Rows<T> {
+    fn push(&mut self, row: T) {
+        match self {
+            Self::Memory(v) => v.push(row),
+            Self::File(w) => {
+                // A failed write shows at flush time in `finish`; the run goes on.
+                let _ = serde_json::to_writer(&mut *w, &row).map(|()| w.write_all(b"\n"));
+            }
+        }
+    }
+
+    fn take(&mut self) -> std::io::Result<Vec<T>> {
+        match self {
+            Self::Memory(v) => Ok(std::mem::take(v)),
+            Self::File(w) => w.flush().map(|()| Vec::new()),
+        }
+    }
+}
+
+impl Recorder {
+    /// A recorder keeping rows in memory, for a run over `sources` timed by `clock`.
+    #[must_use]
+    pub fn in_memory(clock: RunClock, sources: Vec<String>) -> Self {
+        Self::with(clock, sources, Rows::Memory(Vec::new()), Rows::Memory(Vec::new()))
+    }
+
+    /// A recorder streaming rows to `<profile>.attempts.jsonl` and
+    /// `<profile>.calls.jsonl` in `dir`.
+    ///
+    /// # Errors
+    /// The files cannot be created.
+    pub fn to_dir(clock: RunClock, sources: Vec<String>, dir: &Path, profile: &str) -> std::io::Result<Self> {
+        let open = |kind: &str| -> std::io::Result<BufWriter<fs::File>> {
+            let path = dir.join(format!("{profile}.{kind}.jsonl"));
+            fs::File::create(&path)
+                .map(BufWriter::new)
+                .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))
+        };
+        Ok(Self::with(
+            clock,
+            sources,
+            Rows::File(open("attempts")?),
+            Rows::File(open("calls")?),
+        ))
+    }
+
+    fn with(clock: RunClock, sources: Vec<String>, attempts: Rows<AttemptRow>, calls: Rows<CallRow>) -> Self {
+        let live = LiveStats {
+            attempts: sources.iter().map(|_| AtomicU64::new(0)).collect(),
+        };
+        Self {
+            inner: Arc::new(RecorderInner {
+                clock,
+                sources,
+                live,
+                attempts: Mutex::new(attempts),
+                calls: Mutex::new(calls),
+            }),
+        }
+    }
+
+    /// The run's clock.
+    #[must_use]
+    pub fn clock(&self) -> RunClock {
+        self.inner.clock
+    }
+
+    /// The pool's source names.
+    #[must_use]
+    pub fn sources(&self) -> &[String] {
+        &self.inner.sources
+    }
+
+    /// Records one attempt.
+    pub fn attempt(&self, row: AttemptRow) {
+        if !row.cache_hit
+            && let Some(i) = self.inner.sources.iter().position(|s| *s == row.source)
+        {
+            self.inner.live.attempts[i].fetch_add(1, Ordering::Relaxed);
+        }
+        self.inner
+            .attempts
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(row);
+    }
+
+    /// Records one finished call.
+    pub fn call(&self, row: CallRow) {
+        self.inner
+            .calls
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(row);
+    }
+
+    /// Attempts so far per source (cache hits excluded), in pool order.
+    #[must_use]
+    pub fn live_attempts(&self) -> Vec<(String, u64)> {
+        self.inner
+            .sources
+            .iter()
+            .zip(&self.inner.live.attempts)
+            .map(|(s, n)| (s.clone(), n.load(Ordering::Relaxed)))
+            .collect()
+    }
+
+    /// Ends recording: returns the in-memory rows (empty when streaming to files, which
+    /// are flushed).
+    ///
+    /// # Errors
+    /// Flushing the files failed.
+    pub fn finish(&self) -> std::io::Result<(Vec<AttemptRow>, Vec<CallRow>)> {
+        let a = self
+            .inner
+            .attempts
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()?;
+        let c = self
+            .inner
+            .calls
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()?;
+        Ok((a, c))
+    }
+}
+
+/// One current-RSS sample (from `/proc/self/statm`, not the peak).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RssSample {
+    /// Calls done when sampled.
+    pub calls_done: u64,
+    /// Resident set size, KiB.
+    pub rss_kib: u64,
+}
+
+/// What was left in the gates' books after the run (all should be zero).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Accounting {
+    /// Counter name (`inflight s1`, `probe leases`, ...) -> value after the run.
+    pub counters: BTreeMap<String, u64>,
+}
+
+/// A quota the scoreboard checks: at most `limit` per `window_ms` in `scope`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QuotaRule {
+    /// `source s4` or `account a1`.
+    pub scope: String,
+    /// The sources the scope covers.
+    pub sources: Vec<String>,
+    /// `rpm` or `tpm`.
+    pub dimension: String,
+    /// The most admissions (rpm) or tokens (tpm) per window.
+    pub limit: u64,
+    /// Window length, ms; windows are aligned on the run's start (the limiter's epoch).
+    pub window_ms: u64,
+}
+
+/// Everything one profile's run produced.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ProfileRun {
+    /// The profile's name.
+    pub profile: String,
+    /// Per-attempt rows.
+    #[serde(skip)]
+    pub attempts: Vec<AttemptRow>,
+    /// Per-call rows.
+    #[serde(skip)]
+    pub calls: Vec<CallRow>,
+    /// RSS samples through the run.
+    pub rss: Vec<RssSample>,
+    /// Accounting left after the run.
+    pub accounting: Accounting,
+    /// Quotas the profile was configured to respect.
+    pub quotas: Vec<QuotaRule>,
+    /// Wall time of the run, ms (informational; not judged).
+    pub wall_ms: u64,
+    /// Scenario (virtual or scaled) time of the run, ms.
+    pub scenario_ms: u64,
+    /// The pool's source names, in order.
+    pub sources: Vec<String>,
+}
+
+fn write_jsonl<T: Serialize>(path: &Path, rows: &[T]) -> std::io::Result<()> {
+    let mut w = BufWriter::new(fs::File::create(path)?);
+    for r in rows {
+        serde_json::to_writer(&mut w, r)?;
+        w.write_all(b"\n")?;
+    }
+    w.flush()
+}
+
+fn read_jsonl<T: for<'de> Deserialize<'de>>(path: &Path) -> std::io::Result<Vec<T>> {
+    let r = BufReader::new(fs::File::open(path)?);
+    let mut rows = Vec::new();
+    for (i, line) in r.lines().enumerate() {
+        let line = line?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        rows.push(serde_json::from_str(&line).map_err(|e| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("{}:{}: {e}", path.display(), i + 1),
+            )
+        })?);
+    }
+    Ok(rows)
+}
+
+impl ProfileRun {
+    /// Writes `<profile>.attempts.jsonl`, `<profile>.calls.jsonl` and
+    /// `<profile>.run.json` into `dir`.
+    ///
+    /// # Errors
+    /// Any I/O error, with the file's path.
+    pub fn store(&self, dir: &Path) -> std::io::Result<()> {
+        let p = &self.profile;
+        write_jsonl(&dir.join(format!("{p}.attempts.jsonl")), &self.attempts)?;
+        write_jsonl(&dir.join(format!("{p}.calls.jsonl")), &self.calls)?;
+        self.store_meta(dir)
+    }
+
+    /// Writes only `<profile>.run.json` (the rows were streamed by the recorder).
+    ///
+    /// # Errors
+    /// Any I/O error.
+    pub fn store_meta(&self, dir: &Path) -> std::io::Result<()> {
+        let p = &self.profile;
+        let meta = serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?;
+        fs::write(dir.join(format!("{p}.run.json")), meta)
+    }
+
+    /// Reads back what [`store`](Self::store) wrote for `profile`.
+    ///
+    /// # Errors
+    /// Missing or malformed files, naming the file.
+    pub fn load(dir: &Path, profile: &str) -> std::io::Result<Self> {
+        let meta_path = dir.join(format!("{profile}.run.json"));
+        let meta = fs::read(&meta_path)
+            .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", meta_path.display())))?;
+        let mut run: Self = serde_json::from_slice(&meta).map_err(|e| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("{}: {e}", meta_path.display()),
+            )
+        })?;
+        run.attempts = read_jsonl(&dir.join(format!("{profile}.attempts.jsonl")))?;
+        run.calls = read_jsonl(&dir.join(format!("{profile}.calls.jsonl")))?;
+        Ok(run)
+    }
+}
+
+/// The profiles stored in a run directory, in the order they were run.
+///
+/// # Errors
+/// The directory cannot be read.
+pub fn stored_profiles(dir: &Path) -> std::io::Result<Vec<String>> {
+    let order = fs::read_to_string(dir.join("profiles.txt"))
+        .map_err(|e| std::io::Error::new(e.kind(), format!("{}/profiles.txt: {e}", dir.display())))?;
+    Ok(order
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .map(str::to_owned)
+        .collect())
+}
