@@ -352,6 +352,69 @@ impl fmt::Display for EmptyCompletion {
 
 impl Error for EmptyCompletion {}
 
+/// A bad configuration value, naming the component and the field.
+///
+/// Every layer validates its configuration when it is built and answers this error
+/// (never a panic later): `field()` is the field as spelled in the layer's config
+/// (`fail_threshold`, `source.requests`, `max_attempts`, ...).
+///
+/// ```
+/// let e = pgw_core::ConfigError::new("breaker", "cooldown_s", "must be positive");
+/// assert_eq!(e.field(), "cooldown_s");
+/// assert_eq!(e.to_string(), "invalid breaker config: cooldown_s: must be positive");
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigError {
+    component: &'static str,
+    field: std::borrow::Cow<'static, str>,
+    reason: std::borrow::Cow<'static, str>,
+}
+
+impl ConfigError {
+    /// A new error: `field` of `component`'s configuration is wrong because `reason`.
+    pub fn new(
+        component: &'static str,
+        field: impl Into<std::borrow::Cow<'static, str>>,
+        reason: impl Into<std::borrow::Cow<'static, str>>,
+    ) -> Self {
+        Self {
+            component,
+            field: field.into(),
+            reason: reason.into(),
+        }
+    }
+
+    /// The component whose configuration is wrong (`breaker`, `aimd`, ...).
+    #[must_use]
+    pub const fn component(&self) -> &'static str {
+        self.component
+    }
+
+    /// The offending field.
+    #[must_use]
+    pub fn field(&self) -> &str {
+        &self.field
+    }
+
+    /// What is wrong with it.
+    #[must_use]
+    pub fn reason(&self) -> &str {
+        &self.reason
+    }
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "invalid {} config: {}: {}",
+            self.component, self.field, self.reason
+        )
+    }
+}
+
+impl Error for ConfigError {}
+
 #[cfg(test)]
 mod tests {
     use super::*;

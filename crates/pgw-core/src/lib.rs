@@ -46,8 +46,8 @@ pub mod sse;
 
 pub use classify::{Classify, OkIsSuccess};
 pub use error::{
-    BackendUnavailable, BoxError, CircuitOpen, EmptyCompletion, InvalidResponse, NotAdmitted, Paced,
-    QuotaExceeded, UpstreamStatus,
+    BackendUnavailable, BoxError, CircuitOpen, ConfigError, EmptyCompletion, InvalidResponse, NotAdmitted,
+    Paced, QuotaExceeded, UpstreamStatus,
 };
 pub use history::{AttemptRecord, CallHistory, CarriesHistory};
 pub use hold::{Hold, HoldFuture, NoHold};

@@ -68,25 +68,34 @@ impl AimdConfig {
     /// A [`ConfigError`] naming the first bad field.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if !(self.min_limit.is_finite() && self.min_limit >= 1.0) {
-            return Err(ConfigError::new("min_limit", "must be a finite number >= 1"));
+            return Err(crate::error::config_error(
+                "min_limit",
+                "must be a finite number >= 1",
+            ));
         }
         if !(self.initial_limit.is_finite() && self.initial_limit >= self.min_limit) {
-            return Err(ConfigError::new(
+            return Err(crate::error::config_error(
                 "initial_limit",
                 "must be a finite number >= min_limit",
             ));
         }
         if !(self.decrease_factor > 0.0 && self.decrease_factor < 1.0) {
-            return Err(ConfigError::new("decrease_factor", "must be in (0, 1)"));
+            return Err(crate::error::config_error("decrease_factor", "must be in (0, 1)"));
         }
         if self.max_concurrency == Some(0) {
-            return Err(ConfigError::new("max_concurrency", "must be at least 1"));
+            return Err(crate::error::config_error(
+                "max_concurrency",
+                "must be at least 1",
+            ));
         }
         if self.caller_concurrency == Some(0) {
-            return Err(ConfigError::new("caller_concurrency", "must be at least 1"));
+            return Err(crate::error::config_error(
+                "caller_concurrency",
+                "must be at least 1",
+            ));
         }
         if self.ceiling() < self.min_limit {
-            return Err(ConfigError::new(
+            return Err(crate::error::config_error(
                 "min_limit",
                 "is above the ceiling min(max_concurrency, caller_concurrency)",
             ));

@@ -1,30 +1,13 @@
 //! Errors created by this crate (besides [`pgw_core::Paced`], the not-admitted answer).
 
-use std::fmt;
+/// A bad configuration field: the workspace's shared [`pgw_core::ConfigError`]
+/// (component `aimd`).
+pub use pgw_core::ConfigError;
 
-/// A bad [`AimdConfig`](crate::AimdConfig) field.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ConfigError {
-    field: &'static str,
-    reason: &'static str,
+/// A [`ConfigError`] of this crate's configuration.
+pub(crate) fn config_error(
+    field: impl Into<std::borrow::Cow<'static, str>>,
+    reason: impl Into<std::borrow::Cow<'static, str>>,
+) -> ConfigError {
+    ConfigError::new("aimd", field, reason)
 }
-
-impl ConfigError {
-    pub(crate) const fn new(field: &'static str, reason: &'static str) -> Self {
-        Self { field, reason }
-    }
-
-    /// The name of the bad field.
-    #[must_use]
-    pub const fn field(&self) -> &'static str {
-        self.field
-    }
-}
-
-impl fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "invalid aimd config: `{}` {}", self.field, self.reason)
-    }
-}
-
-impl std::error::Error for ConfigError {}

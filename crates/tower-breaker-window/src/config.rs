@@ -165,16 +165,22 @@ fn secs(d: Duration) -> f64 {
 fn duration(field: &'static str, secs: Option<f64>) -> Result<Option<Duration>, ConfigError> {
     let Some(s) = secs else { return Ok(None) };
     let d = Duration::try_from_secs_f64(s).map_err(|_| {
-        ConfigError::new(
+        crate::error::config_error(
             field,
             format!("{s} is not a number of seconds from 0.001 to 365 days"),
         )
     })?;
     if d < RESOLUTION {
-        return Err(ConfigError::new(field, format!("{s}s is shorter than 1 ms")));
+        return Err(crate::error::config_error(
+            field,
+            format!("{s}s is shorter than 1 ms"),
+        ));
     }
     if d > MAX_DURATION {
-        return Err(ConfigError::new(field, format!("{s}s is longer than 365 days")));
+        return Err(crate::error::config_error(
+            field,
+            format!("{s}s is longer than 365 days"),
+        ));
     }
     Ok(Some(d))
 }
@@ -243,26 +249,26 @@ impl BreakerConfigBuilder {
     pub fn build(&self) -> Result<BreakerConfig, ConfigError> {
         let fail_threshold = self
             .fail_threshold
-            .ok_or_else(|| ConfigError::new("fail_threshold", "is required"))?;
+            .ok_or_else(|| crate::error::config_error("fail_threshold", "is required"))?;
         if fail_threshold == 0 {
-            return Err(ConfigError::new("fail_threshold", "must be at least 1"));
+            return Err(crate::error::config_error("fail_threshold", "must be at least 1"));
         }
         let cooldown = duration("cooldown_s", self.cooldown_s)?
-            .ok_or_else(|| ConfigError::new("cooldown_s", "is required"))?;
+            .ok_or_else(|| crate::error::config_error("cooldown_s", "is required"))?;
         let min_calls = self.min_calls.unwrap_or(DEFAULT_MIN_CALLS);
         if min_calls == 0 {
-            return Err(ConfigError::new("min_calls", "must be at least 1"));
+            return Err(crate::error::config_error("min_calls", "must be at least 1"));
         }
         let fail_rate = self.fail_rate.unwrap_or(DEFAULT_FAIL_RATE);
         if !(fail_rate > 0.0 && fail_rate <= 1.0) {
-            return Err(ConfigError::new(
+            return Err(crate::error::config_error(
                 "fail_rate",
                 format!("{fail_rate} is not in (0, 1]"),
             ));
         }
         let window = duration("window_s", self.window_s)?.unwrap_or(DEFAULT_WINDOW);
         if window < 2 * RESOLUTION {
-            return Err(ConfigError::new(
+            return Err(crate::error::config_error(
                 "window_s",
                 "must be at least 2 ms (two buckets)",
             ));
@@ -270,7 +276,7 @@ impl BreakerConfigBuilder {
         let max_cooldown = duration("max_cooldown_s", self.max_cooldown_s)?
             .unwrap_or(DEFAULT_MAX_COOLDOWN_FLOOR.max(cooldown));
         if max_cooldown < cooldown {
-            return Err(ConfigError::new(
+            return Err(crate::error::config_error(
                 "max_cooldown_s",
                 format!(
                     "{}s is shorter than cooldown_s {}s",

@@ -98,7 +98,7 @@ impl FromStr for Policy {
             "health_aware" => Ok(Self::HealthAware),
             "round_robin" => Ok(Self::RoundRobin),
             "least_inflight" => Ok(Self::LeastInflight),
-            _ => Err(ConfigError::new(
+            _ => Err(crate::error::config_error(
                 "policy",
                 "must be one of health_aware, round_robin, least_inflight",
             )),
@@ -135,7 +135,10 @@ impl BalanceConfig {
     /// A [`ConfigError`] naming the bad field.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.paced_poll.is_zero() {
-            return Err(ConfigError::new("paced_poll", "must be greater than zero"));
+            return Err(crate::error::config_error(
+                "paced_poll",
+                "must be greater than zero",
+            ));
         }
         Ok(())
     }

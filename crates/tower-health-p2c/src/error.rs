@@ -6,32 +6,17 @@ use std::time::Duration;
 
 use pgw_core::BoxError;
 
-/// A bad [`BalanceConfig`](crate::BalanceConfig) field.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ConfigError {
-    field: &'static str,
-    reason: &'static str,
+/// A bad configuration field: the workspace's shared [`pgw_core::ConfigError`]
+/// (component `balancer`).
+pub use pgw_core::ConfigError;
+
+/// A [`ConfigError`] of this crate's configuration.
+pub(crate) fn config_error(
+    field: impl Into<std::borrow::Cow<'static, str>>,
+    reason: impl Into<std::borrow::Cow<'static, str>>,
+) -> ConfigError {
+    ConfigError::new("balancer", field, reason)
 }
-
-impl ConfigError {
-    pub(crate) const fn new(field: &'static str, reason: &'static str) -> Self {
-        Self { field, reason }
-    }
-
-    /// The name of the bad field.
-    #[must_use]
-    pub const fn field(&self) -> &'static str {
-        self.field
-    }
-}
-
-impl fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "invalid balancer config: `{}` {}", self.field, self.reason)
-    }
-}
-
-impl Error for ConfigError {}
 
 /// The source set is empty.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -81,13 +81,16 @@ impl Quota {
             ("concurrency", self.concurrency),
         ] {
             if v == Some(0) {
-                return Err(ConfigError::new(
+                return Err(crate::error::config_error(
                     format!("{scope}.{name}"),
                     "must be at least 1 (leave it unset for no limit)",
                 ));
             }
             if v.is_some_and(|v| v > i64::MAX as u64 / 2) {
-                return Err(ConfigError::new(format!("{scope}.{name}"), "is too large"));
+                return Err(crate::error::config_error(
+                    format!("{scope}.{name}"),
+                    "is too large",
+                ));
             }
         }
         Ok(())
@@ -232,7 +235,7 @@ impl RateLimitConfig {
             || self.window > MAX_PERIOD
             || !self.window.subsec_nanos().is_multiple_of(1_000_000)
         {
-            return Err(ConfigError::new(
+            return Err(crate::error::config_error(
                 "window",
                 "must be a whole number of milliseconds, at least 1 ms and at most 366 days",
             ));
@@ -241,16 +244,19 @@ impl RateLimitConfig {
             || self.lease_ttl > MAX_PERIOD
             || !self.lease_ttl.subsec_nanos().is_multiple_of(1_000_000)
         {
-            return Err(ConfigError::new(
+            return Err(crate::error::config_error(
                 "lease_ttl",
                 "must be a whole number of milliseconds, at least 3 ms and at most 366 days",
             ));
         }
         if self.response_timeout.is_zero() {
-            return Err(ConfigError::new("response_timeout", "must be more than zero"));
+            return Err(crate::error::config_error(
+                "response_timeout",
+                "must be more than zero",
+            ));
         }
         if self.key_prefix.contains(['{', '}']) {
-            return Err(ConfigError::new(
+            return Err(crate::error::config_error(
                 "key_prefix",
                 "must not contain '{' or '}' (hash tags)",
             ));
@@ -274,10 +280,10 @@ impl RateLimitConfig {
 
 fn check_name(field: &'static str, name: &str) -> Result<(), ConfigError> {
     if name.is_empty() {
-        return Err(ConfigError::new(field, "must not be empty"));
+        return Err(crate::error::config_error(field, "must not be empty"));
     }
     if name.contains(['{', '}']) {
-        return Err(ConfigError::new(
+        return Err(crate::error::config_error(
             field,
             "must not contain '{' or '}' (they delimit Redis Cluster hash tags)",
         ));

@@ -9,35 +9,17 @@ use std::fmt;
 
 pub use pgw_core::{BackendUnavailable, QuotaExceeded};
 
-/// A configuration value is invalid; `field` names it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ConfigError {
-    field: String,
-    reason: &'static str,
+/// A bad configuration field: the workspace's shared [`pgw_core::ConfigError`]
+/// (component `rate limit`).
+pub use pgw_core::ConfigError;
+
+/// A [`ConfigError`] of this crate's configuration.
+pub(crate) fn config_error(
+    field: impl Into<std::borrow::Cow<'static, str>>,
+    reason: impl Into<std::borrow::Cow<'static, str>>,
+) -> ConfigError {
+    ConfigError::new("rate limit", field, reason)
 }
-
-impl ConfigError {
-    pub(crate) fn new(field: impl Into<String>, reason: &'static str) -> Self {
-        Self {
-            field: field.into(),
-            reason,
-        }
-    }
-
-    /// The offending field (`window`, `source.requests`, `account.tokens`, ...).
-    #[must_use]
-    pub fn field(&self) -> &str {
-        &self.field
-    }
-}
-
-impl fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "invalid rate limit config: {} {}", self.field, self.reason)
-    }
-}
-
-impl Error for ConfigError {}
 
 /// The request's token estimate is larger than a whole window's token quota: it can
 /// never be admitted by this source, so it is refused at once instead of waiting

@@ -111,13 +111,16 @@ impl RetryConfig {
     /// A [`ConfigError`] naming the first field out of range.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.max_attempts == 0 {
-            return Err(ConfigError::new("max_attempts", "must be at least 1"));
+            return Err(crate::error::config_error("max_attempts", "must be at least 1"));
         }
         if self.base_backoff.is_zero() {
-            return Err(ConfigError::new("base_backoff", "must be greater than zero"));
+            return Err(crate::error::config_error(
+                "base_backoff",
+                "must be greater than zero",
+            ));
         }
         if self.max_backoff < self.base_backoff {
-            return Err(ConfigError::new(
+            return Err(crate::error::config_error(
                 "max_backoff",
                 format!(
                     "must be at least base_backoff ({:?} < {:?})",
@@ -126,10 +129,13 @@ impl RetryConfig {
             ));
         }
         if self.stall_window.is_zero() {
-            return Err(ConfigError::new("stall_window", "must be greater than zero"));
+            return Err(crate::error::config_error(
+                "stall_window",
+                "must be greater than zero",
+            ));
         }
         if self.max_call_duration.is_some_and(|d| d.is_zero()) {
-            return Err(ConfigError::new(
+            return Err(crate::error::config_error(
                 "max_call_duration",
                 "must be greater than zero when set",
             ));
@@ -169,16 +175,22 @@ impl Default for RetryBudgetConfig {
 impl RetryBudgetConfig {
     fn validate(&self) -> Result<(), ConfigError> {
         if !self.ratio.is_finite() || !(0.0..=1.0).contains(&self.ratio) {
-            return Err(ConfigError::new(
+            return Err(crate::error::config_error(
                 "retry_budget.ratio",
                 format!("must be within [0, 1], got {}", self.ratio),
             ));
         }
         if self.ttl < Duration::from_secs(1) {
-            return Err(ConfigError::new("retry_budget.ttl", "must be at least 1 s"));
+            return Err(crate::error::config_error(
+                "retry_budget.ttl",
+                "must be at least 1 s",
+            ));
         }
         if self.ttl > Duration::from_secs(3600) {
-            return Err(ConfigError::new("retry_budget.ttl", "must be at most 1 h"));
+            return Err(crate::error::config_error(
+                "retry_budget.ttl",
+                "must be at most 1 h",
+            ));
         }
         Ok(())
     }
@@ -205,16 +217,22 @@ impl Default for ThrottleConfig {
 impl ThrottleConfig {
     fn validate(&self) -> Result<(), ConfigError> {
         if !self.k.is_finite() || self.k < 1.0 {
-            return Err(ConfigError::new(
+            return Err(crate::error::config_error(
                 "throttle.k",
                 format!("must be finite and at least 1, got {}", self.k),
             ));
         }
         if self.window < Duration::from_secs(1) {
-            return Err(ConfigError::new("throttle.window", "must be at least 1 s"));
+            return Err(crate::error::config_error(
+                "throttle.window",
+                "must be at least 1 s",
+            ));
         }
         if self.window > Duration::from_secs(24 * 3600) {
-            return Err(ConfigError::new("throttle.window", "must be at most 24 h"));
+            return Err(crate::error::config_error(
+                "throttle.window",
+                "must be at most 24 h",
+            ));
         }
         Ok(())
     }

@@ -203,35 +203,17 @@ impl Error for RetryError {
     }
 }
 
-/// A configuration value is out of range.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ConfigError {
-    field: &'static str,
-    problem: String,
+/// A bad configuration field: the workspace's shared [`pgw_core::ConfigError`]
+/// (component `retry`).
+pub use pgw_core::ConfigError;
+
+/// A [`ConfigError`] of this crate's configuration.
+pub(crate) fn config_error(
+    field: impl Into<std::borrow::Cow<'static, str>>,
+    reason: impl Into<std::borrow::Cow<'static, str>>,
+) -> ConfigError {
+    ConfigError::new("retry", field, reason)
 }
-
-impl ConfigError {
-    pub(crate) fn new(field: &'static str, problem: impl Into<String>) -> Self {
-        Self {
-            field,
-            problem: problem.into(),
-        }
-    }
-
-    /// The offending field, as named in [`RetryConfig`](crate::RetryConfig).
-    #[must_use]
-    pub const fn field(&self) -> &'static str {
-        self.field
-    }
-}
-
-impl fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "invalid retry config: {}: {}", self.field, self.problem)
-    }
-}
-
-impl Error for ConfigError {}
 
 #[cfg(test)]
 mod tests {
@@ -259,7 +241,7 @@ mod tests {
             "call failed: attempt budget exhausted after 2 attempts [s1: transient, source_dead]; last error: reset"
         );
         assert_eq!(e.source().unwrap().to_string(), "reset");
-        let c = ConfigError::new("max_attempts", "must be at least 1");
+        let c = config_error("max_attempts", "must be at least 1");
         assert_eq!(
             c.to_string(),
             "invalid retry config: max_attempts: must be at least 1"
