@@ -19,6 +19,7 @@ use tower::ServiceExt;
 use tower_service::Service;
 
 use crate::error::{MalformedResponse, Watchdog, WatchdogCut};
+use crate::settings::after;
 use crate::{
     AttemptStats, BadSettings, ChatAnswer, ChatCall, ChunkStream, HyperTransport, SourceSettings,
     UpstreamBody,
@@ -267,9 +268,9 @@ where
 {
     let t = prepared.settings.timeouts;
     let (limit, watchdog, dur) = if stream && t.first_token < t.total {
-        (start + t.first_token, Watchdog::FirstToken, t.first_token)
+        (after(start, t.first_token), Watchdog::FirstToken, t.first_token)
     } else {
-        (start + t.total, Watchdog::Total, t.total)
+        (after(start, t.total), Watchdog::Total, t.total)
     };
     let resp = timeout_at(limit, fut)
         .await
@@ -312,7 +313,7 @@ where
         stats.streamed = true;
         (acc.finish(), chunks)
     } else {
-        let bytes = read_body(body, start + t.total, t, MAX_ANSWER_BODY).await?;
+        let bytes = read_body(body, after(start, t.total), t, MAX_ANSWER_BODY).await?;
         let resp: ChatResponse = serde_json::from_slice(&bytes).map_err(|e| {
             MalformedResponse::new(format!("body is not a chat completion: {e}: {}", snippet(&bytes)))
         })?;
@@ -356,7 +357,7 @@ async fn read_body(
 ) -> Result<Bytes, BoxError> {
     let mut buf = BytesMut::new();
     loop {
-        let stall = Instant::now() + t.inter_token;
+        let stall = after(Instant::now(), t.inter_token);
         let (limit, cut) = if stall < deadline {
             (stall, WatchdogCut::new(Watchdog::InterToken, t.inter_token))
         } else {
@@ -386,7 +387,8 @@ async fn status_error(
     let retry_after = pgw_core::retry_after::from_headers(&parts.headers, SystemTime::now());
     let t = prepared.settings.timeouts;
     // The message is a courtesy: read it briefly, never let it hold the attempt.
-    let deadline = (start + t.total).min(Instant::now() + t.inter_token.min(Duration::from_secs(5)));
+    let deadline =
+        after(start, t.total).min(after(Instant::now(), t.inter_token.min(Duration::from_secs(5))));
     let message = match read_body(body, deadline, t, MAX_ERROR_BODY).await {
         Ok(bytes) => provider_error(&bytes).unwrap_or_else(|| snippet(&bytes)),
         Err(_) => String::new(),

@@ -12,6 +12,7 @@ use pgw_core::sse::{SseDecoder, SseEvent};
 use tokio::time::{Instant, Sleep};
 
 use crate::error::{MalformedResponse, Watchdog, WatchdogCut};
+use crate::settings::after;
 use crate::{Timeouts, UpstreamBody};
 
 /// The chunks of a streamed answer as they arrive, decoded from server-sent events.
@@ -53,7 +54,7 @@ impl ChunkStream {
     /// A stream over `body`, an SSE response to a request dispatched at `start`.
     #[must_use]
     pub fn new(body: UpstreamBody, start: Instant, timeouts: Timeouts) -> Self {
-        let deadline = start + timeouts.total;
+        let deadline = after(start, timeouts.total);
         let mut s = Self {
             body,
             decoder: SseDecoder::default(),
@@ -67,7 +68,7 @@ impl ChunkStream {
             finished: false,
         };
         s.arm(
-            start + timeouts.first_token,
+            after(start, timeouts.first_token),
             Watchdog::FirstToken,
             timeouts.first_token,
         );
@@ -129,7 +130,7 @@ impl ChunkStream {
         }
         if self.first_token_at.is_some() {
             let limit = self.timeouts.inter_token;
-            self.arm(now + limit, Watchdog::InterToken, limit);
+            self.arm(after(now, limit), Watchdog::InterToken, limit);
         }
         Ok(chunk)
     }

@@ -469,3 +469,34 @@ fn nothing_prints_the_key() {
     assert_eq!(err.field(), "key");
     assert!(!err.to_string().contains("bad\nkey"));
 }
+
+#[tokio::test(start_paused = true)]
+async fn huge_timeouts_mean_never_and_do_not_overflow_the_clock() {
+    // `Instant + Duration::MAX` panics; the watchdogs saturate instead.
+    let t = Timeouts {
+        connect: Duration::MAX,
+        first_token: Duration::MAX,
+        inter_token: Duration::MAX,
+        total: Duration::MAX,
+    };
+    let p = Provider::default();
+    let script = sse(vec![
+        (Duration::from_millis(400), chunk("hel", false)),
+        (Duration::from_millis(500), chunk("lo", true)),
+        (Duration::ZERO, Bytes::from_static(pgw_core::sse::DONE.as_bytes())),
+    ]);
+    let answer = p.client(script, t).oneshot(stream_call()).await.unwrap();
+    assert_eq!(answer.content(), "hello");
+    let answer = p
+        .client(json(200, ANSWER), t)
+        .oneshot(plain_call())
+        .await
+        .unwrap();
+    assert_eq!(answer.content(), "hi there");
+    let err = p
+        .client(json(503, "{}"), t)
+        .oneshot(plain_call())
+        .await
+        .unwrap_err();
+    assert!(err.is::<pgw_core::UpstreamStatus>(), "{err}");
+}

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use pgw_client::{AnswerClassifier, ChatAnswer, ChatCall};
+use pgw_core::openai::Usage;
 use pgw_core::{BoxError, CarriesHistory, Classify, InvalidResponse, SourceId};
 use tokio::time::Instant;
 use tower_service::Service;
@@ -71,15 +72,21 @@ where
             .get::<Validator>()
             .cloned()
             .or_else(|| self.validator.clone());
-        let call_id = call.id().0;
-        let model: Arc<str> = self
-            .model
-            .clone()
-            .unwrap_or_else(|| Arc::from(call.request().model.as_str()));
-        let source = self.source.clone();
-        let group = Arc::clone(&self.group);
-        let telemetry = self.telemetry.clone();
-        let start = Instant::now();
+        let mut record = Record {
+            telemetry: self.telemetry.clone(),
+            call_id: call.id().0,
+            attempt,
+            group: Arc::clone(&self.group),
+            source: self.source.clone(),
+            // An `Arc` increment, not a copy of the model name, per attempt.
+            model: match &self.model {
+                Some(m) => Model::Override(Arc::clone(m)),
+                None => Model::Asked(Arc::clone(call.request_arc())),
+            },
+            admission,
+            start: Instant::now(),
+            done: false,
+        };
         let fut = self.inner.call(call);
         Box::pin(async move {
             let mut result = fut.await;
@@ -88,29 +95,92 @@ where
             {
                 result = Err(InvalidResponse::new(reason).into());
             }
-            let outcome = AnswerClassifier.classify(&result);
-            let latency = start.elapsed();
             let (ttft, usage) = match &result {
                 Ok(a) => (a.stats.ttft, a.stats.usage),
                 Err(_) => (None, None),
             };
-            telemetry.emit(&AttemptTelemetry {
-                call_id,
-                attempt,
-                group: group.to_string(),
-                source: Some(source),
-                admitted_at_s: admission.map(|(at, _)| at.as_secs_f64()),
-                admission_window: admission.map(|(_, w)| w),
-                latency_ms: ms(latency),
-                ttft_ms: ttft.map(ms),
-                prompt_tokens: usage.map(|u| u.prompt_tokens),
-                completion_tokens: usage.map(|u| u.completion_tokens),
-                cost_usd: telemetry.prices.cost(&model, usage),
-                outcome: outcome.as_str(),
-                error: result.as_ref().err().map(ToString::to_string),
-                cache_hit: false,
-            });
+            record.emit(
+                AnswerClassifier.classify(&result).as_str(),
+                ttft,
+                usage,
+                result.as_ref().err().map(ToString::to_string),
+            );
             result
         })
+    }
+}
+
+/// The telemetry record of one dispatched attempt (S6: one record per attempt). If
+/// the attempt's future is dropped before its verdict (the caller gave up, a deadline
+/// fired), the record is still emitted on drop, with outcome [`CANCELLED`].
+struct Record {
+    telemetry: Telemetry,
+    call_id: u64,
+    attempt: u32,
+    group: Arc<str>,
+    source: SourceId,
+    model: Model,
+    admission: Option<(Duration, u64)>,
+    start: Instant,
+    done: bool,
+}
+
+/// The model an attempt's cost is priced by: the source's override, else the asked one.
+enum Model {
+    Override(Arc<str>),
+    Asked(Arc<pgw_core::openai::ChatRequest>),
+}
+
+impl Model {
+    fn as_str(&self) -> &str {
+        match self {
+            Self::Override(m) => m,
+            Self::Asked(r) => &r.model,
+        }
+    }
+}
+
+/// The `outcome` of an attempt record whose future was dropped before its verdict.
+pub(crate) const CANCELLED: &str = "cancelled";
+
+impl Record {
+    fn emit(
+        &mut self,
+        outcome: &'static str,
+        ttft: Option<Duration>,
+        usage: Option<Usage>,
+        error: Option<String>,
+    ) {
+        self.done = true;
+        let admission = self.admission;
+        self.telemetry.emit(&AttemptTelemetry {
+            call_id: self.call_id,
+            attempt: self.attempt,
+            group: self.group.to_string(),
+            source: Some(self.source.clone()),
+            admitted_at_s: admission.map(|(at, _)| at.as_secs_f64()),
+            admission_window: admission.map(|(_, w)| w),
+            latency_ms: ms(self.start.elapsed()),
+            ttft_ms: ttft.map(ms),
+            prompt_tokens: usage.map(|u| u.prompt_tokens),
+            completion_tokens: usage.map(|u| u.completion_tokens),
+            cost_usd: self.telemetry.prices.cost(self.model.as_str(), usage),
+            outcome,
+            error,
+            cache_hit: false,
+        });
+    }
+}
+
+impl Drop for Record {
+    fn drop(&mut self) {
+        if !self.done {
+            self.emit(
+                CANCELLED,
+                None,
+                None,
+                Some("attempt cancelled before its verdict".to_owned()),
+            );
+        }
     }
 }

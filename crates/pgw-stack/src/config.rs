@@ -105,7 +105,9 @@ pub enum BackendKind {
 }
 
 /// The whole gateway configuration. Every field has a default except `sources`.
-#[derive(Clone, Debug, Default, Deserialize)]
+///
+/// `Debug` redacts the password of `redis_url` and the sources' keys.
+#[derive(Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct GatewayConfig {
     /// `memory` (default) or `redis`.
@@ -153,6 +155,30 @@ pub struct GatewayConfig {
     /// Prices per model, for telemetry's cost (S6).
     #[serde(default)]
     pub prices: BTreeMap<String, Price>,
+}
+
+impl fmt::Debug for GatewayConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GatewayConfig")
+            .field("backend", &self.backend)
+            .field(
+                "redis_url",
+                &self.redis_url.as_deref().map(pgw_core::redis_conn::redact_url),
+            )
+            .field("key_prefix", &self.key_prefix)
+            .field("fallback", &self.fallback)
+            .field("sources", &self.sources)
+            .field("accounts", &self.accounts)
+            .field("retry", &self.retry)
+            .field("balance", &self.balance)
+            .field("breaker", &self.breaker)
+            .field("aimd", &self.aimd)
+            .field("ratelimit", &self.ratelimit)
+            .field("cache", &self.cache)
+            .field("telemetry", &self.telemetry)
+            .field("prices", &self.prices)
+            .finish()
+    }
 }
 
 /// One source (S2).
@@ -443,9 +469,25 @@ pub struct Price {
     pub output_per_mtok: f64,
 }
 
+/// The longest duration a `*_s` field accepts: ten years. Longer ones mean "never" in
+/// practice, and deadlines computed from them (`now + d`) would overflow the clock.
+pub const MAX_DURATION_S: f64 = 10.0 * 365.0 * 86_400.0;
+
+/// `text` with the raw `url` replaced by its redacted form (no password).
+pub(crate) fn redact_in(text: &str, url: &str) -> String {
+    if url.is_empty() {
+        return text.to_owned();
+    }
+    text.replace(url, &pgw_core::redis_conn::redact_url(url))
+}
+
 pub(crate) fn secs(field: &str, v: Option<f64>) -> Result<Option<Duration>, ConfigError> {
     match v {
         None => Ok(None),
+        Some(s) if s.is_finite() && s > MAX_DURATION_S => Err(ConfigError::new(
+            field,
+            format!("must be at most {MAX_DURATION_S} seconds (ten years), got {s}"),
+        )),
         Some(s) if s.is_finite() && s > 0.0 => Duration::try_from_secs_f64(s)
             .map(Some)
             .map_err(|e| ConfigError::new(field, e.to_string())),
@@ -470,7 +512,7 @@ impl GatewayConfig {
     /// # Errors
     /// A [`ConfigError`] naming the field (unknown fields are refused).
     pub fn from_toml_str(text: &str) -> Result<Self, ConfigError> {
-        let value: toml::Table = toml::from_str(text).map_err(|e| toml_error(&e))?;
+        let value: toml::Table = toml::from_str(text).map_err(|e| toml_error(&e, Some(text)))?;
         Self::from_table(value)
     }
 
@@ -503,7 +545,7 @@ impl GatewayConfig {
         text: &str,
         vars: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Self, ConfigError> {
-        let mut table: toml::Table = toml::from_str(text).map_err(|e| toml_error(&e))?;
+        let mut table: toml::Table = toml::from_str(text).map_err(|e| toml_error(&e, Some(text)))?;
         let mut overrides: Vec<(String, String)> =
             vars.into_iter().filter(|(k, _)| k.starts_with("PGW__")).collect();
         overrides.sort();
@@ -514,7 +556,9 @@ impl GatewayConfig {
     }
 
     fn from_table(table: toml::Table) -> Result<Self, ConfigError> {
-        let cfg: Self = toml::Value::Table(table).try_into().map_err(|e| toml_error(&e))?;
+        let cfg: Self = toml::Value::Table(table)
+            .try_into()
+            .map_err(|e| toml_error(&e, None))?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -531,7 +575,8 @@ impl GatewayConfig {
             return Err(ConfigError::new("redis_url", "required when backend = \"redis\""));
         }
         if let Some(url) = &self.redis_url {
-            pgw_core::redis_conn::RedisTarget::parse(url).map_err(|e| ConfigError::new("redis_url", e))?;
+            pgw_core::redis_conn::RedisTarget::parse(url)
+                .map_err(|e| ConfigError::new("redis_url", redact_in(&e, url)))?;
         }
         let mut names = std::collections::HashSet::new();
         for (i, s) in self.sources.iter().enumerate() {
@@ -565,6 +610,25 @@ impl GatewayConfig {
                 return Err(ConfigError::new("fallback", format!("group {g:?} has no source")));
             }
         }
+        for (i, s) in self.sources.iter().enumerate() {
+            if !groups.iter().any(|g| g == s.group_name()) {
+                return Err(ConfigError::new(
+                    format!("sources[{i}].group"),
+                    format!(
+                        "group {:?} is not in `fallback`: the source would never be used",
+                        s.group_name()
+                    ),
+                ));
+            }
+        }
+        for (i, g) in self.fallback.iter().enumerate() {
+            if self.fallback[..i].contains(g) {
+                return Err(ConfigError::new(
+                    "fallback",
+                    format!("group {g:?} is listed twice"),
+                ));
+            }
+        }
         debug_assert!(!groups.is_empty());
         for (k, v) in [
             ("retry.base_backoff_s", self.retry.base_backoff_s),
@@ -590,10 +654,11 @@ impl GatewayConfig {
             ));
         }
         for (model, p) in &self.prices {
-            if !(p.input_per_mtok >= 0.0 && p.output_per_mtok >= 0.0) {
+            let ok = |x: f64| x.is_finite() && x >= 0.0;
+            if !(ok(p.input_per_mtok) && ok(p.output_per_mtok)) {
                 return Err(ConfigError::new(
                     format!("prices.{model}"),
-                    "prices must not be negative",
+                    "prices must be finite and not negative",
                 ));
             }
         }
@@ -616,8 +681,18 @@ impl GatewayConfig {
     }
 }
 
-fn toml_error(e: &dyn fmt::Display) -> ConfigError {
-    let msg = e.to_string();
+/// A TOML error as a [`ConfigError`]. Only the message and the line number are kept:
+/// toml's `Display` quotes the offending source line, which may hold a key or a Redis
+/// password.
+fn toml_error(e: &toml::de::Error, text: Option<&str>) -> ConfigError {
+    let line = e
+        .span()
+        .zip(text)
+        .map(|(span, text)| text[..span.start.min(text.len())].matches('\n').count() + 1);
+    let msg = match line {
+        Some(line) => format!("line {line}: {}", e.message()),
+        None => e.message().to_owned(),
+    };
     // serde's "unknown field `x`" / "missing field `x`" name the field; keep them first.
     let field = ["unknown field `", "missing field `", "for key `"]
         .iter()

@@ -194,6 +194,9 @@ struct Inner {
     telemetry: Telemetry,
     handles: Vec<SourceHandles>,
     progress: Progress,
+    /// The default validator, also applied to cache hits (a hit stored by a call
+    /// with a more lenient validator of its own must not bypass it).
+    validator: Option<Validator>,
 }
 
 /// The gateway: a tower `Service<ChatCall>` for OpenAI-compatible chat completions.
@@ -352,7 +355,7 @@ impl Service<ChatCall> for Gateway {
             if let (Some(cache), Some(key)) = (&inner.cache, key)
                 && let Some(hit) = cache.get(key).await
             {
-                let validator = call.extensions().get::<Validator>();
+                let validator = call.extensions().get::<Validator>().or(inner.validator.as_ref());
                 if validator.is_none_or(|v| v.0.validate(&hit.response).is_ok()) {
                     metrics::counter!("pgw_cache_hits_total").increment(1);
                     inner.telemetry.emit(&AttemptTelemetry {
@@ -526,10 +529,12 @@ impl GatewayBuilder {
             BackendKind::Memory => None,
             BackendKind::Redis => {
                 let url = cfg.redis_url.as_deref().unwrap_or_default();
-                let target = RedisTarget::parse(url).map_err(|e| ConfigError::new("redis_url", e))?;
-                let conn = RedisConn::connect(&target)
-                    .await
-                    .map_err(|e| ConfigError::new("redis_url", format!("cannot connect to {target}: {e}")))?;
+                let target = RedisTarget::parse(url)
+                    .map_err(|e| ConfigError::new("redis_url", crate::config::redact_in(&e, url)))?;
+                let conn = RedisConn::connect(&target).await.map_err(|e| {
+                    let e = crate::config::redact_in(&e.to_string(), url);
+                    ConfigError::new("redis_url", format!("cannot connect to {target}: {e}"))
+                })?;
                 Some(conn)
             }
         };
@@ -657,6 +662,7 @@ impl GatewayBuilder {
                 telemetry,
                 handles,
                 progress,
+                validator: self.validator,
             }),
         })
     }
@@ -679,47 +685,89 @@ fn compose<G, R>(
 ) -> (SourceService, BreakerHandle)
 where
     G: Gate,
+    BreakerLayer<G, AnswerClassifier>: Send + Sync + 'static,
     R: Service<ChatCall, Response = ChatAnswer, Error = BoxError> + Clone + Send + Sync + 'static,
     Aimd<Breaker<R, G, AnswerClassifier>, AnswerClassifier>:
-        Service<ChatCall, Response = ChatAnswer, Error = BoxError> + Clone + Send + 'static,
+        Service<ChatCall, Response = ChatAnswer, Error = BoxError> + Send + 'static,
     <Aimd<Breaker<R, G, AnswerClassifier>, AnswerClassifier> as Service<ChatCall>>::Future: Send + 'static,
 {
     let breaker = breaker.with_classifier(AnswerClassifier);
     let handle = breaker.handle();
-    let svc = aimd.layer(breaker.layer(inner));
-    (BoxCloneSyncService::new(SyncCell(Mutex::new(svc))), handle)
+    let proto = Arc::new(SourceProto {
+        aimd: aimd.clone(),
+        breaker,
+        inner,
+    });
+    (BoxCloneSyncService::new(LazySource::new(proto)), handle)
 }
 
-/// Makes a `Send` service `Sync` for the balancer's shared source set.
+/// What a source's service is built from: the layers and the inner service, all `Sync`.
+struct SourceProto<G: Gate, R> {
+    aimd: AimdLayer<AnswerClassifier>,
+    breaker: BreakerLayer<G, AnswerClassifier>,
+    inner: R,
+}
+
+/// A source's service as the balancer's shared source set holds it: `Sync`, and a
+/// clone costs one `Arc` increment (the balancer clones it for every attempt).
 ///
 /// The breaker keeps its pending admission (a `Send` but not `Sync` boxed future) in
-/// the service between `poll_ready` and `call`, so `Breaker<_, RedisGate>` is not
-/// `Sync`. `Service` methods take `&mut self`, so `Mutex::get_mut` reaches the service
-/// without locking; only `clone` locks.
-struct SyncCell<S>(Mutex<S>);
+/// the service between `poll_ready` and `call`, so the built stack is not `Sync`. A
+/// clone starts without it (readiness is per instance, exactly as `Aimd`'s and
+/// `Breaker`'s own `Clone` reset it) and builds it from the layers on first
+/// `poll_ready`; `Layer::layer` and `Clone` share the same limiter, gate and source
+/// state. The `Mutex` only makes the unbuilt-or-owned slot `Sync`: `Service` methods
+/// take `&mut self`, so it is reached with `get_mut` and never locked.
+struct LazySource<G: Gate, R, S> {
+    proto: Arc<SourceProto<G, R>>,
+    svc: Mutex<Option<S>>,
+}
 
-impl<S: Clone> Clone for SyncCell<S> {
-    fn clone(&self) -> Self {
-        Self(Mutex::new(
-            self.0.lock().unwrap_or_else(PoisonError::into_inner).clone(),
-        ))
+impl<G: Gate, R, S> LazySource<G, R, S> {
+    const fn new(proto: Arc<SourceProto<G, R>>) -> Self {
+        Self {
+            proto,
+            svc: Mutex::new(None),
+        }
     }
 }
 
-impl<S: Service<ChatCall>> Service<ChatCall> for SyncCell<S> {
-    type Response = S::Response;
-    type Error = S::Error;
-    type Future = S::Future;
+impl<G: Gate, R, S> Clone for LazySource<G, R, S> {
+    fn clone(&self) -> Self {
+        Self::new(Arc::clone(&self.proto))
+    }
+}
 
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
-        self.0
+impl<G, R> LazySource<G, R, Aimd<Breaker<R, G, AnswerClassifier>, AnswerClassifier>>
+where
+    G: Gate,
+    R: Clone,
+{
+    fn built(&mut self) -> &mut Aimd<Breaker<R, G, AnswerClassifier>, AnswerClassifier> {
+        let p = &self.proto;
+        self.svc
             .get_mut()
             .unwrap_or_else(PoisonError::into_inner)
-            .poll_ready(cx)
+            .get_or_insert_with(|| p.aimd.layer(p.breaker.layer(p.inner.clone())))
+    }
+}
+
+impl<G, R> Service<ChatCall> for LazySource<G, R, Aimd<Breaker<R, G, AnswerClassifier>, AnswerClassifier>>
+where
+    G: Gate,
+    R: Clone,
+    Aimd<Breaker<R, G, AnswerClassifier>, AnswerClassifier>: Service<ChatCall>,
+{
+    type Response = <Aimd<Breaker<R, G, AnswerClassifier>, AnswerClassifier> as Service<ChatCall>>::Response;
+    type Error = <Aimd<Breaker<R, G, AnswerClassifier>, AnswerClassifier> as Service<ChatCall>>::Error;
+    type Future = <Aimd<Breaker<R, G, AnswerClassifier>, AnswerClassifier> as Service<ChatCall>>::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.built().poll_ready(cx)
     }
 
-    fn call(&mut self, req: ChatCall) -> S::Future {
-        self.0.get_mut().unwrap_or_else(PoisonError::into_inner).call(req)
+    fn call(&mut self, req: ChatCall) -> Self::Future {
+        self.built().call(req)
     }
 }
 

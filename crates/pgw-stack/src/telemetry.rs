@@ -43,7 +43,8 @@ pub struct AttemptTelemetry {
     /// Cost in dollars from the price table (`None` when the model has no price or
     /// no usage was reported; 0 for a cache hit).
     pub cost_usd: Option<f64>,
-    /// `success`, `rate_limited`, `transient`, `source_dead`, `rejected`, `invalid`.
+    /// `success`, `rate_limited`, `transient`, `source_dead`, `rejected`, `invalid`, or
+    /// `cancelled` for an attempt dropped before its verdict (the caller gave up).
     pub outcome: &'static str,
     /// The error, when the attempt failed.
     pub error: Option<String>,

@@ -86,3 +86,53 @@ async fn unreachable_redis_names_the_address() {
     assert_eq!(e.field(), "redis_url");
     assert!(e.to_string().contains("127.0.0.1:1"), "{e}");
 }
+
+#[test]
+fn redis_password_never_prints() {
+    let text = format!("backend = \"redis\"\nredis_url = \"redis://:hunter2-pw@127.0.0.1:6379\"\n{GOOD}");
+    let cfg = GatewayConfig::from_toml_str(&text).unwrap();
+    let debug = format!("{cfg:?} {:?}", Gateway::builder(cfg.clone()));
+    assert!(!debug.contains("hunter2"), "{debug}");
+    assert!(!debug.contains("sk-config-test"), "{debug}");
+    assert!(debug.contains("127.0.0.1:6379"), "{debug}");
+    let e = err_of(&format!("redis_url = \"http://:hunter2-pw@h:1\"\n{GOOD}"));
+    assert_eq!(e.field(), "redis_url");
+    assert!(!e.to_string().contains("hunter2"), "{e}");
+}
+
+#[test]
+fn huge_or_non_finite_numbers_are_named_not_panics() {
+    let e = err_of(&format!("{GOOD}total_timeout_s = 1e19\n"));
+    assert_eq!(e.field(), "sources[0].total_timeout_s", "{e}");
+    let e = err_of(&format!("{GOOD}[cache]\nttl_s = 1e300\n"));
+    assert_eq!(e.field(), "cache.ttl_s", "{e}");
+    let e = err_of(&format!("{GOOD}first_token_timeout_s = nan\n"));
+    assert_eq!(e.field(), "sources[0].first_token_timeout_s", "{e}");
+    let e = err_of(&format!(
+        "{GOOD}[prices.m]\ninput_per_mtok = inf\noutput_per_mtok = 1.0\n"
+    ));
+    assert_eq!(e.field(), "prices.m", "{e}");
+}
+
+#[test]
+fn a_source_outside_the_fallback_chain_is_named() {
+    let two = format!(
+        "{GOOD}group = \"a\"\n[[sources]]\nname = \"s2\"\nbase_url = \"http://h/v1\"\nkey = \"k\"\ngroup = \"b\"\n"
+    );
+    let e = err_of(&format!("fallback = [\"a\"]\n{two}"));
+    assert_eq!(e.field(), "sources[1].group", "{e}");
+    let e = err_of(&format!("fallback = [\"a\", \"b\", \"a\"]\n{two}"));
+    assert_eq!(e.field(), "fallback", "{e}");
+    let e = err_of(&format!("fallback = [\"a\", \"c\"]\n{two}"));
+    assert_eq!(e.field(), "fallback", "{e}");
+    assert!(GatewayConfig::from_toml_str(&format!("fallback = [\"b\", \"a\"]\n{two}")).is_ok());
+}
+
+#[test]
+fn a_toml_error_does_not_quote_the_line_holding_a_secret() {
+    let e = err_of(
+        "[[sources]]\nname = \"s1\"\nbase_url = \"http://h/v1\"\nkey = \"sk-quoted-secret\" rpm = 5\n",
+    );
+    assert!(!e.to_string().contains("sk-quoted-secret"), "{e}");
+    assert!(e.to_string().contains("line 4"), "{e}");
+}

@@ -8,7 +8,8 @@ use pgw_core::BoxError;
 use pgw_core::openai::ChatRequest;
 use pgw_sim::{PoolConfig, SimPool};
 use pgw_stack::client::box_transport;
-use pgw_stack::{Gateway, GatewayConfig, MemorySink, SecretKey, SourceConfig};
+use pgw_stack::{ChatCall, Gateway, GatewayConfig, MemorySink, SecretKey, SourceConfig, Validator};
+use tower::ServiceExt;
 
 const KEY: &str = "sk-virtual-0123456789";
 
@@ -104,4 +105,47 @@ async fn dropping_a_call_releases_every_reservation() {
             "the upstream request was dropped"
         );
     }
+    // S6: one record per attempt, a cancelled one included.
+    let recs = sink.records();
+    assert_eq!(recs.len(), 2, "{recs:?}");
+    assert!(recs.iter().all(|r| r.outcome == "cancelled" && r.error.is_some()));
+    assert_eq!(recs[0].attempt, 1);
+    assert!(recs.iter().all(|r| r.latency_ms >= 5000.0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_cache_hit_passes_the_gateway_validator_too() {
+    let pool = pool(vec![pgw_sim::SourceConfig::healthy("good")]);
+    let mut cfg = GatewayConfig::default();
+    cfg.retry.max_reasks = Some(0);
+    let mut s = SourceConfig::new("good", "http://sim.invalid/good/v1", SecretKey::new(KEY));
+    s.total_timeout_s = Some(300.0);
+    cfg.sources.push(s);
+    let p = pool.clone();
+    let gw = Gateway::builder(cfg)
+        .validator(|_: &pgw_core::openai::ChatResponse| Err::<(), _>("strict: never good enough".to_owned()))
+        .transport(move |sc: &SourceConfig| -> Result<_, BoxError> {
+            Ok(box_transport(p.service(&sc.name).ok_or("unknown sim source")?))
+        })
+        .build()
+        .await
+        .unwrap();
+    // A call with a lenient validator of its own is answered, and the answer cached.
+    let mut lenient = ChatCall::new(ChatRequest::user("m", "same prompt"));
+    lenient
+        .extensions_mut()
+        .insert(Validator::new(|_: &pgw_core::openai::ChatResponse| Ok(())));
+    let a = gw.clone().oneshot(lenient).await.unwrap();
+    assert!(!a.cache_hit);
+    // The same prompt under the gateway's strict validator must not be served that hit.
+    let r = gw.chat(ChatRequest::user("m", "same prompt")).await;
+    assert!(
+        r.is_err(),
+        "the strict default validator was bypassed by the cache"
+    );
+    assert_eq!(
+        pool.stats().sources["good"].received,
+        2,
+        "the second call went upstream"
+    );
 }
