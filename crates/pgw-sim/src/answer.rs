@@ -222,8 +222,22 @@ pub(crate) struct ErrorPlan {
     pub(crate) message: String,
     pub(crate) delay: Duration,
     pub(crate) retry_after_s: Option<u64>,
+    /// The pool's time scale: `retry_after_s` and the reset are scenario seconds, sent
+    /// times this (as decimal seconds when it is not 1).
+    pub(crate) time_scale: f64,
     /// `(limit, reset seconds)` for `x-ratelimit-*` headers.
     pub(crate) rpm_limit: Option<(u32, u64)>,
+}
+
+/// `secs` scenario seconds in real seconds: an integer when unscaled, else a decimal
+/// with millisecond precision (at least 0.001).
+#[allow(clippy::cast_precision_loss, clippy::float_cmp)]
+fn scaled_secs(secs: u64, scale: f64) -> String {
+    if scale == 1.0 {
+        secs.to_string()
+    } else {
+        format!("{:.3}", (secs as f64 * scale).max(0.001))
+    }
 }
 
 pub(crate) fn build_error(plan: &ErrorPlan, request_id: &str) -> Built {
@@ -239,13 +253,16 @@ pub(crate) fn build_error(plan: &ErrorPlan, request_id: &str) -> Built {
         .header("x-request-id", request_id)
         .header(header::CONTENT_TYPE, "application/json");
     if let Some(s) = plan.retry_after_s {
-        resp = resp.header(header::RETRY_AFTER, s);
+        resp = resp.header(header::RETRY_AFTER, scaled_secs(s, plan.time_scale));
     }
     if let Some((limit, reset)) = plan.rpm_limit {
         resp = resp
             .header("x-ratelimit-limit-requests", limit)
             .header("x-ratelimit-remaining-requests", 0)
-            .header("x-ratelimit-reset-requests", format!("{reset}s"));
+            .header(
+                "x-ratelimit-reset-requests",
+                format!("{}s", scaled_secs(reset, plan.time_scale)),
+            );
     }
     let bytes = serde_json::to_vec(&body).unwrap_or_default();
     Built {

@@ -376,6 +376,13 @@ pub struct PoolConfig {
     pub max_stream_frames: u32,
     /// Unix seconds of the pool's start for `created` fields (default [`DEFAULT_EPOCH_UNIX_S`]).
     pub epoch_unix_s: u64,
+    /// Every duration of the simulation times this (default 1: unscaled). For real-time
+    /// runs that should take minutes instead of hours (e.g. `1/60`: a scenario minute
+    /// lasts one second). Scaled: TTFTs, error latencies and stall gaps (times S), token
+    /// rates (divided by S), the account 429 curve's window and the `rpm_gate` window
+    /// (times S; rates stay "per scenario minute", so the curve and the gate keep their
+    /// meaning) and `retry-after` values (times S, sent as decimal seconds when S != 1).
+    pub time_scale: f64,
 }
 
 impl Default for PoolConfig {
@@ -387,6 +394,7 @@ impl Default for PoolConfig {
             prompt_bytes_per_token: DEFAULT_PROMPT_BYTES_PER_TOKEN,
             max_stream_frames: DEFAULT_MAX_STREAM_FRAMES,
             epoch_unix_s: DEFAULT_EPOCH_UNIX_S,
+            time_scale: 1.0,
         }
     }
 }
@@ -494,6 +502,9 @@ impl PoolConfig {
         }
         if self.max_stream_frames < 2 {
             return Err(ConfigError::new("max_stream_frames", "must be >= 2"));
+        }
+        if !(self.time_scale.is_finite() && self.time_scale > 0.0) {
+            return Err(ConfigError::new("time_scale", "must be finite and > 0"));
         }
         if self.sources.is_empty() {
             return Err(ConfigError::new("sources", "at least one source is needed"));

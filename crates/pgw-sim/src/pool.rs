@@ -304,7 +304,8 @@ impl Inner {
         src.stats.received += 1;
         src.stats.arrivals.push(now);
         acct.stats.received += 1;
-        let window = secs(acct_cfg.rate_limit.window_s);
+        let scale = self.config.time_scale;
+        let window = secs(acct_cfg.rate_limit.window_s * scale);
         acct.window.push_back(now);
         while acct
             .window
@@ -324,8 +325,9 @@ impl Inner {
             kind,
             code,
             message,
-            delay: secs(log_normal(rng, &cfg.error_latency_s)),
+            delay: secs(log_normal(rng, &cfg.error_latency_s) * scale),
             retry_after_s: None,
+            time_scale: scale,
             rpm_limit: None,
         };
 
@@ -349,16 +351,18 @@ impl Inner {
         }
         // 3. The source's own RPM gate.
         if let Some(limit) = cfg.rpm_gate {
+            let gate_window = RPM_GATE_WINDOW.mul_f64(scale);
             while src
                 .gate
                 .front()
-                .is_some_and(|t| now.duration_since(*t) >= RPM_GATE_WINDOW)
+                .is_some_and(|t| now.duration_since(*t) >= gate_window)
             {
                 src.gate.pop_front();
             }
             if src.gate.len() >= limit as usize {
                 let oldest = src.gate.front().copied().unwrap_or(now);
-                let wait = (oldest + RPM_GATE_WINDOW).duration_since(now);
+                // In scenario seconds, rounded up.
+                let wait = (oldest + gate_window).duration_since(now).div_f64(scale);
                 let wait_s = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
                 let mut e = error(
                     rng,
@@ -438,8 +442,8 @@ impl Inner {
             return (Plan::Error(e), request_id);
         }
         // 7. A completion.
-        let ttft = secs(log_normal(rng, &cfg.ttft_s));
-        let tokens_per_second = log_normal(rng, &cfg.tokens_per_second);
+        let ttft = secs(log_normal(rng, &cfg.ttft_s) * scale);
+        let tokens_per_second = log_normal(rng, &cfg.tokens_per_second) / scale;
         let budget = req.max_tokens.unwrap_or(cfg.completion.default_max_tokens).max(1);
         let fraction = uniform(rng, cfg.completion.min_fraction, cfg.completion.max_fraction);
         let tokens = ((budget as f64 * fraction).round() as u64).clamp(1, budget);
@@ -453,7 +457,10 @@ impl Inner {
         let invalid_json = rng.random::<f64>() < cfg.invalid_json_rate && json_mode && !empty;
         let stall = (rng.random::<f64>() < cfg.stall.rate).then(|| {
             let pos = rng.random::<f64>();
-            (pos, secs(uniform(rng, cfg.stall.min_gap_s, cfg.stall.max_gap_s)))
+            (
+                pos,
+                secs(uniform(rng, cfg.stall.min_gap_s, cfg.stall.max_gap_s) * scale),
+            )
         });
         let text_seed = rng.random::<u64>();
         let prompt_tokens = (req.prompt_bytes() as f64 / self.config.prompt_bytes_per_token).ceil() as u64
@@ -466,7 +473,7 @@ impl Inner {
         let plan = AnswerPlan {
             id: format!("chatcmpl-{}-{}", cfg.name, src.seq),
             model,
-            created: self.config.epoch_unix_s + now.duration_since(self.start).as_secs(),
+            created: self.config.epoch_unix_s + now.duration_since(self.start).div_f64(scale).as_secs(),
             stream: req.stream,
             json_mode,
             ttft,

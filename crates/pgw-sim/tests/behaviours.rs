@@ -498,3 +498,49 @@ fn config_from_toml_uses_documented_defaults() {
     let typo: Result<PoolConfig, _> = toml::from_str("[[sources]]\nname = \"x\"\nempty_rat = 0.2\n");
     assert!(typo.unwrap_err().to_string().contains("empty_rat"));
 }
+
+#[tokio::test(start_paused = true)]
+async fn time_scale_shortens_latencies_gate_window_and_retry_after() {
+    let src = SourceConfig {
+        rpm_gate: Some(5),
+        ttft_s: LogNormal::constant(12.0),
+        ..SourceConfig::healthy("s4")
+    };
+    let config = PoolConfig {
+        sources: vec![src],
+        bad_prompt_rate: 0.0,
+        time_scale: 1.0 / 60.0,
+        ..PoolConfig::default()
+    };
+    let p = SimPool::new(config, 11).unwrap();
+    let first = run_many(&p, "s4", 12, None, chat).await;
+    for s in first.iter().filter(|s| s.status() == Some(200)) {
+        let Seen::Answer { to_headers, .. } = s else {
+            unreachable!()
+        };
+        // A 12 s TTFT lasts 0.2 s at 1/60 (plus the scaled generation of a
+        // non-streamed answer); unscaled it would be at least 12 s.
+        assert!(
+            *to_headers >= Duration::from_millis(200) && *to_headers < Duration::from_secs(1),
+            "{to_headers:?}"
+        );
+    }
+    assert_eq!(first.iter().filter(|s| s.status() == Some(200)).count(), 5);
+    for s in first.iter().filter(|s| s.status() == Some(429)) {
+        let Seen::Status { retry_after, .. } = s else {
+            unreachable!()
+        };
+        // Decimal seconds: at most one scaled minute.
+        let ra: f64 = retry_after.as_deref().unwrap().parse().unwrap();
+        assert!(ra > 0.0 && ra <= 1.0, "{ra}");
+    }
+    // The gate's minute lasts one second.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let later = run_many(&p, "s4", 5, None, chat).await;
+    assert!(later.iter().all(|s| s.status() == Some(200)));
+    let bad = PoolConfig {
+        time_scale: 0.0,
+        ..PoolConfig::p6()
+    };
+    assert_eq!(bad.validate().unwrap_err().field(), "time_scale");
+}

@@ -9,7 +9,8 @@
 //! - [`telemetry`]: one row per attempt and per call, stored as JSON Lines;
 //! - [`scoreboard`]: judges stored rows (so `--rescore` re-judges offline);
 //! - [`report`]: the side-by-side Markdown table and a hand-written SVG chart;
-//! - [`run`]: ties them together under tokio's paused clock.
+//! - [`run`]: ties them together under tokio's paused clock;
+//! - [`realtime`]: the real-time Redis mode (worker processes, the simulator over HTTP).
 //!
 //! ```
 //! use pgw_soak::profiles::ProfileKind;
@@ -29,6 +30,7 @@
 
 pub mod driver;
 pub mod profiles;
+pub mod realtime;
 pub mod report;
 pub mod rss;
 pub mod run;

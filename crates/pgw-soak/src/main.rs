@@ -1,10 +1,11 @@
 //! `pgw-soak`: the P6 soak (`cargo xtask soak [args]`).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::Parser;
 use pgw_soak::profiles::ProfileKind;
+use pgw_soak::realtime::{RedisOptions, run_redis, run_worker, window_ms};
 use pgw_soak::report;
 use pgw_soak::run::{RunOptions, rescore, run};
 use pgw_soak::scenario::{DEFAULT_SEED, Scenario};
@@ -16,8 +17,9 @@ use pgw_soak::scenario::{DEFAULT_SEED, Scenario};
 #[command(name = "pgw-soak", version)]
 struct Args {
     /// Profiles to run, comma-separated, in report order.
-    #[arg(long, value_delimiter = ',', default_value = "naive,tower-stock,pgw")]
-    profiles: Vec<ProfileKind>,
+    /// (default: naive,tower-stock,pgw; the Redis mode runs pgw only).
+    #[arg(long, value_delimiter = ',')]
+    profiles: Option<Vec<ProfileKind>>,
     /// Seed of the pool and the traffic.
     #[arg(long, default_value_t = DEFAULT_SEED)]
     seed: u64,
@@ -40,13 +42,24 @@ struct Args {
     /// Re-judge a stored run directory without traffic, rewriting its report.
     #[arg(long, value_name = "RUN")]
     rescore: Option<PathBuf>,
-    /// State backend: `memory` (virtual time). `redis` (real time, several worker
-    /// processes, the simulator over HTTP) is not implemented yet.
+    /// State backend: `memory` (virtual time, one process) or `redis` (real time,
+    /// `--workers` processes sharing one Redis, the simulator over HTTP on loopback;
+    /// needs `--time-scale`; pgw profile only).
     #[arg(long, default_value = "memory")]
     backend: String,
-    /// Time scale of the real-time mode (every scenario duration times S).
-    #[arg(long)]
+    /// Time scale of the Redis mode: every scenario duration times S (e.g. 0.0166667
+    /// for 1/60: a scenario minute lasts one second). Also accepts `1/N`.
+    #[arg(long, value_parser = parse_scale)]
     time_scale: Option<f64>,
+    /// Redis of the Redis mode (default: the REDIS_URL environment variable).
+    #[arg(long)]
+    redis_url: Option<String>,
+    /// Prefix of every Redis key of the run (default: unique per run).
+    #[arg(long)]
+    key_prefix: Option<String>,
+    /// Internal: run as worker I of the Redis mode run in `--out`.
+    #[arg(long, hide = true)]
+    worker_index: Option<u32>,
     /// No progress bars.
     #[arg(long)]
     no_progress: bool,
@@ -70,14 +83,19 @@ fn real_main(args: &Args) -> Result<ExitCode, Box<dyn std::error::Error + Send +
         println!("report: {}", dir.join("report.md").display());
         return Ok(verdict(&scores));
     }
-    if args.backend != "memory" || args.time_scale.is_some() {
-        return Err(format!(
-            "--backend {} / --time-scale: the real-time Redis mode is not implemented yet; \
-             run with the default memory backend (virtual time)",
-            args.backend
-        )
-        .into());
+    if let Some(i) = args.worker_index {
+        let dir = args.out.as_ref().ok_or("--worker-index needs --out")?;
+        run_worker(dir, i)?;
+        return Ok(ExitCode::SUCCESS);
     }
+    let redis = match args.backend.as_str() {
+        "memory" if args.time_scale.is_some() => {
+            return Err("--time-scale: only with --backend redis (memory runs in virtual time)".into());
+        }
+        "memory" => false,
+        "redis" => true,
+        other => return Err(format!("--backend: expected memory or redis, got {other:?}").into()),
+    };
     let mut scenario = match &args.scenario {
         Some(p) => serde_json::from_slice(&std::fs::read(p).map_err(|e| format!("{}: {e}", p.display()))?)
             .map_err(|e| format!("{}: {e}", p.display()))?,
@@ -102,8 +120,11 @@ fn real_main(args: &Args) -> Result<ExitCode, Box<dyn std::error::Error + Send +
             .map_or(0, |d| d.as_secs());
         PathBuf::from("soak-runs").join(format!("seed-{}-{now}", scenario.seed))
     });
+    if redis {
+        return redis_main(args, &scenario, &dir);
+    }
     let opts = RunOptions {
-        profiles: args.profiles.clone(),
+        profiles: args.profiles.clone().unwrap_or_else(|| ProfileKind::ALL.to_vec()),
         dir: Some(dir.clone()),
         progress: !args.no_progress,
     };
@@ -115,6 +136,59 @@ fn real_main(args: &Args) -> Result<ExitCode, Box<dyn std::error::Error + Send +
     }
     println!("report: {}", dir.join("report.md").display());
     Ok(verdict(&outcome.scores))
+}
+
+fn redis_main(
+    args: &Args,
+    scenario: &Scenario,
+    dir: &Path,
+) -> Result<ExitCode, Box<dyn std::error::Error + Send + Sync>> {
+    if let Some(p) = &args.profiles
+        && p.as_slice() != [ProfileKind::Pgw]
+    {
+        return Err("--profiles: the Redis mode runs the pgw profile only (--profiles pgw)".into());
+    }
+    let time_scale = args
+        .time_scale
+        .ok_or("--time-scale: required with --backend redis (e.g. 1/60)")?;
+    let redis_url = match &args.redis_url {
+        Some(u) => u.clone(),
+        None => std::env::var("REDIS_URL")
+            .map_err(|_| "--redis-url: required with --backend redis (or set REDIS_URL)")?,
+    };
+    let key_prefix = args.key_prefix.clone().unwrap_or_else(|| {
+        format!(
+            "pgw-soak:{}:{}",
+            dir.file_name()
+                .map_or_else(String::new, |n| n.to_string_lossy().into_owned()),
+            std::process::id()
+        )
+    });
+    let opts = RedisOptions {
+        redis_url,
+        key_prefix,
+        time_scale,
+        dir: dir.to_path_buf(),
+        exe: std::env::current_exe()?,
+    };
+    let outcome = run_redis(scenario, &opts)?;
+    print!("{}", report::terminal(&outcome.scores));
+    println!("report: {}", dir.join("report.md").display());
+    Ok(verdict(&outcome.scores))
+}
+
+/// `0.5`, or `1/N` (e.g. `1/60`).
+fn parse_scale(s: &str) -> Result<f64, String> {
+    let v = match s.split_once('/') {
+        Some((a, b)) => {
+            let a: f64 = a.trim().parse().map_err(|e| format!("{s:?}: {e}"))?;
+            let b: f64 = b.trim().parse().map_err(|e| format!("{s:?}: {e}"))?;
+            a / b
+        }
+        None => s.trim().parse().map_err(|e| format!("{s:?}: {e}"))?,
+    };
+    window_ms(v)?;
+    Ok(v)
 }
 
 /// Fails when the pgw profile ran and failed a gating check (the baselines are

@@ -19,17 +19,54 @@ use pgw_stack::config::{GatewayConfig, SourceConfig};
 use pgw_stack::{AttemptTelemetry, Gateway, JsonValidator, SecretKey, TelemetrySink, Validator};
 use tower::ServiceExt;
 
+use pgw_stack::config::{BackendKind, DEFAULT_CACHE_TTL_S, DEFAULT_COOLDOWN_S};
+
 use super::{Built, Env, chat_call};
 use crate::driver::{Client, SoakCall};
+use crate::scenario::Scenario;
 use crate::telemetry::{Accounting, AttemptRow, Recorder};
 
 /// Worker and token estimate of the calls in flight, for the telemetry rows.
 type CallMeta = Arc<Mutex<HashMap<u64, (u32, u64)>>>;
 
+/// Where the limiter's admission instants come from.
+#[derive(Clone, Copy, Debug)]
+enum AdmissionClock {
+    /// The memory backend: seconds since its creation (the run's start).
+    Memory,
+    /// The Redis backend: Unix seconds of the server's `TIME`; rows get milliseconds
+    /// since `origin_ms` (a multiple of `window_ms`, so windows stay aligned).
+    Redis { origin_ms: u64, window_ms: u64 },
+}
+
 /// Turns the gateway's telemetry (S6) into the scoreboard's rows.
 struct Sink {
     recorder: Recorder,
     meta: CallMeta,
+    clock: AdmissionClock,
+}
+
+impl Sink {
+    /// The admission instant of `r` in the rows' milliseconds.
+    fn admitted_ms(&self, r: &AttemptTelemetry) -> u64 {
+        // Rounded to the microsecond first so a window boundary never falls into the
+        // previous window by a float's last bit.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let ms = |s: f64| ((s * 1e6).round() as u64) / 1000;
+        match (self.clock, r.admitted_at_s) {
+            (_, None) => self.recorder.clock().now_ms(),
+            (AdmissionClock::Memory, Some(s)) => ms(s),
+            (AdmissionClock::Redis { origin_ms, window_ms }, Some(s)) => {
+                let mut at = ms(s);
+                // The limiter's own window id is authoritative: keep the instant in it.
+                if let Some(w) = r.admission_window {
+                    let lo = w.saturating_mul(window_ms);
+                    at = at.clamp(lo, lo.saturating_add(window_ms.saturating_sub(1)));
+                }
+                at.saturating_sub(origin_ms)
+            }
+        }
+    }
 }
 
 impl TelemetrySink for Sink {
@@ -41,14 +78,7 @@ impl TelemetrySink for Sink {
             .get(&r.call_id)
             .copied()
             .unwrap_or((0, 0));
-        // Seconds since the limiter's epoch (the memory backend's creation, which is
-        // the run's start): rounded to the microsecond first so a window boundary
-        // never falls into the previous window by a float's last bit.
-        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-        let admitted_ms = r.admitted_at_s.map_or_else(
-            || self.recorder.clock().now_ms(),
-            |s| ((s * 1e6).round() as u64) / 1000,
-        );
+        let admitted_ms = self.admitted_ms(r);
         let tokens = match (r.prompt_tokens, r.completion_tokens) {
             (Some(p), Some(c)) => p + c,
             _ => estimate,
@@ -112,11 +142,15 @@ fn i64_of(n: u64) -> i64 {
 #[must_use]
 pub fn gateway_config(env: &Env) -> GatewayConfig {
     let sc = &env.scenario;
+    config_for(sc, |name| env.upstream.settings(sc, name).base_url)
+}
+
+fn config_for(sc: &Scenario, base_url: impl Fn(&str) -> String) -> GatewayConfig {
     let c = &sc.client;
     let mut cfg = GatewayConfig::default();
     for s in &sc.pool.sources {
         let key = SecretKey::new(s.api_key.clone().unwrap_or_default());
-        let mut src = SourceConfig::new(s.name.as_str(), env.upstream.settings(sc, &s.name).base_url, key);
+        let mut src = SourceConfig::new(s.name.as_str(), base_url(&s.name), key);
         if let Some(q) = c.quota(&s.name) {
             src.rpm = q.rpm.map(i64_of);
             src.tpm = q.tpm.map(i64_of);
@@ -146,6 +180,7 @@ pub async fn build(env: &Env) -> Result<Built, BoxError> {
         .sink(Arc::new(Sink {
             recorder: env.recorder.clone(),
             meta: Arc::clone(&meta),
+            clock: AdmissionClock::Memory,
         }))
         .build()
         .await?;
@@ -158,10 +193,101 @@ pub async fn build(env: &Env) -> Result<Built, BoxError> {
             }) as Arc<dyn Client>
         })
         .collect();
-    let books = gateway.clone();
     Ok(Built {
         clients,
-        accounting: Box::new(move || {
+        accounting: books(gateway),
+    })
+}
+
+/// What one worker process of the real-time Redis mode needs to build its gateway.
+#[derive(Clone, Debug)]
+pub struct RedisWorker {
+    /// The shared Redis (`redis://...` or `redis+cluster://...`).
+    pub redis_url: String,
+    /// Prefix of every Redis key of the run (unique per run).
+    pub key_prefix: String,
+    /// The simulator's address (a source's base URL is `http://ADDR/{source}/v1`).
+    pub sim_addr: std::net::SocketAddr,
+    /// Every scenario duration times this.
+    pub time_scale: f64,
+    /// The rate window, ms (one scenario minute, scaled).
+    pub window_ms: u64,
+    /// Origin of the rows' admission instants, Unix ms (a multiple of `window_ms`).
+    pub origin_ms: u64,
+    /// This worker's index.
+    pub index: u32,
+}
+
+/// The gateway configuration of a real-time worker: [`gateway_config`]'s sources,
+/// keys, accounts and quotas over HTTP on loopback, the Redis backend, and every
+/// duration (the scenario's timeouts, and the pgw defaults that are durations: rate
+/// window, breaker cooldowns and windows, backoffs, stall window, balancer wait, cache
+/// TTL) times the time scale. The lease TTL stays unscaled: it is a safety net for a
+/// crashed process, not a scenario duration.
+#[must_use]
+pub fn redis_gateway_config(sc: &Scenario, w: &RedisWorker) -> GatewayConfig {
+    let s = w.time_scale;
+    let mut cfg = config_for(sc, |name| format!("http://{}/{name}/v1", w.sim_addr));
+    let c = &sc.client;
+    for src in &mut cfg.sources {
+        src.connect_timeout_s = Some(c.connect_s * s);
+        src.first_token_timeout_s = Some(c.first_token_s * s);
+        src.inter_token_timeout_s = Some(c.inter_token_s * s);
+        src.total_timeout_s = Some(c.total_s * s);
+    }
+    cfg.backend = BackendKind::Redis;
+    cfg.redis_url = Some(w.redis_url.clone());
+    cfg.key_prefix = Some(w.key_prefix.clone());
+    #[allow(clippy::cast_precision_loss)]
+    let window_s = w.window_ms as f64 / 1000.0;
+    cfg.ratelimit.window_s = Some(window_s);
+    cfg.breaker.cooldown_s = Some(DEFAULT_COOLDOWN_S * s);
+    cfg.breaker.window_s = Some(60.0 * s);
+    cfg.breaker.max_cooldown_s = Some(300.0 * s);
+    cfg.breaker.probe_ttl_s = Some(60.0 * s);
+    cfg.retry.base_backoff_s = Some(0.5 * s);
+    cfg.retry.max_backoff_s = Some(20.0 * s);
+    cfg.retry.stall_window_s = Some(120.0 * s);
+    cfg.balance.max_wait_s = Some(30.0 * s);
+    cfg.cache.ttl_s = Some(DEFAULT_CACHE_TTL_S * s);
+    cfg
+}
+
+/// Builds one real-time worker's client: a `Gateway` on the shared Redis, calling the
+/// simulator over HTTP (`pgw-stack`'s default transport).
+///
+/// # Errors
+/// The gateway's configuration error (an unreachable Redis names `redis_url`).
+pub async fn build_redis(sc: &Scenario, w: &RedisWorker, recorder: &Recorder) -> Result<Built, BoxError> {
+    let meta: CallMeta = Arc::default();
+    let gateway = Gateway::builder(redis_gateway_config(sc, w))
+        .sink(Arc::new(Sink {
+            recorder: recorder.clone(),
+            meta: Arc::clone(&meta),
+            clock: AdmissionClock::Redis {
+                origin_ms: w.origin_ms,
+                window_ms: w.window_ms,
+            },
+        }))
+        .build()
+        .await?;
+    let client = Arc::new(PgwClient {
+        gateway: gateway.clone(),
+        worker: w.index,
+        meta,
+    }) as Arc<dyn Client>;
+    Ok(Built {
+        clients: vec![client],
+        accounting: books(gateway),
+    })
+}
+
+type Books = Box<dyn Fn() -> BoxFuture<'static, Accounting> + Send + Sync>;
+
+/// Reads the gateway's books: AIMD in flight, lease failures, probes in flight.
+fn books(books: Gateway) -> Books {
+    {
+        Box::new(move || {
             let books = books.clone();
             Box::pin(async move {
                 let mut acc = Accounting::default();
@@ -182,6 +308,6 @@ pub async fn build(env: &Env) -> Result<Built, BoxError> {
                 }
                 acc
             })
-        }),
-    })
+        })
+    }
 }
