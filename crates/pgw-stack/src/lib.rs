@@ -35,6 +35,7 @@ mod attempt;
 pub mod cache;
 pub mod config;
 mod gateway;
+pub mod proxy;
 pub mod telemetry;
 mod validate;
 

@@ -382,3 +382,88 @@ async fn two_gateways_on_one_redis_share_breaker_and_quota() {
     );
     assert_eq!(pool.stats().sources["tight"].received, 2, "the shared quota held");
 }
+
+/// What a plain HTTP client (curl) sends and reads: one request on a raw socket, the
+/// whole response, byte for byte.
+async fn raw_http(addr: std::net::SocketAddr, body: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    socket.write_all(request.as_bytes()).await.unwrap();
+    let mut out = Vec::new();
+    socket.read_to_end(&mut out).await.unwrap();
+    String::from_utf8(out).unwrap()
+}
+
+/// Undoes `transfer-encoding: chunked`.
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    loop {
+        let (size, rest) = body.split_once("\r\n").expect("chunk size line");
+        let size = usize::from_str_radix(size.trim(), 16).expect("hex chunk size");
+        if size == 0 {
+            return out;
+        }
+        out.push_str(&rest[..size]);
+        body = rest[size..].strip_prefix("\r\n").expect("CRLF after chunk");
+    }
+}
+
+/// The proxy serves a streamed answer to a plain HTTP client with byte-correct SSE
+/// framing (`data: {chunk}\n\n` ... `data: [DONE]\n\n`), and a JSON answer otherwise.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_proxy_serves_byte_correct_sse_to_a_plain_http_client() {
+    let (_env, gw) = env(Backend::Memory, "proxy", vec![(fast("p1"), "default")]).await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn(async move { axum::serve(listener, pgw_stack::proxy::router(gw)).await });
+
+    let body = r#"{"model":"m","messages":[{"role":"user","content":"stream please"}],"max_tokens":20,"stream":true}"#;
+    let response = raw_http(addr, body).await;
+    let (head, payload) = response.split_once("\r\n\r\n").unwrap();
+    let head = head.to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert!(head.contains("content-type: text/event-stream"), "{head}");
+    assert!(head.contains("x-pgw-source: p1"), "{head}");
+    let sse = if head.contains("transfer-encoding: chunked") {
+        dechunk(payload)
+    } else {
+        payload.to_owned()
+    };
+    assert!(sse.ends_with("data: [DONE]\n\n"), "{sse:?}");
+    let events: Vec<&str> = sse.split_terminator("\n\n").collect();
+    assert!(events.len() >= 2, "{sse:?}");
+    let mut text = String::new();
+    for event in &events[..events.len() - 1] {
+        let json = event
+            .strip_prefix("data: ")
+            .expect("every event is one data line");
+        assert!(!json.contains('\n'), "one line per event: {event:?}");
+        let chunk: pgw_core::openai::ChatChunk = serde_json::from_str(json).unwrap();
+        for c in &chunk.choices {
+            text.push_str(c.delta.content.as_deref().unwrap_or(""));
+        }
+    }
+    assert!(!text.trim().is_empty(), "the chunks carry the answer: {sse:?}");
+
+    let body = r#"{"model":"m","messages":[{"role":"user","content":"json please"}],"max_tokens":20}"#;
+    let response = raw_http(addr, body).await;
+    let (head, payload) = response.split_once("\r\n\r\n").unwrap();
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("content-type: application/json"),
+        "{head}"
+    );
+    let json = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+        dechunk(payload)
+    } else {
+        payload.to_owned()
+    };
+    let answer: pgw_core::openai::ChatResponse = serde_json::from_str(&json).unwrap();
+    assert!(!answer.is_empty_completion());
+    server.abort();
+}
