@@ -124,7 +124,7 @@ impl ChunkStream {
         let token = chunk
             .choices
             .iter()
-            .any(|c| c.delta.content.as_deref().is_some_and(|t| !t.is_empty()) || c.finish_reason.is_some());
+            .any(|c| c.delta.carries_output() || c.finish_reason.is_some());
         if self.first_token_at.is_none() && token {
             self.first_token_at = Some(now);
         }

@@ -116,8 +116,8 @@ fn chunk(text: &str, finish: bool) -> Bytes {
         choices: vec![ChunkChoice {
             index: 0,
             delta: Delta {
-                role: None,
                 content: Some(text.into()),
+                ..Delta::default()
             },
             finish_reason: finish.then(|| "stop".into()),
         }],
@@ -252,7 +252,7 @@ async fn a_role_only_chunk_does_not_count_as_first_token() {
         choices: vec![ChunkChoice {
             delta: Delta {
                 role: Some("assistant".into()),
-                content: None,
+                ..Delta::default()
             },
             ..ChunkChoice::default()
         }],
@@ -499,4 +499,48 @@ async fn huge_timeouts_mean_never_and_do_not_overflow_the_clock() {
         .await
         .unwrap_err();
     assert!(err.is::<pgw_core::UpstreamStatus>(), "{err}");
+}
+
+/// An agent's answer is often a tool call and no text: its fragments are output for
+/// the watchdogs, and the folded answer carries the whole call.
+#[tokio::test(start_paused = true)]
+async fn a_tool_call_stream_is_output_for_the_watchdogs() {
+    let p = Provider::default();
+    let frame = |json: &str| Bytes::from(pgw_core::sse::encode_data(json));
+    let step = Duration::from_millis(1500); // under inter_token (2 s); the whole stream outlasts first_token (5 s)
+    let script = sse(vec![
+        (
+            Duration::from_secs(1),
+            frame(
+                r#"{"choices":[{"index":0,"delta":{"role":"assistant","tool_calls":[{"index":0,"id":"call_1","type":"function","function":{"name":"lookup","arguments":""}}]}}]}"#,
+            ),
+        ),
+        (
+            step,
+            frame(
+                r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{\"q\":"}}]}}]}"#,
+            ),
+        ),
+        (
+            step,
+            frame(
+                r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"1}"}}]}}]}"#,
+            ),
+        ),
+        (
+            step,
+            frame(r#"{"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#),
+        ),
+        (
+            step,
+            frame(r#"{"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#),
+        ),
+        (Duration::ZERO, Bytes::from_static(pgw_core::sse::DONE.as_bytes())),
+    ]);
+    let answer = p.client(script, timeouts()).oneshot(stream_call()).await.unwrap();
+    assert_eq!(answer.stats.ttft, Some(Duration::from_millis(1100)));
+    let call = &answer.response.choices[0].message.extra["tool_calls"][0];
+    assert_eq!(call["function"]["name"], "lookup");
+    assert_eq!(call["function"]["arguments"], r#"{"q":1}"#);
+    assert_eq!(outcome(&Ok(answer)), Outcome::Success);
 }

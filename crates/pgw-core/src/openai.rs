@@ -167,6 +167,19 @@ pub struct Delta {
     /// The next piece of text.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    /// Fields this crate does not interpret as text: `tool_calls` (merged by
+    /// [`ChunkAccumulator`]), `refusal`, provider extensions.
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
+}
+
+impl Delta {
+    /// Whether this piece carries output: text, or any other non-null field such as a
+    /// tool call. A role-only delta does not (watchdogs wait for real output).
+    #[must_use]
+    pub fn carries_output(&self) -> bool {
+        self.content.as_deref().is_some_and(|t| !t.is_empty()) || self.extra.values().any(|v| !v.is_null())
+    }
 }
 
 /// One choice of a streamed chunk.
@@ -238,6 +251,9 @@ impl ChunkAccumulator {
             if let Some(text) = &c.delta.content {
                 choice.message.content.push_str(text);
             }
+            if let Some(Value::Array(calls)) = c.delta.extra.get("tool_calls") {
+                merge_tool_calls(&mut choice.message.extra, calls);
+            }
             if c.finish_reason.is_some() {
                 choice.finish_reason.clone_from(&c.finish_reason);
             }
@@ -254,9 +270,93 @@ impl ChunkAccumulator {
     }
 }
 
+/// Merges streamed tool-call fragments (OpenAI: each carries an `index`; `id`, `type`
+/// and `function.name` arrive once, `function.arguments` in pieces) into the message's
+/// `tool_calls` array.
+fn merge_tool_calls(message_extra: &mut Map<String, Value>, fragments: &[Value]) {
+    let calls = message_extra
+        .entry("tool_calls")
+        .or_insert_with(|| Value::Array(Vec::new()));
+    let Value::Array(calls) = calls else { return };
+    for (n, fragment) in fragments.iter().enumerate() {
+        let Value::Object(fragment) = fragment else {
+            continue;
+        };
+        let index = fragment
+            .get("index")
+            .and_then(Value::as_u64)
+            .and_then(|i| usize::try_from(i).ok())
+            .unwrap_or(n);
+        // A garbage index must not make us allocate without bound.
+        if index > 1024 {
+            continue;
+        }
+        while calls.len() <= index {
+            calls.push(serde_json::json!({"type": "function", "function": {"name": "", "arguments": ""}}));
+        }
+        let Value::Object(call) = &mut calls[index] else {
+            continue;
+        };
+        for key in ["id", "type"] {
+            if let Some(v) = fragment.get(key).filter(|v| !v.is_null()) {
+                call.insert(key.to_owned(), v.clone());
+            }
+        }
+        if let Some(Value::Object(f)) = fragment.get("function") {
+            let function = call
+                .entry("function")
+                .or_insert_with(|| serde_json::json!({"name": "", "arguments": ""}));
+            if let Value::Object(function) = function {
+                for key in ["name", "arguments"] {
+                    if let Some(piece) = f.get(key).and_then(Value::as_str) {
+                        let slot = function
+                            .entry(key)
+                            .or_insert_with(|| Value::String(String::new()));
+                        if let Value::String(text) = slot {
+                            text.push_str(piece);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tool_call_streams_accumulate_and_count_as_output() {
+        let frames = [
+            r#"{"choices":[{"index":0,"delta":{"role":"assistant"}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_1","type":"function","function":{"name":"get_weather","arguments":""}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{\"city\":"}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"\"Paris\"}"}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#,
+        ];
+        let mut acc = ChunkAccumulator::default();
+        let mut outputs = Vec::new();
+        for f in frames {
+            let chunk: ChatChunk = serde_json::from_str(f).unwrap();
+            outputs.push(chunk.choices[0].delta.carries_output());
+            acc.push(&chunk);
+        }
+        assert_eq!(outputs, [false, true, true, true, false]);
+        let resp = acc.finish();
+        assert!(!resp.is_empty_completion(), "a tool call is an answer");
+        let call = &resp.choices[0].message.extra["tool_calls"][0];
+        assert_eq!(call["id"], "call_1");
+        assert_eq!(call["function"]["name"], "get_weather");
+        assert_eq!(call["function"]["arguments"], r#"{"city":"Paris"}"#);
+        // Garbage fragments are skipped, never a panic or a huge allocation.
+        let mut extra = Map::new();
+        merge_tool_calls(
+            &mut extra,
+            &[Value::from(3), serde_json::json!({"index": u64::MAX})],
+        );
+        assert_eq!(extra["tool_calls"], serde_json::json!([]));
+    }
 
     #[test]
     fn request_roundtrips_unknown_fields() {
@@ -292,6 +392,7 @@ mod tests {
                     delta: Delta {
                         role: (i == 0).then(|| "assistant".into()),
                         content: Some((*t).into()),
+                        extra: Map::new(),
                     },
                     finish_reason: None,
                 }],

@@ -192,6 +192,7 @@ pub(crate) fn build(plan: &AnswerPlan, request_id: &str) -> Built {
         let delta = Delta {
             role: (j == 0).then(|| "assistant".into()),
             content: Some((*piece).to_owned()),
+            ..Delta::default()
         };
         frames.push((gaps[j], Bytes::from(event(&chunk(delta, None)))));
     }

@@ -97,6 +97,7 @@ pub fn chunks_of(r: &ChatResponse) -> Vec<ChatChunk> {
                 delta: Delta {
                     role: Some(c.message.role.clone()),
                     content: Some(c.message.content.clone()),
+                    extra: replay_tool_calls(&c.message.extra),
                 },
                 finish_reason: c.finish_reason.clone(),
             }])
@@ -666,6 +667,28 @@ impl GatewayBuilder {
             }),
         })
     }
+}
+
+/// The tool calls of a complete answer as one streamed delta (each with its `index`).
+fn replay_tool_calls(
+    message_extra: &serde_json::Map<String, serde_json::Value>,
+) -> serde_json::Map<String, serde_json::Value> {
+    let mut extra = serde_json::Map::new();
+    if let Some(serde_json::Value::Array(calls)) = message_extra.get("tool_calls") {
+        let indexed = calls
+            .iter()
+            .enumerate()
+            .map(|(i, call)| {
+                let mut call = call.clone();
+                if let serde_json::Value::Object(o) = &mut call {
+                    o.insert("index".into(), i.into());
+                }
+                call
+            })
+            .collect();
+        extra.insert("tool_calls".into(), serde_json::Value::Array(indexed));
+    }
+    extra
 }
 
 /// The balancer's health class of a call: streamed calls (1) apart from the rest (0).
