@@ -30,35 +30,14 @@ pub const DEFAULT_EPOCH_UNIX_S: u64 = 1_784_610_470;
 /// figure `pgw_core::openai::DEFAULT_MAX_TOKENS_ESTIMATE` assumes).
 pub const DEFAULT_MAX_TOKENS: u64 = 1024;
 
-/// A bad configuration: which field, and why.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ConfigError {
-    field: String,
-    reason: String,
+/// A configuration that cannot work, naming the field as a path (`sources[2].rpm`):
+/// the workspace's shared [`pgw_core::ConfigError`] (component `simulator`).
+pub use pgw_core::ConfigError;
+
+/// A [`ConfigError`] of this crate's configuration.
+pub(crate) fn config_error(field: impl AsRef<str>, reason: impl Into<String>) -> ConfigError {
+    ConfigError::new("simulator", field.as_ref().to_owned(), reason.into())
 }
-
-impl ConfigError {
-    fn new(field: impl Into<String>, reason: impl Into<String>) -> Self {
-        Self {
-            field: field.into(),
-            reason: reason.into(),
-        }
-    }
-
-    /// The path of the offending field, e.g. `sources[2].empty_rate`.
-    #[must_use]
-    pub fn field(&self) -> &str {
-        &self.field
-    }
-}
-
-impl fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "invalid simulator config: {}: {}", self.field, self.reason)
-    }
-}
-
-impl std::error::Error for ConfigError {}
 
 /// A log-normal distribution given by its median and 95th percentile, clamped to
 /// `[min, max]`. The unit is the one of the field holding it (seconds, tokens/s).
@@ -90,16 +69,16 @@ impl LogNormal {
     fn validate(&self, field: &str) -> Result<(), ConfigError> {
         let all = [self.median, self.p95, self.min, self.max];
         if all.iter().any(|v| !v.is_finite() || *v < 0.0) {
-            return Err(ConfigError::new(field, "values must be finite and >= 0"));
+            return Err(config_error(field, "values must be finite and >= 0"));
         }
         if self.median <= 0.0 {
-            return Err(ConfigError::new(format!("{field}.median"), "must be > 0"));
+            return Err(config_error(format!("{field}.median"), "must be > 0"));
         }
         if self.p95 < self.median {
-            return Err(ConfigError::new(format!("{field}.p95"), "must be >= median"));
+            return Err(config_error(format!("{field}.p95"), "must be >= median"));
         }
         if self.min > self.median || self.max < self.median {
-            return Err(ConfigError::new(field, "need min <= median <= max"));
+            return Err(config_error(field, "need min <= median <= max"));
         }
         Ok(())
     }
@@ -498,28 +477,25 @@ impl PoolConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         rate("bad_prompt_rate", self.bad_prompt_rate)?;
         if !(self.prompt_bytes_per_token.is_finite() && self.prompt_bytes_per_token > 0.0) {
-            return Err(ConfigError::new("prompt_bytes_per_token", "must be > 0"));
+            return Err(config_error("prompt_bytes_per_token", "must be > 0"));
         }
         if self.max_stream_frames < 2 {
-            return Err(ConfigError::new("max_stream_frames", "must be >= 2"));
+            return Err(config_error("max_stream_frames", "must be >= 2"));
         }
         if !(self.time_scale.is_finite() && self.time_scale > 0.0) {
-            return Err(ConfigError::new("time_scale", "must be finite and > 0"));
+            return Err(config_error("time_scale", "must be finite and > 0"));
         }
         if self.sources.is_empty() {
-            return Err(ConfigError::new("sources", "at least one source is needed"));
+            return Err(config_error("sources", "at least one source is needed"));
         }
         let mut accounts = HashSet::new();
         for (i, a) in self.accounts.iter().enumerate() {
             let f = |n: &str| format!("accounts[{i}].{n}");
             if a.name.is_empty() {
-                return Err(ConfigError::new(f("name"), "must not be empty"));
+                return Err(config_error(f("name"), "must not be empty"));
             }
             if !accounts.insert(a.name.as_str()) {
-                return Err(ConfigError::new(
-                    f("name"),
-                    format!("duplicate account {:?}", a.name),
-                ));
+                return Err(config_error(f("name"), format!("duplicate account {:?}", a.name)));
             }
             let c = &a.rate_limit;
             for (n, v) in [
@@ -530,37 +506,31 @@ impl PoolConfig {
                 ("rate_limit.rpm_slope", c.rpm_slope),
             ] {
                 if !(v.is_finite() && v >= 0.0) {
-                    return Err(ConfigError::new(f(n), "must be finite and >= 0"));
+                    return Err(config_error(f(n), "must be finite and >= 0"));
                 }
             }
             rate(&f("rate_limit.max"), c.max)?;
             if !(c.window_s.is_finite() && c.window_s > 0.0) {
-                return Err(ConfigError::new(f("rate_limit.window_s"), "must be > 0"));
+                return Err(config_error(f("rate_limit.window_s"), "must be > 0"));
             }
             rate(&f("retry_after.rate"), a.retry_after.rate)?;
             if a.retry_after.min_s > a.retry_after.max_s {
-                return Err(ConfigError::new(f("retry_after.min_s"), "must be <= max_s"));
+                return Err(config_error(f("retry_after.min_s"), "must be <= max_s"));
             }
         }
         let mut names = HashSet::new();
         for (i, s) in self.sources.iter().enumerate() {
             let f = |n: &str| format!("sources[{i}].{n}");
             if s.name.is_empty() || s.name.contains('/') {
-                return Err(ConfigError::new(
-                    f("name"),
-                    "must be non-empty and contain no '/'",
-                ));
+                return Err(config_error(f("name"), "must be non-empty and contain no '/'"));
             }
             if !names.insert(s.name.as_str()) {
-                return Err(ConfigError::new(
-                    f("name"),
-                    format!("duplicate source {:?}", s.name),
-                ));
+                return Err(config_error(f("name"), format!("duplicate source {:?}", s.name)));
             }
             if let Some(a) = &s.account
                 && !accounts.contains(a.as_str())
             {
-                return Err(ConfigError::new(f("account"), format!("unknown account {a:?}")));
+                return Err(config_error(f("account"), format!("unknown account {a:?}")));
             }
             rate(&f("black_hole_rate"), s.black_hole_rate)?;
             rate(&f("server_error_rate"), s.server_error_rate)?;
@@ -568,26 +538,23 @@ impl PoolConfig {
             rate(&f("invalid_json_rate"), s.invalid_json_rate)?;
             rate(&f("stall.rate"), s.stall.rate)?;
             if s.rpm_gate == Some(0) {
-                return Err(ConfigError::new(f("rpm_gate"), "must be >= 1 (or absent)"));
+                return Err(config_error(f("rpm_gate"), "must be >= 1 (or absent)"));
             }
             s.ttft_s.validate(&f("ttft_s"))?;
             s.tokens_per_second.validate(&f("tokens_per_second"))?;
             if s.tokens_per_second.min <= 0.0 {
-                return Err(ConfigError::new(f("tokens_per_second.min"), "must be > 0"));
+                return Err(config_error(f("tokens_per_second.min"), "must be > 0"));
             }
             s.error_latency_s.validate(&f("error_latency_s"))?;
             let c = &s.completion;
             if !(0.0 < c.min_fraction && c.min_fraction <= c.max_fraction && c.max_fraction <= 1.0) {
-                return Err(ConfigError::new(
+                return Err(config_error(
                     f("completion"),
                     "need 0 < min_fraction <= max_fraction <= 1",
                 ));
             }
             if c.default_max_tokens == 0 {
-                return Err(ConfigError::new(
-                    f("completion.default_max_tokens"),
-                    "must be >= 1",
-                ));
+                return Err(config_error(f("completion.default_max_tokens"), "must be >= 1"));
             }
             let st = &s.stall;
             if !(st.min_gap_s.is_finite()
@@ -595,7 +562,7 @@ impl PoolConfig {
                 && st.min_gap_s >= 0.0
                 && st.min_gap_s <= st.max_gap_s)
             {
-                return Err(ConfigError::new(
+                return Err(config_error(
                     f("stall"),
                     "need 0 <= min_gap_s <= max_gap_s, finite",
                 ));
@@ -609,7 +576,7 @@ fn rate(field: &str, v: f64) -> Result<(), ConfigError> {
     if (0.0..=1.0).contains(&v) {
         Ok(())
     } else {
-        Err(ConfigError::new(field, format!("must be within [0, 1], got {v}")))
+        Err(config_error(field, format!("must be within [0, 1], got {v}")))
     }
 }
 

@@ -55,43 +55,14 @@ pub const DEFAULT_KEY_PREFIX: &str = "pgw";
 /// Default group name of a source that names none: `default`.
 pub const DEFAULT_GROUP: &str = "default";
 
-/// A configuration that cannot work, naming the field (`sources[2].rpm`,
-/// `retry.max_attempts`, `redis_url`).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ConfigError {
-    field: String,
-    reason: String,
+/// A configuration that cannot work, naming the field as a path (`sources[2].rpm`):
+/// the workspace's shared [`pgw_core::ConfigError`] (component `gateway`).
+pub use pgw_core::ConfigError;
+
+/// A [`ConfigError`] of this crate's configuration.
+pub(crate) fn config_error(field: impl AsRef<str>, reason: impl Into<String>) -> ConfigError {
+    ConfigError::new("gateway", field.as_ref().to_owned(), reason.into())
 }
-
-impl ConfigError {
-    /// A new error for `field`.
-    pub fn new(field: impl Into<String>, reason: impl Into<String>) -> Self {
-        Self {
-            field: field.into(),
-            reason: reason.into(),
-        }
-    }
-
-    /// The offending field, as a path (`sources[0].key`).
-    #[must_use]
-    pub fn field(&self) -> &str {
-        &self.field
-    }
-
-    /// Why it is refused.
-    #[must_use]
-    pub fn reason(&self) -> &str {
-        &self.reason
-    }
-}
-
-impl fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "bad gateway configuration: `{}`: {}", self.field, self.reason)
-    }
-}
-
-impl std::error::Error for ConfigError {}
 
 /// Where shared state lives (one switch for breaker, limiter and cache).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
@@ -305,14 +276,14 @@ impl SourceConfig {
             (_, Some(var)) => match std::env::var(var) {
                 Ok(v) if !v.is_empty() => SecretKey::new(v),
                 _ => {
-                    return Err(ConfigError::new(
+                    return Err(config_error(
                         format!("{at}.key_env"),
                         format!("environment variable {var} is not set"),
                     ));
                 }
             },
             _ => {
-                return Err(ConfigError::new(
+                return Err(config_error(
                     format!("{at}.key"),
                     "missing (set `key` or `key_env`)",
                 ));
@@ -323,7 +294,7 @@ impl SourceConfig {
             .timeouts(self.timeouts(at)?);
         s.model.clone_from(&self.model);
         s.endpoint()
-            .map_err(|e| ConfigError::new(format!("{at}.base_url"), e.to_string()))?;
+            .map_err(|e| config_error(format!("{at}.base_url"), e.to_string()))?;
         Ok(s)
     }
 }
@@ -484,14 +455,14 @@ pub(crate) fn redact_in(text: &str, url: &str) -> String {
 pub(crate) fn secs(field: &str, v: Option<f64>) -> Result<Option<Duration>, ConfigError> {
     match v {
         None => Ok(None),
-        Some(s) if s.is_finite() && s > MAX_DURATION_S => Err(ConfigError::new(
+        Some(s) if s.is_finite() && s > MAX_DURATION_S => Err(config_error(
             field,
             format!("must be at most {MAX_DURATION_S} seconds (ten years), got {s}"),
         )),
         Some(s) if s.is_finite() && s > 0.0 => Duration::try_from_secs_f64(s)
             .map(Some)
-            .map_err(|e| ConfigError::new(field, e.to_string())),
-        Some(s) => Err(ConfigError::new(
+            .map_err(|e| config_error(field, e.to_string())),
+        Some(s) => Err(config_error(
             field,
             format!("must be a positive number of seconds (got {s})"),
         )),
@@ -502,7 +473,7 @@ pub(crate) fn quota(field: &str, v: Option<i64>) -> Result<Option<u64>, ConfigEr
     match v {
         None | Some(0) => Ok(None),
         Some(n) if n > 0 => Ok(Some(n.unsigned_abs())),
-        Some(n) => Err(ConfigError::new(field, format!("must not be negative (got {n})"))),
+        Some(n) => Err(config_error(field, format!("must not be negative (got {n})"))),
     }
 }
 
@@ -523,7 +494,7 @@ impl GatewayConfig {
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
         let path = path.as_ref();
         let text = std::fs::read_to_string(path)
-            .map_err(|e| ConfigError::new(path.display().to_string(), format!("cannot read: {e}")))?;
+            .map_err(|e| config_error(path.display().to_string(), format!("cannot read: {e}")))?;
         Self::from_toml_str_with_env(&text, std::env::vars())
     }
 
@@ -569,23 +540,23 @@ impl GatewayConfig {
     /// A [`ConfigError`] naming the first bad field.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.sources.is_empty() {
-            return Err(ConfigError::new("sources", "at least one source is required"));
+            return Err(config_error("sources", "at least one source is required"));
         }
         if self.backend == BackendKind::Redis && self.redis_url.is_none() {
-            return Err(ConfigError::new("redis_url", "required when backend = \"redis\""));
+            return Err(config_error("redis_url", "required when backend = \"redis\""));
         }
         if let Some(url) = &self.redis_url {
             pgw_core::redis_conn::RedisTarget::parse(url)
-                .map_err(|e| ConfigError::new("redis_url", redact_in(&e, url)))?;
+                .map_err(|e| config_error("redis_url", redact_in(&e, url)))?;
         }
         let mut names = std::collections::HashSet::new();
         for (i, s) in self.sources.iter().enumerate() {
             let at = format!("sources[{i}]");
             if s.name.trim().is_empty() {
-                return Err(ConfigError::new(format!("{at}.name"), "must not be empty"));
+                return Err(config_error(format!("{at}.name"), "must not be empty"));
             }
             if !names.insert(s.name.as_str()) {
-                return Err(ConfigError::new(
+                return Err(config_error(
                     format!("{at}.name"),
                     format!("duplicate source {:?}", s.name),
                 ));
@@ -594,7 +565,7 @@ impl GatewayConfig {
             quota(&format!("{at}.tpm"), s.tpm)?;
             quota(&format!("{at}.max_concurrency"), s.max_concurrency)?;
             if s.account.as_ref().is_some_and(|a| a.trim().is_empty()) {
-                return Err(ConfigError::new(format!("{at}.account"), "must not be empty"));
+                return Err(config_error(format!("{at}.account"), "must not be empty"));
             }
             s.settings(&at)?;
         }
@@ -607,12 +578,12 @@ impl GatewayConfig {
         let groups = self.group_order();
         for g in &self.fallback {
             if !self.sources.iter().any(|s| s.group_name() == g) {
-                return Err(ConfigError::new("fallback", format!("group {g:?} has no source")));
+                return Err(config_error("fallback", format!("group {g:?} has no source")));
             }
         }
         for (i, s) in self.sources.iter().enumerate() {
             if !groups.iter().any(|g| g == s.group_name()) {
-                return Err(ConfigError::new(
+                return Err(config_error(
                     format!("sources[{i}].group"),
                     format!(
                         "group {:?} is not in `fallback`: the source would never be used",
@@ -623,10 +594,7 @@ impl GatewayConfig {
         }
         for (i, g) in self.fallback.iter().enumerate() {
             if self.fallback[..i].contains(g) {
-                return Err(ConfigError::new(
-                    "fallback",
-                    format!("group {g:?} is listed twice"),
-                ));
+                return Err(config_error("fallback", format!("group {g:?} is listed twice")));
             }
         }
         debug_assert!(!groups.is_empty());
@@ -643,12 +611,12 @@ impl GatewayConfig {
             secs(k, v)?;
         }
         if self.cache.max_entries == Some(0) {
-            return Err(ConfigError::new("cache.max_entries", "must be at least 1"));
+            return Err(config_error("cache.max_entries", "must be at least 1"));
         }
         if let Some(p) = &self.balance.policy
             && !matches!(p.as_str(), "health_aware" | "round_robin" | "least_inflight")
         {
-            return Err(ConfigError::new(
+            return Err(config_error(
                 "balance.policy",
                 format!("{p:?} is not one of health_aware, round_robin, least_inflight"),
             ));
@@ -656,7 +624,7 @@ impl GatewayConfig {
         for (model, p) in &self.prices {
             let ok = |x: f64| x.is_finite() && x >= 0.0;
             if !(ok(p.input_per_mtok) && ok(p.output_per_mtok)) {
-                return Err(ConfigError::new(
+                return Err(config_error(
                     format!("prices.{model}"),
                     "prices must be finite and not negative",
                 ));
@@ -702,7 +670,7 @@ fn toml_error(e: &toml::de::Error, text: Option<&str>) -> ConfigError {
             Some(msg[start..start + len].to_owned())
         })
         .unwrap_or_else(|| "config".to_owned());
-    ConfigError::new(field, msg.trim().replace('\n', " "))
+    config_error(field, msg.trim().replace('\n', " "))
 }
 
 fn apply_override(table: &mut toml::Table, var: &str, raw: &str) -> Result<(), ConfigError> {
@@ -711,7 +679,7 @@ fn apply_override(table: &mut toml::Table, var: &str, raw: &str) -> Result<(), C
         .map(str::to_ascii_lowercase)
         .collect();
     if path.iter().any(String::is_empty) {
-        return Err(ConfigError::new(var, "empty path segment"));
+        return Err(config_error(var, "empty path segment"));
     }
     let value = toml::from_str::<toml::Table>(&format!("v = {raw}"))
         .ok()
@@ -746,9 +714,9 @@ fn set_path(
             toml::Value::Array(a) => {
                 let idx: usize = seg
                     .parse()
-                    .map_err(|_| ConfigError::new(var, format!("{seg:?} is not an array index")))?;
+                    .map_err(|_| config_error(var, format!("{seg:?} is not an array index")))?;
                 if idx >= a.len() {
-                    return Err(ConfigError::new(
+                    return Err(config_error(
                         var,
                         format!("index {idx} is past the end ({} items)", a.len()),
                     ));
@@ -760,7 +728,7 @@ fn set_path(
                 &mut a[idx]
             }
             _ => {
-                return Err(ConfigError::new(
+                return Err(config_error(
                     var,
                     format!("{seg:?} is inside a value that is not a table"),
                 ));

@@ -514,8 +514,9 @@ impl GatewayBuilder {
 
         let mut sinks = self.sinks;
         if let Some(path) = &cfg.telemetry.jsonl_path {
-            let sink = JsonlSink::open(path)
-                .map_err(|e| ConfigError::new("telemetry.jsonl_path", format!("cannot open {path}: {e}")))?;
+            let sink = JsonlSink::open(path).map_err(|e| {
+                crate::config::config_error("telemetry.jsonl_path", format!("cannot open {path}: {e}"))
+            })?;
             sinks.push(Arc::new(sink));
         }
         if cfg.telemetry.tracing {
@@ -530,11 +531,12 @@ impl GatewayBuilder {
             BackendKind::Memory => None,
             BackendKind::Redis => {
                 let url = cfg.redis_url.as_deref().unwrap_or_default();
-                let target = RedisTarget::parse(url)
-                    .map_err(|e| ConfigError::new("redis_url", crate::config::redact_in(&e, url)))?;
+                let target = RedisTarget::parse(url).map_err(|e| {
+                    crate::config::config_error("redis_url", crate::config::redact_in(&e, url))
+                })?;
                 let conn = RedisConn::connect(&target).await.map_err(|e| {
                     let e = crate::config::redact_in(&e.to_string(), url);
-                    ConfigError::new("redis_url", format!("cannot connect to {target}: {e}"))
+                    crate::config::config_error("redis_url", format!("cannot connect to {target}: {e}"))
                 })?;
                 Some(conn)
             }
@@ -594,7 +596,7 @@ impl GatewayBuilder {
 
                 let limiter =
                     RateLimiter::new(rate_limit_config(&cfg, sc, &at, &prefix)?, rl_backend.clone())
-                        .map_err(|e| ConfigError::new(at.clone(), e.to_string()))?;
+                        .map_err(|e| crate::config::config_error(at.clone(), e.to_string()))?;
                 limiters.push(limiter.clone());
                 let rl = RateLimitLayer::new(limiter.clone())
                     .token_estimate(|c: &ChatCall| c.estimate_tokens())
@@ -607,7 +609,7 @@ impl GatewayBuilder {
 
                 let max_conc = quota(&format!("{at}.max_concurrency"), sc.max_concurrency)?;
                 let aimd = AimdLayer::new(aimd_config(&cfg, max_conc))
-                    .map_err(|e| ConfigError::new(format!("aimd ({at})"), e.to_string()))?
+                    .map_err(|e| crate::config::config_error(format!("aimd ({at})"), e.to_string()))?
                     .with_source(id.clone())
                     .with_release_signal(sources.wake_signal())
                     .shedding()
@@ -633,14 +635,14 @@ impl GatewayBuilder {
                 });
             }
             let mut lb = HealthP2c::new(sources.clone(), balance_cfg)
-                .map_err(|e| ConfigError::new("balance", e.to_string()))?
+                .map_err(|e| crate::config::config_error("balance", e.to_string()))?
                 .with_classifier(AnswerClassifier)
                 .with_class(call_shape);
             if let Some(seed) = cfg.balance.seed {
                 lb = lb.with_seed(seed);
             }
             let mut retry = RetryLayer::new(retry_cfg.clone())
-                .map_err(|e| ConfigError::new(format!("retry.{}", e.field()), e.to_string()))?
+                .map_err(|e| crate::config::config_error(format!("retry.{}", e.field()), e.to_string()))?
                 .classifier(AnswerClassifier)
                 .hold(Arc::new(Holds::new(limiters)))
                 .progress(progress.clone());
@@ -807,7 +809,7 @@ fn retry_config(cfg: &GatewayConfig) -> Result<RetryConfig, ConfigError> {
         ..d
     };
     c.validate()
-        .map_err(|e| ConfigError::new(format!("retry.{}", e.field()), e.to_string()))?;
+        .map_err(|e| crate::config::config_error(format!("retry.{}", e.field()), e.to_string()))?;
     Ok(c)
 }
 
@@ -819,7 +821,7 @@ fn balance_config(cfg: &GatewayConfig) -> Result<BalanceConfig, ConfigError> {
         Some("round_robin") => Policy::RoundRobin,
         Some("least_inflight") => Policy::LeastInflight,
         Some(other) => {
-            return Err(ConfigError::new(
+            return Err(crate::config::config_error(
                 "balance.policy",
                 format!("unknown policy {other:?}"),
             ));
@@ -831,7 +833,7 @@ fn balance_config(cfg: &GatewayConfig) -> Result<BalanceConfig, ConfigError> {
         ..d
     };
     c.validate()
-        .map_err(|e| ConfigError::new("balance", e.to_string()))?;
+        .map_err(|e| crate::config::config_error("balance", e.to_string()))?;
     Ok(c)
 }
 
@@ -862,7 +864,7 @@ fn breaker_config(cfg: &GatewayConfig, max_concurrency: Option<u64>) -> Result<B
     }
     builder
         .build()
-        .map_err(|e| ConfigError::new(format!("breaker.{}", e.field()), e.to_string()))
+        .map_err(|e| crate::config::config_error(format!("breaker.{}", e.field()), e.to_string()))
 }
 
 fn aimd_config(cfg: &GatewayConfig, max_concurrency: Option<u64>) -> AimdConfig {
