@@ -77,3 +77,116 @@ fn nanos() -> u128 {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos())
 }
+
+/// A `redis-server` of one test's own on a free loopback port, for tests that stop and
+/// restart the server (outage tests must never touch the shared servers). Killed on
+/// drop.
+///
+/// The binary is `redis-server` next to `PGW_REDIS_CLI` (exported by `cargo xtask
+/// test`), else from `PATH`.
+#[derive(Debug)]
+pub struct PrivateRedis {
+    port: u16,
+    child: Option<std::process::Child>,
+}
+
+impl PrivateRedis {
+    /// Starts a server on a free port and waits until it answers `PING`.
+    ///
+    /// # Panics
+    /// When `redis-server` cannot be started or does not answer within 5 s: the test
+    /// cannot run, and must say so.
+    #[must_use]
+    pub fn start() -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free loopback port");
+        let mut me = Self { port, child: None };
+        me.restart();
+        me
+    }
+
+    /// The server's port.
+    #[must_use]
+    pub const fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `redis://127.0.0.1:PORT`.
+    #[must_use]
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Starts the server again on the same port (after [`stop`](Self::stop)).
+    ///
+    /// # Panics
+    /// As [`start`](Self::start).
+    pub fn restart(&mut self) {
+        self.stop();
+        let child = std::process::Command::new(redis_server_bin())
+            .args([
+                "--port",
+                &self.port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+            ])
+            .args([
+                "--appendonly",
+                "no",
+                "--protected-mode",
+                "no",
+                "--loglevel",
+                "warning",
+            ])
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start redis-server ({e}); {HOW}"));
+        self.child = Some(child);
+        for _ in 0..500 {
+            if ping(self.port) {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        panic!("private redis-server on port {} never answered PING", self.port);
+    }
+
+    /// Kills the server (an outage).
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for PrivateRedis {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn redis_server_bin() -> std::path::PathBuf {
+    if let Some(cli) = env::var_os("PGW_REDIS_CLI") {
+        let sibling = std::path::PathBuf::from(cli).with_file_name("redis-server");
+        if sibling.exists() {
+            return sibling;
+        }
+    }
+    "redis-server".into()
+}
+
+fn ping(port: u16) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(std::time::Duration::from_millis(200)));
+    let mut buf = [0u8; 16];
+    s.write_all(b"PING\r\n").is_ok() && s.read(&mut buf).is_ok_and(|n| buf[..n].starts_with(b"+PONG"))
+}

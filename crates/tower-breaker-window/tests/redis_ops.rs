@@ -3,8 +3,6 @@
 
 mod common;
 
-use std::net::TcpListener;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
@@ -13,91 +11,12 @@ use common::*;
 use futures_util::future::join_all;
 use pgw_core::redis_conn::{RedisConn, RedisTarget};
 use pgw_core::{BackendUnavailable, BoxError, BreakerVerdict};
-use tokio::process::{Child, Command};
+use pgw_test_support::PrivateRedis;
 use tower::{Service, ServiceExt, service_fn};
 use tower_breaker_window::{
     Admission, Backend, BreakerConfig, BreakerLayer, BreakerState, Gate, RedisBackend,
 };
 use tower_layer::Layer;
-
-fn redis_server_bin() -> PathBuf {
-    if let Some(cli) = std::env::var_os("PGW_REDIS_CLI") {
-        let sibling = PathBuf::from(cli).with_file_name("redis-server");
-        if sibling.exists() {
-            return sibling;
-        }
-    }
-    PathBuf::from("redis-server")
-}
-
-/// A redis-server of this test's own, on a free loopback port.
-struct Throwaway {
-    port: u16,
-    child: Option<Child>,
-}
-
-impl Throwaway {
-    async fn start() -> Self {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let mut s = Self { port, child: None };
-        s.restart().await;
-        s
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-
-    async fn restart(&mut self) {
-        let child = Command::new(redis_server_bin())
-            .args([
-                "--port",
-                &self.port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-            ])
-            .args([
-                "--appendonly",
-                "no",
-                "--protected-mode",
-                "no",
-                "--loglevel",
-                "warning",
-            ])
-            .kill_on_drop(true)
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .expect("redis-server is installed (PATH or next to PGW_REDIS_CLI)");
-        self.child = Some(child);
-        let client = redis::Client::open(self.url()).unwrap();
-        for _ in 0..100 {
-            let conn = tokio::time::timeout(
-                Duration::from_millis(200),
-                client.get_multiplexed_async_connection(),
-            )
-            .await;
-            if let Ok(Ok(mut c)) = conn
-                && redis::cmd("PING").query_async::<String>(&mut c).await.is_ok()
-            {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        panic!("throwaway redis-server on port {} never answered", self.port);
-    }
-
-    async fn stop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            child.kill().await.unwrap();
-        }
-    }
-}
 
 fn config(threshold: u32) -> BreakerConfig {
     BreakerConfig::builder()
@@ -126,7 +45,7 @@ fn commandstats(info: &str) -> Vec<(String, u64)> {
 /// closed, open (refused), half-open probe, probe verdict.
 #[tokio::test]
 async fn one_round_trip_per_admission_and_per_record() {
-    let server = Throwaway::start().await;
+    let server = PrivateRedis::start();
     let target = RedisTarget::Standalone(server.url());
     let backend = RedisBackend::new(RedisConn::connect(&target).await.unwrap()).with_prefix("rt");
     let gate = backend.gate(&"s".into(), &config(3));
@@ -227,7 +146,7 @@ async fn cluster_two_processes_one_probe() {
 /// and returns; nothing hangs past the timeout; after a restart the breaker works again.
 #[tokio::test]
 async fn outage_fails_closed_then_recovers() {
-    let mut server = Throwaway::start().await;
+    let mut server = PrivateRedis::start();
     let target = RedisTarget::Standalone(server.url());
     let timeout = Duration::from_millis(300);
     let conn = RedisConn::connect_with(&target, timeout, timeout).await.unwrap();
@@ -248,7 +167,7 @@ async fn outage_fails_closed_then_recovers() {
     assert_eq!(svc.ready().await.unwrap().call(()).await.unwrap(), "ok");
     let ticket = admit(&gate).await;
 
-    server.stop().await;
+    server.stop();
     let bound = Duration::from_secs(3);
     let err = tokio::time::timeout(bound, gate.admit())
         .await
@@ -282,7 +201,7 @@ async fn outage_fails_closed_then_recovers() {
             .is_err()
     );
 
-    server.restart().await;
+    server.restart();
     let mut back = false;
     for _ in 0..50 {
         if matches!(gate.admit().await, Ok(Admission::Admitted(_))) {

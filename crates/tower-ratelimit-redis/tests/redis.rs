@@ -8,9 +8,10 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{Harness, PrivateRedis};
+use common::Harness;
 use pgw_core::redis_conn::{RedisConn, RedisTarget};
 use pgw_core::{BackendUnavailable, BoxError};
+use pgw_test_support::PrivateRedis;
 use tower::{Service, ServiceExt, service_fn};
 use tower_layer::Layer;
 use tower_ratelimit_redis::{
@@ -190,7 +191,7 @@ async fn one_round_trip_per_operation() {
         }
     };
     let before = info(&mut info_conn).await;
-    let monitor = Monitor::start(server.port);
+    let monitor = Monitor::start(server.port());
     const N: u64 = 50;
     for _ in 0..N {
         let p = l.acquire(7).await.unwrap();
@@ -222,7 +223,7 @@ async fn redis_down_fails_closed() {
     .unwrap();
     let p1 = l.acquire(0).await.unwrap();
     let p2 = l.acquire(0).await.unwrap();
-    server.kill();
+    server.stop();
 
     let err = l.acquire(0).await.unwrap_err();
     let e = err.downcast_ref::<BackendUnavailable>().expect("fails closed");

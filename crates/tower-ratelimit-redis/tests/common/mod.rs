@@ -1,8 +1,6 @@
-//! Shared test helpers: backends, alignment to window starts, a throwaway Redis.
+//! Shared test helpers: backends, alignment to window starts.
 #![allow(dead_code, unreachable_pub)]
 
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use pgw_core::redis_conn::{RedisConn, RedisTarget};
@@ -66,63 +64,4 @@ pub fn standalone() -> RedisTarget {
 
 pub fn cluster() -> RedisTarget {
     RedisTarget::Cluster(pgw_test_support::redis_cluster_nodes().expect("REDIS_CLUSTER_NODES"))
-}
-
-/// A throwaway redis-server on a free loopback port, killed on drop.
-pub struct PrivateRedis {
-    pub port: u16,
-    child: Option<Child>,
-}
-
-impl PrivateRedis {
-    pub fn start() -> Self {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let child = Command::new("redis-server")
-            .args([
-                "--port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server must be installed");
-        let me = Self {
-            port,
-            child: Some(child),
-        };
-        for _ in 0..200 {
-            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-                return me;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        panic!("private redis-server on port {port} did not start");
-    }
-
-    pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-
-    pub fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-impl Drop for PrivateRedis {
-    fn drop(&mut self) {
-        self.kill();
-    }
 }
