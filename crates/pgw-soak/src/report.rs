@@ -83,14 +83,7 @@ pub fn markdown(info: &RunInfo, scores: &[Score]) -> String {
 
     md.push_str("\n## Invariants\n\n");
     header(&mut md, "check");
-    let mut names: Vec<&str> = Vec::new();
-    for s in scores {
-        for c in &s.checks {
-            if !names.contains(&c.name) {
-                names.push(c.name);
-            }
-        }
-    }
+    let names = check_names(scores);
     for name in names {
         row(&mut md, name, &|s| match s.check(name) {
             Some(c) => format!(
@@ -211,14 +204,7 @@ pub fn terminal(scores: &[Score]) -> String {
     });
     line(&mut out, "cache hits", &|s| s.cache_hits.to_string());
     line(&mut out, "wall time", &|s| format!("{:.1}s", secs(s.wall_ms)));
-    let mut names: Vec<&str> = Vec::new();
-    for s in scores {
-        for c in &s.checks {
-            if !names.contains(&c.name) {
-                names.push(c.name);
-            }
-        }
-    }
+    let names = check_names(scores);
     for name in names {
         line(&mut out, name, &|s| {
             s.check(name).map_or_else(
@@ -378,6 +364,19 @@ pub fn svg(scores: &[Score]) -> String {
     }
     s.push_str("</svg>\n");
     s
+}
+
+/// The names of every check any profile ran, in first-seen order.
+fn check_names(scores: &[Score]) -> Vec<&'static str> {
+    let mut names: Vec<&'static str> = Vec::new();
+    for s in scores {
+        for c in &s.checks {
+            if !names.contains(&c.name) {
+                names.push(c.name);
+            }
+        }
+    }
+    names
 }
 
 #[cfg(test)]

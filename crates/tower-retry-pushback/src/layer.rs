@@ -14,7 +14,7 @@ use crate::config::RetryConfig;
 use crate::error::ConfigError;
 use crate::progress::Progress;
 use crate::resend::ByClone;
-use crate::service::{Counters, Retry, RetryStats, Shared};
+use crate::service::{Retry, RetryStats, Shared};
 
 /// When the layer attaches a [`CallHistory`](pgw_core::CallHistory) to a request that
 /// carries none (a request that already carries one always keeps it).
@@ -38,18 +38,17 @@ pub enum HistoryMode {
 /// `C` is the classifier (`pgw_core::Classify<S::Response, BoxError>`, default
 /// [`OkIsSuccess`]) and `R` the clone hook ([`Resend`](crate::Resend), default
 /// [`ByClone`]).
-#[derive(Clone)]
 pub struct RetryLayer<C = OkIsSuccess, R = ByClone> {
-    pub(crate) config: RetryConfig,
-    pub(crate) classify: C,
-    pub(crate) resend: R,
-    pub(crate) hold: Option<Arc<dyn Hold>>,
-    pub(crate) history_mode: HistoryMode,
-    pub(crate) progress: Progress,
-    pub(crate) budget: Option<RetryBudget>,
-    pub(crate) throttle: Option<AdaptiveThrottle>,
-    pub(crate) rng: Arc<Mutex<SmallRng>>,
-    pub(crate) counters: Arc<Counters>,
+    /// Exactly what every service built by this layer shares (one `Arc` per service).
+    pub(crate) shared: Shared<C, R>,
+}
+
+impl<C: Clone, R: Clone> Clone for RetryLayer<C, R> {
+    fn clone(&self) -> Self {
+        Self {
+            shared: self.shared.clone(),
+        }
+    }
 }
 
 impl Default for RetryLayer {
@@ -71,7 +70,7 @@ impl RetryLayer {
     }
 
     fn from_valid(config: RetryConfig) -> Self {
-        Self {
+        let shared = Shared {
             budget: config.retry_budget.as_ref().map(RetryBudget::new),
             throttle: config.throttle.as_ref().map(AdaptiveThrottle::new),
             config,
@@ -82,7 +81,8 @@ impl RetryLayer {
             progress: Progress::new(),
             rng: Arc::new(Mutex::new(SmallRng::from_os_rng())),
             counters: Arc::default(),
-        }
+        };
+        Self { shared }
     }
 }
 
@@ -91,16 +91,7 @@ impl<C, R> RetryLayer<C, R> {
     #[must_use]
     pub fn classifier<C2>(self, classify: C2) -> RetryLayer<C2, R> {
         RetryLayer {
-            config: self.config,
-            classify,
-            resend: self.resend,
-            hold: self.hold,
-            history_mode: self.history_mode,
-            progress: self.progress,
-            budget: self.budget,
-            throttle: self.throttle,
-            rng: self.rng,
-            counters: self.counters,
+            shared: self.shared.map(|_, resend| (classify, resend)),
         }
     }
 
@@ -108,16 +99,7 @@ impl<C, R> RetryLayer<C, R> {
     #[must_use]
     pub fn resend<R2>(self, resend: R2) -> RetryLayer<C, R2> {
         RetryLayer {
-            config: self.config,
-            classify: self.classify,
-            resend,
-            hold: self.hold,
-            history_mode: self.history_mode,
-            progress: self.progress,
-            budget: self.budget,
-            throttle: self.throttle,
-            rng: self.rng,
-            counters: self.counters,
+            shared: self.shared.map(|classify, _| (classify, resend)),
         }
     }
 
@@ -132,7 +114,7 @@ impl<C, R> RetryLayer<C, R> {
     /// the hold fails (logged as a warning).
     #[must_use]
     pub fn hold(mut self, hold: Arc<dyn Hold>) -> Self {
-        self.hold = Some(hold);
+        self.shared.hold = Some(hold);
         self
     }
 
@@ -140,52 +122,52 @@ impl<C, R> RetryLayer<C, R> {
     /// carries none (default [`HistoryMode::EveryAttempt`]).
     #[must_use]
     pub const fn history_mode(mut self, mode: HistoryMode) -> Self {
-        self.history_mode = mode;
+        self.shared.history_mode = mode;
         self
     }
 
     /// Shares `progress` (the stall guard's signal, R4) instead of this layer's own.
     #[must_use]
     pub fn progress(mut self, progress: Progress) -> Self {
-        self.progress = progress;
+        self.shared.progress = progress;
         self
     }
 
     /// Seeds the RNG (backoff jitter, throttling draws) for reproducible runs.
     #[must_use]
     pub fn rng_seed(mut self, seed: u64) -> Self {
-        self.rng = Arc::new(Mutex::new(SmallRng::seed_from_u64(seed)));
+        self.shared.rng = Arc::new(Mutex::new(SmallRng::seed_from_u64(seed)));
         self
     }
 
     /// The configuration.
     #[must_use]
     pub const fn config(&self) -> &RetryConfig {
-        &self.config
+        &self.shared.config
     }
 
     /// The progress signal shared by this layer's services.
     #[must_use]
     pub const fn progress_signal(&self) -> &Progress {
-        &self.progress
+        &self.shared.progress
     }
 
     /// The shared retry budget, when configured (R5).
     #[must_use]
     pub const fn retry_budget(&self) -> Option<&RetryBudget> {
-        self.budget.as_ref()
+        self.shared.budget.as_ref()
     }
 
     /// The adaptive throttle, when configured (R6).
     #[must_use]
     pub const fn throttle(&self) -> Option<&AdaptiveThrottle> {
-        self.throttle.as_ref()
+        self.shared.throttle.as_ref()
     }
 
     /// Calls retrying and calls waiting, over every service of this layer.
     #[must_use]
     pub fn stats(&self) -> RetryStats {
-        self.counters.snapshot()
+        self.shared.counters.snapshot()
     }
 }
 
@@ -193,29 +175,15 @@ impl<S, C: Clone, R: Clone> Layer<S> for RetryLayer<C, R> {
     type Service = Retry<S, C, R>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        Retry::from_shared(
-            inner,
-            Arc::new(Shared {
-                config: self.config.clone(),
-                classify: self.classify.clone(),
-                resend: self.resend.clone(),
-                hold: self.hold.clone(),
-                history_mode: self.history_mode,
-                progress: self.progress.clone(),
-                budget: self.budget.clone(),
-                throttle: self.throttle.clone(),
-                rng: Arc::clone(&self.rng),
-                counters: Arc::clone(&self.counters),
-            }),
-        )
+        Retry::from_shared(inner, Arc::new(self.shared.clone()))
     }
 }
 
 impl<C, R> fmt::Debug for RetryLayer<C, R> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RetryLayer")
-            .field("config", &self.config)
-            .field("hold", &self.hold.is_some())
+            .field("config", &self.shared.config)
+            .field("hold", &self.shared.hold.is_some())
             .field("stats", &self.stats())
             .finish_non_exhaustive()
     }

@@ -20,7 +20,8 @@ use crate::layer::{HistoryMode, RetryLayer};
 use crate::progress::Progress;
 use crate::resend::{ByClone, Resend};
 
-/// What every call of one layer shares.
+/// What every call of one layer shares (and what the layer is made of).
+#[derive(Clone)]
 pub(crate) struct Shared<C, R> {
     pub(crate) config: RetryConfig,
     pub(crate) classify: C,
@@ -35,6 +36,23 @@ pub(crate) struct Shared<C, R> {
 }
 
 impl<C, R> Shared<C, R> {
+    /// The same shared state with the classifier and resend hook replaced by `f`.
+    pub(crate) fn map<C2, R2>(self, f: impl FnOnce(C, R) -> (C2, R2)) -> Shared<C2, R2> {
+        let (classify, resend) = f(self.classify, self.resend);
+        Shared {
+            config: self.config,
+            classify,
+            resend,
+            hold: self.hold,
+            history_mode: self.history_mode,
+            progress: self.progress,
+            budget: self.budget,
+            throttle: self.throttle,
+            rng: self.rng,
+            counters: self.counters,
+        }
+    }
+
     /// The `n`-th full-jitter backoff: uniform in `[0, min(max, base * 2^n)]`.
     pub(crate) fn backoff(&self, n: u32) -> Duration {
         let ceiling = self
@@ -229,23 +247,10 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rand::SeedableRng;
 
     #[tokio::test]
     async fn backoff_is_full_jitter_under_the_ceiling() {
-        let layer = RetryLayer::default().rng_seed(5);
-        let shared = Shared {
-            config: layer.config.clone(),
-            classify: OkIsSuccess,
-            resend: ByClone,
-            hold: None,
-            history_mode: HistoryMode::default(),
-            progress: Progress::new(),
-            budget: None,
-            throttle: None,
-            rng: Arc::new(Mutex::new(SmallRng::seed_from_u64(5))),
-            counters: Arc::default(),
-        };
+        let shared = RetryLayer::default().rng_seed(5).shared;
         for n in [0u32, 1, 3, 6, 40, u32::MAX] {
             let ceiling =
                 Duration::from_secs(20).min(Duration::from_millis(500).saturating_mul(1 << n.min(31)));
