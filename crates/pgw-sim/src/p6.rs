@@ -69,7 +69,9 @@ pub fn is_valid_structured(content: &str) -> bool {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TrafficConfig {
-    /// Number of calls (default 8000).
+    /// Number of calls (default 8000). A run parameter, not part of the traffic's
+    /// serialised shape: the soak sets it from its scenario's `calls`.
+    #[serde(skip)]
     pub calls: usize,
     /// Shares of P1..P5 (default `[0.10, 0.20, 0.35, 0.15, 0.20]`), normalised.
     pub mix: [f64; 5],
@@ -85,6 +87,10 @@ pub struct TrafficConfig {
     pub repeated_distinct: u64,
     /// `max_tokens` of P1..P5 (default `[200, 512, 600, 256, 2048]`).
     pub max_tokens: [u64; 5],
+    /// Fraction of the P1, P2 and P4 calls that are streamed too (default 0: only P5
+    /// streams, as in P6). Drawn from the traffic's seed only when > 0, so P6 traffic
+    /// is unchanged.
+    pub stream_share: f64,
 }
 
 impl Default for TrafficConfig {
@@ -98,6 +104,7 @@ impl Default for TrafficConfig {
             structured_distinct: 1000,
             repeated_distinct: 16,
             max_tokens: [200, 512, 600, 256, 2048],
+            stream_share: 0.0,
         }
     }
 }
@@ -201,7 +208,10 @@ impl Traffic {
                     .insert("response_format".into(), json!({"type": "json_object"}));
             }
             Kind::LongStream => req.stream = true,
-            _ => {}
+            Kind::ShortChat | Kind::LargePrompt | Kind::Repeated => {
+                let share = c.stream_share;
+                req.stream = share > 0.0 && self.rng.random::<f64>() < share;
+            }
         }
         req
     }
