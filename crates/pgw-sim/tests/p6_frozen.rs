@@ -138,3 +138,15 @@ async fn p6_answers_are_byte_identical_to_before_the_wire_quirks() {
     assert_eq!(n, CALLS + 3);
     assert_eq!(digest, P6_DIGEST, "P6 transcript digest changed: {digest:#x}");
 }
+
+/// The P6 configuration serialises to the same JSON as before (the fixture was written
+/// by the code before the change) (stored scenario files
+/// keep loading, and a stored file equals a fresh one), and that JSON loads back.
+#[test]
+fn p6_config_serialises_as_before() {
+    let json = serde_json::to_string_pretty(&PoolConfig::p6()).unwrap();
+    let stored = include_str!("fixtures/p6_config.json");
+    assert_eq!(json, stored);
+    let back: PoolConfig = serde_json::from_str(stored).unwrap();
+    assert_eq!(back, PoolConfig::p6());
+}
