@@ -4,14 +4,16 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Response, StatusCode, header};
-use pgw_core::openai::{ChatChunk, ChatMessage, ChatResponse, Choice, ChunkChoice, Delta, Usage};
 use pgw_core::sse;
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 use rand::seq::IndexedRandom;
+use serde::Serialize;
+use serde_json::{Value, json};
 
 use crate::body::SimBody;
-use crate::dist::uniform;
+use crate::dist::{mix, uniform};
+use crate::limits::{RateHeaders, openai_duration};
 
 /// Words the simulated model says (ASCII, so frames split on byte boundaries).
 const WORDS: &[&str] = &[
@@ -47,6 +49,39 @@ const WORDS: &[&str] = &[
     "field",
 ];
 
+/// What a refusing model says.
+pub(crate) const REFUSAL: &str = "I'm sorry, but I can't help with that.";
+
+/// Completion tokens of [`REFUSAL`] (one per word).
+pub(crate) const REFUSAL_TOKENS: u64 = 8;
+
+/// The error event of a 200 stream that fails at once.
+const STREAM_ERROR: &str = r#"{"error":{"message":"The server had an error processing your request.","type":"server_error","param":null,"code":null}}"#;
+
+/// What kind of 200 an answer is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum AnswerKind {
+    /// A completion (possibly empty or invalid JSON).
+    Text,
+    /// No content, `finish_reason: "content_filter"`.
+    ContentFilter,
+    /// No content, a `refusal`.
+    Refusal,
+    /// A stream whose only event is an error object.
+    StreamError,
+}
+
+/// The OpenAI fields an answer echoes when [`SourceConfig::echo_openai_fields`] is on.
+///
+/// [`SourceConfig::echo_openai_fields`]: crate::SourceConfig::echo_openai_fields
+#[derive(Debug)]
+pub(crate) struct Echo {
+    pub(crate) system_fingerprint: String,
+    pub(crate) service_tier: String,
+    /// The request asked for `logprobs`.
+    pub(crate) logprobs: bool,
+}
+
 /// A planned completion (all random choices already drawn).
 #[derive(Debug)]
 pub(crate) struct AnswerPlan {
@@ -65,12 +100,33 @@ pub(crate) struct AnswerPlan {
     pub(crate) stall: Option<(f64, Duration)>,
     pub(crate) text_seed: u64,
     pub(crate) max_frames: u32,
+    pub(crate) kind: AnswerKind,
+    /// A stream ends with a usage chunk.
+    pub(crate) usage_chunk: bool,
+    /// A stream ends with `data: [DONE]`.
+    pub(crate) done: bool,
+    /// A stream carries one event that is not JSON.
+    pub(crate) malformed: bool,
+    pub(crate) echo: Option<Echo>,
 }
 
-/// A built answer: when its headers go out after arrival, and the response.
+impl AnswerPlan {
+    /// Completion tokens reported (and counted).
+    pub(crate) fn completion_tokens(&self) -> u64 {
+        match self.kind {
+            AnswerKind::Text if !self.empty => self.tokens,
+            AnswerKind::Refusal => REFUSAL_TOKENS,
+            _ => 0,
+        }
+    }
+}
+
+/// A built answer: when its headers go out after arrival, the response, and when its
+/// last byte is planned to go out after arrival.
 pub(crate) struct Built {
     pub(crate) delay: Duration,
     pub(crate) response: Response<SimBody>,
+    pub(crate) total: Duration,
 }
 
 fn content(plan: &AnswerPlan, rng: &mut SmallRng) -> String {
@@ -102,13 +158,116 @@ fn content(plan: &AnswerPlan, rng: &mut SmallRng) -> String {
     json
 }
 
-fn usage(plan: &AnswerPlan) -> Usage {
-    let completion_tokens = if plan.empty { 0 } else { plan.tokens };
-    Usage {
+/// `usage`, in the field order of `pgw_core::openai::Usage` (and OpenAI's details when
+/// echoing).
+#[derive(Serialize)]
+struct WireUsage {
+    prompt_tokens: u64,
+    completion_tokens: u64,
+    total_tokens: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    completion_tokens_details: Option<CompletionDetails>,
+}
+
+#[derive(Serialize)]
+struct CompletionDetails {
+    reasoning_tokens: u64,
+}
+
+fn usage(plan: &AnswerPlan) -> WireUsage {
+    let completion_tokens = plan.completion_tokens();
+    WireUsage {
         prompt_tokens: plan.prompt_tokens,
         completion_tokens,
         total_tokens: plan.prompt_tokens + completion_tokens,
+        completion_tokens_details: plan.echo.as_ref().map(|_| CompletionDetails { reasoning_tokens: 0 }),
     }
+}
+
+/// A non-streamed answer. Field order and omissions match `pgw_core`'s `ChatResponse`
+/// when nothing is echoed, so historical answers keep their bytes.
+#[derive(Serialize)]
+struct Completion<'a> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: [CompletionChoice<'a>; 1],
+    #[serde(skip_serializing_if = "Option::is_none")]
+    usage: Option<WireUsage>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    service_tier: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    system_fingerprint: Option<&'a str>,
+}
+
+#[derive(Serialize)]
+struct CompletionChoice<'a> {
+    index: u32,
+    message: WireMessage<'a>,
+    /// Absent unless echoing; then `null` or the log probabilities.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    logprobs: Option<Option<Value>>,
+    finish_reason: &'static str,
+}
+
+#[derive(Serialize)]
+struct WireMessage<'a> {
+    role: &'static str,
+    content: Option<&'a str>,
+    /// Absent unless echoing or refusing.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    refusal: Option<Option<&'a str>>,
+}
+
+/// One streamed chunk, in the field order of `pgw_core`'s `ChatChunk`.
+#[derive(Serialize)]
+struct Chunk<'a> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: Vec<ChunkChoice<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    usage: Option<WireUsage>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    service_tier: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    system_fingerprint: Option<&'a str>,
+}
+
+#[derive(Serialize)]
+struct ChunkChoice<'a> {
+    index: u32,
+    delta: WireDelta<'a>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    logprobs: Option<Option<Value>>,
+    finish_reason: Option<&'static str>,
+}
+
+#[derive(Default, Serialize)]
+struct WireDelta<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    content: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    refusal: Option<&'a str>,
+}
+
+/// Per-token log probabilities of `text` (one entry per space-ended piece), with
+/// deterministic values.
+#[allow(clippy::cast_precision_loss)]
+fn logprobs(text: &str, seed: u64) -> Value {
+    let content: Vec<Value> = text
+        .split_inclusive(' ')
+        .enumerate()
+        .map(|(i, token)| {
+            let logprob = -((mix(seed ^ i as u64) % 2000) as f64) / 1000.0;
+            json!({"token": token, "logprob": logprob, "bytes": token.as_bytes(), "top_logprobs": []})
+        })
+        .collect();
+    json!({"content": content, "refusal": null})
 }
 
 fn split(text: &str, pieces: usize) -> Vec<&str> {
@@ -127,19 +286,40 @@ fn split(text: &str, pieces: usize) -> Vec<&str> {
 }
 
 /// Builds the answer: the delay before headers and the response (JSON or SSE).
+#[allow(clippy::too_many_lines)] // one answer, JSON then SSE, read top to bottom
 pub(crate) fn build(plan: &AnswerPlan, request_id: &str) -> Built {
     let mut rng = SmallRng::seed_from_u64(plan.text_seed);
-    let text = content(plan, &mut rng);
-    let usage = usage(plan);
+    let text = match plan.kind {
+        AnswerKind::Text => content(plan, &mut rng),
+        AnswerKind::Refusal => REFUSAL.to_owned(),
+        AnswerKind::ContentFilter | AnswerKind::StreamError => String::new(),
+    };
+    let generated = match plan.kind {
+        AnswerKind::Text => plan.tokens,
+        AnswerKind::Refusal => REFUSAL_TOKENS,
+        AnswerKind::ContentFilter | AnswerKind::StreamError => 1,
+    };
+    let mut resp = Response::builder().header("x-request-id", request_id);
+    if plan.kind == AnswerKind::StreamError {
+        let frames = vec![(Duration::ZERO, Bytes::from(sse::encode_data(STREAM_ERROR)))];
+        resp = resp
+            .header(header::CONTENT_TYPE, "text/event-stream")
+            .header(header::CACHE_CONTROL, "no-cache");
+        return Built {
+            delay: plan.ttft,
+            response: finish(&resp, StatusCode::OK, SimBody::stream(frames)),
+            total: plan.ttft,
+        };
+    }
     // Frames: `k` content frames, then one final frame (finish, usage, [DONE]).
-    let k = if plan.empty {
+    let k = if plan.empty || plan.kind == AnswerKind::ContentFilter {
         1
     } else {
-        usize::try_from(plan.tokens)
+        usize::try_from(generated)
             .unwrap_or(usize::MAX)
             .clamp(1, plan.max_frames as usize - 1)
     };
-    let tokens_per_frame = plan.tokens.max(1) as f64 / k as f64;
+    let tokens_per_frame = generated.max(1) as f64 / k as f64;
     let mut gaps = Vec::with_capacity(k + 1);
     gaps.push(Duration::ZERO);
     for j in 1..=k {
@@ -152,66 +332,135 @@ pub(crate) fn build(plan: &AnswerPlan, request_id: &str) -> Built {
         gaps[j] += gap;
     }
     let generation: Duration = gaps.iter().sum();
-    let mut resp = Response::builder().header("x-request-id", request_id);
+    let echo = plan.echo.as_ref();
+    let service_tier = echo.map(|e| e.service_tier.as_str());
+    let system_fingerprint = echo.map(|e| e.system_fingerprint.as_str());
+    let wants_logprobs = |piece: &str| echo.map(|e| e.logprobs.then(|| logprobs(piece, plan.text_seed)));
+    let finish_reason = if plan.kind == AnswerKind::ContentFilter {
+        "content_filter"
+    } else {
+        "stop"
+    };
     if !plan.stream {
-        let body = ChatResponse {
-            id: plan.id.clone(),
-            object: "chat.completion".into(),
+        let body = Completion {
+            id: &plan.id,
+            object: "chat.completion",
             created: plan.created,
-            model: plan.model.clone(),
-            choices: vec![Choice {
+            model: &plan.model,
+            choices: [CompletionChoice {
                 index: 0,
-                message: ChatMessage::new("assistant", text),
-                finish_reason: Some("stop".into()),
+                message: WireMessage {
+                    role: "assistant",
+                    content: (plan.kind == AnswerKind::Text).then_some(text.as_str()),
+                    refusal: match plan.kind {
+                        AnswerKind::Refusal => Some(Some(REFUSAL)),
+                        _ => echo.map(|_| None),
+                    },
+                },
+                logprobs: wants_logprobs(&text),
+                finish_reason,
             }],
-            usage: Some(usage),
+            usage: Some(usage(plan)),
+            service_tier,
+            system_fingerprint,
         };
         let bytes = serde_json::to_vec(&body).unwrap_or_default();
         resp = resp.header(header::CONTENT_TYPE, "application/json");
         return Built {
             delay: plan.ttft + generation,
             response: finish(&resp, StatusCode::OK, SimBody::full(Bytes::from(bytes))),
+            total: plan.ttft + generation,
         };
     }
-    let chunk = |delta: Delta, finish_reason: Option<String>| ChatChunk {
-        id: plan.id.clone(),
-        object: "chat.completion.chunk".into(),
-        created: plan.created,
-        model: plan.model.clone(),
-        choices: vec![ChunkChoice {
-            index: 0,
-            delta,
-            finish_reason,
-        }],
-        usage: None,
+    let chunk = |delta: WireDelta<'_>, logprobs: Option<Option<Value>>, finish_reason: Option<&'static str>| {
+        let c = Chunk {
+            id: &plan.id,
+            object: "chat.completion.chunk",
+            created: plan.created,
+            model: &plan.model,
+            choices: vec![ChunkChoice {
+                index: 0,
+                delta,
+                logprobs,
+                finish_reason,
+            }],
+            usage: None,
+            service_tier,
+            system_fingerprint,
+        };
+        sse::encode_data(&serde_json::to_string(&c).unwrap_or_default())
     };
-    let event = |c: &ChatChunk| sse::encode_data(&serde_json::to_string(c).unwrap_or_default());
     let pieces = split(&text, k);
     let mut frames = Vec::with_capacity(k + 1);
     for (j, piece) in pieces.iter().enumerate() {
-        let delta = Delta {
-            role: (j == 0).then(|| "assistant".into()),
-            content: Some((*piece).to_owned()),
-            ..Delta::default()
+        let role = (j == 0).then_some("assistant");
+        let delta = match plan.kind {
+            AnswerKind::Refusal => WireDelta {
+                role,
+                refusal: Some(piece),
+                ..WireDelta::default()
+            },
+            AnswerKind::ContentFilter => WireDelta {
+                role,
+                ..WireDelta::default()
+            },
+            _ => WireDelta {
+                role,
+                content: Some(piece),
+                ..WireDelta::default()
+            },
         };
-        frames.push((gaps[j], Bytes::from(event(&chunk(delta, None)))));
+        let logprobs = if plan.kind == AnswerKind::Text {
+            wants_logprobs(piece)
+        } else {
+            echo.map(|_| None)
+        };
+        frames.push((gaps[j], chunk(delta, logprobs, None)));
     }
-    let mut last = event(&chunk(Delta::default(), Some("stop".into())));
-    let usage_chunk = ChatChunk {
-        choices: Vec::new(),
-        usage: Some(usage),
-        ..chunk(Delta::default(), None)
-    };
-    last.push_str(&event(&usage_chunk));
-    last.push_str(sse::DONE);
-    frames.push((gaps[k], Bytes::from(last)));
+    if plan.malformed {
+        // A provider hiccup: half an event, then the stream goes on.
+        let m = (frames.len() - 1) / 2;
+        frames[m].1.push_str(&sse::encode_data(&format!(
+            r#"{{"id":"{}","object":"chat.completion.chunk","choices":[{{"index":0,"delta":{{"content":"#,
+            plan.id
+        )));
+    }
+    let mut last = chunk(WireDelta::default(), echo.map(|_| None), Some(finish_reason));
+    if plan.usage_chunk {
+        let usage_chunk = Chunk {
+            id: &plan.id,
+            object: "chat.completion.chunk",
+            created: plan.created,
+            model: &plan.model,
+            choices: Vec::new(),
+            usage: Some(usage(plan)),
+            service_tier,
+            system_fingerprint,
+        };
+        last.push_str(&sse::encode_data(&serde_json::to_string(&usage_chunk).unwrap_or_default()));
+    }
+    if plan.done {
+        last.push_str(sse::DONE);
+    }
+    frames.push((gaps[k], last));
     resp = resp
         .header(header::CONTENT_TYPE, "text/event-stream")
         .header(header::CACHE_CONTROL, "no-cache");
+    let frames = frames.into_iter().map(|(gap, s)| (gap, Bytes::from(s))).collect();
     Built {
         delay: plan.ttft,
         response: finish(&resp, StatusCode::OK, SimBody::stream(frames)),
+        total: plan.ttft + generation,
     }
+}
+
+/// The body shape of an error answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ErrorShape {
+    /// `{"error": {"message", "type", "param", "code"}}`.
+    OpenAi,
+    /// `{"type": "error", "error": {"type", "message"}}`.
+    Anthropic,
 }
 
 /// An OpenAI-style error answer.
@@ -220,9 +469,14 @@ pub(crate) struct ErrorPlan {
     pub(crate) status: StatusCode,
     pub(crate) kind: &'static str,
     pub(crate) code: &'static str,
+    pub(crate) param: Option<&'static str>,
     pub(crate) message: String,
+    pub(crate) shape: ErrorShape,
     pub(crate) delay: Duration,
     pub(crate) retry_after_s: Option<u64>,
+    /// An exact hint in real time (hard limits): `retry-after` (whole seconds rounded
+    /// up when unscaled, else decimal) and `retry-after-ms` (rounded up).
+    pub(crate) retry_exact: Option<Duration>,
     /// The pool's time scale: `retry_after_s` and the reset are scenario seconds, sent
     /// times this (as decimal seconds when it is not 1).
     pub(crate) time_scale: f64,
@@ -241,20 +495,38 @@ fn scaled_secs(secs: u64, scale: f64) -> String {
     }
 }
 
+#[allow(clippy::float_cmp)]
 pub(crate) fn build_error(plan: &ErrorPlan, request_id: &str) -> Built {
-    let body = serde_json::json!({
-        "error": {
-            "message": plan.message,
-            "type": plan.kind,
-            "param": null,
-            "code": plan.code,
-        }
-    });
+    let body = match plan.shape {
+        ErrorShape::OpenAi => json!({
+            "error": {
+                "message": plan.message,
+                "type": plan.kind,
+                "param": plan.param,
+                "code": plan.code,
+            }
+        }),
+        ErrorShape::Anthropic => json!({
+            "type": "error",
+            "error": {"type": plan.kind, "message": plan.message},
+        }),
+    };
     let mut resp = Response::builder()
         .header("x-request-id", request_id)
         .header(header::CONTENT_TYPE, "application/json");
     if let Some(s) = plan.retry_after_s {
         resp = resp.header(header::RETRY_AFTER, scaled_secs(s, plan.time_scale));
+    }
+    if let Some(d) = plan.retry_exact {
+        let ms = d.as_nanos().div_ceil(1_000_000);
+        let value = if plan.time_scale == 1.0 {
+            d.as_nanos().div_ceil(1_000_000_000).to_string()
+        } else {
+            format!("{}.{:03}", ms / 1000, ms % 1000)
+        };
+        resp = resp
+            .header(header::RETRY_AFTER, value)
+            .header("retry-after-ms", ms.to_string());
     }
     if let Some((limit, reset)) = plan.rpm_limit {
         resp = resp
@@ -269,6 +541,26 @@ pub(crate) fn build_error(plan: &ErrorPlan, request_id: &str) -> Built {
     Built {
         delay: plan.delay,
         response: finish(&resp, plan.status, SimBody::full(Bytes::from(bytes))),
+        total: plan.delay,
+    }
+}
+
+/// Sets the `x-ratelimit-*` headers (replacing a gate's), reset times in real time.
+pub(crate) fn set_rate_headers(resp: &mut Response<SimBody>, h: &RateHeaders, scale: f64) {
+    for (dim, trio) in [("requests", h.requests), ("tokens", h.tokens)] {
+        let Some(t) = trio else { continue };
+        let headers = resp.headers_mut();
+        let mut set = |name: String, value: String| {
+            if let (Ok(n), Ok(v)) = (
+                header::HeaderName::try_from(name),
+                header::HeaderValue::try_from(value),
+            ) {
+                headers.insert(n, v);
+            }
+        };
+        set(format!("x-ratelimit-limit-{dim}"), t.limit.to_string());
+        set(format!("x-ratelimit-remaining-{dim}"), t.remaining.to_string());
+        set(format!("x-ratelimit-reset-{dim}"), openai_duration(t.reset.mul_f64(scale)));
     }
 }
 

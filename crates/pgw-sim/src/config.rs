@@ -8,6 +8,8 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+use crate::schedule::{Lerp, Schedule, is_default, lerp_u64};
+
 /// Default fraction of prompts every source rejects with 400: 0.005, DESIGN.md
 /// section 5 ("about 0.5% of prompts are rejected by the provider whatever the client does").
 pub const DEFAULT_BAD_PROMPT_RATE: f64 = 0.005;
@@ -29,6 +31,12 @@ pub const DEFAULT_EPOCH_UNIX_S: u64 = 1_784_610_470;
 /// Default completion budget when a request sets no `max_tokens`: 1024 (the same
 /// figure `pgw_core::openai::DEFAULT_MAX_TOKENS_ESTIMATE` assumes).
 pub const DEFAULT_MAX_TOKENS: u64 = 1024;
+
+/// Most tokens one answer generates: 16 384 (the output cap of OpenAI's current chat
+/// models). A request's budget above it (up to `u64::MAX`) is accepted and counted in
+/// full against the context window and TPM, but the answer is at most this long, so a
+/// huge `max_tokens` cannot make the simulator allocate or sleep without end.
+pub const MAX_GENERATED_TOKENS: u64 = 16_384;
 
 /// A configuration that cannot work, naming the field as a path (`sources[2].rpm`):
 /// the workspace's shared [`pgw_core::ConfigError`] (component `simulator`).
@@ -84,6 +92,17 @@ impl LogNormal {
     }
 }
 
+impl Lerp for LogNormal {
+    fn lerp(from: &Self, to: &Self, f: f64) -> Self {
+        Self {
+            median: f64::lerp(&from.median, &to.median, f),
+            p95: f64::lerp(&from.p95, &to.p95, f),
+            min: f64::lerp(&from.min, &to.min, f),
+            max: f64::lerp(&from.max, &to.max, f),
+        }
+    }
+}
+
 /// How long a completion is: `max_tokens` (or `default_max_tokens`) times a uniform
 /// fraction in `[min_fraction, max_fraction]`, at least 1 token.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -131,6 +150,98 @@ impl Default for StallConfig {
     }
 }
 
+impl StallConfig {
+    fn validate(&self, field: &str) -> Result<(), ConfigError> {
+        rate(&format!("{field}.rate"), self.rate)?;
+        if !(self.min_gap_s.is_finite()
+            && self.max_gap_s.is_finite()
+            && self.min_gap_s >= 0.0
+            && self.min_gap_s <= self.max_gap_s)
+        {
+            return Err(config_error(field, "need 0 <= min_gap_s <= max_gap_s, finite"));
+        }
+        Ok(())
+    }
+}
+
+impl Lerp for StallConfig {
+    fn lerp(from: &Self, to: &Self, f: f64) -> Self {
+        Self {
+            rate: f64::lerp(&from.rate, &to.rate, f),
+            min_gap_s: f64::lerp(&from.min_gap_s, &to.min_gap_s, f),
+            max_gap_s: f64::lerp(&from.max_gap_s, &to.max_gap_s, f),
+        }
+    }
+}
+
+/// Hard provider limits of one scope (a key, i.e. a source, or an account over all its
+/// sources), enforced exactly, unlike the probabilistic [`RateLimitCurve`].
+///
+/// RPM and TPM are token buckets in OpenAI's manner: capacity the limit, refilled
+/// continuously at `limit / 60` per scenario second, full at the start. A request costs
+/// one request and, for TPM, its prompt tokens (the simulator's count) plus its
+/// completion budget (`max_tokens`, else `max_completion_tokens`, else
+/// [`CompletionConfig::default_max_tokens`]). `concurrency` caps the scope's admitted
+/// requests in flight. Default: no limit.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HardLimits {
+    /// Requests per minute (`None`: unlimited).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rpm: Option<u64>,
+    /// Tokens per minute (`None`: unlimited).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tpm: Option<u64>,
+    /// Requests in flight at once (`None`: unlimited).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub concurrency: Option<u32>,
+}
+
+impl HardLimits {
+    /// No limit at all.
+    #[must_use]
+    pub const fn is_none(&self) -> bool {
+        self.rpm.is_none() && self.tpm.is_none() && self.concurrency.is_none()
+    }
+
+    fn validate(&self, field: &str) -> Result<(), ConfigError> {
+        for (n, v) in [
+            ("rpm", self.rpm),
+            ("tpm", self.tpm),
+            ("concurrency", self.concurrency.map(u64::from)),
+        ] {
+            if v == Some(0) {
+                return Err(config_error(format!("{field}.{n}"), "must be >= 1 (or absent)"));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Lerp for HardLimits {
+    /// Componentwise, rounded; a limit only one end has holds for the whole ramp.
+    fn lerp(from: &Self, to: &Self, f: f64) -> Self {
+        Self {
+            rpm: Option::lerp(&from.rpm, &to.rpm, f),
+            tpm: Option::lerp(&from.tpm, &to.tpm, f),
+            concurrency: Option::lerp(&from.concurrency, &to.concurrency, f),
+        }
+    }
+}
+
+/// When a streamed answer carries its usage chunk.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StreamUsage {
+    /// Always, before `[DONE]` (the simulator's historical behaviour).
+    #[default]
+    Always,
+    /// Only when the request sets `stream_options.include_usage: true` (OpenAI's).
+    WhenAsked,
+    /// Never (providers that do not report usage on streams).
+    Never,
+}
+
 /// One source: an endpoint + key + model with its own behaviour.
 ///
 /// Defaults describe a healthy source with the seeds' latencies and no faults.
@@ -147,31 +258,88 @@ pub struct SourceConfig {
     /// The bearer token the source accepts; `None` accepts any (even none). Redacted
     /// in `Debug`.
     pub api_key: Option<String>,
-    /// The key is revoked: 401 on every call (default false).
-    pub revoked: bool,
-    /// Fraction of requests accepted and never answered (default 0).
-    pub black_hole_rate: f64,
-    /// Fraction of requests answered 500/502/503 (default 0).
-    pub server_error_rate: f64,
-    /// Fraction of completions that are empty (200, no content; default 0).
-    pub empty_rate: f64,
+    /// The key is revoked: 401 on every call (default false). Schedulable.
+    pub revoked: Schedule<bool>,
+    /// Fraction of requests accepted and never answered (default 0). Schedulable.
+    pub black_hole_rate: Schedule<f64>,
+    /// Fraction of requests answered 500/502/503 (default 0). Schedulable.
+    pub server_error_rate: Schedule<f64>,
+    /// Fraction of completions that are empty (200, no content; default 0). Schedulable.
+    pub empty_rate: Schedule<f64>,
     /// Fraction of JSON-mode completions whose content is not valid JSON (default 0).
-    pub invalid_json_rate: f64,
+    /// Schedulable.
+    pub invalid_json_rate: Schedule<f64>,
     /// The source's own requests-per-60-s gate (a provider-side RPM limit); requests
     /// beyond it get 429 with `retry-after`. Counted over admitted requests. Default none.
-    pub rpm_gate: Option<u32>,
+    /// Schedulable.
+    pub rpm_gate: Schedule<Option<u32>>,
     /// Time to first token, seconds (default median 12, p95 40, clamped 0.5..120).
-    pub ttft_s: LogNormal,
+    /// Schedulable.
+    pub ttft_s: Schedule<LogNormal>,
     /// Generation speed, tokens/s, drawn once per answer (default median 60, p95 120,
-    /// clamped 20..200).
-    pub tokens_per_second: LogNormal,
+    /// clamped 20..200). Schedulable.
+    pub tokens_per_second: Schedule<LogNormal>,
     /// Latency of error answers (401, 429, 400, 5xx), seconds (default median 0.3,
-    /// p95 1.5, clamped 0.05..5).
-    pub error_latency_s: LogNormal,
+    /// p95 1.5, clamped 0.05..5). Schedulable.
+    pub error_latency_s: Schedule<LogNormal>,
     /// Completion length.
     pub completion: CompletionConfig,
-    /// Slow streams.
-    pub stall: StallConfig,
+    /// Slow streams. Schedulable.
+    pub stall: Schedule<StallConfig>,
+    /// The key's own hard limits (default none). Schedulable.
+    #[serde(skip_serializing_if = "is_default")]
+    pub limits: Schedule<HardLimits>,
+    /// The models the source serves; a request naming another gets 404
+    /// `model_not_found` (default `None`: any model).
+    #[serde(skip_serializing_if = "is_default")]
+    pub models: Option<Vec<String>>,
+    /// The model's context window, tokens: prompt tokens plus the completion budget
+    /// above it get 400 `context_length_exceeded` (default `None`: no check). Also caps
+    /// an answer's length.
+    #[serde(skip_serializing_if = "is_default")]
+    pub context_window: Option<u64>,
+    /// Fraction of prompts rejected with 400 `content_policy_violation`, chosen by a
+    /// salted hash of the prompt (the same prompt on every source with the same rate;
+    /// default 0). Schedulable.
+    #[serde(skip_serializing_if = "is_default")]
+    pub content_policy_rate: Schedule<f64>,
+    /// Fraction of prompts (by hash) answered 200 with no content and `finish_reason:
+    /// "content_filter"` (default 0). Schedulable.
+    #[serde(skip_serializing_if = "is_default")]
+    pub content_filter_rate: Schedule<f64>,
+    /// Fraction of prompts (by hash) answered 200 with a `refusal` instead of content
+    /// (default 0). Schedulable.
+    #[serde(skip_serializing_if = "is_default")]
+    pub refusal_rate: Schedule<f64>,
+    /// Fraction of requests answered 529 with Anthropic's `overloaded_error` body
+    /// (random; default 0). Schedulable.
+    #[serde(skip_serializing_if = "is_default")]
+    pub overloaded_rate: Schedule<f64>,
+    /// Fraction of requests answered 429 `insufficient_quota`, without `retry-after`
+    /// (random; a schedule set to 1 from some instant is a key running out of credit;
+    /// default 0). Schedulable.
+    #[serde(skip_serializing_if = "is_default")]
+    pub insufficient_quota_rate: Schedule<f64>,
+    /// When streams carry their usage chunk (default [`StreamUsage::Always`]).
+    #[serde(skip_serializing_if = "is_default")]
+    pub stream_usage: StreamUsage,
+    /// Fraction of streams that end cleanly after their last chunk without
+    /// `data: [DONE]` (random; default 0). Schedulable.
+    #[serde(skip_serializing_if = "is_default")]
+    pub no_done_rate: Schedule<f64>,
+    /// Fraction of streams with one extra event, mid-stream, whose data is not JSON
+    /// (random; the answer's text stays whole in the other chunks; default 0). Schedulable.
+    #[serde(skip_serializing_if = "is_default")]
+    pub malformed_chunk_rate: Schedule<f64>,
+    /// Fraction of streams answered 200 whose only event is an OpenAI error object
+    /// (random; default 0). Schedulable.
+    #[serde(skip_serializing_if = "is_default")]
+    pub stream_error_rate: Schedule<f64>,
+    /// Answers carry the fields OpenAI adds: `system_fingerprint`, `service_tier`,
+    /// `choices[].logprobs` and `usage.completion_tokens_details` (default false: the
+    /// simulator's historical bytes).
+    #[serde(skip_serializing_if = "is_default")]
+    pub echo_openai_fields: bool,
 }
 
 impl fmt::Debug for SourceConfig {
@@ -192,6 +360,19 @@ impl fmt::Debug for SourceConfig {
             .field("error_latency_s", &self.error_latency_s)
             .field("completion", &self.completion)
             .field("stall", &self.stall)
+            .field("limits", &self.limits)
+            .field("models", &self.models)
+            .field("context_window", &self.context_window)
+            .field("content_policy_rate", &self.content_policy_rate)
+            .field("content_filter_rate", &self.content_filter_rate)
+            .field("refusal_rate", &self.refusal_rate)
+            .field("overloaded_rate", &self.overloaded_rate)
+            .field("insufficient_quota_rate", &self.insufficient_quota_rate)
+            .field("stream_usage", &self.stream_usage)
+            .field("no_done_rate", &self.no_done_rate)
+            .field("malformed_chunk_rate", &self.malformed_chunk_rate)
+            .field("stream_error_rate", &self.stream_error_rate)
+            .field("echo_openai_fields", &self.echo_openai_fields)
             .finish()
     }
 }
@@ -203,32 +384,48 @@ impl Default for SourceConfig {
             account: None,
             model: "sim-model".into(),
             api_key: None,
-            revoked: false,
-            black_hole_rate: 0.0,
-            server_error_rate: 0.0,
-            empty_rate: 0.0,
-            invalid_json_rate: 0.0,
-            rpm_gate: None,
+            revoked: false.into(),
+            black_hole_rate: 0.0.into(),
+            server_error_rate: 0.0.into(),
+            empty_rate: 0.0.into(),
+            invalid_json_rate: 0.0.into(),
+            rpm_gate: None.into(),
             ttft_s: LogNormal {
                 median: 12.0,
                 p95: 40.0,
                 min: 0.5,
                 max: 120.0,
-            },
+            }
+            .into(),
             tokens_per_second: LogNormal {
                 median: 60.0,
                 p95: 120.0,
                 min: 20.0,
                 max: 200.0,
-            },
+            }
+            .into(),
             error_latency_s: LogNormal {
                 median: 0.3,
                 p95: 1.5,
                 min: 0.05,
                 max: 5.0,
-            },
+            }
+            .into(),
             completion: CompletionConfig::default(),
-            stall: StallConfig::default(),
+            stall: StallConfig::default().into(),
+            limits: Schedule::default(),
+            models: None,
+            context_window: None,
+            content_policy_rate: Schedule::default(),
+            content_filter_rate: Schedule::default(),
+            refusal_rate: Schedule::default(),
+            overloaded_rate: Schedule::default(),
+            insufficient_quota_rate: Schedule::default(),
+            stream_usage: StreamUsage::Always,
+            no_done_rate: Schedule::default(),
+            malformed_chunk_rate: Schedule::default(),
+            stream_error_rate: Schedule::default(),
+            echo_openai_fields: false,
         }
     }
 }
@@ -249,6 +446,73 @@ impl SourceConfig {
         self.account = Some(account.into());
         self
     }
+
+    /// What the source is like at scenario second `t_s`: every schedulable knob's value
+    /// then (what the pool applies to a request arriving at `t_s`).
+    ///
+    /// ```
+    /// use pgw_sim::{Schedule, SourceConfig};
+    /// use pgw_sim::schedule::Phase;
+    ///
+    /// let src = SourceConfig {
+    ///     server_error_rate: Schedule::Phases {
+    ///         phases: vec![Phase { from_s: 0.0, value: 0.0 }, Phase { from_s: 600.0, value: 1.0 }],
+    ///     },
+    ///     ..SourceConfig::healthy("a")
+    /// };
+    /// assert_eq!(src.at(10.0).server_error_rate, 0.0);
+    /// assert_eq!(src.at(600.0).server_error_rate, 1.0);
+    /// ```
+    #[must_use]
+    pub fn at(&self, t_s: f64) -> SourceSnapshot {
+        SourceSnapshot {
+            revoked: self.revoked.at(t_s),
+            black_hole_rate: self.black_hole_rate.at(t_s),
+            server_error_rate: self.server_error_rate.at(t_s),
+            empty_rate: self.empty_rate.at(t_s),
+            invalid_json_rate: self.invalid_json_rate.at(t_s),
+            rpm_gate: self.rpm_gate.at(t_s),
+            ttft_s: self.ttft_s.at(t_s),
+            tokens_per_second: self.tokens_per_second.at(t_s),
+            error_latency_s: self.error_latency_s.at(t_s),
+            stall: self.stall.at(t_s),
+            limits: self.limits.at(t_s),
+            content_policy_rate: self.content_policy_rate.at(t_s),
+            content_filter_rate: self.content_filter_rate.at(t_s),
+            refusal_rate: self.refusal_rate.at(t_s),
+            overloaded_rate: self.overloaded_rate.at(t_s),
+            insufficient_quota_rate: self.insufficient_quota_rate.at(t_s),
+            no_done_rate: self.no_done_rate.at(t_s),
+            malformed_chunk_rate: self.malformed_chunk_rate.at(t_s),
+            stream_error_rate: self.stream_error_rate.at(t_s),
+        }
+    }
+}
+
+/// The schedulable knobs of a [`SourceConfig`] at one instant, as plain values
+/// ([`SourceConfig::at`]). Each field means what the config field of the same name means.
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[allow(missing_docs, clippy::struct_excessive_bools)] // documented on SourceConfig
+pub struct SourceSnapshot {
+    pub revoked: bool,
+    pub black_hole_rate: f64,
+    pub server_error_rate: f64,
+    pub empty_rate: f64,
+    pub invalid_json_rate: f64,
+    pub rpm_gate: Option<u32>,
+    pub ttft_s: LogNormal,
+    pub tokens_per_second: LogNormal,
+    pub error_latency_s: LogNormal,
+    pub stall: StallConfig,
+    pub limits: HardLimits,
+    pub content_policy_rate: f64,
+    pub content_filter_rate: f64,
+    pub refusal_rate: f64,
+    pub overloaded_rate: f64,
+    pub insufficient_quota_rate: f64,
+    pub no_done_rate: f64,
+    pub malformed_chunk_rate: f64,
+    pub stream_error_rate: f64,
 }
 
 /// The account-level 429 curve: the probability that a request is answered 429 is
@@ -291,7 +555,41 @@ impl Default for RateLimitCurve {
     }
 }
 
+impl Lerp for RateLimitCurve {
+    fn lerp(from: &Self, to: &Self, f: f64) -> Self {
+        let l = |a: f64, b: f64| f64::lerp(&a, &b, f);
+        Self {
+            base: l(from.base, to.base),
+            concurrency_knee: l(from.concurrency_knee, to.concurrency_knee),
+            concurrency_slope: l(from.concurrency_slope, to.concurrency_slope),
+            rpm_knee: l(from.rpm_knee, to.rpm_knee),
+            rpm_slope: l(from.rpm_slope, to.rpm_slope),
+            max: l(from.max, to.max),
+            window_s: l(from.window_s, to.window_s),
+        }
+    }
+}
+
 impl RateLimitCurve {
+    fn validate(&self, field: &str) -> Result<(), ConfigError> {
+        for (n, v) in [
+            ("base", self.base),
+            ("concurrency_knee", self.concurrency_knee),
+            ("concurrency_slope", self.concurrency_slope),
+            ("rpm_knee", self.rpm_knee),
+            ("rpm_slope", self.rpm_slope),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(config_error(format!("{field}.{n}"), "must be finite and >= 0"));
+            }
+        }
+        rate(&format!("{field}.max"), self.max)?;
+        if !(self.window_s.is_finite() && self.window_s > 0.0) {
+            return Err(config_error(format!("{field}.window_s"), "must be > 0"));
+        }
+        Ok(())
+    }
+
     /// The 429 probability at `inflight` requests in flight and `rpm` requests/minute.
     #[must_use]
     pub fn probability(&self, inflight: f64, rpm: f64) -> f64 {
@@ -325,6 +623,27 @@ impl Default for RetryAfterConfig {
     }
 }
 
+impl RetryAfterConfig {
+    fn validate(&self, field: &str) -> Result<(), ConfigError> {
+        rate(&format!("{field}.rate"), self.rate)?;
+        if self.min_s > self.max_s {
+            return Err(config_error(format!("{field}.min_s"), "must be <= max_s"));
+        }
+        Ok(())
+    }
+}
+
+impl Lerp for RetryAfterConfig {
+    /// `rate` linearly, the bounds rounded to whole seconds.
+    fn lerp(from: &Self, to: &Self, f: f64) -> Self {
+        Self {
+            rate: f64::lerp(&from.rate, &to.rate, f),
+            min_s: lerp_u64(from.min_s, to.min_s, f),
+            max_s: lerp_u64(from.max_s, to.max_s, f),
+        }
+    }
+}
+
 /// An account (one provider key / organisation) shared by several sources: its 429s
 /// are decided on the traffic of all of them.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -332,10 +651,36 @@ impl Default for RetryAfterConfig {
 pub struct AccountConfig {
     /// The account's name, referenced by [`SourceConfig::account`].
     pub name: String,
+    /// The 429 curve. Schedulable.
+    pub rate_limit: Schedule<RateLimitCurve>,
+    /// Which 429s carry `retry-after`. Schedulable.
+    pub retry_after: Schedule<RetryAfterConfig>,
+    /// The account's hard limits, shared by its sources (default none). Schedulable.
+    #[serde(skip_serializing_if = "is_default")]
+    pub limits: Schedule<HardLimits>,
+}
+
+impl AccountConfig {
+    /// What the account is like at scenario second `t_s`.
+    #[must_use]
+    pub fn at(&self, t_s: f64) -> AccountSnapshot {
+        AccountSnapshot {
+            rate_limit: self.rate_limit.at(t_s),
+            retry_after: self.retry_after.at(t_s),
+            limits: self.limits.at(t_s),
+        }
+    }
+}
+
+/// The schedulable knobs of an [`AccountConfig`] at one instant ([`AccountConfig::at`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AccountSnapshot {
     /// The 429 curve.
     pub rate_limit: RateLimitCurve,
     /// Which 429s carry `retry-after`.
     pub retry_after: RetryAfterConfig,
+    /// The hard limits.
+    pub limits: HardLimits,
 }
 
 /// The whole simulated provider pool.
@@ -418,25 +763,25 @@ impl PoolConfig {
     pub fn p6() -> Self {
         let shared = |name: &str| SourceConfig {
             api_key: Some(P6_SHARED_KEY.into()),
-            invalid_json_rate: 0.08,
+            invalid_json_rate: 0.08.into(),
             ..SourceConfig::healthy(name).in_account(P6_SHARED_ACCOUNT)
         };
         let s1 = SourceConfig {
-            empty_rate: 0.15,
+            empty_rate: 0.15.into(),
             ..shared("s1")
         };
         let s2 = SourceConfig {
             api_key: Some("sk-sim-revoked".into()),
-            revoked: true,
+            revoked: true.into(),
             ..SourceConfig::healthy("s2")
         };
         let s3 = SourceConfig {
             api_key: Some("sk-sim-black-hole".into()),
-            black_hole_rate: 1.0,
+            black_hole_rate: 1.0.into(),
             ..SourceConfig::healthy("s3")
         };
         let s4 = SourceConfig {
-            rpm_gate: Some(5),
+            rpm_gate: Some(5).into(),
             ..shared("s4")
         };
         let s5 = SourceConfig {
@@ -444,7 +789,8 @@ impl PoolConfig {
                 rate: 0.9,
                 min_gap_s: 20.0,
                 max_gap_s: 90.0,
-            },
+            }
+            .into(),
             ..shared("s5")
         };
         Self {
@@ -459,12 +805,15 @@ impl PoolConfig {
                     rpm_slope: 0.002,
                     max: 0.9,
                     window_s: 60.0,
-                },
+                }
+                .into(),
                 retry_after: RetryAfterConfig {
                     rate: 0.5,
                     min_s: 1,
                     max_s: 20,
-                },
+                }
+                .into(),
+                limits: Schedule::default(),
             }],
             ..Self::default()
         }
@@ -497,26 +846,9 @@ impl PoolConfig {
             if !accounts.insert(a.name.as_str()) {
                 return Err(config_error(f("name"), format!("duplicate account {:?}", a.name)));
             }
-            let c = &a.rate_limit;
-            for (n, v) in [
-                ("rate_limit.base", c.base),
-                ("rate_limit.concurrency_knee", c.concurrency_knee),
-                ("rate_limit.concurrency_slope", c.concurrency_slope),
-                ("rate_limit.rpm_knee", c.rpm_knee),
-                ("rate_limit.rpm_slope", c.rpm_slope),
-            ] {
-                if !(v.is_finite() && v >= 0.0) {
-                    return Err(config_error(f(n), "must be finite and >= 0"));
-                }
-            }
-            rate(&f("rate_limit.max"), c.max)?;
-            if !(c.window_s.is_finite() && c.window_s > 0.0) {
-                return Err(config_error(f("rate_limit.window_s"), "must be > 0"));
-            }
-            rate(&f("retry_after.rate"), a.retry_after.rate)?;
-            if a.retry_after.min_s > a.retry_after.max_s {
-                return Err(config_error(f("retry_after.min_s"), "must be <= max_s"));
-            }
+            a.rate_limit.validate(&f("rate_limit"), RateLimitCurve::validate)?;
+            a.retry_after.validate(&f("retry_after"), RetryAfterConfig::validate)?;
+            a.limits.validate(&f("limits"), HardLimits::validate)?;
         }
         let mut names = HashSet::new();
         for (i, s) in self.sources.iter().enumerate() {
@@ -532,20 +864,40 @@ impl PoolConfig {
             {
                 return Err(config_error(f("account"), format!("unknown account {a:?}")));
             }
-            rate(&f("black_hole_rate"), s.black_hole_rate)?;
-            rate(&f("server_error_rate"), s.server_error_rate)?;
-            rate(&f("empty_rate"), s.empty_rate)?;
-            rate(&f("invalid_json_rate"), s.invalid_json_rate)?;
-            rate(&f("stall.rate"), s.stall.rate)?;
-            if s.rpm_gate == Some(0) {
-                return Err(config_error(f("rpm_gate"), "must be >= 1 (or absent)"));
+            let is_rate = |v: &f64, field: &str| rate(field, *v);
+            for (n, v) in [
+                ("black_hole_rate", &s.black_hole_rate),
+                ("server_error_rate", &s.server_error_rate),
+                ("empty_rate", &s.empty_rate),
+                ("invalid_json_rate", &s.invalid_json_rate),
+                ("content_policy_rate", &s.content_policy_rate),
+                ("content_filter_rate", &s.content_filter_rate),
+                ("refusal_rate", &s.refusal_rate),
+                ("overloaded_rate", &s.overloaded_rate),
+                ("insufficient_quota_rate", &s.insufficient_quota_rate),
+                ("no_done_rate", &s.no_done_rate),
+                ("malformed_chunk_rate", &s.malformed_chunk_rate),
+                ("stream_error_rate", &s.stream_error_rate),
+            ] {
+                v.validate(&f(n), is_rate)?;
             }
-            s.ttft_s.validate(&f("ttft_s"))?;
-            s.tokens_per_second.validate(&f("tokens_per_second"))?;
-            if s.tokens_per_second.min <= 0.0 {
-                return Err(config_error(f("tokens_per_second.min"), "must be > 0"));
-            }
-            s.error_latency_s.validate(&f("error_latency_s"))?;
+            s.revoked.validate(&f("revoked"), |_, _| Ok(()))?;
+            s.rpm_gate.validate(&f("rpm_gate"), |v, field| {
+                if *v == Some(0) {
+                    Err(config_error(field, "must be >= 1 (or absent)"))
+                } else {
+                    Ok(())
+                }
+            })?;
+            s.ttft_s.validate(&f("ttft_s"), LogNormal::validate)?;
+            s.tokens_per_second.validate(&f("tokens_per_second"), |d, field| {
+                d.validate(field)?;
+                if d.min <= 0.0 {
+                    return Err(config_error(format!("{field}.min"), "must be > 0"));
+                }
+                Ok(())
+            })?;
+            s.error_latency_s.validate(&f("error_latency_s"), LogNormal::validate)?;
             let c = &s.completion;
             if !(0.0 < c.min_fraction && c.min_fraction <= c.max_fraction && c.max_fraction <= 1.0) {
                 return Err(config_error(
@@ -556,16 +908,13 @@ impl PoolConfig {
             if c.default_max_tokens == 0 {
                 return Err(config_error(f("completion.default_max_tokens"), "must be >= 1"));
             }
-            let st = &s.stall;
-            if !(st.min_gap_s.is_finite()
-                && st.max_gap_s.is_finite()
-                && st.min_gap_s >= 0.0
-                && st.min_gap_s <= st.max_gap_s)
-            {
-                return Err(config_error(
-                    f("stall"),
-                    "need 0 <= min_gap_s <= max_gap_s, finite",
-                ));
+            s.stall.validate(&f("stall"), StallConfig::validate)?;
+            s.limits.validate(&f("limits"), HardLimits::validate)?;
+            if s.models.as_ref().is_some_and(Vec::is_empty) {
+                return Err(config_error(f("models"), "must not be empty (or absent: any model)"));
+            }
+            if s.context_window == Some(0) {
+                return Err(config_error(f("context_window"), "must be >= 1 (or absent)"));
             }
         }
         Ok(())
@@ -596,7 +945,7 @@ mod tests {
     #[test]
     fn bad_fields_are_named() {
         let mut c = PoolConfig::p6();
-        c.sources[1].empty_rate = 1.5;
+        c.sources[1].empty_rate = 1.5.into();
         assert_eq!(c.validate().unwrap_err().field(), "sources[1].empty_rate");
         let mut c = PoolConfig::p6();
         c.sources[0].account = Some("nope".into());
@@ -604,7 +953,9 @@ mod tests {
         assert_eq!(e.field(), "sources[0].account");
         assert!(e.to_string().contains("unknown account"), "{e}");
         let mut c = PoolConfig::p6();
-        c.sources[2].ttft_s.p95 = 1.0;
+        for d in c.sources[2].ttft_s.values_mut() {
+            d.p95 = 1.0;
+        }
         assert_eq!(c.validate().unwrap_err().field(), "sources[2].ttft_s.p95");
         let mut c = PoolConfig::p6();
         c.sources.push(SourceConfig::healthy("s1"));
@@ -621,7 +972,7 @@ mod tests {
 
     #[test]
     fn curve_grows_and_caps() {
-        let c = PoolConfig::p6().accounts[0].rate_limit;
+        let c = PoolConfig::p6().accounts[0].rate_limit.at(0.0);
         assert_eq!(c.probability(0.0, 0.0), 0.0);
         let mid = c.probability(12.0, 60.0);
         let high = c.probability(50.0, 135.0);

@@ -51,16 +51,20 @@ mod body;
 pub mod config;
 mod dist;
 pub mod http;
+mod limits;
 pub mod p6;
 mod pool;
+mod request;
+pub mod schedule;
 mod service;
 pub mod stats;
 
 pub use body::SimBody;
 pub use config::{
-    AccountConfig, CompletionConfig, ConfigError, LogNormal, PoolConfig, RateLimitCurve, RetryAfterConfig,
-    SourceConfig, StallConfig,
+    AccountConfig, AccountSnapshot, CompletionConfig, ConfigError, HardLimits, LogNormal, PoolConfig,
+    RateLimitCurve, RetryAfterConfig, SourceConfig, SourceSnapshot, StallConfig, StreamUsage,
 };
+pub use schedule::{Lerp, Schedule};
 pub use pool::SimPool;
 pub use service::{ResponseFuture, SimService};
 pub use stats::{AccountStats, PoolStats, SourceStats};

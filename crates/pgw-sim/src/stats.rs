@@ -20,8 +20,34 @@ pub struct SourceStats {
     pub in_flight: u64,
     /// Answers sent, by HTTP status.
     pub answered: BTreeMap<u16, u64>,
-    /// 429s sent (the source's own gate and the account's curve).
+    /// 429s sent for rate (the source's own gate, the account's curve and hard limits;
+    /// not `insufficient_quota`).
     pub rate_limited: u64,
+    /// 429s sent by a hard limit (RPM, TPM or concurrency, of the key or the account;
+    /// "request too large" included).
+    pub hard_limited: u64,
+    /// 404s for a model the source does not serve.
+    pub model_not_found: u64,
+    /// 400s `context_length_exceeded`.
+    pub context_length_exceeded: u64,
+    /// 400s `content_policy_violation`.
+    pub content_policy_violations: u64,
+    /// 529s `overloaded_error`.
+    pub overloaded: u64,
+    /// 429s `insufficient_quota`.
+    pub insufficient_quota: u64,
+    /// 200s cut by the content filter (`finish_reason: "content_filter"`).
+    pub content_filtered: u64,
+    /// 200s with a refusal instead of content.
+    pub refusals: u64,
+    /// 200 streams whose only event is an error object.
+    pub stream_errors: u64,
+    /// Streams sent without a usage chunk.
+    pub streams_without_usage: u64,
+    /// Streams sent without `data: [DONE]`.
+    pub streams_without_done: u64,
+    /// Streams sent with one event that is not JSON.
+    pub malformed_chunks: u64,
     /// Requests swallowed by the black hole.
     pub black_holed: u64,
     /// Requests the caller dropped before any answer (timeouts, cancellations).
@@ -32,7 +58,8 @@ pub struct SourceStats {
     pub invalid_json: u64,
     /// Answers with a long stall between two frames.
     pub stalled: u64,
-    /// Streams sent to the end (`[DONE]` delivered).
+    /// Streams sent to the end (their last event delivered: `[DONE]`, unless the
+    /// stream was planned without it).
     pub streams_completed: u64,
     /// Streams the caller dropped before the end (watchdog cuts, timeouts).
     pub streams_dropped: u64,
@@ -90,8 +117,10 @@ pub struct AccountStats {
     pub peak_in_flight: u64,
     /// Answers sent, by HTTP status.
     pub answered: BTreeMap<u16, u64>,
-    /// 429s sent.
+    /// 429s sent for rate (not `insufficient_quota`).
     pub rate_limited: u64,
+    /// 429s sent by a hard limit, of the key or the account.
+    pub hard_limited: u64,
 }
 
 /// A snapshot of the pool's counters.

@@ -62,8 +62,8 @@ fn chat(i: usize) -> ChatRequest {
 #[tokio::test(start_paused = true)]
 async fn healthy_completions_empty_5xx_and_usage_at_their_rates() {
     let src = SourceConfig {
-        empty_rate: 0.15,
-        server_error_rate: 0.05,
+        empty_rate: 0.15.into(),
+        server_error_rate: 0.05.into(),
         ..SourceConfig::healthy("a")
     };
     let p = pool(vec![src.clone()], vec![], 0.0);
@@ -111,18 +111,20 @@ async fn healthy_completions_empty_5xx_and_usage_at_their_rates() {
 #[tokio::test(start_paused = true)]
 async fn streams_ttft_gaps_stalls_and_invalid_json_at_their_rates() {
     let src = SourceConfig {
-        invalid_json_rate: 0.1,
+        invalid_json_rate: 0.1.into(),
         stall: StallConfig {
             rate: 0.3,
             min_gap_s: 20.0,
             max_gap_s: 40.0,
-        },
+        }
+        .into(),
         ttft_s: LogNormal {
             median: 5.0,
             p95: 15.0,
             min: 0.1,
             max: 60.0,
-        },
+        }
+        .into(),
         ..SourceConfig::healthy("a")
     };
     let p = pool(vec![src], vec![], 0.0);
@@ -198,7 +200,7 @@ async fn bad_key_and_revoked_key_get_401() {
         ..SourceConfig::healthy("keyed")
     };
     let revoked = SourceConfig {
-        revoked: true,
+        revoked: true.into(),
         ..SourceConfig::healthy("revoked")
     };
     let p = pool(vec![keyed, revoked], vec![], 0.0);
@@ -224,7 +226,7 @@ async fn bad_key_and_revoked_key_get_401() {
 #[tokio::test(start_paused = true)]
 async fn black_hole_never_answers_until_the_callers_timeout() {
     let src = SourceConfig {
-        black_hole_rate: 1.0,
+        black_hole_rate: 1.0.into(),
         ..SourceConfig::healthy("hole")
     };
     let p = pool(vec![src], vec![], 0.0);
@@ -249,7 +251,7 @@ async fn black_hole_never_answers_until_the_callers_timeout() {
 #[tokio::test(start_paused = true)]
 async fn black_hole_rate_is_a_fraction() {
     let src = SourceConfig {
-        black_hole_rate: 0.25,
+        black_hole_rate: 0.25.into(),
         ..SourceConfig::healthy("a")
     };
     let p = pool(vec![src], vec![], 0.0);
@@ -296,12 +298,14 @@ async fn bad_prompts_are_rejected_by_every_source_on_every_attempt() {
 fn account(curve: RateLimitCurve, ra_rate: f64) -> AccountConfig {
     AccountConfig {
         name: "acct".into(),
-        rate_limit: curve,
+        rate_limit: curve.into(),
         retry_after: RetryAfterConfig {
             rate: ra_rate,
             min_s: 2,
             max_s: 9,
-        },
+        }
+        .into(),
+        ..AccountConfig::default()
     }
 }
 
@@ -316,7 +320,7 @@ async fn account_429_on_one_source_is_caused_by_traffic_on_another() {
     let a = SourceConfig::healthy("a").in_account("acct");
     // The sibling never answers: its requests stay in flight on the account.
     let b = SourceConfig {
-        black_hole_rate: 1.0,
+        black_hole_rate: 1.0.into(),
         ..SourceConfig::healthy("b").in_account("acct")
     };
     let p = pool(vec![a, b], vec![account(curve, 0.5)], 0.0);
@@ -384,8 +388,8 @@ async fn account_429_grows_with_the_accounts_request_rate() {
         ..RateLimitCurve::default()
     };
     let fast = |name: &str| SourceConfig {
-        ttft_s: LogNormal::constant(0.5),
-        tokens_per_second: LogNormal::constant(1000.0),
+        ttft_s: LogNormal::constant(0.5).into(),
+        tokens_per_second: LogNormal::constant(1000.0).into(),
         ..SourceConfig::healthy(name).in_account("acct")
     };
     let p = pool(vec![fast("a"), fast("b")], vec![account(curve, 0.0)], 0.0);
@@ -422,7 +426,7 @@ async fn account_429_grows_with_the_accounts_request_rate() {
 #[tokio::test(start_paused = true)]
 async fn a_sources_own_rpm_gate_answers_429_with_retry_after() {
     let src = SourceConfig {
-        rpm_gate: Some(5),
+        rpm_gate: Some(5).into(),
         ..SourceConfig::healthy("s4")
     };
     let p = pool(vec![src], vec![], 0.0);
@@ -490,9 +494,10 @@ fn config_from_toml_uses_documented_defaults() {
     "#;
     let c: PoolConfig = toml::from_str(toml).unwrap();
     c.validate().unwrap();
-    assert_eq!(c.sources[0].empty_rate, 0.2);
-    assert_eq!(c.sources[0].stall.rate, 0.5);
-    assert_eq!(c.sources[0].stall.min_gap_s, 20.0);
+    assert_eq!(c.sources[0].empty_rate, 0.2.into());
+    let stall = c.sources[0].stall.as_constant().unwrap();
+    assert_eq!(stall.rate, 0.5);
+    assert_eq!(stall.min_gap_s, 20.0);
     assert_eq!(c.sources[0].ttft_s, SourceConfig::default().ttft_s);
     assert_eq!(c.max_stream_frames, 48);
     let typo: Result<PoolConfig, _> = toml::from_str("[[sources]]\nname = \"x\"\nempty_rat = 0.2\n");
@@ -502,8 +507,8 @@ fn config_from_toml_uses_documented_defaults() {
 #[tokio::test(start_paused = true)]
 async fn time_scale_shortens_latencies_gate_window_and_retry_after() {
     let src = SourceConfig {
-        rpm_gate: Some(5),
-        ttft_s: LogNormal::constant(12.0),
+        rpm_gate: Some(5).into(),
+        ttft_s: LogNormal::constant(12.0).into(),
         ..SourceConfig::healthy("s4")
     };
     let config = PoolConfig {

@@ -19,7 +19,7 @@ fn config() -> PoolConfig {
                 ..SourceConfig::healthy("a")
             },
             SourceConfig {
-                black_hole_rate: 1.0,
+                black_hole_rate: 1.0.into(),
                 ..SourceConfig::healthy("hole")
             },
         ],
