@@ -180,7 +180,10 @@ fn usage(plan: &AnswerPlan) -> WireUsage {
         prompt_tokens: plan.prompt_tokens,
         completion_tokens,
         total_tokens: plan.prompt_tokens + completion_tokens,
-        completion_tokens_details: plan.echo.as_ref().map(|_| CompletionDetails { reasoning_tokens: 0 }),
+        completion_tokens_details: plan
+            .echo
+            .as_ref()
+            .map(|_| CompletionDetails { reasoning_tokens: 0 }),
     }
 }
 
@@ -372,24 +375,25 @@ pub(crate) fn build(plan: &AnswerPlan, request_id: &str) -> Built {
             total: plan.ttft + generation,
         };
     }
-    let chunk = |delta: WireDelta<'_>, logprobs: Option<Option<Value>>, finish_reason: Option<&'static str>| {
-        let c = Chunk {
-            id: &plan.id,
-            object: "chat.completion.chunk",
-            created: plan.created,
-            model: &plan.model,
-            choices: vec![ChunkChoice {
-                index: 0,
-                delta,
-                logprobs,
-                finish_reason,
-            }],
-            usage: None,
-            service_tier,
-            system_fingerprint,
+    let chunk =
+        |delta: WireDelta<'_>, logprobs: Option<Option<Value>>, finish_reason: Option<&'static str>| {
+            let c = Chunk {
+                id: &plan.id,
+                object: "chat.completion.chunk",
+                created: plan.created,
+                model: &plan.model,
+                choices: vec![ChunkChoice {
+                    index: 0,
+                    delta,
+                    logprobs,
+                    finish_reason,
+                }],
+                usage: None,
+                service_tier,
+                system_fingerprint,
+            };
+            sse::encode_data(&serde_json::to_string(&c).unwrap_or_default())
         };
-        sse::encode_data(&serde_json::to_string(&c).unwrap_or_default())
-    };
     let pieces = split(&text, k);
     let mut frames = Vec::with_capacity(k + 1);
     for (j, piece) in pieces.iter().enumerate() {
@@ -437,7 +441,9 @@ pub(crate) fn build(plan: &AnswerPlan, request_id: &str) -> Built {
             service_tier,
             system_fingerprint,
         };
-        last.push_str(&sse::encode_data(&serde_json::to_string(&usage_chunk).unwrap_or_default()));
+        last.push_str(&sse::encode_data(
+            &serde_json::to_string(&usage_chunk).unwrap_or_default(),
+        ));
     }
     if plan.done {
         last.push_str(sse::DONE);
@@ -560,7 +566,10 @@ pub(crate) fn set_rate_headers(resp: &mut Response<SimBody>, h: &RateHeaders, sc
         };
         set(format!("x-ratelimit-limit-{dim}"), t.limit.to_string());
         set(format!("x-ratelimit-remaining-{dim}"), t.remaining.to_string());
-        set(format!("x-ratelimit-reset-{dim}"), openai_duration(t.reset.mul_f64(scale)));
+        set(
+            format!("x-ratelimit-reset-{dim}"),
+            openai_duration(t.reset.mul_f64(scale)),
+        );
     }
 }
 

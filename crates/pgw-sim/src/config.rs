@@ -846,8 +846,10 @@ impl PoolConfig {
             if !accounts.insert(a.name.as_str()) {
                 return Err(config_error(f("name"), format!("duplicate account {:?}", a.name)));
             }
-            a.rate_limit.validate(&f("rate_limit"), RateLimitCurve::validate)?;
-            a.retry_after.validate(&f("retry_after"), RetryAfterConfig::validate)?;
+            a.rate_limit
+                .validate(&f("rate_limit"), RateLimitCurve::validate)?;
+            a.retry_after
+                .validate(&f("retry_after"), RetryAfterConfig::validate)?;
             a.limits.validate(&f("limits"), HardLimits::validate)?;
         }
         let mut names = HashSet::new();
@@ -890,14 +892,16 @@ impl PoolConfig {
                 }
             })?;
             s.ttft_s.validate(&f("ttft_s"), LogNormal::validate)?;
-            s.tokens_per_second.validate(&f("tokens_per_second"), |d, field| {
-                d.validate(field)?;
-                if d.min <= 0.0 {
-                    return Err(config_error(format!("{field}.min"), "must be > 0"));
-                }
-                Ok(())
-            })?;
-            s.error_latency_s.validate(&f("error_latency_s"), LogNormal::validate)?;
+            s.tokens_per_second
+                .validate(&f("tokens_per_second"), |d, field| {
+                    d.validate(field)?;
+                    if d.min <= 0.0 {
+                        return Err(config_error(format!("{field}.min"), "must be > 0"));
+                    }
+                    Ok(())
+                })?;
+            s.error_latency_s
+                .validate(&f("error_latency_s"), LogNormal::validate)?;
             let c = &s.completion;
             if !(0.0 < c.min_fraction && c.min_fraction <= c.max_fraction && c.max_fraction <= 1.0) {
                 return Err(config_error(
@@ -911,7 +915,10 @@ impl PoolConfig {
             s.stall.validate(&f("stall"), StallConfig::validate)?;
             s.limits.validate(&f("limits"), HardLimits::validate)?;
             if s.models.as_ref().is_some_and(Vec::is_empty) {
-                return Err(config_error(f("models"), "must not be empty (or absent: any model)"));
+                return Err(config_error(
+                    f("models"),
+                    "must not be empty (or absent: any model)",
+                ));
             }
             if s.context_window == Some(0) {
                 return Err(config_error(f("context_window"), "must be >= 1 (or absent)"));

@@ -64,7 +64,7 @@ pub use config::{
     AccountConfig, AccountSnapshot, CompletionConfig, ConfigError, HardLimits, LogNormal, PoolConfig,
     RateLimitCurve, RetryAfterConfig, SourceConfig, SourceSnapshot, StallConfig, StreamUsage,
 };
-pub use schedule::{Lerp, Schedule};
 pub use pool::SimPool;
+pub use schedule::{Lerp, Schedule};
 pub use service::{ResponseFuture, SimService};
 pub use stats::{AccountStats, PoolStats, SourceStats};

@@ -232,7 +232,9 @@ fn refuse(scopes: &[Check<'_>], now: Instant, scale: f64, tokens: u64) -> Option
             (&c.state.rpm, c.limits.rpm, 1, Dimension::Requests),
             (&c.state.tpm, c.limits.tpm, tokens, Dimension::Tokens),
         ] {
-            let (Some(b), Some(l)) = (bucket, limit) else { continue };
+            let (Some(b), Some(l)) = (bucket, limit) else {
+                continue;
+            };
             let w = b.wait_for(l, cost);
             if w > 0 {
                 let r = Refusal {
@@ -258,14 +260,18 @@ fn headers(scopes: &[Check<'_>]) -> RateHeaders {
             (&mut out.requests, &c.state.rpm, c.limits.rpm),
             (&mut out.tokens, &c.state.tpm, c.limits.tpm),
         ] {
-            let (Some(b), Some(l)) = (bucket, limit) else { continue };
+            let (Some(b), Some(l)) = (bucket, limit) else {
+                continue;
+            };
             let trio = Trio {
                 limit: l,
                 remaining: b.remaining(),
                 reset: nanos(b.reset(l)),
             };
             // The tightest scope: the fewest left, then the longest to full.
-            if slot.is_none_or(|t| (trio.remaining, std::cmp::Reverse(trio.reset)) < (t.remaining, std::cmp::Reverse(t.reset))) {
+            if slot.is_none_or(|t| {
+                (trio.remaining, std::cmp::Reverse(trio.reset)) < (t.remaining, std::cmp::Reverse(t.reset))
+            }) {
                 *slot = Some(trio);
             }
         }
@@ -327,7 +333,10 @@ mod tests {
         }
         let w = b.wait_for(7, 1);
         assert_eq!(w, 8_571_428_572);
-        let mut early = Bucket { level: b.level, at: 0 };
+        let mut early = Bucket {
+            level: b.level,
+            at: 0,
+        };
         early.refill(7, w - 1);
         assert!(early.wait_for(7, 1) > 0);
         b.refill(7, w);

@@ -13,9 +13,13 @@ use tokio::time::Instant;
 use crate::answer::{
     AnswerKind, AnswerPlan, Built, Echo, ErrorPlan, ErrorShape, build, build_error, set_rate_headers,
 };
-use crate::config::{AccountConfig, ConfigError, MAX_GENERATED_TOKENS, PoolConfig, SourceConfig, StreamUsage};
+use crate::config::{
+    AccountConfig, ConfigError, MAX_GENERATED_TOKENS, PoolConfig, SourceConfig, StreamUsage,
+};
 use crate::dist::{hash_bytes, log_normal, mix, uniform};
-use crate::limits::{self, Check, Dimension, Nanos, RateHeaders, Refusal, Scope, ScopeState, openai_duration};
+use crate::limits::{
+    self, Check, Dimension, Nanos, RateHeaders, Refusal, Scope, ScopeState, openai_duration,
+};
 use crate::request::{IMAGE_PROMPT_TOKENS, SimRequest};
 use crate::service::{ResponseFuture, SimService};
 use crate::stats::{AccountStats, PoolStats, SourceStats};
@@ -195,7 +199,8 @@ impl SimPool {
                 },
             })
             .collect();
-        let caps = |l: &crate::schedule::Schedule<crate::HardLimits>| l.values().any(|l| l.concurrency.is_some());
+        let caps =
+            |l: &crate::schedule::Schedule<crate::HardLimits>| l.values().any(|l| l.concurrency.is_some());
         let track_inflight = config
             .sources
             .iter()
@@ -813,7 +818,9 @@ impl Inner {
     pub(crate) fn record_answer(&self, idx: usize, tag: AnswerTag) {
         let a = self.source_account[idx];
         let mut st = self.lock();
-        let State { sources, accounts, .. } = &mut *st;
+        let State {
+            sources, accounts, ..
+        } = &mut *st;
         let (s, acct) = (&mut sources[idx].stats, &mut accounts[a].stats);
         *s.answered.entry(tag.status).or_default() += 1;
         *acct.answered.entry(tag.status).or_default() += 1;
@@ -890,7 +897,9 @@ impl Drop for InflightGuard {
     fn drop(&mut self) {
         let a = self.pool.source_account[self.source];
         let mut st = self.pool.lock();
-        let State { sources, accounts, .. } = &mut *st;
+        let State {
+            sources, accounts, ..
+        } = &mut *st;
         if let Some(t) = self.ticket {
             sources[self.source].limits.leave(t);
             accounts[a].limits.leave(t);

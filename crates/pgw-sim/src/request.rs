@@ -198,7 +198,8 @@ mod tests {
 
     #[test]
     fn plain_strings_hash_as_before_and_parts_are_read() {
-        let plain = SimRequest::parse(br#"{"model":"m","messages":[{"role":"user","content":"hi there"}]}"#).unwrap();
+        let plain =
+            SimRequest::parse(br#"{"model":"m","messages":[{"role":"user","content":"hi there"}]}"#).unwrap();
         let parts = SimRequest::parse(
             br#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"hi "},{"type":"text","text":"there"}]}],"future":{"x":1}}"#,
         )
@@ -213,7 +214,10 @@ mod tests {
             br#"{"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:x"}}]}],"max_completion_tokens":9}"#,
         )
         .unwrap();
-        assert_eq!((image.images(), image.prompt_bytes(), image.max_tokens), (1, 0, Some(9)));
+        assert_eq!(
+            (image.images(), image.prompt_bytes(), image.max_tokens),
+            (1, 0, Some(9))
+        );
         assert!(SimRequest::parse(br#"{"model":"m","messages":[{"role":"user","content":7}]}"#).is_err());
         assert!(SimRequest::parse(br#"{"messages":[]}"#).is_err());
         let huge = SimRequest::parse(

@@ -129,7 +129,11 @@ impl Lerp for bool {
 }
 
 /// A rounded interpolation of two unsigned integers, in `f64` (exact below 2^53).
-#[allow(clippy::cast_precision_loss, clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+#[allow(
+    clippy::cast_precision_loss,
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss
+)]
 pub(crate) fn lerp_u64(from: u64, to: u64, f: f64) -> u64 {
     f64::lerp(&(from as f64), &(to as f64), f).round().max(0.0) as u64
 }
@@ -191,7 +195,11 @@ impl<T> Schedule<T> {
                 } else if t_s <= ramp.from_s {
                     ramp.from.clone()
                 } else {
-                    T::lerp(&ramp.from, &ramp.to, (t_s - ramp.from_s) / (ramp.to_s - ramp.from_s))
+                    T::lerp(
+                        &ramp.from,
+                        &ramp.to,
+                        (t_s - ramp.from_s) / (ramp.to_s - ramp.from_s),
+                    )
                 }
             }
         }
@@ -247,14 +255,20 @@ impl<T> Schedule<T> {
             Self::Constant(v) => check(v, field),
             Self::Phases { phases } => {
                 if phases.is_empty() {
-                    return Err(config_error(format!("{field}.phases"), "at least one phase is needed"));
+                    return Err(config_error(
+                        format!("{field}.phases"),
+                        "at least one phase is needed",
+                    ));
                 }
                 let mut last = f64::NEG_INFINITY;
                 for (i, p) in phases.iter().enumerate() {
                     let at = format!("{field}.phases[{i}]");
                     finite(format!("{at}.from_s"), p.from_s)?;
                     if p.from_s < last {
-                        return Err(config_error(format!("{at}.from_s"), "phases must be sorted by from_s"));
+                        return Err(config_error(
+                            format!("{at}.from_s"),
+                            "phases must be sorted by from_s",
+                        ));
                     }
                     last = p.from_s;
                     check(&p.value, &format!("{at}.value"))?;
@@ -313,8 +327,14 @@ mod tests {
     fn phases_before_first_and_at_boundaries() {
         let s = Schedule::Phases {
             phases: vec![
-                Phase { from_s: 10.0, value: 1.0 },
-                Phase { from_s: 20.0, value: 2.0 },
+                Phase {
+                    from_s: 10.0,
+                    value: 1.0,
+                },
+                Phase {
+                    from_s: 20.0,
+                    value: 2.0,
+                },
             ],
         };
         assert_eq!(s.at(0.0), 1.0);
@@ -380,13 +400,17 @@ mod tests {
         assert_eq!(back::<bool>("true"), "true");
         assert_eq!(back::<Option<u32>>("null"), "null");
         assert_eq!(back::<Option<u32>>("7"), "7");
-        assert_eq!(serde_json::from_str::<Schedule<f64>>("1").unwrap(), Schedule::constant(1.0));
+        assert_eq!(
+            serde_json::from_str::<Schedule<f64>>("1").unwrap(),
+            Schedule::constant(1.0)
+        );
     }
 
     #[test]
     fn validation_names_the_value_path() {
         let s: Schedule<f64> =
-            serde_json::from_str(r#"{"phases": [{"from_s": 0, "value": 0.1}, {"from_s": 5, "value": 2.0}]}"#).unwrap();
+            serde_json::from_str(r#"{"phases": [{"from_s": 0, "value": 0.1}, {"from_s": 5, "value": 2.0}]}"#)
+                .unwrap();
         let check = |v: &f64, f: &str| {
             if (0.0..=1.0).contains(v) {
                 Ok(())
@@ -396,8 +420,12 @@ mod tests {
         };
         assert_eq!(s.validate("x", check).unwrap_err().field(), "x.phases[1].value");
         let unsorted: Schedule<f64> =
-            serde_json::from_str(r#"{"phases": [{"from_s": 5, "value": 0.1}, {"from_s": 0, "value": 0.2}]}"#).unwrap();
-        assert_eq!(unsorted.validate("x", check).unwrap_err().field(), "x.phases[1].from_s");
+            serde_json::from_str(r#"{"phases": [{"from_s": 5, "value": 0.1}, {"from_s": 0, "value": 0.2}]}"#)
+                .unwrap();
+        assert_eq!(
+            unsorted.validate("x", check).unwrap_err().field(),
+            "x.phases[1].from_s"
+        );
         let flap: Schedule<f64> =
             serde_json::from_str(r#"{"flap": {"period_s": 0, "duty": 0.5, "on": 1.0, "off": 0.0}}"#).unwrap();
         assert_eq!(flap.validate("x", check).unwrap_err().field(), "x.flap.period_s");

@@ -59,7 +59,9 @@ async fn transcript(pool: &SimPool, source: &str, body: Bytes, key: Option<&str>
     }
     let mut body = resp.into_body();
     while let Some(frame) = body.frame().await {
-        let Ok(data) = frame.unwrap().into_data() else { continue };
+        let Ok(data) = frame.unwrap().into_data() else {
+            continue;
+        };
         out.extend_from_slice(format!("frame at {}\n", start.elapsed().as_millis()).as_bytes());
         out.extend_from_slice(&data);
     }
@@ -82,7 +84,9 @@ async fn run(seed: u64) -> (u64, usize) {
         set.spawn(async move {
             let mut rows = Vec::new();
             loop {
-                let Some(item) = traffic.lock().unwrap().next() else { break };
+                let Some(item) = traffic.lock().unwrap().next() else {
+                    break;
+                };
                 let source = SOURCES[item.index % SOURCES.len()];
                 let body = Bytes::from(serde_json::to_vec(&item.request).unwrap());
                 rows.push((item.index, transcript(&pool, source, body, key(source)).await));
@@ -97,12 +101,23 @@ async fn run(seed: u64) -> (u64, usize) {
     rows.sort_by_key(|r| r.0);
     // A few requests every client gets wrong now and then.
     let odd: [(&str, &[u8], Option<&str>); 3] = [
-        ("s1", br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#, None),
+        (
+            "s1",
+            br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#,
+            None,
+        ),
         ("s4", b"{not json", Some(P6_SHARED_KEY)),
-        ("s5", br#"{"model":"m","messages":[{"role":"user","content":null}],"max_tokens":7}"#, Some(P6_SHARED_KEY)),
+        (
+            "s5",
+            br#"{"model":"m","messages":[{"role":"user","content":null}],"max_tokens":7}"#,
+            Some(P6_SHARED_KEY),
+        ),
     ];
     for (i, (source, body, key)) in odd.into_iter().enumerate() {
-        rows.push((CALLS + i, transcript(&pool, source, Bytes::from_static(body), key).await));
+        rows.push((
+            CALLS + i,
+            transcript(&pool, source, Bytes::from_static(body), key).await,
+        ));
     }
     let mut h = 0xcbf2_9ce4_8422_2325_u64;
     for (i, t) in &rows {
