@@ -138,3 +138,63 @@ pub fn assert_rate(name: &str, hits: usize, n: usize, want: f64, tol: f64) {
         "{name}: {got:.4} outside {want} +- {tol} ({hits}/{n})"
     );
 }
+
+/// A whole answer as bytes: status, headers, body, and for a stream its SSE data
+/// payloads in order (`[DONE]` included as is).
+#[derive(Debug)]
+pub struct Raw {
+    pub status: u16,
+    pub headers: http::HeaderMap,
+    pub body: String,
+    pub events: Vec<String>,
+}
+
+impl Raw {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).map(|v| v.to_str().unwrap())
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body).unwrap()
+    }
+
+    /// The stream's events that parse as JSON.
+    pub fn chunks(&self) -> Vec<serde_json::Value> {
+        self.events.iter().filter_map(|e| serde_json::from_str(e).ok()).collect()
+    }
+}
+
+pub fn json_request(body: &serde_json::Value, key: Option<&str>) -> http::Request<Bytes> {
+    let mut b = http::Request::post("/v1/chat/completions").header("content-type", "application/json");
+    if let Some(k) = key {
+        b = b.header("authorization", format!("Bearer {k}"));
+    }
+    b.body(Bytes::from(body.to_string())).unwrap()
+}
+
+/// Reads a response to the end.
+pub async fn read(resp: http::Response<pgw_sim::SimBody>) -> Raw {
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    let body = String::from_utf8(bytes.to_vec()).unwrap();
+    let events = if headers.get("content-type").is_some_and(|v| v == "text/event-stream") {
+        body.split("\n\n")
+            .filter_map(|e| e.strip_prefix("data: "))
+            .map(str::to_owned)
+            .collect()
+    } else {
+        Vec::new()
+    };
+    Raw {
+        status,
+        headers,
+        body,
+        events,
+    }
+}
+
+/// Calls `svc` with a JSON body and reads the whole answer.
+pub async fn raw(svc: &mut SimService, body: &serde_json::Value, key: Option<&str>) -> Raw {
+    read(svc.call(json_request(body, key)).await.unwrap()).await
+}
