@@ -39,7 +39,11 @@ async fn an_rpm_bucket_announces_its_exact_refill_and_keeps_its_word() {
     }
     let refused = read(svc.call(json_request(&chat(10), None)).await.unwrap()).await;
     assert_eq!(refused.status, 429);
-    assert_eq!(start.elapsed(), Duration::ZERO, "a hard-limit 429 is answered at once");
+    assert_eq!(
+        start.elapsed(),
+        Duration::ZERO,
+        "a hard-limit 429 is answered at once"
+    );
     assert_eq!(refused.header("retry-after"), Some("9"));
     assert_eq!(refused.header("retry-after-ms"), Some("8572"));
     assert_eq!(refused.header("x-ratelimit-limit-requests"), Some("7"));
@@ -77,7 +81,10 @@ async fn an_rpm_bucket_announces_its_exact_refill_and_keeps_its_word() {
     assert_eq!(on_time.status, 200);
     assert_eq!(on_time.header("x-ratelimit-remaining-requests"), Some("0"));
     let st = p.stats();
-    assert_eq!((st.sources["k"].hard_limited, st.accounts["k"].hard_limited), (1, 1));
+    assert_eq!(
+        (st.sources["k"].hard_limited, st.accounts["k"].hard_limited),
+        (1, 1)
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -107,7 +114,11 @@ async fn an_account_tpm_bucket_is_shared_and_refuses_what_can_never_fit() {
     assert_eq!(third.header("x-ratelimit-limit-tokens"), Some("1200"));
     assert_eq!(third.header("x-ratelimit-remaining-tokens"), Some("0"));
     assert_eq!(third.header("x-ratelimit-reset-tokens"), Some("1m0s"));
-    assert_eq!(third.header("x-ratelimit-limit-requests"), None, "no RPM limit set");
+    assert_eq!(
+        third.header("x-ratelimit-limit-requests"),
+        None,
+        "no RPM limit set"
+    );
     for f in [first, second] {
         let r = read(f.await.unwrap()).await;
         assert_eq!(r.status, 200);
@@ -171,7 +182,11 @@ async fn a_slot_held_by_a_black_hole_has_no_known_end() {
     assert_eq!(refused.status, 429);
     assert_eq!(refused.header("retry-after"), None);
     let msg = refused.json()["error"]["message"].as_str().unwrap().to_owned();
-    assert!(msg.contains("in organization org on concurrent requests") && msg.ends_with("Please try again later."), "{msg}");
+    assert!(
+        msg.contains("in organization org on concurrent requests")
+            && msg.ends_with("Please try again later."),
+        "{msg}"
+    );
     drop(swallowed); // the caller gives up: the slot is free
     assert_eq!(raw(&mut ok, &chat(5), None).await.status, 200);
 }
@@ -195,14 +210,27 @@ async fn a_hard_limit_429_over_http() {
     ok.into_body().collect().await.unwrap();
     let refused = client.request(post()).await.unwrap();
     assert_eq!(refused.status(), 429);
-    let ms: u64 = refused.headers()["retry-after-ms"].to_str().unwrap().parse().unwrap();
-    let secs: u64 = refused.headers()["retry-after"].to_str().unwrap().parse().unwrap();
+    let ms: u64 = refused.headers()["retry-after-ms"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let secs: u64 = refused.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
     // One request per minute, less the time the first answer took.
     assert!(ms > 0 && ms <= 60_000, "{ms}");
     assert_eq!(secs, ms.div_ceil(1000));
     let body = refused.into_body().collect().await.unwrap().to_bytes();
     let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(v["error"]["code"], "rate_limit_exceeded");
-    assert!(v["error"]["message"].as_str().unwrap().contains("in project k on requests per min (RPM)"));
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("in project k on requests per min (RPM)")
+    );
     handle.shutdown().await;
 }

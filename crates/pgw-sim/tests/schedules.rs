@@ -25,7 +25,7 @@ async fn advance_to(start: Instant, at: Duration) {
     advance((start + at).saturating_duration_since(Instant::now())).await;
 }
 
-fn pool(source: serde_json::Value) -> SimPool {
+fn pool(source: &serde_json::Value) -> SimPool {
     let config: PoolConfig = serde_json::from_value(json!({
         "sources": [source],
         "bad_prompt_rate": 0.0,
@@ -37,7 +37,7 @@ fn pool(source: serde_json::Value) -> SimPool {
 #[tokio::test(start_paused = true)]
 async fn a_flap_flips_at_exactly_the_scheduled_instant() {
     // 5xx for the first 30 s of every minute from t = 100 s; none before 100 s.
-    let p = pool(json!({
+    let p = pool(&json!({
         "name": "a",
         "server_error_rate": {"flap": {"period_s": 60, "duty": 0.5, "on": 1.0, "off": 0.0, "start_s": 100}},
     }));
@@ -72,7 +72,7 @@ async fn a_flap_flips_at_exactly_the_scheduled_instant() {
 async fn a_ramp_is_halfway_in_its_middle() {
     // TTFT ramps from a constant 1 s to a constant 11 s between t = 100 s and 200 s.
     let constant = |v: f64| json!({"median": v, "p95": v, "min": v, "max": v});
-    let p = pool(json!({
+    let p = pool(&json!({
         "name": "a",
         "ttft_s": {"ramp": {"from_s": 100, "to_s": 200, "from": constant(1.0), "to": constant(11.0)}},
     }));
@@ -101,7 +101,7 @@ async fn a_ramp_is_halfway_in_its_middle() {
 
 #[tokio::test(start_paused = true)]
 async fn phases_revoke_a_key_at_their_instant() {
-    let p = pool(json!({
+    let p = pool(&json!({
         "name": "a",
         "revoked": {"phases": [{"from_s": 0, "value": false}, {"from_s": 600, "value": true}]},
         "insufficient_quota_rate": {"phases": [{"from_s": 0, "value": 0.0}, {"from_s": 300, "value": 1.0}]},
@@ -124,7 +124,7 @@ async fn phases_revoke_a_key_at_their_instant() {
 
 #[tokio::test(start_paused = true)]
 async fn a_schedule_flips_over_http() {
-    let p = pool(json!({
+    let p = pool(&json!({
         "name": "a",
         "server_error_rate": {"phases": [{"from_s": 0, "value": 0.0}, {"from_s": 600, "value": 1.0}]},
     }));
@@ -167,7 +167,10 @@ async fn bad_schedules_are_named() {
         "accounts": [{"name": "x", "limits": {"flap": {"period_s": 10, "duty": 2, "on": {"rpm": 5}, "off": {}}}}],
     }))
     .unwrap();
-    assert_eq!(SimPool::new(config, 1).unwrap_err().field(), "accounts[0].limits.flap.duty");
+    assert_eq!(
+        SimPool::new(config, 1).unwrap_err().field(),
+        "accounts[0].limits.flap.duty"
+    );
     // A schedule round-trips through JSON as written.
     let json = json!({"flap": {"period_s": 10.0, "duty": 0.5, "on": {"rpm": 5}, "off": {}, "start_s": 0.0}});
     let s: pgw_sim::Schedule<pgw_sim::HardLimits> = serde_json::from_value(json.clone()).unwrap();

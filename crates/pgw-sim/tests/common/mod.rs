@@ -160,7 +160,10 @@ impl Raw {
 
     /// The stream's events that parse as JSON.
     pub fn chunks(&self) -> Vec<serde_json::Value> {
-        self.events.iter().filter_map(|e| serde_json::from_str(e).ok()).collect()
+        self.events
+            .iter()
+            .filter_map(|e| serde_json::from_str(e).ok())
+            .collect()
     }
 }
 
@@ -178,7 +181,10 @@ pub async fn read(resp: http::Response<pgw_sim::SimBody>) -> Raw {
     let headers = resp.headers().clone();
     let bytes = resp.into_body().collect().await.unwrap().to_bytes();
     let body = String::from_utf8(bytes.to_vec()).unwrap();
-    let events = if headers.get("content-type").is_some_and(|v| v == "text/event-stream") {
+    let events = if headers
+        .get("content-type")
+        .is_some_and(|v| v == "text/event-stream")
+    {
         body.split("\n\n")
             .filter_map(|e| e.strip_prefix("data: "))
             .map(str::to_owned)
