@@ -13,7 +13,10 @@ use futures_util::future::BoxFuture;
 use indicatif::ProgressBar;
 use pgw_core::openai::{ChatRequest, ChatResponse};
 use pgw_core::{BoxError, NotAdmitted, classify_error};
+use std::time::Duration;
 use tokio::task::JoinSet;
+
+use tokio::time::Instant;
 
 use crate::telemetry::{CallRow, Recorder, RssSample};
 
@@ -30,6 +33,10 @@ pub struct SoakCall {
     pub request: Arc<ChatRequest>,
     /// Whether a valid answer must be structured JSON (P3).
     pub structured: bool,
+    /// When the call arrives, as an offset from the run's start on the run's clock, for
+    /// open-loop traffic: the driver holds it until then, and its latency counts from
+    /// then (a wait for a free slot included). `None`: it starts when a slot takes it.
+    pub arrival: Option<Duration>,
 }
 
 impl SoakCall {
@@ -40,10 +47,31 @@ impl SoakCall {
     }
 }
 
+/// What a client hands the caller for one call: the final answer, and when its first
+/// chunk reached the caller.
+#[derive(Clone, Debug)]
+pub struct Delivered {
+    /// The whole answer, judged by the driver.
+    pub response: ChatResponse,
+    /// When the first chunk reached the caller; `None` when the answer was handed over
+    /// whole, at the end of the call.
+    pub first_chunk: Option<Instant>,
+}
+
+impl From<ChatResponse> for Delivered {
+    /// An answer handed over whole, at the end of the call.
+    fn from(response: ChatResponse) -> Self {
+        Self {
+            response,
+            first_chunk: None,
+        }
+    }
+}
+
 /// One worker's client: runs a call to its end (every attempt, retry and wait inside).
 pub trait Client: Send + Sync + 'static {
     /// Runs `call`; `Ok` carries the final answer, judged by the driver.
-    fn call(&self, call: SoakCall) -> BoxFuture<'static, Result<ChatResponse, BoxError>>;
+    fn call(&self, call: SoakCall) -> BoxFuture<'static, Result<Delivered, BoxError>>;
 }
 
 /// Whether `content` is a valid structured answer (P3): it parses as a JSON object.
@@ -62,11 +90,28 @@ pub fn is_valid_structured(content: &str) -> bool {
 /// The cause's name when the call did not return a valid answer.
 pub fn judge_answer(structured: bool, result: &Result<ChatResponse, BoxError>) -> Result<(), String> {
     match result {
+        Ok(r) if provider_verdict(r).is_some() => Err(provider_verdict(r).unwrap_or_default().into()),
         Ok(r) if r.is_empty_completion() => Err("empty_completion".into()),
         Ok(r) if structured && !is_valid_structured(r.content()) => Err("invalid".into()),
         Ok(_) => Ok(()),
         Err(e) => Err(failure_cause(&**e)),
     }
+}
+
+/// The provider's own verdict on the prompt, when the answer carries one: a content
+/// filter (`finish_reason: content_filter`) or a refusal (`message.refusal`). The
+/// caller got the provider's answer; no client could have made the prompt pass.
+#[must_use]
+pub fn provider_verdict(r: &ChatResponse) -> Option<&'static str> {
+    let c = r.choices.first()?;
+    if c.finish_reason.as_deref() == Some("content_filter") {
+        return Some("content_filter");
+    }
+    c.message
+        .extra
+        .get("refusal")
+        .is_some_and(|v| v.as_str().is_some_and(|t| !t.is_empty()))
+        .then_some("refusal")
 }
 
 /// A short name for why a call failed: the not-admitted gate, else the name of the
@@ -149,20 +194,9 @@ where
         let recorder = recorder.clone();
         let progress = progress.clone();
         workers.spawn(async move {
+            let origin = recorder.clock().origin();
             let mut inflight = JoinSet::new();
-            loop {
-                if inflight.len() < opts.concurrency as usize {
-                    let next = traffic.lock().unwrap_or_else(PoisonError::into_inner).next();
-                    if let Some(mut call) = next {
-                        call.worker = worker;
-                        live.inflight.fetch_add(1, Ordering::Relaxed);
-                        inflight.spawn(run_one(Arc::clone(&client), call, recorder.clone()));
-                        continue;
-                    }
-                }
-                let Some(done) = inflight.join_next().await else {
-                    break;
-                };
+            let finished = |done: Result<bool, tokio::task::JoinError>| {
                 live.inflight.fetch_sub(1, Ordering::Relaxed);
                 let ok = done.unwrap_or(false);
                 let n = live.done.fetch_add(1, Ordering::Relaxed) + 1;
@@ -184,6 +218,32 @@ where
                         &recorder,
                     ));
                 }
+            };
+            loop {
+                if inflight.len() < opts.concurrency as usize {
+                    let next = traffic.lock().unwrap_or_else(PoisonError::into_inner).next();
+                    if let Some(mut call) = next {
+                        // Open loop: hold the call until it arrives, reaping finished calls.
+                        if let Some(at) = call.arrival.map(|d| origin + d) {
+                            let arrived = tokio::time::sleep_until(at);
+                            tokio::pin!(arrived);
+                            loop {
+                                tokio::select! {
+                                    () = &mut arrived => break,
+                                    Some(done) = inflight.join_next() => finished(done),
+                                }
+                            }
+                        }
+                        call.worker = worker;
+                        live.inflight.fetch_add(1, Ordering::Relaxed);
+                        inflight.spawn(run_one(Arc::clone(&client), call, recorder.clone()));
+                        continue;
+                    }
+                }
+                let Some(done) = inflight.join_next().await else {
+                    break;
+                };
+                finished(done);
             }
         });
     }
@@ -226,9 +286,18 @@ fn status_line(done: u64, ok: u64, inflight: u64, recorder: &Recorder) -> String
 
 async fn run_one(client: Arc<dyn Client>, call: SoakCall, recorder: Recorder) -> bool {
     let clock = recorder.clock();
-    let started_ms = clock.now_ms();
+    let started_ms = call
+        .arrival
+        .map_or_else(|| clock.now_ms(), |d| clock.ms_at(clock.origin() + d));
     let (id, worker, kind, structured) = (call.call_id(), call.worker, call.kind, call.structured);
+    let stream = call.request.stream;
     let result = client.call(call).await;
+    let ended_ms = clock.now_ms();
+    let first_chunk_ms = result
+        .as_ref()
+        .ok()
+        .map(|d| d.first_chunk.map_or(ended_ms, |t| clock.ms_at(t)));
+    let result = result.map(|d| d.response);
     let verdict = judge_answer(structured, &result);
     let ok = verdict.is_ok();
     recorder.call(CallRow {
@@ -236,9 +305,11 @@ async fn run_one(client: Arc<dyn Client>, call: SoakCall, recorder: Recorder) ->
         worker,
         kind: kind.to_owned(),
         started_ms,
-        ended_ms: clock.now_ms(),
+        ended_ms,
         ok,
         cause: verdict.err().unwrap_or_else(|| "ok".into()),
+        stream,
+        first_chunk_ms,
     });
     ok
 }
@@ -268,7 +339,7 @@ mod tests {
     }
 
     impl Client for Arc<Counting> {
-        fn call(&self, call: SoakCall) -> BoxFuture<'static, Result<ChatResponse, BoxError>> {
+        fn call(&self, call: SoakCall) -> BoxFuture<'static, Result<Delivered, BoxError>> {
             let me = Arc::clone(self);
             Box::pin(async move {
                 let n = me.now.fetch_add(1, Ordering::SeqCst) + 1;
@@ -277,8 +348,8 @@ mod tests {
                 me.now.fetch_sub(1, Ordering::SeqCst);
                 match call.id % 4 {
                     0 => Err(Box::new(pgw_core::CircuitOpen::new(Duration::ZERO)) as BoxError),
-                    1 => Ok(answer("not json")),
-                    _ => Ok(answer("{\"a\":1}")),
+                    1 => Ok(answer("not json").into()),
+                    _ => Ok(answer("{\"a\":1}").into()),
                 }
             })
         }
@@ -298,6 +369,7 @@ mod tests {
             kind: "P3",
             request: Arc::new(ChatRequest::default()),
             structured: true,
+            arrival: None,
         });
         let recorder = Recorder::in_memory(RunClock::start(), vec!["s1".into()]);
         let opts = DriveOptions {
@@ -335,6 +407,15 @@ mod tests {
         );
         assert_eq!(judge_answer(true, &Ok(answer("[1]"))), Err("invalid".into()));
         assert_eq!(judge_answer(true, &Ok(answer("{}"))), Ok(()));
+        let mut filtered = answer("");
+        filtered.choices[0].finish_reason = Some("content_filter".into());
+        assert_eq!(judge_answer(false, &Ok(filtered)), Err("content_filter".into()));
+        let mut refused = answer("");
+        refused.choices[0]
+            .message
+            .extra
+            .insert("refusal".into(), "I can't help with that.".into());
+        assert_eq!(judge_answer(false, &Ok(refused)), Err("refusal".into()));
     }
 
     fn http_status(code: u16) -> http::StatusCode {

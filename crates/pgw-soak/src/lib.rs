@@ -1,15 +1,19 @@
 //! The P6 soak (DESIGN.md K1-K6, section 5): client profiles side by side on the
 //! simulated fault pool, a scoreboard of invariants, and a Markdown + SVG report.
 //!
-//! - [`scenario::Scenario`]: the P6 pool, the traffic and what every profile is given
-//!   (timeouts, watchdogs, quotas), as one documented, serialisable struct;
-//! - [`profiles`]: `naive` (the seeds' first design), `tower-stock` (tower alone) and
-//!   `pgw` (`pgw-stack`'s `Gateway`), each built per worker over the simulator;
+//! - [`scenario::Scenario`]: the pool, the traffic and what every profile is given
+//!   (timeouts, watchdogs, quotas), as one documented struct read from TOML or JSON,
+//!   and the library of scenario files ([`scenario::LIBRARY`]);
+//! - [`profiles`]: `naive` (the seeds' first design), `tower-stock` (tower alone),
+//!   `pgw` (`pgw-stack`'s `Gateway`) and `oracle` (the clairvoyant physical limit),
+//!   each built per worker over the simulator;
 //! - [`driver`]: bounded dispatch, the success judgement, progress, RSS samples;
 //! - [`telemetry`]: one row per attempt and per call, stored as JSON Lines;
 //! - [`scoreboard`]: judges stored rows (so `--rescore` re-judges offline);
 //! - [`report`]: the side-by-side Markdown table and a hand-written SVG chart;
+//! - [`timing`]: what the success cost in time (goodput, latency, time to first token);
 //! - [`run`]: ties them together under tokio's paused clock;
+//! - [`matrix`]: every library scenario with every profile, one table;
 //! - [`realtime`]: the real-time Redis mode (worker processes, the simulator over HTTP).
 //!
 //! ```
@@ -29,6 +33,7 @@
 //! ```
 
 pub mod driver;
+pub mod matrix;
 pub mod profiles;
 pub mod realtime;
 pub mod report;
@@ -37,3 +42,4 @@ pub mod run;
 pub mod scenario;
 pub mod scoreboard;
 pub mod telemetry;
+pub mod timing;

@@ -4,6 +4,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::Parser;
+use pgw_soak::matrix::{MatrixOptions, matrix_table, run_matrix};
 use pgw_soak::profiles::ProfileKind;
 use pgw_soak::realtime::{RedisOptions, run_redis, run_worker, window_ms};
 use pgw_soak::report;
@@ -32,10 +33,16 @@ struct Args {
     /// Calls in flight per worker (P6: 32).
     #[arg(long)]
     concurrency: Option<u32>,
-    /// A scenario file (JSON, the `Scenario` struct; e.g. a stored run's scenario.json
-    /// with a calibrated pool). Flags override it.
+    /// A library scenario by name (p6, flapping, slow-decay, all-dead, account-429-storm,
+    /// toxic-prompts, mixed-8-sources, provider-quirks, outage-and-recovery), or a
+    /// scenario file (TOML, or JSON such as a stored run's scenario.json). Flags
+    /// override it. Default: p6.
     #[arg(long)]
-    scenario: Option<PathBuf>,
+    scenario: Option<String>,
+    /// Run every library scenario with every profile (each at its own call count, or
+    /// `--calls`) and print one table: scenario x profile.
+    #[arg(long, conflicts_with_all = ["scenario", "rescore", "worker_index"])]
+    matrix: bool,
     /// Run directory (default `soak-runs/seed-<seed>-<unix time>`).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -96,9 +103,14 @@ fn real_main(args: &Args) -> Result<ExitCode, Box<dyn std::error::Error + Send +
         "redis" => true,
         other => return Err(format!("--backend: expected memory or redis, got {other:?}").into()),
     };
+    if args.matrix {
+        if redis {
+            return Err("--matrix: runs in virtual time only (no --backend redis)".into());
+        }
+        return matrix_main(args);
+    }
     let mut scenario = match &args.scenario {
-        Some(p) => serde_json::from_slice(&std::fs::read(p).map_err(|e| format!("{}: {e}", p.display()))?)
-            .map_err(|e| format!("{}: {e}", p.display()))?,
+        Some(p) => Scenario::named_or_file(p)?,
         None => Scenario::p6(args.seed),
     };
     if args.scenario.is_none() || args.seed != DEFAULT_SEED {
@@ -118,7 +130,7 @@ fn real_main(args: &Args) -> Result<ExitCode, Box<dyn std::error::Error + Send +
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
-        PathBuf::from("soak-runs").join(format!("seed-{}-{now}", scenario.seed))
+        PathBuf::from("soak-runs").join(format!("{}-seed-{}-{now}", scenario.name, scenario.seed))
     });
     if redis {
         return redis_main(args, &scenario, &dir);
@@ -136,6 +148,47 @@ fn real_main(args: &Args) -> Result<ExitCode, Box<dyn std::error::Error + Send +
     }
     println!("report: {}", dir.join("report.md").display());
     Ok(verdict(&outcome.scores))
+}
+
+fn matrix_main(args: &Args) -> Result<ExitCode, Box<dyn std::error::Error + Send + Sync>> {
+    let mut scenarios = pgw_soak::scenario::library()?;
+    for s in &mut scenarios {
+        if args.seed != DEFAULT_SEED {
+            s.seed = args.seed;
+        }
+        if let Some(n) = args.calls {
+            s.calls = n;
+        }
+        if let Some(n) = args.workers {
+            s.workers = n;
+        }
+        if let Some(n) = args.concurrency {
+            s.concurrency = n;
+        }
+    }
+    let dir = args.out.clone().unwrap_or_else(|| {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        PathBuf::from("soak-runs").join(format!("matrix-{now}"))
+    });
+    let opts = MatrixOptions {
+        profiles: args.profiles.clone().unwrap_or_else(|| ProfileKind::ALL.to_vec()),
+        dir: dir.clone(),
+        threads: std::thread::available_parallelism().map_or(2, std::num::NonZero::get),
+        progress: !args.no_progress,
+    };
+    let cells = run_matrix(&scenarios, &opts)?;
+    print!("{}", matrix_table(&cells));
+    println!("matrix: {}", dir.join("matrix.md").display());
+    let pgw_failed = cells
+        .iter()
+        .any(|c| c.score.profile == ProfileKind::Pgw.as_str() && !c.score.passed());
+    Ok(if pgw_failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
 }
 
 fn redis_main(

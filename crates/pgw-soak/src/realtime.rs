@@ -223,10 +223,10 @@ pub fn run_redis(scenario: &Scenario, opts: &RedisOptions) -> Result<RunOutcome,
     run.wall_ms = u64::try_from(wall.elapsed().as_millis()).unwrap_or(u64::MAX);
     run.store(dir)?;
     let pgw = ProfileKind::Pgw.as_str();
-    let score = scoreboard::judge(&run, &expectations(pgw, scenario.calls));
+    let score = scoreboard::judge(&run, &expectations(pgw, &scenario));
     fs::write(dir.join("profiles.txt"), format!("{pgw}\n"))?;
     let scores = vec![score];
-    write_report(dir, &describe_redis(&scenario, &real), &scores)?;
+    write_report(dir, &scenario.name, &describe_redis(&scenario, &real), &scores)?;
     Ok(RunOutcome {
         scores,
         skipped: Vec::new(),
@@ -252,7 +252,7 @@ fn merge(dir: &Path, scenario: &Scenario, real: &RealTime) -> Result<ProfileRun,
     let mut merged = ProfileRun {
         profile: ProfileKind::Pgw.as_str().to_owned(),
         sources: scenario.pool.sources.iter().map(|s| s.name.clone()).collect(),
-        quotas: scenario.client.quota_rules(),
+        quotas: scenario.judged_quotas(),
         ..ProfileRun::default()
     };
     for q in &mut merged.quotas {
@@ -307,7 +307,7 @@ pub fn run_worker(dir: &Path, index: u32) -> Result<(), BoxError> {
             .await
             .map_err(|e| BuildError(e.to_string()))?;
         let n = u64::from(real.workers);
-        let mine = traffic(&scenario).filter(move |c| (c.id - 1) % n == u64::from(index));
+        let mine = traffic(&scenario, real.time_scale).filter(move |c| (c.id - 1) % n == u64::from(index));
         let calls = (0..scenario.calls).filter(|c| c % n == u64::from(index)).count() as u64;
         let opts = DriveOptions {
             concurrency: scenario.concurrency,
@@ -344,7 +344,7 @@ pub fn run_worker(dir: &Path, index: u32) -> Result<(), BoxError> {
         })
     })?;
     drop(rt);
-    run.quotas = scenario.client.quota_rules();
+    run.quotas = scenario.judged_quotas();
     run.store(dir)?;
     Ok(())
 }

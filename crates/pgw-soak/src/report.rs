@@ -3,6 +3,10 @@
 use std::fmt::Write as _;
 
 use crate::scoreboard::Score;
+use crate::timing::{Percentiles, ratio_to};
+
+/// The profile every other is compared with: the clairvoyant client.
+const ORACLE: &str = "oracle";
 
 /// Chart size.
 const W: f64 = 900.0;
@@ -13,10 +17,36 @@ const COLOURS: [&str; 5] = ["#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e
 /// What the report says about the run besides the scores.
 #[derive(Clone, Debug, Default)]
 pub struct RunInfo {
+    /// The report's title: the scenario's name.
+    pub title: String,
     /// One line describing the scenario (pool, calls, workers, seed, mode).
     pub scenario: String,
     /// The chart's file name, relative to the report.
     pub chart_file: String,
+    /// The latency chart's file name, relative to the report (empty: none).
+    pub latency_chart_file: String,
+}
+
+/// `p50 / p95 / p99 / max` in seconds, or `-` without samples.
+fn pct_line(p: &Percentiles, max: bool) -> String {
+    if p.n == 0 {
+        return "-".into();
+    }
+    let base = format!("{:.1} / {:.1} / {:.1}", secs(p.p50), secs(p.p95), secs(p.p99));
+    if max {
+        format!("{base} / {:.1}", secs(p.max))
+    } else {
+        base
+    }
+}
+
+/// `value` as a ratio to the oracle's (`x0.42`), or `-` without an oracle to compare.
+fn vs_oracle(scores: &[Score], s: &Score, f: &dyn Fn(&Score) -> f64) -> String {
+    scores
+        .iter()
+        .find(|o| o.profile == ORACLE)
+        .and_then(|o| ratio_to(f(s), f(o)))
+        .map_or_else(|| "-".into(), |r| format!("x{r:.2}"))
 }
 
 #[allow(clippy::cast_precision_loss)]
@@ -34,7 +64,7 @@ fn secs(ms: u64) -> f64 {
 #[must_use]
 pub fn markdown(info: &RunInfo, scores: &[Score]) -> String {
     let mut md = String::new();
-    let _ = writeln!(md, "# P6 soak\n\n{}\n", info.scenario);
+    let _ = writeln!(md, "# {} soak\n\n{}\n", info.title, info.scenario);
     let header = |md: &mut String, first: &str| {
         let _ = write!(md, "| {first} |");
         for s in scores {
@@ -79,6 +109,47 @@ pub fn markdown(info: &RunInfo, scores: &[Score]) -> String {
     row(&mut md, "wall time", &|s| format!("{:.1} s", secs(s.wall_ms)));
     row(&mut md, "RSS at end", &|s| {
         format!("{:.1} MiB", mib(s.rss_end_kib))
+    });
+
+    md.push_str("\n## Time\n\nWhat the success cost. Latencies in scenario seconds, p50 / p95 / p99 (/ max); ratios are to the `oracle` profile (the clairvoyant client: the pool's physical limit).\n\n");
+    header(&mut md, "");
+    row(&mut md, "scenario time", &|s| {
+        format!("{:.0} min", s.timing.scenario_min)
+    });
+    row(&mut md, "**goodput** (successful calls / min)", &|s| {
+        format!("**{:.1}**", s.timing.goodput_per_min)
+    });
+    row(&mut md, "goodput vs oracle", &|s| {
+        vs_oracle(scores, s, &|x| x.timing.goodput_per_min)
+    });
+    row(&mut md, "upstream successes / min", &|s| {
+        format!("{:.1}", s.timing.upstream_successes_per_min)
+    });
+    row(&mut md, "successful calls: latency", &|s| {
+        pct_line(&s.timing.success, true)
+    });
+    row(&mut md, "success p50 vs oracle", &|s| {
+        vs_oracle(scores, s, &|x| secs(x.timing.success.p50))
+    });
+    row(&mut md, "success p95 vs oracle", &|s| {
+        vs_oracle(scores, s, &|x| secs(x.timing.success.p95))
+    });
+    row(&mut md, "failed calls: latency", &|s| {
+        pct_line(&s.timing.failure, true)
+    });
+    row(&mut md, "streams: first token as the caller sees it", &|s| {
+        pct_line(&s.timing.caller_ttft, false)
+    });
+    row(&mut md, "streams: first token from the upstream", &|s| {
+        pct_line(&s.timing.upstream_ttft, false)
+    });
+    row(&mut md, "wait before the first attempt (p95 / max)", &|s| {
+        let w = &s.timing.first_attempt_wait;
+        if w.n == 0 {
+            "-".into()
+        } else {
+            format!("{:.1} / {:.1}", secs(w.p95), secs(w.max))
+        }
     });
 
     md.push_str("\n## Invariants\n\n");
@@ -173,6 +244,13 @@ pub fn markdown(info: &RunInfo, scores: &[Score]) -> String {
             info.chart_file
         );
     }
+    if !info.latency_chart_file.is_empty() {
+        let _ = writeln!(
+            md,
+            "\n![latency of successful calls, CDF]({})",
+            info.latency_chart_file
+        );
+    }
     md
 }
 
@@ -204,6 +282,42 @@ pub fn terminal(scores: &[Score]) -> String {
     });
     line(&mut out, "cache hits", &|s| s.cache_hits.to_string());
     line(&mut out, "wall time", &|s| format!("{:.1}s", secs(s.wall_ms)));
+    line(&mut out, "scenario time", &|s| {
+        format!("{:.0} min", s.timing.scenario_min)
+    });
+    line(&mut out, "goodput (ok/min)", &|s| {
+        format!("{:.1}", s.timing.goodput_per_min)
+    });
+    line(&mut out, "goodput vs oracle", &|s| {
+        vs_oracle(scores, s, &|x| x.timing.goodput_per_min)
+    });
+    line(&mut out, "ok latency p50/p95 s", &|s| {
+        let t = &s.timing.success;
+        if t.n == 0 {
+            "-".into()
+        } else {
+            format!("{:.1}/{:.1}", secs(t.p50), secs(t.p95))
+        }
+    });
+    line(&mut out, "failed latency p50 s", &|s| {
+        let t = &s.timing.failure;
+        if t.n == 0 {
+            "-".into()
+        } else {
+            format!("{:.1}", secs(t.p50))
+        }
+    });
+    line(&mut out, "stream TTFT (caller) p50", &|s| {
+        let t = &s.timing.caller_ttft;
+        if t.n == 0 {
+            "-".into()
+        } else {
+            format!("{:.1}s", secs(t.p50))
+        }
+    });
+    line(&mut out, "longest first wait", &|s| {
+        format!("{:.0}s", secs(s.timing.first_attempt_wait.max))
+    });
     let names = check_names(scores);
     for name in names {
         line(&mut out, name, &|s| {
@@ -366,6 +480,87 @@ pub fn svg(scores: &[Score]) -> String {
     s
 }
 
+/// The latency chart: the CDF of successful calls' latency per profile, on a log
+/// time axis (0.1 s .. the slowest p100). Written by hand, like [`svg`].
+#[must_use]
+#[allow(clippy::cast_precision_loss)]
+pub fn latency_svg(scores: &[Score]) -> String {
+    let (w, h) = (900.0, 420.0);
+    let (x0, y0, pw, ph) = (60.0, 40.0, w - 240.0, h - 100.0);
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" font-family="sans-serif" font-size="12">"#
+    );
+    s.push_str("<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n");
+    let _ = writeln!(
+        s,
+        r#"<text x="{x0}" y="22" font-size="14" font-weight="bold">Latency of successful calls (CDF, scenario seconds, log scale)</text>"#
+    );
+    let lo = 0.1_f64;
+    let hi = scores
+        .iter()
+        .filter_map(|sc| sc.timing.success_cdf.last())
+        .map(|&ms| secs(ms))
+        .fold(10.0_f64, f64::max);
+    let x = |sec: f64| x0 + pw * ((sec.max(lo) / lo).log10() / (hi / lo).log10());
+    for pct in [0, 25, 50, 75, 95, 100] {
+        let y = y0 + ph - ph * f64::from(pct) / 100.0;
+        let _ = writeln!(
+            s,
+            r##"<line x1="{x0}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}" stroke="#ddd"/><text x="{:.1}" y="{:.1}" text-anchor="end">{pct}%</text>"##,
+            x0 + pw,
+            x0 - 6.0,
+            y + 4.0
+        );
+    }
+    let mut tick = lo;
+    while tick <= hi * 1.0001 {
+        let _ = writeln!(
+            s,
+            r##"<line x1="{:.1}" y1="{y0}" x2="{:.1}" y2="{:.1}" stroke="#eee"/><text x="{:.1}" y="{:.1}" text-anchor="middle">{tick}s</text>"##,
+            x(tick),
+            x(tick),
+            y0 + ph,
+            x(tick),
+            y0 + ph + 16.0
+        );
+        tick *= 10.0;
+    }
+    for (i, sc) in scores.iter().enumerate() {
+        let colour = COLOURS[i % COLOURS.len()];
+        let n = sc.timing.success_cdf.len().max(1) as f64;
+        let pts: Vec<String> = sc
+            .timing
+            .success_cdf
+            .iter()
+            .enumerate()
+            .map(|(k, &ms)| format!("{:.1},{:.1}", x(secs(ms)), y0 + ph - ph * (k as f64 + 1.0) / n))
+            .collect();
+        if !pts.is_empty() {
+            let _ = writeln!(
+                s,
+                r#"<polyline fill="none" stroke="{colour}" stroke-width="2" points="{}"/>"#,
+                pts.join(" ")
+            );
+        }
+        let ly = y0 + 20.0 + 20.0 * i as f64;
+        let _ = writeln!(
+            s,
+            r#"<rect x="{:.1}" y="{:.1}" width="12" height="12" fill="{colour}"/><text x="{:.1}" y="{:.1}">{} p50 {:.1}s p95 {:.1}s</text>"#,
+            x0 + pw + 15.0,
+            ly - 10.0,
+            x0 + pw + 32.0,
+            ly,
+            esc(&sc.profile),
+            secs(sc.timing.success.p50),
+            secs(sc.timing.success.p95)
+        );
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
 /// The names of every check any profile ran, in first-seen order.
 fn check_names(scores: &[Score]) -> Vec<&'static str> {
     let mut names: Vec<&'static str> = Vec::new();
@@ -397,6 +592,8 @@ mod tests {
                 ended_ms: 120_000,
                 ok,
                 cause: if ok { "ok".into() } else { "quota|x".into() },
+                stream: false,
+                first_chunk_ms: None,
             }],
             attempts: vec![AttemptRow {
                 call_id: "c".into(),
@@ -427,8 +624,10 @@ mod tests {
         let scores = [score("naive", false), score("pgw", true)];
         let md = markdown(
             &RunInfo {
+                title: "t".into(),
                 scenario: "x".into(),
                 chart_file: "chart.svg".into(),
+                latency_chart_file: "latency.svg".into(),
             },
             &scores,
         );
@@ -439,6 +638,13 @@ mod tests {
         );
         assert!(md.contains("| quota\\|x | 1 | 0 |"), "{md}");
         assert!(md.contains("![success over time and attempts per source](chart.svg)"));
+        assert!(md.starts_with("# t soak"), "{md}");
+        assert!(md.contains("![latency of successful calls, CDF](latency.svg)"));
+        // No oracle among the profiles: no ratio.
+        assert!(md.contains("| goodput vs oracle | - | - |"), "{md}");
+        let lat = latency_svg(&scores);
+        assert!(lat.starts_with("<svg") && lat.trim_end().ends_with("</svg>"));
+        assert_eq!(lat.matches("<polyline").count(), 1, "only pgw succeeded");
         let svg = svg(&scores);
         assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
         assert!(svg.contains("s&lt;2&gt;") && !svg.contains("s<2>"));

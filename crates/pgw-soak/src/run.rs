@@ -8,18 +8,18 @@ use std::time::Duration;
 use indicatif::{ProgressBar, ProgressStyle};
 use pgw_core::BoxError;
 use pgw_sim::p6::{Kind, Traffic, TrafficConfig};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
 
 use crate::driver::{DriveOptions, SoakCall, drive};
 use crate::profiles::{self, Env, ProfileKind, Upstream};
 use crate::report::{self, RunInfo};
-use crate::scenario::Scenario;
+use crate::scenario::{Arrival, Scenario};
 use crate::scoreboard::{self, Expectations, Score};
 use crate::telemetry::{ProfileRun, Recorder, RunClock, stored_profiles};
 
-/// The success bar of the pgw profile (DESIGN.md section 1: >= 99%).
-pub const PGW_SUCCESS_BAR: f64 = 0.99;
-/// The calibration band of the naive profile (seed 003 measured 58.1%; issue 8: 50-65%).
-pub const NAIVE_CALIBRATION_BAND: (f64, f64) = (0.50, 0.65);
+/// The success bar of the pgw profile on P6 (DESIGN.md section 1: >= 99%).
+pub const PGW_SUCCESS_BAR: f64 = crate::scenario::DEFAULT_SUCCESS_BAR;
 /// RSS samples per profile run.
 pub const RSS_SAMPLES: u64 = 100;
 /// Scenario time given to the books to settle after the last call (spawned releases,
@@ -37,13 +37,17 @@ pub struct RunOptions {
     pub progress: bool,
 }
 
-/// What the scoreboard expects of `profile`.
+/// What the scoreboard expects of `profile` on `scenario`: pgw its success bar, naive
+/// its calibration band (when the scenario has one).
 #[must_use]
-pub fn expectations(profile: &str, calls: u64) -> Expectations {
+pub fn expectations(profile: &str, scenario: &Scenario) -> Expectations {
     Expectations {
-        calls,
-        success_bar: (profile == ProfileKind::Pgw.as_str()).then_some(PGW_SUCCESS_BAR),
-        success_band: (profile == ProfileKind::Naive.as_str()).then_some(NAIVE_CALIBRATION_BAND),
+        calls: scenario.calls,
+        success_bar: (profile == ProfileKind::Pgw.as_str()).then_some(scenario.success_bar),
+        success_band: scenario
+            .naive_band
+            .filter(|_| profile == ProfileKind::Naive.as_str())
+            .map(|[lo, hi]| (lo, hi)),
     }
 }
 
@@ -58,22 +62,40 @@ const fn kind_name(kind: Kind) -> &'static str {
     }
 }
 
-/// The scenario's traffic as soak calls.
-pub fn traffic(scenario: &Scenario) -> impl Iterator<Item = SoakCall> + Send + 'static {
+/// Salt of the open-loop arrival process's RNG (independent of the traffic's own).
+const ARRIVAL_SALT: u64 = 0xA771_7A15_0000_0001;
+
+/// The scenario's traffic as soak calls. With open-loop arrivals each call carries its
+/// arrival offset: exponential gaps of mean `60 / per_min` scenario seconds (seeded),
+/// times `time_scale` (1 in virtual time).
+pub fn traffic(scenario: &Scenario, time_scale: f64) -> impl Iterator<Item = SoakCall> + Send + 'static {
     let calls = usize::try_from(scenario.calls).unwrap_or(usize::MAX);
+    let mut arrivals = match scenario.arrival {
+        Arrival::Closed => None,
+        Arrival::Open { per_min } => Some((SmallRng::seed_from_u64(scenario.seed ^ ARRIVAL_SALT), per_min)),
+    };
+    let mut at_s = 0.0_f64;
     Traffic::with_config(
         TrafficConfig {
             calls,
-            ..TrafficConfig::default()
+            ..scenario.traffic.clone()
         },
         scenario.seed,
     )
-    .map(|item| SoakCall {
-        id: item.index as u64 + 1,
-        worker: 0,
-        kind: kind_name(item.kind),
-        structured: item.kind == Kind::Structured,
-        request: Arc::new(item.request),
+    .map(move |item| {
+        let arrival = arrivals.as_mut().map(|(rng, per_min)| {
+            let u: f64 = rng.random();
+            at_s += -(1.0 - u).ln() * 60.0 / *per_min;
+            Duration::from_secs_f64(at_s * time_scale)
+        });
+        SoakCall {
+            id: item.index as u64 + 1,
+            worker: 0,
+            kind: kind_name(item.kind),
+            structured: item.kind == Kind::Structured,
+            request: Arc::new(item.request),
+            arrival,
+        }
     })
 }
 
@@ -115,7 +137,7 @@ pub fn run_profile_virtual(
             rss_samples: RSS_SAMPLES,
             calls: scenario.calls,
         };
-        let rss = drive(built.clients, traffic(scenario), &recorder, opts, progress).await;
+        let rss = drive(built.clients, traffic(scenario, 1.0), &recorder, opts, progress).await;
         let scenario_ms = clock.now_ms();
         tokio::time::sleep(SETTLE).await;
         let mut accounting = (built.accounting)().await;
@@ -131,7 +153,7 @@ pub fn run_profile_virtual(
             calls,
             rss,
             accounting,
-            quotas: scenario.client.quota_rules(),
+            quotas: scenario.judged_quotas(),
             wall_ms: 0,
             scenario_ms,
             sources,
@@ -194,7 +216,7 @@ pub fn run(scenario: &Scenario, opts: &RunOptions) -> Result<RunOutcome, BoxErro
             }
             Err(e) => return Err(e),
         };
-        let score = scoreboard::judge(&run, &expectations(kind.as_str(), scenario.calls));
+        let score = scoreboard::judge(&run, &expectations(kind.as_str(), scenario));
         pb.finish_with_message(format!(
             "ok {:.2}%, {} quota violations, {:.2} attempts/call",
             score.success_rate * 100.0,
@@ -206,7 +228,7 @@ pub fn run(scenario: &Scenario, opts: &RunOptions) -> Result<RunOutcome, BoxErro
     if let Some(d) = &opts.dir {
         let names: Vec<&str> = scores.iter().map(|s| s.profile.as_str()).collect();
         fs::write(d.join("profiles.txt"), names.join("\n") + "\n")?;
-        write_report(d, &describe(scenario), &scores)?;
+        write_report(d, &scenario.name, &describe(scenario), &scores)?;
     }
     Ok(RunOutcome { scores, skipped })
 }
@@ -214,13 +236,19 @@ pub fn run(scenario: &Scenario, opts: &RunOptions) -> Result<RunOutcome, BoxErro
 /// One line describing the scenario for the report.
 #[must_use]
 pub fn describe(s: &Scenario) -> String {
+    let arrival = match s.arrival {
+        Arrival::Closed => format!("{} workers x {} concurrent", s.workers, s.concurrency),
+        Arrival::Open { per_min } => format!(
+            "open loop at {per_min} calls/min (at most {} x {} in flight)",
+            s.workers, s.concurrency
+        ),
+    };
     format!(
-        "P6 pool ({} sources), {} calls, {} workers x {} concurrent, seed {}, virtual time, memory backend; \
+        "{} pool ({} sources), {} calls, {arrival}, seed {}, virtual time, memory backend; \
          timeouts: first token {}s, inter-token {}s, attempt {}s; {} attempts per call.",
+        s.name,
         s.pool.sources.len(),
         s.calls,
-        s.workers,
-        s.concurrency,
         s.seed,
         s.client.first_token_s,
         s.client.inter_token_s,
@@ -229,16 +257,19 @@ pub fn describe(s: &Scenario) -> String {
     )
 }
 
-/// Writes `report.md` and `chart.svg` into `dir`.
+/// Writes `report.md`, `chart.svg` and `latency.svg` into `dir`.
 ///
 /// # Errors
 /// I/O errors.
-pub fn write_report(dir: &Path, scenario_line: &str, scores: &[Score]) -> std::io::Result<()> {
+pub fn write_report(dir: &Path, title: &str, scenario_line: &str, scores: &[Score]) -> std::io::Result<()> {
     let info = RunInfo {
+        title: title.to_owned(),
         scenario: scenario_line.to_owned(),
         chart_file: "chart.svg".into(),
+        latency_chart_file: "latency.svg".into(),
     };
     fs::write(dir.join("chart.svg"), report::svg(scores))?;
+    fs::write(dir.join("latency.svg"), report::latency_svg(scores))?;
     fs::write(dir.join("report.md"), report::markdown(&info, scores))
 }
 
@@ -254,8 +285,13 @@ pub fn rescore(dir: &Path) -> Result<Vec<Score>, BoxError> {
     let mut scores = Vec::new();
     for p in stored_profiles(dir)? {
         let run = ProfileRun::load(dir, &p)?;
-        scores.push(scoreboard::judge(&run, &expectations(&p, scenario.calls)));
+        scores.push(scoreboard::judge(&run, &expectations(&p, &scenario)));
     }
-    write_report(dir, &format!("{} (rescored)", describe(&scenario)), &scores)?;
+    write_report(
+        dir,
+        &scenario.name,
+        &format!("{} (rescored)", describe(&scenario)),
+        &scores,
+    )?;
     Ok(scores)
 }

@@ -1,4 +1,4 @@
-//! The scenario: the P6 pool, the traffic, and what every client profile is given.
+//! The scenario: the pool, the traffic, and what every client profile is given.
 //!
 //! One documented struct ([`Scenario`]) holds everything a run depends on, so a run is
 //! reproducible from it and its seed, and it is stored next to the run's telemetry.
@@ -6,11 +6,15 @@
 //! watchdogs and quotas ([`ClientSettings`]). What differs between profiles is only
 //! their own machinery ([`NaiveSettings`], [`TowerStockSettings`]; `pgw` runs with
 //! `pgw-stack`'s defaults).
+//!
+//! Scenarios are files (TOML or JSON; every field but the pool has P6's default, see
+//! the crate README); [`library`] holds the ones shipped in `scenarios/`.
 
 use std::time::Duration;
 
 use pgw_client::Timeouts;
 use pgw_sim::PoolConfig;
+use pgw_sim::p6::TrafficConfig;
 use serde::{Deserialize, Serialize};
 
 use crate::telemetry::QuotaRule;
@@ -41,43 +45,93 @@ pub fn calibrated_p6_pool() -> PoolConfig {
         .iter_mut()
         .filter(|a| a.name == pgw_sim::config::P6_SHARED_ACCOUNT)
     {
-        a.rate_limit.concurrency_slope = CALIBRATED_CONCURRENCY_SLOPE;
-        a.rate_limit.rpm_slope = CALIBRATED_RPM_SLOPE;
+        // The P6 preset's curve is a constant: calibrate that constant.
+        let mut curve = a.rate_limit.at(0.0);
+        curve.concurrency_slope = CALIBRATED_CONCURRENCY_SLOPE;
+        curve.rpm_slope = CALIBRATED_RPM_SLOPE;
+        a.rate_limit = curve.into();
     }
     pool
 }
+
+/// Attempts in flight per source when a scenario gives the source no quota: 16 (P6's).
+pub const DEFAULT_MAX_CONCURRENCY: u32 = 16;
+/// The pgw profile's success bar when a scenario sets none (DESIGN.md section 1: 99%).
+pub const DEFAULT_SUCCESS_BAR: f64 = 0.99;
+/// The calibration band of the naive profile on P6 (seed 003 measured 58.1%).
+pub const P6_NAIVE_BAND: [f64; 2] = [0.50, 0.65];
 
 /// The window every quota is enforced and judged on: one minute.
 pub const QUOTA_WINDOW: Duration = Duration::from_secs(60);
 
 /// One source's quotas as configured in every client (S2).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct SourceQuota {
     /// The source's name in the pool.
     pub source: String,
     /// Requests per minute (`None`: unlimited).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rpm: Option<u64>,
     /// Tokens per minute (`None`: unlimited).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tpm: Option<u64>,
-    /// Most attempts in flight at once on this source, over all workers.
+    /// Most attempts in flight at once on this source, over all workers (default
+    /// [`DEFAULT_MAX_CONCURRENCY`]).
+    #[serde(default = "default_max_concurrency")]
     pub max_concurrency: u32,
 }
 
+const fn default_max_concurrency() -> u32 {
+    DEFAULT_MAX_CONCURRENCY
+}
+
+impl SourceQuota {
+    /// No rate quota, [`DEFAULT_MAX_CONCURRENCY`] in flight: a source a scenario gives
+    /// no quota.
+    #[must_use]
+    pub fn unlimited(source: &str) -> Self {
+        Self {
+            source: source.into(),
+            rpm: None,
+            tpm: None,
+            max_concurrency: DEFAULT_MAX_CONCURRENCY,
+        }
+    }
+}
+
 /// What every profile is given alike: timeouts, watchdogs, keys and quotas.
+///
+/// Defaults are P6's timeouts and attempts, with no quotas.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct ClientSettings {
-    /// Connect timeout, s.
+    /// Connect timeout, s (default 10).
     pub connect_s: f64,
-    /// First-token watchdog, s (streamed answers).
+    /// First-token watchdog, s (streamed answers; default 60).
     pub first_token_s: f64,
     /// Inter-token watchdog, s: the P6 "tight watchdog" (`pgw_sim`'s assumed 8 s).
     pub inter_token_s: f64,
-    /// Whole attempt, s.
+    /// Whole attempt, s (default 180).
     pub total_s: f64,
-    /// Per-source quotas, pool order.
+    /// Per-source quotas; a source without an entry has none
+    /// ([`SourceQuota::unlimited`]).
     pub quotas: Vec<SourceQuota>,
     /// Attempts per call (the seeds' `LLM_MAX_RETRIES` 3, for every profile).
     pub max_attempts: u32,
+}
+
+impl Default for ClientSettings {
+    fn default() -> Self {
+        Self {
+            connect_s: 10.0,
+            first_token_s: 60.0,
+            inter_token_s: pgw_sim::config::P6_ASSUMED_INTER_TOKEN_WATCHDOG_S,
+            total_s: 180.0,
+            quotas: Vec::new(),
+            max_attempts: 3,
+        }
+    }
 }
 
 impl ClientSettings {
@@ -92,13 +146,17 @@ impl ClientSettings {
         }
     }
 
-    /// The quota of `source`.
+    /// The quota of `source` ([`SourceQuota::unlimited`] when the scenario gives none).
     #[must_use]
-    pub fn quota(&self, source: &str) -> Option<&SourceQuota> {
-        self.quotas.iter().find(|q| q.source == source)
+    pub fn quota(&self, source: &str) -> SourceQuota {
+        self.quotas
+            .iter()
+            .find(|q| q.source == source)
+            .cloned()
+            .unwrap_or_else(|| SourceQuota::unlimited(source))
     }
 
-    /// The quota rules the scoreboard judges every profile on.
+    /// The per-source quota rules the scoreboard judges every profile on.
     #[must_use]
     pub fn quota_rules(&self) -> Vec<QuotaRule> {
         let window_ms = u64::try_from(QUOTA_WINDOW.as_millis()).unwrap_or(60_000);
@@ -120,8 +178,10 @@ impl ClientSettings {
     }
 }
 
-/// The seeds' first design (seed 003, seed 000 section 1), the baseline.
+/// The seeds' first design (seed 003, seed 000 section 1), the baseline. Defaults
+/// are P6's (threshold 5, cooldown 300 s, backoff 1 s, cache on).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct NaiveSettings {
     /// Configured consecutive-failure threshold; the effective one is
     /// `max(this, 2 x global concurrency)` (seed 000 section 1, defect 2).
@@ -144,8 +204,21 @@ pub enum TowerLoad {
     PeakEwma,
 }
 
-/// What a user assembles from tower alone.
+impl Default for NaiveSettings {
+    fn default() -> Self {
+        Self {
+            breaker_threshold: 5,
+            cooldown_s: 300.0,
+            backoff_s: 1.0,
+            cache: true,
+        }
+    }
+}
+
+/// What a user assembles from tower alone. Defaults are P6's (tower's own example
+/// values).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct TowerStockSettings {
     /// The balancer's load metric.
     pub load: TowerLoad,
@@ -159,25 +232,89 @@ pub struct TowerStockSettings {
     pub backoff_s: f64,
 }
 
+impl Default for TowerStockSettings {
+    fn default() -> Self {
+        Self {
+            load: TowerLoad::PendingRequests,
+            budget_ttl_s: 10,
+            budget_min_per_sec: 10,
+            budget_retry_percent: 0.2,
+            backoff_s: 1.0,
+        }
+    }
+}
+
+/// How calls arrive.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum Arrival {
+    /// Closed loop (default, P6): each worker starts the next call when one of its
+    /// `concurrency` slots frees up.
+    #[default]
+    Closed,
+    /// Open loop: calls arrive as a Poisson process of `per_min` calls per scenario
+    /// minute (seeded), whatever the client does; at most `workers x concurrency` run
+    /// at once, and a call's latency counts from its arrival (a wait for a slot
+    /// included).
+    Open {
+        /// Mean arrivals per scenario minute.
+        per_min: f64,
+    },
+}
+
 /// Everything a soak run depends on.
+///
+/// A scenario file gives what differs from [`Scenario::default`] (P6's run with no
+/// quotas; see `scenarios/` and the crate README, which documents each field).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct Scenario {
+    /// The scenario's name: the report's title and `--scenario NAME`.
+    pub name: String,
+    /// One paragraph saying what the scenario shows.
+    pub description: String,
     /// The seed of the pool and the traffic.
     pub seed: u64,
     /// Calls to run.
     pub calls: u64,
     /// Worker processes (client instances sharing the backend).
     pub workers: u32,
-    /// Calls in flight per worker.
+    /// Calls in flight per worker (closed loop), or at most (open loop).
     pub concurrency: u32,
+    /// How calls arrive (default: closed loop).
+    pub arrival: Arrival,
+    /// The traffic's shape: mix, stream share, prompt and answer sizes, distinct
+    /// prompts (`pgw_sim::p6::TrafficConfig`; its defaults are P6's).
+    pub traffic: TrafficConfig,
     /// The simulated pool ([`calibrated_p6_pool`] unless given by a scenario file).
     pub pool: PoolConfig,
     /// What every profile gets alike.
     pub client: ClientSettings,
+    /// Quotas the scoreboard judges besides the per-source ones of `client.quotas`
+    /// (e.g. an account's, over several sources).
+    pub quota_rules: Vec<QuotaRule>,
+    /// The pgw profile's success bar (gating; default [`DEFAULT_SUCCESS_BAR`]).
+    pub success_bar: f64,
+    /// The naive profile's calibration band (informational; P6: [`P6_NAIVE_BAND`]).
+    pub naive_band: Option<[f64; 2]>,
     /// The naive profile's own knobs.
     pub naive: NaiveSettings,
     /// The tower-stock profile's own knobs.
     pub tower_stock: TowerStockSettings,
+}
+
+/// What a scenario file leaves out: P6's seed, calls, workers, traffic, pool, timeouts
+/// and profile knobs, with no quotas, no calibration band and the name `unnamed`.
+impl Default for Scenario {
+    fn default() -> Self {
+        Self {
+            name: "unnamed".into(),
+            description: String::new(),
+            client: ClientSettings::default(),
+            naive_band: None,
+            ..Self::p6(DEFAULT_SEED)
+        }
+    }
 }
 
 impl Scenario {
@@ -197,16 +334,19 @@ impl Scenario {
             max_concurrency: 16,
         };
         Self {
+            name: "p6".into(),
+            description: "The seeds' P6 pool: a healthy source with empty completions, a revoked key, \
+                a black hole, a tight RPM gate and a tight watchdog; three of them share one \
+                account whose 429s grow with its load."
+                .into(),
             seed,
             calls: P6_CALLS,
             workers: P6_WORKERS,
             concurrency: P6_CONCURRENCY,
+            arrival: Arrival::Closed,
+            traffic: TrafficConfig::default(),
             pool: calibrated_p6_pool(),
             client: ClientSettings {
-                connect_s: 10.0,
-                first_token_s: 60.0,
-                inter_token_s: pgw_sim::config::P6_ASSUMED_INTER_TOKEN_WATCHDOG_S,
-                total_s: 180.0,
                 quotas: vec![
                     quota("s1", 600),
                     quota("s2", 600),
@@ -214,22 +354,67 @@ impl Scenario {
                     quota("s4", 5),
                     quota("s5", 600),
                 ],
-                max_attempts: 3,
+                ..ClientSettings::default()
             },
-            naive: NaiveSettings {
-                breaker_threshold: 5,
-                cooldown_s: 300.0,
-                backoff_s: 1.0,
-                cache: true,
-            },
-            tower_stock: TowerStockSettings {
-                load: TowerLoad::PendingRequests,
-                budget_ttl_s: 10,
-                budget_min_per_sec: 10,
-                budget_retry_percent: 0.2,
-                backoff_s: 1.0,
-            },
+            quota_rules: Vec::new(),
+            success_bar: DEFAULT_SUCCESS_BAR,
+            naive_band: Some(P6_NAIVE_BAND),
+            naive: NaiveSettings::default(),
+            tower_stock: TowerStockSettings::default(),
         }
+    }
+
+    /// Every quota rule the scoreboard judges: the per-source ones of `client.quotas`
+    /// and the scenario's own `quota_rules`.
+    #[must_use]
+    pub fn judged_quotas(&self) -> Vec<QuotaRule> {
+        let mut rules = self.client.quota_rules();
+        rules.extend(self.quota_rules.iter().cloned());
+        rules
+    }
+
+    /// Parses a scenario file's text: TOML, or JSON when `json` is set. Unknown fields
+    /// are errors; the scenario is validated.
+    ///
+    /// # Errors
+    /// A parse error (with its line) or the first invalid field.
+    pub fn parse(text: &str, json: bool) -> Result<Self, String> {
+        let s: Self = if json {
+            serde_json::from_str(text).map_err(|e| e.to_string())?
+        } else {
+            toml::from_str(text).map_err(|e| e.to_string())?
+        };
+        s.validate()?;
+        Ok(s)
+    }
+
+    /// Reads a scenario file (`.json` is JSON, anything else TOML).
+    ///
+    /// # Errors
+    /// The file cannot be read or parsed, naming it.
+    pub fn load(path: &std::path::Path) -> Result<Self, String> {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let json = path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json"));
+        Self::parse(&text, json).map_err(|e| format!("{}: {e}", path.display()))
+    }
+
+    /// A scenario of the library ([`library`]) by name, or a file by path.
+    ///
+    /// # Errors
+    /// Neither a library name nor a readable scenario file; the message lists the names.
+    pub fn named_or_file(name_or_path: &str) -> Result<Self, String> {
+        if let Some((_, text)) = LIBRARY.iter().find(|(n, _)| *n == name_or_path) {
+            return Self::parse(text, false).map_err(|e| format!("scenario {name_or_path}: {e}"));
+        }
+        let path = std::path::Path::new(name_or_path);
+        if path.exists() {
+            return Self::load(path);
+        }
+        let names: Vec<&str> = LIBRARY.iter().map(|(n, _)| *n).collect();
+        Err(format!(
+            "--scenario: {name_or_path:?} is neither a library scenario ({}) nor a file",
+            names.join(", ")
+        ))
     }
 
     /// Calls in flight over all workers.
@@ -289,13 +474,98 @@ impl Scenario {
                 ));
             }
         }
-        for s in &self.pool.sources {
-            if c.quota(&s.name).is_none() {
-                return Err(format!("client.quotas: no quota for source {:?}", s.name));
+        if let Arrival::Open { per_min } = self.arrival
+            && !(per_min.is_finite() && per_min > 0.0)
+        {
+            return Err(format!("arrival.open.per_min: must be > 0, got {per_min}"));
+        }
+        let t = &self.traffic;
+        if t.mix.iter().any(|m| !(m.is_finite() && *m >= 0.0)) || t.mix.iter().sum::<f64>() <= 0.0 {
+            return Err("traffic.mix: shares must be >= 0 with a positive sum".into());
+        }
+        if !(0.0..=1.0).contains(&t.stream_share) {
+            return Err(format!(
+                "traffic.stream_share: must be within [0, 1], got {}",
+                t.stream_share
+            ));
+        }
+        if !(self.success_bar.is_finite() && (0.0..=1.0).contains(&self.success_bar)) {
+            return Err(format!(
+                "success_bar: must be within [0, 1], got {}",
+                self.success_bar
+            ));
+        }
+        if let Some([lo, hi]) = self.naive_band
+            && !(0.0 <= lo && lo <= hi && hi <= 1.0)
+        {
+            return Err("naive_band: need 0 <= low <= high <= 1".into());
+        }
+        for (i, r) in self.quota_rules.iter().enumerate() {
+            if r.sources.is_empty() || r.limit == 0 || r.window_ms == 0 {
+                return Err(format!(
+                    "quota_rules[{i}]: needs sources, a limit >= 1 and a window >= 1 ms"
+                ));
+            }
+            if !matches!(r.dimension.as_str(), "rpm" | "tpm") {
+                return Err(format!(
+                    "quota_rules[{i}].dimension: expected rpm or tpm, got {:?}",
+                    r.dimension
+                ));
+            }
+            if let Some(s) = r
+                .sources
+                .iter()
+                .find(|s| !self.pool.sources.iter().any(|p| p.name == **s))
+            {
+                return Err(format!("quota_rules[{i}].sources: {s:?} is not in the pool"));
             }
         }
         Ok(())
     }
+}
+
+/// The scenario library: `(name, TOML)` of every file in `crates/pgw-soak/scenarios/`,
+/// compiled in so `--scenario NAME` works from any directory.
+pub const LIBRARY: &[(&str, &str)] = &[
+    ("p6", include_str!("../scenarios/p6.toml")),
+    ("flapping", include_str!("../scenarios/flapping.toml")),
+    ("slow-decay", include_str!("../scenarios/slow-decay.toml")),
+    ("all-dead", include_str!("../scenarios/all-dead.toml")),
+    (
+        "account-429-storm",
+        include_str!("../scenarios/account-429-storm.toml"),
+    ),
+    ("toxic-prompts", include_str!("../scenarios/toxic-prompts.toml")),
+    (
+        "mixed-8-sources",
+        include_str!("../scenarios/mixed-8-sources.toml"),
+    ),
+    (
+        "provider-quirks",
+        include_str!("../scenarios/provider-quirks.toml"),
+    ),
+    (
+        "outage-and-recovery",
+        include_str!("../scenarios/outage-and-recovery.toml"),
+    ),
+];
+
+/// Every scenario of the library, parsed, in library order.
+///
+/// # Errors
+/// A library file that does not parse (a defect: the crate's tests parse them all).
+pub fn library() -> Result<Vec<Scenario>, String> {
+    LIBRARY
+        .iter()
+        .map(|(name, text)| {
+            let s = Scenario::parse(text, false).map_err(|e| format!("scenario {name}: {e}"))?;
+            if s.name == *name {
+                Ok(s)
+            } else {
+                Err(format!("scenario {name}: its name field says {:?}", s.name))
+            }
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -316,8 +586,50 @@ mod tests {
         let mut bad = s.clone();
         bad.client.inter_token_s = f64::NAN;
         assert!(bad.validate().unwrap_err().starts_with("client.inter_token_s"));
-        let mut bad = s;
-        bad.client.quotas.pop();
-        assert!(bad.validate().unwrap_err().contains("s5"));
+        let mut bad = s.clone();
+        bad.quota_rules.push(QuotaRule {
+            scope: "account x".into(),
+            sources: vec!["s9".into()],
+            dimension: "rpm".into(),
+            limit: 1,
+            window_ms: 60_000,
+        });
+        assert!(bad.validate().unwrap_err().contains("s9"));
+        // A source without a quota entry has none.
+        let mut open = s;
+        open.client.quotas.pop();
+        open.validate().unwrap();
+        assert_eq!(open.client.quota("s5"), SourceQuota::unlimited("s5"));
+    }
+
+    #[test]
+    fn the_library_parses_and_p6_is_todays_p6() {
+        let all = library().unwrap();
+        assert_eq!(all.len(), LIBRARY.len());
+        assert_eq!(
+            all[0],
+            Scenario::p6(DEFAULT_SEED),
+            "scenarios/p6.toml drifted from Scenario::p6"
+        );
+        for s in &all {
+            assert!(!s.description.is_empty(), "{} has no description", s.name);
+        }
+        assert_eq!(Scenario::named_or_file("flapping").unwrap().name, "flapping");
+        let e = Scenario::named_or_file("nope").unwrap_err();
+        assert!(e.contains("all-dead") && e.contains("nope"), "{e}");
+    }
+
+    #[test]
+    fn files_name_their_bad_fields() {
+        let e = Scenario::parse("calls = 0\n", false).unwrap_err();
+        assert!(e.starts_with("calls"), "{e}");
+        let e = Scenario::parse("cals = 10\n", false).unwrap_err();
+        assert!(e.contains("cals"), "{e}");
+        let e = Scenario::parse("[arrival.open]\nper_min = -1\n", false).unwrap_err();
+        assert!(e.contains("arrival.open.per_min"), "{e}");
+        // JSON too, and a stored scenario.json round-trips.
+        let p6 = Scenario::p6(3);
+        let back = Scenario::parse(&serde_json::to_string(&p6).unwrap(), true).unwrap();
+        assert_eq!(back, p6);
     }
 }

@@ -11,10 +11,13 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use serde::Serialize;
 
 use crate::telemetry::{ProfileRun, QuotaRule};
+use crate::timing::{Timing, timing};
 
 /// Failure causes no client can avoid: the provider rejects the prompt itself (about
-/// 0.5% of P6 prompts, DESIGN.md section 5).
-pub const UNRECOVERABLE_CAUSES: [&str; 2] = ["rejected", "http_400"];
+/// 0.5% of P6 prompts, DESIGN.md section 5), filters its answer or refuses it. The
+/// caller got the provider's verdict; a client that retried it elsewhere and ended
+/// with another cause did not deliver it.
+pub const UNRECOVERABLE_CAUSES: [&str; 4] = ["rejected", "http_400", "content_filter", "refusal"];
 /// Calls before this fraction of the run are warm-up for the RSS judgement.
 const RSS_WARMUP_FRACTION: f64 = 0.25;
 /// Allowed relative growth of current RSS from the run's middle to its end.
@@ -89,6 +92,8 @@ pub struct Score {
     pub wall_ms: u64,
     /// Current RSS at the end of the run, KiB.
     pub rss_end_kib: u64,
+    /// What the run cost in time: goodput, latency percentiles, time to first token.
+    pub timing: Timing,
 }
 
 impl Score {
@@ -184,6 +189,7 @@ pub fn judge(run: &ProfileRun, expect: &Expectations) -> Score {
         scenario_ms: run.scenario_ms,
         wall_ms: run.wall_ms,
         rss_end_kib: run.rss.last().map_or(0, |s| s.rss_kib),
+        timing: timing(run),
     }
 }
 
@@ -404,6 +410,8 @@ mod tests {
             ended_ms: end,
             ok,
             cause: if ok { "ok".into() } else { "transient".into() },
+            stream: false,
+            first_chunk_ms: None,
         }
     }
 

@@ -57,6 +57,14 @@ pub struct CallRow {
     pub ok: bool,
     /// `ok`, or why the call failed (see [`crate::driver::failure_cause`]).
     pub cause: String,
+    /// The caller asked for a streamed answer.
+    #[serde(default)]
+    pub stream: bool,
+    /// When the answer's first chunk reached the caller, ms since the run started
+    /// (`None`: no answer reached it). A client that hands the caller the whole answer
+    /// at once delivers its first chunk at `ended_ms`.
+    #[serde(default)]
+    pub first_chunk_ms: Option<u64>,
 }
 
 /// The run's clock: milliseconds since the run started, on tokio's clock.
@@ -270,6 +278,7 @@ pub struct Accounting {
 
 /// A quota the scoreboard checks: at most `limit` per `window_ms` in `scope`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct QuotaRule {
     /// `source s4` or `account a1`.
     pub scope: String,
@@ -280,7 +289,13 @@ pub struct QuotaRule {
     /// The most admissions (rpm) or tokens (tpm) per window.
     pub limit: u64,
     /// Window length, ms; windows are aligned on the run's start (the limiter's epoch).
+    /// Default 60 000.
+    #[serde(default = "default_window_ms")]
     pub window_ms: u64,
+}
+
+const fn default_window_ms() -> u64 {
+    60_000
 }
 
 /// Everything one profile's run produced.

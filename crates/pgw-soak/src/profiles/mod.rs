@@ -1,11 +1,13 @@
 //! The client profiles run side by side (K5), and what they share: the upstream
 //! attempt (`pgw-client` over the simulator), the attempt recorder and the accounting.
 
-use std::collections::BTreeMap;
+use std::collections::hash_map::DefaultHasher;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
+use std::hash::{Hash, Hasher};
 use std::str::FromStr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll};
 
 use futures_util::future::BoxFuture;
@@ -13,14 +15,16 @@ use pgw_client::{
     AnswerClassifier, BoxTransport, ChatAnswer, ChatCall, SecretKey, SourceSettings, UpstreamClient,
     WatchdogCut,
 };
+use pgw_core::openai::ChatResponse;
 use pgw_core::{BoxError, Classify};
 use tower::Service;
 
-use crate::driver::Client;
+use crate::driver::{Client, SoakCall};
 use crate::scenario::Scenario;
 use crate::telemetry::{Accounting, AttemptRow, Recorder};
 
 pub mod naive;
+pub mod oracle;
 pub mod pgw;
 pub mod tower_stock;
 
@@ -33,11 +37,14 @@ pub enum ProfileKind {
     TowerStock,
     /// `pgw-stack`'s `Gateway` with its defaults.
     Pgw,
+    /// The clairvoyant client: reads the pool's configuration, sends each call straight
+    /// to a source that can answer it, paced for the most answers per minute.
+    Oracle,
 }
 
 impl ProfileKind {
     /// All profiles, in report order.
-    pub const ALL: [Self; 3] = [Self::Naive, Self::TowerStock, Self::Pgw];
+    pub const ALL: [Self; 4] = [Self::Naive, Self::TowerStock, Self::Pgw, Self::Oracle];
 
     /// The profile's name (`naive`, `tower-stock`, `pgw`).
     #[must_use]
@@ -46,6 +53,7 @@ impl ProfileKind {
             Self::Naive => "naive",
             Self::TowerStock => "tower-stock",
             Self::Pgw => "pgw",
+            Self::Oracle => "oracle",
         }
     }
 }
@@ -63,7 +71,7 @@ impl FromStr for ProfileKind {
         Self::ALL
             .into_iter()
             .find(|p| p.as_str() == s.trim())
-            .ok_or_else(|| format!("unknown profile {s:?}; expected naive, tower-stock or pgw"))
+            .ok_or_else(|| format!("unknown profile {s:?}; expected naive, tower-stock, pgw or oracle"))
     }
 }
 
@@ -199,6 +207,7 @@ pub async fn build(kind: ProfileKind, env: &Env) -> Result<Built, BoxError> {
         ProfileKind::Naive => naive::build(env),
         ProfileKind::TowerStock => tower_stock::build(env),
         ProfileKind::Pgw => pgw::build(env).await,
+        ProfileKind::Oracle => oracle::build(env),
     }
 }
 
@@ -225,6 +234,9 @@ pub fn error_name(e: &(dyn std::error::Error + 'static)) -> Option<String> {
     if e.is::<naive::NoSourceAdmitted>() {
         return Some("no_source_admitted".into());
     }
+    if e.is::<oracle::NoSourceCanAnswer>() {
+        return Some("no_source_can_answer".into());
+    }
     if e.is::<pgw_client::MalformedResponse>() {
         return Some("malformed".into());
     }
@@ -249,6 +261,67 @@ pub fn chat_call(call: &crate::driver::SoakCall) -> ChatCall {
     let mut c = ChatCall::from_arc(Arc::clone(&call.request)).with_call_id(pgw_client::CallId(call.id));
     c.extensions_mut().insert(AttemptNo::default());
     c
+}
+
+/// The seeds' response cache, as the naive and oracle profiles use it: keyed by model,
+/// messages, `max_tokens` and every other request field; a hit is recorded as a
+/// cache-hit attempt row (it never reaches a source nor its gates).
+#[derive(Debug, Default)]
+pub struct ResponseCache(Mutex<HashMap<u64, ChatResponse>>);
+
+impl ResponseCache {
+    fn key(call: &SoakCall) -> u64 {
+        let mut h = DefaultHasher::new();
+        let r = &*call.request;
+        r.model.hash(&mut h);
+        for m in &r.messages {
+            m.role.hash(&mut h);
+            m.content.hash(&mut h);
+        }
+        r.max_tokens.hash(&mut h);
+        serde_json::to_string(&r.extra).unwrap_or_default().hash(&mut h);
+        h.finish()
+    }
+
+    fn map(&self) -> MutexGuard<'_, HashMap<u64, ChatResponse>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The cached answer to `call`, recording the hit for `worker`.
+    pub fn hit(&self, call: &SoakCall, worker: u32, recorder: &Recorder) -> Option<ChatResponse> {
+        let resp = self.map().get(&Self::key(call)).cloned()?;
+        recorder.attempt(AttemptRow {
+            call_id: call.call_id(),
+            attempt: 1,
+            worker,
+            source: "cache".into(),
+            admitted_ms: recorder.clock().now_ms(),
+            latency_ms: 0,
+            ttft_ms: None,
+            tokens: 0,
+            outcome: "success".into(),
+            cache_hit: true,
+        });
+        Some(resp)
+    }
+
+    /// Stores the answer to `call`.
+    pub fn insert(&self, call: &SoakCall, answer: &ChatResponse) {
+        self.map().insert(Self::key(call), answer.clone());
+    }
+}
+
+/// One attempt on a recorded upstream client, as a concrete boxed future (an `async`
+/// block awaiting `oneshot` directly trips a higher-ranked lifetime error of rustc in
+/// the `Send` futures the driver needs).
+pub(crate) fn attempt_on(
+    mut svc: Recorded<UpstreamClient<BoxTransport>>,
+    call: ChatCall,
+) -> BoxFuture<'static, Result<ChatAnswer, BoxError>> {
+    Box::pin(async move {
+        std::future::poll_fn(|cx| svc.poll_ready(cx)).await?;
+        svc.call(call).await
+    })
 }
 
 /// In-flight attempts per source, counted by [`Recorded`]: the books the scoreboard

@@ -16,8 +16,6 @@
 //!
 //! Profile-local code on purpose: it is the baseline, not library code.
 
-use std::collections::HashMap;
-use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -27,12 +25,11 @@ use pgw_client::{AnswerClassifier, BoxTransport, ChatAnswer, UpstreamClient};
 use pgw_core::openai::ChatResponse;
 use pgw_core::{BoxError, Classify, Outcome};
 use tokio::time::Instant;
-use tower::Service;
 
-use super::{Built, Env, Inflight, Recorded, chat_call};
-use crate::driver::{Client, SoakCall, is_valid_structured};
+use super::{Built, Env, Inflight, Recorded, ResponseCache, attempt_on, chat_call};
+use crate::driver::{Client, Delivered, SoakCall, is_valid_structured};
 use crate::scenario::QUOTA_WINDOW;
-use crate::telemetry::{Accounting, AttemptRow, Recorder};
+use crate::telemetry::{Accounting, Recorder};
 
 /// How long a call waits for any source to be admitted before it gives up.
 const MAX_WAIT_FOR_SOURCE: Duration = Duration::from_secs(120);
@@ -77,7 +74,7 @@ struct SourceState {
 
 struct Shared {
     sources: Vec<SourceState>,
-    cache: Option<Mutex<HashMap<u64, ChatResponse>>>,
+    cache: Option<ResponseCache>,
     threshold: u32,
     cooldown: Duration,
     backoff: Duration,
@@ -169,19 +166,6 @@ fn record(shared: &Shared, s: &SourceState, probe: bool, outcome: Outcome) {
     }
 }
 
-fn cache_key(call: &SoakCall) -> u64 {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    let r = &*call.request;
-    r.model.hash(&mut h);
-    for m in &r.messages {
-        m.role.hash(&mut h);
-        m.content.hash(&mut h);
-    }
-    r.max_tokens.hash(&mut h);
-    serde_json::to_string(&r.extra).unwrap_or_default().hash(&mut h);
-    h.finish()
-}
-
 struct Worker {
     shared: Arc<Shared>,
     worker: u32,
@@ -202,25 +186,12 @@ impl Worker {
 
     async fn run(self: Arc<Self>, call: SoakCall) -> Result<ChatResponse, BoxError> {
         let shared = Arc::clone(&self.shared);
-        let key = shared.cache.as_ref().map(|_| cache_key(&call));
-        if let (Some(cache), Some(key)) = (&shared.cache, key) {
-            let hit = lock(cache).get(&key).cloned();
-            if let Some(resp) = hit {
-                let now = shared.recorder.clock().now_ms();
-                shared.recorder.attempt(AttemptRow {
-                    call_id: call.call_id(),
-                    attempt: 1,
-                    worker: self.worker,
-                    source: "cache".into(),
-                    admitted_ms: now,
-                    latency_ms: 0,
-                    ttft_ms: None,
-                    tokens: 0,
-                    outcome: "success".into(),
-                    cache_hit: true,
-                });
-                return Ok(resp);
-            }
+        if let Some(resp) = shared
+            .cache
+            .as_ref()
+            .and_then(|c| c.hit(&call, self.worker, &shared.recorder))
+        {
+            return Ok(resp);
         }
         let chat = chat_call(&call);
         let tokens = chat.estimate_tokens();
@@ -265,8 +236,8 @@ impl Worker {
             record(&shared, source, probe, outcome);
             match (result, outcome) {
                 (Ok(a), Outcome::Success) => {
-                    if let (Some(cache), Some(key)) = (&shared.cache, key) {
-                        lock(cache).insert(key, a.response.clone());
+                    if let Some(cache) = &shared.cache {
+                        cache.insert(&call, &a.response);
                     }
                     return Ok(a.response);
                 }
@@ -285,22 +256,12 @@ impl Worker {
     }
 }
 
-/// One attempt on a ready-checked service, as a concrete boxed future.
-fn attempt_on(
-    mut svc: Recorded<UpstreamClient<BoxTransport>>,
-    call: pgw_client::ChatCall,
-) -> BoxFuture<'static, Result<ChatAnswer, BoxError>> {
-    Box::pin(async move {
-        std::future::poll_fn(|cx| svc.poll_ready(cx)).await?;
-        svc.call(call).await
-    })
-}
-
 struct NaiveClient(Arc<Worker>);
 
 impl Client for NaiveClient {
-    fn call(&self, call: SoakCall) -> BoxFuture<'static, Result<ChatResponse, BoxError>> {
-        Box::pin(Arc::clone(&self.0).run(call))
+    fn call(&self, call: SoakCall) -> BoxFuture<'static, Result<Delivered, BoxError>> {
+        let run = Arc::clone(&self.0).run(call);
+        Box::pin(async move { run.await.map(Delivered::from) })
     }
 }
 
@@ -318,8 +279,8 @@ pub fn build(env: &Env) -> Result<Built, BoxError> {
         sources.push(SourceState {
             name: name.clone(),
             client: Mutex::new(env.upstream.client(sc, name)?),
-            rpm: q.and_then(|q| q.rpm),
-            tpm: q.and_then(|q| q.tpm),
+            rpm: q.rpm,
+            tpm: q.tpm,
             breaker: Mutex::default(),
             gate: Mutex::default(),
         });
@@ -327,7 +288,7 @@ pub fn build(env: &Env) -> Result<Built, BoxError> {
     let inflight = Inflight::new(&names);
     let shared = Arc::new(Shared {
         sources,
-        cache: sc.naive.cache.then(Mutex::default),
+        cache: sc.naive.cache.then(ResponseCache::default),
         threshold: sc.naive.breaker_threshold.max(2 * sc.global_concurrency()),
         cooldown: Duration::from_secs_f64(sc.naive.cooldown_s),
         backoff: Duration::from_secs_f64(sc.naive.backoff_s),

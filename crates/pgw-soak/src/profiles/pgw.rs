@@ -14,7 +14,6 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use futures_util::future::BoxFuture;
 use pgw_core::BoxError;
-use pgw_core::openai::ChatResponse;
 use pgw_stack::config::{GatewayConfig, SourceConfig};
 use pgw_stack::{AttemptTelemetry, Gateway, JsonValidator, SecretKey, TelemetrySink, Validator};
 use tower::ServiceExt;
@@ -22,7 +21,7 @@ use tower::ServiceExt;
 use pgw_stack::config::{BackendKind, DEFAULT_CACHE_TTL_S, DEFAULT_COOLDOWN_S};
 
 use super::{Built, Env, chat_call};
-use crate::driver::{Client, SoakCall};
+use crate::driver::{Client, Delivered, SoakCall};
 use crate::scenario::Scenario;
 use crate::telemetry::{Accounting, AttemptRow, Recorder};
 
@@ -110,7 +109,7 @@ struct PgwClient {
 }
 
 impl Client for PgwClient {
-    fn call(&self, call: SoakCall) -> BoxFuture<'static, Result<ChatResponse, BoxError>> {
+    fn call(&self, call: SoakCall) -> BoxFuture<'static, Result<Delivered, BoxError>> {
         let mut chat = chat_call(&call);
         if call.structured {
             chat.extensions_mut().insert(Validator::new(JsonValidator::<
@@ -128,7 +127,7 @@ impl Client for PgwClient {
             meta.lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .remove(&call.id);
-            result.map(|a| a.answer.response)
+            result.map(|a| a.answer.response.into())
         })
     }
 }
@@ -151,11 +150,10 @@ fn config_for(sc: &Scenario, base_url: impl Fn(&str) -> String) -> GatewayConfig
     for s in &sc.pool.sources {
         let key = SecretKey::new(s.api_key.clone().unwrap_or_default());
         let mut src = SourceConfig::new(s.name.as_str(), base_url(&s.name), key);
-        if let Some(q) = c.quota(&s.name) {
-            src.rpm = q.rpm.map(i64_of);
-            src.tpm = q.tpm.map(i64_of);
-            src.max_concurrency = Some(i64::from(q.max_concurrency));
-        }
+        let q = c.quota(&s.name);
+        src.rpm = q.rpm.map(i64_of);
+        src.tpm = q.tpm.map(i64_of);
+        src.max_concurrency = Some(i64::from(q.max_concurrency));
         src.account.clone_from(&s.account);
         src.connect_timeout_s = Some(c.connect_s);
         src.first_token_timeout_s = Some(c.first_token_s);

@@ -20,7 +20,6 @@ use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use pgw_client::{ChatAnswer, ChatCall};
-use pgw_core::openai::ChatResponse;
 use pgw_core::{BoxError, Outcome, classify_error};
 use rand::rngs::SmallRng;
 use rand::{RngCore, SeedableRng};
@@ -34,7 +33,7 @@ use tower::retry::{Policy, Retry};
 use tower::{Service, ServiceExt};
 
 use super::{Built, Env, Inflight, Recorded, chat_call};
-use crate::driver::{Client, SoakCall};
+use crate::driver::{Client, Delivered, SoakCall};
 use crate::scenario::{QUOTA_WINDOW, TowerLoad};
 use crate::telemetry::Accounting;
 
@@ -114,10 +113,10 @@ where
     S: Service<ChatCall, Response = ChatAnswer, Error = BoxError> + Clone + Send + Sync + 'static,
     S::Future: Send + 'static,
 {
-    fn call(&self, call: SoakCall) -> BoxFuture<'static, Result<ChatResponse, BoxError>> {
+    fn call(&self, call: SoakCall) -> BoxFuture<'static, Result<Delivered, BoxError>> {
         let svc = self.0.clone();
         let chat = chat_call(&call);
-        Box::pin(async move { svc.oneshot(chat).await.map(|a| a.response) })
+        Box::pin(async move { svc.oneshot(chat).await.map(|a| a.response.into()) })
     }
 }
 
@@ -143,10 +142,8 @@ pub fn build(env: &Env) -> Result<Built, BoxError> {
         let mut endpoints = Vec::new();
         for name in &names {
             let q = sc.client.quota(name);
-            let rpm = q.and_then(|q| q.rpm).map_or(u64::MAX, |r| (r / workers).max(1));
-            let conc = q.map_or(usize::MAX >> 1, |q| {
-                ((u64::from(q.max_concurrency) / workers).max(1)) as usize
-            });
+            let rpm = q.rpm.map_or(u64::MAX, |r| (r / workers).max(1));
+            let conc = ((u64::from(q.max_concurrency) / workers).max(1)) as usize;
             let svc = Recorded::new(
                 env.upstream.client(sc, name)?,
                 name,

@@ -1,0 +1,198 @@
+//! `--matrix`: every scenario of the library with every profile, one table.
+//!
+//! Each (scenario, profile) pair is one virtual-time run ([`run_profile_virtual`]) on
+//! its own current-thread runtime, so pairs run in parallel on `threads` OS threads.
+//! Every scenario gets its own directory (`DIR/<scenario>/`) with the usual files and
+//! report, so `--rescore DIR/<scenario>` re-judges it; `DIR/matrix.md` holds the table.
+
+use std::fmt::Write as _;
+use std::fs;
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use indicatif::ProgressBar;
+use pgw_core::BoxError;
+
+use crate::profiles::ProfileKind;
+use crate::run::{describe, expectations, run_profile_virtual, write_report};
+use crate::scenario::Scenario;
+use crate::scoreboard::{self, Score};
+use crate::timing::ratio_to;
+
+/// How to run the matrix.
+#[derive(Clone, Debug)]
+pub struct MatrixOptions {
+    /// Profiles to run on every scenario, in report order.
+    pub profiles: Vec<ProfileKind>,
+    /// Where each scenario's run directory and `matrix.md` go.
+    pub dir: PathBuf,
+    /// Runs at once (one OS thread each).
+    pub threads: usize,
+    /// Print a line as each run ends.
+    pub progress: bool,
+}
+
+/// One cell of the matrix: a profile's score on a scenario.
+#[derive(Clone, Debug)]
+pub struct Cell {
+    /// The scenario's name.
+    pub scenario: String,
+    /// The score.
+    pub score: Score,
+    /// The oracle's goodput on the same scenario, when it ran.
+    pub oracle_goodput: Option<f64>,
+}
+
+/// Runs every profile of `opts` on every scenario, judges them, writes each scenario's
+/// report and `matrix.md`; returns the cells in scenario, then profile order.
+///
+/// # Errors
+/// An invalid scenario, a profile that cannot be built, or I/O errors.
+pub fn run_matrix(scenarios: &[Scenario], opts: &MatrixOptions) -> Result<Vec<Cell>, BoxError> {
+    let mut jobs = Vec::new();
+    for (i, s) in scenarios.iter().enumerate() {
+        s.validate().map_err(|e| format!("scenario {}: {e}", s.name))?;
+        let d = opts.dir.join(&s.name);
+        fs::create_dir_all(&d).map_err(|e| format!("{}: {e}", d.display()))?;
+        fs::write(d.join("scenario.json"), serde_json::to_vec_pretty(s)?)?;
+        for (j, &p) in opts.profiles.iter().enumerate() {
+            jobs.push((i, j, p));
+        }
+    }
+    let next = AtomicUsize::new(0);
+    let results: Mutex<Vec<(usize, usize, Result<Score, String>)>> = Mutex::new(Vec::new());
+    std::thread::scope(|scope| {
+        for _ in 0..opts.threads.clamp(1, jobs.len().max(1)) {
+            scope.spawn(|| {
+                loop {
+                    let k = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(&(i, j, kind)) = jobs.get(k) else { break };
+                    let s = &scenarios[i];
+                    let d = opts.dir.join(&s.name);
+                    let r = run_profile_virtual(s, kind, Some(&d), &ProgressBar::hidden())
+                        .map(|run| scoreboard::judge(&run, &expectations(kind.as_str(), s)))
+                        .map_err(|e| format!("{} on {}: {e}", kind, s.name));
+                    if opts.progress {
+                        match &r {
+                            Ok(sc) => eprintln!(
+                                "{:>20} {:>11}: ok {:.2}%, {:.1} ok/min, {} s wall",
+                                s.name,
+                                kind.as_str(),
+                                sc.success_rate * 100.0,
+                                sc.timing.goodput_per_min,
+                                sc.wall_ms / 1000
+                            ),
+                            Err(e) => eprintln!("{e}"),
+                        }
+                    }
+                    results
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .push((i, j, r));
+                }
+            });
+        }
+    });
+    let mut results = results
+        .into_inner()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    results.sort_by_key(|(i, j, _)| (*i, *j));
+    let mut cells = Vec::new();
+    for (i, s) in scenarios.iter().enumerate() {
+        let scores = results
+            .iter()
+            .filter(|(k, _, _)| *k == i)
+            .map(|(_, _, r)| r.clone())
+            .collect::<Result<Vec<Score>, String>>()?;
+        let d = opts.dir.join(&s.name);
+        let names: Vec<&str> = scores.iter().map(|s| s.profile.as_str()).collect();
+        fs::write(d.join("profiles.txt"), names.join("\n") + "\n")?;
+        write_report(&d, &s.name, &describe(s), &scores)?;
+        let oracle_goodput = scores
+            .iter()
+            .find(|x| x.profile == ProfileKind::Oracle.as_str())
+            .map(|o| o.timing.goodput_per_min);
+        cells.extend(scores.into_iter().map(|score| Cell {
+            scenario: s.name.clone(),
+            score,
+            oracle_goodput,
+        }));
+    }
+    fs::write(opts.dir.join("matrix.md"), matrix_markdown(&cells))?;
+    Ok(cells)
+}
+
+fn vs(cell: &Cell) -> String {
+    cell.oracle_goodput
+        .and_then(|o| ratio_to(cell.score.timing.goodput_per_min, o))
+        .map_or_else(|| "-".into(), |r| format!("x{r:.2}"))
+}
+
+#[allow(clippy::cast_precision_loss)]
+fn p95_s(cell: &Cell) -> String {
+    let t = &cell.score.timing.success;
+    if t.n == 0 {
+        "-".into()
+    } else {
+        format!("{:.1}", t.p95 as f64 / 1000.0)
+    }
+}
+
+fn verdict(cell: &Cell) -> &'static str {
+    if cell.score.passed() { "PASS" } else { "FAIL" }
+}
+
+/// The matrix as a terminal table.
+#[must_use]
+pub fn matrix_table(cells: &[Cell]) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:<20} {:<11} {:>8} {:>10} {:>9} {:>8} {:>10} {:>7}",
+        "scenario", "profile", "success", "ok/min", "vs oracle", "p95 s", "violations", "verdict"
+    );
+    for c in cells {
+        let _ = writeln!(
+            out,
+            "{:<20} {:<11} {:>7.2}% {:>10.1} {:>9} {:>8} {:>10} {:>7}",
+            c.scenario,
+            c.score.profile,
+            c.score.success_rate * 100.0,
+            c.score.timing.goodput_per_min,
+            vs(c),
+            p95_s(c),
+            c.score.violations.len(),
+            verdict(c)
+        );
+    }
+    out
+}
+
+/// The matrix as Markdown (`matrix.md`).
+#[must_use]
+pub fn matrix_markdown(cells: &[Cell]) -> String {
+    let mut md = String::from(
+        "# Scenario matrix\n\nEvery library scenario with every profile, virtual time. \
+         Goodput is successful calls per scenario minute; `vs oracle` is its ratio to the \
+         clairvoyant client's on the same scenario; p95 is the successful calls' latency. \
+         Each scenario's own report is in its directory.\n\n\
+         | scenario | profile | success | goodput (ok/min) | vs oracle | p95 (s) | violations | verdict |\n\
+         |---|---|---:|---:|---:|---:|---:|---|\n",
+    );
+    for c in cells {
+        let _ = writeln!(
+            md,
+            "| [{0}]({0}/report.md) | {1} | {2:.2}% | {3:.1} | {4} | {5} | {6} | {7} |",
+            c.scenario,
+            c.score.profile,
+            c.score.success_rate * 100.0,
+            c.score.timing.goodput_per_min,
+            vs(c),
+            p95_s(c),
+            c.score.violations.len(),
+            verdict(c)
+        );
+    }
+    md
+}

@@ -1,0 +1,859 @@
+//! `oracle`: the clairvoyant client, the physical limit row of every report.
+//!
+//! It reads the pool's configuration (`pgw_sim::PoolConfig`), evaluated at the current
+//! scenario second (schedules included), so it knows which source is revoked, which is
+//! a black hole, which stalls its streams, every source's and account's limits and the
+//! account 429 curve. It does not know the seeded draws (which answer will be empty,
+//! which stream will stall): those it meets like every client, with the same timeouts,
+//! cache and attempt limit.
+//!
+//! - **Routing.** For each attempt it ranks the sources by expected successful answers
+//!   per second of occupancy, `p_ok / expected latency`, both derived from the
+//!   configuration for this call's shape (streamed or not, structured or not, its
+//!   prompt and completion budget): `p_ok` multiplies the chances of every fault on the
+//!   path (black hole, 5xx, 529, billing 429, empty, invalid JSON, an error event in a
+//!   stream, a stall the inter-token watchdog cuts, a first token later than its
+//!   watchdog) and is 0 for a revoked key, a model the source does not serve or a
+//!   context window the call does not fit. Sources with `p_ok = 0` are never sent to;
+//!   a call no source can answer fails at once without an attempt.
+//! - **Pacing.** Every quota the clients are given, every provider rate gate and hard
+//!   limit (of the key and of the account) is kept as a sliding 60-second log, which
+//!   never exceeds a token bucket of the same capacity nor a fixed window; concurrency
+//!   caps are counted. An account with a 429 curve is paced at the arrival rate that
+//!   maximises its successful answers per minute, **derived from the model**: with
+//!   `L` the account's expected attempt latency over the traffic mix, arrivals `r` per
+//!   minute keep `r L / 60` in flight, the curve gives `p(r L / 60, r)`, and the
+//!   oracle takes the `r` of a 400-point grid (up to what the callers' concurrency can
+//!   carry) that maximises `r (1 - p)`.
+//! - **Retries.** Transient and dead-source outcomes spend the attempt budget (the
+//!   scenario's, like every profile); a 429 does not (the pacing makes them the
+//!   curve's, not the quota's); a rejected prompt fails at once; a content filter or a
+//!   refusal is handed to the caller at once (the same prompt gets it everywhere); an
+//!   invalid structured answer is re-asked up to [`MAX_REASKS`] times, as pgw does.
+//!
+//! It is a measuring stick, not a design: it reads what no real client can.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use futures_util::future::BoxFuture;
+use pgw_client::{AnswerClassifier, BoxTransport, ChatAnswer, UpstreamClient};
+use pgw_core::openai::ChatResponse;
+use pgw_core::{BoxError, Classify, Outcome};
+use pgw_sim::config::HardLimits;
+use pgw_sim::{LogNormal, PoolConfig, RateLimitCurve, SourceConfig};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use super::{Built, Env, Inflight, Recorded, ResponseCache, attempt_on, chat_call};
+use crate::driver::{Client, Delivered, SoakCall, is_valid_structured, provider_verdict};
+use crate::scenario::{ClientSettings, Scenario};
+use crate::telemetry::{Accounting, Recorder};
+
+/// Re-asks of an invalid structured answer, apart from the attempt budget (pgw's
+/// default `max_reasks`).
+pub const MAX_REASKS: u32 = 2;
+/// 429s one call accepts before it gives up (a guard; the pacing keeps them rare).
+pub const MAX_PUSHBACKS: u32 = 50;
+/// Points of the rate grid the curve pacing is chosen on.
+const RATE_GRID: u32 = 400;
+/// The window of every rate limit the oracle keeps: one minute.
+const MINUTE: Duration = Duration::from_secs(60);
+/// Longest sleep of a waiting call before it looks again (a release also wakes it).
+const MAX_NAP: Duration = Duration::from_secs(1);
+/// Smallest argument of the log-normal CDF's logarithm.
+const ZSCORE_EPS: f64 = 1e-12;
+
+/// No source of the pool can answer this call, by the pool's configuration.
+#[derive(Debug)]
+pub struct NoSourceCanAnswer;
+
+impl std::fmt::Display for NoSourceCanAnswer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("no source of the pool can answer this call")
+    }
+}
+
+impl std::error::Error for NoSourceCanAnswer {}
+
+/// A sliding log of admissions and their costs over one window.
+#[derive(Debug)]
+struct Log {
+    window: Duration,
+    entries: VecDeque<(Instant, u64)>,
+    sum: u64,
+}
+
+impl Log {
+    fn new(window: Duration) -> Self {
+        Self {
+            window,
+            entries: VecDeque::new(),
+            sum: 0,
+        }
+    }
+
+    fn expire(&mut self, now: Instant) {
+        while let Some(&(t, c)) = self.entries.front() {
+            if now.saturating_duration_since(t) < self.window {
+                break;
+            }
+            self.entries.pop_front();
+            self.sum -= c;
+        }
+    }
+
+    /// `None` when `cost` fits under `limit` now, else when it may (`None` limit: always).
+    fn blocked_until(&mut self, now: Instant, cost: u64, limit: Option<u64>) -> Option<Instant> {
+        let limit = limit?;
+        self.expire(now);
+        if self.sum + cost <= limit {
+            return None;
+        }
+        if cost > limit {
+            // Never fits: a configuration the call cannot pass (its odds said so).
+            return Some(now + Duration::from_secs(3600));
+        }
+        let mut left = self.sum;
+        for &(t, c) in &self.entries {
+            left -= c;
+            if left + cost <= limit {
+                return Some(t + self.window);
+            }
+        }
+        Some(now + self.window)
+    }
+
+    fn push(&mut self, now: Instant, cost: u64) {
+        if cost > 0 {
+            self.entries.push_back((now, cost));
+            self.sum += cost;
+        }
+    }
+}
+
+/// The limits of one scope at one instant.
+#[derive(Clone, Copy, Debug, Default)]
+struct Limits {
+    rpm: Option<u64>,
+    tpm: Option<u64>,
+    concurrency: Option<u32>,
+}
+
+fn tighter(a: Option<u64>, b: Option<u64>) -> Option<u64> {
+    match (a, b) {
+        (Some(x), Some(y)) => Some(x.min(y)),
+        (x, y) => x.or(y),
+    }
+}
+
+impl Limits {
+    fn and(self, other: Self) -> Self {
+        Self {
+            rpm: tighter(self.rpm, other.rpm),
+            tpm: tighter(self.tpm, other.tpm),
+            concurrency: tighter(self.concurrency.map(u64::from), other.concurrency.map(u64::from))
+                .map(|c| u32::try_from(c).unwrap_or(u32::MAX)),
+        }
+    }
+
+    fn hard(h: &HardLimits) -> Self {
+        Self {
+            rpm: h.rpm,
+            tpm: h.tpm,
+            concurrency: h.concurrency,
+        }
+    }
+}
+
+/// Requests, tokens and attempts in flight of one scope.
+#[derive(Debug)]
+struct Gate {
+    requests: Log,
+    tokens: Log,
+    inflight: u32,
+}
+
+impl Gate {
+    fn new() -> Self {
+        Self {
+            requests: Log::new(MINUTE),
+            tokens: Log::new(MINUTE),
+            inflight: 0,
+        }
+    }
+
+    /// `Ok` when admitted under `limits`; else when to look again (`None`: at a release).
+    fn check(&mut self, now: Instant, tokens: u64, limits: Limits) -> Result<(), Option<Instant>> {
+        if limits.concurrency.is_some_and(|c| self.inflight >= c) {
+            return Err(None);
+        }
+        let a = self.requests.blocked_until(now, 1, limits.rpm);
+        let b = self.tokens.blocked_until(now, tokens, limits.tpm);
+        match a.into_iter().chain(b).max() {
+            None => Ok(()),
+            Some(t) => Err(Some(t)),
+        }
+    }
+
+    fn take(&mut self, now: Instant, tokens: u64) {
+        self.requests.push(now, 1);
+        self.tokens.push(now, tokens);
+        self.inflight += 1;
+    }
+}
+
+/// An account: its hard limits' gate and the pacing of its 429 curve.
+#[derive(Debug)]
+struct Account {
+    /// Index in `PoolConfig::accounts`; `None`: a source's own account (no limits).
+    config: Option<usize>,
+    gate: Gate,
+    pace: Log,
+    /// Expected attempt latency on this account over the traffic mix, seconds.
+    latency_s: f64,
+    /// Median latency of an error answer (a 429) on this account's sources, seconds.
+    latency_429_s: f64,
+    /// The last curve paced for and its best rate (the curve changes only on a
+    /// schedule; the grid search runs once per change).
+    paced: Option<(RateLimitCurve, Option<f64>)>,
+}
+
+impl Account {
+    fn best_rate(&mut self, curve: &RateLimitCurve, max_inflight: u32) -> Option<f64> {
+        match &self.paced {
+            Some((c, r)) if c == curve => *r,
+            _ => {
+                let r = best_rate(curve, self.latency_s, self.latency_429_s, max_inflight);
+                self.paced = Some((*curve, r));
+                r
+            }
+        }
+    }
+}
+
+#[derive(Debug)]
+struct SourceState {
+    gate: Gate,
+    /// The source's provider-side RPM gate (`rpm_gate`, a sliding minute).
+    provider_gate: Log,
+    account: usize,
+}
+
+struct State {
+    sources: Vec<SourceState>,
+    accounts: Vec<Account>,
+}
+
+/// What the oracle needs of a call.
+#[derive(Clone, Debug)]
+struct Shape {
+    model: String,
+    stream: bool,
+    structured: bool,
+    prompt_tokens: u64,
+    budget: u64,
+}
+
+struct Shared {
+    pool: PoolConfig,
+    client: ClientSettings,
+    clients: Vec<Mutex<UpstreamClient<BoxTransport>>>,
+    names: Vec<String>,
+    state: Mutex<State>,
+    released: Notify,
+    cache: ResponseCache,
+    origin: Instant,
+    global_concurrency: u32,
+    inflight: Inflight,
+    recorder: Recorder,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The standard normal CDF (Abramowitz and Stegun 7.1.26, error below 1.5e-7).
+fn phi(z: f64) -> f64 {
+    let x = z.abs() / std::f64::consts::SQRT_2;
+    let t = 1.0 / (1.0 + 0.327_591_1 * x);
+    let poly = t
+        * (0.254_829_592
+            + t * (-0.284_496_736 + t * (1.421_413_741 + t * (-1.453_152_027 + t * 1.061_405_429))));
+    let erf = 1.0 - poly * (-x * x).exp();
+    if z >= 0.0 {
+        0.5 * (1.0 + erf)
+    } else {
+        0.5 * (1.0 - erf)
+    }
+}
+
+/// `P(X <= x)` for the simulator's clamped log-normal.
+fn cdf(d: &LogNormal, x: f64) -> f64 {
+    if x < d.min {
+        return 0.0;
+    }
+    if x >= d.max {
+        return 1.0;
+    }
+    if d.p95 <= d.median {
+        return if x >= d.median { 1.0 } else { 0.0 };
+    }
+    let sigma = (d.p95 / d.median).ln() / 1.644_853_6;
+    phi((x.max(ZSCORE_EPS) / d.median).ln() / sigma)
+}
+
+/// The chance one attempt of `shape` on `src` (at scenario second `t`) answers well,
+/// and its expected latency in seconds.
+#[allow(clippy::cast_precision_loss)]
+fn odds(src: &SourceConfig, t: f64, shape: &Shape, client: &ClientSettings) -> (f64, f64) {
+    if src.revoked.at(t) {
+        return (0.0, f64::INFINITY);
+    }
+    if let Some(models) = &src.models
+        && !shape.model.is_empty()
+        && !models.iter().any(|m| *m == shape.model)
+    {
+        return (0.0, f64::INFINITY);
+    }
+    if src
+        .context_window
+        .is_some_and(|w| shape.prompt_tokens.saturating_add(shape.budget) > w)
+    {
+        return (0.0, f64::INFINITY);
+    }
+    let ttft = src.ttft_s.at(t);
+    let tps = src.tokens_per_second.at(t);
+    let completion = &src.completion;
+    let tokens = shape.budget.min(pgw_sim::config::MAX_GENERATED_TOKENS) as f64
+        * f64::midpoint(completion.min_fraction, completion.max_fraction);
+    let generation_s = tokens / tps.median.max(1e-9);
+    let stall = src.stall.at(t);
+    let stall_mean_s = f64::midpoint(stall.min_gap_s, stall.max_gap_s);
+    let mut p = (1.0 - src.black_hole_rate.at(t))
+        * (1.0 - src.server_error_rate.at(t))
+        * (1.0 - src.overloaded_rate.at(t))
+        * (1.0 - src.insufficient_quota_rate.at(t))
+        * (1.0 - src.empty_rate.at(t));
+    if shape.structured {
+        p *= 1.0 - src.invalid_json_rate.at(t);
+    }
+    let mut latency_s = ttft.median + generation_s;
+    if shape.stream {
+        p *= 1.0 - src.stream_error_rate.at(t);
+        p *= cdf(&ttft, client.first_token_s);
+        // A stall longer than the inter-token watchdog is cut.
+        let span = stall.max_gap_s - stall.min_gap_s;
+        let cut = if stall.min_gap_s > client.inter_token_s {
+            1.0
+        } else if span > 0.0 {
+            ((stall.max_gap_s - client.inter_token_s) / span).clamp(0.0, 1.0)
+        } else {
+            0.0
+        };
+        p *= 1.0 - stall.rate * cut;
+    } else {
+        latency_s += stall.rate * stall_mean_s;
+        p *= cdf(&ttft, client.total_s - generation_s - stall.rate * stall_mean_s);
+    }
+    (p.clamp(0.0, 1.0), latency_s.max(1e-3))
+}
+
+/// The arrival rate (per minute) that maximises `r (1 - p)` on `curve`, where `p` is
+/// the curve at `r` arrivals per minute and the in-flight count they keep: a fixed
+/// point of `inflight = r / 60 x ((1 - p) L + p L429)` (an answer occupies `L`
+/// seconds, a 429 `L429`). Rates are searched up to what `max_inflight` can carry, and
+/// only where the curve is below its cap: the cap bounds the simulator's model, it is
+/// not a provider behaviour worth exploiting (past it, more 429s would buy more
+/// answers). `None` when the curve never refuses (no pacing needed).
+#[must_use]
+pub fn best_rate(
+    curve: &RateLimitCurve,
+    latency_s: f64,
+    latency_429_s: f64,
+    max_inflight: u32,
+) -> Option<f64> {
+    if curve.probability(1e9, 1e9) <= 0.0 {
+        return None;
+    }
+    let l = latency_s.max(1e-3);
+    let r_max = f64::from(max_inflight.max(1)) * 60.0 / l;
+    let mut best: Option<(f64, f64)> = None;
+    for i in 1..=RATE_GRID {
+        let r = r_max * f64::from(i) / f64::from(RATE_GRID);
+        let mut p = curve.probability(r * l / 60.0, r);
+        for _ in 0..8 {
+            p = curve.probability(r / 60.0 * ((1.0 - p) * l + p * latency_429_s), r);
+        }
+        if p >= curve.max {
+            break;
+        }
+        let g = r * (1.0 - p);
+        if best.is_none_or(|(bg, _)| g > bg) {
+            best = Some((g, r));
+        }
+    }
+    Some(best.map_or(r_max / f64::from(RATE_GRID), |(_, r)| r))
+}
+
+impl Shared {
+    fn scenario_s(&self, now: Instant) -> f64 {
+        now.saturating_duration_since(self.origin).as_secs_f64() / self.pool.time_scale
+    }
+
+    /// The limits of source `i` at `t`: the clients' quota, the provider's gate is kept
+    /// apart (a sliding minute of its own), the key's hard limits.
+    fn source_limits(&self, i: usize, t: f64) -> Limits {
+        let q = self.client.quota(&self.names[i]);
+        let quota = Limits {
+            rpm: q.rpm,
+            tpm: q.tpm,
+            concurrency: Some(q.max_concurrency),
+        };
+        quota.and(Limits::hard(&self.pool.sources[i].limits.at(t)))
+    }
+
+    /// Tries to admit `shape` somewhere now: `Ok(source)` (reserved), else when to look
+    /// again (`None`: at the next release).
+    #[allow(clippy::cast_precision_loss)]
+    fn admit(&self, shape: &Shape, tokens: u64) -> Result<Result<usize, Option<Instant>>, NoSourceCanAnswer> {
+        let now = Instant::now();
+        let t = self.scenario_s(now);
+        let mut ranked: Vec<(f64, usize)> = self
+            .pool
+            .sources
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| {
+                let (p, l) = odds(s, t, shape, &self.client);
+                (p > 0.0).then_some((p / l, i))
+            })
+            .collect();
+        if ranked.is_empty() {
+            return Err(NoSourceCanAnswer);
+        }
+        ranked.sort_by(|a, b| b.0.total_cmp(&a.0));
+        let mut st = lock(&self.state);
+        let mut wake: Option<Instant> = None;
+        let mut later = |w: Option<Instant>| {
+            if let Some(w) = w {
+                wake = Some(wake.map_or(w, |x| x.min(w)));
+            }
+        };
+        for &(_, i) in &ranked {
+            let State { sources, accounts } = &mut *st;
+            let src = &mut sources[i];
+            let acct = &mut accounts[src.account];
+            if let Err(w) = src.gate.check(now, tokens, self.source_limits(i, t)) {
+                later(w);
+                continue;
+            }
+            let gate_rpm = self.pool.sources[i].rpm_gate.at(t).map(u64::from);
+            if let Some(w) = src.provider_gate.blocked_until(now, 1, gate_rpm) {
+                later(Some(w));
+                continue;
+            }
+            let (acct_limits, curve) = match acct.config {
+                Some(a) => {
+                    let c = &self.pool.accounts[a];
+                    (Limits::hard(&c.limits.at(t)), Some(c.rate_limit.at(t)))
+                }
+                None => (Limits::default(), None),
+            };
+            if let Err(w) = acct.gate.check(now, tokens, acct_limits) {
+                later(w);
+                continue;
+            }
+            if let Some(curve) = curve
+                && let Some(rate) = acct.best_rate(&curve, self.global_concurrency)
+            {
+                acct.pace.window = Duration::from_secs_f64(curve.window_s * self.pool.time_scale);
+                let per_window = (rate * curve.window_s / 60.0).floor().max(1.0) as u64;
+                if let Some(w) = acct.pace.blocked_until(now, 1, Some(per_window)) {
+                    later(Some(w));
+                    continue;
+                }
+                acct.pace.push(now, 1);
+            }
+            src.gate.take(now, tokens);
+            src.provider_gate.push(now, 1);
+            acct.gate.take(now, tokens);
+            return Ok(Ok(i));
+        }
+        Ok(Err(wake))
+    }
+
+    fn release(&self, i: usize) {
+        {
+            let mut st = lock(&self.state);
+            let State { sources, accounts } = &mut *st;
+            let src = &mut sources[i];
+            src.gate.inflight = src.gate.inflight.saturating_sub(1);
+            let a = &mut accounts[src.account].gate;
+            a.inflight = a.inflight.saturating_sub(1);
+        }
+        self.released.notify_waiters();
+    }
+}
+
+/// Releases an admitted attempt's slots on every path (the future may be dropped).
+struct Slot {
+    shared: Arc<Shared>,
+    source: usize,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.shared.release(self.source);
+    }
+}
+
+/// The simulator's own prompt-token count of a plain-text request: prompt bytes over
+/// `prompt_bytes_per_token`, rounded up, plus 4 per message.
+#[allow(
+    clippy::cast_precision_loss,
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss
+)]
+fn prompt_tokens(pool: &PoolConfig, call: &SoakCall) -> u64 {
+    let r = &call.request;
+    (r.prompt_bytes() as f64 / pool.prompt_bytes_per_token).ceil() as u64 + 4 * r.messages.len() as u64
+}
+
+fn budget(src: &SourceConfig, call: &SoakCall) -> u64 {
+    let r = &call.request;
+    r.max_tokens
+        .or_else(|| {
+            r.extra
+                .get("max_completion_tokens")
+                .and_then(serde_json::Value::as_u64)
+        })
+        .unwrap_or(src.completion.default_max_tokens)
+}
+
+struct Worker {
+    shared: Arc<Shared>,
+    worker: u32,
+}
+
+impl Worker {
+    async fn wait_for_source(&self, shape: &Shape, tokens: u64) -> Result<usize, NoSourceCanAnswer> {
+        loop {
+            let released = self.shared.released.notified();
+            tokio::pin!(released);
+            // Registered before looking, so a release between the look and the wait wakes us.
+            released.as_mut().enable();
+            let wake = match self.shared.admit(shape, tokens)? {
+                Ok(i) => return Ok(i),
+                Err(w) => w,
+            };
+            let nap = Instant::now() + MAX_NAP;
+            let until = wake.map_or(nap, |w| w.min(nap));
+            tokio::select! {
+                () = released => {}
+                () = tokio::time::sleep_until(until) => {}
+            }
+        }
+    }
+
+    async fn run(self: Arc<Self>, call: SoakCall) -> Result<ChatResponse, BoxError> {
+        let shared = Arc::clone(&self.shared);
+        if let Some(resp) = shared.cache.hit(&call, self.worker, &shared.recorder) {
+            return Ok(resp);
+        }
+        let chat = chat_call(&call);
+        let tokens = chat.estimate_tokens();
+        let prompt = prompt_tokens(&shared.pool, &call);
+        let first = &shared.pool.sources[0];
+        let shape = Shape {
+            model: call.request.model.clone(),
+            stream: call.request.stream,
+            structured: call.structured,
+            prompt_tokens: prompt,
+            budget: budget(first, &call),
+        };
+        // The sim's own TPM cost (prompt tokens + budget) bounds what the hard limits
+        // count; the clients' quotas count the estimate: reserve the larger.
+        let cost = tokens.max(prompt.saturating_add(shape.budget));
+        let (mut attempts, mut reasks, mut pushbacks) = (shared.client.max_attempts, MAX_REASKS, 0);
+        let mut last: Result<ChatResponse, BoxError> = Err(Box::new(NoSourceCanAnswer));
+        while attempts > 0 {
+            let source = match self.wait_for_source(&shape, cost).await {
+                Ok(i) => i,
+                Err(e) => return Err(Box::new(e)),
+            };
+            let slot = Slot {
+                shared: Arc::clone(&shared),
+                source,
+            };
+            let client = lock(&shared.clients[source]).clone();
+            let svc = Recorded::new(
+                client,
+                &shared.names[source],
+                self.worker,
+                shared.recorder.clone(),
+                shared.inflight.clone(),
+            );
+            let result: Result<ChatAnswer, BoxError> = attempt_on(svc, chat.clone()).await;
+            drop(slot);
+            let outcome = AnswerClassifier.classify(&result);
+            match result {
+                Ok(a) if provider_verdict(&a.response).is_some() => return Ok(a.response),
+                Ok(a) if outcome == Outcome::Success => {
+                    if call.structured && !is_valid_structured(a.content()) && reasks > 0 {
+                        reasks -= 1;
+                        last = Ok(a.response);
+                        continue;
+                    }
+                    if !call.structured || is_valid_structured(a.content()) {
+                        shared.cache.insert(&call, &a.response);
+                    }
+                    return Ok(a.response);
+                }
+                Ok(a) => {
+                    attempts -= 1;
+                    last = Ok(a.response);
+                }
+                Err(e) => match outcome {
+                    Outcome::RateLimited { .. } if pushbacks < MAX_PUSHBACKS => {
+                        pushbacks += 1;
+                        last = Err(e);
+                    }
+                    Outcome::Rejected => return Err(e),
+                    _ => {
+                        attempts -= 1;
+                        last = Err(e);
+                    }
+                },
+            }
+            if pushbacks >= MAX_PUSHBACKS {
+                break;
+            }
+        }
+        last
+    }
+}
+
+struct OracleClient(Arc<Worker>);
+
+impl Client for OracleClient {
+    fn call(&self, call: SoakCall) -> BoxFuture<'static, Result<Delivered, BoxError>> {
+        let run = Arc::clone(&self.0).run(call);
+        Box::pin(async move { run.await.map(Delivered::from) })
+    }
+}
+
+/// The expected attempt latency over the traffic mix on the best of `sources`, at the
+/// scenario's start.
+fn mix_latency(sc: &Scenario, sources: &[usize]) -> f64 {
+    let t = &sc.traffic;
+    let total: f64 = t.mix.iter().sum();
+    let mut latency = 0.0;
+    for (k, share) in t.mix.iter().enumerate() {
+        let shape = Shape {
+            model: t.model.clone(),
+            stream: k == 4,
+            structured: k == 2,
+            prompt_tokens: if k == 1 {
+                (t.large_prompt_bytes as u64) / 4
+            } else {
+                100
+            },
+            budget: t.max_tokens[k],
+        };
+        let best = sources
+            .iter()
+            .map(|&i| odds(&sc.pool.sources[i], 0.0, &shape, &sc.client))
+            .filter(|(p, _)| *p > 0.0)
+            .map(|(p, l)| (p / l, l))
+            .max_by(|a, b| a.0.total_cmp(&b.0))
+            .map_or(30.0, |(_, l)| l);
+        latency += share / total.max(1e-9) * best;
+    }
+    latency
+}
+
+/// Builds the oracle profile: one shared client over the pool's configuration.
+///
+/// # Errors
+/// Unknown source or bad client settings.
+pub fn build(env: &Env) -> Result<Built, BoxError> {
+    let sc = &env.scenario;
+    let names = env.sources();
+    let mut accounts: Vec<Account> = Vec::new();
+    let mut sources = Vec::new();
+    for s in &sc.pool.sources {
+        let config = s
+            .account
+            .as_ref()
+            .and_then(|a| sc.pool.accounts.iter().position(|x| &x.name == a));
+        let account = match config.and_then(|c| accounts.iter().position(|a| a.config == Some(c))) {
+            Some(a) => a,
+            None => {
+                accounts.push(Account {
+                    config,
+                    gate: Gate::new(),
+                    pace: Log::new(MINUTE),
+                    latency_s: 0.0,
+                    latency_429_s: 0.0,
+                    paced: None,
+                });
+                accounts.len() - 1
+            }
+        };
+        sources.push(SourceState {
+            gate: Gate::new(),
+            provider_gate: Log::new(MINUTE.mul_f64(sc.pool.time_scale)),
+            account,
+        });
+    }
+    for (a, acct) in accounts.iter_mut().enumerate() {
+        let members: Vec<usize> = (0..sources.len()).filter(|&i| sources[i].account == a).collect();
+        acct.latency_s = mix_latency(sc, &members);
+        acct.latency_429_s = members
+            .iter()
+            .map(|&i| sc.pool.sources[i].error_latency_s.at(0.0).median)
+            .fold(0.0, f64::max);
+    }
+    let clients = names
+        .iter()
+        .map(|n| env.upstream.client(sc, n).map(Mutex::new))
+        .collect::<Result<Vec<_>, _>>()?;
+    let inflight = Inflight::new(&names);
+    let shared = Arc::new(Shared {
+        pool: sc.pool.clone(),
+        client: sc.client.clone(),
+        clients,
+        names,
+        state: Mutex::new(State { sources, accounts }),
+        released: Notify::new(),
+        cache: ResponseCache::default(),
+        origin: env.recorder.clock().origin(),
+        global_concurrency: sc.global_concurrency(),
+        inflight: inflight.clone(),
+        recorder: env.recorder.clone(),
+    });
+    let clients = (0..sc.workers)
+        .map(|w| {
+            Arc::new(OracleClient(Arc::new(Worker {
+                shared: Arc::clone(&shared),
+                worker: w,
+            }))) as Arc<dyn Client>
+        })
+        .collect();
+    let books = Arc::clone(&shared);
+    Ok(Built {
+        clients,
+        accounting: Box::new(move || {
+            let mut acc = Accounting::default();
+            inflight.report(&mut acc);
+            let st = lock(&books.state);
+            for (i, s) in st.sources.iter().enumerate() {
+                acc.counters.insert(
+                    format!("slots held {}", books.names[i]),
+                    u64::from(s.gate.inflight),
+                );
+            }
+            Box::pin(std::future::ready(acc))
+        }),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn phi_and_cdf() {
+        assert!((phi(0.0) - 0.5).abs() < 1e-7);
+        assert!((phi(1.644_853_6) - 0.95).abs() < 1e-6);
+        assert!((phi(-1.96) - 0.025).abs() < 1e-4);
+        let d = LogNormal {
+            median: 10.0,
+            p95: 40.0,
+            min: 1.0,
+            max: 100.0,
+        };
+        assert!((cdf(&d, 10.0) - 0.5).abs() < 1e-6);
+        assert!((cdf(&d, 40.0) - 0.95).abs() < 1e-6);
+        assert_eq!(cdf(&d, 0.5), 0.0);
+        assert_eq!(cdf(&d, 100.0), 1.0);
+    }
+
+    #[test]
+    fn sliding_log_says_when_a_cost_fits() {
+        let t0 = Instant::now();
+        let mut log = Log::new(MINUTE);
+        assert_eq!(log.blocked_until(t0, 1, None), None);
+        log.push(t0, 3);
+        log.push(t0 + Duration::from_secs(10), 2);
+        assert_eq!(log.blocked_until(t0 + Duration::from_secs(20), 1, Some(6)), None);
+        // 5 used of 5: the first entry's 3 free at t0 + 60 s.
+        assert_eq!(
+            log.blocked_until(t0 + Duration::from_secs(20), 1, Some(5)),
+            Some(t0 + MINUTE)
+        );
+        // 4 needs both entries gone.
+        assert_eq!(
+            log.blocked_until(t0 + Duration::from_secs(20), 4, Some(5)),
+            Some(t0 + Duration::from_secs(70))
+        );
+        assert_eq!(log.blocked_until(t0 + MINUTE, 1, Some(3)), None);
+    }
+
+    #[test]
+    fn the_best_rate_balances_the_curve() {
+        let curve = RateLimitCurve {
+            rpm_knee: 30.0,
+            rpm_slope: 0.005,
+            ..RateLimitCurve::default()
+        };
+        // g(r) = r (1 - 0.005 (r - 30)) peaks at r = 115; the grid is within a step.
+        let r = best_rate(&curve, 1.0, 1.0, 64).unwrap();
+        assert!((r - 115.0).abs() < 10.0, "{r}");
+        assert_eq!(best_rate(&RateLimitCurve::default(), 1.0, 1.0, 64), None);
+        // The callers' concurrency bounds the rate: 4 in flight x 60 / 20 s = 12/min.
+        let slow = best_rate(&curve, 20.0, 20.0, 4).unwrap();
+        assert!(slow <= 12.0 + 1e-9, "{slow}");
+        // A concurrency term lowers the best rate: answers that last 20 s keep r/3 in
+        // flight, and each one above 8 adds 1%.
+        let busy = RateLimitCurve {
+            concurrency_knee: 8.0,
+            concurrency_slope: 0.01,
+            ..curve
+        };
+        let rb = best_rate(&busy, 20.0, 0.3, 64).unwrap();
+        assert!(rb < r - 5.0 && rb > 30.0, "{rb} vs {r}");
+    }
+
+    #[test]
+    fn odds_follow_the_configuration() {
+        let client = ClientSettings::default();
+        let shape = Shape {
+            model: "sim-model".into(),
+            stream: true,
+            structured: false,
+            prompt_tokens: 100,
+            budget: 500,
+        };
+        let healthy = SourceConfig::healthy("a");
+        let (p, l) = odds(&healthy, 0.0, &shape, &client);
+        assert!(p > 0.9 && l > 1.0, "{p} {l}");
+        let mut dead = SourceConfig::healthy("b");
+        dead.revoked = true.into();
+        assert_eq!(odds(&dead, 0.0, &shape, &client).0, 0.0);
+        let mut small = SourceConfig::healthy("c");
+        small.context_window = Some(300);
+        assert_eq!(odds(&small, 0.0, &shape, &client).0, 0.0);
+        let mut stalls = SourceConfig::healthy("d");
+        stalls.stall = pgw_sim::StallConfig {
+            rate: 0.9,
+            min_gap_s: 20.0,
+            max_gap_s: 90.0,
+        }
+        .into();
+        let (ps, _) = odds(&stalls, 0.0, &shape, &client);
+        assert!((ps - p * 0.1).abs() < 1e-9, "{ps}");
+    }
+}
