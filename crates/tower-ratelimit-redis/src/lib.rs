@@ -19,6 +19,9 @@
 //!   the TTL expires.
 //! - **Holds** ([`RateLimiter::hold`], [`Holds`] as `pgw_core::Hold`): a source or an
 //!   account is not admitted until a time, in every process (429 pushback).
+//! - **What is held** ([`RateLimiter::held`]): the leases and holds a limiter's scopes
+//!   hold in the backend right now, read from the backend itself (after a run: was
+//!   anything left behind?).
 //! - Not admitted is [`QuotaExceeded`] `{ retry_after }` (shedding, the default) or a
 //!   wait ([`Mode::Wait`]); an unreachable backend fails closed with
 //!   [`BackendUnavailable`].
@@ -67,7 +70,7 @@ mod layer;
 mod limiter;
 mod service;
 
-pub use backend::{Backend, Clock, HoldScope, MemoryBackend, RedisBackend};
+pub use backend::{Backend, Clock, Held, HoldScope, MemoryBackend, RedisBackend, ScopeHeld};
 pub use config::{
     DEFAULT_KEY_PREFIX, DEFAULT_LEASE_TTL, DEFAULT_SLOT_RETRY_AFTER, DEFAULT_WINDOW, Mode, Quota,
     RENEW_FRACTION, RateLimitConfig,

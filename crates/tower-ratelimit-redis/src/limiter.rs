@@ -13,7 +13,7 @@ use pgw_core::{BackendUnavailable, BoxError, Hold, HoldFuture, SourceId};
 
 use tokio::time::Instant;
 
-use crate::backend::{AnyGate, Backend, BackendFuture, Clock, Gate, HoldScope, LeaseId, Settle, Verdict};
+use crate::backend::{AnyGate, Backend, BackendFuture, Clock, Gate, Held, HoldScope, LeaseId, Settle, Verdict};
 use crate::config::{RENEW_FRACTION, RateLimitConfig};
 use crate::error::{ConfigError, RequestTooLarge, UnknownSource};
 
@@ -241,6 +241,42 @@ impl RateLimiter {
     /// [`BackendUnavailable`] when the backend cannot answer.
     pub async fn hold(&self, scope: HoldScope, duration: Duration) -> Result<Duration, BackendUnavailable> {
         self.inner.gate.hold(scope, duration).await
+    }
+
+    /// Reads what this limiter's scopes (its source and its account) hold in the
+    /// backend right now: unexpired concurrency leases, of every process sharing the
+    /// scope, and active holds. One round trip (a read-only script on Redis, on the
+    /// server clock); nothing is changed or counted.
+    ///
+    /// This is the backend's own answer, not this process's counters: a lease whose
+    /// release failed ([`LimiterStats::settle_failures`]) is still held here until its
+    /// TTL runs out, and a lease no process will release shows up here as long as
+    /// something keeps renewing it. Read it after the traffic has stopped to check
+    /// that nothing was left behind.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// use tower_ratelimit_redis::{MemoryBackend, Quota, RateLimitConfig, RateLimiter};
+    ///
+    /// let limiter = RateLimiter::new(
+    ///     RateLimitConfig::new("s1", Quota::unlimited().concurrency(2))
+    ///         .account("acct", Quota::unlimited().concurrency(4)),
+    ///     MemoryBackend::new(),
+    /// )
+    /// .unwrap();
+    /// let permit = limiter.acquire(0).await.unwrap();
+    /// let held = limiter.held().await.unwrap();
+    /// assert_eq!(held.source.leases, 1);
+    /// assert_eq!(held.account.as_ref().unwrap().leases, 1);
+    /// permit.finish(None).await.unwrap();
+    /// assert_eq!(limiter.held().await.unwrap().leases(), 0);
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// [`BackendUnavailable`] when the backend cannot answer.
+    pub async fn held(&self) -> Result<Held, BackendUnavailable> {
+        self.inner.gate.held().await
     }
 
     /// A settle operation with failure logging and counting.

@@ -315,6 +315,78 @@ async fn huge_hold(h: Harness) {
     assert!(q.retry_after() > Duration::from_secs(365 * 24 * 3600), "{q}");
 }
 
+/// `held` reads the backend: unexpired leases per scope (of every source sharing it),
+/// when the last expires, active holds; a forgotten lease counts until its TTL runs
+/// out and then no more, although nothing has purged it.
+async fn held_reads_leases_and_holds(h: Harness) {
+    let ttl = Duration::from_millis(400);
+    let acct = Quota::unlimited().concurrency(4);
+    let s1 = h.limiter(
+        h.config("s1", Quota::unlimited().concurrency(2))
+            .account("acct", acct)
+            .lease_ttl(ttl),
+    );
+    let s2 = h.limiter(
+        h.config("s2", Quota::unlimited().concurrency(2))
+            .account("acct", acct)
+            .lease_ttl(ttl),
+    );
+    let alone = h.limiter(h.config("s3", Quota::unlimited().requests(10)));
+
+    let held = s1.held().await.unwrap();
+    assert_eq!((held.source.scope.as_str(), held.source.leases), ("source:s1", 0));
+    let account = held.account.as_ref().unwrap();
+    assert_eq!((account.scope.as_str(), account.leases), ("account:acct", 0));
+    assert_eq!(held.scopes().count(), 2);
+    assert!(held.scopes().all(|s| s.leases_expire_in.is_none() && s.hold_ends_in.is_none()));
+
+    let a = s1.acquire(0).await.unwrap();
+    let b = s2.acquire(0).await.unwrap();
+    let c = s2.acquire(0).await.unwrap();
+    let held = s1.held().await.unwrap();
+    assert_eq!(held.source.leases, 1);
+    assert_eq!(held.account.as_ref().unwrap().leases, 3, "every source of the account");
+    assert_eq!(held.leases(), 4);
+    let left = held.source.leases_expire_in.expect("a lease is held");
+    assert!(left <= ttl && !left.is_zero(), "{left:?}");
+    if h.exact {
+        assert_eq!(left, ttl);
+    }
+    assert_eq!(s2.held().await.unwrap().source.leases, 2);
+
+    b.finish(None).await.unwrap();
+    c.refund().await.unwrap();
+    a.forget(); // a crash (or a release lost in an outage): held until its TTL
+    let held = s2.held().await.unwrap();
+    assert_eq!((held.source.leases, held.account.as_ref().unwrap().leases), (0, 1));
+    assert_eq!(held.source.leases_expire_in, None);
+    assert_eq!(s1.held().await.unwrap().source.leases, 1);
+
+    let hold = Duration::from_millis(600);
+    s1.hold(HoldScope::Account, hold).await.unwrap();
+    let held = s2.held().await.unwrap();
+    assert_eq!(held.source.hold_ends_in, None, "an account hold is not the source's");
+    let ends = held.account.as_ref().unwrap().hold_ends_in.expect("the account is held");
+    assert!(ends <= hold && !ends.is_zero(), "{ends:?}");
+
+    tokio::time::sleep(ttl + Duration::from_millis(20)).await;
+    // Expired, not purged (nothing was admitted since): no longer held.
+    let held = s1.held().await.unwrap();
+    assert_eq!(held.leases(), 0, "{held:?}");
+    assert!(held.account.as_ref().unwrap().hold_ends_in.is_some());
+    tokio::time::sleep(hold).await;
+    let held = s1.held().await.unwrap();
+    assert!(held.scopes().all(|s| s.hold_ends_in.is_none()), "{held:?}");
+
+    // A source without an account and without a concurrency limit.
+    alone.acquire(1).await.unwrap().finish(None).await.unwrap();
+    let held = alone.held().await.unwrap();
+    assert_eq!(held.account, None);
+    assert_eq!((held.source.scope.as_str(), held.leases()), ("source:s3", 0));
+    alone.hold(HoldScope::Both, hold).await.unwrap();
+    assert!(alone.held().await.unwrap().source.hold_ends_in.is_some());
+}
+
 macro_rules! contract {
     ($($case:ident),* $(,)?) => {
         mod memory {
@@ -358,4 +430,5 @@ contract!(
     account_concurrency_shared,
     renew_reports_a_lease_lost_in_any_scope,
     huge_hold,
+    held_reads_leases_and_holds,
 );

@@ -308,3 +308,113 @@ async fn dropped_while_admitting_gives_everything_back() {
     }
     assert!(back, "a dropped acquire gives its reservation back");
 }
+
+/// A TCP link to a server that can be cut: while cut, its connections are closed and
+/// new ones closed at once (a network outage; the server keeps its state, unlike a
+/// killed and restarted one).
+struct Wire {
+    addr: std::net::SocketAddr,
+    cut: tokio::sync::watch::Sender<bool>,
+}
+
+impl Wire {
+    async fn to(port: u16) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (cut, watch) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                if *watch.borrow() {
+                    continue; // dropped: closed at once
+                }
+                let mut watch = watch.clone();
+                tokio::spawn(async move {
+                    let Ok(mut server) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
+                        return;
+                    };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                        _ = watch.wait_for(|cut| *cut) => {}
+                    }
+                });
+            }
+        });
+        Self { addr, cut }
+    }
+
+    fn url(&self) -> String {
+        format!("redis://{}", self.addr)
+    }
+
+    fn cut(&self, cut: bool) {
+        self.cut.send_replace(cut);
+    }
+}
+
+/// A release that fails in an outage leaves its lease in Redis, held until its TTL and
+/// then gone, by itself: `held` reads it from the server, where the limiter's own
+/// counters only say that the release failed.
+#[tokio::test]
+async fn a_release_lost_in_an_outage_is_held_until_its_ttl() {
+    let server = PrivateRedis::start();
+    let wire = Wire::to(server.port()).await;
+    let ttl = Duration::from_secs(2);
+    let config = RateLimitConfig::new("s1", Quota::unlimited().concurrency(2))
+        .account("acct", Quota::unlimited().concurrency(4))
+        .lease_ttl(ttl)
+        .response_timeout(Duration::from_millis(200));
+    let connect = |url: String| async move {
+        let target = RedisTarget::Standalone(url);
+        RedisConn::connect_with(&target, Duration::from_millis(200), Duration::from_millis(200))
+            .await
+            .unwrap()
+    };
+    // This process reaches Redis over the wire; another one (the observer) directly.
+    let l = RateLimiter::new(config.clone(), RedisBackend::new(connect(wire.url()).await)).unwrap();
+    let observer = RateLimiter::new(config, RedisBackend::new(connect(server.url()).await)).unwrap();
+
+    let before = tokio::time::Instant::now();
+    let lost = l.acquire(0).await.unwrap();
+    let admitted = tokio::time::Instant::now();
+    l.acquire(0).await.unwrap().finish(None).await.unwrap();
+    let held = observer.held().await.unwrap();
+    assert_eq!((held.source.leases, held.account.as_ref().unwrap().leases), (1, 1));
+
+    wire.cut(true);
+    let err = lost.finish(None).await.unwrap_err();
+    assert_eq!(err.operation(), "settle");
+    assert_eq!(l.stats().settle_failures, 1);
+    let err = l.held().await.unwrap_err();
+    assert_eq!(err.operation(), "held");
+    wire.cut(false);
+
+    // Still held in both scopes: the server never heard of the release.
+    let held = observer.held().await.unwrap();
+    assert_eq!((held.source.leases, held.account.as_ref().unwrap().leases), (1, 1));
+    let left = held.source.leases_expire_in.unwrap();
+    assert!(left <= ttl, "{left:?}");
+    // The limiter's own connection comes back and sees the same.
+    let mut back = None;
+    for _ in 0..100 {
+        if let Ok(h) = l.held().await {
+            back = Some(h);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(back.expect("the wire is back").leases(), 2);
+    // The lease expires no sooner than `ttl` after the admission was sent.
+    tokio::time::sleep_until(before + ttl - Duration::from_millis(300)).await;
+    assert_eq!(observer.held().await.unwrap().leases(), 2, "held until its TTL");
+    // ... and no later than `ttl` after its answer came back.
+    tokio::time::sleep_until(admitted + ttl + Duration::from_millis(50)).await;
+    let held = observer.held().await.unwrap();
+    assert_eq!(held.leases(), 0, "gone by its TTL: {held:?}");
+    assert!(held.scopes().all(|s| s.leases_expire_in.is_none()));
+    // Its slots are free again, with no purge or release by anyone.
+    let a = l.acquire(0).await.unwrap();
+    let b = l.acquire(0).await.unwrap();
+    a.finish(None).await.unwrap();
+    b.finish(None).await.unwrap();
+    assert_eq!(l.stats().settle_failures, 1);
+}

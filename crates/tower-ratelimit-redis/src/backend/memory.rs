@@ -9,7 +9,9 @@ use std::time::Duration;
 use pgw_core::{BackendUnavailable, QuotaExceeded};
 use tokio::time::Instant;
 
-use super::{BackendFuture, Clock, Gate, HoldScope, LeaseId, ScopeSpec, Settle, Verdict};
+use super::{
+    BackendFuture, Clock, Gate, Held, HoldScope, LeaseId, ScopeHeld, ScopeKind, ScopeSpec, Settle, Verdict,
+};
 use crate::config::{Quota, RateLimitConfig};
 
 /// Limiter state in this process's memory.
@@ -326,6 +328,32 @@ impl MemoryGate {
         }
         Duration::from_nanos(until)
     }
+
+    /// What the scopes hold now. Reads only: expired leases are left for the next
+    /// admission to purge, as the Lua script leaves them.
+    fn held_now(&self) -> Held {
+        let now = self.since_base(Instant::now());
+        let mut source = None;
+        let mut account = None;
+        for scope in self.scopes() {
+            let st = lock(&scope.cell.0);
+            let live = st.leases.iter().filter(|&&(_, exp)| exp > now);
+            let held = ScopeHeld {
+                scope: scope.spec.label.to_string(),
+                leases: live.clone().count() as u64,
+                leases_expire_in: live.map(|&(_, exp)| Duration::from_nanos(exp - now)).max(),
+                hold_ends_in: (st.hold_until > now).then(|| Duration::from_nanos(st.hold_until - now)),
+            };
+            match scope.spec.kind {
+                ScopeKind::Source => source = Some(held),
+                ScopeKind::Account => account = Some(held),
+            }
+        }
+        Held {
+            source: source.expect("a limiter has its source scope"),
+            account,
+        }
+    }
 }
 
 impl Gate for MemoryGate {
@@ -352,6 +380,10 @@ impl Gate for MemoryGate {
         duration: Duration,
     ) -> BackendFuture<Result<Duration, BackendUnavailable>> {
         BackendFuture::ready(Ok(self.hold_now(which, duration)))
+    }
+
+    fn held(&self) -> BackendFuture<Result<Held, BackendUnavailable>> {
+        BackendFuture::ready(Ok(self.held_now()))
     }
 
     fn clock(&self) -> Clock {

@@ -72,6 +72,51 @@ pub enum HoldScope {
     Both,
 }
 
+/// What a limiter's scopes hold in the backend right now: the answer of
+/// [`RateLimiter::held`](crate::RateLimiter::held).
+///
+/// Read on the backend's clock, in one round trip, changing nothing. A lease counts
+/// while it is unexpired: one whose release failed (the backend was unreachable) is
+/// held until its TTL runs out, and then no longer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Held {
+    /// The source's scope.
+    pub source: ScopeHeld,
+    /// The account's scope, when the source has an account.
+    pub account: Option<ScopeHeld>,
+}
+
+impl Held {
+    /// The scopes, account first (the order of [`RedisBackend::keys`]).
+    pub fn scopes(&self) -> impl Iterator<Item = &ScopeHeld> {
+        self.account.iter().chain(std::iter::once(&self.source))
+    }
+
+    /// Concurrency leases held in every scope together.
+    #[must_use]
+    pub fn leases(&self) -> u64 {
+        self.scopes().map(|s| s.leases).sum()
+    }
+}
+
+/// What one scope (a source or an account) holds in the backend right now.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ScopeHeld {
+    /// `source:NAME` or `account:NAME`, as in [`QuotaExceeded::scope`].
+    pub scope: String,
+    /// Unexpired concurrency leases in the scope (of every process and every source
+    /// sharing it). Zero when the scope has no concurrency limit.
+    pub leases: u64,
+    /// How long until the last of those leases expires by its TTL, if nothing
+    /// releases or renews it; `None` when no lease is held.
+    pub leases_expire_in: Option<Duration>,
+    /// How much longer the scope is held (not admitted, see
+    /// [`RateLimiter::hold`](crate::RateLimiter::hold)); `None` when no hold is active.
+    pub hold_ends_in: Option<Duration>,
+}
+
 /// Whether a scope is a source or an account.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum ScopeKind {
@@ -178,6 +223,8 @@ pub(crate) trait Gate: Send + Sync + fmt::Debug {
         which: HoldScope,
         duration: Duration,
     ) -> BackendFuture<Result<Duration, BackendUnavailable>>;
+    /// Reads what the scopes hold now (leases, holds), changing nothing.
+    fn held(&self) -> BackendFuture<Result<Held, BackendUnavailable>>;
     /// The clock admissions are read on.
     fn clock(&self) -> Clock;
 }
@@ -229,6 +276,13 @@ impl Gate for AnyGate {
         match self {
             Self::Memory(g) => g.hold(which, duration),
             Self::Redis(g) => g.hold(which, duration),
+        }
+    }
+
+    fn held(&self) -> BackendFuture<Result<Held, BackendUnavailable>> {
+        match self {
+            Self::Memory(g) => g.held(),
+            Self::Redis(g) => g.held(),
         }
     }
 

@@ -13,6 +13,9 @@
 //!
 //! Every key has a TTL: the window hash two windows, the lease zset two lease TTLs
 //! (refreshed on renewal), the hold exactly its duration.
+//!
+//! Scripts: `admit`, `settle`, `renew`, `hold`, and `held` (reads the lease zsets and
+//! holds, writes nothing), each one round trip on the keys of one hash tag.
 
 use std::fmt;
 use std::sync::{Arc, LazyLock};
@@ -22,13 +25,16 @@ use pgw_core::redis_conn::{RedisConn, RedisTarget, run};
 use pgw_core::{BackendUnavailable, QuotaExceeded};
 use redis::Script;
 
-use super::{BackendFuture, Clock, Gate, HoldScope, LeaseId, ScopeKind, ScopeSpec, Settle, Verdict};
+use super::{
+    BackendFuture, Clock, Gate, Held, HoldScope, LeaseId, ScopeHeld, ScopeKind, ScopeSpec, Settle, Verdict,
+};
 use crate::config::RateLimitConfig;
 
 static ADMIT: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/admit.lua")));
 static SETTLE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/settle.lua")));
 static RENEW: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/renew.lua")));
 static HOLD: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/hold.lua")));
+static HELD: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/held.lua")));
 
 /// The longest hold sent to Redis, in milliseconds (ten years).
 const MAX_HOLD_MS: u128 = 10 * 365 * 24 * 3600 * 1000;
@@ -123,6 +129,7 @@ impl RedisBackend {
                     .zip(scopes)
                     .map(|(k, s)| (s.kind, k[2].clone()))
                     .collect(),
+                held_keys: keys.iter().flat_map(|k| [k[1].clone(), k[2].clone()]).collect(),
                 labels: scopes.iter().map(|s| s.label.clone()).collect(),
                 n,
                 window_ms: ms(config.window),
@@ -142,6 +149,7 @@ struct GateKeys {
     settle_keys: Vec<String>,
     lease_keys: Vec<String>,
     hold_keys: Vec<(ScopeKind, String)>,
+    held_keys: Vec<String>,
     labels: Vec<Arc<str>>,
     n: i64,
     window_ms: i64,
@@ -289,6 +297,47 @@ impl Gate for RedisGate {
                 [_, until] => Ok(millis(*until)),
                 _ => Err(garbage("hold", &reply)),
             }
+        }))
+    }
+
+    fn held(&self) -> BackendFuture<Result<Held, BackendUnavailable>> {
+        let k = &*self.inner;
+        let mut inv = HELD.prepare_invoke();
+        for key in &k.held_keys {
+            inv.key(key);
+        }
+        let mut conn = self.conn.clone();
+        let inner = self.inner.clone();
+        BackendFuture::Pending(Box::pin(async move {
+            let reply: Vec<i64> = run("held", inner.timeout, inv.invoke_async(&mut conn)).await?;
+            let bad = || garbage("held", &reply);
+            let (&now, per_scope) = reply.split_first().ok_or_else(bad)?;
+            if per_scope.len() != 3 * inner.labels.len() {
+                return Err(bad());
+            }
+            let until = |at: i64| (at > now).then(|| millis(at - now));
+            let mut source = None;
+            let mut account = None;
+            for ((kind, _), (label, v)) in inner
+                .hold_keys
+                .iter()
+                .zip(inner.labels.iter().zip(per_scope.chunks_exact(3)))
+            {
+                let held = ScopeHeld {
+                    scope: label.to_string(),
+                    leases: u64::try_from(v[0]).map_err(|_| bad())?,
+                    leases_expire_in: until(v[1]),
+                    hold_ends_in: until(v[2]),
+                };
+                match kind {
+                    ScopeKind::Source => source = Some(held),
+                    ScopeKind::Account => account = Some(held),
+                }
+            }
+            Ok(Held {
+                source: source.ok_or_else(bad)?,
+                account,
+            })
         }))
     }
 
