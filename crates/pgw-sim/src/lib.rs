@@ -17,6 +17,16 @@
 //! mode, and token usage in every answer. [`PoolConfig::p6`] is the P6 pool and
 //! [`p6::Traffic`] its traffic mix.
 //!
+//! The real wire, each knob off by default: faults that change over scenario time
+//! ([`Schedule`]: phases, flaps, ramps), hard provider limits ([`HardLimits`]: exact
+//! RPM/TPM token buckets and a concurrency cap whose 429s carry an honest
+//! `retry-after`), provider error codes (404 `model_not_found`, 400
+//! `context_length_exceeded` and `content_policy_violation`, 529 `overloaded_error`,
+//! 429 `insufficient_quota`), content-filtered and refused answers, streams without
+//! usage, without `[DONE]`, with a malformed chunk or an error event, content-part
+//! messages, and the fields OpenAI echoes. [`SourceConfig::at`] tells what a source is
+//! like at a scenario second, for clients that read the configuration.
+//!
 //! ```
 //! use bytes::Bytes;
 //! use http_body_util::BodyExt;
