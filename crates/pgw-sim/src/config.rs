@@ -492,26 +492,45 @@ impl SourceConfig {
 /// The schedulable knobs of a [`SourceConfig`] at one instant, as plain values
 /// ([`SourceConfig::at`]). Each field means what the config field of the same name means.
 #[derive(Clone, Copy, Debug, PartialEq)]
-#[allow(missing_docs, clippy::struct_excessive_bools)] // documented on SourceConfig
+#[allow(clippy::struct_excessive_bools)]
 pub struct SourceSnapshot {
+    /// The key is revoked.
     pub revoked: bool,
+    /// Fraction of requests never answered.
     pub black_hole_rate: f64,
+    /// Fraction answered 500/502/503.
     pub server_error_rate: f64,
+    /// Fraction of empty completions.
     pub empty_rate: f64,
+    /// Fraction of JSON-mode answers that are not JSON.
     pub invalid_json_rate: f64,
+    /// The source's own RPM gate.
     pub rpm_gate: Option<u32>,
+    /// Time to first token, seconds.
     pub ttft_s: LogNormal,
+    /// Generation speed, tokens/s.
     pub tokens_per_second: LogNormal,
+    /// Latency of error answers, seconds.
     pub error_latency_s: LogNormal,
+    /// Slow streams.
     pub stall: StallConfig,
+    /// The key's hard limits.
     pub limits: HardLimits,
+    /// Fraction of prompts rejected as a policy violation.
     pub content_policy_rate: f64,
+    /// Fraction of prompts cut by the content filter.
     pub content_filter_rate: f64,
+    /// Fraction of prompts refused.
     pub refusal_rate: f64,
+    /// Fraction answered 529 overloaded.
     pub overloaded_rate: f64,
+    /// Fraction answered 429 insufficient_quota.
     pub insufficient_quota_rate: f64,
+    /// Fraction of streams without `[DONE]`.
     pub no_done_rate: f64,
+    /// Fraction of streams with a malformed chunk.
     pub malformed_chunk_rate: f64,
+    /// Fraction of streams that are one error event.
     pub stream_error_rate: f64,
 }
 
