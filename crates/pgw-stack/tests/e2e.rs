@@ -28,9 +28,9 @@ fn fast(name: &str) -> pgw_sim::SourceConfig {
     pgw_sim::SourceConfig {
         name: name.into(),
         api_key: Some(KEY.into()),
-        ttft_s: quick(0.02),
-        tokens_per_second: quick(2000.0),
-        error_latency_s: quick(0.01),
+        ttft_s: quick(0.02).into(),
+        tokens_per_second: quick(2000.0).into(),
+        error_latency_s: quick(0.01).into(),
         ..pgw_sim::SourceConfig::healthy(name)
     }
 }
@@ -190,7 +190,7 @@ async fn streaming_success(b: Backend, t: &str) {
 
 async fn black_hole_is_cut_and_the_call_succeeds_elsewhere(b: Backend, t: &str) {
     let hole = pgw_sim::SourceConfig {
-        black_hole_rate: 1.0,
+        black_hole_rate: 1.0.into(),
         ..fast("hole")
     };
     let (env, gw) = env(b, t, vec![(hole, "g"), (fast("good"), "g")]).await;
@@ -210,7 +210,7 @@ async fn black_hole_is_cut_and_the_call_succeeds_elsewhere(b: Backend, t: &str) 
 
 async fn a_401_source_is_force_opened_after_one_attempt(b: Backend, t: &str) {
     let dead = pgw_sim::SourceConfig {
-        revoked: true,
+        revoked: true.into(),
         ..fast("dead")
     };
     let (env, gw) = env(b, t, vec![(dead, "g"), (fast("good"), "g")]).await;
@@ -232,7 +232,8 @@ async fn an_inter_token_stall_is_cut(b: Backend, t: &str) {
             rate: 1.0,
             min_gap_s: 1.5,
             max_gap_s: 1.5,
-        },
+        }
+        .into(),
         ..fast("slow")
     };
     let (env, gw) = env(b, t, vec![(slow, "g"), (fast("good"), "g")]).await;
@@ -273,7 +274,7 @@ async fn a_cache_hit_never_reaches_the_limiter_or_the_upstream(b: Backend, t: &s
 
 async fn the_fallback_group_answers_when_the_primary_is_dead(b: Backend, t: &str) {
     let dead = |n: &str| pgw_sim::SourceConfig {
-        revoked: true,
+        revoked: true.into(),
         ..fast(n)
     };
     let (env, gw) = env(
@@ -342,7 +343,7 @@ async fn a_structured_call_is_reasked_after_an_invalid_answer(b: Backend, t: &st
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_gateways_on_one_redis_share_breaker_and_quota() {
     let dead = pgw_sim::SourceConfig {
-        revoked: true,
+        revoked: true.into(),
         ..fast("dead")
     };
     let (pool, server) = serve(vec![dead.clone(), fast("tight")]).await;

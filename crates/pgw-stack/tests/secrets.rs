@@ -42,14 +42,15 @@ async fn the_key_never_prints() {
     };
     let sim = |name: &str| pgw_sim::SourceConfig {
         api_key: Some(KEY.into()),
-        ttft_s: quick,
-        error_latency_s: quick,
+        ttft_s: quick.into(),
+        error_latency_s: quick.into(),
         tokens_per_second: LogNormal {
             median: 2000.0,
             p95: 3000.0,
             min: 1000.0,
             max: 4000.0,
-        },
+        }
+        .into(),
         ..pgw_sim::SourceConfig::healthy(name)
     };
     let pool = SimPool::new(

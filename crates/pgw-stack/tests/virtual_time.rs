@@ -51,7 +51,7 @@ async fn gateway(pool: &SimPool, mut cfg: GatewayConfig, sink: &MemorySink) -> G
 #[tokio::test(start_paused = true)]
 async fn a_black_hole_costs_one_timeout_in_virtual_time() {
     let hole = pgw_sim::SourceConfig {
-        black_hole_rate: 1.0,
+        black_hole_rate: 1.0.into(),
         ..pgw_sim::SourceConfig::healthy("hole")
     };
     let pool = pool(vec![hole, pgw_sim::SourceConfig::healthy("good")]);
@@ -81,7 +81,7 @@ async fn a_black_hole_costs_one_timeout_in_virtual_time() {
 #[tokio::test(start_paused = true)]
 async fn dropping_a_call_releases_every_reservation() {
     let hole = pgw_sim::SourceConfig {
-        black_hole_rate: 1.0,
+        black_hole_rate: 1.0.into(),
         ..pgw_sim::SourceConfig::healthy("only")
     };
     let pool = pool(vec![hole]);

@@ -18,11 +18,11 @@ pub(crate) async fn gateway() -> Result<(Gateway, Option<pgw_sim::http::ServerHa
     };
     let sources = vec![
         pgw_sim::SourceConfig {
-            ttft_s: quick,
+            ttft_s: quick.into(),
             ..pgw_sim::SourceConfig::healthy("sim-a")
         },
         pgw_sim::SourceConfig {
-            black_hole_rate: 1.0,
+            black_hole_rate: 1.0.into(),
             ..pgw_sim::SourceConfig::healthy("sim-hole")
         },
     ];
