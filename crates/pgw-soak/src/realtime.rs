@@ -247,7 +247,8 @@ pub fn describe_redis(s: &Scenario, real: &RealTime) -> String {
 }
 
 /// Merges the workers' stored runs into the `pgw` run (rows of every worker; books
-/// of every worker, prefixed `wI`; worker 0's RSS samples; quota windows scaled).
+/// of every worker, judged and expired by TTL, prefixed `wI`; worker 0's RSS samples;
+/// quota windows scaled).
 fn merge(dir: &Path, scenario: &Scenario, real: &RealTime) -> Result<ProfileRun, BoxError> {
     let mut merged = ProfileRun {
         profile: ProfileKind::Pgw.as_str().to_owned(),
@@ -268,6 +269,9 @@ fn merge(dir: &Path, scenario: &Scenario, real: &RealTime) -> Result<ProfileRun,
         merged.scenario_ms = merged.scenario_ms.max(w.scenario_ms);
         for (k, v) in w.accounting.counters {
             merged.accounting.counters.insert(format!("w{i} {k}"), v);
+        }
+        for (k, v) in w.accounting.expired_by_ttl {
+            merged.accounting.expired_by_ttl.insert(format!("w{i} {k}"), v);
         }
     }
     Ok(merged)

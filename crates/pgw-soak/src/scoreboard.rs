@@ -310,25 +310,35 @@ fn ids_check(run: &ProfileRun, expected: u64) -> Check {
     }
 }
 
+/// Fails on what is really left (`counters`); what failed to settle and was left to
+/// its TTL by design (`expired_by_ttl`) is shown, never judged.
 fn accounting_check(run: &ProfileRun) -> Check {
-    let left: Vec<_> = run
-        .accounting
-        .counters
-        .iter()
-        .filter(|&(_, &v)| v != 0)
-        .map(|(k, v)| format!("{k} = {v}"))
-        .collect();
+    let acc = &run.accounting;
+    let nonzero = |m: &BTreeMap<String, u64>| -> Vec<String> {
+        m.iter()
+            .filter(|&(_, &v)| v != 0)
+            .map(|(k, v)| format!("{k} = {v}"))
+            .collect()
+    };
+    let left = nonzero(&acc.counters);
+    let expired = nonzero(&acc.expired_by_ttl);
+    let judged = if acc.counters.is_empty() {
+        "no accounting reported".to_owned()
+    } else if left.is_empty() {
+        format!("{} counters all zero", acc.counters.len())
+    } else {
+        left.join(", ")
+    };
+    let detail = if expired.is_empty() {
+        judged
+    } else {
+        format!("{judged}; expired by TTL (not judged): {}", expired.join(", "))
+    };
     Check {
         name: "accounting back to zero",
-        pass: left.is_empty() && !run.accounting.counters.is_empty(),
+        pass: left.is_empty() && !acc.counters.is_empty(),
         gating: true,
-        detail: if run.accounting.counters.is_empty() {
-            "no accounting reported".to_owned()
-        } else if left.is_empty() {
-            format!("{} counters all zero", run.accounting.counters.len())
-        } else {
-            left.join(", ")
-        },
+        detail,
     }
 }
 
@@ -483,6 +493,38 @@ mod tests {
             }]
         );
         assert!(!s.passed());
+    }
+
+    #[test]
+    fn accounting_fails_on_what_is_left_not_on_what_expired_by_ttl() {
+        let mut r = run();
+        r.accounting
+            .expired_by_ttl
+            .insert("lease settle failures s4".into(), 3);
+        r.accounting.expired_by_ttl.insert("leases lost s4".into(), 0);
+        r.accounting.counters.insert("leases held source:s4".into(), 0);
+        let c = accounting_check(&r);
+        assert!(c.pass && c.gating, "{c:?}");
+        assert!(c.detail.contains("lease settle failures s4 = 3"), "{}", c.detail);
+        assert!(
+            !c.detail.contains("leases lost"),
+            "zeros are not listed: {}",
+            c.detail
+        );
+        r.accounting.counters.insert("leases held source:s4".into(), 1);
+        let c = accounting_check(&r);
+        assert!(!c.pass, "{c:?}");
+        assert!(c.detail.starts_with("leases held source:s4 = 1"), "{}", c.detail);
+        // Nothing reported at all proves nothing.
+        r.accounting.counters.clear();
+        assert!(!accounting_check(&r).pass);
+    }
+
+    #[test]
+    fn stored_accounting_without_expired_by_ttl_loads() {
+        let acc: Accounting = serde_json::from_str(r#"{"counters":{"inflight s4":0}}"#).unwrap();
+        assert_eq!(acc.counters.get("inflight s4"), Some(&0));
+        assert!(acc.expired_by_ttl.is_empty());
     }
 
     #[test]

@@ -269,11 +269,17 @@ pub struct RssSample {
     pub rss_kib: u64,
 }
 
-/// What was left in the gates' books after the run (all should be zero).
+/// What was left in the gates' books after the run.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Accounting {
-    /// Counter name (`inflight s1`, `probe leases`, ...) -> value after the run.
+    /// What is really left after the run: counter name (`inflight s1`, `leases held
+    /// source:s1`, ...) -> value. All must be zero.
     pub counters: BTreeMap<String, u64>,
+    /// Informational: what failed to settle and was left to expire by its TTL, as
+    /// designed (`lease settle failures s1`, `leases lost s1`, ...). Not a failure:
+    /// whatever of it would still be there is counted in `counters`.
+    #[serde(default)]
+    pub expired_by_ttl: BTreeMap<String, u64>,
 }
 
 /// A quota the scoreboard checks: at most `limit` per `window_ms` in `scope`.

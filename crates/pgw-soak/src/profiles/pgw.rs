@@ -9,12 +9,14 @@
 //! `Gateway` (shared breaker, limiter and cache state, as Redis would share them; the
 //! process-local health and AIMD state is then shared too).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use pgw_core::BoxError;
 use pgw_stack::config::{GatewayConfig, SourceConfig};
+use pgw_stack::ratelimit::ScopeHeld;
 use pgw_stack::{AttemptTelemetry, Gateway, JsonValidator, SecretKey, TelemetrySink, Validator};
 use tower::ServiceExt;
 
@@ -282,30 +284,195 @@ pub async fn build_redis(sc: &Scenario, w: &RedisWorker, recorder: &Recorder) ->
 
 type Books = Box<dyn Fn() -> BoxFuture<'static, Accounting> + Send + Sync>;
 
-/// Reads the gateway's books: AIMD in flight, lease failures, probes in flight.
-fn books(books: Gateway) -> Books {
-    {
-        Box::new(move || {
-            let books = books.clone();
-            Box::pin(async move {
-                let mut acc = Accounting::default();
-                for h in books.sources() {
-                    let s = &h.source;
-                    acc.counters
-                        .insert(format!("aimd inflight {s}"), h.aimd.inflight() as u64);
-                    let st = h.limiter.stats();
-                    acc.counters
-                        .insert(format!("lease settle failures {s}"), st.settle_failures);
-                    acc.counters.insert(format!("leases lost {s}"), st.leases_lost);
-                    let probe = match h.breaker.view().await {
-                        Ok(v) => u64::from(v.probe_in_flight),
-                        // An unreadable breaker cannot prove its books are clean.
-                        Err(_) => 1,
-                    };
-                    acc.counters.insert(format!("probe in flight {s}"), probe);
+/// Slack on a lease's expiry when waiting for it: the read's round trip and the gap
+/// between the Redis server's clock and tokio's.
+const EXPIRY_SLACK: Duration = Duration::from_millis(100);
+
+/// Reads the gateway's books.
+///
+/// Judged (`counters`): AIMD in flight and probes in flight per source, and the
+/// concurrency leases still held per scope (`source:NAME`, `account:NAME`), read in
+/// the backend itself with `RateLimiter::held`, minus nothing. Shown only
+/// (`expired_by_ttl`): what this process failed to settle and left to its TTL by
+/// design (`RateLimiter::stats`: settle and renew failures, leases lost, admissions
+/// failed closed whose lease may have been written), and the leases seen to expire
+/// while waiting.
+///
+/// Waiting: only when a backend operation failed, the held leases are read again once
+/// the last of them could have expired by its TTL (`leases_expire_in`, at most the
+/// lease TTL, 30 s by default). Not a short lease TTL in the Redis mode: that would
+/// change what is measured (renewal every TTL/3, running calls losing their lease in a
+/// 5 s outage). Not a wait on every run: with no failure, a lease still held after the
+/// settle time (5 s, scaled, shorter than the TTL) was left behind and must show at
+/// the first read. In the Redis mode each worker decides on its own failures; a worker
+/// that saw none reads at once and would count another worker's unexpired leases: a
+/// false failure, never a hidden leak (an outage fails every worker's admissions).
+fn books(gateway: Gateway) -> Books {
+    Box::new(move || {
+        let gateway = gateway.clone();
+        Box::pin(async move {
+            let mut acc = Accounting::default();
+            let mut failed = false;
+            for h in gateway.sources() {
+                let s = &h.source;
+                let st = h.limiter.stats();
+                failed |= st.settle_failures + st.renew_failures + st.unavailable > 0;
+                for (name, n) in [
+                    ("lease settle failures", st.settle_failures),
+                    ("lease renew failures", st.renew_failures),
+                    ("leases lost", st.leases_lost),
+                    ("admissions failed closed", st.unavailable),
+                ] {
+                    acc.expired_by_ttl.insert(format!("{name} {s}"), n);
                 }
-                acc
-            })
+            }
+            let mut held = read_held(&gateway).await;
+            if failed {
+                let wait = held
+                    .values()
+                    .filter_map(|h| h.as_ref().and_then(|h| h.leases_expire_in))
+                    .max();
+                if let Some(wait) = wait {
+                    tokio::time::sleep(wait + EXPIRY_SLACK).await;
+                    let after = read_held(&gateway).await;
+                    for (scope, first) in &held {
+                        let was = first.as_ref().map_or(0, |h| h.leases);
+                        let now = after
+                            .get(scope)
+                            .and_then(Option::as_ref)
+                            .map_or(was, |h| h.leases);
+                        acc.expired_by_ttl
+                            .insert(format!("leases expired by TTL {scope}"), was.saturating_sub(now));
+                    }
+                    held = after;
+                }
+            }
+            for (scope, h) in held {
+                match h {
+                    Some(h) => acc.counters.insert(format!("leases held {scope}"), h.leases),
+                    // An unreadable backend cannot prove nothing was left.
+                    None => acc.counters.insert(format!("limiter unreadable {scope}"), 1),
+                };
+            }
+            for h in gateway.sources() {
+                let s = &h.source;
+                acc.counters
+                    .insert(format!("aimd inflight {s}"), h.aimd.inflight() as u64);
+                let probe = match h.breaker.view().await {
+                    Ok(v) => u64::from(v.probe_in_flight),
+                    // An unreadable breaker cannot prove its books are clean.
+                    Err(_) => 1,
+                };
+                acc.counters.insert(format!("probe in flight {s}"), probe);
+            }
+            acc
         })
+    })
+}
+
+/// What every scope of the gateway's limiters holds in the backend, by scope (an
+/// account shared by several sources is read once per source; the last read wins);
+/// `None` under `source:NAME` when that limiter's backend could not be read.
+async fn read_held(gateway: &Gateway) -> BTreeMap<String, Option<ScopeHeld>> {
+    let mut by_scope = BTreeMap::new();
+    for h in gateway.sources() {
+        match h.limiter.held().await {
+            Ok(held) => {
+                for scope in held.scopes() {
+                    by_scope.insert(scope.scope.clone(), Some(scope.clone()));
+                }
+            }
+            Err(_) => {
+                by_scope.insert(format!("source:{}", h.source), None);
+            }
+        }
+    }
+    by_scope
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The books judge the leases the backend holds, whoever should have released
+    /// them; the limiter's failure counters are only shown.
+    #[tokio::test(start_paused = true)]
+    async fn books_count_leases_held_in_the_backend() {
+        let mut cfg = GatewayConfig::default();
+        let mut src = SourceConfig::new("s1", "http://127.0.0.1:9/v1", SecretKey::new("k"));
+        src.max_concurrency = Some(2);
+        src.account = Some("a1".into());
+        cfg.sources.push(src);
+        let gateway = Gateway::builder(cfg).build().await.unwrap();
+        let read = books(gateway.clone());
+        let acc = read().await;
+        assert_eq!(acc.counters.get("leases held source:s1"), Some(&0), "{acc:?}");
+        assert_eq!(acc.counters.get("leases held account:a1"), Some(&0), "{acc:?}");
+        assert_eq!(acc.expired_by_ttl.get("lease settle failures s1"), Some(&0));
+
+        let limiter = &gateway.sources()[0].limiter;
+        limiter.acquire(0).await.unwrap().forget(); // never released, nothing failed
+        let acc = read().await;
+        assert_eq!(acc.counters.get("leases held source:s1"), Some(&1), "{acc:?}");
+        // The account has no concurrency limit here: its scope holds no leases.
+        assert_eq!(acc.counters.get("leases held account:a1"), Some(&0), "{acc:?}");
+        assert!(
+            !acc.expired_by_ttl
+                .keys()
+                .any(|k| k.starts_with("leases expired by TTL"))
+        );
+    }
+
+    /// After a backend failure the books wait out the leases' TTL: a lease written by
+    /// an admission whose answer timed out (Redis paused past the response timeout:
+    /// failed closed here, applied there) is seen held, then seen to expire, and is
+    /// not judged as left behind.
+    #[tokio::test]
+    async fn books_wait_out_the_ttl_after_a_failure() {
+        let server = pgw_test_support::PrivateRedis::start();
+        let mut cfg = GatewayConfig::default();
+        let mut src = SourceConfig::new("s1", "http://127.0.0.1:9/v1", SecretKey::new("k"));
+        src.max_concurrency = Some(2);
+        cfg.sources.push(src);
+        cfg.backend = BackendKind::Redis;
+        cfg.redis_url = Some(server.url());
+        cfg.key_prefix = Some(pgw_test_support::unique_prefix("books_wait"));
+        cfg.ratelimit.lease_ttl_s = Some(1.0);
+        let gateway = Gateway::builder(cfg).build().await.unwrap();
+        let read = books(gateway.clone());
+        let limiter = gateway.sources()[0].limiter.clone();
+        // Loads the scripts, so the paused admission below is one EVALSHA that runs.
+        limiter.acquire(0).await.unwrap().finish(None).await.unwrap();
+        assert_eq!(read().await.counters.get("leases held source:s1"), Some(&0));
+
+        let cli = std::env::var_os("PGW_REDIS_CLI").unwrap_or_else(|| "redis-cli".into());
+        let paused = std::process::Command::new(cli)
+            .args(["-p", &server.port().to_string(), "client", "pause", "1200", "all"])
+            .output()
+            .expect("redis-cli");
+        assert!(paused.status.success(), "{paused:?}");
+        limiter.acquire(0).await.unwrap_err();
+        assert_eq!(limiter.stats().unavailable, 1);
+        tokio::time::sleep(Duration::from_millis(1000)).await; // the pause is over
+        assert_eq!(
+            limiter.held().await.unwrap().source.leases,
+            1,
+            "applied after the pause"
+        );
+
+        let started = tokio::time::Instant::now();
+        let acc = read().await;
+        assert_eq!(acc.counters.get("leases held source:s1"), Some(&0), "{acc:?}");
+        assert_eq!(
+            acc.expired_by_ttl.get("leases expired by TTL source:s1"),
+            Some(&1),
+            "{acc:?}"
+        );
+        assert_eq!(acc.expired_by_ttl.get("admissions failed closed s1"), Some(&1));
+        assert!(
+            started.elapsed() <= Duration::from_secs(2),
+            "{:?}",
+            started.elapsed()
+        );
     }
 }
