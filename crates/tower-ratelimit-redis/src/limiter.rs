@@ -13,7 +13,9 @@ use pgw_core::{BackendUnavailable, BoxError, Hold, HoldFuture, SourceId};
 
 use tokio::time::Instant;
 
-use crate::backend::{AnyGate, Backend, BackendFuture, Clock, Gate, Held, HoldScope, LeaseId, Settle, Verdict};
+use crate::backend::{
+    AnyGate, Backend, BackendFuture, Clock, Gate, Held, HoldScope, LeaseId, Settle, Verdict,
+};
 use crate::config::{RENEW_FRACTION, RateLimitConfig};
 use crate::error::{ConfigError, RequestTooLarge, UnknownSource};
 

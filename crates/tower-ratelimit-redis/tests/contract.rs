@@ -338,14 +338,21 @@ async fn held_reads_leases_and_holds(h: Harness) {
     let account = held.account.as_ref().unwrap();
     assert_eq!((account.scope.as_str(), account.leases), ("account:acct", 0));
     assert_eq!(held.scopes().count(), 2);
-    assert!(held.scopes().all(|s| s.leases_expire_in.is_none() && s.hold_ends_in.is_none()));
+    assert!(
+        held.scopes()
+            .all(|s| s.leases_expire_in.is_none() && s.hold_ends_in.is_none())
+    );
 
     let a = s1.acquire(0).await.unwrap();
     let b = s2.acquire(0).await.unwrap();
     let c = s2.acquire(0).await.unwrap();
     let held = s1.held().await.unwrap();
     assert_eq!(held.source.leases, 1);
-    assert_eq!(held.account.as_ref().unwrap().leases, 3, "every source of the account");
+    assert_eq!(
+        held.account.as_ref().unwrap().leases,
+        3,
+        "every source of the account"
+    );
     assert_eq!(held.leases(), 4);
     let left = held.source.leases_expire_in.expect("a lease is held");
     assert!(left <= ttl && !left.is_zero(), "{left:?}");
@@ -358,15 +365,26 @@ async fn held_reads_leases_and_holds(h: Harness) {
     c.refund().await.unwrap();
     a.forget(); // a crash (or a release lost in an outage): held until its TTL
     let held = s2.held().await.unwrap();
-    assert_eq!((held.source.leases, held.account.as_ref().unwrap().leases), (0, 1));
+    assert_eq!(
+        (held.source.leases, held.account.as_ref().unwrap().leases),
+        (0, 1)
+    );
     assert_eq!(held.source.leases_expire_in, None);
     assert_eq!(s1.held().await.unwrap().source.leases, 1);
 
     let hold = Duration::from_millis(600);
     s1.hold(HoldScope::Account, hold).await.unwrap();
     let held = s2.held().await.unwrap();
-    assert_eq!(held.source.hold_ends_in, None, "an account hold is not the source's");
-    let ends = held.account.as_ref().unwrap().hold_ends_in.expect("the account is held");
+    assert_eq!(
+        held.source.hold_ends_in, None,
+        "an account hold is not the source's"
+    );
+    let ends = held
+        .account
+        .as_ref()
+        .unwrap()
+        .hold_ends_in
+        .expect("the account is held");
     assert!(ends <= hold && !ends.is_zero(), "{ends:?}");
 
     tokio::time::sleep(ttl + Duration::from_millis(20)).await;

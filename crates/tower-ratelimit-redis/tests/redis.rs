@@ -378,7 +378,10 @@ async fn a_release_lost_in_an_outage_is_held_until_its_ttl() {
     let admitted = tokio::time::Instant::now();
     l.acquire(0).await.unwrap().finish(None).await.unwrap();
     let held = observer.held().await.unwrap();
-    assert_eq!((held.source.leases, held.account.as_ref().unwrap().leases), (1, 1));
+    assert_eq!(
+        (held.source.leases, held.account.as_ref().unwrap().leases),
+        (1, 1)
+    );
 
     wire.cut(true);
     let err = lost.finish(None).await.unwrap_err();
@@ -390,7 +393,10 @@ async fn a_release_lost_in_an_outage_is_held_until_its_ttl() {
 
     // Still held in both scopes: the server never heard of the release.
     let held = observer.held().await.unwrap();
-    assert_eq!((held.source.leases, held.account.as_ref().unwrap().leases), (1, 1));
+    assert_eq!(
+        (held.source.leases, held.account.as_ref().unwrap().leases),
+        (1, 1)
+    );
     let left = held.source.leases_expire_in.unwrap();
     assert!(left <= ttl, "{left:?}");
     // The limiter's own connection comes back and sees the same.
