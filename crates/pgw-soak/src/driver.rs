@@ -395,6 +395,55 @@ mod tests {
         assert_eq!(calls.iter().map(|c| c.ended_ms).max(), Some(17_000));
     }
 
+    /// A client that answers after 10 s.
+    struct Slow;
+
+    impl Client for Slow {
+        fn call(&self, _call: SoakCall) -> BoxFuture<'static, Result<Delivered, BoxError>> {
+            Box::pin(async {
+                tokio::time::sleep(Duration::from_secs(10)).await;
+                Ok(answer("hi").into())
+            })
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn open_loop_calls_start_at_their_arrival_and_wait_for_a_slot() {
+        // One worker, one slot, calls arriving every 4 s while each takes 10 s: call n
+        // arrives at 4n s but starts when the slot frees, at 10n s.
+        let traffic = (0..4u64).map(|id| SoakCall {
+            id,
+            worker: 0,
+            kind: "P1",
+            request: Arc::new(ChatRequest::default()),
+            structured: false,
+            arrival: Some(Duration::from_secs(4 * id)),
+        });
+        let recorder = Recorder::in_memory(RunClock::start(), vec!["s1".into()]);
+        let opts = DriveOptions {
+            concurrency: 1,
+            rss_samples: 1,
+            calls: 4,
+        };
+        drive(
+            vec![Arc::new(Slow)],
+            traffic,
+            &recorder,
+            opts,
+            &ProgressBar::hidden(),
+        )
+        .await;
+        let (_, mut calls) = recorder.finish().unwrap();
+        calls.sort_by_key(|c| c.started_ms);
+        let got: Vec<(u64, u64)> = calls.iter().map(|c| (c.started_ms, c.ended_ms)).collect();
+        assert_eq!(
+            got,
+            vec![(0, 10_000), (4_000, 20_000), (8_000, 30_000), (12_000, 40_000)],
+            "latency counts from arrival, the wait for the slot included"
+        );
+        assert!(calls.iter().all(|c| c.first_chunk_ms == Some(c.ended_ms)));
+    }
+
     #[test]
     fn causes() {
         let e: BoxError = Box::new(pgw_core::UpstreamStatus::new(http_status(401), None, "bad key"));

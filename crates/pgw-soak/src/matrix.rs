@@ -44,6 +44,9 @@ pub struct Cell {
     pub oracle_goodput: Option<f64>,
 }
 
+/// One finished run: scenario index, profile index, its score or why it failed.
+type Done = (usize, usize, Result<Score, String>);
+
 /// Runs every profile of `opts` on every scenario, judges them, writes each scenario's
 /// report and `matrix.md`; returns the cells in scenario, then profile order.
 ///
@@ -61,7 +64,7 @@ pub fn run_matrix(scenarios: &[Scenario], opts: &MatrixOptions) -> Result<Vec<Ce
         }
     }
     let next = AtomicUsize::new(0);
-    let results: Mutex<Vec<(usize, usize, Result<Score, String>)>> = Mutex::new(Vec::new());
+    let results: Mutex<Vec<Done>> = Mutex::new(Vec::new());
     std::thread::scope(|scope| {
         for _ in 0..opts.threads.clamp(1, jobs.len().max(1)) {
             scope.spawn(|| {

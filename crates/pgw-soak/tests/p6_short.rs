@@ -63,9 +63,31 @@ fn short_p6_side_by_side() {
             (b.ok, b.attempts, b.violations.len())
         );
         assert_eq!(a.passed(), b.passed());
+        // The time figures come from the rows alone: the same offline.
+        assert_eq!(a.timing, b.timing, "{}", a.profile);
     }
     assert!(dir.join("report.md").exists() && dir.join("chart.svg").exists());
     let _ = std::fs::remove_dir_all(&dir);
+
+    // The oracle is the pool's physical limit: no profile that succeeds delivers more
+    // answers per minute, and it keeps every quota.
+    let oracle = &out.scores[names.iter().position(|n| *n == "oracle").unwrap()];
+    assert!(oracle.violations.is_empty(), "{:?}", oracle.violations);
+    assert!(
+        oracle.success_rate >= naive.success_rate,
+        "{}",
+        oracle.success_rate
+    );
+    for s in out.scores.iter().filter(|s| s.success_rate > 0.9) {
+        assert!(
+            oracle.timing.goodput_per_min >= s.timing.goodput_per_min,
+            "{} {:.1} ok/min beats the oracle's {:.1}",
+            s.profile,
+            s.timing.goodput_per_min,
+            oracle.timing.goodput_per_min
+        );
+    }
+    assert!(oracle.timing.goodput_per_min > naive.timing.goodput_per_min);
 
     if let Some(pgw) = out.scores.iter().find(|s| s.profile == "pgw") {
         assert!(pgw.violations.is_empty(), "{:?}", pgw.violations);

@@ -14,12 +14,14 @@
 //!   path (black hole, 5xx, 529, billing 429, empty, invalid JSON, an error event in a
 //!   stream, a stall the inter-token watchdog cuts, a first token later than its
 //!   watchdog) and is 0 for a revoked key, a model the source does not serve or a
-//!   context window the call does not fit. Sources with `p_ok = 0` are never sent to;
-//!   a call no source can answer fails at once without an attempt.
-//! - **Pacing.** Every quota the clients are given, every provider rate gate and hard
-//!   limit (of the key and of the account) is kept as a sliding 60-second log, which
-//!   never exceeds a token bucket of the same capacity nor a fixed window; concurrency
-//!   caps are counted. An account with a 429 curve is paced at the arrival rate that
+//!   context window the call does not fit. Sources at least 0.8 x as likely to
+//!   answer as the best one are tried first (a retry waits for one of them); sources
+//!   with `p_ok = 0` are never sent to; a call no source can answer fails at once
+//!   without an attempt. A call that has waited 30 s goes before later ones.
+//! - **Pacing.** Every quota the clients are given and every provider rate gate is
+//!   kept as a sliding 60-second log (never over any fixed or sliding window); every
+//!   hard limit of a key or an account as a mirror of the provider's token bucket;
+//!   concurrency caps are counted. An account with a 429 curve is paced at the arrival rate that
 //!   maximises its successful answers per minute, **derived from the model**: with
 //!   `L` the account's expected attempt latency over the traffic mix, arrivals `r` per
 //!   minute keep `r L / 60` in flight, the curve gives `p(r L / 60, r)`, and the
@@ -33,7 +35,7 @@
 //!
 //! It is a measuring stick, not a design: it reads what no real client can.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -62,6 +64,14 @@ const RATE_GRID: u32 = 400;
 const MINUTE: Duration = Duration::from_secs(60);
 /// Longest sleep of a waiting call before it looks again (a release also wakes it).
 const MAX_NAP: Duration = Duration::from_secs(1);
+/// Shortest sleep of a waiting call: time must advance between two looks.
+const MIN_NAP: Duration = Duration::from_millis(1);
+/// How long a waiting call may be passed by later ones before it goes first.
+const PRIORITY_AFTER: Duration = Duration::from_secs(30);
+/// A source is credible for a call when it is at least this fraction as likely to
+/// answer as the most likely one: attempts go to credible sources first, retries only
+/// to them.
+const CREDIBLE: f64 = 0.8;
 /// Smallest argument of the log-normal CDF's logarithm.
 const ZSCORE_EPS: f64 = 1e-12;
 
@@ -141,23 +151,7 @@ struct Limits {
     concurrency: Option<u32>,
 }
 
-fn tighter(a: Option<u64>, b: Option<u64>) -> Option<u64> {
-    match (a, b) {
-        (Some(x), Some(y)) => Some(x.min(y)),
-        (x, y) => x.or(y),
-    }
-}
-
 impl Limits {
-    fn and(self, other: Self) -> Self {
-        Self {
-            rpm: tighter(self.rpm, other.rpm),
-            tpm: tighter(self.tpm, other.tpm),
-            concurrency: tighter(self.concurrency.map(u64::from), other.concurrency.map(u64::from))
-                .map(|c| u32::try_from(c).unwrap_or(u32::MAX)),
-        }
-    }
-
     fn hard(h: &HardLimits) -> Self {
         Self {
             rpm: h.rpm,
@@ -167,19 +161,102 @@ impl Limits {
     }
 }
 
+/// A mirror of a provider's token bucket: capacity the limit, refilled at `limit / 60`
+/// per scenario second, full at the start (the simulator's hard limits, exactly).
+#[derive(Debug)]
+struct Bucket {
+    /// Tokens in the bucket at `at`; `None` until first used (then full).
+    level: Option<(f64, Instant)>,
+    /// Real seconds per scenario second.
+    time_scale: f64,
+}
+
+impl Bucket {
+    fn level(&self, now: Instant, limit: u64) -> f64 {
+        #[allow(clippy::cast_precision_loss)]
+        let cap = limit as f64;
+        self.level.map_or(cap, |(l, at)| {
+            let dt = now.saturating_duration_since(at).as_secs_f64() / self.time_scale;
+            (l + dt * cap / 60.0).min(cap)
+        })
+    }
+
+    #[allow(clippy::cast_precision_loss)]
+    fn blocked_until(&self, now: Instant, cost: u64, limit: Option<u64>) -> Option<Instant> {
+        let limit = limit?;
+        let level = self.level(now, limit);
+        let need = cost as f64 - level;
+        if need <= 0.0 {
+            return None;
+        }
+        let secs = need / (limit as f64 / 60.0) * self.time_scale;
+        // At least a millisecond: a float's last bit must not make a zero-length wait
+        // (under the paused clock that would spin without time advancing).
+        Some(now + Duration::from_secs_f64(secs.clamp(1e-3, 3600.0)))
+    }
+
+    #[allow(clippy::cast_precision_loss)]
+    fn take(&mut self, now: Instant, cost: u64, limit: Option<u64>) {
+        if let Some(limit) = limit {
+            self.level = Some((self.level(now, limit) - cost as f64, now));
+        }
+    }
+}
+
+/// How a scope counts requests or tokens: a sliding minute (the clients' quotas and
+/// rate gates, never over any fixed or sliding window) or a token bucket (a provider's
+/// hard limit).
+#[derive(Debug)]
+enum Meter {
+    Log(Log),
+    Bucket(Bucket),
+}
+
+impl Meter {
+    fn blocked_until(&mut self, now: Instant, cost: u64, limit: Option<u64>) -> Option<Instant> {
+        match self {
+            Self::Log(l) => l.blocked_until(now, cost, limit),
+            Self::Bucket(b) => b.blocked_until(now, cost, limit),
+        }
+    }
+
+    fn take(&mut self, now: Instant, cost: u64, limit: Option<u64>) {
+        match self {
+            Self::Log(l) => l.push(now, cost),
+            Self::Bucket(b) => b.take(now, cost, limit),
+        }
+    }
+}
+
 /// Requests, tokens and attempts in flight of one scope.
 #[derive(Debug)]
 struct Gate {
-    requests: Log,
-    tokens: Log,
+    requests: Meter,
+    tokens: Meter,
     inflight: u32,
 }
 
 impl Gate {
-    fn new() -> Self {
+    /// A gate counting sliding minutes (of `time_scale` real seconds per scenario one).
+    fn sliding(time_scale: f64) -> Self {
         Self {
-            requests: Log::new(MINUTE),
-            tokens: Log::new(MINUTE),
+            requests: Meter::Log(Log::new(MINUTE.mul_f64(time_scale))),
+            tokens: Meter::Log(Log::new(MINUTE.mul_f64(time_scale))),
+            inflight: 0,
+        }
+    }
+
+    /// A gate mirroring a provider's token buckets.
+    fn buckets(time_scale: f64) -> Self {
+        let bucket = || {
+            Meter::Bucket(Bucket {
+                level: None,
+                time_scale,
+            })
+        };
+        Self {
+            requests: bucket(),
+            tokens: bucket(),
             inflight: 0,
         }
     }
@@ -197,9 +274,9 @@ impl Gate {
         }
     }
 
-    fn take(&mut self, now: Instant, tokens: u64) {
-        self.requests.push(now, 1);
-        self.tokens.push(now, tokens);
+    fn take(&mut self, now: Instant, tokens: u64, limits: Limits) {
+        self.requests.take(now, 1, limits.rpm);
+        self.tokens.take(now, tokens, limits.tpm);
         self.inflight += 1;
     }
 }
@@ -235,7 +312,11 @@ impl Account {
 
 #[derive(Debug)]
 struct SourceState {
-    gate: Gate,
+    /// The quota the clients are given (counted in the clients' token estimate, as the
+    /// scoreboard judges it).
+    quota: Gate,
+    /// The key's hard limits (counted in the simulator's own tokens, as it does).
+    key: Gate,
     /// The source's provider-side RPM gate (`rpm_gate`, a sliding minute).
     provider_gate: Log,
     account: usize,
@@ -244,6 +325,18 @@ struct SourceState {
 struct State {
     sources: Vec<SourceState>,
     accounts: Vec<Account>,
+    /// Calls waiting for a source: ticket -> since when. After [`PRIORITY_AFTER`] the
+    /// oldest goes first, so a large call is not starved by small ones.
+    waiting: BTreeMap<u64, Instant>,
+    next_ticket: u64,
+}
+
+/// What one attempt costs: the clients' token estimate (their quotas) and the
+/// simulator's own count (prompt tokens + budget: its hard limits).
+#[derive(Clone, Copy, Debug)]
+struct Cost {
+    estimate: u64,
+    provider: u64,
 }
 
 /// What the oracle needs of a call.
@@ -258,6 +351,8 @@ struct Shape {
 
 struct Shared {
     pool: PoolConfig,
+    /// Index in `pool.accounts` of each source's account (`None`: its own, no limits).
+    account_of: Vec<Option<usize>>,
     client: ClientSettings,
     clients: Vec<Mutex<UpstreamClient<BoxTransport>>>,
     names: Vec<String>,
@@ -313,7 +408,7 @@ fn odds(src: &SourceConfig, t: f64, shape: &Shape, client: &ClientSettings) -> (
     }
     if let Some(models) = &src.models
         && !shape.model.is_empty()
-        && !models.iter().any(|m| *m == shape.model)
+        && !models.contains(&shape.model)
     {
         return (0.0, f64::INFINITY);
     }
@@ -341,7 +436,12 @@ fn odds(src: &SourceConfig, t: f64, shape: &Shape, client: &ClientSettings) -> (
     }
     let mut latency_s = ttft.median + generation_s;
     if shape.stream {
+        // The stream quirks the clients' shared HTTP client fails an attempt on today
+        // (an error event, a malformed chunk, no `[DONE]`): the oracle sees the pool
+        // through the same client as every profile.
         p *= 1.0 - src.stream_error_rate.at(t);
+        p *= 1.0 - src.malformed_chunk_rate.at(t);
+        p *= 1.0 - src.no_done_rate.at(t);
         p *= cdf(&ttft, client.first_token_s);
         // A stall longer than the inter-token watchdog is cut.
         let span = stall.max_gap_s - stall.min_gap_s;
@@ -402,50 +502,99 @@ impl Shared {
         now.saturating_duration_since(self.origin).as_secs_f64() / self.pool.time_scale
     }
 
-    /// The limits of source `i` at `t`: the clients' quota, the provider's gate is kept
-    /// apart (a sliding minute of its own), the key's hard limits.
-    fn source_limits(&self, i: usize, t: f64) -> Limits {
+    /// The quota the clients are given for source `i`.
+    fn quota_limits(&self, i: usize) -> Limits {
         let q = self.client.quota(&self.names[i]);
-        let quota = Limits {
+        Limits {
             rpm: q.rpm,
             tpm: q.tpm,
             concurrency: Some(q.max_concurrency),
-        };
-        quota.and(Limits::hard(&self.pool.sources[i].limits.at(t)))
+        }
     }
 
-    /// Tries to admit `shape` somewhere now: `Ok(source)` (reserved), else when to look
-    /// again (`None`: at the next release).
-    #[allow(clippy::cast_precision_loss)]
-    fn admit(&self, shape: &Shape, tokens: u64) -> Result<Result<usize, Option<Instant>>, NoSourceCanAnswer> {
+    /// The hard limits of source `i`'s key and of its account at `t`, and the account's
+    /// 429 curve.
+    fn provider_limits(
+        &self,
+        i: usize,
+        account: Option<usize>,
+        t: f64,
+    ) -> (Limits, Limits, Option<RateLimitCurve>) {
+        let key = Limits::hard(&self.pool.sources[i].limits.at(t));
+        match account {
+            Some(a) => {
+                let c = &self.pool.accounts[a];
+                (key, Limits::hard(&c.limits.at(t)), Some(c.rate_limit.at(t)))
+            }
+            None => (key, Limits::default(), None),
+        }
+    }
+
+    /// The sources that can answer `shape` at `t`, in the order to try them: the
+    /// credible ones (at least [`CREDIBLE`] x the best chance) by answers per second of
+    /// occupancy, then, for a first attempt only, the rest.
+    fn ranked(&self, shape: &Shape, cost: Cost, t: f64, retry: bool) -> Vec<usize> {
+        let mut ranked: Vec<(f64, f64, usize)> = Vec::new();
+        for (i, s) in self.pool.sources.iter().enumerate() {
+            let (p, l) = odds(s, t, shape, &self.client);
+            let (key, acct, _) = self.provider_limits(i, self.account_of[i], t);
+            // A call larger than a token bucket can ever hold never passes there.
+            let too_large = [key.tpm, acct.tpm, self.quota_limits(i).tpm]
+                .into_iter()
+                .flatten()
+                .any(|cap| cost.provider.min(cost.estimate) > cap);
+            if p > 0.0 && !too_large {
+                ranked.push((p, p / l, i));
+            }
+        }
+        let best = ranked.iter().map(|o| o.0).fold(0.0, f64::max);
+        if retry {
+            // A retry waits for a credible source rather than spend the budget on a
+            // doubtful one.
+            ranked.retain(|o| o.0 >= CREDIBLE * best);
+        }
+        ranked.sort_by(|a, b| {
+            let (ca, cb) = (a.0 >= CREDIBLE * best, b.0 >= CREDIBLE * best);
+            cb.cmp(&ca).then(b.1.total_cmp(&a.1))
+        });
+        ranked.into_iter().map(|o| o.2).collect()
+    }
+
+    /// Tries to admit the call holding `ticket` on one of `ranked` now: `Ok(source)`
+    /// (reserved), else when to look again (`None`: at the next release).
+    #[allow(
+        clippy::cast_precision_loss,
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss
+    )]
+    fn admit(&self, ranked: &[usize], cost: Cost, ticket: u64) -> Result<usize, Option<Instant>> {
         let now = Instant::now();
         let t = self.scenario_s(now);
-        let mut ranked: Vec<(f64, usize)> = self
-            .pool
-            .sources
-            .iter()
-            .enumerate()
-            .filter_map(|(i, s)| {
-                let (p, l) = odds(s, t, shape, &self.client);
-                (p > 0.0).then_some((p / l, i))
-            })
-            .collect();
-        if ranked.is_empty() {
-            return Err(NoSourceCanAnswer);
-        }
-        ranked.sort_by(|a, b| b.0.total_cmp(&a.0));
         let mut st = lock(&self.state);
+        if let Some((&head, &since)) = st.waiting.first_key_value()
+            && head != ticket
+            && now.saturating_duration_since(since) >= PRIORITY_AFTER
+        {
+            return Err(None);
+        }
         let mut wake: Option<Instant> = None;
         let mut later = |w: Option<Instant>| {
             if let Some(w) = w {
                 wake = Some(wake.map_or(w, |x| x.min(w)));
             }
         };
-        for &(_, i) in &ranked {
-            let State { sources, accounts } = &mut *st;
+        for &i in ranked {
+            let State {
+                sources, accounts, ..
+            } = &mut *st;
             let src = &mut sources[i];
             let acct = &mut accounts[src.account];
-            if let Err(w) = src.gate.check(now, tokens, self.source_limits(i, t)) {
+            let (key_limits, acct_limits, curve) = self.provider_limits(i, acct.config, t);
+            if let Err(w) = src.quota.check(now, cost.estimate, self.quota_limits(i)) {
+                later(w);
+                continue;
+            }
+            if let Err(w) = src.key.check(now, cost.provider, key_limits) {
                 later(w);
                 continue;
             }
@@ -454,14 +603,7 @@ impl Shared {
                 later(Some(w));
                 continue;
             }
-            let (acct_limits, curve) = match acct.config {
-                Some(a) => {
-                    let c = &self.pool.accounts[a];
-                    (Limits::hard(&c.limits.at(t)), Some(c.rate_limit.at(t)))
-                }
-                None => (Limits::default(), None),
-            };
-            if let Err(w) = acct.gate.check(now, tokens, acct_limits) {
+            if let Err(w) = acct.gate.check(now, cost.provider, acct_limits) {
                 later(w);
                 continue;
             }
@@ -476,24 +618,52 @@ impl Shared {
                 }
                 acct.pace.push(now, 1);
             }
-            src.gate.take(now, tokens);
+            src.quota.take(now, cost.estimate, self.quota_limits(i));
+            src.key.take(now, cost.provider, key_limits);
             src.provider_gate.push(now, 1);
-            acct.gate.take(now, tokens);
-            return Ok(Ok(i));
+            acct.gate.take(now, cost.provider, acct_limits);
+            st.waiting.remove(&ticket);
+            return Ok(i);
         }
-        Ok(Err(wake))
+        Err(wake)
+    }
+
+    /// A ticket in the waiting line, taken now.
+    fn ticket(&self) -> u64 {
+        let mut st = lock(&self.state);
+        st.next_ticket += 1;
+        let t = st.next_ticket;
+        st.waiting.insert(t, Instant::now());
+        t
     }
 
     fn release(&self, i: usize) {
         {
             let mut st = lock(&self.state);
-            let State { sources, accounts } = &mut *st;
+            let State {
+                sources, accounts, ..
+            } = &mut *st;
             let src = &mut sources[i];
-            src.gate.inflight = src.gate.inflight.saturating_sub(1);
+            src.quota.inflight = src.quota.inflight.saturating_sub(1);
+            src.key.inflight = src.key.inflight.saturating_sub(1);
             let a = &mut accounts[src.account].gate;
             a.inflight = a.inflight.saturating_sub(1);
         }
         self.released.notify_waiters();
+    }
+}
+
+/// A place in the waiting line, left on every path (the future may be dropped).
+struct Ticket<'a> {
+    shared: &'a Shared,
+    id: Option<u64>,
+}
+
+impl Drop for Ticket<'_> {
+    fn drop(&mut self) {
+        if let Some(id) = self.id {
+            lock(&self.shared.state).waiting.remove(&id);
+        }
     }
 }
 
@@ -538,18 +708,34 @@ struct Worker {
 }
 
 impl Worker {
-    async fn wait_for_source(&self, shape: &Shape, tokens: u64) -> Result<usize, NoSourceCanAnswer> {
+    async fn wait_for_source(
+        &self,
+        shape: &Shape,
+        cost: Cost,
+        retry: bool,
+    ) -> Result<usize, NoSourceCanAnswer> {
+        let shared = &self.shared;
+        let mut ticket = Ticket { shared, id: None };
         loop {
-            let released = self.shared.released.notified();
+            let released = shared.released.notified();
             tokio::pin!(released);
             // Registered before looking, so a release between the look and the wait wakes us.
             released.as_mut().enable();
-            let wake = match self.shared.admit(shape, tokens)? {
-                Ok(i) => return Ok(i),
+            let t = shared.scenario_s(Instant::now());
+            let ranked = shared.ranked(shape, cost, t, retry);
+            if ranked.is_empty() {
+                return Err(NoSourceCanAnswer);
+            }
+            let id = *ticket.id.get_or_insert_with(|| shared.ticket());
+            let wake = match shared.admit(&ranked, cost, id) {
+                Ok(i) => {
+                    ticket.id = None;
+                    return Ok(i);
+                }
                 Err(w) => w,
             };
-            let nap = Instant::now() + MAX_NAP;
-            let until = wake.map_or(nap, |w| w.min(nap));
+            let now = Instant::now();
+            let until = wake.map_or(now + MAX_NAP, |w| w.clamp(now + MIN_NAP, now + MAX_NAP));
             tokio::select! {
                 () = released => {}
                 () = tokio::time::sleep_until(until) => {}
@@ -573,13 +759,15 @@ impl Worker {
             prompt_tokens: prompt,
             budget: budget(first, &call),
         };
-        // The sim's own TPM cost (prompt tokens + budget) bounds what the hard limits
-        // count; the clients' quotas count the estimate: reserve the larger.
-        let cost = tokens.max(prompt.saturating_add(shape.budget));
+        let cost = Cost {
+            estimate: tokens,
+            provider: prompt.saturating_add(shape.budget),
+        };
         let (mut attempts, mut reasks, mut pushbacks) = (shared.client.max_attempts, MAX_REASKS, 0);
         let mut last: Result<ChatResponse, BoxError> = Err(Box::new(NoSourceCanAnswer));
         while attempts > 0 {
-            let source = match self.wait_for_source(&shape, cost).await {
+            let retry = attempts < shared.client.max_attempts;
+            let source = match self.wait_for_source(&shape, cost, retry).await {
                 Ok(i) => i,
                 Err(e) => return Err(Box::new(e)),
             };
@@ -693,7 +881,7 @@ pub fn build(env: &Env) -> Result<Built, BoxError> {
             None => {
                 accounts.push(Account {
                     config,
-                    gate: Gate::new(),
+                    gate: Gate::buckets(sc.pool.time_scale),
                     pace: Log::new(MINUTE),
                     latency_s: 0.0,
                     latency_429_s: 0.0,
@@ -703,7 +891,8 @@ pub fn build(env: &Env) -> Result<Built, BoxError> {
             }
         };
         sources.push(SourceState {
-            gate: Gate::new(),
+            quota: Gate::sliding(sc.pool.time_scale),
+            key: Gate::buckets(sc.pool.time_scale),
             provider_gate: Log::new(MINUTE.mul_f64(sc.pool.time_scale)),
             account,
         });
@@ -721,12 +910,19 @@ pub fn build(env: &Env) -> Result<Built, BoxError> {
         .map(|n| env.upstream.client(sc, n).map(Mutex::new))
         .collect::<Result<Vec<_>, _>>()?;
     let inflight = Inflight::new(&names);
+    let account_of = sources.iter().map(|s| accounts[s.account].config).collect();
     let shared = Arc::new(Shared {
         pool: sc.pool.clone(),
+        account_of,
         client: sc.client.clone(),
         clients,
         names,
-        state: Mutex::new(State { sources, accounts }),
+        state: Mutex::new(State {
+            sources,
+            accounts,
+            waiting: BTreeMap::new(),
+            next_ticket: 0,
+        }),
         released: Notify::new(),
         cache: ResponseCache::default(),
         origin: env.recorder.clock().origin(),
@@ -749,10 +945,12 @@ pub fn build(env: &Env) -> Result<Built, BoxError> {
             let mut acc = Accounting::default();
             inflight.report(&mut acc);
             let st = lock(&books.state);
+            acc.counters
+                .insert("calls waiting".into(), st.waiting.len() as u64);
             for (i, s) in st.sources.iter().enumerate() {
                 acc.counters.insert(
                     format!("slots held {}", books.names[i]),
-                    u64::from(s.gate.inflight),
+                    u64::from(s.quota.inflight),
                 );
             }
             Box::pin(std::future::ready(acc))

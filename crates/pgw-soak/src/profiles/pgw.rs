@@ -150,7 +150,8 @@ fn config_for(sc: &Scenario, base_url: impl Fn(&str) -> String) -> GatewayConfig
     let c = &sc.client;
     let mut cfg = GatewayConfig::default();
     for s in &sc.pool.sources {
-        let key = SecretKey::new(s.api_key.clone().unwrap_or_default());
+        // A simulated source without a key accepts any; the gateway requires one.
+        let key = SecretKey::new(s.api_key.clone().unwrap_or_else(|| "sk-sim-any".into()));
         let mut src = SourceConfig::new(s.name.as_str(), base_url(&s.name), key);
         let q = c.quota(&s.name);
         src.rpm = q.rpm.map(i64_of);
