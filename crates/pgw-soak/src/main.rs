@@ -113,25 +113,11 @@ fn real_main(args: &Args) -> Result<ExitCode, Box<dyn std::error::Error + Send +
         Some(p) => Scenario::named_or_file(p)?,
         None => Scenario::p6(args.seed),
     };
-    if args.scenario.is_none() || args.seed != DEFAULT_SEED {
+    if args.scenario.is_none() {
         scenario.seed = args.seed;
     }
-    if let Some(n) = args.calls {
-        scenario.calls = n;
-    }
-    if let Some(n) = args.workers {
-        scenario.workers = n;
-    }
-    if let Some(n) = args.concurrency {
-        scenario.concurrency = n;
-    }
-    let dir = args.out.clone().unwrap_or_else(|| {
-        // The directory name only; no duration is measured with the wall clock here.
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
-        PathBuf::from("soak-runs").join(format!("{}-seed-{}-{now}", scenario.name, scenario.seed))
-    });
+    apply_flags(args, &mut scenario);
+    let dir = run_dir(args, &format!("{}-seed-{}", scenario.name, scenario.seed));
     if redis {
         return redis_main(args, &scenario, &dir);
     }
@@ -150,28 +136,40 @@ fn real_main(args: &Args) -> Result<ExitCode, Box<dyn std::error::Error + Send +
     Ok(verdict(&outcome.scores))
 }
 
-fn matrix_main(args: &Args) -> Result<ExitCode, Box<dyn std::error::Error + Send + Sync>> {
-    let mut scenarios = pgw_soak::scenario::library()?;
-    for s in &mut scenarios {
-        if args.seed != DEFAULT_SEED {
-            s.seed = args.seed;
-        }
-        if let Some(n) = args.calls {
-            s.calls = n;
-        }
-        if let Some(n) = args.workers {
-            s.workers = n;
-        }
-        if let Some(n) = args.concurrency {
-            s.concurrency = n;
-        }
+/// The flags that override a scenario: `--seed` (when not the default), `--calls`,
+/// `--workers`, `--concurrency`.
+fn apply_flags(args: &Args, scenario: &mut Scenario) {
+    if args.seed != DEFAULT_SEED {
+        scenario.seed = args.seed;
     }
-    let dir = args.out.clone().unwrap_or_else(|| {
+    if let Some(n) = args.calls {
+        scenario.calls = n;
+    }
+    if let Some(n) = args.workers {
+        scenario.workers = n;
+    }
+    if let Some(n) = args.concurrency {
+        scenario.concurrency = n;
+    }
+}
+
+/// `--out`, or `soak-runs/<stem>-<unix time>`.
+fn run_dir(args: &Args, stem: &str) -> PathBuf {
+    args.out.clone().unwrap_or_else(|| {
+        // The directory name only; no duration is measured with the wall clock here.
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
-        PathBuf::from("soak-runs").join(format!("matrix-{now}"))
-    });
+        PathBuf::from("soak-runs").join(format!("{stem}-{now}"))
+    })
+}
+
+fn matrix_main(args: &Args) -> Result<ExitCode, Box<dyn std::error::Error + Send + Sync>> {
+    let mut scenarios = pgw_soak::scenario::library()?;
+    for s in &mut scenarios {
+        apply_flags(args, s);
+    }
+    let dir = run_dir(args, "matrix");
     let opts = MatrixOptions {
         profiles: args.profiles.clone().unwrap_or_else(|| ProfileKind::ALL.to_vec()),
         dir: dir.clone(),

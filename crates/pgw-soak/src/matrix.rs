@@ -146,56 +146,65 @@ fn verdict(cell: &Cell) -> &'static str {
     if cell.score.passed() { "PASS" } else { "FAIL" }
 }
 
+/// One cell's columns: scenario, profile, success, goodput, vs oracle, p95, violations,
+/// verdict.
+fn columns(c: &Cell) -> [String; 8] {
+    [
+        c.scenario.clone(),
+        c.score.profile.clone(),
+        format!("{:.2}%", c.score.success_rate * 100.0),
+        format!("{:.1}", c.score.timing.goodput_per_min),
+        vs(c),
+        p95_s(c),
+        c.score.violations.len().to_string(),
+        verdict(c).to_owned(),
+    ]
+}
+
 /// The matrix as a terminal table.
 #[must_use]
 pub fn matrix_table(cells: &[Cell]) -> String {
     let mut out = String::new();
-    let _ = writeln!(
-        out,
-        "{:<20} {:<11} {:>8} {:>10} {:>9} {:>8} {:>10} {:>7}",
-        "scenario", "profile", "success", "ok/min", "vs oracle", "p95 s", "violations", "verdict"
-    );
-    for c in cells {
+    let line = |out: &mut String, c: &[String; 8]| {
         let _ = writeln!(
             out,
-            "{:<20} {:<11} {:>7.2}% {:>10.1} {:>9} {:>8} {:>10} {:>7}",
-            c.scenario,
-            c.score.profile,
-            c.score.success_rate * 100.0,
-            c.score.timing.goodput_per_min,
-            vs(c),
-            p95_s(c),
-            c.score.violations.len(),
-            verdict(c)
+            "{:<20} {:<11} {:>8} {:>10} {:>9} {:>8} {:>10} {:>7}",
+            c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]
         );
+    };
+    line(&mut out, &HEADER.map(str::to_owned));
+    for c in cells {
+        line(&mut out, &columns(c));
     }
     out
 }
+
+const HEADER: [&str; 8] = [
+    "scenario",
+    "profile",
+    "success",
+    "ok/min",
+    "vs oracle",
+    "p95 s",
+    "violations",
+    "verdict",
+];
 
 /// The matrix as Markdown (`matrix.md`).
 #[must_use]
 pub fn matrix_markdown(cells: &[Cell]) -> String {
     let mut md = String::from(
         "# Scenario matrix\n\nEvery library scenario with every profile, virtual time. \
-         Goodput is successful calls per scenario minute; `vs oracle` is its ratio to the \
-         clairvoyant client's on the same scenario; p95 is the successful calls' latency. \
-         Each scenario's own report is in its directory.\n\n\
-         | scenario | profile | success | goodput (ok/min) | vs oracle | p95 (s) | violations | verdict |\n\
-         |---|---|---:|---:|---:|---:|---:|---|\n",
+         Goodput (ok/min) is successful calls per scenario minute; `vs oracle` is its ratio \
+         to the clairvoyant client's on the same scenario; p95 is the successful calls' \
+         latency. Each scenario's own report is in its directory.\n\n",
     );
+    let _ = writeln!(md, "| {} |", HEADER.join(" | "));
+    md.push_str("|---|---|---:|---:|---:|---:|---:|---|\n");
     for c in cells {
-        let _ = writeln!(
-            md,
-            "| [{0}]({0}/report.md) | {1} | {2:.2}% | {3:.1} | {4} | {5} | {6} | {7} |",
-            c.scenario,
-            c.score.profile,
-            c.score.success_rate * 100.0,
-            c.score.timing.goodput_per_min,
-            vs(c),
-            p95_s(c),
-            c.score.violations.len(),
-            verdict(c)
-        );
+        let mut cols = columns(c);
+        cols[0] = format!("[{0}]({0}/report.md)", cols[0]);
+        let _ = writeln!(md, "| {} |", cols.join(" | "));
     }
     md
 }

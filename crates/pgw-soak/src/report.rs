@@ -337,6 +337,26 @@ pub fn terminal(scores: &[Score]) -> String {
     out
 }
 
+/// One series of a chart: its polyline (none without points) and its legend entry
+/// (a swatch at `legend`, then `label`).
+fn series(s: &mut String, colour: &str, pts: &[String], legend: (f64, f64), label: &str) {
+    if !pts.is_empty() {
+        let _ = writeln!(
+            s,
+            r#"<polyline fill="none" stroke="{colour}" stroke-width="2" points="{}"/>"#,
+            pts.join(" ")
+        );
+    }
+    let (lx, ly) = legend;
+    let _ = writeln!(
+        s,
+        r#"<rect x="{lx:.1}" y="{:.1}" width="12" height="12" fill="{colour}"/><text x="{:.1}" y="{ly:.1}">{}</text>"#,
+        ly - 10.0,
+        lx + 17.0,
+        esc(label)
+    );
+}
+
 fn esc(s: &str) -> String {
     s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
 }
@@ -398,21 +418,13 @@ pub fn svg(scores: &[Score]) -> String {
                 format!("{:.1},{:.1}", x0 + pw * m as f64 / max_min, y0 + ph - ph * rate)
             })
             .collect();
-        let _ = writeln!(
-            s,
-            r#"<polyline fill="none" stroke="{colour}" stroke-width="2" points="{}"/>"#,
-            pts.join(" ")
-        );
-        let ly = y0 + 20.0 + 20.0 * i as f64;
-        let _ = writeln!(
-            s,
-            r#"<rect x="{:.1}" y="{:.1}" width="12" height="12" fill="{colour}"/><text x="{:.1}" y="{:.1}">{} {:.1}%</text>"#,
-            x0 + pw + 15.0,
-            ly - 10.0,
-            x0 + pw + 32.0,
-            ly,
-            esc(&sc.profile),
-            sc.success_rate * 100.0
+        let label = format!("{} {:.1}%", sc.profile, sc.success_rate * 100.0);
+        series(
+            &mut s,
+            colour,
+            &pts,
+            (x0 + pw + 15.0, y0 + 20.0 + 20.0 * i as f64),
+            &label,
         );
     }
 
@@ -537,24 +549,18 @@ pub fn latency_svg(scores: &[Score]) -> String {
             .enumerate()
             .map(|(k, &ms)| format!("{:.1},{:.1}", x(secs(ms)), y0 + ph - ph * (k as f64 + 1.0) / n))
             .collect();
-        if !pts.is_empty() {
-            let _ = writeln!(
-                s,
-                r#"<polyline fill="none" stroke="{colour}" stroke-width="2" points="{}"/>"#,
-                pts.join(" ")
-            );
-        }
-        let ly = y0 + 20.0 + 20.0 * i as f64;
-        let _ = writeln!(
-            s,
-            r#"<rect x="{:.1}" y="{:.1}" width="12" height="12" fill="{colour}"/><text x="{:.1}" y="{:.1}">{} p50 {:.1}s p95 {:.1}s</text>"#,
-            x0 + pw + 15.0,
-            ly - 10.0,
-            x0 + pw + 32.0,
-            ly,
-            esc(&sc.profile),
+        let label = format!(
+            "{} p50 {:.1}s p95 {:.1}s",
+            sc.profile,
             secs(sc.timing.success.p50),
             secs(sc.timing.success.p95)
+        );
+        series(
+            &mut s,
+            colour,
+            &pts,
+            (x0 + pw + 15.0, y0 + 20.0 + 20.0 * i as f64),
+            &label,
         );
     }
     s.push_str("</svg>\n");
