@@ -66,7 +66,7 @@ where
                     // stays, only the slot is given back.
                     let not_admitted = matches!(&result, Err(e) if NotAdmitted::of(&**e).is_some());
                     if !not_admitted {
-                        permit.limiter().on_outcome(classifier.classify(&result));
+                        permit.on_outcome(classifier.classify(&result));
                     }
                 }
                 Poll::Ready(result)

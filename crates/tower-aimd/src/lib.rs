@@ -3,7 +3,9 @@
 //!
 //! Each source has a float limit: initial 8, floor 1, ceiling
 //! `min(source max_concurrency, caller concurrency)`. A `RateLimited` outcome (429)
-//! halves it; a `Success` adds `1/limit`. Other outcomes leave it alone, and an error
+//! halves it, once per congestion episode: the first 429 of a request sent since the
+//! last cut cuts and starts a new episode, and the 429s of requests already in flight
+//! then do not cut again (as TCP's once per window). A `Success` adds `1/limit`. Other outcomes leave it alone, and an error
 //! from below that is *not admitted* ([`pgw_core::NotAdmitted`]) changes nothing: it
 //! was not an attempt. Outcomes come from a [`pgw_core::Classify`] (default
 //! [`pgw_core::OkIsSuccess`]).

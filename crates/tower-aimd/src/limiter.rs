@@ -12,6 +12,9 @@ use crate::AimdConfig;
 /// Shared state of one source.
 pub(crate) struct Limiter {
     limit_bits: AtomicU64,
+    /// The congestion episode: incremented by each cut. A 429 of a request sent in an
+    /// earlier episode (before the last cut) does not cut again (A2, as TCP).
+    episode: AtomicU64,
     inflight: AtomicUsize,
     /// Set by whoever was refused (a shed `Paced`, a waiting `poll_ready`) before it
     /// re-checks; a release that finds it set fires the release signal. This keeps
@@ -29,6 +32,7 @@ impl Limiter {
         let ceiling = config.ceiling();
         Self {
             limit_bits: AtomicU64::new(config.initial_limit.min(ceiling).to_bits()),
+            episode: AtomicU64::new(0),
             inflight: AtomicUsize::new(0),
             refused: AtomicBool::new(false),
             signal,
@@ -97,9 +101,26 @@ impl Limiter {
     }
 
     /// Adjusts the limit for one attempt's outcome (A2).
-    pub(crate) fn on_outcome(&self, outcome: Outcome) {
+    /// The current congestion episode.
+    pub(crate) fn episode(&self) -> u64 {
+        self.episode.load(Ordering::SeqCst)
+    }
+
+    /// Feeds the outcome of a request sent during `episode`: a 429 cuts the limit once
+    /// per episode (the first 429 of a request sent since the last cut wins the cut and
+    /// starts a new episode; the 429s of requests already in flight then do not cut
+    /// again), a success grows it by `1 / limit`.
+    pub(crate) fn on_outcome(&self, episode: u64, outcome: Outcome) {
         match outcome {
-            Outcome::RateLimited { .. } => self.update(|l| (l * self.cut).max(self.floor)),
+            Outcome::RateLimited { .. } => {
+                if self
+                    .episode
+                    .compare_exchange(episode, episode.wrapping_add(1), Ordering::SeqCst, Ordering::SeqCst)
+                    .is_ok()
+                {
+                    self.update(|l| (l * self.cut).max(self.floor));
+                }
+            }
             Outcome::Success => self.update(|l| (l + 1.0 / l).min(self.ceiling)),
             Outcome::Transient | Outcome::SourceDead | Outcome::Rejected | Outcome::Invalid => {}
         }
@@ -126,15 +147,19 @@ impl Limiter {
 /// One slot of a source's limit; released on drop, on every path (A4).
 pub(crate) struct Permit {
     limiter: Arc<Limiter>,
+    /// The congestion episode the request is sent in.
+    episode: u64,
 }
 
 impl Permit {
     pub(crate) fn new(limiter: Arc<Limiter>) -> Self {
-        Self { limiter }
+        let episode = limiter.episode();
+        Self { limiter, episode }
     }
 
-    pub(crate) fn limiter(&self) -> &Limiter {
-        &self.limiter
+    /// Feeds the request's outcome to its limiter, in the episode it was sent in.
+    pub(crate) fn on_outcome(&self, outcome: Outcome) {
+        self.limiter.on_outcome(self.episode, outcome);
     }
 }
 
@@ -218,17 +243,19 @@ mod tests {
             caller_concurrency: Some(10),
             ..AimdConfig::default()
         });
+        let rl = Outcome::RateLimited { retry_after: None };
         assert!((l.limit() - 8.0).abs() < 1e-12);
-        l.on_outcome(Outcome::RateLimited { retry_after: None });
+        l.on_outcome(l.episode(), rl);
         assert!((l.limit() - 4.0).abs() < 1e-12, "x0.5 cut");
-        l.on_outcome(Outcome::Success);
+        l.on_outcome(l.episode(), Outcome::Success);
         assert!((l.limit() - 4.25).abs() < 1e-12, "+1/limit growth");
         for _ in 0..10 {
-            l.on_outcome(Outcome::RateLimited { retry_after: None });
+            // Each sent after the previous cut: each cuts.
+            l.on_outcome(l.episode(), rl);
         }
         assert!((l.limit() - 1.0).abs() < 1e-12, "floor 1");
         for _ in 0..10_000 {
-            l.on_outcome(Outcome::Success);
+            l.on_outcome(l.episode(), Outcome::Success);
         }
         assert!((l.limit() - 10.0).abs() < 1e-12, "ceiling min(12, 10)");
         for o in [
@@ -237,9 +264,29 @@ mod tests {
             Outcome::Rejected,
             Outcome::Invalid,
         ] {
-            l.on_outcome(o);
+            l.on_outcome(l.episode(), o);
         }
         assert!((l.limit() - 10.0).abs() < 1e-12, "other outcomes leave the limit");
+    }
+
+    #[test]
+    fn one_cut_per_congestion_episode() {
+        let l = limiter(&AimdConfig::default());
+        let send = || {
+            assert!(l.try_acquire());
+            Permit::new(Arc::clone(&l))
+        };
+        // Eight requests sent in the same episode, all answered 429: one cut, not eight.
+        let sent: Vec<Permit> = (0..8).map(|_| send()).collect();
+        for p in &sent {
+            p.on_outcome(Outcome::RateLimited { retry_after: None });
+        }
+        assert!((l.limit() - 4.0).abs() < 1e-12, "{}", l.limit());
+        // A request sent after the cut opens the next episode.
+        drop(sent.into_iter().skip(1).collect::<Vec<_>>());
+        send().on_outcome(Outcome::RateLimited { retry_after: None });
+        assert!((l.limit() - 2.0).abs() < 1e-12, "{}", l.limit());
+        assert_eq!(l.inflight(), 0);
     }
 
     #[test]
