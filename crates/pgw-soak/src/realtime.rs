@@ -252,6 +252,7 @@ pub fn describe_redis(s: &Scenario, real: &RealTime) -> String {
 fn merge(dir: &Path, scenario: &Scenario, real: &RealTime) -> Result<ProfileRun, BoxError> {
     let mut merged = ProfileRun {
         profile: ProfileKind::Pgw.as_str().to_owned(),
+        time_scale: real.time_scale,
         sources: scenario.pool.sources.iter().map(|s| s.name.clone()).collect(),
         quotas: scenario.judged_quotas(),
         ..ProfileRun::default()
@@ -296,6 +297,10 @@ pub fn run_worker(dir: &Path, index: u32) -> Result<(), BoxError> {
         .build()?;
     let mut run = rt.block_on(async {
         let clock = RunClock::start();
+        // The call rows count from this worker's start, the attempt rows from the run's
+        // origin (the Redis server clock): shift the calls onto the origin so a call's
+        // wait before its first attempt is measured on one time line.
+        let shift_ms = unix_ms().saturating_sub(real.origin_ms);
         let sources: Vec<String> = scenario.pool.sources.iter().map(|s| s.name.clone()).collect();
         let recorder = Recorder::in_memory(clock, sources.clone());
         let w = RedisWorker {
@@ -328,6 +333,9 @@ pub fn run_worker(dir: &Path, index: u32) -> Result<(), BoxError> {
         let (attempts, mut calls) = recorder.finish()?;
         for c in &mut calls {
             c.worker = index;
+            c.started_ms += shift_ms;
+            c.ended_ms += shift_ms;
+            c.first_chunk_ms = c.first_chunk_ms.map(|t| t + shift_ms);
         }
         #[allow(
             clippy::cast_possible_truncation,
@@ -345,6 +353,7 @@ pub fn run_worker(dir: &Path, index: u32) -> Result<(), BoxError> {
             wall_ms: real_ms,
             scenario_ms,
             sources,
+            time_scale: real.time_scale,
         })
     })?;
     drop(rt);

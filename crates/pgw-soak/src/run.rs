@@ -157,6 +157,7 @@ pub fn run_profile_virtual(
             wall_ms: 0,
             scenario_ms,
             sources,
+            time_scale: 1.0,
         })
     })?;
     drop(rt);

@@ -305,7 +305,7 @@ const fn default_window_ms() -> u64 {
 }
 
 /// Everything one profile's run produced.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ProfileRun {
     /// The profile's name.
     pub profile: String,
@@ -327,6 +327,31 @@ pub struct ProfileRun {
     pub scenario_ms: u64,
     /// The pool's source names, in order.
     pub sources: Vec<String>,
+    /// Real seconds per scenario second of the rows' times (1 in virtual time; the
+    /// Redis mode's `--time-scale`): the time figures divide durations by it.
+    #[serde(default = "unscaled")]
+    pub time_scale: f64,
+}
+
+const fn unscaled() -> f64 {
+    1.0
+}
+
+impl Default for ProfileRun {
+    fn default() -> Self {
+        Self {
+            profile: String::new(),
+            attempts: Vec::new(),
+            calls: Vec::new(),
+            rss: Vec::new(),
+            accounting: Accounting::default(),
+            quotas: Vec::new(),
+            wall_ms: 0,
+            scenario_ms: 0,
+            sources: Vec::new(),
+            time_scale: 1.0,
+        }
+    }
 }
 
 fn write_jsonl<T: Serialize>(path: &Path, rows: &[T]) -> std::io::Result<()> {

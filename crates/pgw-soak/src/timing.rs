@@ -118,7 +118,16 @@ pub fn timing(run: &ProfileRun) -> Timing {
             }
         }
     }
-    let life = |c: &crate::telemetry::CallRow| c.ended_ms.saturating_sub(c.started_ms);
+    // Durations in scenario milliseconds (the Redis mode's rows are real time).
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    let scaled = |ms: u64| -> u64 {
+        if run.time_scale > 0.0 && (run.time_scale - 1.0).abs() > f64::EPSILON {
+            (ms as f64 / run.time_scale).round() as u64
+        } else {
+            ms
+        }
+    };
+    let life = |c: &crate::telemetry::CallRow| scaled(c.ended_ms.saturating_sub(c.started_ms));
     let ok = || run.calls.iter().filter(|c| c.ok);
     let success = histogram(ok().map(life));
     let streamed_ok = || ok().filter(|c| c.stream);
@@ -136,20 +145,25 @@ pub fn timing(run: &ProfileRun) -> Timing {
         success: Percentiles::of_histogram(&success),
         failure: Percentiles::of(run.calls.iter().filter(|c| !c.ok).map(life)),
         caller_ttft: Percentiles::of(streamed_ok().map(|c| {
-            c.first_chunk_ms
-                .unwrap_or(c.ended_ms)
-                .saturating_sub(c.started_ms)
+            scaled(
+                c.first_chunk_ms
+                    .unwrap_or(c.ended_ms)
+                    .saturating_sub(c.started_ms),
+            )
         })),
         upstream_ttft: Percentiles::of(
             streamed_ok()
                 .filter_map(|c| answering.get(c.call_id.as_str()))
-                .filter_map(|a| a.ttft_ms),
+                .filter_map(|a| a.ttft_ms)
+                .map(scaled),
         ),
         first_attempt_wait: Percentiles::of(run.calls.iter().map(|c| {
-            first_attempt
-                .get(c.call_id.as_str())
-                .map_or(c.ended_ms, |&t| t.min(c.ended_ms))
-                .saturating_sub(c.started_ms)
+            scaled(
+                first_attempt
+                    .get(c.call_id.as_str())
+                    .map_or(c.ended_ms, |&t| t.min(c.ended_ms))
+                    .saturating_sub(c.started_ms),
+            )
         })),
         success_cdf,
     }
@@ -260,6 +274,22 @@ mod tests {
         assert_eq!(t.success_cdf.len(), 50);
         assert_eq!(t.success_cdf.last().map(|v| v / 1000), Some(30));
         assert!(t.success_cdf.windows(2).all(|w| w[0] <= w[1]));
+    }
+
+    #[test]
+    fn scaled_runs_report_scenario_time() {
+        // A real-time run at 1/60: a call of 1 s real time lasted a scenario minute.
+        let run = ProfileRun {
+            scenario_ms: 120_000,
+            time_scale: 1.0 / 60.0,
+            calls: vec![call("a", true, 0, 1_000, false, None)],
+            attempts: vec![attempt("a", 1, 500, "success", None, false)],
+            ..ProfileRun::default()
+        };
+        let t = timing(&run);
+        assert_eq!(t.success.max / 1000, 60);
+        assert_eq!(t.first_attempt_wait.max / 1000, 30);
+        assert!((t.goodput_per_min - 0.5).abs() < 1e-9);
     }
 
     #[test]
