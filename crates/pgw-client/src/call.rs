@@ -6,7 +6,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use pgw_core::openai::{ChatChunk, ChatRequest, ChatResponse, Usage};
-use pgw_core::{BoxError, CallHistory, CarriesHistory, Classify, Outcome, SourceId, classify_error};
+use pgw_core::{
+    BoxError, CallHistory, CarriesHistory, Classify, Outcome, SourceId, classify_error, classify_response,
+};
 
 /// The identity of one call, unique within a process (a counter) unless the caller
 /// sets it ([`ChatCall::with_call_id`]), e.g. to make ids unique across processes.
@@ -168,17 +170,19 @@ impl ChatAnswer {
     }
 }
 
-/// The classifier of [`ChatAnswer`] results: an answer is a `Success` (the client
-/// already turned empty completions into [`pgw_core::EmptyCompletion`] errors, but an
-/// answer built elsewhere is checked again); errors by [`classify_error`].
+/// The classifier of [`ChatAnswer`] results, pgw-core's decision applied to the
+/// answer: [`classify_response`] (text, tool calls and declines, i.e. a content
+/// filter's verdict or a refusal, are `Success`; the client already turned empty
+/// completions into [`pgw_core::EmptyCompletion`] errors, but an answer built
+/// elsewhere is checked again); errors by [`classify_error`] (the provider's error
+/// code and type, then the status).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct AnswerClassifier;
 
 impl Classify<ChatAnswer, BoxError> for AnswerClassifier {
     fn classify(&self, result: &Result<ChatAnswer, BoxError>) -> Outcome {
         match result {
-            Ok(a) if a.response.is_empty_completion() => Outcome::Transient,
-            Ok(_) => Outcome::Success,
+            Ok(a) => classify_response(&a.response),
             Err(e) => classify_error(&**e),
         }
     }

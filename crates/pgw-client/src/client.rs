@@ -11,7 +11,7 @@ use futures_util::future::BoxFuture;
 use http::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE, HeaderValue};
 use http_body_util::BodyExt;
 use pgw_core::openai::{ChatMessage, ChatResponse, ChunkAccumulator};
-use pgw_core::{BoxError, EmptyCompletion, SourceId, UpstreamStatus};
+use pgw_core::{BoxError, EmptyCompletion, ProviderError, SourceId, UpstreamStatus};
 use serde::Serialize;
 use serde_json::{Map, Value};
 use tokio::time::{Instant, timeout_at};
@@ -46,12 +46,16 @@ struct Prepared {
 /// override), sends it on the transport `T`, and parses the answer:
 ///
 /// - non-2xx: [`UpstreamStatus`] with the parsed `Retry-After` and the provider's
-///   message (scrubbed of the key);
+///   error as its body wrote it ([`ProviderError`]: message, type, code, param, each
+///   scrubbed of the key), which the classifier reads before the status;
 /// - 2xx JSON: a [`pgw_core::openai::ChatResponse`];
 /// - 2xx SSE (when `request.stream`): the chunks through a [`ChunkStream`] with its
 ///   watchdogs, consumed to `[DONE]` and folded into the answer, the chunks kept in
 ///   [`ChatAnswer::chunks`] for replay;
-/// - no text and no tool call: [`EmptyCompletion`]; bytes that are not a completion:
+/// - a refusal (`message.refusal`, `delta.refusal`) or a content filter's verdict
+///   (`finish_reason: "content_filter"`) with `content: null`: an answer like any
+///   other, handed up as is (another source would decline the same prompt);
+/// - no text, no tool call and no decline: [`EmptyCompletion`]; bytes that are not a completion:
 ///   [`MalformedResponse`]; a watchdog: [`WatchdogCut`]. All three are `Transient`.
 ///
 /// **Why an attempt consumes the whole stream.** The stack above (breaker, health,
@@ -325,7 +329,7 @@ where
         (resp, Vec::new())
     };
     stats.latency = start.elapsed();
-    stats.usage = response.usage;
+    stats.usage.clone_from(&response.usage);
     if response.is_empty_completion() {
         return Err(EmptyCompletion.into());
     }
@@ -389,30 +393,32 @@ async fn status_error(
     // The message is a courtesy: read it briefly, never let it hold the attempt.
     let deadline =
         after(start, t.total).min(after(Instant::now(), t.inter_token.min(Duration::from_secs(5))));
-    let message = match read_body(body, deadline, t, MAX_ERROR_BODY).await {
-        Ok(bytes) => provider_error(&bytes).unwrap_or_else(|| snippet(&bytes)),
-        Err(_) => String::new(),
+    let bytes = read_body(body, deadline, t, MAX_ERROR_BODY)
+        .await
+        .unwrap_or_default();
+    let scrub = |s: String| match &prepared.settings.key {
+        Some(key) => key.scrub(&s),
+        None => s,
     };
-    let message = match &prepared.settings.key {
-        Some(key) => key.scrub(&message),
-        None => message,
-    };
-    UpstreamStatus::new(parts.status, retry_after, message)
+    match ProviderError::parse(&bytes) {
+        Some(p) => {
+            // Every field the caller may see is scrubbed: a provider may echo the key.
+            let p = ProviderError {
+                message: scrub(truncate(p.message)),
+                kind: p.kind.map(|k| scrub(truncate(k))),
+                code: p.code.map(|c| scrub(truncate(c))),
+                param: p.param.map(|x| scrub(truncate(x))),
+            };
+            UpstreamStatus::new(parts.status, retry_after, p.message.clone()).with_provider(p)
+        }
+        None => UpstreamStatus::new(parts.status, retry_after, scrub(snippet(&bytes))),
+    }
 }
 
-/// The provider's error message in an OpenAI-style error body
-/// (`{"error":{"message":..}}`, `{"error":".."}` or `{"message":..}`).
+/// The provider's error message in an OpenAI-style error body (see
+/// [`ProviderError::parse`]), truncated.
 pub(crate) fn provider_error(bytes: &[u8]) -> Option<String> {
-    let v: Value = serde_json::from_slice(bytes).ok()?;
-    let msg = match v.get("error") {
-        Some(Value::String(s)) => s.clone(),
-        Some(e @ Value::Object(_)) => e
-            .get("message")
-            .and_then(Value::as_str)
-            .map_or_else(|| e.to_string(), str::to_owned),
-        _ => v.get("message")?.as_str()?.to_owned(),
-    };
-    Some(truncate(msg))
+    ProviderError::parse(bytes).map(|p| truncate(p.message))
 }
 
 fn snippet(bytes: &[u8]) -> String {

@@ -92,8 +92,8 @@ impl ChunkStream {
 
     /// Usage, once a chunk reported it.
     #[must_use]
-    pub const fn usage(&self) -> Option<Usage> {
-        self.usage
+    pub const fn usage(&self) -> Option<&Usage> {
+        self.usage.as_ref()
     }
 
     /// When the request was dispatched.
@@ -118,7 +118,7 @@ impl ChunkStream {
             return Err(MalformedResponse::new(format!("provider error mid-stream: {msg}")).into());
         }
         if chunk.usage.is_some() {
-            self.usage = chunk.usage;
+            self.usage.clone_from(&chunk.usage);
         }
         let now = Instant::now();
         let token = chunk

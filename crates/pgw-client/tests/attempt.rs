@@ -120,6 +120,7 @@ fn chunk(text: &str, finish: bool) -> Bytes {
                 ..Delta::default()
             },
             finish_reason: finish.then(|| "stop".into()),
+            ..ChunkChoice::default()
         }],
         ..ChatChunk::default()
     };
@@ -128,11 +129,7 @@ fn chunk(text: &str, finish: bool) -> Bytes {
 
 fn usage_chunk() -> Bytes {
     let c = ChatChunk {
-        usage: Some(Usage {
-            prompt_tokens: 3,
-            completion_tokens: 2,
-            total_tokens: 5,
-        }),
+        usage: Some(Usage::new(3, 2, 5)),
         ..ChatChunk::default()
     };
     Bytes::from(pgw_core::sse::encode_data(&serde_json::to_string(&c).unwrap()))
@@ -543,4 +540,144 @@ async fn a_tool_call_stream_is_output_for_the_watchdogs() {
     assert_eq!(call["function"]["name"], "lookup");
     assert_eq!(call["function"]["arguments"], r#"{"q":1}"#);
     assert_eq!(outcome(&Ok(answer)), Outcome::Success);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_providers_error_code_decides_and_reaches_the_caller() {
+    let p = Provider::default();
+    let rows: [(u16, String, Outcome, Option<&str>); 4] = [
+        (
+            404,
+            r#"{"error":{"message":"The model `gpt-4o-mimi` does not exist or you do not have access to it.","type":"invalid_request_error","param":null,"code":"model_not_found"}}"#.into(),
+            Outcome::Rejected,
+            Some("model_not_found"),
+        ),
+        (
+            429,
+            r#"{"error":{"message":"You exceeded your current quota, please check your plan and billing details.","type":"insufficient_quota","param":null,"code":"insufficient_quota"}}"#.into(),
+            Outcome::SourceDead,
+            Some("insufficient_quota"),
+        ),
+        (
+            529,
+            r#"{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}"#.into(),
+            Outcome::Transient,
+            None,
+        ),
+        (
+            400,
+            format!(r#"{{"error":{{"message":"key {KEY}: This model's maximum context length is 8192 tokens.","type":"invalid_request_error","param":"messages","code":"context_length_exceeded"}}}}"#),
+            Outcome::Rejected,
+            Some("context_length_exceeded"),
+        ),
+    ];
+    for (status, body, want, code) in rows {
+        let r = p
+            .client(json(status, &body), timeouts())
+            .oneshot(plain_call())
+            .await;
+        assert_eq!(outcome(&r), want, "{status} {body}");
+        let e = r.as_ref().unwrap_err().downcast_ref::<UpstreamStatus>().unwrap();
+        assert_eq!(e.code(), code);
+        let provider = e.provider().expect("the body was a JSON error");
+        assert!(!provider.message.contains(KEY), "{provider:?}");
+        if status == 400 {
+            assert_eq!(provider.param.as_deref(), Some("messages"));
+            assert_eq!(provider.kind.as_deref(), Some("invalid_request_error"));
+            assert!(
+                provider
+                    .message
+                    .starts_with("key ***: This model's maximum context length")
+            );
+        }
+        if status == 529 {
+            assert_eq!(provider.kind.as_deref(), Some("overloaded_error"));
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn declines_are_answers_handed_up_as_is() {
+    let p = Provider::default();
+    let filtered = r#"{"id":"x","object":"chat.completion","model":"m","choices":[{"index":0,"message":{"role":"assistant","content":null},"finish_reason":"content_filter"}],"usage":{"prompt_tokens":3,"completion_tokens":0,"total_tokens":3}}"#;
+    let refused = r#"{"id":"x","object":"chat.completion","model":"m","choices":[{"index":0,"message":{"role":"assistant","content":null,"refusal":"I'm sorry, but I can't help with that."},"finish_reason":"stop"}]}"#;
+    for body in [filtered, refused] {
+        let r = p.client(json(200, body), timeouts()).oneshot(plain_call()).await;
+        assert_eq!(outcome(&r), Outcome::Success, "{body}");
+        let answer = r.unwrap();
+        assert!(answer.response.choices[0].message.content.is_null());
+        let back = serde_json::to_value(&answer.response).unwrap();
+        let want: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(back["choices"], want["choices"]);
+    }
+    // Streamed: a role chunk, refusal pieces, the finish chunk.
+    let frame = |json: &str| Bytes::from(pgw_core::sse::encode_data(json));
+    let script = sse(vec![
+        (
+            Duration::ZERO,
+            frame(r#"{"choices":[{"index":0,"delta":{"role":"assistant","content":"","refusal":null}}]}"#),
+        ),
+        (
+            Duration::from_millis(10),
+            frame(r#"{"choices":[{"index":0,"delta":{"refusal":"I'm sorry, "}}]}"#),
+        ),
+        (
+            Duration::from_millis(10),
+            frame(r#"{"choices":[{"index":0,"delta":{"refusal":"no."}}]}"#),
+        ),
+        (
+            Duration::ZERO,
+            frame(r#"{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}"#),
+        ),
+        (Duration::ZERO, Bytes::from_static(pgw_core::sse::DONE.as_bytes())),
+    ]);
+    let r = p.client(script, timeouts()).oneshot(stream_call()).await;
+    assert_eq!(outcome(&r), Outcome::Success);
+    let answer = r.unwrap();
+    assert_eq!(
+        answer.response.choices[0].message.refusal(),
+        Some("I'm sorry, no.")
+    );
+    assert!(answer.response.choices[0].message.content.is_null());
+    assert_eq!(
+        answer.stats.ttft,
+        Some(Duration::from_millis(110)),
+        "a refusal piece is a token"
+    );
+    let script = sse(vec![
+        (
+            Duration::ZERO,
+            frame(r#"{"choices":[{"index":0,"delta":{"role":"assistant"}}]}"#),
+        ),
+        (
+            Duration::ZERO,
+            frame(r#"{"choices":[{"index":0,"delta":{},"finish_reason":"content_filter"}]}"#),
+        ),
+        (Duration::ZERO, Bytes::from_static(pgw_core::sse::DONE.as_bytes())),
+    ]);
+    let r = p.client(script, timeouts()).oneshot(stream_call()).await;
+    assert_eq!(outcome(&r), Outcome::Success);
+    assert!(r.unwrap().response.is_declined());
+}
+
+#[tokio::test(start_paused = true)]
+async fn every_field_survives_both_ways() {
+    let p = Provider::default();
+    let answer = r#"{"id":"x","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"hi","refusal":null},"logprobs":{"content":[{"bytes":[104,105],"logprob":-0.5,"token":"hi","top_logprobs":[]}]},"finish_reason":"stop"}],"usage":{"completion_tokens":1,"completion_tokens_details":{"reasoning_tokens":7},"prompt_tokens":3,"total_tokens":4},"service_tier":"default","system_fingerprint":"fp_1"}"#;
+    let request = r#"{"model":"asked-model","messages":[{"role":"user","content":[{"type":"text","text":"what is it?"},{"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA","detail":"low"}}]},{"role":"assistant","content":null,"refusal":null}],"logprobs":true}"#;
+    let req: ChatRequest = serde_json::from_str(request).unwrap();
+    let got = p
+        .client(json(200, answer), timeouts())
+        .oneshot(ChatCall::new(req))
+        .await
+        .unwrap();
+    let back = serde_json::to_value(&got.response).unwrap();
+    assert_eq!(back, serde_json::from_str::<serde_json::Value>(answer).unwrap());
+    let sent = String::from_utf8(p.seen.lock().unwrap()[0].body().to_vec()).unwrap();
+    // The parts reach the upstream byte for byte; the model is the source's override.
+    assert_eq!(
+        sent,
+        request.replace("asked-model", "override-model"),
+        "content parts and null content unchanged"
+    );
 }

@@ -258,15 +258,95 @@ impl Error for BackendUnavailable {
     }
 }
 
+/// The error a provider wrote in a non-2xx body, field by field.
+///
+/// Read from OpenAI's `{"error":{"message","type","param","code"}}`, Anthropic's
+/// `{"type":"error","error":{"type","message"}}`, a bare `{"error":"..."}` or
+/// `{"message":"..."}`. A numeric `code` is kept as its decimal text.
+///
+/// ```
+/// use pgw_core::ProviderError;
+///
+/// let e = ProviderError::parse(br#"{"error":{"message":"The model `gpt-5o` does not exist","type":"invalid_request_error","param":null,"code":"model_not_found"}}"#).unwrap();
+/// assert_eq!(e.code.as_deref(), Some("model_not_found"));
+/// assert_eq!(e.kind.as_deref(), Some("invalid_request_error"));
+/// assert_eq!(e.param, None);
+/// let e = ProviderError::parse(br#"{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}"#).unwrap();
+/// assert_eq!(e.kind.as_deref(), Some("overloaded_error"));
+/// assert_eq!(ProviderError::parse(b"<html>502</html>"), None);
+/// ```
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ProviderError {
+    /// `message`.
+    pub message: String,
+    /// `type` (`invalid_request_error`, `insufficient_quota`, `overloaded_error`, ...).
+    pub kind: Option<String>,
+    /// `code` (`model_not_found`, `context_length_exceeded`, `invalid_api_key`, ...).
+    pub code: Option<String>,
+    /// `param`: the request field at fault (`messages`, `model`, ...).
+    pub param: Option<String>,
+}
+
+impl ProviderError {
+    /// Reads the error of an error body; `None` when the body is not a JSON error.
+    #[must_use]
+    pub fn parse(body: &[u8]) -> Option<Self> {
+        let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+        let text = |v: Option<&serde_json::Value>| match v? {
+            serde_json::Value::String(s) => Some(s.clone()),
+            serde_json::Value::Number(n) => Some(n.to_string()),
+            _ => None,
+        };
+        match v.get("error") {
+            Some(serde_json::Value::String(s)) => Some(Self {
+                message: s.clone(),
+                ..Self::default()
+            }),
+            Some(e @ serde_json::Value::Object(_)) => Some(Self {
+                message: text(e.get("message")).unwrap_or_else(|| e.to_string()),
+                kind: text(e.get("type")),
+                code: text(e.get("code")),
+                param: text(e.get("param")),
+            }),
+            _ => Some(Self {
+                message: text(v.get("message"))?,
+                kind: text(v.get("type")).filter(|t| t != "error"),
+                code: text(v.get("code")),
+                param: None,
+            }),
+        }
+    }
+
+    /// Whether `code` or `type` is `name`.
+    #[must_use]
+    pub fn says(&self, name: &str) -> bool {
+        self.code.as_deref() == Some(name) || self.kind.as_deref() == Some(name)
+    }
+
+    /// The error as an OpenAI-style body, `{"error":{"message","type","param","code"}}`,
+    /// for handing it to the caller as the provider wrote it.
+    #[must_use]
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": self.code,
+        }})
+    }
+}
+
 /// An upstream answered with a non-success HTTP status.
 ///
-/// Carried as an error so the classifier can see the status and `Retry-After` hint
-/// through any number of layers.
+/// Carried as an error so the classifier can see the status, the `Retry-After` hint
+/// and the provider's error code through any number of layers
+/// ([`UpstreamStatus::find`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct UpstreamStatus {
     status: http::StatusCode,
     retry_after: Option<Duration>,
     message: String,
+    provider: Option<ProviderError>,
 }
 
 impl UpstreamStatus {
@@ -276,7 +356,29 @@ impl UpstreamStatus {
             status,
             retry_after,
             message: message.into(),
+            provider: None,
         }
+    }
+
+    /// Attaches the provider's error as its body said it (its message should be
+    /// scrubbed of keys by whoever read it).
+    #[must_use]
+    pub fn with_provider(mut self, provider: ProviderError) -> Self {
+        self.provider = Some(provider);
+        self
+    }
+
+    /// Finds an `UpstreamStatus` in `err` or its source chain.
+    #[must_use]
+    pub fn find<'a>(err: &'a (dyn Error + 'static)) -> Option<&'a Self> {
+        let mut cur: Option<&(dyn Error + 'static)> = Some(err);
+        while let Some(e) = cur {
+            if let Some(s) = e.downcast_ref::<Self>() {
+                return Some(s);
+            }
+            cur = e.source();
+        }
+        None
     }
 
     /// The HTTP status.
@@ -296,11 +398,30 @@ impl UpstreamStatus {
     pub fn message(&self) -> &str {
         &self.message
     }
+
+    /// The provider's error, when the body was a JSON error.
+    #[must_use]
+    pub const fn provider(&self) -> Option<&ProviderError> {
+        self.provider.as_ref()
+    }
+
+    /// The provider's error `code`, if any.
+    #[must_use]
+    pub fn code(&self) -> Option<&str> {
+        self.provider.as_ref()?.code.as_deref()
+    }
 }
 
 impl fmt::Display for UpstreamStatus {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "upstream answered {}", self.status)?;
+        if let Some(name) = self
+            .provider
+            .as_ref()
+            .and_then(|p| p.code.as_deref().or(p.kind.as_deref()))
+        {
+            write!(f, " ({name})")?;
+        }
         if !self.message.is_empty() {
             write!(f, ": {}", self.message)?;
         }
@@ -339,8 +460,8 @@ impl fmt::Display for InvalidResponse {
 
 impl Error for InvalidResponse {}
 
-/// An upstream answered 2xx but with no completion (no content, no tool call), or a
-/// stream ended without `[DONE]`: classified `Transient`.
+/// An upstream answered 2xx but with no completion (no content, no tool call, no
+/// refusal or content-filter verdict): classified `Transient`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EmptyCompletion;
 

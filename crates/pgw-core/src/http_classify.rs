@@ -9,16 +9,18 @@ use crate::error::{BoxError, EmptyCompletion, InvalidResponse, UpstreamStatus};
 use crate::openai::ChatResponse;
 use crate::{Classify, Outcome};
 
-/// The outcome of an HTTP status (with its parsed `Retry-After` hint).
+/// The outcome of an HTTP status (with its parsed `Retry-After` hint), when nothing
+/// else is known about the answer (no body: see [`classify_upstream`] for the full
+/// decision).
 ///
 /// | status | outcome |
 /// |---|---|
 /// | 2xx | `Success` |
 /// | 429 | `RateLimited { retry_after }` |
-/// | 401, 402, 403, 404 | `SourceDead` (bad or revoked key, no credit, unknown model or path: nobody gets through this source) |
+/// | 401, 402, 403, 404 | `SourceDead` (bad or revoked key, no credit, a wrong path: nobody gets through this source) |
 /// | 408, 409, 425 | `Transient` (timing, may pass on a retry) |
 /// | 400, 413, 422 and other 4xx | `Rejected` (the request itself is bad) |
-/// | 5xx, 1xx, 3xx | `Transient` |
+/// | 5xx (529 overloaded included), 1xx, 3xx | `Transient` |
 #[must_use]
 pub fn classify_status(status: StatusCode, retry_after: Option<std::time::Duration>) -> Outcome {
     match status.as_u16() {
@@ -31,8 +33,115 @@ pub fn classify_status(status: StatusCode, retry_after: Option<std::time::Durati
     }
 }
 
+/// What a provider's error `code` or `type` means, whatever the status it came with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Meaning {
+    /// The request is wrong: every source would refuse it.
+    Rejected,
+    /// The key or the account cannot serve anyone.
+    SourceDead,
+    /// Pushback: slow down.
+    RateLimited,
+    /// The provider is busy: may pass on a retry.
+    Transient,
+}
+
+/// Provider error codes and types (OpenAI, Azure OpenAI, Anthropic) whose meaning does
+/// not depend on the status, looked up by `code` first, then by `type`. Anything
+/// else is classified by its status ([`classify_status`]).
+const MEANINGS: &[(&str, Meaning)] = &[
+    // A model the caller named that this source does not serve: the request is wrong
+    // (a typo in `model` must not force-open every breaker of the pool).
+    ("model_not_found", Meaning::Rejected),
+    ("context_length_exceeded", Meaning::Rejected),
+    ("content_policy_violation", Meaning::Rejected),
+    ("content_filter", Meaning::Rejected),
+    ("string_above_max_length", Meaning::Rejected),
+    // Billing: the account has no credit left; retry-after would not help.
+    ("insufficient_quota", Meaning::SourceDead),
+    ("billing_hard_limit_reached", Meaning::SourceDead),
+    ("invalid_api_key", Meaning::SourceDead),
+    ("authentication_error", Meaning::SourceDead),
+    ("permission_error", Meaning::SourceDead),
+    ("rate_limit_exceeded", Meaning::RateLimited),
+    ("rate_limit_error", Meaning::RateLimited),
+    ("overloaded_error", Meaning::Transient),
+];
+
+fn meaning(name: Option<&str>) -> Option<Meaning> {
+    let name = name?;
+    MEANINGS.iter().find(|(n, _)| *n == name).map(|(_, m)| *m)
+}
+
+/// Whether an error message says a model does not exist (a 404 without a known code:
+/// OpenAI-compatible servers that write only the message, Anthropic's
+/// `not_found_error` with `model: <name>`).
+fn names_a_missing_model(message: &str) -> bool {
+    let m = message.to_ascii_lowercase();
+    m.starts_with("model:") || (m.contains("model") && (m.contains("not exist") || m.contains("not found")))
+}
+
+/// The outcome of a non-2xx answer: the provider's error code and type first, then
+/// the status. The one place where an upstream error becomes an outcome.
+///
+/// | answer | outcome |
+/// |---|---|
+/// | `code`/`type` `model_not_found`, or a 404 whose message says the model does not exist | `Rejected` |
+/// | `context_length_exceeded`, `content_policy_violation`, `content_filter` | `Rejected` |
+/// | `insufficient_quota` (429, billing), `invalid_api_key`, `authentication_error`, `permission_error` | `SourceDead` |
+/// | `rate_limit_exceeded`, `rate_limit_error` | `RateLimited { retry_after }` |
+/// | 529, `overloaded_error` | `Transient` |
+/// | anything else | by status ([`classify_status`]) |
+///
+/// ```
+/// use http::StatusCode;
+/// use pgw_core::{classify_upstream, Outcome, ProviderError, UpstreamStatus};
+///
+/// let body = br#"{"error":{"message":"The model `gpt-4o-mimi` does not exist or you do not have access to it.","type":"invalid_request_error","param":null,"code":"model_not_found"}}"#;
+/// let err = UpstreamStatus::new(StatusCode::NOT_FOUND, None, "")
+///     .with_provider(ProviderError::parse(body).unwrap());
+/// assert_eq!(classify_upstream(&err), Outcome::Rejected);
+/// // A 404 with no body says the path is wrong: nobody gets through this source.
+/// assert_eq!(classify_upstream(&UpstreamStatus::new(StatusCode::NOT_FOUND, None, "")), Outcome::SourceDead);
+/// ```
+#[must_use]
+pub fn classify_upstream(err: &UpstreamStatus) -> Outcome {
+    let status = err.status();
+    let provider = err.provider();
+    let by_name = provider.and_then(|p| meaning(p.code.as_deref()).or_else(|| meaning(p.kind.as_deref())));
+    match by_name {
+        Some(Meaning::Rejected) => return Outcome::Rejected,
+        Some(Meaning::SourceDead) => return Outcome::SourceDead,
+        Some(Meaning::RateLimited) => {
+            return Outcome::RateLimited {
+                retry_after: err.retry_after(),
+            };
+        }
+        Some(Meaning::Transient) => return Outcome::Transient,
+        None => {}
+    }
+    let message = provider.map_or(err.message(), |p| p.message.as_str());
+    if status == StatusCode::NOT_FOUND && names_a_missing_model(message) {
+        return Outcome::Rejected;
+    }
+    classify_status(status, err.retry_after())
+}
+
+/// The outcome of a parsed chat completion answer: an empty completion is
+/// `Transient`; text, a tool call, a refusal or a content filter's verdict is
+/// `Success` (the source did its job; a decline is the caller's answer, not a fault
+/// of the source, and another source would decline the same prompt).
+#[must_use]
+pub fn classify_response(resp: &ChatResponse) -> Outcome {
+    if resp.is_empty_completion() {
+        Outcome::Transient
+    } else {
+        Outcome::Success
+    }
+}
+
 /// The outcome of an attempt that ended in an error: walks the source chain for an
-/// [`UpstreamStatus`] (classified by [`classify_status`]), an [`InvalidResponse`]
+/// [`UpstreamStatus`] (classified by [`classify_upstream`]), an [`InvalidResponse`]
 /// (`Invalid`) or an [`EmptyCompletion`] (`Transient`); anything else (timeouts,
 /// connect errors, resets, watchdog cuts, garbage bytes) is `Transient`.
 #[must_use]
@@ -40,7 +149,7 @@ pub fn classify_error(err: &(dyn Error + 'static)) -> Outcome {
     let mut cur: Option<&(dyn Error + 'static)> = Some(err);
     while let Some(e) = cur {
         if let Some(s) = e.downcast_ref::<UpstreamStatus>() {
-            return classify_status(s.status(), s.retry_after());
+            return classify_upstream(s);
         }
         if e.is::<InvalidResponse>() {
             return Outcome::Invalid;
@@ -71,16 +180,16 @@ impl<B> Classify<http::Response<B>, BoxError> for HttpClassifier {
     }
 }
 
-/// Classifies parsed chat completion answers: an empty completion is `Transient`,
-/// any other answer `Success`; errors by [`classify_error`].
+/// Classifies parsed chat completion answers by [`classify_response`] (an empty
+/// completion is `Transient`; text, tool calls and declines are `Success`); errors by
+/// [`classify_error`].
 #[derive(Clone, Copy, Debug, Default)]
 pub struct OpenAiClassifier;
 
 impl Classify<ChatResponse, BoxError> for OpenAiClassifier {
     fn classify(&self, result: &Result<ChatResponse, BoxError>) -> Outcome {
         match result {
-            Ok(resp) if resp.is_empty_completion() => Outcome::Transient,
-            Ok(_) => Outcome::Success,
+            Ok(resp) => classify_response(resp),
             Err(e) => classify_error(&**e),
         }
     }
@@ -89,16 +198,17 @@ impl Classify<ChatResponse, BoxError> for OpenAiClassifier {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::ProviderError;
     use crate::openai::{ChatMessage, Choice};
     use std::time::Duration;
 
     fn answer(text: &str) -> ChatResponse {
         ChatResponse {
-            choices: vec![Choice {
-                index: 0,
-                message: ChatMessage::new("assistant", text),
-                finish_reason: Some("stop".into()),
-            }],
+            choices: vec![Choice::new(
+                0,
+                ChatMessage::new("assistant", text),
+                Some("stop".into()),
+            )],
             ..ChatResponse::default()
         }
     }
@@ -163,5 +273,168 @@ mod tests {
         assert_eq!(HttpClassifier.classify(&Ok(ok)), Outcome::Success);
         let err: Result<http::Response<()>, BoxError> = Err("connection refused".into());
         assert_eq!(HttpClassifier.classify(&err), Outcome::Transient);
+    }
+
+    /// One row per provider answer of DESIGN.md section 2's table, as the providers
+    /// write them (status, body): what `classify_upstream` makes of it.
+    #[test]
+    fn provider_codes_table() {
+        let ra = Some(Duration::from_secs(3));
+        let rows: &[(u16, &str, Outcome)] = &[
+            // A model the caller named that does not exist: the request is wrong.
+            (
+                404,
+                r#"{"error":{"message":"The model `gpt-4o-mimi` does not exist or you do not have access to it.","type":"invalid_request_error","param":null,"code":"model_not_found"}}"#,
+                Outcome::Rejected,
+            ),
+            (
+                404,
+                r#"{"error":{"message":"The model `x` does not exist","type":"invalid_request_error","param":"model","code":null}}"#,
+                Outcome::Rejected,
+            ),
+            (
+                404,
+                r#"{"type":"error","error":{"type":"not_found_error","message":"model: claude-9"}}"#,
+                Outcome::Rejected,
+            ),
+            (
+                400,
+                r#"{"error":{"message":"model not found","code":"model_not_found"}}"#,
+                Outcome::Rejected,
+            ),
+            // A 404 that does not name a model: a wrong base URL, nobody gets through.
+            (
+                404,
+                r#"{"error":{"message":"Not Found","type":"invalid_request_error"}}"#,
+                Outcome::SourceDead,
+            ),
+            (404, "<html>404 page not found</html>", Outcome::SourceDead),
+            // Billing: a 429 that no waiting cures.
+            (
+                429,
+                r#"{"error":{"message":"You exceeded your current quota, please check your plan and billing details.","type":"insufficient_quota","param":null,"code":"insufficient_quota"}}"#,
+                Outcome::SourceDead,
+            ),
+            (
+                429,
+                r#"{"error":{"message":"quota","type":"insufficient_quota","param":null,"code":null}}"#,
+                Outcome::SourceDead,
+            ),
+            (
+                429,
+                r#"{"error":{"message":"Rate limit reached for m on requests per min (RPM)","type":"requests","param":null,"code":"rate_limit_exceeded"}}"#,
+                Outcome::RateLimited { retry_after: ra },
+            ),
+            (429, "", Outcome::RateLimited { retry_after: ra }),
+            (
+                429,
+                r#"{"type":"error","error":{"type":"rate_limit_error","message":"slow down"}}"#,
+                Outcome::RateLimited { retry_after: ra },
+            ),
+            (
+                401,
+                r#"{"error":{"message":"Incorrect API key provided","type":"invalid_request_error","param":null,"code":"invalid_api_key"}}"#,
+                Outcome::SourceDead,
+            ),
+            (
+                400,
+                r#"{"error":{"message":"bad key","code":"invalid_api_key"}}"#,
+                Outcome::SourceDead,
+            ),
+            (
+                401,
+                r#"{"type":"error","error":{"type":"authentication_error","message":"invalid x-api-key"}}"#,
+                Outcome::SourceDead,
+            ),
+            (
+                529,
+                r#"{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}"#,
+                Outcome::Transient,
+            ),
+            (
+                503,
+                r#"{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}"#,
+                Outcome::Transient,
+            ),
+            (
+                400,
+                r#"{"error":{"message":"This model's maximum context length is 8192 tokens.","type":"invalid_request_error","param":"messages","code":"context_length_exceeded"}}"#,
+                Outcome::Rejected,
+            ),
+            (
+                400,
+                r#"{"error":{"message":"Invalid prompt: flagged","type":"invalid_request_error","param":null,"code":"content_policy_violation"}}"#,
+                Outcome::Rejected,
+            ),
+            (
+                400,
+                r#"{"error":{"message":"filtered","type":null,"param":"prompt","code":"content_filter","status":400}}"#,
+                Outcome::Rejected,
+            ),
+            (
+                500,
+                r#"{"error":{"message":"The server had an error","type":"server_error","param":null,"code":null}}"#,
+                Outcome::Transient,
+            ),
+            (400, r#"{"error":"bad request"}"#, Outcome::Rejected),
+            (403, r#"{"message":"forbidden"}"#, Outcome::SourceDead),
+        ];
+        for (status, body, want) in rows {
+            let mut e = UpstreamStatus::new(StatusCode::from_u16(*status).unwrap(), ra, "");
+            if let Some(p) = ProviderError::parse(body.as_bytes()) {
+                e = e.with_provider(p);
+            }
+            assert_eq!(classify_upstream(&e), *want, "{status} {body}");
+            // Through the error chain, as the layers see it.
+            let boxed: BoxError = Box::new(e);
+            assert_eq!(classify_error(&*boxed), *want, "{status} {body}");
+        }
+    }
+
+    #[test]
+    fn declined_answers_are_successes_and_empty_ones_transient() {
+        let parse = |json: &str| -> ChatResponse { serde_json::from_str(json).unwrap() };
+        let rows = [
+            (
+                r#"{"choices":[{"message":{"role":"assistant","content":null},"finish_reason":"content_filter"}]}"#,
+                Outcome::Success,
+            ),
+            (
+                r#"{"choices":[{"message":{"role":"assistant","content":null,"refusal":"I can't help with that."},"finish_reason":"stop"}]}"#,
+                Outcome::Success,
+            ),
+            (
+                r#"{"choices":[{"message":{"role":"assistant","content":null,"refusal":null},"finish_reason":"stop"}]}"#,
+                Outcome::Transient,
+            ),
+            (
+                r#"{"choices":[{"message":{"role":"assistant","content":"","tool_calls":null}}]}"#,
+                Outcome::Transient,
+            ),
+            (
+                r#"{"choices":[{"message":{"role":"assistant","content":null,"tool_calls":[{"id":"c"}]}}]}"#,
+                Outcome::Success,
+            ),
+            (r#"{"choices":[]}"#, Outcome::Transient),
+        ];
+        for (json, want) in rows {
+            assert_eq!(OpenAiClassifier.classify(&Ok(parse(json))), want, "{json}");
+        }
+    }
+
+    #[test]
+    fn the_callers_error_keeps_the_providers_fields() {
+        let body = br#"{"error":{"message":"too long","type":"invalid_request_error","param":"messages","code":"context_length_exceeded"}}"#;
+        let e = UpstreamStatus::new(StatusCode::BAD_REQUEST, None, "too long")
+            .with_provider(ProviderError::parse(body).unwrap());
+        assert_eq!(e.code(), Some("context_length_exceeded"));
+        assert_eq!(
+            e.to_string(),
+            "upstream answered 400 Bad Request (context_length_exceeded): too long"
+        );
+        assert_eq!(
+            e.provider().unwrap().to_json(),
+            serde_json::from_slice::<serde_json::Value>(body).unwrap()
+        );
     }
 }

@@ -47,10 +47,12 @@ pub mod sse;
 pub use classify::{Classify, OkIsSuccess};
 pub use error::{
     BackendUnavailable, BoxError, CircuitOpen, ConfigError, EmptyCompletion, InvalidResponse, NotAdmitted,
-    Paced, QuotaExceeded, UpstreamStatus,
+    Paced, ProviderError, QuotaExceeded, UpstreamStatus,
 };
 pub use history::{AttemptRecord, CallHistory, CarriesHistory};
 pub use hold::{Hold, HoldFuture, NoHold};
-pub use http_classify::{HttpClassifier, OpenAiClassifier, classify_error, classify_status};
+pub use http_classify::{
+    HttpClassifier, OpenAiClassifier, classify_error, classify_response, classify_status, classify_upstream,
+};
 pub use outcome::{BreakerVerdict, Outcome};
 pub use source::SourceId;

@@ -2,45 +2,80 @@
 //! simulator serves them, the gateway sends them, the limiter estimates their tokens.
 //!
 //! Only the fields the layers read are typed; everything else a client or provider
-//! sends is kept in `extra` and passed through untouched.
+//! sends (`logprobs`, `system_fingerprint`, `service_tier`, usage details, `refusal`,
+//! provider extensions) is kept in an `extra` map at its level and written back:
+//! a response read and serialized again carries every field it came with, with the
+//! same values. Message content is [`Content`]: a string, `null` or content parts,
+//! written back as it was read.
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
+mod content;
+
+pub use content::{Content, ContentPart, IMAGE_PART_TOKENS_ESTIMATE};
+
 /// Default completion budget assumed by [`ChatRequest::estimate_tokens`] when a request
-/// sets no `max_tokens`: 1024, a typical chat answer's upper bound in the seeds' traffic.
+/// sets neither `max_tokens` nor `max_completion_tokens`: 1024, a typical chat
+/// answer's upper bound in the seeds' traffic.
 pub const DEFAULT_MAX_TOKENS_ESTIMATE: u64 = 1024;
 
 /// Bytes per token assumed by [`ChatRequest::estimate_tokens`]: 3, a deliberately
 /// pessimistic ratio (English averages ~4 bytes/token; CJK text is closer to 3), so a
-/// reservation is rarely too small (L4).
+/// reservation is rarely too small.
 pub const BYTES_PER_TOKEN_ESTIMATE: u64 = 3;
+
+/// The `finish_reason` of an answer a provider's content filter stopped.
+pub const FINISH_CONTENT_FILTER: &str = "content_filter";
 
 /// One message of a chat.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ChatMessage {
-    /// `system`, `user`, `assistant` or `tool`.
+    /// `system`, `developer`, `user`, `assistant`, `tool` or `function`.
     pub role: String,
-    /// The text. Providers may send `null` for tool-call answers: read as empty.
-    #[serde(default, deserialize_with = "null_as_empty")]
-    pub content: String,
-    /// Fields this crate does not interpret (tool calls, names, ...).
+    /// A string, `null` (tool-call answers, refusals) or content parts.
+    #[serde(default)]
+    pub content: Content,
+    /// Fields this crate does not interpret (`tool_calls`, `name`, `refusal`, ...).
     #[serde(flatten)]
     pub extra: Map<String, Value>,
 }
 
-fn null_as_empty<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
-    Ok(Option::<String>::deserialize(d)?.unwrap_or_default())
-}
-
 impl ChatMessage {
-    /// A message with `role` and `content`.
+    /// A message with `role` and a string `content`.
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
         Self {
             role: role.into(),
-            content: content.into(),
+            content: Content::Text(content.into()),
             extra: Map::new(),
         }
+    }
+
+    /// The string content, or `""` when it is `null` or parts.
+    #[must_use]
+    pub fn text(&self) -> &str {
+        self.content.as_text().unwrap_or("")
+    }
+
+    /// The model's refusal (`refusal`), when it refused.
+    #[must_use]
+    pub fn refusal(&self) -> Option<&str> {
+        self.extra
+            .get("refusal")
+            .and_then(Value::as_str)
+            .filter(|r| !r.trim().is_empty())
+    }
+
+    /// Whether the message calls a tool (`tool_calls` non-empty, or a legacy
+    /// `function_call`).
+    #[must_use]
+    pub fn calls_tool(&self) -> bool {
+        let present = |k: &str| match self.extra.get(k) {
+            None | Some(Value::Null) => false,
+            Some(Value::Array(a)) => !a.is_empty(),
+            Some(_) => true,
+        };
+        present("tool_calls") || present("function_call")
     }
 }
 
@@ -51,7 +86,8 @@ pub struct ChatRequest {
     pub model: String,
     /// The conversation.
     pub messages: Vec<ChatMessage>,
-    /// The completion budget, if the caller set one.
+    /// The completion budget, if the caller set one (`max_completion_tokens`, its
+    /// newer spelling, stays in `extra` and counts the same in the estimate).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_tokens: Option<u64>,
     /// Whether the answer is streamed as server-sent events.
@@ -72,37 +108,82 @@ impl ChatRequest {
         }
     }
 
-    /// The bytes of prompt text (all message contents).
+    /// The bytes of prompt text: every message's string content or text parts.
     #[must_use]
     pub fn prompt_bytes(&self) -> u64 {
-        self.messages.iter().map(|m| m.content.len() as u64).sum()
+        self.messages
+            .iter()
+            .fold(0, |n, m| n.saturating_add(m.content.text_bytes()))
     }
 
-    /// The token reservation made before dispatch (L4): prompt bytes /
-    /// [`BYTES_PER_TOKEN_ESTIMATE`] + `max_tokens` (or
-    /// [`DEFAULT_MAX_TOKENS_ESTIMATE`]).
+    /// The number of image parts in the prompt.
+    #[must_use]
+    pub fn image_parts(&self) -> u64 {
+        self.messages
+            .iter()
+            .fold(0, |n, m| n.saturating_add(m.content.image_parts()))
+    }
+
+    /// The completion budget the estimate counts: the larger of `max_tokens` and
+    /// `max_completion_tokens` when either is set, else [`DEFAULT_MAX_TOKENS_ESTIMATE`].
+    #[must_use]
+    pub fn completion_budget(&self) -> u64 {
+        let newer = self.extra.get("max_completion_tokens").and_then(Value::as_u64);
+        match (self.max_tokens, newer) {
+            (None, None) => DEFAULT_MAX_TOKENS_ESTIMATE,
+            (a, b) => a.unwrap_or(0).max(b.unwrap_or(0)),
+        }
+    }
+
+    /// The token reservation made before dispatch: prompt bytes /
+    /// [`BYTES_PER_TOKEN_ESTIMATE`] + [`IMAGE_PART_TOKENS_ESTIMATE`] per image part +
+    /// [`completion_budget`](Self::completion_budget). Saturates at `u64::MAX` (a
+    /// client may send `max_tokens: 18446744073709551615`).
     ///
     /// ```
     /// let mut req = pgw_core::openai::ChatRequest::user("m", "x".repeat(300));
     /// req.max_tokens = Some(50);
     /// assert_eq!(req.estimate_tokens(), 150);
+    /// req.max_tokens = Some(u64::MAX);
+    /// assert_eq!(req.estimate_tokens(), u64::MAX);
     /// ```
     #[must_use]
     pub fn estimate_tokens(&self) -> u64 {
-        self.prompt_bytes() / BYTES_PER_TOKEN_ESTIMATE
-            + self.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS_ESTIMATE)
+        (self.prompt_bytes() / BYTES_PER_TOKEN_ESTIMATE)
+            .saturating_add(self.image_parts().saturating_mul(IMAGE_PART_TOKENS_ESTIMATE))
+            .saturating_add(self.completion_budget())
     }
 }
 
 /// Token usage reported by the provider.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Usage {
     /// Tokens of the prompt.
+    #[serde(default)]
     pub prompt_tokens: u64,
     /// Tokens of the completion.
+    #[serde(default)]
     pub completion_tokens: u64,
     /// Their sum.
+    #[serde(default)]
     pub total_tokens: u64,
+    /// Fields this crate does not interpret (`completion_tokens_details`,
+    /// `prompt_tokens_details`, ...).
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
+}
+
+impl Usage {
+    /// Usage with these three counts and nothing else.
+    #[must_use]
+    pub fn new(prompt_tokens: u64, completion_tokens: u64, total_tokens: u64) -> Self {
+        Self {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens,
+            extra: Map::new(),
+        }
+    }
 }
 
 /// One choice of a non-streaming answer.
@@ -113,9 +194,38 @@ pub struct Choice {
     pub index: u32,
     /// The answer.
     pub message: ChatMessage,
-    /// Why generation stopped (`stop`, `length`, ...).
+    /// Why generation stopped (`stop`, `length`, `tool_calls`, `content_filter`, ...).
     #[serde(default)]
     pub finish_reason: Option<String>,
+    /// Fields this crate does not interpret (`logprobs`, ...).
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
+}
+
+impl Choice {
+    /// Choice `index` with `message`, stopped for `finish_reason`.
+    #[must_use]
+    pub fn new(index: u32, message: ChatMessage, finish_reason: Option<String>) -> Self {
+        Self {
+            index,
+            message,
+            finish_reason,
+            extra: Map::new(),
+        }
+    }
+
+    /// Whether the provider declined to answer: its content filter stopped the
+    /// answer (`finish_reason: "content_filter"`) or the model refused (`refusal`).
+    #[must_use]
+    pub fn is_declined(&self) -> bool {
+        self.finish_reason.as_deref() == Some(FINISH_CONTENT_FILTER) || self.message.refusal().is_some()
+    }
+
+    /// Whether the choice is an answer: text, a tool call, or a decline.
+    #[must_use]
+    pub fn has_output(&self) -> bool {
+        self.message.content.has_output() || self.message.calls_tool() || self.is_declined()
+    }
 }
 
 /// A non-streaming chat completion answer.
@@ -139,22 +249,35 @@ pub struct ChatResponse {
     /// Token usage, when reported.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage>,
+    /// Fields this crate does not interpret (`system_fingerprint`, `service_tier`, ...).
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
 }
 
 impl ChatResponse {
-    /// The first choice's text, or `""`.
+    /// The first choice's string content, or `""`.
     #[must_use]
     pub fn content(&self) -> &str {
-        self.choices.first().map_or("", |c| c.message.content.as_str())
+        self.choices.first().map_or("", |c| c.message.text())
     }
 
-    /// True when no choice carries text or a tool call: the "200 with an empty
-    /// completion" failure the seeds measured at 14-17% on a healthy source.
+    /// True when no choice is an answer (no text, no tool call, no decline): the
+    /// "200 with an empty completion" failure the seeds measured at 14-17% on a
+    /// healthy source.
     #[must_use]
     pub fn is_empty_completion(&self) -> bool {
-        self.choices
-            .iter()
-            .all(|c| c.message.content.trim().is_empty() && !c.message.extra.contains_key("tool_calls"))
+        !self.choices.iter().any(Choice::has_output)
+    }
+
+    /// True when the provider declined (content filter or refusal) and gave no other
+    /// answer: a final answer for the caller, not a failure of the source.
+    #[must_use]
+    pub fn is_declined(&self) -> bool {
+        self.choices.iter().any(Choice::is_declined)
+            && !self
+                .choices
+                .iter()
+                .any(|c| c.message.content.has_output() || c.message.calls_tool())
     }
 }
 
@@ -168,17 +291,19 @@ pub struct Delta {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
     /// Fields this crate does not interpret as text: `tool_calls` (merged by
-    /// [`ChunkAccumulator`]), `refusal`, provider extensions.
+    /// [`ChunkAccumulator`]), `refusal` (concatenated), provider extensions.
     #[serde(flatten)]
     pub extra: Map<String, Value>,
 }
 
 impl Delta {
     /// Whether this piece carries output: text, or any other non-null field such as a
-    /// tool call. A role-only delta does not (watchdogs wait for real output).
+    /// tool call or a refusal. A role-only delta does not (watchdogs wait for real
+    /// output).
     #[must_use]
     pub fn carries_output(&self) -> bool {
-        self.content.as_deref().is_some_and(|t| !t.is_empty()) || self.extra.values().any(|v| !v.is_null())
+        self.content.as_deref().is_some_and(|t| !t.is_empty())
+            || self.extra.values().any(|v| !v.is_null() && *v != "")
     }
 }
 
@@ -194,6 +319,9 @@ pub struct ChunkChoice {
     /// Set on the last chunk of the choice.
     #[serde(default)]
     pub finish_reason: Option<String>,
+    /// Fields this crate does not interpret (`logprobs`, ...).
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
 }
 
 /// One server-sent event of a streamed answer (`chat.completion.chunk`).
@@ -217,9 +345,18 @@ pub struct ChatChunk {
     /// Usage, on the final chunk when the provider reports it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage>,
+    /// Fields this crate does not interpret (`system_fingerprint`, `service_tier`, ...).
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
 }
 
 /// Folds streamed chunks into the equivalent non-streaming answer.
+///
+/// Text pieces are appended to `content` (which stays `null` when no text arrived, as
+/// in the non-streamed answer of a refusal or a filtered prompt); string pieces of
+/// other delta fields (`refusal`, `reasoning_content`) are appended to the message's
+/// field of that name; tool-call fragments are merged by index; `logprobs.content`
+/// entries are appended; any other field keeps its last non-null value.
 #[derive(Debug, Default)]
 pub struct ChunkAccumulator {
     resp: ChatResponse,
@@ -234,32 +371,56 @@ impl ChunkAccumulator {
             self.resp.created = chunk.created;
             "chat.completion".clone_into(&mut self.resp.object);
         }
+        set_non_null(&mut self.resp.extra, &chunk.extra);
         for c in &chunk.choices {
             let idx = c.index as usize;
+            // A garbage index must not make us allocate without bound.
+            if idx > MAX_STREAMED_INDEX {
+                continue;
+            }
             while self.resp.choices.len() <= idx {
                 let index = u32::try_from(self.resp.choices.len()).unwrap_or(u32::MAX);
-                self.resp.choices.push(Choice {
-                    index,
-                    message: ChatMessage::new("assistant", ""),
-                    finish_reason: None,
-                });
+                let message = ChatMessage {
+                    role: "assistant".into(),
+                    ..ChatMessage::default()
+                };
+                self.resp.choices.push(Choice::new(index, message, None));
             }
             let choice = &mut self.resp.choices[idx];
             if let Some(role) = &c.delta.role {
                 choice.message.role.clone_from(role);
             }
-            if let Some(text) = &c.delta.content {
-                choice.message.content.push_str(text);
+            if let Some(text) = c.delta.content.as_deref().filter(|t| !t.is_empty()) {
+                match &mut choice.message.content {
+                    Content::Text(s) => s.push_str(text),
+                    other => *other = Content::Text(text.to_owned()),
+                }
             }
-            if let Some(Value::Array(calls)) = c.delta.extra.get("tool_calls") {
-                merge_tool_calls(&mut choice.message.extra, calls);
+            for (key, value) in &c.delta.extra {
+                match (key.as_str(), value) {
+                    (_, Value::Null) => {}
+                    ("tool_calls", Value::Array(calls)) => merge_tool_calls(&mut choice.message.extra, calls),
+                    (_, Value::String(piece)) => append_piece(&mut choice.message.extra, key, piece),
+                    _ => {
+                        choice.message.extra.insert(key.clone(), value.clone());
+                    }
+                }
+            }
+            for (key, value) in &c.extra {
+                match (key.as_str(), value) {
+                    (_, Value::Null) => {}
+                    ("logprobs", Value::Object(lp)) => merge_logprobs(&mut choice.extra, lp),
+                    _ => {
+                        choice.extra.insert(key.clone(), value.clone());
+                    }
+                }
             }
             if c.finish_reason.is_some() {
                 choice.finish_reason.clone_from(&c.finish_reason);
             }
         }
         if chunk.usage.is_some() {
-            self.resp.usage = chunk.usage;
+            self.resp.usage.clone_from(&chunk.usage);
         }
     }
 
@@ -267,6 +428,46 @@ impl ChunkAccumulator {
     #[must_use]
     pub fn finish(self) -> ChatResponse {
         self.resp
+    }
+}
+
+/// The largest choice or tool-call index a stream may name: 1024.
+const MAX_STREAMED_INDEX: usize = 1024;
+
+fn set_non_null(into: &mut Map<String, Value>, from: &Map<String, Value>) {
+    for (k, v) in from {
+        if !v.is_null() {
+            into.insert(k.clone(), v.clone());
+        }
+    }
+}
+
+fn append_piece(extra: &mut Map<String, Value>, key: &str, piece: &str) {
+    match extra.get_mut(key) {
+        Some(Value::String(s)) => s.push_str(piece),
+        _ => {
+            extra.insert(key.to_owned(), Value::String(piece.to_owned()));
+        }
+    }
+}
+
+/// Appends streamed `logprobs` (`{"content":[..],"refusal":[..]}`) to the choice's.
+fn merge_logprobs(choice_extra: &mut Map<String, Value>, piece: &Map<String, Value>) {
+    let slot = choice_extra
+        .entry("logprobs")
+        .or_insert_with(|| Value::Object(Map::new()));
+    if !slot.is_object() {
+        *slot = Value::Object(Map::new());
+    }
+    let Value::Object(target) = slot else { return };
+    for (k, v) in piece {
+        match (target.get_mut(k), v) {
+            (_, Value::Null) => {}
+            (Some(Value::Array(have)), Value::Array(more)) => have.extend(more.iter().cloned()),
+            _ => {
+                target.insert(k.clone(), v.clone());
+            }
+        }
     }
 }
 
@@ -287,8 +488,7 @@ fn merge_tool_calls(message_extra: &mut Map<String, Value>, fragments: &[Value])
             .and_then(Value::as_u64)
             .and_then(|i| usize::try_from(i).ok())
             .unwrap_or(n);
-        // A garbage index must not make us allocate without bound.
-        if index > 1024 {
+        if index > MAX_STREAMED_INDEX {
             continue;
         }
         while calls.len() <= index {
@@ -320,6 +520,53 @@ fn merge_tool_calls(message_extra: &mut Map<String, Value>, fragments: &[Value])
             }
         }
     }
+}
+
+/// The chunks equivalent to a non-streamed answer, for replaying it to a streaming
+/// caller: one chunk per choice with the whole message, then a usage chunk.
+/// [`ChunkAccumulator`] folds them back into `r` (string content, `null` content,
+/// refusals, tool calls, logprobs and the untyped fields at every level).
+#[must_use]
+pub fn chunks_of(r: &ChatResponse) -> Vec<ChatChunk> {
+    let base = |choices: Vec<ChunkChoice>| ChatChunk {
+        id: r.id.clone(),
+        object: "chat.completion.chunk".into(),
+        created: r.created,
+        model: r.model.clone(),
+        choices,
+        usage: None,
+        extra: r.extra.clone(),
+    };
+    let mut out: Vec<ChatChunk> = r
+        .choices
+        .iter()
+        .map(|c| {
+            let mut extra = c.message.extra.clone();
+            if let Some(Value::Array(calls)) = extra.get_mut("tool_calls") {
+                for (i, call) in calls.iter_mut().enumerate() {
+                    if let Value::Object(o) = call {
+                        o.insert("index".into(), i.into());
+                    }
+                }
+            }
+            base(vec![ChunkChoice {
+                index: c.index,
+                delta: Delta {
+                    role: Some(c.message.role.clone()),
+                    content: c.message.content.as_text().map(str::to_owned),
+                    extra,
+                },
+                finish_reason: c.finish_reason.clone(),
+                extra: c.extra.clone(),
+            }])
+        })
+        .collect();
+    if r.usage.is_some() {
+        let mut u = base(Vec::new());
+        u.usage.clone_from(&r.usage);
+        out.push(u);
+    }
+    out
 }
 
 #[cfg(test)]
@@ -394,7 +641,7 @@ mod tests {
                         content: Some((*t).into()),
                         extra: Map::new(),
                     },
-                    finish_reason: None,
+                    ..ChunkChoice::default()
                 }],
                 ..ChatChunk::default()
             });
@@ -402,5 +649,217 @@ mod tests {
         let r = acc.finish();
         assert_eq!(r.content(), "Hello");
         assert_eq!(r.id, "c");
+    }
+
+    /// A response with every field OpenAI sends that pgw does not type.
+    const ECHOED: &str = r#"{"id":"chatcmpl-1","object":"chat.completion","created":7,"model":"gpt-4o","choices":[{"index":0,"message":{"role":"assistant","content":"hi","refusal":null,"annotations":[]},"logprobs":{"content":[{"token":"hi","logprob":-0.25,"bytes":[104,105],"top_logprobs":[]}],"refusal":null},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4,"prompt_tokens_details":{"cached_tokens":0},"completion_tokens_details":{"reasoning_tokens":0,"accepted_prediction_tokens":0}},"system_fingerprint":"fp_1","service_tier":"default","x_provider":{"a":1}}"#;
+
+    #[test]
+    fn untyped_response_fields_survive_the_trip() {
+        let r: ChatResponse = serde_json::from_str(ECHOED).unwrap();
+        assert_eq!(r.extra["system_fingerprint"], "fp_1");
+        assert_eq!(
+            r.usage.as_ref().unwrap().extra["completion_tokens_details"]["reasoning_tokens"],
+            0
+        );
+        assert_eq!(r.choices[0].extra["logprobs"]["content"][0]["token"], "hi");
+        let back = serde_json::to_value(&r).unwrap();
+        let want: Value = serde_json::from_str(ECHOED).unwrap();
+        assert_eq!(back, want);
+        // Streamed, the same fields arrive on chunks and fold into the same answer.
+        let mut acc = ChunkAccumulator::default();
+        for c in chunks_of(&r) {
+            let wire = serde_json::to_string(&c).unwrap();
+            assert!(wire.contains("fp_1"), "{wire}");
+            acc.push(&serde_json::from_str(&wire).unwrap());
+        }
+        let mut folded = serde_json::to_value(acc.finish()).unwrap();
+        // Null pieces are "nothing" in a stream: a `null` untyped field is not replayed.
+        let mut want = want;
+        want["choices"][0]["message"]
+            .as_object_mut()
+            .unwrap()
+            .remove("refusal");
+        want["choices"][0]["logprobs"]
+            .as_object_mut()
+            .unwrap()
+            .remove("refusal");
+        folded["choices"][0]["message"]
+            .as_object_mut()
+            .unwrap()
+            .remove("refusal");
+        assert_eq!(folded, want);
+    }
+
+    #[test]
+    fn content_is_kept_as_sent() {
+        for json in [
+            r#"{"role":"user","content":"hi"}"#,
+            // Untyped fields keep their values (serde_json writes their keys sorted).
+            r#"{"role":"assistant","content":null,"tool_calls":[{"function":{"arguments":"{}","name":"f"},"id":"c","type":"function"}]}"#,
+            r#"{"role":"user","content":[{"type":"text","text":"look"},{"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA","detail":"high"}},{"type":"input_audio","input_audio":{"format":"wav","data":"UklG"}}]}"#,
+            r#"{"role":"user","content":[]}"#,
+        ] {
+            let m: ChatMessage = serde_json::from_str(json).unwrap();
+            assert_eq!(serde_json::to_string(&m).unwrap(), json);
+        }
+        // Absent reads as null; numbers and other types are refused.
+        let m: ChatMessage = serde_json::from_str(r#"{"role":"assistant"}"#).unwrap();
+        assert!(m.content.is_null());
+        assert!(serde_json::from_str::<ChatMessage>(r#"{"role":"user","content":3}"#).is_err());
+        // A request with parts keeps them for the upstream.
+        let req: ChatRequest = serde_json::from_str(
+            r#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"abcdef"},{"type":"image_url","image_url":{"url":"u"}}]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(req.prompt_bytes(), 6);
+        assert_eq!(req.image_parts(), 1);
+        assert_eq!(
+            req.estimate_tokens(),
+            2 + IMAGE_PART_TOKENS_ESTIMATE + DEFAULT_MAX_TOKENS_ESTIMATE
+        );
+    }
+
+    #[test]
+    fn completion_budget_reads_both_spellings_and_saturates() {
+        let mut req = ChatRequest::user("m", "x".repeat(30));
+        req.extra.insert("max_completion_tokens".into(), 200.into());
+        assert_eq!(req.estimate_tokens(), 10 + 200);
+        req.max_tokens = Some(50);
+        assert_eq!(req.completion_budget(), 200, "the larger of the two");
+        let huge: ChatRequest = serde_json::from_str(
+            r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":18446744073709551615}"#,
+        )
+        .unwrap();
+        assert_eq!(huge.estimate_tokens(), u64::MAX);
+    }
+
+    #[test]
+    fn declines_are_answers_not_empty_completions() {
+        let filtered = r#"{"choices":[{"index":0,"message":{"role":"assistant","content":null},"finish_reason":"content_filter"}]}"#;
+        let refused = r#"{"choices":[{"index":0,"message":{"role":"assistant","content":null,"refusal":"I can't help with that."},"finish_reason":"stop"}]}"#;
+        let empty = r#"{"choices":[{"index":0,"message":{"role":"assistant","content":null,"refusal":null},"finish_reason":"stop"}]}"#;
+        for (json, declined) in [(filtered, true), (refused, true), (empty, false)] {
+            let r: ChatResponse = serde_json::from_str(json).unwrap();
+            assert_eq!(r.is_declined(), declined, "{json}");
+            assert_eq!(r.is_empty_completion(), !declined, "{json}");
+            let back = serde_json::to_value(&r).unwrap();
+            assert_eq!(
+                back["choices"],
+                serde_json::from_str::<Value>(json).unwrap()["choices"]
+            );
+        }
+        // Streamed: a role chunk with "" content, refusal pieces, a finish chunk.
+        let frames = [
+            r#"{"choices":[{"index":0,"delta":{"role":"assistant","content":"","refusal":null}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"refusal":"I can't "}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"refusal":"help."}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}"#,
+        ];
+        let mut acc = ChunkAccumulator::default();
+        for f in frames {
+            acc.push(&serde_json::from_str(f).unwrap());
+        }
+        let r = acc.finish();
+        assert!(
+            r.choices[0].message.content.is_null(),
+            "no text arrived: content stays null"
+        );
+        assert_eq!(r.choices[0].message.refusal(), Some("I can't help."));
+        assert!(r.is_declined() && !r.is_empty_completion());
+        let mut acc = ChunkAccumulator::default();
+        for f in [
+            r#"{"choices":[{"index":0,"delta":{"role":"assistant"}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{},"finish_reason":"content_filter"}]}"#,
+        ] {
+            acc.push(&serde_json::from_str(f).unwrap());
+        }
+        assert!(acc.finish().is_declined());
+    }
+
+    mod props {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn json_leaf() -> impl Strategy<Value = Value> {
+            prop_oneof![
+                Just(Value::Null),
+                any::<bool>().prop_map(Value::from),
+                any::<i64>().prop_map(Value::from),
+                any::<u64>().prop_map(Value::from),
+                "[a-z ]{0,8}".prop_map(Value::from),
+            ]
+        }
+
+        /// JSON text of an object with keys in an arbitrary (not sorted) order.
+        fn json_text() -> impl Strategy<Value = String> {
+            let leaf = json_leaf().prop_map(|v| v.to_string());
+            leaf.prop_recursive(3, 24, 4, |inner| {
+                prop_oneof![
+                    prop::collection::vec(inner.clone(), 0..4).prop_map(|v| format!("[{}]", v.join(","))),
+                    prop::collection::vec(("[a-z]{1,6}", inner), 0..4).prop_map(|kv| {
+                        let fields: Vec<String> = kv.iter().map(|(k, v)| format!("{k:?}:{v}")).collect();
+                        format!("{{{}}}", fields.join(","))
+                    }),
+                ]
+            })
+        }
+
+        fn content_text() -> impl Strategy<Value = String> {
+            prop_oneof![
+                Just("null".to_owned()),
+                any::<String>().prop_map(|s| serde_json::to_string(&s).unwrap()),
+                prop::collection::vec(
+                    prop_oneof![
+                        "[a-z ]{0,10}".prop_map(|t| format!(r#"{{"type":"text","text":{t:?}}}"#)),
+                        json_text().prop_map(|u| format!(
+                            r#"{{"type":"image_url","image_url":{{"url":"u","z":{u}}}}}"#
+                        )),
+                        json_text(),
+                    ],
+                    0..4
+                )
+                .prop_map(|p| format!("[{}]", p.join(","))),
+            ]
+        }
+
+        proptest! {
+            /// A message's content survives a round trip byte for byte.
+            #[test]
+            fn messages_round_trip(content in content_text(), role in "[a-z]{1,9}") {
+                let json = format!(r#"{{"role":"{role}","content":{content}}}"#);
+                let m: ChatMessage = serde_json::from_str(&json).unwrap();
+                prop_assert_eq!(serde_json::to_string(&m).unwrap(), json);
+                // And inside a request (whose flattened extras buffer the fields).
+                let req = format!(r#"{{"model":"m","messages":[{}],"temperature":0.5}}"#, serde_json::to_string(&m).unwrap());
+                let r: ChatRequest = serde_json::from_str(&req).unwrap();
+                prop_assert_eq!(&r.messages[0], &m);
+            }
+
+            /// The estimate never panics and never wraps, whatever the numbers.
+            #[test]
+            fn estimate_never_panics(
+                max_tokens in proptest::option::of(any::<u64>()),
+                max_completion in proptest::option::of(any::<u64>()),
+                text in "[a-z]{0,64}",
+                images in 0_usize..5,
+            ) {
+                let mut parts = vec![ContentPart::new_text(text.clone())];
+                parts.extend((0..images).map(|_| ContentPart::from(serde_json::json!({"type":"image_url","image_url":{"url":"u"}}))));
+                let mut req = ChatRequest::user("m", "");
+                req.messages.push(ChatMessage { role: "user".into(), content: Content::Parts(parts), extra: Map::new() });
+                req.max_tokens = max_tokens;
+                if let Some(n) = max_completion {
+                    req.extra.insert("max_completion_tokens".into(), n.into());
+                }
+                let est = req.estimate_tokens();
+                let budget = max_tokens.unwrap_or(0).max(max_completion.unwrap_or(0));
+                prop_assert!(est >= budget);
+                prop_assert!(est >= images as u64 * IMAGE_PART_TOKENS_ESTIMATE);
+                if max_tokens.is_none() && max_completion.is_none() {
+                    prop_assert!(est >= DEFAULT_MAX_TOKENS_ESTIMATE);
+                }
+            }
+        }
     }
 }

@@ -19,19 +19,24 @@ use std::time::Duration;
 /// | `Invalid` | ignored | not fed | - | own re-ask budget |
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Outcome {
-    /// A real answer (for chat completions: a non-empty completion).
+    /// A real answer (for chat completions: text, a tool call, or the provider's
+    /// decline: a content filter's verdict or a refusal, handed to the caller as is).
     Success,
-    /// The source pushed back (HTTP 429). `retry_after` is the server's hint, if any.
+    /// The source pushed back (HTTP 429 `rate_limit_exceeded`). `retry_after` is the
+    /// server's hint, if any.
     RateLimited {
         /// How long the server asked us to wait, already parsed and capped.
         retry_after: Option<Duration>,
     },
-    /// A failure that may not repeat: timeout, connect/reset, 5xx, empty completion,
-    /// a watchdog cut.
+    /// A failure that may not repeat: timeout, connect/reset, 5xx, 529 overloaded,
+    /// empty completion, a watchdog cut.
     Transient,
-    /// The source cannot serve anyone: 401/403, revoked key, unknown model.
+    /// The source cannot serve anyone: 401/403 (`invalid_api_key`), a revoked key, 429
+    /// `insufficient_quota` (billing), a wrong base URL.
     SourceDead,
-    /// The request itself is bad (400/413/422); another source would refuse it too.
+    /// The request itself is bad (400/413/422, `context_length_exceeded`,
+    /// `content_policy_violation`, 404 `model_not_found` for the model the caller
+    /// named); another source would refuse it too.
     Rejected,
     /// An answer arrived, but the caller's validator refused it.
     Invalid,

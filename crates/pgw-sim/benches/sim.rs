@@ -52,11 +52,11 @@ fn peer_service_fn_json(bencher: divan::Bencher<'_, '_>) {
         id: "x".into(),
         object: "chat.completion".into(),
         model: "m".into(),
-        choices: vec![Choice {
-            index: 0,
-            message: ChatMessage::new("assistant", "the pool answers with latency ".repeat(30)),
-            finish_reason: Some("stop".into()),
-        }],
+        choices: vec![Choice::new(
+            0,
+            ChatMessage::new("assistant", "the pool answers with latency ".repeat(30)),
+            Some("stop".into()),
+        )],
         usage: Some(Usage::default()),
         ..ChatResponse::default()
     };

@@ -85,7 +85,7 @@ async fn healthy_completions_empty_5xx_and_usage_at_their_rates() {
     let empty = answers.iter().filter(|(r, _)| r.is_empty_completion()).count();
     assert_rate("empty completions among 200s", empty, answers.len(), 0.15, 0.02);
     for (r, _) in &answers {
-        let u = r.usage.expect("usage in every answer");
+        let u = r.usage.as_ref().expect("usage in every answer");
         assert_eq!(u.total_tokens, u.prompt_tokens + u.completion_tokens);
         assert!(u.prompt_tokens > 0);
         if r.is_empty_completion() {
@@ -160,7 +160,7 @@ async fn streams_ttft_gaps_stalls_and_invalid_json_at_their_rates() {
             // Healthy gaps: a frame groups <= ~21 tokens at >= 20 tokens/s, jittered x1.5.
             assert!(*max_gap < Duration::from_secs(2), "{max_gap:?}");
         }
-        let u = resp.usage.expect("usage chunk");
+        let u = resp.usage.as_ref().expect("usage chunk");
         assert_eq!(
             u.completion_tokens as usize,
             if i % 2 == 0 {

@@ -87,7 +87,7 @@ async fn a_stream_served_over_http_is_parsed_chunk_by_chunk() {
     );
     assert!(chunks > frames, "{chunks} chunks");
     let answer = acc.finish();
-    let usage = answer.usage.expect("usage chunk");
+    let usage = answer.usage.clone().expect("usage chunk");
     assert_eq!(
         answer.content().split(' ').count() as u64,
         usage.completion_tokens

@@ -323,11 +323,7 @@ mod tests {
 
     fn answer(text: &str) -> ChatResponse {
         ChatResponse {
-            choices: vec![Choice {
-                index: 0,
-                message: ChatMessage::new("assistant", text),
-                finish_reason: None,
-            }],
+            choices: vec![Choice::new(0, ChatMessage::new("assistant", text), None)],
             ..ChatResponse::default()
         }
     }

@@ -90,13 +90,16 @@ where
         let fut = self.inner.call(call);
         Box::pin(async move {
             let mut result = fut.await;
+            // A decline (content filter, refusal) is final: re-asking cannot turn it
+            // into the shape a validator wants, and would spend a re-ask per source.
             if let (Ok(answer), Some(v)) = (&result, &validator)
+                && !answer.response.is_declined()
                 && let Err(reason) = v.0.validate(&answer.response)
             {
                 result = Err(InvalidResponse::new(reason).into());
             }
             let (ttft, usage) = match &result {
-                Ok(a) => (a.stats.ttft, a.stats.usage),
+                Ok(a) => (a.stats.ttft, a.stats.usage.as_ref()),
                 Err(_) => (None, None),
             };
             record.emit(
@@ -148,7 +151,7 @@ impl Record {
         &mut self,
         outcome: &'static str,
         ttft: Option<Duration>,
-        usage: Option<Usage>,
+        usage: Option<&Usage>,
         error: Option<String>,
     ) {
         self.done = true;

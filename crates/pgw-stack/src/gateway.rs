@@ -10,7 +10,7 @@ use futures_util::future::BoxFuture;
 use pgw_client::{
     AnswerClassifier, BoxTransport, ChatAnswer, ChatCall, HyperTransport, UpstreamClient, box_transport,
 };
-use pgw_core::openai::{ChatChunk, ChatRequest, ChatResponse, ChunkChoice, Delta};
+use pgw_core::openai::{ChatChunk, ChatRequest, chunks_of};
 use pgw_core::redis_conn::{RedisConn, RedisTarget};
 use pgw_core::{BoxError, SourceId};
 use tower::ServiceExt;
@@ -75,40 +75,6 @@ impl GatewayAnswer {
     pub fn into_stream(self) -> impl Stream<Item = Result<ChatChunk, BoxError>> + Send + 'static {
         futures_util::stream::iter(self.chunks().into_iter().map(Ok))
     }
-}
-
-/// The chunks equivalent to a non-streamed answer.
-#[must_use]
-pub fn chunks_of(r: &ChatResponse) -> Vec<ChatChunk> {
-    let base = |choices: Vec<ChunkChoice>| ChatChunk {
-        id: r.id.clone(),
-        object: "chat.completion.chunk".into(),
-        created: r.created,
-        model: r.model.clone(),
-        choices,
-        usage: None,
-    };
-    let mut out: Vec<ChatChunk> = r
-        .choices
-        .iter()
-        .map(|c| {
-            base(vec![ChunkChoice {
-                index: c.index,
-                delta: Delta {
-                    role: Some(c.message.role.clone()),
-                    content: Some(c.message.content.clone()),
-                    extra: replay_tool_calls(&c.message.extra),
-                },
-                finish_reason: c.finish_reason.clone(),
-            }])
-        })
-        .collect();
-    if r.usage.is_some() {
-        let mut u = base(Vec::new());
-        u.usage = r.usage;
-        out.push(u);
-    }
-    out
 }
 
 /// The call failed in every group of the fallback chain.
@@ -357,7 +323,8 @@ impl Service<ChatCall> for Gateway {
                 && let Some(hit) = cache.get(key).await
             {
                 let validator = call.extensions().get::<Validator>().or(inner.validator.as_ref());
-                if validator.is_none_or(|v| v.0.validate(&hit.response).is_ok()) {
+                if validator.is_none_or(|v| hit.response.is_declined() || v.0.validate(&hit.response).is_ok())
+                {
                     metrics::counter!("pgw_cache_hits_total").increment(1);
                     inner.telemetry.emit(&AttemptTelemetry {
                         call_id,
@@ -600,7 +567,7 @@ impl GatewayBuilder {
                 limiters.push(limiter.clone());
                 let rl = RateLimitLayer::new(limiter.clone())
                     .token_estimate(|c: &ChatCall| c.estimate_tokens())
-                    .usage(|a: &ChatAnswer| a.stats.usage.map(|u| u.total_tokens))
+                    .usage(|a: &ChatAnswer| a.stats.usage.as_ref().map(|u| u.total_tokens))
                     .on_admission(|c: &ChatCall, adm: &Admission| {
                         if let Some(cell) = c.extensions().get::<AdmissionCell>() {
                             cell.set(adm.at(), adm.window());
@@ -669,28 +636,6 @@ impl GatewayBuilder {
             }),
         })
     }
-}
-
-/// The tool calls of a complete answer as one streamed delta (each with its `index`).
-fn replay_tool_calls(
-    message_extra: &serde_json::Map<String, serde_json::Value>,
-) -> serde_json::Map<String, serde_json::Value> {
-    let mut extra = serde_json::Map::new();
-    if let Some(serde_json::Value::Array(calls)) = message_extra.get("tool_calls") {
-        let indexed = calls
-            .iter()
-            .enumerate()
-            .map(|(i, call)| {
-                let mut call = call.clone();
-                if let serde_json::Value::Object(o) = &mut call {
-                    o.insert("index".into(), i.into());
-                }
-                call
-            })
-            .collect();
-        extra.insert("tool_calls".into(), serde_json::Value::Array(indexed));
-    }
-    extra
 }
 
 /// The balancer's health class of a call: streamed calls (1) apart from the rest (0).
@@ -926,23 +871,19 @@ fn rate_limit_config(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use pgw_core::openai::{ChatMessage, Choice, ChunkAccumulator, Usage};
+    use pgw_core::openai::{ChatMessage, ChatResponse, Choice, ChunkAccumulator, Usage};
 
     #[test]
     fn a_plain_answer_replays_as_equivalent_chunks() {
         let r = ChatResponse {
             id: "x".into(),
             model: "m".into(),
-            choices: vec![Choice {
-                index: 0,
-                message: ChatMessage::new("assistant", "hello there"),
-                finish_reason: Some("stop".into()),
-            }],
-            usage: Some(Usage {
-                prompt_tokens: 1,
-                completion_tokens: 2,
-                total_tokens: 3,
-            }),
+            choices: vec![Choice::new(
+                0,
+                ChatMessage::new("assistant", "hello there"),
+                Some("stop".into()),
+            )],
+            usage: Some(Usage::new(1, 2, 3)),
             ..ChatResponse::default()
         };
         let chunks = chunks_of(&r);

@@ -43,8 +43,10 @@ pub use cache::{CacheKey, CachedAnswer, MemoryCache, RedisCache, ResponseCache};
 pub use config::{BackendKind, ConfigError, GatewayConfig, SourceConfig};
 pub use gateway::{
     Gateway, GatewayAnswer, GatewayBuilder, GatewayError, SourceHandles, SourceService, TransportFactory,
-    chunks_of,
 };
+/// The chunks equivalent to a non-streamed answer (moved to [`pgw_core::openai`],
+/// beside the `ChunkAccumulator` that folds them back).
+pub use pgw_core::openai::chunks_of;
 pub use telemetry::{AttemptTelemetry, JsonlSink, MemorySink, PriceTable, TelemetrySink, TracingSink};
 pub use validate::{JsonValidator, Validate, Validator, json_text};
 

@@ -5,8 +5,12 @@
 //! A streamed answer is verified first (the attempt runs to `[DONE]` under the
 //! watchdogs, so a cut stream can be retried on another source), then replayed as
 //! `data: {chunk}\n\n` events ending with `data: [DONE]\n\n`. Errors are OpenAI-style
-//! JSON bodies: 400 for a request every source rejects, 429 when the pool pushes
-//! back, 502 otherwise; `x-pgw-group` and `x-pgw-source` say who answered.
+//! JSON bodies: a request every source rejects gets the provider's own status (400,
+//! 404 for an unknown model, 413, 422) and error (`message`, `type`, `param`, `code`:
+//! `model_not_found`, `context_length_exceeded`, `content_policy_violation`, ...);
+//! 429 when the pool pushes back, 502 otherwise. A content filter's verdict or a
+//! refusal is an answer (200), passed on as the provider wrote it. `x-pgw-group` and
+//! `x-pgw-source` say who answered.
 //!
 //! ```no_run
 //! # async fn run(gateway: pgw_stack::Gateway) -> std::io::Result<()> {
@@ -25,7 +29,7 @@ use axum::routing::post;
 use axum::{Json, Router};
 use futures_util::StreamExt;
 use pgw_core::openai::ChatRequest;
-use pgw_core::{Outcome, classify_error};
+use pgw_core::{BoxError, Outcome, UpstreamStatus, classify_error};
 
 use crate::Gateway;
 
@@ -42,18 +46,35 @@ fn error(status: StatusCode, message: &str) -> Response {
     (status, Json(body)).into_response()
 }
 
+/// The caller's answer to a failed call. A rejected request is the caller's to fix,
+/// so it gets what the provider said: its status and its error, field by field.
+fn failure(e: &BoxError) -> Response {
+    let outcome = classify_error(&**e);
+    let upstream = UpstreamStatus::find(&**e);
+    if outcome == Outcome::Rejected
+        && let Some(u) = upstream
+        && let Some(provider) = u.provider()
+    {
+        let status = if u.status().is_client_error() {
+            u.status()
+        } else {
+            StatusCode::BAD_REQUEST
+        };
+        return (status, Json(provider.to_json())).into_response();
+    }
+    let status = match outcome {
+        Outcome::Rejected => StatusCode::BAD_REQUEST,
+        Outcome::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
+        _ => StatusCode::BAD_GATEWAY,
+    };
+    error(status, &e.to_string())
+}
+
 async fn completions(State(gw): State<Gateway>, Json(req): Json<ChatRequest>) -> Response {
     let stream = req.stream;
     let answer = match gw.chat(req).await {
         Ok(a) => a,
-        Err(e) => {
-            let status = match classify_error(&*e) {
-                Outcome::Rejected => StatusCode::BAD_REQUEST,
-                Outcome::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
-                _ => StatusCode::BAD_GATEWAY,
-            };
-            return error(status, &e.to_string());
-        }
+        Err(e) => return failure(&e),
     };
     let group = answer.group.clone();
     let source = answer

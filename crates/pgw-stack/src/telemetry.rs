@@ -167,7 +167,7 @@ impl PriceTable {
 
     /// The cost of `usage` on `model`, when both are known.
     #[must_use]
-    pub fn cost(&self, model: &str, usage: Option<Usage>) -> Option<f64> {
+    pub fn cost(&self, model: &str, usage: Option<&Usage>) -> Option<f64> {
         let p = self.0.get(model)?;
         let u = usage?;
         #[allow(clippy::cast_precision_loss)] // token counts are far below 2^52
@@ -232,13 +232,9 @@ mod tests {
             },
         );
         let t = PriceTable::new(m);
-        let u = Usage {
-            prompt_tokens: 1_000_000,
-            completion_tokens: 500_000,
-            total_tokens: 1_500_000,
-        };
-        assert_eq!(t.cost("gpt", Some(u)), Some(6.0));
-        assert_eq!(t.cost("other", Some(u)), None);
+        let u = Usage::new(1_000_000, 500_000, 1_500_000);
+        assert_eq!(t.cost("gpt", Some(&u)), Some(6.0));
+        assert_eq!(t.cost("other", Some(&u)), None);
         assert_eq!(t.cost("gpt", None), None);
     }
 

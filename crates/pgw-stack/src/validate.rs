@@ -38,7 +38,7 @@ where
 /// struct Verdict { ok: bool }
 ///
 /// let answer = |text: &str| ChatResponse {
-///     choices: vec![Choice { index: 0, message: ChatMessage::new("assistant", text), finish_reason: None }],
+///     choices: vec![Choice::new(0, ChatMessage::new("assistant", text), None)],
 ///     ..ChatResponse::default()
 /// };
 /// let v = JsonValidator::<Verdict>::new();

@@ -21,11 +21,7 @@ async fn provider(req: ChatRequest) -> Result<ChatResponse, BoxError> {
     // A stand-in for the upstream: answers with a usage report.
     let used = req.prompt_bytes() / 4 + 20;
     Ok(ChatResponse {
-        usage: Some(Usage {
-            prompt_tokens: req.prompt_bytes() / 4,
-            completion_tokens: 20,
-            total_tokens: used,
-        }),
+        usage: Some(Usage::new(req.prompt_bytes() / 4, 20, used)),
         ..ChatResponse::default()
     })
 }
@@ -60,7 +56,10 @@ async fn main() -> Result<(), BoxError> {
         let mut req = ChatRequest::user("model", format!("question {i}: {}", "x".repeat(300)));
         req.max_tokens = Some(100);
         match svc.ready().await?.call(req).await {
-            Ok(resp) => println!("call {i}: ok, used {:?}", resp.usage.map(|u| u.total_tokens)),
+            Ok(resp) => println!(
+                "call {i}: ok, used {:?}",
+                resp.usage.as_ref().map(|u| u.total_tokens)
+            ),
             Err(e) => match e.downcast_ref::<QuotaExceeded>() {
                 Some(q) => println!(
                     "call {i}: not admitted ({}), retry after {:?}",

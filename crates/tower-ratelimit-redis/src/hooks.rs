@@ -100,7 +100,7 @@ pub trait ReportsUsage {
 
 impl ReportsUsage for ChatResponse {
     fn tokens_used(&self) -> Option<u64> {
-        self.usage.map(|u| u.total_tokens)
+        self.usage.as_ref().map(|u| u.total_tokens)
     }
 }
 

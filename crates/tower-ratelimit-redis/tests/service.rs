@@ -31,11 +31,7 @@ fn chat(prompt_bytes: usize, max_tokens: u64) -> ChatRequest {
 
 fn answer(total: u64) -> ChatResponse {
     ChatResponse {
-        usage: Some(Usage {
-            prompt_tokens: 0,
-            completion_tokens: total,
-            total_tokens: total,
-        }),
+        usage: Some(Usage::new(0, total, total)),
         ..ChatResponse::default()
     }
 }

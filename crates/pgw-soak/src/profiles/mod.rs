@@ -431,7 +431,7 @@ where
                     a.stats
                         .ttft
                         .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
-                    a.stats.usage.map_or(estimate, |u| u.total_tokens),
+                    a.stats.usage.as_ref().map_or(estimate, |u| u.total_tokens),
                 ),
                 Err(_) => (None, estimate),
             };

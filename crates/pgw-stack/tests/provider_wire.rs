@@ -1,0 +1,322 @@
+//! The providers' language, through the gateway and its proxy, against the
+//! simulator's wire behaviours on tokio's paused clock: what each provider answer
+//! does to the breakers, the attempts and the caller.
+
+use std::sync::Arc;
+
+use pgw_core::openai::{ChatRequest, ChatResponse, FINISH_CONTENT_FILTER};
+use pgw_core::{BoxError, Outcome, UpstreamStatus, classify_error};
+use pgw_sim::{PoolConfig, SimPool};
+use pgw_stack::breaker::BreakerState;
+use pgw_stack::client::box_transport;
+use pgw_stack::{Gateway, GatewayConfig, MemorySink, SecretKey, SourceConfig};
+use tower::ServiceExt;
+
+const KEY: &str = "sk-virtual-0123456789";
+
+fn pool(sources: Vec<pgw_sim::SourceConfig>) -> SimPool {
+    let config = PoolConfig {
+        sources,
+        bad_prompt_rate: 0.0,
+        ..PoolConfig::default()
+    };
+    SimPool::new(config, 7).unwrap()
+}
+
+/// A source serving only `gpt-4o`, healthy otherwise, answering within a second or
+/// two (so no breaker cooldown runs out between the calls of a test).
+fn serving(name: &str) -> pgw_sim::SourceConfig {
+    pgw_sim::SourceConfig {
+        models: Some(vec!["gpt-4o".into()]),
+        ttft_s: pgw_sim::LogNormal::constant(0.5).into(),
+        tokens_per_second: pgw_sim::LogNormal::constant(200.0).into(),
+        error_latency_s: pgw_sim::LogNormal::constant(0.1).into(),
+        ..pgw_sim::SourceConfig::healthy(name)
+    }
+}
+
+async fn gateway(pool: &SimPool, sink: &MemorySink) -> Gateway {
+    let mut cfg = GatewayConfig::default();
+    // Every call below is its own evidence: no answer may come from the cache.
+    cfg.cache.enabled = false;
+    cfg.balance.policy = Some("round_robin".into());
+    for name in pool.sources() {
+        let mut s = SourceConfig::new(
+            name.as_str(),
+            format!("http://sim.invalid/{name}/v1"),
+            SecretKey::new(KEY),
+        );
+        s.total_timeout_s = Some(60.0);
+        cfg.sources.push(s);
+    }
+    let p = pool.clone();
+    Gateway::builder(cfg)
+        .sink(Arc::new(sink.clone()))
+        .transport(move |sc: &SourceConfig| -> Result<_, BoxError> {
+            Ok(box_transport(p.service(&sc.name).ok_or("unknown sim source")?))
+        })
+        .build()
+        .await
+        .unwrap()
+}
+
+async fn states(gw: &Gateway) -> Vec<(String, BreakerState)> {
+    let mut out = Vec::new();
+    for h in gw.sources() {
+        out.push((h.source.to_string(), h.breaker.view().await.unwrap().state));
+    }
+    out
+}
+
+fn all_closed(states: &[(String, BreakerState)]) -> bool {
+    states.iter().all(|(_, s)| *s == BreakerState::Closed)
+}
+
+fn received(pool: &SimPool) -> u64 {
+    pool.stats().sources.values().map(|s| s.received).sum()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_wrong_model_is_rejected_at_once_and_opens_no_breaker() {
+    let pool = pool(vec![serving("a"), serving("b"), serving("c")]);
+    let sink = MemorySink::new();
+    let gw = gateway(&pool, &sink).await;
+    // Before, one such call force-opened up to `max_attempts` healthy sources.
+    for i in 0..6 {
+        let err = gw
+            .chat(ChatRequest::user("gpt-4o-mimi", format!("typo {i}")))
+            .await
+            .unwrap_err();
+        assert_eq!(classify_error(&*err), Outcome::Rejected, "{err}");
+        let upstream = UpstreamStatus::find(&*err).expect("the provider's answer");
+        assert_eq!(upstream.status(), 404);
+        assert_eq!(upstream.code(), Some("model_not_found"));
+        assert!(upstream.message().contains("gpt-4o-mimi"), "{upstream}");
+    }
+    assert_eq!(
+        received(&pool),
+        6,
+        "one attempt per call: a rejected request fails fast"
+    );
+    let stats = pool.stats();
+    assert_eq!(stats.sources.values().map(|s| s.model_not_found).sum::<u64>(), 6);
+    let states = states(&gw).await;
+    assert!(all_closed(&states), "{states:?}");
+    for h in gw.sources() {
+        assert_eq!(
+            gw.health(h.source.as_str()),
+            Some(1.0),
+            "a rejected request feeds no health sample"
+        );
+    }
+    // And the pool still serves the model it has.
+    let ok = gw.chat(ChatRequest::user("gpt-4o", "hello")).await.unwrap();
+    assert!(!ok.content().is_empty());
+    let outcomes: Vec<_> = sink.records().iter().map(|r| r.outcome).collect();
+    assert_eq!(&outcomes[..6], ["rejected"; 6]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_proxy_hands_the_callers_error_over_as_the_provider_wrote_it() {
+    let small = pgw_sim::SourceConfig {
+        context_window: Some(4096),
+        ..serving("a")
+    };
+    let pool = pool(vec![small]);
+    let gw = gateway(&pool, &MemorySink::new()).await;
+    let app = pgw_stack::proxy::router(gw);
+    let post = |body: &str| {
+        http::Request::post("/v1/chat/completions")
+            .header("content-type", "application/json")
+            .body(axum::body::Body::from(body.to_owned()))
+            .unwrap()
+    };
+    let read = |resp: axum::response::Response| async move {
+        let status = resp.status();
+        let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20).await.unwrap();
+        (
+            status,
+            serde_json::from_slice::<serde_json::Value>(&bytes).unwrap(),
+        )
+    };
+    let (status, body) = read(
+        app.clone()
+            .oneshot(post(
+                r#"{"model":"gpt-4o-mimi","messages":[{"role":"user","content":"hi"}]}"#,
+            ))
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 404);
+    assert_eq!(body["error"]["code"], "model_not_found");
+    assert_eq!(body["error"]["type"], "invalid_request_error");
+    assert!(
+        body["error"]["message"].as_str().unwrap().contains("gpt-4o-mimi"),
+        "{body}"
+    );
+
+    let (status, body) = read(
+        app.clone()
+            .oneshot(post(
+                r#"{"model":"gpt-4o","messages":[{"role":"user","content":"hi"}],"max_tokens":100000}"#,
+            ))
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 400);
+    assert_eq!(body["error"]["code"], "context_length_exceeded");
+    assert_eq!(body["error"]["param"], "messages");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("maximum context length is 4096 tokens"),
+        "{body}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_content_filtered_prompt_is_one_attempt_and_its_answer_reaches_the_caller() {
+    let filtering = |name: &str| pgw_sim::SourceConfig {
+        content_filter_rate: 1.0.into(),
+        ..serving(name)
+    };
+    let pool = pool(vec![filtering("a"), filtering("b"), filtering("c")]);
+    let sink = MemorySink::new();
+    let gw = gateway(&pool, &sink).await;
+    // Before, each was an empty completion retried on every source, and two opened
+    // the breakers for all traffic.
+    for i in 0..4_u64 {
+        let mut req = ChatRequest::user("gpt-4o", format!("filtered {i}"));
+        req.stream = i % 2 == 1;
+        let a = gw.chat(req).await.unwrap();
+        let choice = &a.answer.response.choices[0];
+        assert_eq!(choice.finish_reason.as_deref(), Some(FINISH_CONTENT_FILTER));
+        assert!(choice.message.content.is_null(), "content stays null");
+        assert!(a.answer.response.is_declined());
+        assert_eq!(
+            received(&pool),
+            i + 1,
+            "call {i}: one attempt: {:?}",
+            sink.records()
+        );
+    }
+    assert_eq!(
+        pool.stats()
+            .sources
+            .values()
+            .map(|s| s.content_filtered)
+            .sum::<u64>(),
+        4
+    );
+    let states = states(&gw).await;
+    assert!(all_closed(&states), "{states:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_refusal_is_an_answer_streamed_or_not() {
+    let refusing = pgw_sim::SourceConfig {
+        refusal_rate: 1.0.into(),
+        ..serving("a")
+    };
+    let pool = pool(vec![refusing, serving("b")]);
+    let gw = gateway(&pool, &MemorySink::new()).await;
+    for stream in [false, true] {
+        let mut req = ChatRequest::user("gpt-4o", "please refuse");
+        req.stream = stream;
+        // Round robin: one call lands on each source; the refusing one answers too.
+        for _ in 0..2 {
+            let a = gw.chat(req.clone()).await.unwrap();
+            if a.source.as_ref().unwrap().as_str() == "a" {
+                let m = &a.answer.response.choices[0].message;
+                assert_eq!(m.refusal(), Some("I'm sorry, but I can't help with that."));
+                assert!(m.content.is_null());
+            }
+        }
+    }
+    assert_eq!(pool.stats().sources["a"].refusals, 2);
+    assert_eq!(received(&pool), 4, "no retries");
+    assert!(all_closed(&states(&gw).await));
+}
+
+#[tokio::test(start_paused = true)]
+async fn billing_force_opens_that_source_and_overload_is_transient() {
+    let broke = pgw_sim::SourceConfig {
+        insufficient_quota_rate: 1.0.into(),
+        ..serving("broke")
+    };
+    let busy = pgw_sim::SourceConfig {
+        overloaded_rate: 1.0.into(),
+        ..serving("busy")
+    };
+    let pool = pool(vec![broke, busy, serving("good")]);
+    let sink = MemorySink::new();
+    let gw = gateway(&pool, &sink).await;
+    let a = gw.chat(ChatRequest::user("gpt-4o", "q0")).await.unwrap();
+    assert_eq!(a.source.as_ref().unwrap().as_str(), "good");
+    let states: std::collections::BTreeMap<_, _> = states(&gw).await.into_iter().collect();
+    assert_eq!(
+        states["broke"],
+        BreakerState::Open,
+        "insufficient_quota is SourceDead"
+    );
+    assert_eq!(
+        states["busy"],
+        BreakerState::Closed,
+        "one 529 is a transient failure"
+    );
+    assert_eq!(states["good"], BreakerState::Closed);
+    for i in 1..3 {
+        let a = gw
+            .chat(ChatRequest::user("gpt-4o", format!("q{i}")))
+            .await
+            .unwrap();
+        assert_eq!(a.source.as_ref().unwrap().as_str(), "good");
+    }
+    assert_eq!(
+        pool.stats().sources["broke"].insufficient_quota,
+        1,
+        "once, then not admitted"
+    );
+    assert!(pool.stats().sources["busy"].overloaded >= 2);
+    let outcome_of = |source: &str| {
+        sink.records()
+            .iter()
+            .find(|r| r.source.as_ref().unwrap().as_str() == source)
+            .map(|r| r.outcome)
+    };
+    assert_eq!(outcome_of("broke"), Some("source_dead"));
+    assert_eq!(outcome_of("busy"), Some("transient"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn every_field_survives_the_trip_through_the_proxy() {
+    let echoing = pgw_sim::SourceConfig {
+        echo_openai_fields: true,
+        ..serving("a")
+    };
+    let pool = pool(vec![echoing]);
+    let app = pgw_stack::proxy::router(gateway(&pool, &MemorySink::new()).await);
+    let body = r#"{"model":"gpt-4o","messages":[{"role":"user","content":[{"type":"text","text":"what is this?"},{"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA","detail":"low"}}]}],"logprobs":true,"max_completion_tokens":40}"#;
+    let req = http::Request::post("/v1/chat/completions")
+        .header("content-type", "application/json")
+        .body(axum::body::Body::from(body))
+        .unwrap();
+    let resp = app.oneshot(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20).await.unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+    assert!(
+        v["system_fingerprint"].as_str().unwrap().starts_with("fp_"),
+        "{v}"
+    );
+    assert_eq!(v["service_tier"], "default");
+    assert_eq!(v["usage"]["completion_tokens_details"]["reasoning_tokens"], 0);
+    let logprobs = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert!(!logprobs.is_empty() && logprobs[0]["token"].is_string(), "{v}");
+    // The image part reached the simulator and was counted (85 tokens per image).
+    let answer: ChatResponse = serde_json::from_value(v).unwrap();
+    assert!(answer.usage.unwrap().prompt_tokens >= 85);
+}
