@@ -626,6 +626,22 @@ mod tests {
     }
 
     #[test]
+    fn ratios_to_the_oracle() {
+        // pgw: one answer in 120 s over a 2-minute run; the oracle: the same answer in
+        // a 1-minute run: half its goodput, the same latency.
+        let mut pgw = score("pgw", true);
+        pgw.timing.goodput_per_min = 0.5;
+        let mut oracle = score("oracle", true);
+        oracle.timing.goodput_per_min = 1.0;
+        oracle.timing.success.p50 /= 2;
+        let scores = [pgw, oracle];
+        let md = markdown(&RunInfo::default(), &scores);
+        assert!(md.contains("| goodput vs oracle | x0.50 | x1.00 |"), "{md}");
+        assert!(md.contains("| success p50 vs oracle | x2.00 | x1.00 |"), "{md}");
+        assert!(terminal(&scores).contains("x0.50"));
+    }
+
+    #[test]
     fn markdown_has_a_column_per_profile_and_escapes() {
         let scores = [score("naive", false), score("pgw", true)];
         let md = markdown(
