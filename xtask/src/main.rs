@@ -5,7 +5,7 @@
 //!   test suite against them, stops them, exits with the tests' status.
 //! - `cargo xtask lint`: fmt, clippy `-D warnings`, rustdoc `-D warnings`.
 //! - `cargo xtask ci`: exactly what CI does (`.ci/run`): `cargo xtask lint`, then `cargo xtask test`.
-//! - `cargo xtask soak`: the P6 soak (see the `pgw-soak` crate).
+//! - `cargo xtask soak`: the soak, P6 by default (see the `pgw-soak` crate; `-- --scenario NAME`, `-- --matrix`).
 //! - `cargo xtask redis`: starts the same servers and waits, for running tests by hand.
 
 use std::process::ExitCode;
@@ -33,7 +33,7 @@ enum Cmd {
     Ci,
     /// The lints: `cargo fmt --check`, clippy `-D warnings`, rustdoc `-D warnings`.
     Lint,
-    /// Run the P6 soak on the simulated fault pool and print the scoreboard.
+    /// Run the soak (P6 by default) on the simulated fault pool and print the scoreboard.
     Soak {
         /// Arguments for the soak (see `cargo xtask soak -- --help`).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]

@@ -11,14 +11,15 @@ use pgw_soak::report;
 use pgw_soak::run::{RunOptions, rescore, run};
 use pgw_soak::scenario::{DEFAULT_SEED, Scenario};
 
-/// Runs the P6 soak: profiles side by side on the simulated fault pool, in virtual
-/// time, and prints the scoreboard; telemetry, report.md and chart.svg go to the run
-/// directory.
+/// Runs the soak: profiles side by side on the simulated fault pool (P6, or a library
+/// scenario, or a scenario file), in virtual time, and prints the scoreboard with what
+/// the success cost in time; telemetry, report.md, chart.svg and latency.svg go to the
+/// run directory.
 #[derive(Parser, Debug)]
 #[command(name = "pgw-soak", version)]
 struct Args {
     /// Profiles to run, comma-separated, in report order.
-    /// (default: naive,tower-stock,pgw; the Redis mode runs pgw only).
+    /// (default: naive,tower-stock,pgw,oracle; the Redis mode runs pgw only).
     #[arg(long, value_delimiter = ',')]
     profiles: Option<Vec<ProfileKind>>,
     /// Seed of the pool and the traffic.
@@ -43,7 +44,8 @@ struct Args {
     /// `--calls`) and print one table: scenario x profile.
     #[arg(long, conflicts_with_all = ["scenario", "rescore", "worker_index"])]
     matrix: bool,
-    /// Run directory (default `soak-runs/seed-<seed>-<unix time>`).
+    /// Run directory (default `soak-runs/<scenario>-seed-<seed>-<unix time>`, or
+    /// `soak-runs/matrix-<unix time>`).
     #[arg(long)]
     out: Option<PathBuf>,
     /// Re-judge a stored run directory without traffic, rewriting its report.
