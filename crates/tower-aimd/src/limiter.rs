@@ -115,7 +115,12 @@ impl Limiter {
             Outcome::RateLimited { .. } => {
                 if self
                     .episode
-                    .compare_exchange(episode, episode.wrapping_add(1), Ordering::SeqCst, Ordering::SeqCst)
+                    .compare_exchange(
+                        episode,
+                        episode.wrapping_add(1),
+                        Ordering::SeqCst,
+                        Ordering::SeqCst,
+                    )
                     .is_ok()
                 {
                     self.update(|l| (l * self.cut).max(self.floor));
