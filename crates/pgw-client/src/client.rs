@@ -400,7 +400,7 @@ async fn status_error(
         Some(key) => key.scrub(&s),
         None => s,
     };
-    match ProviderError::parse(&bytes) {
+    let status = match ProviderError::parse(&bytes) {
         Some(p) => {
             // Every field the caller may see is scrubbed: a provider may echo the key.
             let p = ProviderError {
@@ -412,6 +412,12 @@ async fn status_error(
             UpstreamStatus::new(parts.status, retry_after, p.message.clone()).with_provider(p)
         }
         None => UpstreamStatus::new(parts.status, retry_after, scrub(snippet(&bytes))),
+    };
+    // The source's model override replaced the caller's: an unknown model is ours.
+    if prepared.settings.model.is_some() {
+        status.with_source_model()
+    } else {
+        status
     }
 }
 

@@ -73,6 +73,21 @@ impl Provider {
         + Send
         + 'static,
     > {
+        self.client_for(script, timeouts, Some("override-model"))
+    }
+
+    /// A client whose source sends `model` instead of the caller's (none: the caller's).
+    fn client_for(
+        &self,
+        script: Script,
+        timeouts: Timeouts,
+        model: Option<&str>,
+    ) -> UpstreamClient<
+        impl tower::Service<http::Request<Bytes>, Response = http::Response<Body>, Error = BoxError, Future: Send>
+        + Clone
+        + Send
+        + 'static,
+    > {
         let seen = Arc::clone(&self.seen);
         let dropped = Arc::clone(&self.dropped);
         let svc = service_fn(move |req: http::Request<Bytes>| {
@@ -91,10 +106,12 @@ impl Provider {
                 Ok::<_, BoxError>(b.body(body(&script, dropped)).unwrap())
             }
         });
-        let settings = SourceSettings::new("s1", "http://provider.test/v1")
+        let mut settings = SourceSettings::new("s1", "http://provider.test/v1")
             .key(SecretKey::new(KEY))
-            .model("override-model")
             .timeouts(timeouts);
+        if let Some(m) = model {
+            settings = settings.model(m);
+        }
         UpstreamClient::new(settings, svc).unwrap()
     }
 }
@@ -573,10 +590,21 @@ async fn the_providers_error_code_decides_and_reaches_the_caller() {
     ];
     for (status, body, want, code) in rows {
         let r = p
-            .client(json(status, &body), timeouts())
+            .client_for(json(status, &body), timeouts(), None)
             .oneshot(plain_call())
             .await;
         assert_eq!(outcome(&r), want, "{status} {body}");
+        // With the source's model override, an unknown model is the source's fault.
+        let theirs = p
+            .client(json(status, &body), timeouts())
+            .oneshot(plain_call())
+            .await;
+        let want_theirs = if code == Some("model_not_found") {
+            Outcome::SourceDead
+        } else {
+            want
+        };
+        assert_eq!(outcome(&theirs), want_theirs, "override: {status} {body}");
         let e = r.as_ref().unwrap_err().downcast_ref::<UpstreamStatus>().unwrap();
         assert_eq!(e.code(), code);
         let provider = e.provider().expect("the body was a JSON error");

@@ -317,12 +317,6 @@ impl ProviderError {
         }
     }
 
-    /// Whether `code` or `type` is `name`.
-    #[must_use]
-    pub fn says(&self, name: &str) -> bool {
-        self.code.as_deref() == Some(name) || self.kind.as_deref() == Some(name)
-    }
-
     /// The error as an OpenAI-style body, `{"error":{"message","type","param","code"}}`,
     /// for handing it to the caller as the provider wrote it.
     #[must_use]
@@ -347,6 +341,7 @@ pub struct UpstreamStatus {
     retry_after: Option<Duration>,
     message: String,
     provider: Option<ProviderError>,
+    source_model: bool,
 }
 
 impl UpstreamStatus {
@@ -357,7 +352,23 @@ impl UpstreamStatus {
             retry_after,
             message: message.into(),
             provider: None,
+            source_model: false,
         }
+    }
+
+    /// Marks the request's model as the source's own (configured for the source,
+    /// replacing the caller's): an unknown model is then the source's fault, not the
+    /// caller's.
+    #[must_use]
+    pub const fn with_source_model(mut self) -> Self {
+        self.source_model = true;
+        self
+    }
+
+    /// Whether the request's model was the source's own ([`Self::with_source_model`]).
+    #[must_use]
+    pub const fn is_source_model(&self) -> bool {
+        self.source_model
     }
 
     /// Attaches the provider's error as its body said it (its message should be

@@ -44,15 +44,18 @@ enum Meaning {
     RateLimited,
     /// The provider is busy: may pass on a retry.
     Transient,
+    /// The model does not exist here.
+    UnknownModel,
 }
 
 /// Provider error codes and types (OpenAI, Azure OpenAI, Anthropic) whose meaning does
 /// not depend on the status, looked up by `code` first, then by `type`. Anything
 /// else is classified by its status ([`classify_status`]).
 const MEANINGS: &[(&str, Meaning)] = &[
-    // A model the caller named that this source does not serve: the request is wrong
-    // (a typo in `model` must not force-open every breaker of the pool).
-    ("model_not_found", Meaning::Rejected),
+    // A model this source does not serve: the request is wrong when the caller named
+    // it (a typo in `model` must not force-open every breaker of the pool), the source
+    // when its configuration did (see `classify_upstream`).
+    ("model_not_found", Meaning::UnknownModel),
     ("context_length_exceeded", Meaning::Rejected),
     ("content_policy_violation", Meaning::Rejected),
     ("content_filter", Meaning::Rejected),
@@ -86,7 +89,7 @@ fn names_a_missing_model(message: &str) -> bool {
 ///
 /// | answer | outcome |
 /// |---|---|
-/// | `code`/`type` `model_not_found`, or a 404 whose message says the model does not exist | `Rejected` |
+/// | `code`/`type` `model_not_found`, or a 404 whose message says the model does not exist | `Rejected`; `SourceDead` when the model was the source's own ([`UpstreamStatus::with_source_model`]: a misconfigured source serves nobody) |
 /// | `context_length_exceeded`, `content_policy_violation`, `content_filter` | `Rejected` |
 /// | `insufficient_quota` (429, billing), `invalid_api_key`, `authentication_error`, `permission_error` | `SourceDead` |
 /// | `rate_limit_exceeded`, `rate_limit_error` | `RateLimited { retry_after }` |
@@ -109,6 +112,16 @@ pub fn classify_upstream(err: &UpstreamStatus) -> Outcome {
     let status = err.status();
     let provider = err.provider();
     let by_name = provider.and_then(|p| meaning(p.code.as_deref()).or_else(|| meaning(p.kind.as_deref())));
+    let message = provider.map_or(err.message(), |p| p.message.as_str());
+    let unknown_model = by_name == Some(Meaning::UnknownModel)
+        || (by_name.is_none() && status == StatusCode::NOT_FOUND && names_a_missing_model(message));
+    if unknown_model {
+        return if err.is_source_model() {
+            Outcome::SourceDead
+        } else {
+            Outcome::Rejected
+        };
+    }
     match by_name {
         Some(Meaning::Rejected) => return Outcome::Rejected,
         Some(Meaning::SourceDead) => return Outcome::SourceDead,
@@ -118,11 +131,7 @@ pub fn classify_upstream(err: &UpstreamStatus) -> Outcome {
             };
         }
         Some(Meaning::Transient) => return Outcome::Transient,
-        None => {}
-    }
-    let message = provider.map_or(err.message(), |p| p.message.as_str());
-    if status == StatusCode::NOT_FOUND && names_a_missing_model(message) {
-        return Outcome::Rejected;
+        Some(Meaning::UnknownModel) | None => {}
     }
     classify_status(status, err.retry_after())
 }
@@ -379,12 +388,21 @@ mod tests {
             (400, r#"{"error":"bad request"}"#, Outcome::Rejected),
             (403, r#"{"message":"forbidden"}"#, Outcome::SourceDead),
         ];
-        for (status, body, want) in rows {
+        for (i, (status, body, want)) in rows.iter().enumerate() {
             let mut e = UpstreamStatus::new(StatusCode::from_u16(*status).unwrap(), ra, "");
             if let Some(p) = ProviderError::parse(body.as_bytes()) {
                 e = e.with_provider(p);
             }
             assert_eq!(classify_upstream(&e), *want, "{status} {body}");
+            // The same answer when the model was the source's own: for the first
+            // four rows (an unknown model) the source is misconfigured, serving nobody.
+            let theirs = e.clone().with_source_model();
+            let want_theirs = if i < 4 { Outcome::SourceDead } else { *want };
+            assert_eq!(
+                classify_upstream(&theirs),
+                want_theirs,
+                "source model: {status} {body}"
+            );
             // Through the error chain, as the layers see it.
             let boxed: BoxError = Box::new(e);
             assert_eq!(classify_error(&*boxed), *want, "{status} {body}");

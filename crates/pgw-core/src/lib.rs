@@ -6,7 +6,9 @@
 //!   means for the breaker, the health EWMA, AIMD and the retry budget;
 //! - [`Classify`]: how any service's `&Result<Res, E>` becomes an [`Outcome`], with
 //!   ready classifiers for HTTP ([`HttpClassifier`]) and OpenAI-compatible chat
-//!   completions ([`OpenAiClassifier`]);
+//!   completions ([`OpenAiClassifier`]), all deciding in one place: a provider's error
+//!   by its code and type, then its status ([`classify_upstream`]), an answer by
+//!   [`classify_response`] (a refusal or a content filter's verdict is an answer);
 //! - the *not admitted* errors a gate answers before dispatch ([`CircuitOpen`],
 //!   [`QuotaExceeded`], [`Paced`]) and [`NotAdmitted::of`] to recognise them;
 //! - [`retry_after`] parsing, defensive against garbage;
