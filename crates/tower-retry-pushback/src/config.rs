@@ -13,11 +13,10 @@ pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
 /// Seed 000 section 3.37 (a conservative version of the `instructor` library's 3).
 pub const DEFAULT_MAX_REASKS: u32 = 2;
 
-/// Base of the exponential backoff: 0.5 s. The n-th backoff of a call is uniform in
-/// `[c / 2, c]`, `c = min(max_backoff, base * 2^n)` ("equal jitter", M. Brooker,
-/// *Exponential Backoff And Jitter*, AWS Architecture Blog, 2015): jittered, with a
-/// floor, so two attempts of one call never go out back to back (full jitter's
-/// `[0, c]` drew gaps of 50 ms).
+/// Base of the full-jitter exponential backoff: 0.5 s. The n-th backoff of a call is
+/// uniform in `[0, min(max_backoff, base * 2^n)]` ("full jitter", M. Brooker,
+/// *Exponential Backoff And Jitter*, AWS Architecture Blog, 2015; gRPC A6 uses the same
+/// shape when the server sends no pushback).
 pub const DEFAULT_BASE_BACKOFF: Duration = Duration::from_millis(500);
 
 /// Cap of the exponential backoff: 20 s, a third of a one-minute RPM window. A server
@@ -76,7 +75,7 @@ pub struct RetryConfig {
     pub max_attempts: u32,
     /// Re-asks after an `Invalid` answer (R2), apart from `max_attempts`.
     pub max_reasks: u32,
-    /// Base of the equal-jitter exponential backoff. Non-zero.
+    /// Base of the full-jitter exponential backoff. Non-zero.
     pub base_backoff: Duration,
     /// Cap of the exponential backoff. At least `base_backoff`.
     pub max_backoff: Duration,

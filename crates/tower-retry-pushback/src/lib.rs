@@ -7,7 +7,7 @@
 //! | outcome | what the loop does |
 //! |---|---|
 //! | `Success` | returns the answer; records progress for the stall guard |
-//! | `Transient` | spends one of `max_attempts` (default 3), equal-jitter backoff (with a floor), retries |
+//! | `Transient` | spends one of `max_attempts` (default 3), full-jitter backoff, retries |
 //! | `SourceDead` | spends one of `max_attempts`, retries at once (the source's breaker is open) |
 //! | `RateLimited` | spends **nothing**; holds the source for `max(Retry-After, backoff)` through a [`Hold`](pgw_core::Hold) hook and goes on at once (or, with no hook, sleeps that long itself) |
 //! | `Rejected` | fails at once |
