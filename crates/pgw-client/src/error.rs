@@ -66,7 +66,16 @@ impl fmt::Display for WatchdogCut {
     }
 }
 
-impl std::error::Error for WatchdogCut {}
+/// What every watchdog cut gives as its source: the workspace's timeout marker.
+static TIMED_OUT: pgw_core::TimedOut = pgw_core::TimedOut;
+
+impl std::error::Error for WatchdogCut {
+    /// [`pgw_core::TimedOut`]: a cut is a timeout, so `pgw_core::is_timeout` tells it
+    /// (and the balancer moves the call's next attempt to another source).
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&TIMED_OUT)
+    }
+}
 
 /// The upstream answered 2xx with bytes that are not a chat completion (garbage, a
 /// truncated stream, an oversized event): outcome `Transient`.
@@ -97,3 +106,18 @@ impl fmt::Display for MalformedResponse {
 }
 
 impl std::error::Error for MalformedResponse {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_watchdog_cut_is_a_timeout_and_a_malformed_answer_is_not() {
+        for w in [Watchdog::FirstToken, Watchdog::InterToken, Watchdog::Total] {
+            let cut: pgw_core::BoxError = Box::new(WatchdogCut::new(w, Duration::from_secs(8)));
+            assert!(pgw_core::is_timeout(&*cut), "{}", w.as_str());
+        }
+        let bad: pgw_core::BoxError = Box::new(MalformedResponse::new("garbage"));
+        assert!(!pgw_core::is_timeout(&*bad));
+    }
+}

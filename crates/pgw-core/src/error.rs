@@ -547,6 +547,51 @@ impl fmt::Display for ConfigError {
 
 impl Error for ConfigError {}
 
+/// An attempt ran out of time: a connect, first-token, inter-token or total timeout.
+///
+/// The marker a timeout carries in its error chain so any layer can tell it from other
+/// transient failures without knowing the client's own error types: `pgw-client`'s
+/// watchdog cuts give it as their `source()`. See [`is_timeout`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TimedOut;
+
+impl fmt::Display for TimedOut {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("timed out")
+    }
+}
+
+impl Error for TimedOut {}
+
+/// Whether `err`'s chain says the attempt timed out: a [`TimedOut`] anywhere in it, an
+/// `io::Error` of kind `TimedOut`, or tokio's `Elapsed`. A timeout moves the call's
+/// next attempt to another source (retrying a silent source multiplies the wait).
+///
+/// ```
+/// use pgw_core::{BoxError, TimedOut, is_timeout};
+/// let io: BoxError = Box::new(std::io::Error::from(std::io::ErrorKind::TimedOut));
+/// assert!(is_timeout(&*io));
+/// assert!(is_timeout(&TimedOut));
+/// let reset: BoxError = Box::new(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+/// assert!(!is_timeout(&*reset));
+/// ```
+#[must_use]
+pub fn is_timeout(err: &(dyn Error + 'static)) -> bool {
+    let mut cur = Some(err);
+    while let Some(e) = cur {
+        if e.is::<TimedOut>() || e.is::<tokio::time::error::Elapsed>() {
+            return true;
+        }
+        if e.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut)
+        {
+            return true;
+        }
+        cur = e.source();
+    }
+    false
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

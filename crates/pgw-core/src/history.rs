@@ -16,6 +16,9 @@ pub struct AttemptRecord {
     pub source: Option<SourceId>,
     /// How it ended.
     pub outcome: Outcome,
+    /// It ended by a timeout (connect, first token, inter-token, total): the call's
+    /// next attempt should go elsewhere.
+    pub timed_out: bool,
 }
 
 /// A call-local record of attempts, shared by handle between the retry layer and the
@@ -39,9 +42,18 @@ impl CallHistory {
         self.attempts.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Records one attempt.
+    /// Records one attempt that did not time out.
     pub fn record(&self, source: Option<SourceId>, outcome: Outcome) {
-        self.lock().push(AttemptRecord { source, outcome });
+        self.record_attempt(source, outcome, false);
+    }
+
+    /// Records one attempt, saying whether it ended by a timeout.
+    pub fn record_attempt(&self, source: Option<SourceId>, outcome: Outcome, timed_out: bool) {
+        self.lock().push(AttemptRecord {
+            source,
+            outcome,
+            timed_out,
+        });
     }
 
     /// How many attempts of this call failed on `source` (outcomes whose health sample

@@ -303,7 +303,8 @@ impl<S, Req, C> Ctx<S, Req, C> {
             state.record(self.class, ok);
         }
         if let Some(h) = &self.history {
-            h.record(Some(state.id().clone()), outcome);
+            let timed_out = result.as_ref().err().is_some_and(|e| pgw_core::is_timeout(&**e));
+            h.record_attempt(Some(state.id().clone()), outcome, timed_out);
         }
         Some(result)
     }

@@ -98,6 +98,7 @@ pub(crate) fn deprioritize<S>(
     order: &mut Vec<usize>,
 ) -> usize {
     let mut fails = vec![0u32; entries.len()];
+    let mut timed_out = vec![false; entries.len()];
     for a in attempts {
         if a.outcome.health_sample() != Some(false) {
             continue;
@@ -105,13 +106,17 @@ pub(crate) fn deprioritize<S>(
         let Some(src) = &a.source else { continue };
         if let Some(i) = entries.iter().position(|e| e.state.id() == src) {
             fails[i] += 1;
+            timed_out[i] |= a.timed_out;
         }
     }
-    if fails.iter().all(|&f| f < DEPRIORITIZE_AFTER_FAILURES) {
+    // A source that failed twice in this call, or timed out once (R1: retrying a
+    // silent source multiplies the wait), is a candidate for the tail.
+    let tried_enough = |f: usize| fails[f] >= DEPRIORITIZE_AFTER_FAILURES || timed_out[f];
+    if !(0..entries.len()).any(tried_enough) {
         return order.len();
     }
     let to_tail = |f: usize| -> bool {
-        if fails[f] < DEPRIORITIZE_AFTER_FAILURES {
+        if !tried_enough(f) {
             return false;
         }
         if !policy.has_health_view() {
@@ -202,8 +207,32 @@ mod tests {
             .map(|_| AttemptRecord {
                 source: Some(src.into()),
                 outcome: Outcome::Transient,
+                timed_out: false,
             })
             .collect()
+    }
+
+    /// R1: one timeout is enough to move the next attempt to a credible other source;
+    /// one other failure is not.
+    #[test]
+    fn a_timeout_moves_the_next_attempt_elsewhere() {
+        let es = entries(&[0.83, 0.1, 0.9]);
+        let timeout = vec![AttemptRecord {
+            source: Some("s1".into()),
+            outcome: Outcome::Transient,
+            timed_out: true,
+        }];
+        let mut order = vec![0, 2, 1];
+        deprioritize(Policy::HealthAware, &es, 0, &timeout, &mut order);
+        assert_eq!(order, vec![2, 1, 0], "s1 timed out: the credible s3 goes first");
+        let mut order = vec![0, 2, 1];
+        deprioritize(Policy::HealthAware, &es, 0, &failed("s1", 1), &mut order);
+        assert_eq!(order, vec![0, 2, 1], "one plain failure keeps s1 first");
+        // Without a credible alternative the timed-out source stays where it is.
+        let es = entries(&[0.83, 0.1]);
+        let mut order = vec![0, 1];
+        deprioritize(Policy::HealthAware, &es, 0, &timeout, &mut order);
+        assert_eq!(order, vec![0, 1]);
     }
 
     /// Seed 000 section 3.36: a healthy source that failed twice stays first when the
@@ -227,6 +256,7 @@ mod tests {
         hist.push(AttemptRecord {
             source: Some("s1".into()),
             outcome: Outcome::Invalid,
+            timed_out: false,
         });
         deprioritize(Policy::HealthAware, &es, 0, &hist, &mut order);
         assert_eq!(order, vec![0, 2, 1]);

@@ -228,10 +228,12 @@ mod tests {
                 AttemptRecord {
                     source: Some("s1".into()),
                     outcome: Outcome::Transient,
+                    timed_out: false,
                 },
                 AttemptRecord {
                     source: None,
                     outcome: Outcome::SourceDead,
+                    timed_out: false,
                 },
             ],
             Some("reset".into()),
