@@ -691,7 +691,10 @@ fn prompt_tokens(pool: &PoolConfig, call: &SoakCall) -> u64 {
     (r.prompt_bytes() as f64 / pool.prompt_bytes_per_token).ceil() as u64 + 4 * r.messages.len() as u64
 }
 
-fn budget(src: &SourceConfig, call: &SoakCall) -> u64 {
+/// The completion budget the simulator counts for `call`: its `max_tokens` (or
+/// `max_completion_tokens`), else the largest default budget of the pool's sources (a
+/// bound for whichever source answers).
+fn budget(pool: &PoolConfig, call: &SoakCall) -> u64 {
     let r = &call.request;
     r.max_tokens
         .or_else(|| {
@@ -699,7 +702,13 @@ fn budget(src: &SourceConfig, call: &SoakCall) -> u64 {
                 .get("max_completion_tokens")
                 .and_then(serde_json::Value::as_u64)
         })
-        .unwrap_or(src.completion.default_max_tokens)
+        .unwrap_or_else(|| {
+            pool.sources
+                .iter()
+                .map(|s| s.completion.default_max_tokens)
+                .max()
+                .unwrap_or(pgw_sim::config::DEFAULT_MAX_TOKENS)
+        })
 }
 
 struct Worker {
@@ -751,13 +760,12 @@ impl Worker {
         let chat = chat_call(&call);
         let tokens = chat.estimate_tokens();
         let prompt = prompt_tokens(&shared.pool, &call);
-        let first = &shared.pool.sources[0];
         let shape = Shape {
             model: call.request.model.clone(),
             stream: call.request.stream,
             structured: call.structured,
             prompt_tokens: prompt,
-            budget: budget(first, &call),
+            budget: budget(&shared.pool, &call),
         };
         let cost = Cost {
             estimate: tokens,
