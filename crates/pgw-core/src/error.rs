@@ -547,6 +547,28 @@ impl fmt::Display for ConfigError {
 
 impl Error for ConfigError {}
 
+/// Whether `err`'s chain says the request does not fit the source that answered: the
+/// provider's `context_length_exceeded`. The request is not wrong everywhere: a source
+/// with a larger context window may take it, so the call spends an attempt and moves
+/// on (that source last for this call) instead of failing at once. Still `Rejected`
+/// for the breaker and health: the source is fine.
+///
+/// ```
+/// use pgw_core::{BoxError, ProviderError, UpstreamStatus, exceeds_source};
+/// let body = br#"{"error":{"message":"too long","param":"messages","code":"context_length_exceeded"}}"#;
+/// let provider = ProviderError::parse(body).unwrap();
+/// let e: BoxError = Box::new(
+///     UpstreamStatus::new(http::StatusCode::BAD_REQUEST, None, "too long").with_provider(provider),
+/// );
+/// assert!(exceeds_source(&*e));
+/// let other: BoxError = Box::new(UpstreamStatus::new(http::StatusCode::BAD_REQUEST, None, "bad"));
+/// assert!(!exceeds_source(&*other));
+/// ```
+#[must_use]
+pub fn exceeds_source(err: &(dyn Error + 'static)) -> bool {
+    UpstreamStatus::find(err).is_some_and(|s| s.code() == Some("context_length_exceeded"))
+}
+
 /// An attempt ran out of time: a connect, first-token, inter-token or total timeout.
 ///
 /// The marker a timeout carries in its error chain so any layer can tell it from other

@@ -19,6 +19,9 @@ pub struct AttemptRecord {
     /// It ended by a timeout (connect, first token, inter-token, total): the call's
     /// next attempt should go elsewhere.
     pub timed_out: bool,
+    /// The source said the request does not fit it (`context_length_exceeded`,
+    /// [`crate::exceeds_source`]): another source may take it.
+    pub too_large: bool,
 }
 
 /// A call-local record of attempts, shared by handle between the retry layer and the
@@ -42,18 +45,19 @@ impl CallHistory {
         self.attempts.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Records one attempt that did not time out.
+    /// Records one attempt that neither timed out nor was too large for its source.
     pub fn record(&self, source: Option<SourceId>, outcome: Outcome) {
-        self.record_attempt(source, outcome, false);
-    }
-
-    /// Records one attempt, saying whether it ended by a timeout.
-    pub fn record_attempt(&self, source: Option<SourceId>, outcome: Outcome, timed_out: bool) {
-        self.lock().push(AttemptRecord {
+        self.push(AttemptRecord {
             source,
             outcome,
-            timed_out,
+            timed_out: false,
+            too_large: false,
         });
+    }
+
+    /// Records one attempt as it ended.
+    pub fn push(&self, attempt: AttemptRecord) {
+        self.lock().push(attempt);
     }
 
     /// How many attempts of this call failed on `source` (outcomes whose health sample

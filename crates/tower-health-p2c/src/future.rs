@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
-use pgw_core::{BoxError, CallHistory, Classify, NotAdmitted};
+use pgw_core::{AttemptRecord, BoxError, CallHistory, Classify, NotAdmitted};
 use pin_project_lite::pin_project;
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
@@ -303,8 +303,13 @@ impl<S, Req, C> Ctx<S, Req, C> {
             state.record(self.class, ok);
         }
         if let Some(h) = &self.history {
-            let timed_out = result.as_ref().err().is_some_and(|e| pgw_core::is_timeout(&**e));
-            h.record_attempt(Some(state.id().clone()), outcome, timed_out);
+            let err = result.as_ref().err();
+            h.push(AttemptRecord {
+                source: Some(state.id().clone()),
+                outcome,
+                timed_out: err.is_some_and(|e| pgw_core::is_timeout(&**e)),
+                too_large: err.is_some_and(|e| pgw_core::exceeds_source(&**e)),
+            });
         }
         Some(result)
     }

@@ -99,23 +99,29 @@ pub(crate) fn deprioritize<S>(
 ) -> usize {
     let mut fails = vec![0u32; entries.len()];
     let mut timed_out = vec![false; entries.len()];
+    let mut too_large = vec![false; entries.len()];
     for a in attempts {
-        if a.outcome.health_sample() != Some(false) {
-            continue;
-        }
         let Some(src) = &a.source else { continue };
-        if let Some(i) = entries.iter().position(|e| e.state.id() == src) {
+        let Some(i) = entries.iter().position(|e| e.state.id() == src) else {
+            continue;
+        };
+        too_large[i] |= a.too_large;
+        if a.outcome.health_sample() == Some(false) {
             fails[i] += 1;
             timed_out[i] |= a.timed_out;
         }
     }
     // A source that failed twice in this call, or timed out once (R1: retrying a
-    // silent source multiplies the wait), is a candidate for the tail.
-    let tried_enough = |f: usize| fails[f] >= DEPRIORITIZE_AFTER_FAILURES || timed_out[f];
+    // silent source multiplies the wait), is a candidate for the tail; one the request
+    // does not fit goes there whatever the others' health.
+    let tried_enough = |f: usize| fails[f] >= DEPRIORITIZE_AFTER_FAILURES || timed_out[f] || too_large[f];
     if !(0..entries.len()).any(tried_enough) {
         return order.len();
     }
     let to_tail = |f: usize| -> bool {
+        if too_large[f] {
+            return true;
+        }
         if !tried_enough(f) {
             return false;
         }
@@ -208,6 +214,7 @@ mod tests {
                 source: Some(src.into()),
                 outcome: Outcome::Transient,
                 timed_out: false,
+                too_large: false,
             })
             .collect()
     }
@@ -221,6 +228,7 @@ mod tests {
             source: Some("s1".into()),
             outcome: Outcome::Transient,
             timed_out: true,
+            too_large: false,
         }];
         let mut order = vec![0, 2, 1];
         deprioritize(Policy::HealthAware, &es, 0, &timeout, &mut order);
@@ -233,6 +241,16 @@ mod tests {
         let mut order = vec![0, 1];
         deprioritize(Policy::HealthAware, &es, 0, &timeout, &mut order);
         assert_eq!(order, vec![0, 1]);
+        // A request too large for s1 sends it to the tail even so: it cannot serve it.
+        let too_large = vec![AttemptRecord {
+            source: Some("s1".into()),
+            outcome: Outcome::Rejected,
+            timed_out: false,
+            too_large: true,
+        }];
+        let mut order = vec![0, 1];
+        deprioritize(Policy::HealthAware, &es, 0, &too_large, &mut order);
+        assert_eq!(order, vec![1, 0]);
     }
 
     /// Seed 000 section 3.36: a healthy source that failed twice stays first when the
@@ -257,6 +275,7 @@ mod tests {
             source: Some("s1".into()),
             outcome: Outcome::Invalid,
             timed_out: false,
+            too_large: false,
         });
         deprioritize(Policy::HealthAware, &es, 0, &hist, &mut order);
         assert_eq!(order, vec![0, 2, 1]);

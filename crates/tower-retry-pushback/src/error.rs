@@ -229,11 +229,13 @@ mod tests {
                     source: Some("s1".into()),
                     outcome: Outcome::Transient,
                     timed_out: false,
+                    too_large: false,
                 },
                 AttemptRecord {
                     source: None,
                     outcome: Outcome::SourceDead,
                     timed_out: false,
+                    too_large: false,
                 },
             ],
             Some("reset".into()),

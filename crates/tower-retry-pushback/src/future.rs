@@ -273,11 +273,28 @@ impl<Req: CarriesHistory, C, R> Call<Req, C, R> {
             None
         };
         self.known_len = history.len();
+        let too_large = result
+            .as_ref()
+            .err()
+            .is_some_and(|e| pgw_core::exceeds_source(&**e));
         let now = Instant::now();
         self.start_waiting(now).last_error = result.err();
         tracing::debug!(outcome = outcome.as_str(), source = ?source, "attempt failed");
 
         match outcome {
+            // Too large for that source, not for every one: spend an attempt and move on
+            // (the balancer puts that source last for this call); the last one's answer
+            // is the caller's when none takes it.
+            Outcome::Rejected if too_large => {
+                let max_attempts = self.shared.config.max_attempts;
+                let slow = self.start_waiting(now);
+                slow.spent += 1;
+                if slow.spent >= max_attempts {
+                    Next::Finish(self.fail(Reason::Rejected))
+                } else {
+                    Next::Dispatch
+                }
+            }
             Outcome::Rejected => Next::Finish(self.fail(Reason::Rejected)),
             Outcome::Invalid => {
                 let max_reasks = self.shared.config.max_reasks;

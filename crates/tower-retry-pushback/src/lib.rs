@@ -10,7 +10,7 @@
 //! | `Transient` | spends one of `max_attempts` (default 3), full-jitter backoff, retries |
 //! | `SourceDead` | spends one of `max_attempts`, retries at once (the source's breaker is open) |
 //! | `RateLimited` | spends **nothing**; holds the source for `max(Retry-After, backoff)` through a [`Hold`](pgw_core::Hold) hook and goes on at once (or, with no hook, sleeps that long itself) |
-//! | `Rejected` | fails at once |
+//! | `Rejected` | fails at once; `context_length_exceeded` (too large for that source only) spends an attempt and moves on |
 //! | `Invalid` | re-asks up to `max_reasks` (default 2), apart from the attempt budget |
 //! | not admitted | not an attempt: `CircuitOpen` fails at once ([`Reason::AllCircuitsOpen`]); `QuotaExceeded`/`Paced` waits for the gate, then tries again |
 //!

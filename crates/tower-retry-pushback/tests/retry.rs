@@ -102,6 +102,50 @@ async fn a_400_is_attempted_once() {
     assert_eq!(upstream.sent_count(), 1);
 }
 
+fn too_long() -> BoxError {
+    let body = br#"{"error":{"message":"maximum context length is 8192 tokens","param":"messages","code":"context_length_exceeded"}}"#;
+    let provider = pgw_core::ProviderError::parse(body).unwrap();
+    Box::new(
+        pgw_core::UpstreamStatus::new(http::StatusCode::BAD_REQUEST, None, "too long")
+            .with_provider(provider),
+    )
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_too_large_for_one_source_moves_on_at_once() {
+    // context_length_exceeded is Rejected (the source is fine), but another source may
+    // take the request: one attempt spent, no backoff, the next one answers.
+    let upstream = Upstream::with(vec![Err(too_long()), Ok(Ans::Ok)]);
+    let classify_400 = |r: &Result<Ans, BoxError>| match r {
+        Err(_) => Outcome::Rejected,
+        other => classify(other),
+    };
+    let mut svc = RetryLayer::default()
+        .classifier(classify_400)
+        .rng_seed(1)
+        .layer(upstream.clone());
+    let started = tokio::time::Instant::now();
+    assert!(matches!(call(&mut svc, Req::new(1)).await, Ok(Ans::Ok)));
+    assert_eq!(upstream.sent_count(), 2);
+    assert_eq!(
+        started.elapsed(),
+        std::time::Duration::ZERO,
+        "no backoff before moving on"
+    );
+
+    // Too large everywhere: the budget ends it, with the provider's answer kept.
+    let upstream = Upstream::with((0..5).map(|_| Err(too_long())).collect());
+    let mut svc = RetryLayer::default()
+        .classifier(classify_400)
+        .rng_seed(1)
+        .layer(upstream.clone());
+    let err = call(&mut svc, Req::new(2)).await.unwrap_err();
+    let err = retry_error(&err);
+    assert_eq!(err.reason(), Reason::Rejected);
+    assert_eq!(upstream.sent_count(), 3, "the attempt budget bounds it");
+    assert!(pgw_core::exceeds_source(err.last_error().unwrap()));
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_400_error_is_kept_as_the_last_error() {
     let upstream = Upstream::with(vec![
