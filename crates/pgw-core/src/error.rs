@@ -168,7 +168,12 @@ impl fmt::Display for Paced {
 
 impl Error for Paced {}
 
-/// Which gate refused, and until when: the three not-admitted errors as one value.
+/// How long a caller waits before asking a gate again after the gate's own backend
+/// failed ([`NotAdmitted::Unavailable`]): 1 s, a few Redis reconnect attempts (the
+/// connection's own timeouts are 0.5 s for a response and 2 s for a connect).
+pub const UNAVAILABLE_RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// Which gate refused, and until when: the not-admitted errors as one value.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum NotAdmitted {
     /// A [`CircuitOpen`] with its `retry_after`.
@@ -177,6 +182,11 @@ pub enum NotAdmitted {
     QuotaExceeded(Duration),
     /// A [`Paced`]: admissible as soon as an attempt in flight ends.
     Paced,
+    /// A [`BackendUnavailable`]: the gate failed closed because its own backend (Redis)
+    /// did not answer. The gate's failure, never an outcome of the source: no breaker
+    /// or health sample, no attempt spent; ask again after
+    /// [`UNAVAILABLE_RETRY_AFTER`].
+    Unavailable,
 }
 
 impl NotAdmitted {
@@ -194,16 +204,21 @@ impl NotAdmitted {
             if e.is::<Paced>() {
                 return Some(Self::Paced);
             }
+            if e.is::<BackendUnavailable>() {
+                return Some(Self::Unavailable);
+            }
             cur = e.source();
         }
         None
     }
 
-    /// The time after which the gate may admit, if it said (`Paced` does not).
+    /// The time after which the gate may admit, if it said (`Paced` does not; an
+    /// unavailable backend is asked again after [`UNAVAILABLE_RETRY_AFTER`]).
     #[must_use]
     pub const fn retry_after(self) -> Option<Duration> {
         match self {
             Self::CircuitOpen(d) | Self::QuotaExceeded(d) => Some(d),
+            Self::Unavailable => Some(UNAVAILABLE_RETRY_AFTER),
             Self::Paced => None,
         }
     }
@@ -645,6 +660,13 @@ mod tests {
         );
         assert_eq!(NotAdmitted::of(&Paced::new()), Some(NotAdmitted::Paced));
         assert_eq!(NotAdmitted::of(&EmptyCompletion), None);
+        // A gate's own backend failure, even wrapped, is not admitted, not an outcome.
+        let down = Wrap(Box::new(BackendUnavailable::new("redis", "admit", "refused")));
+        assert_eq!(NotAdmitted::of(&down), Some(NotAdmitted::Unavailable));
+        assert_eq!(
+            NotAdmitted::Unavailable.retry_after(),
+            Some(UNAVAILABLE_RETRY_AFTER)
+        );
     }
 
     #[test]

@@ -49,7 +49,8 @@ pub mod sse;
 pub use classify::{Classify, OkIsSuccess};
 pub use error::{
     BackendUnavailable, BoxError, CircuitOpen, ConfigError, EmptyCompletion, InvalidResponse, NotAdmitted,
-    Paced, ProviderError, QuotaExceeded, TimedOut, UpstreamStatus, exceeds_source, is_timeout,
+    Paced, ProviderError, QuotaExceeded, TimedOut, UNAVAILABLE_RETRY_AFTER, UpstreamStatus, exceeds_source,
+    is_timeout,
 };
 pub use history::{AttemptRecord, CallHistory, CarriesHistory};
 pub use hold::{Hold, HoldFuture, NoHold};

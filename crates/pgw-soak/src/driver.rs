@@ -126,6 +126,7 @@ pub fn failure_cause(err: &(dyn StdError + 'static)) -> String {
             NotAdmitted::CircuitOpen(_) => "circuit_open".into(),
             NotAdmitted::QuotaExceeded(_) => "quota_exceeded".into(),
             NotAdmitted::Paced => "paced".into(),
+            NotAdmitted::Unavailable => "backend_unavailable".into(),
         };
     }
     let mut cur: Option<&(dyn StdError + 'static)> = Some(err);

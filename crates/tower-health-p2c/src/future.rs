@@ -76,9 +76,14 @@ impl Round {
         };
         match na {
             NotAdmitted::CircuitOpen(d) => keep_earliest(&mut self.open, d, err),
+            // A gate's own backend down: like a full quota, asked again shortly.
             NotAdmitted::QuotaExceeded(d) => {
                 self.all_open = false;
                 keep_earliest(&mut self.quota, d, err);
+            }
+            NotAdmitted::Unavailable => {
+                self.all_open = false;
+                keep_earliest(&mut self.quota, pgw_core::UNAVAILABLE_RETRY_AFTER, err);
             }
             NotAdmitted::Paced => {
                 self.all_open = false;

@@ -353,6 +353,11 @@ impl<Req: CarriesHistory, C, R> Call<Req, C, R> {
             NotAdmitted::QuotaExceeded(retry_after) => {
                 self.sleep_or_fail(retry_after.max(MIN_NOT_ADMITTED_WAIT), now)
             }
+            // The gate's own backend is down: nothing spent, asked again shortly, for
+            // as long as the stall guard and the deadline allow.
+            NotAdmitted::Unavailable => {
+                self.sleep_or_fail(pgw_core::UNAVAILABLE_RETRY_AFTER.max(MIN_NOT_ADMITTED_WAIT), now)
+            }
             NotAdmitted::Paced => {
                 let wait = self.next_backoff().max(MIN_NOT_ADMITTED_WAIT);
                 self.sleep_or_fail(wait, now)

@@ -402,6 +402,33 @@ async fn all_circuits_open_fails_fast_without_an_attempt() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_gates_own_backend_failure_is_waited_out_not_spent() {
+    // The limiter's Redis did not answer twice (it failed closed), then came back: a
+    // gate's failure, not an outcome of the source, so even a budget of one attempt
+    // is not spent, and the call asks again after a second each time.
+    let down = || -> Result<Ans, BoxError> {
+        Err(pgw_core::BackendUnavailable::new("redis", "admit", "connection refused").into())
+    };
+    let upstream = Upstream::with(vec![down(), down(), Ok(Ans::Ok)]);
+    let mut svc = layer(RetryConfig {
+        max_attempts: 1,
+        ..RetryConfig::default()
+    })
+    .layer(upstream.clone());
+    let history = CallHistory::new();
+    let req = Req {
+        id: 1,
+        history: Some(history.clone()),
+    };
+    assert_eq!(call(&mut svc, req).await.unwrap(), Ans::Ok);
+    let t = upstream.sent_times();
+    assert_eq!(t.len(), 3);
+    assert!(t[1] - t[0] >= pgw_core::UNAVAILABLE_RETRY_AFTER);
+    assert!(t[2] - t[1] >= pgw_core::UNAVAILABLE_RETRY_AFTER);
+    assert_eq!(history.len(), 1, "only the real attempt is recorded");
+}
+
+#[tokio::test(start_paused = true)]
 async fn quota_and_pacing_are_waited_out_without_spending_the_budget() {
     let upstream = Upstream::with(vec![
         Err(QuotaExceeded::new("rpm", Duration::from_secs(5)).into()),
