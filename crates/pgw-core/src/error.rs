@@ -187,7 +187,25 @@ pub enum NotAdmitted {
     /// or health sample, no attempt spent; ask again after
     /// [`UNAVAILABLE_RETRY_AFTER`].
     Unavailable,
+    /// A [`NeverAdmitted`]: this gate can never admit the request (larger than a whole
+    /// window's quota). Another source may; when none can, the call fails at once.
+    /// Never an outcome of the source, no attempt spent.
+    Never,
 }
+
+/// The marker of a gate's refusal that waiting cannot cure (a request larger than a
+/// whole window's token quota): [`NotAdmitted::Never`]. A gate's own error gives it as
+/// its `source()` (tower-ratelimit-redis's `RequestTooLarge` does).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NeverAdmitted;
+
+impl fmt::Display for NeverAdmitted {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("never admitted by this gate")
+    }
+}
+
+impl Error for NeverAdmitted {}
 
 impl NotAdmitted {
     /// Finds a not-admitted error in `err` or its source chain.
@@ -207,6 +225,9 @@ impl NotAdmitted {
             if e.is::<BackendUnavailable>() {
                 return Some(Self::Unavailable);
             }
+            if e.is::<NeverAdmitted>() {
+                return Some(Self::Never);
+            }
             cur = e.source();
         }
         None
@@ -219,7 +240,7 @@ impl NotAdmitted {
         match self {
             Self::CircuitOpen(d) | Self::QuotaExceeded(d) => Some(d),
             Self::Unavailable => Some(UNAVAILABLE_RETRY_AFTER),
-            Self::Paced => None,
+            Self::Paced | Self::Never => None,
         }
     }
 }
@@ -667,6 +688,11 @@ mod tests {
             NotAdmitted::Unavailable.retry_after(),
             Some(UNAVAILABLE_RETRY_AFTER)
         );
+        assert_eq!(
+            NotAdmitted::of(&Wrap(Box::new(NeverAdmitted))),
+            Some(NotAdmitted::Never)
+        );
+        assert_eq!(NotAdmitted::Never.retry_after(), None);
     }
 
     #[test]

@@ -48,9 +48,9 @@ pub mod sse;
 
 pub use classify::{Classify, OkIsSuccess};
 pub use error::{
-    BackendUnavailable, BoxError, CircuitOpen, ConfigError, EmptyCompletion, InvalidResponse, NotAdmitted,
-    Paced, ProviderError, QuotaExceeded, TimedOut, UNAVAILABLE_RETRY_AFTER, UpstreamStatus, exceeds_source,
-    is_timeout,
+    BackendUnavailable, BoxError, CircuitOpen, ConfigError, EmptyCompletion, InvalidResponse, NeverAdmitted,
+    NotAdmitted, Paced, ProviderError, QuotaExceeded, TimedOut, UNAVAILABLE_RETRY_AFTER, UpstreamStatus,
+    exceeds_source, is_timeout,
 };
 pub use history::{AttemptRecord, CallHistory, CarriesHistory};
 pub use hold::{Hold, HoldFuture, NoHold};

@@ -127,6 +127,7 @@ pub fn failure_cause(err: &(dyn StdError + 'static)) -> String {
             NotAdmitted::QuotaExceeded(_) => "quota_exceeded".into(),
             NotAdmitted::Paced => "paced".into(),
             NotAdmitted::Unavailable => "backend_unavailable".into(),
+            NotAdmitted::Never => "never_admitted".into(),
         };
     }
     let mut cur: Option<&(dyn StdError + 'static)> = Some(err);

@@ -85,6 +85,9 @@ impl Round {
                 self.all_open = false;
                 keep_earliest(&mut self.quota, pgw_core::UNAVAILABLE_RETRY_AFTER, err);
             }
+            // Waiting cannot cure it: like an open circuit that never closes, so a
+            // round of such refusals fails fast (with an open circuit's error first).
+            NotAdmitted::Never => keep_earliest(&mut self.open, Duration::MAX, err),
             NotAdmitted::Paced => {
                 self.all_open = false;
                 self.paced.get_or_insert(err);
@@ -292,7 +295,7 @@ impl<S, Req, C> Ctx<S, Req, C> {
         let result = match result {
             Err(e) => match NotAdmitted::of(&*e) {
                 Some(na) => {
-                    if !matches!(na, NotAdmitted::CircuitOpen(_)) {
+                    if !matches!(na, NotAdmitted::CircuitOpen(_) | NotAdmitted::Never) {
                         let h = state.health(self.class);
                         self.round.soon_best = self.round.soon_best.max(h);
                     }

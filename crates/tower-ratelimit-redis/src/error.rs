@@ -23,7 +23,9 @@ pub(crate) fn config_error(
 
 /// The request's token estimate is larger than a whole window's token quota: it can
 /// never be admitted by this source, so it is refused at once instead of waiting
-/// forever. Not a *not admitted* error: waiting would not help.
+/// forever. Its source is [`pgw_core::NeverAdmitted`]: not admitted here, waiting
+/// would not help, another source may take it (`NotAdmitted::Never`); never an
+/// outcome of the source.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RequestTooLarge {
     tokens: u64,
@@ -65,7 +67,14 @@ impl fmt::Display for RequestTooLarge {
     }
 }
 
-impl Error for RequestTooLarge {}
+/// The source of every [`RequestTooLarge`].
+static NEVER: pgw_core::NeverAdmitted = pgw_core::NeverAdmitted;
+
+impl Error for RequestTooLarge {
+    fn source(&self) -> Option<&(dyn Error + 'static)> {
+        Some(&NEVER)
+    }
+}
 
 /// A hold was asked for a source no limiter of this [`Holds`](crate::Holds) knows.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -70,6 +70,11 @@ async fn chat_estimate_reserved_and_reconciled() {
     // Larger than the whole quota: refused at once, no admission recorded.
     let err = svc.ready().await.unwrap().call(chat(3, 200)).await.unwrap_err();
     assert!(err.is::<RequestTooLarge>(), "{err}");
+    // Not admitted here, and waiting would not help: never an outcome of the source.
+    assert_eq!(
+        pgw_core::NotAdmitted::of(&*err),
+        Some(pgw_core::NotAdmitted::Never)
+    );
     assert_eq!(seen.lock().unwrap().len(), 1);
 }
 

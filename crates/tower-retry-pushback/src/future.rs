@@ -355,6 +355,7 @@ impl<Req: CarriesHistory, C, R> Call<Req, C, R> {
             }
             // The gate's own backend is down: nothing spent, asked again shortly, for
             // as long as the stall guard and the deadline allow.
+            NotAdmitted::Never => Next::Finish(self.fail(Reason::Rejected)),
             NotAdmitted::Unavailable => {
                 self.sleep_or_fail(pgw_core::UNAVAILABLE_RETRY_AFTER.max(MIN_NOT_ADMITTED_WAIT), now)
             }

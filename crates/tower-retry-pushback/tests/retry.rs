@@ -429,6 +429,19 @@ async fn a_gates_own_backend_failure_is_waited_out_not_spent() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_request_no_gate_can_ever_admit_fails_at_once_without_an_attempt() {
+    let upstream = Upstream::from_fn(|_| Err(Box::new(pgw_core::NeverAdmitted) as BoxError));
+    let mut svc = layer(RetryConfig::default()).layer(upstream.clone());
+    let start = Instant::now();
+    let err = call(&mut svc, Req::new(1)).await.unwrap_err();
+    assert_eq!(Instant::now(), start, "no wait: waiting cannot cure it");
+    let err = retry_error(&err);
+    assert_eq!(err.reason(), Reason::Rejected);
+    assert!(err.attempts().is_empty(), "not admitted is not an attempt");
+    assert_eq!(upstream.sent_count(), 1);
+}
+
+#[tokio::test(start_paused = true)]
 async fn quota_and_pacing_are_waited_out_without_spending_the_budget() {
     let upstream = Upstream::with(vec![
         Err(QuotaExceeded::new("rpm", Duration::from_secs(5)).into()),
