@@ -29,15 +29,19 @@ pub struct RunInfo {
 
 /// `p50 / p95 / p99 / max` in seconds, or `-` without samples.
 fn pct_line(p: &Percentiles, max: bool) -> String {
-    if p.n == 0 {
-        return "-".into();
-    }
-    let base = format!("{:.1} / {:.1} / {:.1}", secs(p.p50), secs(p.p95), secs(p.p99));
-    if max {
-        format!("{base} / {:.1}", secs(p.max))
-    } else {
-        base
-    }
+    or_dash(p, |p| {
+        let base = format!("{:.1} / {:.1} / {:.1}", secs(p.p50), secs(p.p95), secs(p.p99));
+        if max {
+            format!("{base} / {:.1}", secs(p.max))
+        } else {
+            base
+        }
+    })
+}
+
+/// `f(p)`, or `-` when `p` has no samples.
+fn or_dash(p: &Percentiles, f: impl Fn(&Percentiles) -> String) -> String {
+    if p.n == 0 { "-".into() } else { f(p) }
 }
 
 /// `value` as a ratio to the oracle's (`x0.42`), or `-` without an oracle to compare.
@@ -144,12 +148,9 @@ pub fn markdown(info: &RunInfo, scores: &[Score]) -> String {
         pct_line(&s.timing.upstream_ttft, false)
     });
     row(&mut md, "wait before the first attempt (p95 / max)", &|s| {
-        let w = &s.timing.first_attempt_wait;
-        if w.n == 0 {
-            "-".into()
-        } else {
+        or_dash(&s.timing.first_attempt_wait, |w| {
             format!("{:.1} / {:.1}", secs(w.p95), secs(w.max))
-        }
+        })
     });
 
     md.push_str("\n## Invariants\n\n");
@@ -292,28 +293,15 @@ pub fn terminal(scores: &[Score]) -> String {
         vs_oracle(scores, s, &|x| x.timing.goodput_per_min)
     });
     line(&mut out, "ok latency p50/p95 s", &|s| {
-        let t = &s.timing.success;
-        if t.n == 0 {
-            "-".into()
-        } else {
+        or_dash(&s.timing.success, |t| {
             format!("{:.1}/{:.1}", secs(t.p50), secs(t.p95))
-        }
+        })
     });
     line(&mut out, "failed latency p50 s", &|s| {
-        let t = &s.timing.failure;
-        if t.n == 0 {
-            "-".into()
-        } else {
-            format!("{:.1}", secs(t.p50))
-        }
+        or_dash(&s.timing.failure, |t| format!("{:.1}", secs(t.p50)))
     });
     line(&mut out, "stream TTFT (caller) p50", &|s| {
-        let t = &s.timing.caller_ttft;
-        if t.n == 0 {
-            "-".into()
-        } else {
-            format!("{:.1}s", secs(t.p50))
-        }
+        or_dash(&s.timing.caller_ttft, |t| format!("{:.1}s", secs(t.p50)))
     });
     line(&mut out, "longest first wait", &|s| {
         format!("{:.0}s", secs(s.timing.first_attempt_wait.max))

@@ -102,6 +102,19 @@ async fn a_400_is_attempted_once() {
     assert_eq!(upstream.sent_count(), 1);
 }
 
+/// The retry layer over `upstream`, with every error from it classified `Rejected`
+/// (as a 400 is).
+fn rejecting_errors(upstream: &Upstream) -> impl Service<Req, Response = Ans, Error = BoxError> + use<> {
+    let classify_400 = |r: &Result<Ans, BoxError>| match r {
+        Err(_) => Outcome::Rejected,
+        other => classify(other),
+    };
+    RetryLayer::default()
+        .classifier(classify_400)
+        .rng_seed(1)
+        .layer(upstream.clone())
+}
+
 fn too_long() -> BoxError {
     let body = br#"{"error":{"message":"maximum context length is 8192 tokens","param":"messages","code":"context_length_exceeded"}}"#;
     let provider = pgw_core::ProviderError::parse(body).unwrap();
@@ -116,14 +129,7 @@ async fn a_request_too_large_for_one_source_moves_on_at_once() {
     // context_length_exceeded is Rejected (the source is fine), but another source may
     // take the request: one attempt spent, no backoff, the next one answers.
     let upstream = Upstream::with(vec![Err(too_long()), Ok(Ans::Ok)]);
-    let classify_400 = |r: &Result<Ans, BoxError>| match r {
-        Err(_) => Outcome::Rejected,
-        other => classify(other),
-    };
-    let mut svc = RetryLayer::default()
-        .classifier(classify_400)
-        .rng_seed(1)
-        .layer(upstream.clone());
+    let mut svc = rejecting_errors(&upstream);
     let started = tokio::time::Instant::now();
     assert!(matches!(call(&mut svc, Req::new(1)).await, Ok(Ans::Ok)));
     assert_eq!(upstream.sent_count(), 2);
@@ -135,10 +141,7 @@ async fn a_request_too_large_for_one_source_moves_on_at_once() {
 
     // Too large everywhere: the budget ends it, with the provider's answer kept.
     let upstream = Upstream::with((0..5).map(|_| Err(too_long())).collect());
-    let mut svc = RetryLayer::default()
-        .classifier(classify_400)
-        .rng_seed(1)
-        .layer(upstream.clone());
+    let mut svc = rejecting_errors(&upstream);
     let err = call(&mut svc, Req::new(2)).await.unwrap_err();
     let err = retry_error(&err);
     assert_eq!(err.reason(), Reason::Rejected);
@@ -152,14 +155,7 @@ async fn a_400_error_is_kept_as_the_last_error() {
         Ok(Ans::Transient),
         Err("bad request: prompt too long".into()),
     ]);
-    let classify_400 = |r: &Result<Ans, BoxError>| match r {
-        Err(_) => Outcome::Rejected,
-        other => classify(other),
-    };
-    let mut svc = RetryLayer::default()
-        .classifier(classify_400)
-        .rng_seed(1)
-        .layer(upstream.clone());
+    let mut svc = rejecting_errors(&upstream);
     let err = call(&mut svc, Req::new(1)).await.unwrap_err();
     let err = retry_error(&err);
     assert_eq!(err.reason(), Reason::Rejected);
