@@ -7,8 +7,11 @@ use std::time::Duration;
 
 use pgw_core::openai::{ChatChunk, ChatRequest, ChatResponse, Usage};
 use pgw_core::{
-    BoxError, CallHistory, CarriesHistory, Classify, Outcome, SourceId, classify_error, classify_response,
+    BoxError, CallHistory, CarriesHistory, Classify, Outcome, Settle, SourceId, classify_error,
+    classify_response,
 };
+
+use crate::Tail;
 
 /// The identity of one call, unique within a process (a counter) unless the caller
 /// sets it ([`ChatCall::with_call_id`]), e.g. to make ids unique across processes.
@@ -152,6 +155,10 @@ pub struct AttemptStats {
 
 /// The verdict of one successful attempt: the complete answer, the chunks it was
 /// streamed as (to replay to a streaming caller), and what the attempt measured.
+///
+/// A call marked [`PassThrough`](crate::PassThrough) is answered as soon as its
+/// stream's first chunk with output arrives: `response` and `chunks` then hold what
+/// arrived so far, and [`ChatAnswer::tail`] the rest.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct ChatAnswer {
     /// The answer, streamed chunks folded in.
@@ -160,6 +167,9 @@ pub struct ChatAnswer {
     pub chunks: Vec<ChatChunk>,
     /// Measurements.
     pub stats: AttemptStats,
+    /// The rest of a stream still running, passed through (`None`: the answer is
+    /// complete).
+    pub tail: Option<Tail>,
 }
 
 impl ChatAnswer {
@@ -179,11 +189,25 @@ impl ChatAnswer {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct AnswerClassifier;
 
+///
+/// A passed-through stream ([`ChatAnswer::tail`]) is an attempt still in progress:
+/// what each layer would record now is left on its tail and runs at its end.
 impl Classify<ChatAnswer, BoxError> for AnswerClassifier {
     fn classify(&self, result: &Result<ChatAnswer, BoxError>) -> Outcome {
         match result {
             Ok(a) => classify_response(&a.response),
             Err(e) => classify_error(&**e),
+        }
+    }
+
+    fn in_progress(&self, result: &Result<ChatAnswer, BoxError>) -> bool {
+        matches!(result, Ok(a) if a.tail.is_some())
+    }
+
+    fn defer(&self, result: &mut Result<ChatAnswer, BoxError>, then: Settle<ChatAnswer, BoxError>) {
+        match result {
+            Ok(ChatAnswer { tail: Some(tail), .. }) => tail.on_end(then),
+            done => then(done),
         }
     }
 }

@@ -58,14 +58,15 @@ struct Prepared {
 /// - no text, no tool call and no decline: [`EmptyCompletion`]; bytes that are not a completion:
 ///   [`MalformedResponse`]; a watchdog: [`WatchdogCut`]. All three are `Transient`.
 ///
-/// **Why an attempt consumes the whole stream.** The stack above (breaker, health,
-/// AIMD, retry) needs one verdict per attempt, and a stream that is cut after its
-/// first token is a failed attempt the retry layer must be free to redo elsewhere.
-/// Forwarding chunks to the caller before the verdict would make that impossible (the
-/// caller would have seen half an answer). So the gateway replays a streamed answer to
-/// a streaming caller once the attempt succeeded: the caller's time to first byte is
-/// the whole answer's latency. Callers who prefer raw chunks as they arrive, with
-/// the watchdogs on but without retries, use [`UpstreamClient::open_stream`].
+/// **A stream, whole or passed through.** By default an attempt consumes a streamed
+/// answer to its end under the watchdogs: one verdict per attempt, and a stream cut
+/// after its first token can be redone elsewhere, whole (what a validator needs). A
+/// call marked [`PassThrough`](crate::PassThrough) is answered at its first chunk
+/// with output instead, the rest in [`ChatAnswer::tail`]; the layers above then judge
+/// the attempt when that tail ends ([`pgw_core::Classify::in_progress`]). Asked to
+/// stream, the upstream is always asked for its usage chunk
+/// (`stream_options.include_usage`), so token quotas settle to real usage. Callers
+/// who want raw chunks without any layer use [`UpstreamClient::open_stream`].
 ///
 /// The transport is any `Service<http::Request<Bytes>, Response = http::Response<B>,
 /// Error = BoxError>`; [`HyperTransport`] for real providers, `pgw_sim::SimService`
@@ -205,8 +206,9 @@ where
         Box::pin(async move {
             let start = Instant::now();
             let stream = call.is_stream();
+            let pass = stream && call.extensions().get::<crate::PassThrough>().is_some();
             let req = prepared.build(&call, stream)?;
-            let result = attempt(transport.call(req), &prepared, start, stream).await;
+            let result = attempt(transport.call(req), &prepared, start, stream, pass).await;
             let id = &prepared.settings.id;
             if let Err(e) = &result {
                 tracing::debug!(source = %id, call = %call.id(), error = %e, "attempt failed");
@@ -226,19 +228,47 @@ struct Outgoing<'a> {
     max_tokens: Option<u64>,
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     stream: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stream_options: Option<Value>,
     #[serde(flatten)]
     extra: &'a Map<String, Value>,
+}
+
+/// A streamed request asks for the usage chunk (`stream_options.include_usage`), so
+/// the token quota settles to real usage; the caller's own stream options are kept,
+/// and whether the caller sees the usage chunk is the caller's choice (the gateway
+/// forwards it only when asked). `None`: the caller's options already say it, or the
+/// request is not streamed.
+fn stream_options(extra: &Map<String, Value>, stream: bool) -> (Option<Value>, Option<Map<String, Value>>) {
+    if !stream {
+        return (None, None);
+    }
+    match extra.get("stream_options") {
+        None => (Some(serde_json::json!({"include_usage": true})), None),
+        Some(Value::Object(o)) if o.get("include_usage") == Some(&Value::Bool(true)) => (None, None),
+        Some(Value::Object(o)) => {
+            let mut o = o.clone();
+            o.insert("include_usage".into(), Value::Bool(true));
+            let mut rest = extra.clone();
+            rest.remove("stream_options");
+            (Some(Value::Object(o)), Some(rest))
+        }
+        // Not an object: the provider will say what it thinks of it.
+        Some(_) => (None, None),
+    }
 }
 
 impl Prepared {
     fn build(&self, call: &ChatCall, stream: bool) -> Result<http::Request<Bytes>, BoxError> {
         let req = call.request();
+        let (stream_options, rest) = stream_options(&req.extra, stream);
         let body = serde_json::to_vec(&Outgoing {
             model: self.settings.model.as_deref().unwrap_or(&req.model),
             messages: &req.messages,
             max_tokens: req.max_tokens,
             stream,
-            extra: &req.extra,
+            stream_options,
+            extra: rest.as_ref().unwrap_or(&req.extra),
         })?;
         let mut b = http::Request::post(self.endpoint.clone())
             .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
@@ -292,6 +322,7 @@ async fn attempt<F, B>(
     prepared: &Prepared,
     start: Instant,
     stream: bool,
+    pass: bool,
 ) -> Result<ChatAnswer, BoxError>
 where
     F: Future<Output = Result<http::Response<B>, BoxError>>,
@@ -311,7 +342,23 @@ where
         while let Some(chunk) = s.next().await {
             let chunk = chunk?;
             acc.push(&chunk);
+            // The first-chunk gate: a passed-through attempt is committed by its first
+            // output, and the rest goes to the caller as it arrives.
+            let commit = pass && chunk.choices.iter().any(|c| c.delta.carries_output());
             chunks.push(chunk);
+            if commit {
+                stats.ttft = s.ttft();
+                stats.streamed = true;
+                stats.latency = start.elapsed();
+                let response = acc.so_far().clone();
+                let tail = crate::Tail::new(s, acc, stats.clone());
+                return Ok(ChatAnswer {
+                    response,
+                    chunks,
+                    stats,
+                    tail: Some(tail),
+                });
+            }
         }
         stats.ttft = s.ttft();
         stats.streamed = true;
@@ -337,6 +384,7 @@ where
         response,
         chunks,
         stats,
+        tail: None,
     })
 }
 

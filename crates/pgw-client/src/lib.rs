@@ -41,6 +41,7 @@ pub mod error;
 mod secret;
 mod settings;
 mod stream;
+mod tail;
 mod transport;
 
 pub use call::{AnswerClassifier, AttemptStats, CallId, ChatAnswer, ChatCall};
@@ -52,4 +53,5 @@ pub use settings::{
     DEFAULT_TOTAL_TIMEOUT, SourceSettings, Timeouts,
 };
 pub use stream::ChunkStream;
+pub use tail::{PassThrough, Tail, TailStream};
 pub use transport::{BoxTransport, HyperTransport, UpstreamBody, box_transport};

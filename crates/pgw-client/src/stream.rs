@@ -20,9 +20,16 @@ use crate::{Timeouts, UpstreamBody};
 /// Three watchdogs run on tokio's clock while it is polled: no first token within
 /// `first_token` of dispatch, a gap longer than `inter_token` between two chunks once
 /// the answer started, or the attempt running past `total`, each end the stream with a
-/// [`WatchdogCut`] error (outcome `Transient`). Garbage, an oversized event or a stream
-/// that ends before `[DONE]` end it with a [`MalformedResponse`]. After the first error
-/// or `[DONE]` the stream yields `None`; dropping it closes the connection.
+/// [`WatchdogCut`] error (outcome `Transient`).
+///
+/// The end is the provider's word that the answer is complete: `data: [DONE]` or the
+/// body's end, each after a chunk with a `finish_reason` (some providers never send
+/// `[DONE]`). A stream that ends without a finish reason was cut: it ends with a
+/// [`MalformedResponse`], never cleanly on a truncated answer. So do an error event,
+/// an oversized event, and a stream none of whose events parse. An event that is not
+/// a chunk among chunks that are is skipped and counted ([`ChunkStream::skipped`],
+/// metric `pgw_stream_chunks_skipped_total`): the answer goes on. After the first
+/// error or the end the stream yields `None`; dropping it closes the connection.
 ///
 /// A "token" for the first-token watchdog is a chunk carrying text or a finish reason:
 /// a provider that sends the role chunk at once and then nothing is still cut at
@@ -38,6 +45,10 @@ pub struct ChunkStream {
     first_token_at: Option<Instant>,
     usage: Option<Usage>,
     finished: bool,
+    /// A chunk carried a finish reason: the end may come.
+    complete: bool,
+    parsed: u64,
+    skipped: u64,
 }
 
 impl std::fmt::Debug for ChunkStream {
@@ -66,6 +77,9 @@ impl ChunkStream {
             first_token_at: None,
             usage: None,
             finished: false,
+            complete: false,
+            parsed: 0,
+            skipped: 0,
         };
         s.arm(
             after(start, timeouts.first_token),
@@ -96,6 +110,12 @@ impl ChunkStream {
         self.usage.as_ref()
     }
 
+    /// Events skipped because they were not a chunk, among events that were.
+    #[must_use]
+    pub const fn skipped(&self) -> u64 {
+        self.skipped
+    }
+
     /// When the request was dispatched.
     #[must_use]
     pub const fn started(&self) -> Instant {
@@ -107,10 +127,38 @@ impl ChunkStream {
         Poll::Ready(Some(Err(err)))
     }
 
-    fn on_data(&mut self, data: &str) -> Result<ChatChunk, BoxError> {
-        let chunk: ChatChunk = serde_json::from_str(data).map_err(|e| {
-            MalformedResponse::new(format!("stream event is not a chat completion chunk: {e}"))
-        })?;
+    /// The provider's end: complete only after a finish reason.
+    fn end(&mut self, what: &str) -> Poll<Option<Result<ChatChunk, BoxError>>> {
+        if self.complete {
+            self.finished = true;
+            return Poll::Ready(None);
+        }
+        let why = if self.parsed == 0 && self.skipped > 0 {
+            format!(
+                "no stream event was a chat completion chunk ({} skipped)",
+                self.skipped
+            )
+        } else {
+            format!("stream ended ({what}) before a finish_reason")
+        };
+        self.fail(MalformedResponse::new(why).into())
+    }
+
+    /// `Ok(None)`: an event that is not a chunk, skipped.
+    fn on_data(&mut self, data: &str) -> Result<Option<ChatChunk>, BoxError> {
+        let chunk: ChatChunk = match serde_json::from_str(data) {
+            Ok(c) => c,
+            Err(e) => {
+                if let Some(msg) = crate::client::provider_error(data.as_bytes()) {
+                    return Err(MalformedResponse::new(format!("provider error mid-stream: {msg}")).into());
+                }
+                self.skipped += 1;
+                metrics::counter!("pgw_stream_chunks_skipped_total").increment(1);
+                tracing::debug!(error = %e, "skipped a stream event that is not a chat completion chunk");
+                return Ok(None);
+            }
+        };
+        self.parsed += 1;
         if chunk.choices.is_empty()
             && chunk.usage.is_none()
             && let Some(msg) = crate::client::provider_error(data.as_bytes())
@@ -128,11 +176,14 @@ impl ChunkStream {
         if self.first_token_at.is_none() && token {
             self.first_token_at = Some(now);
         }
+        if chunk.choices.iter().any(|c| c.finish_reason.is_some()) {
+            self.complete = true;
+        }
         if self.first_token_at.is_some() {
             let limit = self.timeouts.inter_token;
             self.arm(after(now, limit), Watchdog::InterToken, limit);
         }
-        Ok(chunk)
+        Ok(Some(chunk))
     }
 }
 
@@ -146,16 +197,12 @@ impl Stream for ChunkStream {
         }
         loop {
             match this.decoder.next_event() {
-                Some(SseEvent::Done) => {
-                    this.finished = true;
-                    return Poll::Ready(None);
-                }
-                Some(SseEvent::Data(data)) => {
-                    return match this.on_data(&data) {
-                        Ok(chunk) => Poll::Ready(Some(Ok(chunk))),
-                        Err(e) => this.fail(e),
-                    };
-                }
+                Some(SseEvent::Done) => return this.end("[DONE]"),
+                Some(SseEvent::Data(data)) => match this.on_data(&data) {
+                    Ok(Some(chunk)) => return Poll::Ready(Some(Ok(chunk))),
+                    Ok(None) => continue,
+                    Err(e) => return this.fail(e),
+                },
                 None => {}
             }
             match Pin::new(&mut this.body).poll_frame(cx) {
@@ -167,9 +214,7 @@ impl Stream for ChunkStream {
                     }
                 }
                 Poll::Ready(Some(Err(e))) => return this.fail(e),
-                Poll::Ready(None) => {
-                    return this.fail(MalformedResponse::new("stream ended before [DONE]").into());
-                }
+                Poll::Ready(None) => return this.end("body end without [DONE]"),
                 Poll::Pending => {
                     ready!(this.sleep.as_mut().poll(cx));
                     let (watchdog, limit) = this.armed;

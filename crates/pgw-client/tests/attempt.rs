@@ -389,12 +389,20 @@ async fn garbage_is_a_clear_transient_error() {
         (
             sse(vec![(Duration::ZERO, Bytes::from_static(b"data: {nope\n\n"))]),
             stream_call(),
-            "not a chat completion chunk",
+            "no stream event was a chat completion chunk",
         ),
         (
             sse(vec![(Duration::ZERO, chunk("a", false))]),
             stream_call(),
-            "before [DONE]",
+            "before a finish_reason",
+        ),
+        (
+            sse(vec![
+                (Duration::ZERO, chunk("a", false)),
+                (Duration::ZERO, Bytes::from_static(pgw_core::sse::DONE.as_bytes())),
+            ]),
+            stream_call(),
+            "([DONE]) before a finish_reason",
         ),
         (
             sse(vec![(
@@ -708,4 +716,80 @@ async fn every_field_survives_both_ways() {
         request.replace("asked-model", "override-model"),
         "content parts and null content unchanged"
     );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stream_complete_without_done_is_an_answer_and_a_bad_chunk_among_good_ones_is_skipped() {
+    let p = Provider::default();
+    // No `[DONE]`: the body ends after the finish reason.
+    let script = sse(vec![
+        (Duration::ZERO, chunk("hel", false)),
+        (Duration::ZERO, Bytes::from_static(b"data: {not json\n\n")),
+        (Duration::ZERO, chunk("lo", true)),
+    ]);
+    let answer = p.client(script, timeouts()).oneshot(stream_call()).await.unwrap();
+    assert_eq!(answer.content(), "hello");
+    assert_eq!(answer.chunks.len(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_passed_through_stream_is_answered_at_its_first_output_and_judged_at_its_end() {
+    use std::sync::Mutex;
+    let p = Provider::default();
+    let script = sse(vec![
+        (Duration::from_millis(50), chunk("one ", false)),
+        (Duration::from_secs(2), chunk("two", false)),
+        (Duration::from_secs(2), chunk("", true)),
+        (Duration::ZERO, usage_chunk()),
+    ]);
+    let mut call = stream_call();
+    call.extensions_mut().insert(pgw_client::PassThrough);
+    let start = tokio::time::Instant::now();
+    let mut result = p.client(script, timeouts()).oneshot(call).await;
+    // Committed by the first chunk: head after 100 ms, first chunk 50 ms later.
+    assert_eq!(start.elapsed(), Duration::from_millis(150));
+    let ended: Arc<Mutex<Option<Result<String, String>>>> = Arc::default();
+    let seen = Arc::clone(&ended);
+    assert!(AnswerClassifier.in_progress(&result));
+    AnswerClassifier.defer(
+        &mut result,
+        Box::new(move |end| {
+            *seen.lock().unwrap() = Some(
+                end.as_ref()
+                    .map(|a| a.content().to_owned())
+                    .map_err(ToString::to_string),
+            );
+        }),
+    );
+    let answer = result.unwrap();
+    assert_eq!(answer.content(), "one ");
+    let mut tail = answer.tail.as_ref().unwrap().take().unwrap();
+    assert!(answer.tail.as_ref().unwrap().take().is_none(), "one consumer");
+    let mut rest = String::new();
+    while let Some(c) = tail.next().await {
+        rest.push_str(
+            c.unwrap()
+                .choices
+                .first()
+                .and_then(|c| c.delta.content.as_deref())
+                .unwrap_or(""),
+        );
+        assert!(ended.lock().unwrap().is_none(), "judged only at the end");
+    }
+    assert_eq!(rest, "two");
+    assert_eq!(start.elapsed(), Duration::from_millis(4150));
+    assert_eq!(ended.lock().unwrap().clone(), Some(Ok("one two".to_owned())));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_pass_through_error_event_before_the_first_output_fails_the_attempt() {
+    let p = Provider::default();
+    let script = sse(vec![(
+        Duration::ZERO,
+        Bytes::from_static(b"data: {\"error\":{\"message\":\"overloaded\"}}\n\n"),
+    )]);
+    let mut call = stream_call();
+    call.extensions_mut().insert(pgw_client::PassThrough);
+    let r = p.client(script, timeouts()).oneshot(call).await;
+    assert!(r.unwrap_err().to_string().contains("overloaded"));
 }

@@ -46,7 +46,7 @@ pub mod retry_after;
 mod source;
 pub mod sse;
 
-pub use classify::{Classify, OkIsSuccess};
+pub use classify::{Classify, OkIsSuccess, Settle, attempt_outcome, settle};
 pub use error::{
     BackendUnavailable, BoxError, CircuitOpen, ConfigError, EmptyCompletion, InvalidResponse, NeverAdmitted,
     NotAdmitted, Paced, ProviderError, QuotaExceeded, TimedOut, UNAVAILABLE_RETRY_AFTER, UpstreamStatus,

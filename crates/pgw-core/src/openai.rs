@@ -429,6 +429,12 @@ impl ChunkAccumulator {
     pub fn finish(self) -> ChatResponse {
         self.resp
     }
+
+    /// The answer so far, still accumulating.
+    #[must_use]
+    pub const fn so_far(&self) -> &ChatResponse {
+        &self.resp
+    }
 }
 
 /// The largest choice or tool-call index a stream may name: 1024.

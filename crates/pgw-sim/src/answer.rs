@@ -108,6 +108,8 @@ pub(crate) struct AnswerPlan {
     /// A stream carries one event that is not JSON.
     pub(crate) malformed: bool,
     pub(crate) echo: Option<Echo>,
+    /// The assistant prefill this answer continues (sources that accept one).
+    pub(crate) prefix: Option<String>,
 }
 
 impl AnswerPlan {
@@ -156,6 +158,14 @@ fn content(plan: &AnswerPlan, rng: &mut SmallRng) -> String {
         }
     }
     json
+}
+
+/// The text after an assistant prefill that starts it: a continuation.
+fn continuation(text: String, prefix: Option<&str>) -> String {
+    match prefix {
+        Some(p) if !p.is_empty() && text.starts_with(p) => text[p.len()..].to_owned(),
+        _ => text,
+    }
 }
 
 /// `usage`, in the field order of `pgw_core::openai::Usage` (and OpenAI's details when
@@ -293,7 +303,7 @@ fn split(text: &str, pieces: usize) -> Vec<&str> {
 pub(crate) fn build(plan: &AnswerPlan, request_id: &str) -> Built {
     let mut rng = SmallRng::seed_from_u64(plan.text_seed);
     let text = match plan.kind {
-        AnswerKind::Text => content(plan, &mut rng),
+        AnswerKind::Text => continuation(content(plan, &mut rng), plan.prefix.as_deref()),
         AnswerKind::Refusal => REFUSAL.to_owned(),
         AnswerKind::ContentFilter | AnswerKind::StreamError => String::new(),
     };

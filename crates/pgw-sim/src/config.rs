@@ -340,6 +340,13 @@ pub struct SourceConfig {
     /// simulator's historical bytes).
     #[serde(skip_serializing_if = "is_default")]
     pub echo_openai_fields: bool,
+    /// The source continues a trailing assistant message (an assistant prefill) instead
+    /// of answering it: its text depends only on the prompt before that message (the
+    /// same words on every source that sets this), and a request ending with an
+    /// assistant message that is a prefix of that text gets only the rest (default
+    /// false). Token counts stay the source's own draw.
+    #[serde(skip_serializing_if = "is_default")]
+    pub accepts_prefill: bool,
 }
 
 impl fmt::Debug for SourceConfig {
@@ -373,6 +380,7 @@ impl fmt::Debug for SourceConfig {
             .field("malformed_chunk_rate", &self.malformed_chunk_rate)
             .field("stream_error_rate", &self.stream_error_rate)
             .field("echo_openai_fields", &self.echo_openai_fields)
+            .field("accepts_prefill", &self.accepts_prefill)
             .finish()
     }
 }
@@ -426,6 +434,7 @@ impl Default for SourceConfig {
             malformed_chunk_rate: Schedule::default(),
             stream_error_rate: Schedule::default(),
             echo_openai_fields: false,
+            accepts_prefill: false,
         }
     }
 }

@@ -31,6 +31,7 @@ const RPM_GATE_WINDOW: Duration = Duration::from_secs(60);
 const CONTENT_POLICY_SALT: u64 = 0xC0_9011C7;
 const CONTENT_FILTER_SALT: u64 = 0xF1_17E4;
 const REFUSAL_SALT: u64 = 0x4EF_05A1;
+const PREFILL_SALT: u64 = 0x9E_F111;
 
 /// The simulated provider pool: sources, accounts, their seeded randomness and counters.
 ///
@@ -767,7 +768,13 @@ impl Inner {
                 secs(uniform(rng, snap.stall.min_gap_s, snap.stall.max_gap_s) * scale),
             )
         });
-        let text_seed = rng.random::<u64>();
+        let mut text_seed = rng.random::<u64>();
+        let mut prefix = None;
+        if cfg.accepts_prefill {
+            let (p, prompt) = req.prefill();
+            text_seed = mix(prompt ^ PREFILL_SALT);
+            prefix = p.map(str::to_owned);
+        }
         let stream = req.stream;
         let kind = if stream && draw(rng, snap.stream_error_rate) {
             AnswerKind::StreamError
@@ -810,6 +817,7 @@ impl Inner {
             done,
             malformed,
             echo,
+            prefix,
         };
         finish(decision, Plan::Answer(Box::new(plan)))
     }

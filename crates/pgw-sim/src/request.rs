@@ -21,6 +21,7 @@ const IMAGE_SALT: u64 = 0x1A6E;
 /// URLs of its image parts.
 #[derive(Debug, Default)]
 pub(crate) struct Message {
+    pub(crate) role: String,
     pub(crate) text: String,
     pub(crate) images: Vec<String>,
 }
@@ -71,12 +72,12 @@ fn message(i: usize, v: Value) -> Result<Message, String> {
     let Value::Object(mut m) = v else {
         return Err(type_error(&format!("messages[{i}]"), "an object", &v));
     };
+    let mut out = Message::default();
     match m.get("role") {
-        Some(Value::String(_)) => {}
+        Some(Value::String(r)) => out.role.clone_from(r),
         Some(other) => return Err(type_error(&format!("messages[{i}].role"), "a string", other)),
         None => return Err(format!("missing field `role` in messages[{i}]")),
     }
-    let mut out = Message::default();
     match m.remove("content") {
         None | Some(Value::Null) => {}
         Some(Value::String(s)) => out.text = s,
@@ -179,6 +180,28 @@ impl SimRequest {
                 .iter()
                 .fold(h, |h, url| mix(h ^ hash_bytes(h ^ IMAGE_SALT, url.as_bytes())))
         })
+    }
+
+    /// A trailing assistant message's text (an assistant prefill), and the hash of the
+    /// prompt before it.
+    pub(crate) fn prefill(&self) -> (Option<&str>, u64) {
+        match self.messages.split_last() {
+            Some((last, before)) if last.role == "assistant" => {
+                let prompt = Self {
+                    messages: before
+                        .iter()
+                        .map(|m| Message {
+                            role: m.role.clone(),
+                            text: m.text.clone(),
+                            images: m.images.clone(),
+                        })
+                        .collect(),
+                    ..Self::default()
+                };
+                (Some(last.text.as_str()), prompt.prompt_hash())
+            }
+            _ => (None, self.prompt_hash()),
+        }
     }
 
     /// Bytes of prompt text.

@@ -6,9 +6,9 @@
 //!   -d '{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}'
 //! ```
 //!
-//! The server is `pgw_stack::proxy::router`: a streamed answer is verified first (the
-//! attempt runs to `[DONE]` under the watchdogs, so a cut stream can be retried
-//! elsewhere), then replayed as SSE.
+//! The server is `pgw_stack::proxy::router`: a streamed answer is passed through as
+//! SSE, each chunk as it arrives, once a source's stream yielded its first output
+//! (failures before that are retried elsewhere, unseen).
 
 mod support;
 

@@ -41,6 +41,31 @@ pub(crate) struct Attempt<S> {
     pub(crate) model: Option<Arc<str>>,
     pub(crate) telemetry: Telemetry,
     pub(crate) validator: Option<Validator>,
+    /// The source continues a trailing assistant message ([`Continuation`]).
+    pub(crate) accepts_prefill: bool,
+}
+
+/// Marks the call that continues a stream cut after it reached the caller: only a
+/// source that accepts an assistant prefill may take it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Continuation;
+
+/// A source that cannot continue an assistant prefill was offered a continuation:
+/// not an attempt (the gate marker [`pgw_core::NeverAdmitted`] is its source), so the
+/// balancer tries the next source and no outcome is recorded.
+#[derive(Debug)]
+pub(crate) struct NoPrefill;
+
+impl std::fmt::Display for NoPrefill {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("source does not continue an assistant prefill")
+    }
+}
+
+impl std::error::Error for NoPrefill {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&pgw_core::NeverAdmitted)
+    }
 }
 
 fn ms(d: Duration) -> f64 {
@@ -61,6 +86,9 @@ where
     }
 
     fn call(&mut self, call: ChatCall) -> Self::Future {
+        if !self.accepts_prefill && call.extensions().get::<Continuation>().is_some() {
+            return Box::pin(std::future::ready(Err(NoPrefill.into())));
+        }
         let attempt =
             u32::try_from(call.call_history().map_or(0, pgw_core::CallHistory::len) + 1).unwrap_or(u32::MAX);
         let admission = call
@@ -93,21 +121,25 @@ where
             // A decline (content filter, refusal) is final: re-asking cannot turn it
             // into the shape a validator wants, and would spend a re-ask per source.
             if let (Ok(answer), Some(v)) = (&result, &validator)
+                && answer.tail.is_none()
                 && !answer.response.is_declined()
                 && let Err(reason) = v.0.validate(&answer.response)
             {
                 result = Err(InvalidResponse::new(reason).into());
             }
-            let (ttft, usage) = match &result {
-                Ok(a) => (a.stats.ttft, a.stats.usage.as_ref()),
-                Err(_) => (None, None),
-            };
-            record.emit(
-                AnswerClassifier.classify(&result).as_str(),
-                ttft,
-                usage,
-                result.as_ref().err().map(ToString::to_string),
-            );
+            // A stream passed through is recorded when it ends, with its real usage.
+            pgw_core::settle(&AnswerClassifier, &mut result, move |r| {
+                let (ttft, usage) = match r {
+                    Ok(a) => (a.stats.ttft, a.stats.usage.as_ref()),
+                    Err(_) => (None, None),
+                };
+                record.emit(
+                    AnswerClassifier.classify(r).as_str(),
+                    ttft,
+                    usage,
+                    r.as_ref().err().map(ToString::to_string),
+                );
+            });
             result
         })
     }
@@ -185,5 +217,25 @@ impl Drop for Record {
                 Some("attempt cancelled before its verdict".to_owned()),
             );
         }
+    }
+}
+
+/// The rate limiter's view of an answer: its real usage, and whether it is still
+/// running (a stream passed through settles its quota at its end, with the usage its
+/// last chunk reported).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct AnswerUsage;
+
+impl tower_ratelimit_redis::UsageReport<ChatAnswer> for AnswerUsage {
+    fn tokens_used(&self, res: &ChatAnswer) -> Option<u64> {
+        res.stats.usage.as_ref().map(|u| u.total_tokens)
+    }
+
+    fn in_progress(&self, res: &ChatAnswer) -> bool {
+        res.tail.is_some()
+    }
+
+    fn defer(&self, result: &mut Result<ChatAnswer, BoxError>, then: pgw_core::Settle<ChatAnswer, BoxError>) {
+        AnswerClassifier.defer(result, then);
     }
 }

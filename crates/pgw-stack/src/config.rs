@@ -197,6 +197,14 @@ pub struct SourceConfig {
     /// Whole attempt, seconds (default [`pgw_client::DEFAULT_TOTAL_TIMEOUT`]).
     #[serde(default)]
     pub total_timeout_s: Option<f64>,
+    /// Whether the source continues an answer from a trailing assistant message (an
+    /// assistant prefill), so that a stream cut after it reached the caller can be
+    /// finished here: the request is re-sent with the text so far and only the
+    /// continuation is streamed on. Default `false`: OpenAI's API does not continue a
+    /// trailing assistant message (it answers it); Anthropic-style and most
+    /// self-hosted (vLLM, llama.cpp with `continue_final_message`) do.
+    #[serde(default)]
+    pub accepts_prefill: bool,
 }
 
 impl fmt::Debug for SourceConfig {
@@ -212,6 +220,7 @@ impl fmt::Debug for SourceConfig {
             .field("tpm", &self.tpm)
             .field("max_concurrency", &self.max_concurrency)
             .field("account", &self.account)
+            .field("accepts_prefill", &self.accepts_prefill)
             .finish_non_exhaustive()
     }
 }
@@ -234,7 +243,16 @@ impl SourceConfig {
             first_token_timeout_s: None,
             inter_token_timeout_s: None,
             total_timeout_s: None,
+            accepts_prefill: false,
         }
+    }
+
+    /// Says the source continues a trailing assistant message (see
+    /// [`SourceConfig::accepts_prefill`]).
+    #[must_use]
+    pub const fn accepts_prefill(mut self, yes: bool) -> Self {
+        self.accepts_prefill = yes;
+        self
     }
 
     /// Sets the group.

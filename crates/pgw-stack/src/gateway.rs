@@ -8,11 +8,12 @@ use std::time::Duration;
 use futures_core::Stream;
 use futures_util::future::BoxFuture;
 use pgw_client::{
-    AnswerClassifier, BoxTransport, ChatAnswer, ChatCall, HyperTransport, UpstreamClient, box_transport,
+    AnswerClassifier, BoxTransport, ChatAnswer, ChatCall, HyperTransport, PassThrough, UpstreamClient,
+    box_transport,
 };
 use pgw_core::openai::{ChatChunk, ChatRequest, chunks_of};
 use pgw_core::redis_conn::{RedisConn, RedisTarget};
-use pgw_core::{BoxError, SourceId};
+use pgw_core::{BoxError, CallHistory, CarriesHistory, SourceId};
 use tower::ServiceExt;
 use tower::util::BoxCloneSyncService;
 use tower_aimd::{Aimd, AimdConfig, AimdHandle, AimdLayer};
@@ -23,12 +24,13 @@ use tower_ratelimit_redis::{Admission, Holds, Quota, RateLimitConfig, RateLimitL
 use tower_retry_pushback::{Progress, Reason, RetryConfig, RetryError, RetryLayer};
 use tower_service::Service;
 
-use crate::attempt::{AdmissionCell, Attempt};
+use crate::attempt::{AdmissionCell, AnswerUsage, Attempt};
 use crate::cache::{CacheKey, CachedAnswer, MemoryCache, RedisCache, ResponseCache};
 use crate::config::{
     BackendKind, ConfigError, DEFAULT_CACHE_MAX_ENTRIES, DEFAULT_CACHE_TTL_S, DEFAULT_COOLDOWN_S,
     DEFAULT_FAIL_THRESHOLD, DEFAULT_KEY_PREFIX, GatewayConfig, SourceConfig, quota, secs,
 };
+use crate::relay::ChatStream;
 use crate::telemetry::{AttemptTelemetry, JsonlSink, PriceTable, Telemetry, TelemetrySink, TracingSink};
 use crate::validate::{JsonValidator, Validate, Validator};
 
@@ -154,7 +156,7 @@ struct Group {
     sources: Sources<SourceService>,
 }
 
-struct Inner {
+pub(crate) struct Inner {
     groups: Vec<Group>,
     cache: Option<Arc<dyn ResponseCache>>,
     cache_ttl: Duration,
@@ -164,6 +166,8 @@ struct Inner {
     /// The default validator, also applied to cache hits (a hit stored by a call
     /// with a more lenient validator of its own must not bypass it).
     validator: Option<Validator>,
+    /// Some source accepts an assistant prefill: a cut stream may be continued.
+    pub(crate) accepts_prefill: bool,
 }
 
 /// The gateway: a tower `Service<ChatCall>` for OpenAI-compatible chat completions.
@@ -179,7 +183,7 @@ struct Inner {
 /// Cheap to clone; always ready.
 #[derive(Clone)]
 pub struct Gateway {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
 }
 
 impl fmt::Debug for Gateway {
@@ -221,7 +225,7 @@ impl Gateway {
         self.inner.groups.iter().map(|g| g.name.to_string()).collect()
     }
 
-    /// The health EWMA of `source`, if known.
+    /// The health EWMA of `source` for calls that are not streamed, if known.
     #[must_use]
     pub fn health(&self, source: &str) -> Option<f64> {
         self.inner
@@ -229,6 +233,17 @@ impl Gateway {
             .iter()
             .find_map(|g| g.sources.view(source))
             .map(|v| v.health())
+    }
+
+    /// The health EWMA of `source` for streamed calls (kept apart: a source's slow
+    /// streams say nothing of its short answers), if known.
+    #[must_use]
+    pub fn stream_health(&self, source: &str) -> Option<f64> {
+        self.inner
+            .groups
+            .iter()
+            .find_map(|g| g.sources.view(source))
+            .map(|v| v.health_of(call_shape_of(true)))
     }
 
     /// The process-wide progress signal of the stall guard (R4).
@@ -264,18 +279,34 @@ impl Gateway {
         Ok((value, answer))
     }
 
-    /// One call streamed to the caller: the chunks of the verified answer, replayed
-    /// (see `pgw_client::UpstreamClient` for why an attempt completes before the
-    /// caller sees a chunk). Sets `stream = true` upstream.
+    /// One call streamed to the caller, each chunk as it arrives (see [`ChatStream`]):
+    /// the call is committed to the first source whose stream yields output, and
+    /// every failure before that is retried invisibly. Sets `stream = true` upstream.
+    ///
+    /// A call with a validator (the gateway's default one) is buffered instead: its
+    /// answer must be whole to be validated (and re-asked), so it is replayed once it
+    /// passed.
     ///
     /// # Errors
     /// As [`Gateway::chat`], before the first chunk.
-    pub async fn chat_stream(
-        &self,
-        mut request: ChatRequest,
-    ) -> Result<impl Stream<Item = Result<ChatChunk, BoxError>> + Send + 'static + use<>, BoxError> {
+    pub async fn chat_stream(&self, mut request: ChatRequest) -> Result<ChatStream, BoxError> {
         request.stream = true;
-        Ok(self.chat(request).await?.into_stream())
+        let include_usage = request
+            .extra
+            .get("stream_options")
+            .and_then(|o| o.get("include_usage"))
+            .and_then(serde_json::Value::as_bool)
+            .unwrap_or(false);
+        let mut call = ChatCall::new(request);
+        if self.inner.validator.is_some() {
+            let answer = self.clone().oneshot(call).await?;
+            return Ok(ChatStream::replay(&answer, include_usage));
+        }
+        // Shared with the stream, so a continuation knows which source was cut.
+        call.set_call_history(CallHistory::new());
+        call.extensions_mut().insert(PassThrough);
+        let answer = self.clone().oneshot(call.clone()).await?;
+        Ok(ChatStream::relay(self.clone(), call, answer, include_usage))
     }
 
     /// Reads every source's breaker, AIMD limit, health, inflight and limiter usage
@@ -351,6 +382,7 @@ impl Service<ChatCall> for Gateway {
                                 source: hit.source.clone(),
                                 ..pgw_client::AttemptStats::default()
                             },
+                            tail: None,
                         },
                         group: hit.group.clone(),
                         source: hit.source.clone(),
@@ -370,13 +402,35 @@ impl Service<ChatCall> for Gateway {
                         inner.progress.record_success();
                         let source = answer.stats.source.clone();
                         if let (Some(cache), Some(key)) = (&inner.cache, key) {
-                            let cached = Arc::new(CachedAnswer {
-                                response: answer.response.clone(),
-                                chunks: answer.chunks.clone(),
-                                group: group.name.to_string(),
-                                source: source.clone(),
-                            });
-                            cache.put(key, cached, inner.cache_ttl).await;
+                            let (group, source, ttl) =
+                                (group.name.to_string(), source.clone(), inner.cache_ttl);
+                            match &answer.tail {
+                                // Only a whole answer is cached: a stream passed
+                                // through, when it ends complete.
+                                Some(tail) => {
+                                    let cache = Arc::clone(cache);
+                                    tail.on_end(Box::new(move |end| {
+                                        if let Ok(done) = end {
+                                            let cached = Arc::new(CachedAnswer {
+                                                response: done.response.clone(),
+                                                chunks: Vec::new(),
+                                                group,
+                                                source,
+                                            });
+                                            tokio::spawn(async move { cache.put(key, cached, ttl).await });
+                                        }
+                                    }));
+                                }
+                                None => {
+                                    let cached = Arc::new(CachedAnswer {
+                                        response: answer.response.clone(),
+                                        chunks: answer.chunks.clone(),
+                                        group,
+                                        source,
+                                    });
+                                    cache.put(key, cached, ttl).await;
+                                }
+                            }
                         }
                         return Ok(GatewayAnswer {
                             call_id,
@@ -559,6 +613,7 @@ impl GatewayBuilder {
                     model,
                     telemetry: telemetry.clone(),
                     validator: self.validator.clone(),
+                    accepts_prefill: sc.accepts_prefill,
                 };
 
                 let limiter =
@@ -567,7 +622,7 @@ impl GatewayBuilder {
                 limiters.push(limiter.clone());
                 let rl = RateLimitLayer::new(limiter.clone())
                     .token_estimate(|c: &ChatCall| c.estimate_tokens())
-                    .usage(|a: &ChatAnswer| a.stats.usage.as_ref().map(|u| u.total_tokens))
+                    .usage(AnswerUsage)
                     .on_admission(|c: &ChatCall, adm: &Admission| {
                         if let Some(cell) = c.extensions().get::<AdmissionCell>() {
                             cell.set(adm.at(), adm.window());
@@ -633,6 +688,7 @@ impl GatewayBuilder {
                 handles,
                 progress,
                 validator: self.validator,
+                accepts_prefill: cfg.sources.iter().any(|s| s.accepts_prefill),
             }),
         })
     }
@@ -645,7 +701,11 @@ impl GatewayBuilder {
 /// streams. One health EWMA per source would average the two and keep sending streams
 /// there.
 fn call_shape(call: &ChatCall) -> usize {
-    usize::from(call.is_stream())
+    call_shape_of(call.is_stream())
+}
+
+const fn call_shape_of(streamed: bool) -> usize {
+    streamed as usize
 }
 
 fn compose<G, R>(

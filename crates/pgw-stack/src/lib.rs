@@ -36,6 +36,7 @@ pub mod cache;
 pub mod config;
 mod gateway;
 pub mod proxy;
+mod relay;
 pub mod telemetry;
 mod validate;
 
@@ -47,6 +48,7 @@ pub use gateway::{
 /// The chunks equivalent to a non-streamed answer (moved to [`pgw_core::openai`],
 /// beside the `ChunkAccumulator` that folds them back).
 pub use pgw_core::openai::chunks_of;
+pub use relay::ChatStream;
 pub use telemetry::{AttemptTelemetry, JsonlSink, MemorySink, PriceTable, TelemetrySink, TracingSink};
 pub use validate::{JsonValidator, Validate, Validator, json_text};
 

@@ -2,9 +2,11 @@
 //! or server-sent events, so any OpenAI client (any language) can point its base URL
 //! at pgw.
 //!
-//! A streamed answer is verified first (the attempt runs to `[DONE]` under the
-//! watchdogs, so a cut stream can be retried on another source), then replayed as
-//! `data: {chunk}\n\n` events ending with `data: [DONE]\n\n`. Errors are OpenAI-style
+//! A streamed answer is passed through as `data: {chunk}\n\n` events, each as it
+//! arrives, ending with `data: [DONE]\n\n` (see [`crate::ChatStream`]: the call is
+//! committed to the first source whose stream yields output; a stream cut after that
+//! is continued on a source that accepts an assistant prefill, or ends with an
+//! OpenAI-style error event, `data: {"error": {...}}`, and no `[DONE]`). Errors are OpenAI-style
 //! JSON bodies: a request every source rejects gets the provider's own status (400,
 //! 404 for an unknown model, 413, 422) and error (`message`, `type`, `param`, `code`:
 //! `model_not_found`, `context_length_exceeded`, `content_policy_violation`, ...);
@@ -70,37 +72,65 @@ fn failure(e: &BoxError) -> Response {
     error(status, &e.to_string())
 }
 
+/// The event that ends a stream cut after the caller saw part of it: an error in
+/// OpenAI's shape, so SDKs raise it instead of returning a truncated answer as whole.
+fn error_event(e: &BoxError) -> Event {
+    let body = serde_json::json!({"error": {"message": e.to_string(), "type": "server_error", "param": null, "code": "stream_cut"}});
+    Event::default().data(body.to_string())
+}
+
 async fn completions(State(gw): State<Gateway>, Json(req): Json<ChatRequest>) -> Response {
-    let stream = req.stream;
+    if req.stream {
+        let stream = match gw.chat_stream(req).await {
+            Ok(s) => s,
+            Err(e) => return failure(&e),
+        };
+        let (group, source) = (
+            stream.group().to_owned(),
+            stream.source().map(ToString::to_string),
+        );
+        // After an error event nothing more is sent: no `[DONE]`.
+        let events = stream
+            .map(Some)
+            .chain(futures_util::stream::once(async { None }))
+            .scan(false, |failed, item| {
+                let event = match item {
+                    _ if *failed => None,
+                    Some(Ok(c)) => Some(
+                        serde_json::to_string(&c)
+                            .map_or_else(|e| error_event(&e.into()), |json| Event::default().data(json)),
+                    ),
+                    Some(Err(e)) => {
+                        *failed = true;
+                        Some(error_event(&e))
+                    }
+                    None => Some(Event::default().data("[DONE]")),
+                };
+                futures_util::future::ready(event.map(Ok::<_, Infallible>))
+            });
+        let mut response = Sse::new(events).into_response();
+        who_answered(&mut response, &group, source.as_deref().unwrap_or_default());
+        return response;
+    }
     let answer = match gw.chat(req).await {
         Ok(a) => a,
         Err(e) => return failure(&e),
     };
-    let group = answer.group.clone();
     let source = answer
         .source
         .as_ref()
         .map(ToString::to_string)
         .unwrap_or_default();
-    let mut response = if stream {
-        let events = answer
-            .into_stream()
-            .filter_map(|c| async move {
-                // A chunk that does not serialize is dropped, never sent as an empty event.
-                let json = c.ok().and_then(|c| serde_json::to_string(&c).ok())?;
-                Some(Ok::<_, Infallible>(Event::default().data(json)))
-            })
-            .chain(futures_util::stream::once(async {
-                Ok(Event::default().data("[DONE]"))
-            }));
-        Sse::new(events).into_response()
-    } else {
-        Json(answer.answer.response).into_response()
-    };
+    let group = answer.group.clone();
+    let mut response = Json(answer.answer.response).into_response();
+    who_answered(&mut response, &group, &source);
+    response
+}
+
+fn who_answered(response: &mut Response, group: &str, source: &str) {
     let h = response.headers_mut();
     if let (Ok(g), Ok(s)) = (group.parse(), source.parse()) {
         h.insert("x-pgw-group", g);
         h.insert("x-pgw-source", s);
     }
-    response
 }

@@ -5,7 +5,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
-use pgw_core::{BoxError, Classify, NotAdmitted, Paced};
+use pgw_core::{BoxError, Classify, Paced, attempt_outcome, settle};
 use pin_project_lite::pin_project;
 
 use crate::limiter::Permit;
@@ -49,7 +49,7 @@ impl<F, C, T, E> Future for ResponseFuture<F, C>
 where
     F: Future<Output = Result<T, E>>,
     E: Into<BoxError>,
-    C: Classify<T, BoxError>,
+    C: Classify<T, BoxError> + Clone + Send + 'static,
 {
     type Output = Result<T, BoxError>;
 
@@ -60,14 +60,17 @@ where
                 permit,
                 classifier,
             } => {
-                let result = ready!(fut.poll(cx)).map_err(Into::into);
+                let mut result = ready!(fut.poll(cx)).map_err(Into::into);
                 if let Some(permit) = permit.take() {
-                    // A not-admitted answer from below is not an attempt: the limit
-                    // stays, only the slot is given back.
-                    let not_admitted = matches!(&result, Err(e) if NotAdmitted::of(&**e).is_some());
-                    if !not_admitted {
-                        permit.on_outcome(classifier.classify(&result));
-                    }
+                    // The slot is held until the attempt ends (a stream passed through
+                    // ends after this future). A not-admitted answer from below is not
+                    // an attempt: the limit stays, only the slot is given back.
+                    let c = classifier.clone();
+                    settle(&*classifier, &mut result, move |r| {
+                        if let Some(outcome) = attempt_outcome(&c, r) {
+                            permit.on_outcome(outcome);
+                        }
+                    });
                 }
                 Poll::Ready(result)
             }

@@ -126,7 +126,7 @@ impl<S, C, Req> Service<Req> for Aimd<S, C>
 where
     S: Service<Req>,
     S::Error: Into<BoxError>,
-    C: Classify<S::Response, BoxError> + Clone,
+    C: Classify<S::Response, BoxError> + Clone + Send + 'static,
 {
     type Response = S::Response;
     type Error = BoxError;

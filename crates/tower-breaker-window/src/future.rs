@@ -6,7 +6,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
 use futures_core::TryFuture;
-use pgw_core::{BoxError, BreakerVerdict, Classify, NotAdmitted};
+use pgw_core::{BoxError, BreakerVerdict, Classify, attempt_outcome};
 use pin_project_lite::pin_project;
 
 use crate::backend::Gate;
@@ -78,8 +78,9 @@ impl<F, G, C> Future for ResponseFuture<F, G, C>
 where
     F: TryFuture,
     F::Error: Into<BoxError>,
+    F::Ok: 'static,
     G: Gate,
-    C: Classify<F::Ok, BoxError>,
+    C: Classify<F::Ok, BoxError> + Clone + Send + 'static,
 {
     type Output = Result<F::Ok, BoxError>;
 
@@ -93,15 +94,27 @@ where
                         .unwrap_or_else(|| "breaker response future polled after completion".into())));
                 }
                 StateProj::Calling { fut } => {
-                    let result = ready!(fut.try_poll(cx)).map_err(Into::into);
-                    let verdict = match &result {
-                        // A gate below refused: not an attempt, nothing to count (B3).
-                        Err(e) if NotAdmitted::of(&**e).is_some() => BreakerVerdict::Ignore,
-                        r => this
-                            .classifier
-                            .as_ref()
-                            .map_or(BreakerVerdict::Ignore, |c| c.classify(r).breaker_verdict()),
+                    let mut result = ready!(fut.try_poll(cx)).map_err(Into::into);
+                    // A gate below refused: not an attempt, nothing to count (B3).
+                    let verdict = |c: &C, r: &Result<F::Ok, BoxError>| {
+                        attempt_outcome(c, r).map_or(BreakerVerdict::Ignore, pgw_core::Outcome::breaker_verdict)
                     };
+                    if this.classifier.as_ref().is_some_and(|c| c.in_progress(&result))
+                        && let (Some(c), Some(lease)) = (this.classifier.take(), this.lease.take())
+                    {
+                        // Still running (a stream passed through): the verdict is the
+                        // end's. The record starts when it is made; nothing waits for it.
+                        let judge = c.clone();
+                        c.defer(
+                            &mut result,
+                            Box::new(move |r| drop(lease.finish(verdict(&judge, r)))),
+                        );
+                        return Poll::Ready(result);
+                    }
+                    let verdict = this
+                        .classifier
+                        .as_ref()
+                        .map_or(BreakerVerdict::Ignore, |c| verdict(c, &result));
                     let record = this.lease.take().and_then(|lease| lease.finish(verdict));
                     match record {
                         Some(record) => {

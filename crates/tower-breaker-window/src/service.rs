@@ -194,7 +194,8 @@ where
     S: Service<Req>,
     S::Error: Into<BoxError>,
     G: Gate,
-    C: Classify<S::Response, BoxError> + Clone,
+    C: Classify<S::Response, BoxError> + Clone + Send + 'static,
+    S::Response: 'static,
 {
     type Response = S::Response;
     type Error = BoxError;

@@ -282,19 +282,21 @@ impl<S, Req, C> Ctx<S, Req, C> {
     }
 
     /// Accounts for one dispatched attempt's result. `None` means the source did not
-    /// admit the call: nothing recorded, try the next one.
+    /// admit the call: nothing recorded, try the next one. An attempt still running
+    /// (a stream passed through) keeps its inflight count and is judged at its end.
     fn finish<T>(&mut self, result: Result<T, BoxError>) -> Option<Result<T, BoxError>>
     where
-        C: Classify<T, BoxError>,
+        T: 'static,
+        C: Classify<T, BoxError> + Clone + Send + 'static,
     {
         let Some(i) = self.dispatched.take() else {
             return Some(result);
         };
-        let state = &self.snapshot.entries[i].state;
-        state.dec();
-        let result = match result {
+        let inflight = Inflight(Arc::clone(&self.snapshot.entries[i].state));
+        let mut result = match result {
             Err(e) => match NotAdmitted::of(&*e) {
                 Some(na) => {
+                    let state = &inflight.0;
                     if !matches!(na, NotAdmitted::CircuitOpen(_) | NotAdmitted::Never) {
                         let h = state.health(self.class);
                         self.round.soon_best = self.round.soon_best.max(h);
@@ -306,11 +308,36 @@ impl<S, Req, C> Ctx<S, Req, C> {
             },
             ok => ok,
         };
-        let outcome = self.classifier.classify(&result);
+        let (class, history, classifier) = (self.class, self.history.clone(), self.classifier.clone());
+        pgw_core::settle(&self.classifier, &mut result, move |r| {
+            inflight.judge(class, history.as_ref(), &classifier, r);
+        });
+        Some(result)
+    }
+}
+
+/// One dispatched attempt's inflight count, given back when it is judged or dropped
+/// (the caller dropped the call, or a stream passed through, mid-attempt: A4).
+struct Inflight(Arc<crate::sources::SourceState>);
+
+impl Inflight {
+    /// Records the attempt's outcome: the health sample of its class and the call's
+    /// history.
+    fn judge<T, C>(
+        self,
+        class: usize,
+        history: Option<&CallHistory>,
+        classifier: &C,
+        result: &Result<T, BoxError>,
+    ) where
+        C: Classify<T, BoxError>,
+    {
+        let state = &self.0;
+        let outcome = classifier.classify(result);
         if let Some(ok) = outcome.health_sample() {
-            state.record(self.class, ok);
+            state.record(class, ok);
         }
-        if let Some(h) = &self.history {
+        if let Some(h) = history {
             let err = result.as_ref().err();
             h.push(AttemptRecord {
                 source: Some(state.id().clone()),
@@ -319,7 +346,12 @@ impl<S, Req, C> Ctx<S, Req, C> {
                 too_large: err.is_some_and(|e| pgw_core::exceeds_source(&**e)),
             });
         }
-        Some(result)
+    }
+}
+
+impl Drop for Inflight {
+    fn drop(&mut self) {
+        self.0.dec();
     }
 }
 
@@ -405,7 +437,8 @@ impl<S, Req, C> Future for ResponseFuture<S, S::Future, Req, C>
 where
     S: Service<Req> + Clone,
     S::Error: Into<BoxError>,
-    C: Classify<S::Response, BoxError>,
+    C: Classify<S::Response, BoxError> + Clone + Send + 'static,
+    S::Response: 'static,
     Req: Clone,
 {
     type Output = Result<S::Response, BoxError>;

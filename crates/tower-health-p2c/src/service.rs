@@ -189,7 +189,8 @@ impl<S, C, K, Req> Service<Req> for HealthP2c<S, C, K>
 where
     S: Service<Req> + Clone,
     S::Error: Into<BoxError>,
-    C: Classify<S::Response, BoxError> + Clone,
+    C: Classify<S::Response, BoxError> + Clone + Send + 'static,
+    S::Response: 'static,
     K: ClassOf<Req>,
     Req: Clone + CarriesHistory,
 {

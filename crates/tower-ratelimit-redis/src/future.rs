@@ -182,7 +182,8 @@ impl<S, Req, E, U, O> Future for ResponseFuture<S, Req, E, U, O>
 where
     S: Service<Req>,
     S::Error: Into<BoxError>,
-    U: UsageReport<S::Response>,
+    S::Response: 'static,
+    U: UsageReport<S::Response> + Clone + Send + 'static,
     O: AdmissionObserver<Req>,
 {
     type Output = Result<S::Response, BoxError>;
@@ -206,12 +207,13 @@ where
                         this.state.set(State::Done);
                         return Poll::Ready(out);
                     };
-                    let ending = match &out {
-                        Ok(res) => Ending::Finished(this.usage.tokens_used(res)),
-                        Err(e) if NotAdmitted::of(&**e).is_some() => Ending::Refunded,
-                        Err(_) => Ending::Finished(None),
-                    };
-                    match permit.end(ending).now_or() {
+                    let mut out = out;
+                    if matches!(&out, Ok(res) if this.usage.in_progress(res)) {
+                        defer_settle(this.usage, permit, &mut out);
+                        this.state.set(State::Done);
+                        return Poll::Ready(out);
+                    }
+                    match permit.end(ending(this.usage, &out)).now_or() {
                         Ok(_) => {
                             this.state.set(State::Done);
                             return Poll::Ready(out);
@@ -306,6 +308,68 @@ where
 
 fn waits(limiter: &crate::RateLimiter) -> bool {
     matches!(limiter.config().mode, crate::Mode::Wait { .. })
+}
+
+/// How a call ended, for its settle: a refusal from below refunds (it was not an
+/// attempt); anything else is charged its real usage when the response reports it.
+fn ending<R, U: UsageReport<R>>(usage: &U, out: &Result<R, BoxError>) -> Ending {
+    match out {
+        Ok(res) => Ending::Finished(usage.tokens_used(res)),
+        Err(e) if NotAdmitted::of(&**e).is_some() => Ending::Refunded,
+        Err(_) => Ending::Finished(None),
+    }
+}
+
+/// Settles `permit` when the running response in `out` ends; its lease is renewed
+/// in the background until then.
+fn defer_settle<R, U>(usage: &U, permit: Permit, out: &mut Result<R, BoxError>)
+where
+    R: 'static,
+    U: UsageReport<R> + Clone + Send + 'static,
+{
+    let renewing = Renewing::start(&permit);
+    let report = usage.clone();
+    usage.defer(
+        out,
+        Box::new(move |r| {
+            drop(renewing);
+            if let Err(f) = permit.end(ending(&report, r)).now_or() {
+                detach(f);
+            }
+        }),
+    );
+}
+
+/// The background renewal of a lease held past the layer's future; stops on drop.
+struct Renewing(Option<tokio::task::JoinHandle<()>>);
+
+impl Renewing {
+    fn start(permit: &Permit) -> Self {
+        let every = permit.limiter().renew_every();
+        let (Some(every), Some(handle)) = (
+            every.filter(|_| permit.has_lease()),
+            tokio::runtime::Handle::try_current().ok(),
+        ) else {
+            return Self(None);
+        };
+        let Some(renew) = permit.renewer() else {
+            return Self(None);
+        };
+        Self(Some(handle.spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                detach(renew());
+            }
+        })))
+    }
+}
+
+impl Drop for Renewing {
+    fn drop(&mut self) {
+        if let Some(task) = self.0.take() {
+            task.abort();
+        }
+    }
 }
 
 fn detach_renewal(permit: &Permit) {

@@ -26,12 +26,33 @@ where
 
 /// Reads the real token usage from a response, to reconcile the reservation.
 ///
-/// Closures `Fn(&Res) -> Option<u64>` implement it. `None` keeps the estimate charged
-/// (a streamed answer reports usage at its end: settle it yourself with
-/// [`Permit::finish`](crate::Permit::finish), or accept the estimate).
+/// Closures `Fn(&Res) -> Option<u64>` implement it. `None` keeps the estimate charged.
+///
+/// A response still running when it is handed up (a stream passed through to the
+/// caller) says so with [`UsageReport::in_progress`]: the layer then keeps the
+/// concurrency lease (renewed) and the reservation until the response ends, and
+/// settles with the usage of the final result ([`UsageReport::defer`]).
 pub trait UsageReport<Res> {
     /// Tokens the call really used, if the response says.
     fn tokens_used(&self, res: &Res) -> Option<u64>;
+
+    /// Whether `res` is still running. The default: every response is final.
+    fn in_progress(&self, res: &Res) -> bool {
+        let _ = res;
+        false
+    }
+
+    /// Keeps `then` to be called with the final result when the running response
+    /// ends (dropped unrun if it is dropped first: the lease is then released and the
+    /// estimate stays charged). Called only when [`UsageReport::in_progress`] said so;
+    /// the default runs `then` at once.
+    fn defer(
+        &self,
+        result: &mut Result<Res, pgw_core::BoxError>,
+        then: pgw_core::Settle<Res, pgw_core::BoxError>,
+    ) {
+        then(result);
+    }
 }
 
 impl<F, Res> UsageReport<Res> for F

@@ -578,6 +578,16 @@ impl Permit {
         self.lease.map(|l| self.admission.limiter.renew(l))
     }
 
+    /// What renews this permit's lease, apart from the permit (for a lease held by a
+    /// response still running after the layer's future).
+    pub(crate) fn renewer(
+        &self,
+    ) -> Option<impl Fn() -> BackendFuture<Result<bool, BackendUnavailable>> + Send + 'static> {
+        let lease = self.lease?;
+        let limiter = self.admission.limiter.clone();
+        Some(move || limiter.renew(lease))
+    }
+
     pub(crate) fn limiter(&self) -> &RateLimiter {
         &self.admission.limiter
     }

@@ -96,8 +96,9 @@ impl<S, Req, E, U, O> Service<Req> for RateLimit<S, E, U, O>
 where
     S: Service<Req> + Clone,
     S::Error: Into<BoxError>,
+    S::Response: 'static,
     E: TokenEstimate<Req>,
-    U: UsageReport<S::Response> + Clone,
+    U: UsageReport<S::Response> + Clone + Send + 'static,
     O: AdmissionObserver<Req>,
 {
     type Response = S::Response;

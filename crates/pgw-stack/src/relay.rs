@@ -1,0 +1,259 @@
+//! [`ChatStream`]: a streamed call as the caller sees it. The chunks of the committed
+//! attempt as they arrive; when that attempt is cut after the caller saw its first
+//! chunk, the continuation on a source that accepts an assistant prefill, or the cut's
+//! error.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use futures_core::Stream;
+use futures_util::StreamExt;
+use pgw_client::{ChatCall, PassThrough, TailStream};
+use pgw_core::openai::{ChatChunk, ChatMessage};
+use pgw_core::{BoxError, CallHistory, CarriesHistory, SourceId};
+use tower::ServiceExt;
+
+use crate::attempt::Continuation;
+use crate::{Gateway, GatewayAnswer};
+
+/// How many times one streamed call is continued after a cut: as many as a call has
+/// attempts by default (`tower_retry_pushback::RetryConfig::max_attempts`, 3), minus
+/// the one that was cut.
+pub(crate) const MAX_CONTINUATIONS: u32 = 2;
+
+/// The chunks of one streamed call ([`Gateway::chat_stream`]), each as soon as it
+/// arrived from the provider.
+///
+/// The call was committed to a source when that source's first chunk with output
+/// arrived; failures before it (an error event in a 200, a silent source, a 429) were
+/// retried on other sources without the caller seeing anything of them. After it:
+///
+/// - the stream ends (`None`) only after a chunk with a `finish_reason` (a stream
+///   that stopped without one is a cut, never a clean end on a truncated answer);
+/// - a cut (a watchdog, a reset, an error event) is continued on another admitted
+///   source whose configuration says it accepts an assistant prefill
+///   (`accepts_prefill`): the request is re-sent with the text so far as a trailing
+///   assistant message and only the continuation is streamed on;
+/// - with no such source, or when the continuation fails too, the stream yields the
+///   original cut's error and ends. A proxy sends it as an error event, without
+///   `[DONE]`.
+///
+/// The usage chunk (`choices: []` with `usage`) reaches the caller only when the
+/// request asked for it (`stream_options.include_usage`); upstream it is always asked,
+/// so the quota settles to real usage.
+///
+/// Dropping the stream cancels the upstream request and releases every slot, lease
+/// and probe the attempt held.
+pub struct ChatStream {
+    call_id: u64,
+    group: String,
+    source: Option<SourceId>,
+    cache_hit: bool,
+    inner: Pin<Box<dyn Stream<Item = Result<ChatChunk, BoxError>> + Send>>,
+}
+
+impl fmt::Debug for ChatStream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ChatStream")
+            .field("call_id", &self.call_id)
+            .field("group", &self.group)
+            .field("source", &self.source)
+            .field("cache_hit", &self.cache_hit)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ChatStream {
+    /// The call.
+    #[must_use]
+    pub const fn call_id(&self) -> u64 {
+        self.call_id
+    }
+
+    /// The model group the stream was committed to.
+    #[must_use]
+    pub fn group(&self) -> &str {
+        &self.group
+    }
+
+    /// The source the stream was committed to (a continuation may finish it elsewhere).
+    #[must_use]
+    pub const fn source(&self) -> Option<&SourceId> {
+        self.source.as_ref()
+    }
+
+    /// Whether the answer is a replay from the cache.
+    #[must_use]
+    pub const fn cache_hit(&self) -> bool {
+        self.cache_hit
+    }
+
+    /// A stream replaying a complete answer (a cache hit, a buffered call).
+    pub(crate) fn replay(answer: &GatewayAnswer, include_usage: bool) -> Self {
+        let head = Head::of(answer);
+        let chunks = answer
+            .chunks()
+            .into_iter()
+            .filter_map(move |c| for_caller(c, include_usage, false));
+        head.with(futures_util::stream::iter(chunks.map(Ok)))
+    }
+
+    /// The committed answer of `call`, then its tail, continued after a cut.
+    pub(crate) fn relay(
+        gateway: Gateway,
+        call: ChatCall,
+        mut answer: GatewayAnswer,
+        include_usage: bool,
+    ) -> Self {
+        let head = Head::of(&answer);
+        let tail = answer.answer.tail.take().and_then(|t| t.take());
+        let relay = Relay {
+            gateway,
+            call,
+            queue: answer.chunks().into(),
+            tail,
+            text: String::new(),
+            include_usage,
+            continued: 0,
+            ended: false,
+        };
+        head.with(futures_util::stream::unfold(relay, Relay::step))
+    }
+}
+
+impl Stream for ChatStream {
+    type Item = Result<ChatChunk, BoxError>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        self.inner.as_mut().poll_next(cx)
+    }
+}
+
+/// Who answered, kept apart from the answer that moves into the stream.
+struct Head {
+    call_id: u64,
+    group: String,
+    source: Option<SourceId>,
+    cache_hit: bool,
+}
+
+impl Head {
+    fn of(a: &GatewayAnswer) -> Self {
+        Self {
+            call_id: a.call_id,
+            group: a.group.clone(),
+            source: a.source.clone(),
+            cache_hit: a.cache_hit,
+        }
+    }
+
+    fn with(self, s: impl Stream<Item = Result<ChatChunk, BoxError>> + Send + 'static) -> ChatStream {
+        ChatStream {
+            call_id: self.call_id,
+            group: self.group,
+            source: self.source,
+            cache_hit: self.cache_hit,
+            inner: Box::pin(s),
+        }
+    }
+}
+
+/// A chunk as the caller gets it: the usage chunk only when asked; a continuation's
+/// chunks without the role its provider restates.
+fn for_caller(mut c: ChatChunk, include_usage: bool, continued: bool) -> Option<ChatChunk> {
+    if !include_usage {
+        if c.choices.is_empty() && c.usage.is_some() {
+            return None;
+        }
+        c.usage = None;
+    }
+    if continued {
+        for choice in &mut c.choices {
+            choice.delta.role = None;
+        }
+    }
+    Some(c)
+}
+
+struct Relay {
+    gateway: Gateway,
+    call: ChatCall,
+    queue: VecDeque<ChatChunk>,
+    tail: Option<TailStream>,
+    /// The first choice's text the caller received: the prefix of a continuation.
+    text: String,
+    include_usage: bool,
+    continued: u32,
+    ended: bool,
+}
+
+impl Relay {
+    async fn step(mut self) -> Option<(Result<ChatChunk, BoxError>, Self)> {
+        loop {
+            if self.ended {
+                return None;
+            }
+            if let Some(c) = self.queue.pop_front() {
+                if let Some(c) = for_caller(c, self.include_usage, self.continued > 0) {
+                    if let Some(t) = c.choices.first().and_then(|ch| ch.delta.content.as_deref()) {
+                        self.text.push_str(t);
+                    }
+                    return Some((Ok(c), self));
+                }
+                continue;
+            }
+            let tail = self.tail.as_mut()?;
+            match tail.next().await {
+                Some(Ok(c)) => self.queue.push_back(c),
+                None => {
+                    self.tail = None;
+                    return None;
+                }
+                Some(Err(cut)) => {
+                    self.tail = None;
+                    match self.continuation(&cut).await {
+                        Some(mut answer) => {
+                            self.tail = answer.answer.tail.take().and_then(|t| t.take());
+                            self.queue.extend(answer.chunks());
+                        }
+                        None => {
+                            self.ended = true;
+                            return Some((Err(cut), self));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The call continued from the text so far on a source that accepts a prefill;
+    /// `None` when there is none or it failed too (the cut's error is the one the
+    /// caller gets: a prefill refusal must not hide it).
+    async fn continuation(&mut self, cut: &BoxError) -> Option<GatewayAnswer> {
+        if self.continued >= MAX_CONTINUATIONS || !self.gateway.inner.accepts_prefill {
+            return None;
+        }
+        self.continued += 1;
+        let mut request = self.call.request().clone();
+        request
+            .messages
+            .push(ChatMessage::new("assistant", self.text.clone()));
+        let mut next = ChatCall::from_arc(Arc::new(request)).with_call_id(self.call.id());
+        next.set_call_history(self.call.call_history().cloned().unwrap_or_else(CallHistory::new));
+        next.extensions_mut().insert(PassThrough);
+        next.extensions_mut().insert(Continuation);
+        match self.gateway.clone().oneshot(next).await {
+            Ok(answer) => {
+                tracing::debug!(call = self.call.id().0, error = %cut, source = ?answer.source, "stream cut, continued");
+                Some(answer)
+            }
+            Err(e) => {
+                tracing::debug!(call = self.call.id().0, error = %cut, continuation = %e, "stream cut, not continued");
+                None
+            }
+        }
+    }
+}
