@@ -43,6 +43,61 @@ pub(crate) struct Attempt<S> {
     pub(crate) validator: Option<Validator>,
     /// The source continues a trailing assistant message ([`Continuation`]).
     pub(crate) accepts_prefill: bool,
+    /// How often this source's streams were cut once they had started.
+    pub(crate) cuts: StreamCuts,
+}
+
+/// The EWMA weight of one stream in [`StreamCuts`]: 0.2, the balancer's health weight.
+const CUT_ALPHA: f64 = 0.2;
+
+/// Above this share of recent streams cut after their first token, a source is not
+/// trusted with the caller's stream: 0.3. Two cuts in a row from a clean record
+/// (0.2, then 0.36) cross it; a run of complete streams brings it back under.
+pub(crate) const UNTRUSTED_CUT_RATE: f64 = 0.3;
+
+/// Whether a source's streams get cut after they started, per source (an EWMA of
+/// 1 for a cut, 0 for a complete stream).
+///
+/// A stream passed through and cut cannot be redone unseen: without a source that
+/// continues a prefill, the caller gets an error. So a source whose streams are often
+/// cut gets its streams buffered instead (consumed whole, then replayed): a cut there
+/// is retried elsewhere like any failed attempt. The caller's first chunk waits for
+/// that source's last; never a truncated answer.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct StreamCuts(Arc<std::sync::atomic::AtomicU64>);
+
+impl StreamCuts {
+    fn rate(&self) -> f64 {
+        f64::from_bits(self.0.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
+    pub(crate) fn trusted(&self) -> bool {
+        self.rate() <= UNTRUSTED_CUT_RATE
+    }
+
+    fn record(&self, cut: bool) {
+        use std::sync::atomic::Ordering;
+        let sample = if cut { 1.0 } else { 0.0 };
+        let _ = self.0.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+            let old = f64::from_bits(bits);
+            Some((old + CUT_ALPHA * (sample - old)).to_bits())
+        });
+    }
+}
+
+/// An attempt's stream was cut after its first token: by the inter-token watchdog, or
+/// any failure after the caller was handed the stream.
+fn cut_after_start(committed: bool, result: &Result<ChatAnswer, BoxError>) -> Option<bool> {
+    match result {
+        Ok(_) => Some(false),
+        Err(_) if committed => Some(true),
+        Err(e) => {
+            let inter = e
+                .downcast_ref::<pgw_client::WatchdogCut>()
+                .is_some_and(|w| w.watchdog() == pgw_client::Watchdog::InterToken);
+            inter.then_some(true)
+        }
+    }
 }
 
 /// Marks the call that continues a stream cut after it reached the caller: only a
@@ -85,10 +140,15 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, call: ChatCall) -> Self::Future {
+    fn call(&mut self, mut call: ChatCall) -> Self::Future {
         if !self.accepts_prefill && call.extensions().get::<Continuation>().is_some() {
             return Box::pin(std::future::ready(Err(NoPrefill.into())));
         }
+        let streamed = call.is_stream();
+        if streamed && !self.cuts.trusted() {
+            call.extensions_mut().remove::<pgw_client::PassThrough>();
+        }
+        let cuts = self.cuts.clone();
         let attempt =
             u32::try_from(call.call_history().map_or(0, pgw_core::CallHistory::len) + 1).unwrap_or(u32::MAX);
         let admission = call
@@ -128,7 +188,11 @@ where
                 result = Err(InvalidResponse::new(reason).into());
             }
             // A stream passed through is recorded when it ends, with its real usage.
+            let committed = AnswerClassifier.in_progress(&result);
             pgw_core::settle(&AnswerClassifier, &mut result, move |r| {
+                if streamed && let Some(cut) = cut_after_start(committed, r) {
+                    cuts.record(cut);
+                }
                 let (ttft, usage) = match r {
                     Ok(a) => (a.stats.ttft, a.stats.usage.as_ref()),
                     Err(_) => (None, None),

@@ -24,7 +24,7 @@ use tower_ratelimit_redis::{Admission, Holds, Quota, RateLimitConfig, RateLimitL
 use tower_retry_pushback::{Progress, Reason, RetryConfig, RetryError, RetryLayer};
 use tower_service::Service;
 
-use crate::attempt::{AdmissionCell, AnswerUsage, Attempt};
+use crate::attempt::{AdmissionCell, AnswerUsage, Attempt, StreamCuts};
 use crate::cache::{CacheKey, CachedAnswer, MemoryCache, RedisCache, ResponseCache};
 use crate::config::{
     BackendKind, ConfigError, DEFAULT_CACHE_MAX_ENTRIES, DEFAULT_CACHE_TTL_S, DEFAULT_COOLDOWN_S,
@@ -291,19 +291,31 @@ impl Gateway {
     /// As [`Gateway::chat`], before the first chunk.
     pub async fn chat_stream(&self, mut request: ChatRequest) -> Result<ChatStream, BoxError> {
         request.stream = true;
-        let include_usage = request
+        self.stream_call(ChatCall::new(request)).await
+    }
+
+    /// [`Gateway::chat_stream`] for a call built by the caller (its id, its
+    /// extensions: a per-call [`Validator`] makes it buffered). The request should say
+    /// `stream = true`; one that does not is answered whole, as one chunk per choice.
+    ///
+    /// # Errors
+    /// As [`Gateway::chat`], before the first chunk.
+    pub async fn stream_call(&self, mut call: ChatCall) -> Result<ChatStream, BoxError> {
+        let include_usage = call
+            .request()
             .extra
             .get("stream_options")
             .and_then(|o| o.get("include_usage"))
             .and_then(serde_json::Value::as_bool)
             .unwrap_or(false);
-        let mut call = ChatCall::new(request);
-        if self.inner.validator.is_some() {
+        if self.inner.validator.is_some() || call.extensions().get::<Validator>().is_some() {
             let answer = self.clone().oneshot(call).await?;
             return Ok(ChatStream::replay(&answer, include_usage));
         }
         // Shared with the stream, so a continuation knows which source was cut.
-        call.set_call_history(CallHistory::new());
+        if call.call_history().is_none() {
+            call.set_call_history(CallHistory::new());
+        }
         call.extensions_mut().insert(PassThrough);
         let answer = self.clone().oneshot(call.clone()).await?;
         Ok(ChatStream::relay(self.clone(), call, answer, include_usage))
@@ -614,6 +626,7 @@ impl GatewayBuilder {
                     telemetry: telemetry.clone(),
                     validator: self.validator.clone(),
                     accepts_prefill: sc.accepts_prefill,
+                    cuts: StreamCuts::default(),
                 };
 
                 let limiter =

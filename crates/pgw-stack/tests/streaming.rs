@@ -322,3 +322,28 @@ async fn the_usage_chunk_reaches_the_caller_only_when_asked_and_quirks_are_toler
     assert!(err.is_none());
     assert_eq!(usage_chunks(&chunks), 1);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_source_whose_streams_get_cut_is_no_longer_trusted_with_the_callers_stream() {
+    let pool = pool(vec![stalling("a"), slow("b")]);
+    let sink = MemorySink::default();
+    let gw = gateway(&pool, &sink, &[]).await;
+    let reference = clean_text(&pool, "b").await;
+    let (mut cut, mut whole) = (0, 0);
+    for _ in 0..8 {
+        let (content, _, err, _) = drain(gw.chat_stream(request()).await.unwrap(), Instant::now()).await;
+        match err {
+            Some(_) => cut += 1,
+            None => {
+                assert_eq!(content, reference);
+                whole += 1;
+            }
+        }
+    }
+    // Two cuts passed through (0.2, then 0.36 > 0.3); after that `a`'s streams are
+    // consumed whole first, so its cuts are retried on `b`, unseen.
+    assert_eq!(cut, 2, "{whole} whole");
+    let a = records(&sink, "a");
+    assert!(a.len() > 2, "a is still tried: {a:?}");
+    all_released(&gw, &pool).await;
+}

@@ -97,7 +97,8 @@ where
                     let mut result = ready!(fut.try_poll(cx)).map_err(Into::into);
                     // A gate below refused: not an attempt, nothing to count (B3).
                     let verdict = |c: &C, r: &Result<F::Ok, BoxError>| {
-                        attempt_outcome(c, r).map_or(BreakerVerdict::Ignore, pgw_core::Outcome::breaker_verdict)
+                        attempt_outcome(c, r)
+                            .map_or(BreakerVerdict::Ignore, pgw_core::Outcome::breaker_verdict)
                     };
                     if this.classifier.as_ref().is_some_and(|c| c.in_progress(&result))
                         && let (Some(c), Some(lease)) = (this.classifier.take(), this.lease.take())

@@ -125,13 +125,36 @@ impl Client for PgwClient {
         let gateway = self.gateway.clone();
         let meta = Arc::clone(&self.meta);
         Box::pin(async move {
-            let result = gateway.oneshot(chat).await;
+            // A streamed call is passed through: the caller's first chunk is the
+            // upstream's (a structured one is buffered: validated whole).
+            let result = if chat.is_stream() {
+                relay(gateway.stream_call(chat).await).await
+            } else {
+                gateway.oneshot(chat).await.map(|a| a.answer.response.into())
+            };
             meta.lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .remove(&call.id);
-            result.map(|a| a.answer.response.into())
+            result
         })
     }
+}
+
+/// A passed-through stream as the caller consumes it: when its first chunk arrived, and
+/// its chunks folded into the answer; a cut is the call's failure.
+async fn relay(stream: Result<pgw_stack::ChatStream, BoxError>) -> Result<Delivered, BoxError> {
+    use futures_util::StreamExt;
+    let mut stream = stream?;
+    let mut acc = pgw_core::openai::ChunkAccumulator::default();
+    let mut first_chunk = None;
+    while let Some(chunk) = stream.next().await {
+        first_chunk.get_or_insert_with(tokio::time::Instant::now);
+        acc.push(&chunk?);
+    }
+    Ok(Delivered {
+        response: acc.finish(),
+        first_chunk,
+    })
 }
 
 fn i64_of(n: u64) -> i64 {
