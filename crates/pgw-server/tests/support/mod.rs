@@ -93,6 +93,11 @@ pub fn config_text(server: &str, sim: &ServerHandle, sources: &[pgw_sim::SourceC
 }
 
 pub async fn start(server: &str, sources: Vec<pgw_sim::SourceConfig>) -> Harness {
+    start_with("", server, sources).await
+}
+
+/// As [`start`], with top-level gateway keys (`backend = "redis"`, ...) first.
+pub async fn start_with(top: &str, server: &str, sources: Vec<pgw_sim::SourceConfig>) -> Harness {
     let pool = SimPool::new(
         PoolConfig {
             sources: sources.clone(),
@@ -105,7 +110,7 @@ pub async fn start(server: &str, sources: Vec<pgw_sim::SourceConfig>) -> Harness
     let (_, sim) = pgw_sim::http::serve(pool.clone(), "127.0.0.1:0".parse().unwrap())
         .await
         .unwrap();
-    let text = config_text(server, &sim, &sources);
+    let text = format!("{top}\n{}", config_text(server, &sim, &sources));
     let config = ServerConfig::from_toml_str(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
     let gateway = Gateway::from_config(config.gateway.clone()).await.unwrap();
     let server = Server::bind(&config, gateway.clone(), pgw_server::install_metrics())
