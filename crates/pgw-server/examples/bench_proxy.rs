@@ -29,6 +29,10 @@ use tokio::time::Instant;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
+/// The client's key: LiteLLM's master key (it refuses to start without a strong one);
+/// pgw runs without virtual keys on loopback and ignores it.
+const CLIENT_KEY: &str = "sk-bench-5f0c2a9e4b7d41c8a3e6f1b2d9c8e7a6";
+
 const COMPLETION: &str = r#"{"id":"cmpl-1","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"Hello! How can I help you today?"},"finish_reason":"stop"}],"usage":{"prompt_tokens":9,"completion_tokens":9,"total_tokens":18}}"#;
 
 fn sse_body() -> String {
@@ -85,6 +89,7 @@ async fn upstream(listener: TcpListener) {
 
 struct Client {
     sender: hyper::client::conn::http1::SendRequest<Full<Bytes>>,
+    addr: SocketAddr,
     path: String,
 }
 
@@ -96,6 +101,7 @@ impl Client {
         tokio::spawn(conn);
         Ok(Self {
             sender,
+            addr,
             path: path.to_owned(),
         })
     }
@@ -105,10 +111,14 @@ impl Client {
         let req = http::Request::post(&self.path)
             .header("host", "bench")
             .header("content-type", "application/json")
-            .header("authorization", "Bearer sk-bench")
+            .header("authorization", format!("Bearer {CLIENT_KEY}"))
             .body(Full::new(body.clone()))?;
+        // A server that closed the idle connection (uvicorn after 5 s) is reconnected
+        // before the clock starts, as a pooling client would.
+        if self.sender.is_closed() || self.sender.ready().await.is_err() {
+            *self = Self::connect(self.addr, &self.path).await?;
+        }
         let started = Instant::now();
-        self.sender.ready().await?;
         let resp = self.sender.send_request(req).await?;
         let status = resp.status();
         let bytes = resp.into_body().collect().await?.to_bytes();
@@ -201,7 +211,7 @@ fn spawn_pgw(bin: &str, name: &str, upstream: SocketAddr, top: &str) -> Result<P
     std::fs::write(
         &path,
         format!(
-            "{top}\n[server]\nlisten = \"127.0.0.1:{port}\"\n\n[cache]\nenabled = false\n\n[[sources]]\nname = \"up\"\nbase_url = \"http://{upstream}/v1\"\nkey = \"sk-bench\"\n"
+            "{top}\n[server]\nlisten = \"127.0.0.1:{port}\"\nheader_read_timeout_s = 600\n\n[cache]\nenabled = false\n\n[[sources]]\nname = \"up\"\nbase_url = \"http://{upstream}/v1\"\nkey = \"sk-bench\"\n"
         ),
     )?;
     let child = Command::new(bin)
@@ -241,6 +251,7 @@ fn spawn_litellm(upstream: SocketAddr) -> Result<Proxy, BoxError> {
             "1",
         ])
         .env("LITELLM_LOG", "ERROR")
+        .env("LITELLM_MASTER_KEY", CLIENT_KEY)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()?;
