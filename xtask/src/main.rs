@@ -7,6 +7,9 @@
 //! - `cargo xtask ci`: exactly what CI does (`.ci/run`): `cargo xtask lint`, then `cargo xtask test`.
 //! - `cargo xtask soak`: the soak, P6 by default (see the `pgw-soak` crate; `-- --scenario NAME`, `-- --matrix`).
 //! - `cargo xtask redis`: starts the same servers and waits, for running tests by hand.
+//! - `cargo xtask bench-proxy`: added latency and CPU of `pgw serve` over a minimal
+//!   upstream on loopback (release build; `REDIS_URL` adds the Redis backend,
+//!   `-- --litellm` LiteLLM's proxy when installed).
 
 use std::process::ExitCode;
 
@@ -41,6 +44,12 @@ enum Cmd {
     },
     /// Start the test servers, print their addresses, and wait for Ctrl-C.
     Redis,
+    /// Measure `pgw serve` against calling a minimal upstream directly (release build).
+    BenchProxy {
+        /// Arguments for the bench (`--requests N`, `--litellm`).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -51,6 +60,7 @@ fn main() -> ExitCode {
         Cmd::Lint => lint(),
         Cmd::Soak { args } => soak(&args),
         Cmd::Redis => redis::serve_forever(),
+        Cmd::BenchProxy { args } => bench_proxy(&args),
     };
     match result {
         Ok(code) => code,
@@ -162,5 +172,33 @@ fn soak(args: &[String]) -> Result<ExitCode> {
         .args(args)
         .status()
         .map_err(|e| format!("cannot run the soak: {e}"))?;
+    Ok(status_code(status))
+}
+
+fn bench_proxy(args: &[String]) -> Result<ExitCode> {
+    let status = cargo()
+        .args([
+            "build",
+            "--quiet",
+            "--release",
+            "--package",
+            "pgw-server",
+            "--bin",
+            "pgw",
+            "--example",
+            "bench_proxy",
+        ])
+        .status()
+        .map_err(|e| format!("cannot build the bench: {e}"))?;
+    if !status.success() {
+        return Ok(status_code(status));
+    }
+    let target = std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".to_owned());
+    let release = std::path::Path::new(&target).join("release");
+    let status = std::process::Command::new(release.join("examples").join("bench_proxy"))
+        .arg(release.join("pgw"))
+        .args(args)
+        .status()
+        .map_err(|e| format!("cannot run the bench: {e}"))?;
     Ok(status_code(status))
 }

@@ -1,0 +1,183 @@
+//! Virtual API keys: what a client presents, checked against SHA-256 hashes in the
+//! config, each with its allowed models and its own quota (requests, tokens and
+//! concurrent calls per window) enforced by a `tower_ratelimit_redis::RateLimiter` on
+//! the gateway's backend, so a tenant's quota holds across every replica sharing the
+//! Redis.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use pgw_core::BoxError;
+use pgw_core::openai::ChatRequest;
+use pgw_core::redis_conn::RedisTarget;
+use pgw_stack::{BackendKind, GatewayConfig};
+use sha2::{Digest, Sha256};
+use tower_ratelimit_redis::{
+    Backend, MemoryBackend, Permit, Quota, RateLimitConfig, RateLimiter, RedisBackend,
+};
+
+use crate::config::KeyConfig;
+
+/// The SHA-256 of `key` as 64 lowercase hex digits: what `[[server.keys]] sha256` holds.
+///
+/// ```
+/// assert_eq!(
+///     pgw_server::hash_key("test"),
+///     "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
+/// );
+/// ```
+#[must_use]
+pub fn hash_key(key: &str) -> String {
+    use std::fmt::Write;
+    Sha256::digest(key.as_bytes())
+        .iter()
+        .fold(String::with_capacity(64), |mut s, b| {
+            let _ = write!(s, "{b:02x}");
+            s
+        })
+}
+
+/// One tenant: a virtual key's label, models and quota.
+pub struct Tenant {
+    /// The key's label.
+    pub label: Arc<str>,
+    models: Vec<String>,
+    limiter: Option<RateLimiter>,
+}
+
+impl fmt::Debug for Tenant {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Tenant")
+            .field("label", &self.label)
+            .field("models", &self.models)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Tenant {
+    /// Whether this tenant may name `model`.
+    #[must_use]
+    pub fn may_use(&self, model: &str) -> bool {
+        self.models.is_empty() || self.models.iter().any(|m| m == model)
+    }
+
+    /// Whether the tenant has a model list (else every model).
+    #[must_use]
+    pub fn models(&self) -> &[String] {
+        &self.models
+    }
+
+    /// Admits one call of `request` under the tenant's quota (shedding: refused at once
+    /// with `QuotaExceeded { retry_after }`). `None` when the tenant has no quota.
+    ///
+    /// # Errors
+    /// `QuotaExceeded`, `RequestTooLarge` or `BackendUnavailable` from the limiter.
+    pub async fn admit(&self, request: &ChatRequest) -> Result<Option<Permit>, BoxError> {
+        match &self.limiter {
+            None => Ok(None),
+            Some(l) => l.acquire(request.estimate_tokens()).await.map(Some),
+        }
+    }
+}
+
+/// Every virtual key, by hash.
+#[derive(Default)]
+pub struct KeyRing {
+    by_hash: HashMap<String, Arc<Tenant>>,
+}
+
+impl fmt::Debug for KeyRing {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KeyRing")
+            .field("keys", &self.by_hash.len())
+            .finish()
+    }
+}
+
+impl KeyRing {
+    /// The tenants of `keys`, their limiters on the gateway's backend (`memory`, or the
+    /// gateway's Redis under its key prefix, `{prefix}:tenant`).
+    ///
+    /// # Errors
+    /// A limiter configuration error, or Redis unreachable.
+    pub async fn new(keys: &[KeyConfig], gateway: &GatewayConfig) -> Result<Self, BoxError> {
+        let needs_quota = keys.iter().any(|k| {
+            [k.rpm, k.tpm, k.max_concurrency]
+                .iter()
+                .any(|v| v.is_some_and(|v| v > 0))
+        });
+        let backend: Option<Backend> = match (needs_quota, gateway.backend) {
+            (false, _) => None,
+            (true, BackendKind::Memory) => Some(MemoryBackend::new().into()),
+            (true, BackendKind::Redis) => {
+                let url = gateway.redis_url.as_deref().unwrap_or_default();
+                let target = RedisTarget::parse(url).map_err(|e| -> BoxError { e.into() })?;
+                Some(RedisBackend::connect(&target).await?.into())
+            }
+        };
+        let prefix = format!(
+            "{}:tenant",
+            gateway
+                .key_prefix
+                .as_deref()
+                .unwrap_or(pgw_stack::config::DEFAULT_KEY_PREFIX)
+        );
+        let window = gateway
+            .ratelimit
+            .window_s
+            .map_or(tower_ratelimit_redis::DEFAULT_WINDOW, Duration::from_secs_f64);
+        let mut by_hash = HashMap::new();
+        for k in keys {
+            let nonzero = |v: Option<u64>| v.filter(|&v| v > 0);
+            let quota = Quota {
+                requests: nonzero(k.rpm),
+                tokens: nonzero(k.tpm),
+                concurrency: nonzero(k.max_concurrency),
+            };
+            let limiter = match &backend {
+                Some(b) if quota != Quota::unlimited() => Some(RateLimiter::new(
+                    RateLimitConfig::new(format!("tenant:{}", k.label), quota)
+                        .key_prefix(prefix.clone())
+                        .window(window),
+                    b.clone(),
+                )?),
+                _ => None,
+            };
+            by_hash.insert(
+                k.sha256.to_ascii_lowercase(),
+                Arc::new(Tenant {
+                    label: k.label.as_str().into(),
+                    models: k.models.clone(),
+                    limiter,
+                }),
+            );
+        }
+        Ok(Self { by_hash })
+    }
+
+    /// Whether any key is configured (else the server is open).
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.by_hash.is_empty()
+    }
+
+    /// The tenant of the presented key, if it is one of ours.
+    #[must_use]
+    pub fn find(&self, presented: &str) -> Option<Arc<Tenant>> {
+        self.by_hash.get(&hash_key(presented)).cloned()
+    }
+
+    /// The tenant of a request's `Authorization: Bearer` (or `api-key`) header.
+    #[must_use]
+    pub fn authenticate(&self, headers: &http::HeaderMap) -> Option<Arc<Tenant>> {
+        let bearer = headers
+            .get(http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+            .map(str::trim);
+        let key = bearer.or_else(|| headers.get("api-key").and_then(|v| v.to_str().ok()))?;
+        self.find(key)
+    }
+}

@@ -1,0 +1,557 @@
+//! The server's configuration: the gateway's own TOML (`pgw_stack::GatewayConfig`, at
+//! the top level, unchanged) plus one `[server]` table for what only a server needs.
+//!
+//! ```toml
+//! [server]
+//! listen = "0.0.0.0:8080"
+//! expose_sources = false
+//! header_read_timeout_s = 10
+//! max_body_bytes = 8388608
+//! max_connections = 1024
+//! max_in_flight = 512
+//! shutdown_grace_s = 30
+//! sse_keep_alive_s = 15
+//!
+//! [[server.keys]]
+//! label = "team-a"
+//! sha256 = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08" # pgw hash-key
+//! models = ["gpt-4o-mini"]     # empty or absent: every model
+//! rpm = 600
+//! tpm = 200000
+//! max_concurrency = 8
+//!
+//! # ... then the gateway's keys as pgw-stack reads them:
+//! [[sources]]
+//! name = "s1"
+//! base_url = "https://api.openai.com/v1"
+//! key_env = "OPENAI_API_KEY"
+//! ```
+//!
+//! Environment overrides work as in pgw-stack: `PGW__A__B=value` sets `a.b`
+//! (`PGW__SERVER__LISTEN=0.0.0.0:9000`, `PGW__SOURCES__0__KEY=sk-...`).
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use pgw_core::ConfigError;
+use pgw_stack::GatewayConfig;
+use serde::Deserialize;
+
+/// Default listen address: loopback only, `127.0.0.1:8080`.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
+/// Default time a client has to send a request's headers (and the longest a kept-alive
+/// connection may sit idle between requests): 10 s. Slow-header clients are cut then.
+pub const DEFAULT_HEADER_READ_TIMEOUT_S: f64 = 10.0;
+/// Default request body limit: 8 MiB (a long prompt is a few hundred KB).
+pub const DEFAULT_MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
+/// Default cap on open client connections: 1024 (well under a default `ulimit -n` of
+/// 1024 plus what the upstream connections need only with a raised limit; see the README).
+pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
+/// Default cap on requests in flight: 512.
+pub const DEFAULT_MAX_IN_FLIGHT: usize = 512;
+/// Default `Retry-After` of a request or connection shed for load: 1 s.
+pub const DEFAULT_SHED_RETRY_AFTER_S: f64 = 1.0;
+/// Default grace period of a shutdown: in-flight calls and streams get 30 s to finish.
+pub const DEFAULT_SHUTDOWN_GRACE_S: f64 = 30.0;
+/// Default interval of SSE keep-alive comments while a stream is silent: 15 s.
+pub const DEFAULT_SSE_KEEP_ALIVE_S: f64 = 15.0;
+
+/// Log output format.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines (the default).
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// One virtual API key: what a client presents as `Authorization: Bearer ...`.
+///
+/// Only the SHA-256 of the key is stored (`pgw hash-key` prints it). `Debug` shows the
+/// first 8 hex digits of the hash.
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KeyConfig {
+    /// A name for the key, used in metrics (`tenant` label) and logs.
+    pub label: String,
+    /// SHA-256 of the key, 64 lowercase or uppercase hex digits.
+    pub sha256: String,
+    /// The models this key may name; empty: every model.
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// Requests per rate window (the gateway's `ratelimit.window_s`, default 60 s); absent or 0: unlimited.
+    #[serde(default)]
+    pub rpm: Option<u64>,
+    /// Tokens per rate window (estimated at admission: prompt bytes / 3 + `max_tokens`,
+    /// reconciled to the reported usage); absent or 0: unlimited.
+    #[serde(default)]
+    pub tpm: Option<u64>,
+    /// Requests in flight at once; absent or 0: unlimited.
+    #[serde(default)]
+    pub max_concurrency: Option<u64>,
+}
+
+impl fmt::Debug for KeyConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let shown: String = self.sha256.chars().take(8).collect();
+        f.debug_struct("KeyConfig")
+            .field("label", &self.label)
+            .field("sha256", &format_args!("{shown}..."))
+            .field("models", &self.models)
+            .field("rpm", &self.rpm)
+            .field("tpm", &self.tpm)
+            .field("max_concurrency", &self.max_concurrency)
+            .finish()
+    }
+}
+
+/// The `[server]` table. Every field has a default (the `DEFAULT_*` constants).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerSection {
+    /// Address to listen on (default [`DEFAULT_LISTEN`]); `--listen` overrides it.
+    #[serde(default = "default_listen")]
+    pub listen: String,
+    /// Serve without virtual keys on a non-loopback address (default false: refused).
+    #[serde(default)]
+    pub allow_unauthenticated: bool,
+    /// Name sources in error messages and the `x-pgw-source` header (default false).
+    #[serde(default)]
+    pub expose_sources: bool,
+    /// Seconds a client has to send a request's headers, also the idle limit of a
+    /// kept-alive connection (default [`DEFAULT_HEADER_READ_TIMEOUT_S`]).
+    #[serde(default)]
+    pub header_read_timeout_s: Option<f64>,
+    /// Keep connections alive between requests (default true).
+    #[serde(default = "yes")]
+    pub keep_alive: bool,
+    /// Largest request body, bytes (default [`DEFAULT_MAX_BODY_BYTES`]); larger is 413.
+    #[serde(default)]
+    pub max_body_bytes: Option<usize>,
+    /// Open client connections at most (default [`DEFAULT_MAX_CONNECTIONS`]); past it a
+    /// connection gets one 503 and is closed.
+    #[serde(default)]
+    pub max_connections: Option<usize>,
+    /// Requests in flight at most (default [`DEFAULT_MAX_IN_FLIGHT`]); past it 503.
+    #[serde(default)]
+    pub max_in_flight: Option<usize>,
+    /// `Retry-After` of a shed request or connection, seconds (default
+    /// [`DEFAULT_SHED_RETRY_AFTER_S`]).
+    #[serde(default)]
+    pub shed_retry_after_s: Option<f64>,
+    /// Seconds in-flight calls and streams get to finish on SIGTERM / SIGINT (default
+    /// [`DEFAULT_SHUTDOWN_GRACE_S`]).
+    #[serde(default)]
+    pub shutdown_grace_s: Option<f64>,
+    /// Seconds between SSE keep-alive comments while a stream is silent (default
+    /// [`DEFAULT_SSE_KEEP_ALIVE_S`]).
+    #[serde(default)]
+    pub sse_keep_alive_s: Option<f64>,
+    /// `text` (default) or `json`; `--log-format` overrides it.
+    #[serde(default)]
+    pub log_format: LogFormat,
+    /// Virtual API keys; none: no authentication (loopback only unless
+    /// `allow_unauthenticated`).
+    #[serde(default)]
+    pub keys: Vec<KeyConfig>,
+}
+
+fn default_listen() -> String {
+    DEFAULT_LISTEN.to_owned()
+}
+
+const fn yes() -> bool {
+    true
+}
+
+impl Default for ServerSection {
+    fn default() -> Self {
+        Self {
+            listen: default_listen(),
+            allow_unauthenticated: false,
+            expose_sources: false,
+            header_read_timeout_s: None,
+            keep_alive: true,
+            max_body_bytes: None,
+            max_connections: None,
+            max_in_flight: None,
+            shed_retry_after_s: None,
+            shutdown_grace_s: None,
+            sse_keep_alive_s: None,
+            log_format: LogFormat::Text,
+            keys: Vec::new(),
+        }
+    }
+}
+
+/// The `[server]` settings with every default filled in and validated.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// Where to listen.
+    pub listen: SocketAddr,
+    /// See [`ServerSection::allow_unauthenticated`].
+    pub allow_unauthenticated: bool,
+    /// See [`ServerSection::expose_sources`].
+    pub expose_sources: bool,
+    /// See [`ServerSection::header_read_timeout_s`].
+    pub header_read_timeout: Duration,
+    /// See [`ServerSection::keep_alive`].
+    pub keep_alive: bool,
+    /// See [`ServerSection::max_body_bytes`].
+    pub max_body_bytes: usize,
+    /// See [`ServerSection::max_connections`].
+    pub max_connections: usize,
+    /// See [`ServerSection::max_in_flight`].
+    pub max_in_flight: usize,
+    /// See [`ServerSection::shed_retry_after_s`].
+    pub shed_retry_after: Duration,
+    /// See [`ServerSection::shutdown_grace_s`].
+    pub shutdown_grace: Duration,
+    /// See [`ServerSection::sse_keep_alive_s`].
+    pub sse_keep_alive: Duration,
+    /// See [`ServerSection::log_format`].
+    pub log_format: LogFormat,
+    /// See [`ServerSection::keys`].
+    pub keys: Vec<KeyConfig>,
+}
+
+/// The whole configuration of `pgw serve`: the gateway's and the server's.
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    /// The `[server]` table, defaults filled in.
+    pub server: Settings,
+    /// Everything else: the gateway (sources, backend, retry, ...).
+    pub gateway: GatewayConfig,
+}
+
+pub(crate) fn config_error(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
+    ConfigError::new("server", field.into(), reason.into())
+}
+
+fn secs(field: &str, v: Option<f64>, default: f64) -> Result<Duration, ConfigError> {
+    let s = v.unwrap_or(default);
+    if !(s.is_finite() && s > 0.0 && s <= pgw_stack::config::MAX_DURATION_S) {
+        return Err(config_error(
+            field,
+            format!("must be a positive number of seconds, at most ten years (got {s})"),
+        ));
+    }
+    Ok(Duration::from_secs_f64(s))
+}
+
+fn positive(field: &str, v: Option<usize>, default: usize) -> Result<usize, ConfigError> {
+    match v.unwrap_or(default) {
+        0 => Err(config_error(field, "must be at least 1")),
+        n => Ok(n),
+    }
+}
+
+impl ServerSection {
+    /// Fills in the defaults and checks every field.
+    ///
+    /// # Errors
+    /// A [`ConfigError`] naming the field (`server.max_connections`, `server.keys[1].sha256`, ...).
+    pub fn settings(&self) -> Result<Settings, ConfigError> {
+        let listen = self.listen.parse().map_err(|e| {
+            config_error(
+                "server.listen",
+                format!("{:?} is not an address like 127.0.0.1:8080: {e}", self.listen),
+            )
+        })?;
+        let mut labels = std::collections::HashSet::new();
+        let mut hashes = std::collections::HashSet::new();
+        for (i, k) in self.keys.iter().enumerate() {
+            let at = format!("server.keys[{i}]");
+            if k.label.trim().is_empty() {
+                return Err(config_error(format!("{at}.label"), "must not be empty"));
+            }
+            if !labels.insert(k.label.as_str()) {
+                return Err(config_error(
+                    format!("{at}.label"),
+                    format!("duplicate label {:?}", k.label),
+                ));
+            }
+            if k.sha256.len() != 64 || !k.sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return Err(config_error(
+                    format!("{at}.sha256"),
+                    "must be 64 hex digits (the output of `pgw hash-key`), not the key itself",
+                ));
+            }
+            if !hashes.insert(k.sha256.to_ascii_lowercase()) {
+                return Err(config_error(
+                    format!("{at}.sha256"),
+                    "the same key is listed twice",
+                ));
+            }
+            for (field, v) in [
+                ("rpm", k.rpm),
+                ("tpm", k.tpm),
+                ("max_concurrency", k.max_concurrency),
+            ] {
+                if v.is_some_and(|v| v > i64::MAX as u64 / 2) {
+                    return Err(config_error(format!("{at}.{field}"), "is too large"));
+                }
+            }
+        }
+        Ok(Settings {
+            listen,
+            allow_unauthenticated: self.allow_unauthenticated,
+            expose_sources: self.expose_sources,
+            header_read_timeout: secs(
+                "server.header_read_timeout_s",
+                self.header_read_timeout_s,
+                DEFAULT_HEADER_READ_TIMEOUT_S,
+            )?,
+            keep_alive: self.keep_alive,
+            max_body_bytes: positive(
+                "server.max_body_bytes",
+                self.max_body_bytes,
+                DEFAULT_MAX_BODY_BYTES,
+            )?,
+            max_connections: positive(
+                "server.max_connections",
+                self.max_connections,
+                DEFAULT_MAX_CONNECTIONS,
+            )?,
+            max_in_flight: positive("server.max_in_flight", self.max_in_flight, DEFAULT_MAX_IN_FLIGHT)?,
+            shed_retry_after: secs(
+                "server.shed_retry_after_s",
+                self.shed_retry_after_s,
+                DEFAULT_SHED_RETRY_AFTER_S,
+            )?,
+            shutdown_grace: secs(
+                "server.shutdown_grace_s",
+                self.shutdown_grace_s,
+                DEFAULT_SHUTDOWN_GRACE_S,
+            )?,
+            sse_keep_alive: secs(
+                "server.sse_keep_alive_s",
+                self.sse_keep_alive_s,
+                DEFAULT_SSE_KEEP_ALIVE_S,
+            )?,
+            log_format: self.log_format,
+            keys: self.keys.clone(),
+        })
+    }
+}
+
+impl ServerConfig {
+    /// Reads a TOML file and applies `PGW__...` overrides from the environment.
+    ///
+    /// # Errors
+    /// A [`ConfigError`] naming the file or the field.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| config_error(path.display().to_string(), format!("cannot read: {e}")))?;
+        Self::from_toml_str_with_env(&text, std::env::vars())
+    }
+
+    /// Parses TOML text (no environment overrides).
+    ///
+    /// # Errors
+    /// A [`ConfigError`] naming the field.
+    pub fn from_toml_str(text: &str) -> Result<Self, ConfigError> {
+        Self::from_toml_str_with_env(text, std::iter::empty())
+    }
+
+    /// Parses TOML text and applies the `PGW__...` overrides among `vars`: those under
+    /// `PGW__SERVER__` to `[server]`, the others to the gateway, as pgw-stack does.
+    ///
+    /// ```
+    /// use pgw_server::ServerConfig;
+    /// let text = "[server]\nlisten = \"127.0.0.1:9000\"\n\n[[sources]]\nname = \"s1\"\n\
+    ///             base_url = \"http://127.0.0.1:1/v1\"\nkey = \"sk-x\"\n";
+    /// let env = [("PGW__SERVER__MAX_IN_FLIGHT".to_string(), "7".to_string())];
+    /// let cfg = ServerConfig::from_toml_str_with_env(text, env).unwrap();
+    /// assert_eq!(cfg.server.listen.port(), 9000);
+    /// assert_eq!(cfg.server.max_in_flight, 7);
+    /// assert_eq!(cfg.gateway.sources[0].name, "s1");
+    /// ```
+    ///
+    /// # Errors
+    /// A [`ConfigError`] naming the field.
+    pub fn from_toml_str_with_env(
+        text: &str,
+        vars: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Self, ConfigError> {
+        let mut table: toml::Table = toml::from_str(text).map_err(|e| toml_error(&e, Some(text)))?;
+        let server = table.remove("server");
+        let (mut server_vars, gateway_vars): (Vec<_>, Vec<_>) = vars
+            .into_iter()
+            .filter(|(k, _)| k.starts_with("PGW__"))
+            .partition(|(k, _)| k.to_ascii_uppercase().starts_with("PGW__SERVER__"));
+        server_vars.sort();
+        let mut server = match server {
+            None => toml::Table::new(),
+            Some(toml::Value::Table(t)) => t,
+            Some(_) => return Err(config_error("server", "must be a table")),
+        };
+        for (k, v) in &server_vars {
+            env::apply_override(&mut server, &k["PGW__SERVER__".len()..], k, v)?;
+        }
+        let section: ServerSection = toml::Value::Table(server).try_into().map_err(|e| {
+            let mut err = toml_error(&e, None);
+            if err.field() != "config" {
+                err = config_error(format!("server.{}", err.field()), err.reason().to_owned());
+            }
+            err
+        })?;
+        let server = section.settings()?;
+        let rest = toml::to_string(&table).map_err(|e| config_error("config", e.to_string()))?;
+        let gateway = GatewayConfig::from_toml_str_with_env(&rest, gateway_vars)?;
+        Ok(Self { server, gateway })
+    }
+}
+
+/// A TOML error as a [`ConfigError`], without quoting the source line (it may hold a
+/// key): the same rule as pgw-stack's configuration.
+fn toml_error(e: &toml::de::Error, text: Option<&str>) -> ConfigError {
+    let line = e
+        .span()
+        .zip(text)
+        .map(|(span, text)| text[..span.start.min(text.len())].matches('\n').count() + 1);
+    let msg = match line {
+        Some(line) => format!("line {line}: {}", e.message()),
+        None => e.message().to_owned(),
+    };
+    let field = ["unknown field `", "missing field `", "for key `"]
+        .iter()
+        .find_map(|p| {
+            let start = msg.find(p)? + p.len();
+            let len = msg[start..].find('`')?;
+            Some(msg[start..start + len].to_owned())
+        })
+        .unwrap_or_else(|| "config".to_owned());
+    config_error(field, msg.trim().replace('\n', " "))
+}
+
+/// `PGW__A__B=value` overrides, as pgw-stack applies them to the gateway's table
+/// (the same rules, written again here because pgw-stack keeps them private).
+mod env {
+    use super::config_error;
+    use pgw_core::ConfigError;
+
+    /// Sets `rest` (`KEYS__0__RPM`: lowercased segments, a number indexes an array) in
+    /// `table` to `raw`, read as a TOML value when it parses as one, else as a string.
+    pub(super) fn apply_override(
+        table: &mut toml::Table,
+        rest: &str,
+        var: &str,
+        raw: &str,
+    ) -> Result<(), ConfigError> {
+        let path: Vec<String> = rest.split("__").map(str::to_ascii_lowercase).collect();
+        if path.iter().any(String::is_empty) {
+            return Err(config_error(var, "empty path segment"));
+        }
+        let value = toml::from_str::<toml::Table>(&format!("v = {raw}"))
+            .ok()
+            .and_then(|mut t| t.remove("v"))
+            .unwrap_or_else(|| toml::Value::String(raw.to_owned()));
+        let mut root = toml::Value::Table(std::mem::take(table));
+        let result = set(&mut root, &path, value, var);
+        if let toml::Value::Table(t) = root {
+            *table = t;
+        }
+        result
+    }
+
+    fn set(cur: &mut toml::Value, path: &[String], value: toml::Value, var: &str) -> Result<(), ConfigError> {
+        let Some((seg, rest)) = path.split_first() else {
+            *cur = value;
+            return Ok(());
+        };
+        match cur {
+            toml::Value::Table(t) => {
+                let next = t
+                    .entry(seg.clone())
+                    .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+                set(next, rest, value, var)
+            }
+            toml::Value::Array(a) => {
+                let len = a.len();
+                let item = seg
+                    .parse::<usize>()
+                    .ok()
+                    .and_then(|i| a.get_mut(i))
+                    .ok_or_else(|| config_error(var, format!("{seg:?} is not an index of {len} items")))?;
+                set(item, rest, value, var)
+            }
+            _ => Err(config_error(
+                var,
+                format!("{seg:?} is inside a value that is not a table"),
+            )),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SOURCES: &str =
+        "[[sources]]\nname = \"s1\"\nbase_url = \"http://127.0.0.1:1/v1\"\nkey = \"sk-x\"\n";
+
+    #[test]
+    fn defaults_without_a_server_table() {
+        let cfg = ServerConfig::from_toml_str(SOURCES).unwrap();
+        assert_eq!(cfg.server.listen, DEFAULT_LISTEN.parse().unwrap());
+        assert_eq!(cfg.server.max_connections, DEFAULT_MAX_CONNECTIONS);
+        assert!(cfg.server.keys.is_empty());
+    }
+
+    #[test]
+    fn bad_fields_are_named() {
+        let cases = [
+            ("[server]\nmax_connections = 0\n", "server.max_connections"),
+            ("[server]\nlisten = \"nowhere\"\n", "server.listen"),
+            ("[server]\nbogus = 1\n", "server.bogus"),
+            (
+                "[server]\nheader_read_timeout_s = -1\n",
+                "server.header_read_timeout_s",
+            ),
+            (
+                "[[server.keys]]\nlabel = \"a\"\nsha256 = \"sk-plaintext\"\n",
+                "server.keys[0].sha256",
+            ),
+        ];
+        for (server, field) in cases {
+            let err = ServerConfig::from_toml_str(&format!("{server}\n{SOURCES}")).unwrap_err();
+            assert_eq!(err.field(), field, "{server}: {err}");
+        }
+        let err = ServerConfig::from_toml_str("[[sources]]\nname = \"s1\"\nbase_url = \"x\"\n").unwrap_err();
+        assert_eq!(err.field(), "sources[0].key", "{err}");
+    }
+
+    #[test]
+    fn env_overrides_reach_server_keys_and_gateway() {
+        let text = format!(
+            "[[server.keys]]\nlabel = \"a\"\nsha256 = \"{}\"\n\n{SOURCES}",
+            "ab".repeat(32)
+        );
+        let env = [
+            ("PGW__SERVER__KEYS__0__RPM".to_owned(), "9".to_owned()),
+            ("PGW__SERVER__EXPOSE_SOURCES".to_owned(), "true".to_owned()),
+            ("PGW__SOURCES__0__RPM".to_owned(), "60".to_owned()),
+        ];
+        let cfg = ServerConfig::from_toml_str_with_env(&text, env).unwrap();
+        assert_eq!(cfg.server.keys[0].rpm, Some(9));
+        assert!(cfg.server.expose_sources);
+        assert_eq!(cfg.gateway.sources[0].rpm, Some(60));
+    }
+
+    #[test]
+    fn debug_hides_key_hashes_and_source_keys() {
+        let text = format!(
+            "[[server.keys]]\nlabel = \"a\"\nsha256 = \"{}\"\n\n{SOURCES}",
+            "cd".repeat(32)
+        );
+        let shown = format!("{:?}", ServerConfig::from_toml_str(&text).unwrap());
+        assert!(!shown.contains(&"cd".repeat(32)), "{shown}");
+        assert!(!shown.contains("sk-x"), "{shown}");
+    }
+}

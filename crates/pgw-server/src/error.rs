@@ -1,0 +1,396 @@
+//! Every error the server answers, in the OpenAI shape
+//! `{"error": {"message", "type", "param", "code"}}`, so the official SDKs show it.
+//!
+//! | status | `type` | `code` | when |
+//! |---|---|---|---|
+//! | 400 | `invalid_request_error` | `invalid_json`, the provider's own | a body that does not parse, a request every source rejects |
+//! | 401 | `authentication_error` | `invalid_api_key` | no or unknown virtual key |
+//! | 404 | `invalid_request_error` | `not_found`, `model_not_found` | unknown path; a model the key may not use |
+//! | 405 | `invalid_request_error` | `method_not_allowed` | |
+//! | 413 | `invalid_request_error` | `request_too_large` | body over `max_body_bytes` |
+//! | 415 | `invalid_request_error` | `unsupported_media_type` | not `application/json` |
+//! | 429 | `rate_limit_error` | `rate_limit_exceeded` | the key's quota, the pool's quotas or pushback; `Retry-After` when known |
+//! | 502 | `upstream_error` | `upstream_failed` | every attempt failed |
+//! | 503 | `service_unavailable` | `all_circuits_open`, `overloaded`, `backend_unavailable`, `stalled` | local refusals; `Retry-After` when known |
+//! | 504 | `timeout_error` | `deadline_exceeded`, `upstream_timeout` | the call's deadline, attempts that timed out |
+
+use std::time::Duration;
+
+use axum::Json;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use pgw_core::{
+    BackendUnavailable, BoxError, CircuitOpen, NeverAdmitted, NotAdmitted, Outcome, QuotaExceeded,
+    UpstreamStatus, classify_error, is_timeout,
+};
+use pgw_stack::GatewayError;
+use pgw_stack::retry::{Reason, RetryError};
+use tower_ratelimit_redis::RequestTooLarge;
+
+/// An error answer: status, OpenAI fields, and the `Retry-After` hint.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ApiError {
+    /// HTTP status.
+    pub status: StatusCode,
+    /// `error.message`.
+    pub message: String,
+    /// `error.type`.
+    pub kind: String,
+    /// `error.code`.
+    pub code: Option<String>,
+    /// `error.param`.
+    pub param: Option<String>,
+    /// Sent as `Retry-After` (whole seconds, rounded up).
+    pub retry_after: Option<Duration>,
+}
+
+impl ApiError {
+    /// An error of `status` with `type`, `code` and `message`.
+    pub fn new(status: StatusCode, kind: &str, code: &str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+            kind: kind.to_owned(),
+            code: Some(code.to_owned()),
+            param: None,
+            retry_after: None,
+        }
+    }
+
+    /// Sets the `Retry-After` hint.
+    #[must_use]
+    pub const fn retry_after(mut self, after: Option<Duration>) -> Self {
+        self.retry_after = after;
+        self
+    }
+
+    /// A 400 `invalid_request_error`.
+    pub fn invalid_request(code: &str, message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", code, message)
+    }
+
+    /// The default error of a bare status (the framework's 404, 405, 413, 415, ...).
+    #[must_use]
+    pub fn of_status(status: StatusCode) -> Self {
+        let (kind, code, message) = match status.as_u16() {
+            400 => (
+                "invalid_request_error",
+                "invalid_request",
+                "the request is malformed",
+            ),
+            401 => (
+                "authentication_error",
+                "invalid_api_key",
+                "missing or unknown API key",
+            ),
+            404 => ("invalid_request_error", "not_found", "no such endpoint"),
+            405 => (
+                "invalid_request_error",
+                "method_not_allowed",
+                "method not allowed on this endpoint",
+            ),
+            408 => (
+                "invalid_request_error",
+                "request_timeout",
+                "the request took too long to arrive",
+            ),
+            413 => (
+                "invalid_request_error",
+                "request_too_large",
+                "the request body is larger than this server accepts",
+            ),
+            415 => (
+                "invalid_request_error",
+                "unsupported_media_type",
+                "expected a body with content-type: application/json",
+            ),
+            422 => (
+                "invalid_request_error",
+                "invalid_request",
+                "the request does not match the schema",
+            ),
+            429 => ("rate_limit_error", "rate_limit_exceeded", "rate limit exceeded"),
+            503 => ("service_unavailable", "overloaded", "the server is overloaded"),
+            504 => ("timeout_error", "deadline_exceeded", "the call took too long"),
+            s if s >= 500 => ("server_error", "internal_error", "internal server error"),
+            _ => (
+                "invalid_request_error",
+                "invalid_request",
+                "the request was refused",
+            ),
+        };
+        Self::new(status, kind, code, message)
+    }
+
+    /// The JSON body.
+    #[must_use]
+    pub fn body(&self) -> serde_json::Value {
+        serde_json::json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": self.code,
+        }})
+    }
+
+    /// The `Retry-After` header value: whole seconds, rounded up, at least 1.
+    #[must_use]
+    pub fn retry_after_header(&self) -> Option<HeaderValue> {
+        let d = self.retry_after?;
+        let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+        Some(HeaderValue::from(secs.max(1)))
+    }
+
+    /// The answer to a failed gateway call. A request the providers rejected gets what
+    /// the provider said (status, `type`, `code`, `param`, message); local refusals are
+    /// 429 or 503 with `Retry-After` when known; deadlines 504. Source names appear in
+    /// the message only when `expose_sources`.
+    #[must_use]
+    pub fn from_gateway(err: &BoxError, expose_sources: bool) -> Self {
+        let detail = |summary: String| {
+            if expose_sources {
+                format!("{summary} ({err})")
+            } else {
+                summary
+            }
+        };
+        // The last group's verdict decides (the fallback chain stopped there).
+        let last: &(dyn std::error::Error + 'static) = match err.downcast_ref::<GatewayError>() {
+            Some(g) => match g.failures().last() {
+                Some((_, e)) => &**e,
+                None => &**err,
+            },
+            None => &**err,
+        };
+        if let Some(r) = last.downcast_ref::<RetryError>() {
+            return Self::from_retry(r, &detail);
+        }
+        Self::from_refusal(last, &detail)
+    }
+
+    fn from_retry(r: &RetryError, detail: &dyn Fn(String) -> String) -> Self {
+        let last = r.last_error();
+        let upstream_retry = last
+            .and_then(|e| UpstreamStatus::find(e))
+            .and_then(UpstreamStatus::retry_after);
+        match r.reason() {
+            Reason::Rejected => {
+                if let Some(e) = last {
+                    return Self::rejected(e, detail);
+                }
+                Self::invalid_request("rejected", detail("every source rejected the request".into()))
+            }
+            Reason::AllCircuitsOpen { retry_after } => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                "all_circuits_open",
+                detail(r.reason().to_string()),
+            )
+            .retry_after(Some(retry_after)),
+            Reason::WaitTooLong { wait, .. } => Self::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                "rate_limit_exceeded",
+                detail(format!(
+                    "the pool is at its quota or pushing back; {}",
+                    r.reason()
+                )),
+            )
+            .retry_after(Some(wait)),
+            Reason::DeadlineExceeded => Self::new(
+                StatusCode::GATEWAY_TIMEOUT,
+                "timeout_error",
+                "deadline_exceeded",
+                detail(r.reason().to_string()),
+            ),
+            Reason::Stalled { .. } => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                "stalled",
+                detail(r.reason().to_string()),
+            ),
+            Reason::RetryBudgetExhausted | Reason::Throttled => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                "overloaded",
+                detail(r.reason().to_string()),
+            )
+            .retry_after(upstream_retry),
+            _ => {
+                if last.is_some_and(|e| is_timeout(e)) {
+                    return Self::new(
+                        StatusCode::GATEWAY_TIMEOUT,
+                        "timeout_error",
+                        "upstream_timeout",
+                        detail(format!("{}; the last attempt timed out", r.reason())),
+                    );
+                }
+                if let Some(e) = last
+                    && matches!(classify_error(e), Outcome::RateLimited { .. })
+                {
+                    return Self::new(
+                        StatusCode::TOO_MANY_REQUESTS,
+                        "rate_limit_error",
+                        "rate_limit_exceeded",
+                        detail(format!("{}; the upstream pushed back", r.reason())),
+                    )
+                    .retry_after(upstream_retry);
+                }
+                Self::new(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream_error",
+                    "upstream_failed",
+                    detail(r.reason().to_string()),
+                )
+            }
+        }
+    }
+
+    /// A request the provider rejected: its status and its error, field by field.
+    fn rejected(e: &(dyn std::error::Error + 'static), detail: &dyn Fn(String) -> String) -> Self {
+        if let Some(u) = UpstreamStatus::find(e) {
+            let status = if u.status().is_client_error() {
+                u.status()
+            } else {
+                StatusCode::BAD_REQUEST
+            };
+            if let Some(p) = u.provider() {
+                return Self {
+                    status,
+                    message: p.message.clone(),
+                    kind: p.kind.clone().unwrap_or_else(|| "invalid_request_error".into()),
+                    code: p.code.clone(),
+                    param: p.param.clone(),
+                    retry_after: None,
+                };
+            }
+            return Self::new(
+                status,
+                "invalid_request_error",
+                "rejected",
+                detail(u.message().to_owned()),
+            );
+        }
+        Self::invalid_request("rejected", detail("the request was rejected".into()))
+    }
+
+    /// A refusal before any attempt (a gate, the backend), or an error without a
+    /// retry verdict.
+    fn from_refusal(e: &(dyn std::error::Error + 'static), detail: &dyn Fn(String) -> String) -> Self {
+        if let Some(q) = find::<QuotaExceeded>(e) {
+            return Self::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                "rate_limit_exceeded",
+                detail("quota exceeded".into()),
+            )
+            .retry_after(Some(q.retry_after()));
+        }
+        if let Some(c) = find::<CircuitOpen>(e) {
+            return Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                "all_circuits_open",
+                detail("all circuits open".into()),
+            )
+            .retry_after(Some(c.retry_after()));
+        }
+        if find::<NeverAdmitted>(e).is_some() || find::<RequestTooLarge>(e).is_some() {
+            return Self::invalid_request(
+                "tokens_exceed_quota",
+                detail("the request needs more tokens than a quota window ever admits".into()),
+            );
+        }
+        if find::<BackendUnavailable>(e).is_some() {
+            return Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                "backend_unavailable",
+                detail("the shared-state backend is unreachable".into()),
+            );
+        }
+        if let Some(n) = NotAdmitted::of(e) {
+            return Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                "overloaded",
+                detail("no source admitted the call".into()),
+            )
+            .retry_after(n.retry_after());
+        }
+        if classify_error(e) == Outcome::Rejected {
+            return Self::rejected(e, detail);
+        }
+        Self::new(
+            StatusCode::BAD_GATEWAY,
+            "upstream_error",
+            "upstream_failed",
+            detail("the call failed".into()),
+        )
+    }
+}
+
+fn find<'a, T: std::error::Error + 'static>(e: &'a (dyn std::error::Error + 'static)) -> Option<&'a T> {
+    let mut cur = Some(e);
+    while let Some(e) = cur {
+        if let Some(t) = e.downcast_ref::<T>() {
+            return Some(t);
+        }
+        cur = e.source();
+    }
+    None
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let retry = self.retry_after_header();
+        let mut response = (self.status, Json(self.body())).into_response();
+        if let Some(v) = retry {
+            response.headers_mut().insert(header::RETRY_AFTER, v);
+        }
+        response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pgw_core::ProviderError;
+
+    #[test]
+    fn retry_after_rounds_up() {
+        let e =
+            ApiError::of_status(StatusCode::TOO_MANY_REQUESTS).retry_after(Some(Duration::from_millis(1200)));
+        assert_eq!(e.retry_after_header().unwrap(), "2");
+        let e = e.retry_after(Some(Duration::ZERO));
+        assert_eq!(e.retry_after_header().unwrap(), "1");
+    }
+
+    #[test]
+    fn quota_and_circuit_refusals() {
+        let q: BoxError = Box::new(QuotaExceeded::new("rpm", Duration::from_secs(3)));
+        let e = ApiError::from_gateway(&q, false);
+        assert_eq!(e.status, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(e.retry_after, Some(Duration::from_secs(3)));
+        let c: BoxError = Box::new(CircuitOpen::new(Duration::from_secs(9)).with_source("s-secret".into()));
+        let e = ApiError::from_gateway(&c, false);
+        assert_eq!(e.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(e.code.as_deref(), Some("all_circuits_open"));
+        assert!(!e.message.contains("s-secret"), "{}", e.message);
+        assert!(ApiError::from_gateway(&c, true).message.contains("s-secret"));
+    }
+
+    #[test]
+    fn a_rejected_request_keeps_the_providers_error() {
+        let p = ProviderError::parse(
+            br#"{"error":{"message":"no such model","type":"invalid_request_error","param":"model","code":"model_not_found"}}"#,
+        )
+        .unwrap();
+        let err: BoxError =
+            Box::new(UpstreamStatus::new(StatusCode::NOT_FOUND, None, "no such model").with_provider(p));
+        let e = ApiError::from_gateway(&err, false);
+        assert_eq!(e.status, StatusCode::NOT_FOUND);
+        assert_eq!(e.code.as_deref(), Some("model_not_found"));
+        assert_eq!(e.param.as_deref(), Some("model"));
+    }
+}

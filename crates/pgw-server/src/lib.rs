@@ -1,0 +1,132 @@
+//! pgw as a server people deploy: the `pgw` binary and the library behind it.
+//!
+//! `pgw serve --config pgw.toml` serves an OpenAI-compatible API over a
+//! [`pgw_stack::Gateway`]: `POST /v1/chat/completions` (JSON and server-sent events),
+//! `GET /v1/models`, `GET /healthz`, `GET /readyz` and `GET /metrics` (Prometheus
+//! text). `pgw check --config pgw.toml` validates a configuration and prints it with
+//! its secrets redacted; `pgw hash-key` prints the SHA-256 a virtual key is stored as.
+//!
+//! What the server adds to the gateway:
+//! - **errors in the OpenAI shape** for everything, framework errors included
+//!   ([`ApiError`]): local refusals are 429 or 503 with `Retry-After`, deadlines 504,
+//!   a provider's rejection passed through as the provider wrote it;
+//! - **hardening with hyper's and tower-http's own settings**: `TCP_NODELAY` on every
+//!   accepted socket, a header read timeout (slow clients are cut before they cost a
+//!   request), a body limit, caps on open connections and on calls in flight (503 +
+//!   `Retry-After` past them), graceful shutdown on SIGTERM and SIGINT that drains
+//!   calls and streams for a grace period;
+//! - **virtual API keys** ([`KeyRing`]): SHA-256 at rest, per-key models and a quota
+//!   (requests, tokens, concurrency per window) on the gateway's backend, so a
+//!   tenant's quota holds across replicas sharing one Redis.
+//!
+//! ```no_run
+//! # async fn run() -> Result<(), pgw_core::BoxError> {
+//! let config = pgw_server::ServerConfig::from_file("pgw.toml")?;
+//! let gateway = pgw_stack::Gateway::from_config(config.gateway.clone()).await?;
+//! let server = pgw_server::Server::bind(&config, gateway, pgw_server::install_metrics()).await?;
+//! server.run(pgw_server::shutdown_signal()).await
+//! # }
+//! ```
+
+mod auth;
+pub mod config;
+mod error;
+mod routes;
+mod serve;
+mod sse;
+
+use std::sync::OnceLock;
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+pub use auth::{KeyRing, Tenant, hash_key};
+pub use config::{KeyConfig, LogFormat, ServerConfig, ServerSection, Settings};
+pub use error::ApiError;
+pub use routes::{AppState, model_names, router};
+pub use serve::{Server, StartError};
+
+/// Histogram buckets of durations in seconds (5 ms to 10 min: LLM calls are slow).
+const SECONDS_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+];
+/// Histogram buckets of token counts (OpenTelemetry's advice for `gen_ai.client.token.usage`).
+const TOKEN_BUCKETS: &[f64] = &[
+    1.0,
+    4.0,
+    16.0,
+    64.0,
+    256.0,
+    1024.0,
+    4096.0,
+    16384.0,
+    65536.0,
+    262_144.0,
+    1_048_576.0,
+];
+
+/// Installs the process-wide Prometheus recorder once and returns its handle (every
+/// `metrics` counter, gauge and histogram of the gateway and the server lands there).
+/// `None` when another recorder was installed first.
+pub fn install_metrics() -> Option<PrometheusHandle> {
+    static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            let builder = PrometheusBuilder::new()
+                .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)
+                .and_then(|b| {
+                    b.set_buckets_for_metric(Matcher::Full("gen_ai_client_token_usage".into()), TOKEN_BUCKETS)
+                });
+            let recorder = match builder {
+                Ok(b) => b.build_recorder(),
+                Err(e) => {
+                    tracing::warn!(error = %e, "metrics buckets refused; no /metrics");
+                    return None;
+                }
+            };
+            let handle = recorder.handle();
+            match metrics::set_global_recorder(recorder) {
+                Ok(()) => Some(handle),
+                Err(e) => {
+                    tracing::warn!(error = %e, "a metrics recorder is already installed; no /metrics");
+                    None
+                }
+            }
+        })
+        .clone()
+}
+
+/// Sets up logging: `RUST_LOG` (default `info`), as text or one JSON object per line.
+/// Does nothing when a subscriber is already set.
+pub fn init_logging(format: LogFormat) {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    let _ = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().try_init(),
+    };
+}
+
+/// Completes on SIGTERM or SIGINT (Ctrl-C), whichever comes first.
+pub async fn shutdown_signal() {
+    let interrupt = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = interrupt => tracing::info!("SIGINT received"),
+        () = terminate => tracing::info!("SIGTERM received"),
+    }
+}

@@ -1,0 +1,410 @@
+//! The HTTP routes: `POST /v1/chat/completions`, `GET /v1/models`, `GET /healthz`,
+//! `GET /readyz`, `GET /metrics`, all on the public `pgw_stack::Gateway` API.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use metrics_exporter_prometheus::PrometheusHandle;
+use pgw_core::openai::ChatRequest;
+use pgw_stack::{BackendKind, Gateway, GatewayConfig};
+use tokio::sync::Semaphore;
+use tokio::time::Instant;
+use tower_http::catch_panic::CatchPanicLayer;
+use tower_http::limit::RequestBodyLimitLayer;
+use tower_http::trace::{DefaultMakeSpan, DefaultOnResponse, TraceLayer};
+
+use crate::auth::{KeyRing, Tenant};
+use crate::config::Settings;
+use crate::error::ApiError;
+use crate::sse;
+
+/// Everything a request handler needs. Cheap to clone.
+#[derive(Clone)]
+pub struct AppState {
+    pub(crate) gateway: Gateway,
+    pub(crate) keys: Arc<KeyRing>,
+    pub(crate) models: Arc<[String]>,
+    pub(crate) expose_sources: bool,
+    pub(crate) sse_keep_alive: Duration,
+    pub(crate) shed_retry_after: Duration,
+    pub(crate) in_flight: Arc<Semaphore>,
+    pub(crate) metrics: Option<PrometheusHandle>,
+    pub(crate) draining: Arc<AtomicBool>,
+    pub(crate) redis_backend: bool,
+}
+
+impl std::fmt::Debug for AppState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AppState")
+            .field("gateway", &self.gateway)
+            .field("keys", &self.keys)
+            .field("models", &self.models)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AppState {
+    /// The state of a server over `gateway` (built from `config`) with `settings`,
+    /// `keys` and the Prometheus handle rendered by `/metrics`.
+    #[must_use]
+    pub fn new(
+        gateway: Gateway,
+        config: &GatewayConfig,
+        settings: &Settings,
+        keys: KeyRing,
+        metrics: Option<PrometheusHandle>,
+    ) -> Self {
+        Self {
+            models: model_names(config).into(),
+            gateway,
+            keys: Arc::new(keys),
+            expose_sources: settings.expose_sources,
+            sse_keep_alive: settings.sse_keep_alive,
+            shed_retry_after: settings.shed_retry_after,
+            in_flight: Arc::new(Semaphore::new(settings.max_in_flight)),
+            metrics,
+            draining: Arc::new(AtomicBool::new(false)),
+            redis_backend: config.backend == BackendKind::Redis,
+        }
+    }
+
+    /// Marks the server as draining: `/readyz` answers 503 from now on.
+    pub fn set_draining(&self) {
+        self.draining.store(true, Ordering::Relaxed);
+    }
+
+    /// The label of a model for metrics: the name itself when it is configured,
+    /// else `other` (callers choose model names; labels must stay bounded).
+    pub(crate) fn model_label(&self, model: &str) -> String {
+        if self.models.iter().any(|m| m == model) {
+            model.to_owned()
+        } else {
+            "other".to_owned()
+        }
+    }
+}
+
+/// The model names `/v1/models` lists: every group, then every source's own `model`,
+/// each once, in config order.
+#[must_use]
+pub fn model_names(config: &GatewayConfig) -> Vec<String> {
+    let mut out = config.group_order();
+    for s in &config.sources {
+        if let Some(m) = &s.model
+            && !out.contains(m)
+        {
+            out.push(m.clone());
+        }
+    }
+    out
+}
+
+/// The router with every route, limit and error mapping, with a request body limit of
+/// `max_body_bytes`.
+pub fn router(state: AppState, max_body_bytes: usize) -> Router {
+    let api = Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/models", get(models))
+        .layer(DefaultBodyLimit::disable())
+        .layer(RequestBodyLimitLayer::new(max_body_bytes));
+    Router::new()
+        .merge(api)
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics_text))
+        .fallback(|| async { ApiError::of_status(StatusCode::NOT_FOUND) })
+        .method_not_allowed_fallback(|| async { ApiError::of_status(StatusCode::METHOD_NOT_ALLOWED) })
+        .layer(middleware::from_fn(track))
+        .layer(middleware::map_response(as_openai_error))
+        .layer(CatchPanicLayer::custom(|_| {
+            ApiError::of_status(StatusCode::INTERNAL_SERVER_ERROR).into_response()
+        }))
+        .layer(
+            TraceLayer::new_for_http()
+                .make_span_with(DefaultMakeSpan::new().level(tracing::Level::INFO))
+                .on_response(DefaultOnResponse::new().level(tracing::Level::INFO)),
+        )
+        .with_state(state)
+}
+
+/// Any error answer that is not JSON yet (a layer's 413, the framework's 405) becomes
+/// the OpenAI shape for its status; its headers (`Retry-After`, `Allow`) stay.
+async fn as_openai_error(response: Response) -> Response {
+    let status = response.status();
+    let is_json = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
+    if !(status.is_client_error() || status.is_server_error()) || is_json {
+        return response;
+    }
+    let (mut parts, _) = response.into_parts();
+    let fresh = ApiError::of_status(status).into_response();
+    let (fresh_parts, body) = fresh.into_parts();
+    parts.headers.remove(header::CONTENT_LENGTH);
+    parts.headers.insert(
+        header::CONTENT_TYPE,
+        fresh_parts
+            .headers
+            .get(header::CONTENT_TYPE)
+            .cloned()
+            .unwrap_or(HeaderValue::from_static("application/json")),
+    );
+    Response::from_parts(parts, body)
+}
+
+/// `http_server_request_duration_seconds` (OpenTelemetry's `http.server.request.duration`).
+async fn track(request: Request, next: Next) -> Response {
+    let route = request
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or_else(|| "unmatched".to_owned(), |p| p.as_str().to_owned());
+    let method = request.method().as_str().to_owned();
+    let started = Instant::now();
+    let response = next.run(request).await;
+    metrics::histogram!(
+        "http_server_request_duration_seconds",
+        "http_route" => route,
+        "http_request_method" => method,
+        "http_response_status_code" => response.status().as_u16().to_string(),
+    )
+    .record(started.elapsed().as_secs_f64());
+    response
+}
+
+/// The tenant of the request: `Ok(None)` when no keys are configured.
+fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<Option<Arc<Tenant>>, ApiError> {
+    if state.keys.is_empty() {
+        return Ok(None);
+    }
+    state.keys.authenticate(headers).map(Some).ok_or_else(|| {
+        ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "authentication_error",
+            "invalid_api_key",
+            "missing or unknown API key: send `Authorization: Bearer <key>`",
+        )
+    })
+}
+
+fn rejection(r: &JsonRejection) -> ApiError {
+    match r.status() {
+        StatusCode::UNSUPPORTED_MEDIA_TYPE | StatusCode::PAYLOAD_TOO_LARGE => ApiError::of_status(r.status()),
+        StatusCode::UNPROCESSABLE_ENTITY => ApiError::invalid_request("invalid_request", r.body_text()),
+        _ => ApiError::invalid_request("invalid_json", r.body_text()),
+    }
+}
+
+/// What one call's bookkeeping needs after the handler returned (streams).
+pub(crate) struct CallMetrics {
+    pub(crate) tenant: Arc<str>,
+    pub(crate) model: String,
+    pub(crate) started: Instant,
+}
+
+impl CallMetrics {
+    /// Records the end of the call: `gen_ai_client_operation_duration_seconds` and
+    /// `pgw_server_calls_total`.
+    pub(crate) fn finish(&self, error: Option<&ApiError>) {
+        let error_type = error
+            .and_then(|e| e.code.clone())
+            .unwrap_or_else(|| "none".to_owned());
+        let status = error.map_or(200, |e| e.status.as_u16()).to_string();
+        metrics::histogram!(
+            "gen_ai_client_operation_duration_seconds",
+            "gen_ai_operation_name" => "chat",
+            "gen_ai_request_model" => self.model.clone(),
+            "error_type" => error_type,
+        )
+        .record(self.started.elapsed().as_secs_f64());
+        metrics::counter!("pgw_server_calls_total", "tenant" => self.tenant.to_string(), "status" => status)
+            .increment(1);
+    }
+
+    /// Records token usage: `gen_ai_client_token_usage`.
+    pub(crate) fn tokens(&self, usage: &pgw_core::openai::Usage) {
+        #[allow(clippy::cast_precision_loss)]
+        for (kind, n) in [
+            ("input", usage.prompt_tokens),
+            ("output", usage.completion_tokens),
+        ] {
+            metrics::histogram!(
+                "gen_ai_client_token_usage",
+                "gen_ai_token_type" => kind,
+                "gen_ai_request_model" => self.model.clone(),
+            )
+            .record(n as f64);
+        }
+    }
+}
+
+async fn chat(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Result<Json<ChatRequest>, JsonRejection>,
+) -> Response {
+    let tenant = match authenticate(&state, &headers) {
+        Ok(t) => t,
+        Err(e) => return e.into_response(),
+    };
+    let request = match body {
+        Ok(Json(r)) => r,
+        Err(r) => return rejection(&r).into_response(),
+    };
+    if let Some(t) = &tenant
+        && !t.may_use(&request.model)
+    {
+        return ApiError::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "model_not_found",
+            format!(
+                "the model `{}` does not exist or this key may not use it",
+                request.model
+            ),
+        )
+        .into_response();
+    }
+    // Held until the answer is complete (for a stream: its last event), so streams
+    // count as in flight; tower's concurrency limit would free the slot at the headers.
+    let Ok(slot) = Arc::clone(&state.in_flight).try_acquire_owned() else {
+        metrics::counter!("pgw_server_shed_total", "reason" => "in_flight").increment(1);
+        return ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            "overloaded",
+            "too many requests in flight; retry shortly",
+        )
+        .retry_after(Some(state.shed_retry_after))
+        .into_response();
+    };
+    let call = CallMetrics {
+        tenant: tenant
+            .as_ref()
+            .map_or_else(|| Arc::from("anonymous"), |t| Arc::clone(&t.label)),
+        model: state.model_label(&request.model),
+        started: Instant::now(),
+    };
+    let permit = match &tenant {
+        Some(t) => match t.admit(&request).await {
+            Ok(p) => p,
+            Err(e) => {
+                let err = ApiError::from_gateway(&e, state.expose_sources);
+                call.finish(Some(&err));
+                return err.into_response();
+            }
+        },
+        None => None,
+    };
+    if request.stream {
+        return sse::respond(&state, request, permit, slot, call);
+    }
+    let result = state.gateway.chat(request).await;
+    drop(slot);
+    match result {
+        Ok(answer) => {
+            let usage = answer.answer.response.usage.clone();
+            if let Some(u) = &usage {
+                call.tokens(u);
+            }
+            if let Some(p) = permit {
+                let _ = p.finish(usage.map(|u| u.total_tokens)).await;
+            }
+            call.finish(None);
+            let mut response = Json(&answer.answer.response).into_response();
+            let h = response.headers_mut();
+            if let Ok(g) = HeaderValue::from_str(&answer.group) {
+                h.insert("x-pgw-group", g);
+            }
+            if state.expose_sources
+                && let Some(s) = answer.source.as_ref()
+                && let Ok(v) = HeaderValue::from_str(s.as_str())
+            {
+                h.insert("x-pgw-source", v);
+            }
+            response
+        }
+        Err(e) => {
+            let err = ApiError::from_gateway(&e, state.expose_sources);
+            tracing::warn!(tenant = %call.tenant, status = err.status.as_u16(), code = ?err.code, error = %e, "call failed");
+            call.finish(Some(&err));
+            // The request may have reached a provider: its tokens stay charged.
+            if let Some(p) = permit {
+                let _ = p.finish(None).await;
+            }
+            err.into_response()
+        }
+    }
+}
+
+async fn models(State(state): State<AppState>, headers: HeaderMap) -> Response {
+    let tenant = match authenticate(&state, &headers) {
+        Ok(t) => t,
+        Err(e) => return e.into_response(),
+    };
+    let names: Vec<&String> = match &tenant {
+        Some(t) if !t.models().is_empty() => t.models().iter().collect(),
+        _ => state.models.iter().collect(),
+    };
+    let data: Vec<serde_json::Value> = names
+        .into_iter()
+        .map(|id| serde_json::json!({"id": id, "object": "model", "created": 0, "owned_by": "pgw"}))
+        .collect();
+    Json(serde_json::json!({"object": "list", "data": data})).into_response()
+}
+
+async fn healthz() -> Response {
+    Json(serde_json::json!({"status": "ok"})).into_response()
+}
+
+/// Ready when not draining and, on the Redis backend, the backend answers (one read of
+/// the first source's limiter state, at most 2 s).
+async fn readyz(State(state): State<AppState>) -> Response {
+    if state.draining.load(Ordering::Relaxed) {
+        return ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            "draining",
+            "shutting down",
+        )
+        .into_response();
+    }
+    if state.redis_backend
+        && let Some(h) = state.gateway.sources().first()
+    {
+        let probe = tokio::time::timeout(Duration::from_secs(2), h.limiter.held()).await;
+        if !matches!(probe, Ok(Ok(_))) {
+            return ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                "backend_unavailable",
+                "the shared-state backend is unreachable",
+            )
+            .into_response();
+        }
+    }
+    Json(serde_json::json!({"status": "ready"})).into_response()
+}
+
+/// Prometheus text; the gateway's gauges (breaker state, AIMD limit, health, inflight,
+/// quota) are refreshed first.
+async fn metrics_text(State(state): State<AppState>) -> Response {
+    let Some(handle) = &state.metrics else {
+        return ApiError::of_status(StatusCode::NOT_FOUND).into_response();
+    };
+    state.gateway.refresh_metrics().await;
+    handle.run_upkeep();
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        handle.render(),
+    )
+        .into_response()
+}

@@ -1,0 +1,183 @@
+//! Streamed answers as server-sent events.
+//!
+//! The `200` and its headers go out at once; then, while the gateway looks for an
+//! answer, a `: keep-alive` comment every `sse_keep_alive` (proxies and clients with
+//! idle timeouts keep the connection); then each chunk as `data: {json}\n\n`, and
+//! `data: [DONE]\n\n` at the end. A call that fails, before or after its first chunk,
+//! ends with one OpenAI-style error event `data: {"error": {...}}` and no `[DONE]`, so
+//! a client never takes a truncated answer for a complete one.
+
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::Response;
+use bytes::Bytes;
+use futures_util::StreamExt;
+use futures_util::stream::BoxStream;
+use pgw_core::BoxError;
+use pgw_core::openai::{ChatChunk, ChatRequest, Usage};
+use tokio::sync::OwnedSemaphorePermit;
+use tokio::time::{Instant, Interval, MissedTickBehavior};
+use tower_ratelimit_redis::Permit;
+
+use crate::error::ApiError;
+use crate::routes::{AppState, CallMetrics};
+
+type Chunks = BoxStream<'static, Result<ChatChunk, BoxError>>;
+type Opening = Pin<Box<dyn Future<Output = Result<Chunks, BoxError>> + Send>>;
+
+enum Phase {
+    Opening(Opening),
+    Streaming(Chunks),
+    Done,
+}
+
+struct Call {
+    phase: Phase,
+    keep_alive: Interval,
+    permit: Option<Permit>,
+    usage: Option<Usage>,
+    first_chunk: bool,
+    expose_sources: bool,
+    metrics: CallMetrics,
+    _slot: OwnedSemaphorePermit,
+}
+
+const KEEP_ALIVE: &[u8] = b": keep-alive\n\n";
+const DONE: &[u8] = b"data: [DONE]\n\n";
+
+fn event(json: &serde_json::Value) -> Bytes {
+    let mut out = Vec::with_capacity(128);
+    out.extend_from_slice(b"data: ");
+    // A `serde_json::Value` always serializes.
+    let _ = serde_json::to_writer(&mut out, json);
+    out.extend_from_slice(b"\n\n");
+    out.into()
+}
+
+fn chunk_event(chunk: &ChatChunk) -> Option<Bytes> {
+    let mut out = Vec::with_capacity(256);
+    out.extend_from_slice(b"data: ");
+    serde_json::to_writer(&mut out, chunk).ok()?;
+    out.extend_from_slice(b"\n\n");
+    Some(out.into())
+}
+
+impl Call {
+    /// The call failed: one error event, then the end.
+    async fn fail(&mut self, e: &BoxError) -> Bytes {
+        self.phase = Phase::Done;
+        let err = ApiError::from_gateway(e, self.expose_sources);
+        tracing::warn!(tenant = %self.metrics.tenant, status = err.status.as_u16(), code = ?err.code, error = %e, "streamed call failed");
+        self.metrics.finish(Some(&err));
+        if let Some(p) = self.permit.take() {
+            let _ = p.finish(None).await;
+        }
+        event(&err.body())
+    }
+
+    async fn done(&mut self) -> Bytes {
+        self.phase = Phase::Done;
+        if let Some(u) = &self.usage {
+            self.metrics.tokens(u);
+        }
+        self.metrics.finish(None);
+        if let Some(p) = self.permit.take() {
+            let _ = p.finish(self.usage.as_ref().map(|u| u.total_tokens)).await;
+        }
+        Bytes::from_static(DONE)
+    }
+
+    /// The next bytes of the body, `None` at the end.
+    async fn next(&mut self) -> Option<Bytes> {
+        loop {
+            match &mut self.phase {
+                Phase::Done => return None,
+                Phase::Opening(opening) => {
+                    tokio::select! {
+                        biased;
+                        opened = opening => match opened {
+                            Ok(chunks) => self.phase = Phase::Streaming(chunks),
+                            Err(e) => return Some(self.fail(&e).await),
+                        },
+                        _ = self.keep_alive.tick() => return Some(Bytes::from_static(KEEP_ALIVE)),
+                    }
+                }
+                Phase::Streaming(chunks) => {
+                    tokio::select! {
+                        biased;
+                        item = chunks.next() => match item {
+                            Some(Ok(chunk)) => {
+                                self.keep_alive.reset();
+                                if chunk.usage.is_some() {
+                                    self.usage.clone_from(&chunk.usage);
+                                }
+                                if self.first_chunk {
+                                    self.first_chunk = false;
+                                    metrics::histogram!(
+                                        "gen_ai_server_time_to_first_token_seconds",
+                                        "gen_ai_request_model" => self.metrics.model.clone(),
+                                    )
+                                    .record(self.metrics.started.elapsed().as_secs_f64());
+                                }
+                                // A chunk that does not serialize is dropped, never sent empty.
+                                if let Some(bytes) = chunk_event(&chunk) {
+                                    return Some(bytes);
+                                }
+                            }
+                            Some(Err(e)) => return Some(self.fail(&e).await),
+                            None => return Some(self.done().await),
+                        },
+                        _ = self.keep_alive.tick() => return Some(Bytes::from_static(KEEP_ALIVE)),
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The SSE response of a streamed call: headers now, events as they come.
+pub(crate) fn respond(
+    state: &AppState,
+    request: ChatRequest,
+    permit: Option<Permit>,
+    slot: OwnedSemaphorePermit,
+    metrics: CallMetrics,
+) -> Response {
+    let gateway = state.gateway.clone();
+    let opening: Opening = Box::pin(async move {
+        let chunks = gateway.chat_stream(request).await?;
+        Ok(chunks.boxed())
+    });
+    let every = state.sse_keep_alive.max(Duration::from_millis(1));
+    let mut keep_alive = tokio::time::interval_at(Instant::now() + every, every);
+    keep_alive.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let call = Call {
+        phase: Phase::Opening(opening),
+        keep_alive,
+        permit,
+        usage: None,
+        first_chunk: true,
+        expose_sources: state.expose_sources,
+        metrics,
+        _slot: slot,
+    };
+    let body = futures_util::stream::unfold(call, |mut call| async move {
+        let bytes = call.next().await?;
+        Some((Ok::<_, Infallible>(bytes), call))
+    });
+    let mut response = Response::new(Body::from_stream(body));
+    *response.status_mut() = StatusCode::OK;
+    let h = response.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    // Tells nginx-style proxies not to buffer the stream.
+    h.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    response
+}

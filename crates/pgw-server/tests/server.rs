@@ -1,0 +1,482 @@
+//! pgw-server against the simulator served over HTTP on 127.0.0.1, on tokio's paused
+//! clock (the simulator's latencies and the server's timeouts run in virtual time).
+
+mod support;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use pgw_stack::breaker::BreakerState;
+use support::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+#[tokio::test(start_paused = true)]
+async fn every_framework_error_is_openai_json() {
+    let h = start("max_body_bytes = 1024\n", vec![fast("s1")]).await;
+    let cases: Vec<(http::request::Builder, Bytes, u16, &str)> = vec![
+        (chat(None), Bytes::from_static(b"{not json"), 400, "invalid_json"),
+        (
+            request("POST", "/v1/chat/completions").header("content-type", "text/plain"),
+            chat_body("m", false),
+            415,
+            "unsupported_media_type",
+        ),
+        (
+            chat(None),
+            Bytes::from(vec![b' '; 4096]),
+            413,
+            "request_too_large",
+        ),
+        (
+            chat(None),
+            Bytes::from_static(br#"{"model":"m"}"#),
+            400,
+            "invalid_request",
+        ),
+        (request("GET", "/nowhere"), Bytes::new(), 404, "not_found"),
+        (
+            request("GET", "/v1/chat/completions"),
+            Bytes::new(),
+            405,
+            "method_not_allowed",
+        ),
+        (
+            request("DELETE", "/v1/models"),
+            Bytes::new(),
+            405,
+            "method_not_allowed",
+        ),
+    ];
+    for (req, body, status, code) in cases {
+        let (got, headers, bytes) = call(h.addr, req, body).await;
+        assert_eq!(got.as_u16(), status, "{}", String::from_utf8_lossy(&bytes));
+        assert!(
+            headers["content-type"]
+                .to_str()
+                .unwrap()
+                .starts_with("application/json"),
+            "{code}: {headers:?}"
+        );
+        openai_error(&bytes, code);
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn chat_answers_json_and_streams_sse_ending_with_done() {
+    let h = start("", vec![fast("s1")]).await;
+    let (status, headers, body) = call(h.addr, chat(None), chat_body("m", false)).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(headers["x-pgw-group"], "default");
+    assert!(
+        !headers.contains_key("x-pgw-source"),
+        "sources are hidden by default"
+    );
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert!(
+        v["choices"][0]["message"]["content"]
+            .as_str()
+            .is_some_and(|c| !c.is_empty())
+    );
+
+    let (status, headers, body) = call(h.addr, chat(None), chat_body("m", true)).await;
+    assert_eq!(status, 200);
+    assert_eq!(headers["content-type"], "text/event-stream");
+    let ev = events(&body);
+    assert_eq!(ev.last().map(String::as_str), Some("[DONE]"), "{ev:?}");
+    let chunks: Vec<serde_json::Value> = ev[..ev.len() - 1]
+        .iter()
+        .filter(|e| *e != ":")
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    assert!(!chunks.is_empty());
+    assert!(
+        chunks.iter().all(|c| c["object"] == "chat.completion.chunk"),
+        "{chunks:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failed_stream_ends_with_an_error_event_and_no_done() {
+    let revoked = pgw_sim::SourceConfig {
+        revoked: true.into(),
+        ..fast("dead")
+    };
+    let h = start("", vec![revoked]).await;
+    let (status, _, body) = call(h.addr, chat(None), chat_body("m", true)).await;
+    assert_eq!(status, 200, "the SSE headers went out before the call failed");
+    let ev = events(&body);
+    assert!(!ev.iter().any(|e| e == "[DONE]"), "{ev:?}");
+    let last = ev.last().unwrap();
+    let v: serde_json::Value = serde_json::from_str(last).unwrap();
+    assert!(v["error"]["message"].is_string(), "{v}");
+    assert!(!last.contains("dead"), "source names stay hidden: {last}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn keep_alive_comments_flow_while_the_first_chunk_is_awaited() {
+    let h = start("sse_keep_alive_s = 15\n", vec![slow("s1", 50.0)]).await;
+    let resp = send(h.addr, chat(None).body(Full::new(chat_body("m", true))).unwrap()).await;
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.into_body();
+    let mut seen = Vec::new();
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame.unwrap().into_data() {
+            seen.extend(events(&data));
+        }
+    }
+    let first_data = seen.iter().position(|e| e != ":").unwrap();
+    // 50 s (p95 60 s) to the first token, a comment every 15 s of silence.
+    assert!(first_data >= 3, "{seen:?}");
+    assert_eq!(seen.last().map(String::as_str), Some("[DONE]"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn models_lists_the_groups_in_the_openai_shape() {
+    let h = start("", vec![fast("s1")]).await;
+    let (status, _, body) = call(h.addr, request("GET", "/v1/models"), Bytes::new()).await;
+    assert_eq!(status, 200);
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v["object"], "list");
+    assert_eq!(v["data"][0]["id"], "default");
+    assert_eq!(v["data"][0]["object"], "model");
+    assert!(v["data"][0]["created"].is_u64());
+    assert!(v["data"][0]["owned_by"].is_string());
+}
+
+#[tokio::test(start_paused = true)]
+async fn virtual_keys_401_unknown_404_foreign_models_429_past_quota() {
+    let keys = key_toml("team-a", CLIENT_KEY, "models = [\"m\"]\nrpm = 1\n");
+    let h = start(&keys, vec![fast("s1")]).await;
+    for key in [None, Some("wrong-key")] {
+        let (status, _, body) = call(h.addr, chat(key), chat_body("m", false)).await;
+        assert_eq!(status, 401);
+        let v = openai_error(&body, "invalid_api_key");
+        assert_eq!(v["error"]["type"], "authentication_error");
+        let (status, _, _) = call(h.addr, request("GET", "/v1/models"), Bytes::new()).await;
+        assert_eq!(status, 401);
+    }
+    let (status, _, body) = call(h.addr, chat(Some(CLIENT_KEY)), chat_body("other-model", false)).await;
+    assert_eq!(status, 404);
+    openai_error(&body, "model_not_found");
+
+    let (status, _, body) = call(h.addr, chat(Some(CLIENT_KEY)), chat_body("m", false)).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let (status, headers, body) = call(h.addr, chat(Some(CLIENT_KEY)), chat_body("m", false)).await;
+    assert_eq!(status, 429, "rpm = 1");
+    openai_error(&body, "rate_limit_exceeded");
+    let after: u64 = headers["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!((1..=60).contains(&after), "{after}");
+    // The tenant's refusal never reached a source.
+    assert_eq!(upstream_requests(&h), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn loopback_only_without_keys_unless_allowed() {
+    let pool = pgw_sim::SimPool::new(
+        pgw_sim::PoolConfig {
+            sources: vec![fast("s1")],
+            ..pgw_sim::PoolConfig::default()
+        },
+        1,
+    )
+    .unwrap();
+    let (_, sim) = pgw_sim::http::serve(pool, "127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let text = config_text("", &sim, &[fast("s1")]).replace("127.0.0.1:0\"", "0.0.0.0:0\"");
+    let config = pgw_server::ServerConfig::from_toml_str(&text).unwrap();
+    let gateway = pgw_stack::Gateway::from_config(config.gateway.clone())
+        .await
+        .unwrap();
+    let err = pgw_server::Server::bind(&config, gateway.clone(), None)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("--allow-unauthenticated"), "{err}");
+    let mut open = config.clone();
+    open.server.allow_unauthenticated = true;
+    assert!(
+        pgw_server::Server::bind(&open, gateway.clone(), None)
+            .await
+            .is_ok()
+    );
+    let keyed = text.replace("[cache]", &format!("{}\n[cache]", key_toml("k", CLIENT_KEY, "")));
+    let keyed = pgw_server::ServerConfig::from_toml_str(&keyed).unwrap();
+    assert!(pgw_server::Server::bind(&keyed, gateway, None).await.is_ok());
+}
+
+/// Sends `bytes` one at a time, `every` apart; how many were sent when the server
+/// closed the connection (or answered), `None` when the server waited for them all.
+async fn trickle(addr: std::net::SocketAddr, bytes: &[u8], every: Duration) -> Option<usize> {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    for (i, b) in bytes.iter().enumerate() {
+        if s.write_all(std::slice::from_ref(b)).await.is_err() {
+            return Some(i);
+        }
+        tokio::time::sleep(every).await;
+        let mut buf = [0u8; 256];
+        // A closed connection reads as EOF or a reset; a live one has nothing to read.
+        if let Ok(r) = tokio::time::timeout(Duration::from_millis(1), s.read(&mut buf)).await {
+            let n = r.unwrap_or(0);
+            assert!(
+                n == 0 || !buf.starts_with(b"HTTP/1.1 2"),
+                "a slow request was served"
+            );
+            return Some(i + 1);
+        }
+    }
+    None
+}
+
+#[tokio::test(start_paused = true)]
+async fn slow_header_trickle_is_cut_at_the_header_timeout_and_opens_no_breaker() {
+    let h = start("header_read_timeout_s = 2\n", vec![fast("s1")]).await;
+    let head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: pgw.test\r\ncontent-type: application/json\r\nx-slow: aaaaaaaaaaaaaaaaaaaa\r\n\r\n";
+    // Each client would need head.len() * 0.5 s, about a minute, to send its headers.
+    let clients: Vec<_> = (0..8)
+        .map(|_| tokio::spawn(trickle(h.addr, head, Duration::from_millis(500))))
+        .collect();
+    for c in clients {
+        let sent = c.await.unwrap();
+        // 2 s at one byte per 0.5 s: cut after about 4 bytes, long before the head ends.
+        assert!(
+            sent.is_some_and(|n| n < head.len() / 2),
+            "a slow client kept its connection past the header timeout: {sent:?} of {}",
+            head.len()
+        );
+    }
+    for s in h.gateway.sources() {
+        assert_eq!(s.breaker.view().await.unwrap().state, BreakerState::Closed);
+    }
+    assert_eq!(upstream_requests(&h), 0);
+    let (status, _, _) = call(h.addr, chat(None), chat_body("m", false)).await;
+    assert_eq!(status, 200);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_idle_kept_alive_connection_is_closed_after_the_header_timeout() {
+    let h = start("header_read_timeout_s = 5\n", vec![fast("s1")]).await;
+    let stream = TcpStream::connect(h.addr).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+        .await
+        .unwrap();
+    let conn = tokio::spawn(conn);
+    let resp = sender
+        .send_request(request("GET", "/healthz").body(Full::new(Bytes::new())).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    drop(resp.into_body().collect().await);
+    // Kept alive after the answer, then closed by the server once idle for 5 s.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(!conn.is_finished());
+    tokio::time::timeout(Duration::from_secs(30), conn)
+        .await
+        .expect("the idle connection was never closed")
+        .unwrap()
+        .ok();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_connection_flood_past_the_cap_gets_503_while_calls_in_flight_finish() {
+    let h = start(
+        "max_connections = 2\nshed_retry_after_s = 2\n",
+        vec![slow("s1", 30.0)],
+    )
+    .await;
+    let in_flight: Vec<_> = (0..2)
+        .map(|_| {
+            let addr = h.addr;
+            tokio::spawn(async move {
+                let (status, _, body) = call(addr, chat(None), chat_body("m", true)).await;
+                (status, events(&body))
+            })
+        })
+        .collect();
+    // Both calls are waiting for their first token (30 s away) on the two connections.
+    while upstream_requests(&h) < 2 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    for _ in 0..5 {
+        let (status, headers, body) = call(h.addr, chat(None), chat_body("m", false)).await;
+        assert_eq!(status, 503);
+        assert_eq!(headers["retry-after"], "2");
+        openai_error(&body, "overloaded");
+    }
+    for c in in_flight {
+        let (status, ev) = c.await.unwrap();
+        assert_eq!(status, 200);
+        assert_eq!(ev.last().map(String::as_str), Some("[DONE]"), "{ev:?}");
+    }
+    assert_eq!(
+        upstream_requests(&h),
+        2,
+        "the refused calls cost nothing upstream"
+    );
+    let (status, _, _) = call(h.addr, chat(None), chat_body("m", false)).await;
+    assert_eq!(status, 200, "slots are free again");
+}
+
+#[tokio::test(start_paused = true)]
+async fn calls_past_the_in_flight_cap_get_503_with_retry_after() {
+    let h = start("max_in_flight = 1\n", vec![slow("s1", 20.0)]).await;
+    let addr = h.addr;
+    let first = tokio::spawn(async move { call(addr, chat(None), chat_body("m", true)).await });
+    while upstream_requests(&h) < 1 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (status, headers, body) = call(h.addr, chat(None), chat_body("m", false)).await;
+    assert_eq!(status, 503);
+    assert_eq!(headers["retry-after"], "1");
+    openai_error(&body, "overloaded");
+    // Health and metrics are not shed.
+    let (status, _, _) = call(h.addr, request("GET", "/healthz"), Bytes::new()).await;
+    assert_eq!(status, 200);
+    let (status, _, body) = first.await.unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(events(&body).last().map(String::as_str), Some("[DONE]"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn shutdown_drains_a_running_stream_then_stops() {
+    let mut h = start("shutdown_grace_s = 120\n", vec![slow("s1", 20.0)]).await;
+    let addr = h.addr;
+    let stream = tokio::spawn(async move {
+        let resp = send(addr, chat(None).body(Full::new(chat_body("m", true))).unwrap()).await;
+        let status = resp.status();
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        (status, events(&body))
+    });
+    while upstream_requests(&h) < 1 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    h.shutdown();
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    // Draining: no new connections are accepted (the listener is closed).
+    assert!(
+        TcpStream::connect(addr).await.is_err(),
+        "still accepting after shutdown"
+    );
+    let (status, ev) = stream.await.unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(ev.last().map(String::as_str), Some("[DONE]"), "{ev:?}");
+    h.stopped().await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn shutdown_cuts_what_is_left_after_the_grace_period() {
+    let mut h = start("shutdown_grace_s = 5\n", vec![slow("s1", 60.0)]).await;
+    let addr = h.addr;
+    let stream = tokio::spawn(async move {
+        let resp = send(addr, chat(None).body(Full::new(chat_body("m", true))).unwrap()).await;
+        resp.into_body()
+            .collect()
+            .await
+            .map(http_body_util::Collected::to_bytes)
+    });
+    while upstream_requests(&h) < 1 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    h.stopped().await.unwrap();
+    // The stream was cut, not completed: no [DONE].
+    if let Ok(body) = stream.await.unwrap() {
+        assert!(!events(&body).iter().any(|e| e == "[DONE]"));
+    }
+}
+
+fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .filter(|l| labels.iter().all(|(k, v)| l.contains(&format!("{k}=\"{v}\""))))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Every line of a Prometheus text exposition: a comment, or `name{labels} value`.
+fn assert_prometheus_text(text: &str) {
+    for line in text.lines().filter(|l| !l.is_empty()) {
+        if let Some(rest) = line.strip_prefix("# ") {
+            assert!(rest.starts_with("TYPE ") || rest.starts_with("HELP "), "{line}");
+            continue;
+        }
+        let (series, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("{line}"));
+        assert!(
+            value.parse::<f64>().is_ok() || ["+Inf", "-Inf", "NaN"].contains(&value),
+            "{line}"
+        );
+        let name_end = series.find('{').unwrap_or(series.len());
+        let name = &series[..name_end];
+        assert!(
+            !name.is_empty()
+                && name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':'),
+            "{line}"
+        );
+        if name_end < series.len() {
+            assert!(series.ends_with('}'), "{line}");
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn metrics_parse_as_prometheus_text_and_move_when_calls_run() {
+    let keys = key_toml("metrics-tenant", CLIENT_KEY, "");
+    let h = start(&keys, vec![fast("s1")]).await;
+    let scrape = || async {
+        let (status, headers, body) = call(h.addr, request("GET", "/metrics"), Bytes::new()).await;
+        assert_eq!(status, 200);
+        assert!(
+            headers["content-type"]
+                .to_str()
+                .unwrap()
+                .starts_with("text/plain")
+        );
+        String::from_utf8(body.to_vec()).unwrap()
+    };
+    let before = scrape().await;
+    assert_prometheus_text(&before);
+    let calls = [("tenant", "metrics-tenant"), ("status", "200")];
+    assert_eq!(metric(&before, "pgw_server_calls_total", &calls), 0.0);
+    for stream in [false, true] {
+        let (status, _, _) = call(h.addr, chat(Some(CLIENT_KEY)), chat_body("m", stream)).await;
+        assert_eq!(status, 200);
+    }
+    let after = scrape().await;
+    assert_prometheus_text(&after);
+    assert_eq!(metric(&after, "pgw_server_calls_total", &calls), 2.0, "{after}");
+    assert!(
+        metric(
+            &after,
+            "pgw_attempts_total",
+            &[("source", "s1"), ("outcome", "success")]
+        ) >= 2.0
+    );
+    assert_eq!(metric(&after, "pgw_breaker_state", &[("source", "s1")]), 0.0);
+    assert!(after.contains("pgw_aimd_limit{source=\"s1\"}"), "{after}");
+    assert!(
+        after.contains("gen_ai_client_operation_duration_seconds_bucket"),
+        "{after}"
+    );
+    assert!(
+        after.contains("gen_ai_server_time_to_first_token_seconds_bucket"),
+        "{after}"
+    );
+    assert!(
+        after.contains("http_server_request_duration_seconds_bucket"),
+        "{after}"
+    );
+    assert!(!after.contains(UPSTREAM_KEY) && !after.contains(CLIENT_KEY));
+}
+
+#[tokio::test(start_paused = true)]
+async fn healthz_and_readyz() {
+    let mut h = start("", vec![fast("s1")]).await;
+    for path in ["/healthz", "/readyz"] {
+        let (status, _, _) = call(h.addr, request("GET", path), Bytes::new()).await;
+        assert_eq!(status, 200, "{path}");
+    }
+    h.stopped().await.unwrap();
+}
