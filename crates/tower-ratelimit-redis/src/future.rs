@@ -7,12 +7,11 @@ use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
-use pgw_core::{BackendUnavailable, BoxError, NotAdmitted, QuotaExceeded};
+use pgw_core::{BoxError, NotAdmitted, QuotaExceeded};
 use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
 use tower_service::Service;
 
-use crate::backend::BackendFuture;
 use crate::hooks::{AdmissionObserver, UsageReport};
 use crate::limiter::{Ending, InFlight, Pending, Permit, detach};
 use crate::service::Hooks;
@@ -23,7 +22,6 @@ pin_project! {
         Admitting,
         Waiting { sleep: Pin<Box<Sleep>> },
         Calling { #[pin] fut: F },
-        Settling,
         Failed,
         Done,
     }
@@ -33,8 +31,10 @@ pin_project! {
     /// The response future of [`RateLimit`](crate::RateLimit).
     ///
     /// It owns the [`Permit`]: dropping it (or a panic unwinding through it) releases
-    /// the concurrency lease; a settle still in flight finishes in the background, and
-    /// an admission still in flight (Redis) is refunded when it answers.
+    /// the concurrency lease, and an admission still in flight (Redis) is refunded when
+    /// it answers. The answer is returned as soon as the inner service gives it: the
+    /// settle (reconcile and release) that follows never delays it; a settle round trip
+    /// finishes in the background.
     ///
     /// Small on the path answered at once (memory): the state of the admission round
     /// trip or of a wait is boxed, allocated only on those paths.
@@ -52,7 +52,7 @@ pin_project! {
     }
 }
 
-/// What only the admission round trip, a wait or a settle in flight needs.
+/// What only the admission round trip or a wait needs.
 struct Slow<S: Service<Req>, Req, E, U, O> {
     shared: Arc<Hooks<E, U, O>>,
     inner: Option<S>,
@@ -60,8 +60,6 @@ struct Slow<S: Service<Req>, Req, E, U, O> {
     pending: Option<InFlight>,
     tokens: u64,
     deadline: Option<Instant>,
-    settling: Option<Detached>,
-    output: Option<Result<S::Response, BoxError>>,
 }
 
 impl<S, Req, E, U, O> fmt::Debug for ResponseFuture<S, Req, E, U, O>
@@ -72,17 +70,6 @@ where
         f.debug_struct("ResponseFuture")
             .field("permit", &self.permit)
             .finish_non_exhaustive()
-    }
-}
-
-/// A settle in flight; finished in the background if the future is dropped first.
-struct Detached(Option<BackendFuture<Result<(), BackendUnavailable>>>);
-
-impl Drop for Detached {
-    fn drop(&mut self) {
-        if let Some(f) = self.0.take() {
-            detach(f);
-        }
     }
 }
 
@@ -110,8 +97,6 @@ where
             pending: None,
             tokens,
             deadline: None,
-            settling: None,
-            output: None,
         })
     }
 
@@ -211,26 +196,12 @@ where
                         Err(e) if NotAdmitted::of(&**e).is_some() => Ending::Refunded,
                         Err(_) => Ending::Finished(None),
                     };
-                    match permit.end(ending).now_or() {
-                        Ok(_) => {
-                            this.state.set(State::Done);
-                            return Poll::Ready(out);
-                        }
-                        Err(f) => match this.slow.as_mut() {
-                            Some(slow) => {
-                                slow.settling = Some(Detached(Some(f)));
-                                slow.output = Some(out);
-                                this.state.set(State::Settling);
-                            }
-                            // Backends that answer admissions at once settle at once too;
-                            // should one not, its settle finishes in the background.
-                            None => {
-                                detach(f);
-                                this.state.set(State::Done);
-                                return Poll::Ready(out);
-                            }
-                        },
-                    }
+                    // The answer never waits for the settle (reconcile, release): a
+                    // round trip still in flight finishes in the background, its
+                    // command already on the connection (see `detach`).
+                    detach(permit.end(ending));
+                    this.state.set(State::Done);
+                    return Poll::Ready(out);
                 }
                 StateProj::Admitting => {
                     let slow = this.slow.as_mut().expect("admitting without its state");
@@ -283,16 +254,6 @@ where
                         }
                     }
                     this.state.set(State::Admitting);
-                }
-                StateProj::Settling => {
-                    let slow = this.slow.as_mut().expect("settling without its state");
-                    let d = slow.settling.as_mut().expect("settling without a settle");
-                    let fut = d.0.as_mut().expect("settle taken twice");
-                    // Failures are logged and counted by the limiter; the answer stands.
-                    let _ = ready!(Pin::new(fut).poll(cx));
-                    d.0 = None;
-                    this.state.set(State::Done);
-                    return Poll::Ready(slow.output.take().expect("output taken twice"));
                 }
                 StateProj::Failed => {
                     this.state.set(State::Done);

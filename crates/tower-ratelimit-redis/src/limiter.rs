@@ -53,6 +53,10 @@ struct Inner {
     gate: AnyGate,
     stats: Stats,
     uses_leases: bool,
+    /// Whether any scope limits requests / tokens: a settle changes only what is
+    /// limited, and skips the backend when nothing is left to change.
+    counts_requests: bool,
+    counts_tokens: bool,
     max_tokens: Option<(u64, String)>,
 }
 
@@ -109,6 +113,9 @@ impl RateLimiter {
                 .account
                 .as_ref()
                 .is_some_and(|(_, q)| q.concurrency.is_some());
+        let quotas = || std::iter::once(&config.source_quota).chain(config.account.as_ref().map(|(_, q)| q));
+        let counts_requests = quotas().any(|q| q.requests.is_some());
+        let counts_tokens = quotas().any(|q| q.tokens.is_some());
         let max_tokens = config.max_tokens().map(|(t, kind)| {
             let scope = if kind == "account" {
                 format!("account:{}", config.account_name().unwrap_or_default())
@@ -123,6 +130,8 @@ impl RateLimiter {
                 gate,
                 stats: Stats::default(),
                 uses_leases,
+                counts_requests,
+                counts_tokens,
                 max_tokens,
             }),
         })
@@ -282,7 +291,13 @@ impl RateLimiter {
     }
 
     /// A settle operation with failure logging and counting.
-    fn settle(&self, settle: Settle) -> BackendFuture<Result<(), BackendUnavailable>> {
+    fn settle(&self, mut settle: Settle) -> BackendFuture<Result<(), BackendUnavailable>> {
+        if !self.inner.counts_requests {
+            settle.requests = 0;
+        }
+        if !self.inner.counts_tokens {
+            settle.tokens = 0;
+        }
         if settle.is_noop() {
             return BackendFuture::ready(Ok(()));
         }
@@ -658,16 +673,23 @@ impl Drop for Permit {
 
 /// Lets a backend operation finish in the background (failures are already logged
 /// and counted by the limiter). Without a runtime, the lease expires by its TTL.
+///
+/// The operation is polled once here, before it is handed to a task: that puts its
+/// command on the (multiplexed) connection now, ahead of whatever this caller sends
+/// next, so a release is never overtaken by the caller's next admission.
 pub(crate) fn detach<T: Send + 'static>(fut: BackendFuture<T>) {
-    if let BackendFuture::Pending(f) = fut {
-        match tokio::runtime::Handle::try_current() {
-            Ok(h) => {
-                drop(h.spawn(f));
-            }
-            Err(_) => {
-                tracing::warn!("no tokio runtime to release a concurrency lease; it expires by its TTL");
-            }
+    if let BackendFuture::Pending(mut f) = fut {
+        let Ok(h) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!("no tokio runtime to release a concurrency lease; it expires by its TTL");
+            return;
+        };
+        if f.as_mut()
+            .poll(&mut Context::from_waker(std::task::Waker::noop()))
+            .is_ready()
+        {
+            return;
         }
+        drop(h.spawn(f));
     }
 }
 
