@@ -39,6 +39,18 @@ pub const DEFAULT_SLOT_RETRY_AFTER: Duration = Duration::from_millis(50);
 /// no longer grows with traffic.
 pub const DEFAULT_HOLD_REFRESH: Duration = Duration::from_secs(1);
 
+/// The most jitter added to a Redis wait whose end the clock knows (a window's end, a
+/// hold's end): 250 ms, and at most a quarter of the wait. Waiters refused in one
+/// window spread over the start of the next instead of arriving together.
+pub const MAX_WAIT_JITTER: Duration = Duration::from_millis(250);
+
+/// How often a Redis wait for a concurrency slot doubles its backoff: 4 times (from
+/// the `retry_after` hint, [`DEFAULT_SLOT_RETRY_AFTER`]: 50, 100, 200, 400, then 800 ms
+/// between tries, plus up to half as much jitter). A slot frees when some call ends,
+/// which no clock predicts, and Redis cannot wake a waiter: this bounds the tries of a
+/// long wait to about one a second, not twenty.
+pub const SLOT_BACKOFF_DOUBLINGS: u32 = 4;
+
 /// Default Redis key prefix: `pgw:rl`.
 pub const DEFAULT_KEY_PREFIX: &str = "pgw:rl";
 

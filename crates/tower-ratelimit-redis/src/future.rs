@@ -13,14 +13,14 @@ use tokio::time::{Instant, Sleep};
 use tower_service::Service;
 
 use crate::hooks::{AdmissionObserver, UsageReport};
-use crate::limiter::{Ending, InFlight, Pending, Permit, detach};
+use crate::limiter::{Ending, InFlight, Pending, Permit, Wait, detach};
 use crate::service::Hooks;
 
 pin_project! {
     #[project = StateProj]
     enum State<F> {
         Admitting,
-        Waiting { sleep: Pin<Box<Sleep>> },
+        Waiting,
         Calling { #[pin] fut: F },
         Failed,
         Done,
@@ -60,6 +60,11 @@ struct Slow<S: Service<Req>, Req, E, U, O> {
     pending: Option<InFlight>,
     tokens: u64,
     deadline: Option<Instant>,
+    /// The wait for another try, and how many refusals it has waited out (the Redis
+    /// backoff for slots grows with them).
+    wait: Option<Wait>,
+    refusals: u32,
+    deadline_timer: Option<Pin<Box<Sleep>>>,
 }
 
 impl<S, Req, E, U, O> fmt::Debug for ResponseFuture<S, Req, E, U, O>
@@ -97,6 +102,9 @@ where
             pending: None,
             tokens,
             deadline: None,
+            wait: None,
+            refusals: 0,
+            deadline_timer: None,
         })
     }
 
@@ -140,10 +148,37 @@ where
         if deadline.is_some_and(|d| now.checked_add(refused.retry_after()).is_none_or(|t| t > d)) {
             return Self::failed(shared, Box::new(refused));
         }
-        let sleep = Box::pin(tokio::time::sleep(refused.retry_after()));
-        let mut f = Self::new(shared, State::Waiting { sleep });
+        let wait = shared.limiter.wait(&refused, 0, None);
+        Self::queued(shared, inner, req, tokens, deadline, wait)
+    }
+
+    /// Waits behind admissions already waiting (first come first served), without
+    /// trying first.
+    pub(crate) fn behind(
+        shared: &Arc<Hooks<E, U, O>>,
+        inner: S,
+        req: Req,
+        tokens: u64,
+        max_wait: Option<Duration>,
+        wait: Wait,
+    ) -> Self {
+        let deadline = max_wait.and_then(|w| Instant::now().checked_add(w));
+        Self::queued(shared, inner, req, tokens, deadline, wait)
+    }
+
+    fn queued(
+        shared: &Arc<Hooks<E, U, O>>,
+        inner: S,
+        req: Req,
+        tokens: u64,
+        deadline: Option<Instant>,
+        wait: Wait,
+    ) -> Self {
+        let mut f = Self::new(shared, State::Waiting);
         let mut slow = Self::slow(shared, inner, req, tokens);
         slow.deadline = deadline;
+        slow.wait = Some(wait);
+        slow.refusals = 1;
         f.slow = Some(slow);
         f
     }
@@ -212,6 +247,9 @@ where
                     let shared = &slow.shared;
                     match shared.limiter.conclude(ticket, verdict) {
                         Ok(permit) => {
+                            if let Some(w) = slow.wait.take() {
+                                shared.limiter.waited(w);
+                            }
                             let req = slow.req.take().expect("request taken twice");
                             shared.observer.on_admission(&req, permit.admission());
                             let mut svc = slow.inner.take().expect("service taken twice");
@@ -222,33 +260,50 @@ where
                         }
                         Err(e) => match (waits(&shared.limiter), e.downcast::<QuotaExceeded>()) {
                             (true, Ok(q)) => {
+                                let now = Instant::now();
                                 if slow.deadline.is_some_and(|d| {
-                                    Instant::now().checked_add(q.retry_after()).is_none_or(|t| t > d)
+                                    now >= d || now.checked_add(q.retry_after()).is_none_or(|t| t > d)
                                 }) {
+                                    slow.wait = None;
                                     this.state.set(State::Done);
                                     return Poll::Ready(Err(q));
                                 }
-                                let sleep = Box::pin(tokio::time::sleep(q.retry_after()));
-                                this.state.set(State::Waiting { sleep });
+                                let wait = shared.limiter.wait(&q, slow.refusals, slow.wait.take());
+                                slow.wait = Some(wait);
+                                slow.refusals = slow.refusals.saturating_add(1);
+                                this.state.set(State::Waiting);
                             }
                             (_, Ok(q)) => {
                                 this.state.set(State::Done);
                                 return Poll::Ready(Err(q));
                             }
                             (_, Err(e)) => {
+                                slow.wait = None;
                                 this.state.set(State::Done);
                                 return Poll::Ready(Err(e));
                             }
                         },
                     }
                 }
-                StateProj::Waiting { sleep } => {
-                    ready!(sleep.as_mut().poll(cx));
+                StateProj::Waiting => {
                     let slow = this.slow.as_mut().expect("waiting without its state");
                     let limiter = &slow.shared.limiter;
+                    let wait = slow.wait.as_mut().expect("waiting without a wait");
+                    if limiter.poll_wait(wait, slow.tokens, cx).is_pending() {
+                        let Some(deadline) = slow.deadline else {
+                            return Poll::Pending;
+                        };
+                        let timer = slow
+                            .deadline_timer
+                            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+                        // Out of time: one last try, answered as it comes (a refusal
+                        // past the deadline is final).
+                        ready!(timer.as_mut().poll(cx));
+                    }
                     match limiter.start(slow.tokens) {
                         Ok(p) => slow.pending = Some(InFlight::new(limiter.clone(), p.fut, p.ticket)),
                         Err(e) => {
+                            slow.wait = None;
                             this.state.set(State::Done);
                             return Poll::Ready(Err(Box::new(e)));
                         }

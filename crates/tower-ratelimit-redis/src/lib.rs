@@ -73,7 +73,7 @@ mod service;
 pub use backend::{Backend, Clock, Held, HoldScope, MemoryBackend, RedisBackend, ScopeHeld};
 pub use config::{
     DEFAULT_HOLD_REFRESH, DEFAULT_KEY_PREFIX, DEFAULT_LEASE_TTL, DEFAULT_SLOT_RETRY_AFTER, DEFAULT_WINDOW,
-    Mode, Quota, RENEW_FRACTION, RateLimitConfig,
+    MAX_WAIT_JITTER, Mode, Quota, RENEW_FRACTION, RateLimitConfig, SLOT_BACKOFF_DOUBLINGS,
 };
 pub use error::{BackendUnavailable, ConfigError, QuotaExceeded, RequestTooLarge, UnknownSource};
 pub use future::ResponseFuture;

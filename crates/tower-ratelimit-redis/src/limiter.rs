@@ -9,14 +9,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
-use pgw_core::{BackendUnavailable, BoxError, Hold, HoldFuture, SourceId};
+use pgw_core::{BackendUnavailable, BoxError, Hold, HoldFuture, QuotaExceeded, SourceId};
 
-use tokio::time::Instant;
+use tokio::time::{Instant, Sleep};
 
+use crate::backend::memory::Waiter;
 use crate::backend::{
     AnyGate, Backend, BackendFuture, Clock, Gate, Held, HoldScope, LeaseId, Settle, Verdict,
 };
-use crate::config::{RENEW_FRACTION, RateLimitConfig};
+use crate::config::{MAX_WAIT_JITTER, RENEW_FRACTION, RateLimitConfig, SLOT_BACKOFF_DOUBLINGS};
 use crate::error::{ConfigError, RequestTooLarge, UnknownSource};
 
 /// Lease ids, unique in the process: limiters of one account share the account's
@@ -58,6 +59,8 @@ struct Inner {
     counts_requests: bool,
     counts_tokens: bool,
     max_tokens: Option<(u64, String)>,
+    /// The state of the wait jitter's generator (splitmix64).
+    jitter: AtomicU64,
 }
 
 impl fmt::Debug for RateLimiter {
@@ -124,6 +127,7 @@ impl RateLimiter {
             };
             (t, scope)
         });
+        let jitter = AtomicU64::new(config.jitter_seed.unwrap_or_else(random_seed));
         Ok(Self {
             inner: Arc::new(Inner {
                 config,
@@ -133,6 +137,7 @@ impl RateLimiter {
                 counts_requests,
                 counts_tokens,
                 max_tokens,
+                jitter,
             }),
         })
     }
@@ -351,6 +356,107 @@ impl RateLimiter {
                 note(&r);
                 r
             })),
+        }
+    }
+}
+
+/// A seed for a limiter's jitter when none is configured: different in every limiter
+/// and process, so waits spread instead of falling in step.
+fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(NEXT_LEASE.fetch_add(1, Ordering::Relaxed));
+    h.finish()
+}
+
+/// A wait before another try at admission ([`Mode::Wait`](crate::Mode::Wait)).
+#[derive(Debug)]
+pub(crate) enum Wait {
+    /// Redis: a sleep keyed to the refusal's `retry_after`, with jitter.
+    Sleep(Pin<Box<Sleep>>),
+    /// Memory: a place in the refusing scope's queue, woken when a slot frees for it.
+    Queue(Waiter),
+}
+
+impl RateLimiter {
+    /// Checks only the size of a request: what can never be admitted.
+    pub(crate) fn check_size(&self, tokens: u64) -> Result<(), RequestTooLarge> {
+        match &self.inner.max_tokens {
+            Some((max, scope)) if tokens > *max => Err(RequestTooLarge::new(tokens, *max, scope.clone())),
+            _ => Ok(()),
+        }
+    }
+
+    /// How to wait out `refused` (the `refusals`-th in a row): a place in the queue of
+    /// the refusing scope (memory, kept from `prev` when it is the same scope), or a
+    /// sleep (Redis): `retry_after` plus up to a quarter of it (at most
+    /// [`MAX_WAIT_JITTER`]) when the clock frees the slot (window, hold), or a backoff
+    /// from `retry_after` doubling per refusal ([`SLOT_BACKOFF_DOUBLINGS`] times at
+    /// most), plus up to half of it, when only a release does (concurrency).
+    pub(crate) fn wait(&self, refused: &QuotaExceeded, refusals: u32, prev: Option<Wait>) -> Wait {
+        match &self.inner.gate {
+            AnyGate::Memory(g) => {
+                let prev = match prev {
+                    Some(Wait::Queue(w)) => Some(w),
+                    _ => None,
+                };
+                Wait::Queue(g.enqueue(refused.scope(), prev))
+            }
+            AnyGate::Redis(_) => Wait::Sleep(Box::pin(tokio::time::sleep(self.backoff(refused, refusals)))),
+        }
+    }
+
+    fn backoff(&self, refused: &QuotaExceeded, refusals: u32) -> Duration {
+        let ra = refused.retry_after();
+        // A uniform fraction in [0, 1).
+        #[allow(clippy::cast_precision_loss, reason = "53 random bits")]
+        let frac = (self.next_random() >> 11) as f64 / (1u64 << 53) as f64;
+        if refused.dimension() == "concurrency" {
+            let base = ra
+                .max(Duration::from_millis(1))
+                .saturating_mul(1 << refusals.min(SLOT_BACKOFF_DOUBLINGS));
+            base.saturating_add(base.mul_f64(frac / 2.0))
+        } else {
+            ra.saturating_add((ra / 4).min(MAX_WAIT_JITTER).mul_f64(frac))
+        }
+    }
+
+    /// splitmix64 over an atomic state: lock-free, seedable.
+    fn next_random(&self) -> u64 {
+        const GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
+        let mut z = self
+            .inner
+            .jitter
+            .fetch_add(GAMMA, Ordering::Relaxed)
+            .wrapping_add(GAMMA);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Ready when the wait is over: try again.
+    pub(crate) fn poll_wait(&self, w: &mut Wait, tokens: u64, cx: &mut Context<'_>) -> Poll<()> {
+        match (w, &self.inner.gate) {
+            (Wait::Sleep(s), _) => s.as_mut().poll(cx),
+            (Wait::Queue(w), AnyGate::Memory(g)) => g.poll_wait(w, tokens, cx),
+            (Wait::Queue(_), AnyGate::Redis(_)) => Poll::Ready(()),
+        }
+    }
+
+    /// The wait ended in an admission: a queue hands on to the next in line when room
+    /// is left.
+    pub(crate) fn waited(&self, w: Wait) {
+        if let (Wait::Queue(w), AnyGate::Memory(g)) = (w, &self.inner.gate) {
+            g.admitted(w);
+        }
+    }
+
+    /// A place behind the admissions already waiting in one of this limiter's scopes
+    /// (memory), so a newcomer does not take the slot they wait for.
+    pub(crate) fn queue_ahead(&self) -> Option<Wait> {
+        match &self.inner.gate {
+            AnyGate::Memory(g) => g.queue_ahead().map(Wait::Queue),
+            AnyGate::Redis(_) => None,
         }
     }
 }
@@ -765,5 +871,52 @@ impl Hold for RateLimiter {
                 Box::new(UnknownSource(source.to_string())) as BoxError,
             )))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{MemoryBackend, Quota};
+
+    fn limiter(seed: u64) -> RateLimiter {
+        RateLimiter::new(
+            RateLimitConfig::new("s", Quota::unlimited()).jitter_seed(seed),
+            MemoryBackend::new(),
+        )
+        .unwrap()
+    }
+
+    /// A wait whose end the clock knows lands after it, by at most a quarter of it
+    /// (capped); a wait for a slot doubles, capped, with up to half as much jitter;
+    /// one seed replays the same waits, another spreads them.
+    #[test]
+    fn backoff_is_keyed_to_retry_after_with_jitter() {
+        let l = limiter(1);
+        let window = QuotaExceeded::new("rpm", Duration::from_millis(400));
+        let long = QuotaExceeded::new("hold", Duration::from_secs(60));
+        let slot = QuotaExceeded::new("concurrency", Duration::from_millis(50));
+        for _ in 0..100 {
+            let w = l.backoff(&window, 3);
+            assert!(
+                w >= Duration::from_millis(400) && w <= Duration::from_millis(500),
+                "{w:?}"
+            );
+            let w = l.backoff(&long, 0);
+            assert!(w >= Duration::from_secs(60) && w <= Duration::from_secs(60) + MAX_WAIT_JITTER);
+        }
+        for (refusals, base) in [(0, 50), (1, 100), (2, 200), (4, 800), (9, 800)] {
+            let w = l.backoff(&slot, refusals);
+            let base = Duration::from_millis(base);
+            assert!(w >= base && w <= base * 3 / 2, "{refusals}: {w:?}");
+        }
+        let waits = |seed| {
+            (0..8)
+                .map(|_| limiter(seed).backoff(&window, 0))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(waits(5), waits(5));
+        let (a, b) = (limiter(5), limiter(6));
+        assert_ne!(a.backoff(&window, 0), b.backoff(&window, 0));
     }
 }

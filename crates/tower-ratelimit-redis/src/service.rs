@@ -112,6 +112,16 @@ where
         let shared = &self.shared;
         let limiter = &shared.limiter;
         let tokens = shared.estimate.estimate(&req);
+        if let Mode::Wait { max_wait } = limiter.config().mode
+            && let Some(wait) = limiter.queue_ahead()
+        {
+            // Others wait already: behind them, first come first served.
+            if let Err(e) = limiter.check_size(tokens) {
+                return ResponseFuture::failed(shared, Box::new(e));
+            }
+            let inner = take_ready(&mut self.inner);
+            return ResponseFuture::behind(shared, inner, req, tokens, max_wait, wait);
+        }
         let Pending { fut, ticket } = match limiter.start(tokens) {
             Ok(p) => p,
             Err(e) => return ResponseFuture::failed(shared, Box::new(e)),

@@ -290,6 +290,60 @@ async fn redis_commands_per_call() {
     }
 }
 
+/// Waiting on Redis never polls: a wait for the window's end is one try at its end
+/// (with jitter after it), and a wait for a slot backs off, doubling from the 50 ms
+/// hint: a second's wait costs a handful of tries, not twenty. Counted in `EVALSHA`
+/// (admission tries are the limiter's only round trips here).
+#[tokio::test]
+async fn waiting_on_redis_tries_by_retry_after_not_by_poll() {
+    use tower_ratelimit_redis::Mode;
+    let server = PrivateRedis::start();
+    let conn = RedisConn::connect(&RedisTarget::Standalone(server.url()))
+        .await
+        .unwrap();
+    let wait = Mode::Wait { max_wait: None };
+    let l = RateLimiter::new(
+        RateLimitConfig::new("s1", Quota::unlimited().requests(1))
+            .window(Duration::from_secs(1))
+            .mode(wait)
+            .jitter_seed(7),
+        RedisBackend::new(conn.clone()),
+    )
+    .unwrap();
+    let mut svc = RateLimitLayer::new(l.clone())
+        .token_estimate(NoTokens)
+        .usage(NoTokens)
+        .layer(service_fn(|_: ()| async { Ok::<_, BoxError>(()) }));
+    svc.ready().await.unwrap().call(()).await.unwrap();
+    let (before, _) = commands(&conn).await;
+    svc.ready().await.unwrap().call(()).await.unwrap();
+    let (after, _) = commands(&conn).await;
+    assert_eq!(after - before, 2, "refused once, admitted at the window's end");
+    assert_eq!((l.stats().admitted, l.stats().refused), (2, 1));
+
+    let l = RateLimiter::new(
+        RateLimitConfig::new("s2", Quota::unlimited().concurrency(1))
+            .mode(wait)
+            .jitter_seed(7),
+        RedisBackend::new(conn.clone()),
+    )
+    .unwrap();
+    let svc = RateLimitLayer::new(l.clone())
+        .token_estimate(NoTokens)
+        .usage(NoTokens)
+        .layer(service_fn(|_: ()| async { Ok::<_, BoxError>(()) }));
+    let held = l.acquire(0).await.unwrap();
+    let waiter = tokio::spawn(svc.oneshot(()));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let refused = l.stats().refused;
+    // A 50 ms poll would have tried 20 times; 0, 50, 150, 350, 750 ms (plus jitter).
+    assert!((2..=5).contains(&refused), "{refused} tries in a second");
+    held.finish(None).await.unwrap();
+    waiter.await.unwrap().unwrap();
+    assert_eq!(l.stats().admitted, 2);
+    assert_eq!(l.held().await.unwrap().leases(), 0);
+}
+
 /// A limiter with nothing to enforce admits from its cached holds: a hold set through
 /// this process is honoured at once; one set by another process is honoured by every
 /// admission that starts `hold_refresh` after it; and with the server gone, admission

@@ -1,13 +1,15 @@
 //! The memory backend: the same contract as Redis, for one process, on the tokio clock.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use pgw_core::{BackendUnavailable, QuotaExceeded};
-use tokio::time::Instant;
+use tokio::time::{Instant, Sleep};
 
 use super::{
     BackendFuture, Clock, Gate, Held, HoldScope, LeaseId, ScopeHeld, ScopeKind, ScopeSpec, Settle, Verdict,
@@ -44,9 +46,101 @@ impl Default for MemoryBackend {
     }
 }
 
-/// The state of one scope. Times are nanoseconds since the backend's creation.
+/// One scope: its state (times are nanoseconds since the backend's creation) and the
+/// queue of admissions waiting for it ([`Mode::Wait`](crate::Mode::Wait)).
 #[derive(Debug, Default)]
-struct Cell(Mutex<ScopeState>);
+struct Cell {
+    state: Mutex<ScopeState>,
+    queue: Mutex<Queue>,
+    /// How many wait in `queue`: read without its lock, so a release with nobody
+    /// waiting costs one load.
+    queued: AtomicUsize,
+}
+
+/// Waiting admissions of one scope, first come first served.
+#[derive(Debug, Default)]
+struct Queue {
+    next_id: u64,
+    waiters: VecDeque<Place>,
+}
+
+/// One waiting admission's place in a [`Queue`].
+#[derive(Debug)]
+struct Place {
+    id: u64,
+    waker: Option<Waker>,
+    /// Woken to try again (a slot freed, or the one before it was admitted and saw
+    /// room left); cleared when it tries.
+    woken: bool,
+}
+
+impl Cell {
+    /// Wakes the first waiter not woken yet, to try again: one per freed slot.
+    fn wake_one(&self) {
+        if self.queued.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let mut q = lock(&self.queue);
+        if let Some(p) = q.waiters.iter_mut().find(|p| !p.woken) {
+            p.woken = true;
+            if let Some(w) = p.waker.take() {
+                w.wake();
+            }
+        }
+    }
+}
+
+/// A waiting admission's place in the queue of the scope that refused it.
+///
+/// Only the first in the queue keeps a timer (for what only the clock frees: a window's
+/// end, a hold's end, a lease's TTL); the others sleep until a freed slot or the one
+/// before them wakes them. Dropping it gives up the place: a wake-up it received and
+/// did not use goes to the next in line, and a new first in line is woken to start
+/// its timer.
+pub(crate) struct Waiter {
+    cell: Arc<Cell>,
+    scope: usize,
+    id: u64,
+    timer: Option<Pin<Box<Sleep>>>,
+}
+
+impl fmt::Debug for Waiter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Waiter")
+            .field("scope", &self.scope)
+            .field("id", &self.id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for Waiter {
+    fn drop(&mut self) {
+        let mut q = lock(&self.cell.queue);
+        let Some(pos) = q.waiters.iter().position(|p| p.id == self.id) else {
+            return;
+        };
+        let gone = q.waiters.remove(pos).expect("position is in the queue");
+        self.cell.queued.store(q.waiters.len(), Ordering::Release);
+        let next = if gone.woken {
+            // Its wake-up is the next one's.
+            let next = q.waiters.iter_mut().find(|p| !p.woken);
+            if let Some(p) = next {
+                p.woken = true;
+                Some(p)
+            } else {
+                None
+            }
+        } else if pos == 0 {
+            // A new first in line: it starts its timer (no retry unless it is due).
+            q.waiters.front_mut()
+        } else {
+            None
+        };
+        if let Some(w) = next.and_then(|p| p.waker.take()) {
+            w.wake();
+        }
+    }
+}
 
 #[derive(Debug, Default)]
 struct ScopeState {
@@ -217,7 +311,7 @@ impl MemoryGate {
         let now = self.since_base(instant);
         let win = self.window_of(now);
         let lease = lease.map(|id| (id, now.saturating_add(self.lease_ttl_ns)));
-        let mut a = lock(&self.first.cell.0);
+        let mut a = lock(&self.first.cell.state);
         a.roll(win);
         let verdict = match &self.second {
             None => {
@@ -229,7 +323,7 @@ impl MemoryGate {
                 }
             }
             Some(second) => {
-                let mut b = lock(&second.cell.0);
+                let mut b = lock(&second.cell.state);
                 b.roll(win);
                 if a.fits(&self.first.quota, now, tokens) && b.fits(&second.quota, now, tokens) {
                     a.reserve(&self.first.quota, tokens, lease);
@@ -292,15 +386,153 @@ impl MemoryGate {
 
     fn settle_now(&self, s: Settle) {
         for scope in self.scopes() {
-            let mut st = lock(&scope.cell.0);
+            let mut st = lock(&scope.cell.state);
+            let mut freed = false;
             if st.window == s.window {
                 st.requests = st.requests.saturating_add_signed(s.requests);
                 st.tokens = st.tokens.saturating_add_signed(s.tokens);
+                freed = s.requests < 0 || s.tokens < 0;
             }
             if let Some(id) = s.lease {
+                let before = st.leases.len();
                 st.leases.retain(|&(l, _)| l != id);
+                freed |= st.leases.len() < before;
+            }
+            drop(st);
+            if freed {
+                scope.cell.wake_one();
             }
         }
+    }
+
+    /// The scope named `label` (`source:NAME` / `account:NAME`), else the source.
+    fn scope_index(&self, label: Option<&str>) -> usize {
+        self.scopes()
+            .position(|s| Some(&*s.spec.label) == label)
+            .unwrap_or(usize::from(self.second.is_some()))
+    }
+
+    fn scope_at(&self, i: usize) -> &Scope {
+        self.scopes().nth(i).expect("a scope index of this gate")
+    }
+
+    /// A place at the back of the queue of the scope named `label` (the one that
+    /// refused), or the same place when `prev` already is in that queue.
+    pub(crate) fn enqueue(&self, label: Option<&str>, prev: Option<Waiter>) -> Waiter {
+        let scope = self.scope_index(label);
+        if let Some(mut w) = prev
+            && w.scope == scope
+        {
+            // Keeps its place; its timer is recomputed on the next poll.
+            w.timer = None;
+            return w;
+        }
+        let cell = self.scope_at(scope).cell.clone();
+        let mut q = lock(&cell.queue);
+        let id = q.next_id;
+        q.next_id += 1;
+        q.waiters.push_back(Place {
+            id,
+            waker: None,
+            woken: false,
+        });
+        cell.queued.store(q.waiters.len(), Ordering::Release);
+        drop(q);
+        Waiter {
+            cell,
+            scope,
+            id,
+            timer: None,
+        }
+    }
+
+    /// The first scope with admissions waiting: a newcomer that waits queues behind
+    /// them (first come first served) instead of taking a slot they wait for.
+    pub(crate) fn queue_ahead(&self) -> Option<Waiter> {
+        let i = self
+            .scopes()
+            .position(|s| s.cell.queued.load(Ordering::Acquire) > 0)?;
+        let label = self.scope_at(i).spec.label.clone();
+        Some(self.enqueue(Some(&label), None))
+    }
+
+    /// Ready when `w` should try again: woken (a slot freed for it), or first in line
+    /// and its scope's clock-bound refusal (window, hold, lease TTL) is over.
+    pub(crate) fn poll_wait(&self, w: &mut Waiter, tokens: u64, cx: &mut Context<'_>) -> Poll<()> {
+        let mut q = lock(&w.cell.queue);
+        let pos = q
+            .waiters
+            .iter()
+            .position(|p| p.id == w.id)
+            .expect("a waiter is in its queue until dropped");
+        let place = &mut q.waiters[pos];
+        if place.woken {
+            place.woken = false;
+            return Poll::Ready(());
+        }
+        if !place.waker.as_ref().is_some_and(|k| k.will_wake(cx.waker())) {
+            place.waker = Some(cx.waker().clone());
+        }
+        drop(q);
+        if pos != 0 {
+            w.timer = None;
+            return Poll::Pending;
+        }
+        if w.timer.is_none() {
+            let now = self.since_base(Instant::now());
+            let due = self.free_at(self.scope_at(w.scope), now, tokens);
+            if due <= now {
+                return Poll::Ready(());
+            }
+            let at = self.base + Duration::from_nanos(due);
+            w.timer = Some(Box::pin(tokio::time::sleep_until(at)));
+        }
+        let timer = w.timer.as_mut().expect("armed above");
+        if timer.as_mut().poll(cx).is_ready() {
+            w.timer = None;
+            return Poll::Ready(());
+        }
+        Poll::Pending
+    }
+
+    /// `w` was admitted: it leaves the queue, and wakes the next in line when its scope
+    /// still has room (a window that rolled over, a hold that ended, frees many slots at
+    /// once: each admitted waiter hands on to the next while room is left).
+    pub(crate) fn admitted(&self, w: Waiter) {
+        let scope = self.scope_at(w.scope);
+        let now = self.since_base(Instant::now());
+        let room = self.free_at(scope, now, 0) <= now;
+        let cell = w.cell.clone();
+        drop(w);
+        if room {
+            cell.wake_one();
+        }
+    }
+
+    /// When `scope` could next admit `tokens` by the clock alone (ns since base): now
+    /// when it fits, else the latest of the hold's end, the window's end (requests or
+    /// tokens full) and the first lease expiry (slots full).
+    fn free_at(&self, scope: &Scope, now: u64, tokens: u64) -> u64 {
+        let win = self.window_of(now);
+        let mut st = lock(&scope.cell.state);
+        st.roll(win);
+        let q = &scope.quota;
+        let mut due = now;
+        if st.hold_until > now {
+            due = due.max(st.hold_until);
+        }
+        if q.requests.is_some_and(|r| st.requests >= r)
+            || q.tokens.is_some_and(|t| st.tokens.saturating_add(tokens) > t)
+        {
+            due = due.max(win.saturating_add(1).saturating_mul(self.window_ns));
+        }
+        if let Some(c) = q.concurrency
+            && st.live_leases(now) >= c
+        {
+            let first = st.leases.iter().map(|&(_, e)| e).min().unwrap_or(now);
+            due = due.max(first);
+        }
+        due
     }
 
     /// `true` when every scope with a concurrency limit still held the lease (as the
@@ -311,7 +543,7 @@ impl MemoryGate {
         self.scopes()
             .filter(|s| s.quota.concurrency.is_some())
             .map(|scope| {
-                let mut st = lock(&scope.cell.0);
+                let mut st = lock(&scope.cell.state);
                 let found = st.leases.iter_mut().find(|(l, _)| *l == id);
                 found.map(|(_, e)| *e = exp).is_some()
             })
@@ -322,7 +554,7 @@ impl MemoryGate {
         let until = self.since_base(Instant::now()).saturating_add(nanos(d));
         for scope in self.scopes() {
             if scope.spec.held_by(which, self.has_account) {
-                let mut st = lock(&scope.cell.0);
+                let mut st = lock(&scope.cell.state);
                 st.hold_until = st.hold_until.max(until);
             }
         }
@@ -336,7 +568,7 @@ impl MemoryGate {
         let mut source = None;
         let mut account = None;
         for scope in self.scopes() {
-            let st = lock(&scope.cell.0);
+            let st = lock(&scope.cell.state);
             let live = st.leases.iter().filter(|&&(_, exp)| exp > now);
             let held = ScopeHeld {
                 scope: scope.spec.label.to_string(),
