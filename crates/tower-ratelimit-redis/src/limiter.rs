@@ -182,13 +182,9 @@ impl RateLimiter {
     }
 
     /// Starts one admission of `tokens`: refused at once when it can never fit.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn start(&self, tokens: u64) -> Result<Pending, RequestTooLarge> {
-        if let Some((max, scope)) = &self.inner.max_tokens
-            && tokens > *max
-        {
-            return Err(RequestTooLarge::new(tokens, *max, scope.clone()));
-        }
+        self.check_size(tokens)?;
         let lease = self
             .inner
             .uses_leases
@@ -199,17 +195,32 @@ impl RateLimiter {
         })
     }
 
+    /// Starts one admission and, when the backend answers at once (memory), concludes
+    /// it: the hot path, without the backend future's wrapping.
+    #[inline(always)]
+    pub(crate) fn start_now(&self, tokens: u64) -> Result<Started, RequestTooLarge> {
+        if let AnyGate::Memory(g) = &self.inner.gate {
+            self.check_size(tokens)?;
+            let lease = self
+                .inner
+                .uses_leases
+                .then(|| NEXT_LEASE.fetch_add(1, Ordering::Relaxed));
+            let ticket = Ticket { tokens, lease };
+            return Ok(Started::Now(ticket, g.admit_now(tokens, lease)));
+        }
+        self.start(tokens).map(Started::Later)
+    }
+
     /// Turns a backend answer into a permit or a boxed not-admitted/unavailable error.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn conclude(
         &self,
         ticket: Ticket,
         verdict: Result<Verdict, BackendUnavailable>,
     ) -> Result<Permit, BoxError> {
-        let s = &self.inner.stats;
         match verdict {
             Ok(Verdict::Admitted { at, window, local }) => {
-                s.admitted.fetch_add(1, Ordering::Relaxed);
+                self.inner.stats.admitted.fetch_add(1, Ordering::Relaxed);
                 Ok(Permit {
                     admission: Admission {
                         limiter: self.clone(),
@@ -222,15 +233,47 @@ impl RateLimiter {
                     armed: true,
                 })
             }
+            other => Err(self.not_admitted(other)),
+        }
+    }
+
+    /// [`conclude`](Self::conclude) for a verdict answered at once.
+    #[inline(always)]
+    pub(crate) fn conclude_now(&self, ticket: Ticket, verdict: Verdict) -> Result<Permit, BoxError> {
+        match verdict {
+            Verdict::Admitted { at, window, local } => {
+                self.inner.stats.admitted.fetch_add(1, Ordering::Relaxed);
+                Ok(Permit {
+                    admission: Admission {
+                        limiter: self.clone(),
+                        at,
+                        window,
+                        tokens: ticket.tokens,
+                    },
+                    lease: ticket.lease,
+                    local,
+                    armed: true,
+                })
+            }
+            refused @ Verdict::Refused(_) => Err(self.not_admitted(Ok(refused))),
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn not_admitted(&self, verdict: Result<Verdict, BackendUnavailable>) -> BoxError {
+        let s = &self.inner.stats;
+        match verdict {
             Ok(Verdict::Refused(q)) => {
                 s.refused.fetch_add(1, Ordering::Relaxed);
-                Err(Box::new(q))
+                Box::new(q)
             }
             Err(e) => {
                 s.unavailable.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(source = %self.inner.config.source, error = %e, "rate limit admission failed closed");
-                Err(Box::new(e))
+                Box::new(e)
             }
+            Ok(Verdict::Admitted { .. }) => unreachable!("admissions are concluded by `conclude`"),
         }
     }
 
@@ -360,6 +403,11 @@ impl RateLimiter {
     }
 }
 
+#[cold]
+fn too_large(tokens: u64, max: u64, scope: &str) -> RequestTooLarge {
+    RequestTooLarge::new(tokens, max, scope.to_owned())
+}
+
 /// A seed for a limiter's jitter when none is configured: different in every limiter
 /// and process, so waits spread instead of falling in step.
 fn random_seed() -> u64 {
@@ -380,9 +428,10 @@ pub(crate) enum Wait {
 
 impl RateLimiter {
     /// Checks only the size of a request: what can never be admitted.
+    #[inline]
     pub(crate) fn check_size(&self, tokens: u64) -> Result<(), RequestTooLarge> {
         match &self.inner.max_tokens {
-            Some((max, scope)) if tokens > *max => Err(RequestTooLarge::new(tokens, *max, scope.clone())),
+            Some((max, scope)) if tokens > *max => Err(too_large(tokens, *max, scope)),
             _ => Ok(()),
         }
     }
@@ -459,6 +508,13 @@ impl RateLimiter {
             AnyGate::Redis(_) => None,
         }
     }
+}
+
+/// An admission answered at once, or in flight.
+#[derive(Debug)]
+pub(crate) enum Started {
+    Now(Ticket, Verdict),
+    Later(Pending),
 }
 
 /// An admission in flight.
@@ -708,8 +764,18 @@ impl Permit {
         self.local
     }
 
+    #[inline]
     pub(crate) fn end(mut self, ending: Ending) -> BackendFuture<Result<(), BackendUnavailable>> {
         self.armed = false;
+        let inner = &self.admission.limiter.inner;
+        let changes = self.lease.is_some()
+            || match ending {
+                Ending::Finished(used) => inner.counts_tokens && used.is_some(),
+                Ending::Refunded => inner.counts_requests || inner.counts_tokens,
+            };
+        if !changes {
+            return BackendFuture::ready(Ok(()));
+        }
         let tokens = i64::try_from(self.admission.tokens).unwrap_or(i64::MAX);
         let (requests, tokens) = match ending {
             Ending::Finished(None) => (0, 0),
