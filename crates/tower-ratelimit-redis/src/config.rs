@@ -131,6 +131,12 @@ pub enum Mode {
     ///
     /// The wait happens in the response future, not in `poll_ready`: the token
     /// reservation depends on the request, which `poll_ready` does not see.
+    ///
+    /// Memory: a first-come-first-served queue per scope; a freed slot (a release, a
+    /// refund, a window's or a hold's end) wakes one waiter, and a newcomer queues
+    /// behind those already waiting. Redis (which cannot wake a waiter): another try
+    /// at the refusal's `retry_after` plus jitter ([`MAX_WAIT_JITTER`]), or for a slot
+    /// after a backoff doubling per refusal ([`SLOT_BACKOFF_DOUBLINGS`]).
     Wait {
         /// The longest a request waits for admission; `None` waits as long as it takes.
         max_wait: Option<Duration>,
