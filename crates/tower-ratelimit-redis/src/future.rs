@@ -82,7 +82,7 @@ impl<S, Req, E, U: Clone, O> ResponseFuture<S, Req, E, U, O>
 where
     S: Service<Req>,
 {
-    #[inline]
+    #[inline(always)]
     fn new(shared: &Hooks<E, U, O>, state: State<S::Future>) -> Self {
         Self {
             state,
@@ -114,7 +114,7 @@ where
         f
     }
 
-    #[inline]
+    #[inline(always)]
     pub(crate) fn calling(shared: &Arc<Hooks<E, U, O>>, fut: S::Future, permit: Permit) -> Self {
         let mut f = Self::new(shared, State::Calling { fut });
         f.renew = renewal(&permit);
