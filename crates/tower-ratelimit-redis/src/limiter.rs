@@ -829,6 +829,7 @@ impl Permit {
 }
 
 impl Drop for Permit {
+    #[inline]
     fn drop(&mut self) {
         if !self.armed || self.lease.is_none() {
             return;
@@ -849,8 +850,16 @@ impl Drop for Permit {
 /// The operation is polled once here, before it is handed to a task: that puts its
 /// command on the (multiplexed) connection now, ahead of whatever this caller sends
 /// next, so a release is never overtaken by the caller's next admission.
+#[inline]
 pub(crate) fn detach<T: Send + 'static>(fut: BackendFuture<T>) {
-    if let BackendFuture::Pending(mut f) = fut {
+    if let BackendFuture::Pending(f) = fut {
+        detach_pending(f);
+    }
+}
+
+#[cold]
+fn detach_pending<T: Send + 'static>(mut f: Pin<Box<dyn Future<Output = T> + Send + 'static>>) {
+    {
         let Ok(h) = tokio::runtime::Handle::try_current() else {
             tracing::warn!("no tokio runtime to release a concurrency lease; it expires by its TTL");
             return;
