@@ -67,9 +67,17 @@ static NONCE: LazyLock<u64> = LazyLock::new(|| {
 
 /// Limiter state in Redis, shared by every process.
 ///
-/// Cheap to clone (one multiplexed connection underneath). Clones share the cache of
-/// holds that limiters with nothing else to enforce read instead of Redis (see the
-/// module documentation of the key layout in the crate README).
+/// Cheap to clone (one multiplexed connection underneath). Give every limiter of a
+/// process clones of one backend: they share its cache of holds.
+///
+/// A limiter whose scopes limit nothing (no requests, tokens or concurrency quota)
+/// has only holds to honour and makes no round trip to admit or settle: it reads that
+/// cache. A hold set through any limiter of the backend is in it as soon as its round
+/// trip answers; a hold set by another process is read at most once per
+/// [`RateLimitConfig::hold_refresh`] (default
+/// [`DEFAULT_HOLD_REFRESH`](crate::DEFAULT_HOLD_REFRESH)) per limiter, so every
+/// admission that starts that long after the hold was set honours it. With Redis
+/// unreachable, such a limiter fails closed once its cache is older than that.
 #[derive(Clone)]
 pub struct RedisBackend {
     conn: RedisConn,
