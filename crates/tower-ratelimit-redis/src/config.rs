@@ -28,6 +28,29 @@ pub const RENEW_FRACTION: u32 = 3;
 /// interval (shorter when the earliest lease expires sooner).
 pub const DEFAULT_SLOT_RETRY_AFTER: Duration = Duration::from_millis(50);
 
+/// How stale the holds of a Redis limiter with nothing else to enforce may be: 1 s.
+///
+/// Such a limiter (no requests, tokens or concurrency quota in any scope) admits from a
+/// cache of its holds, without a round trip; a hold set through this process is in the
+/// cache at once, one set by another process is read within this time (one read-only
+/// round trip per limiter per `hold_refresh / 2` while traffic flows). One second lets
+/// at most a second of this process's calls reach a provider that another process was
+/// told to leave alone (a 429's `Retry-After` is whole seconds), for a Redis cost that
+/// no longer grows with traffic.
+pub const DEFAULT_HOLD_REFRESH: Duration = Duration::from_secs(1);
+
+/// The most jitter added to a Redis wait whose end the clock knows (a window's end, a
+/// hold's end): 250 ms, and at most a quarter of the wait. Waiters refused in one
+/// window spread over the start of the next instead of arriving together.
+pub const MAX_WAIT_JITTER: Duration = Duration::from_millis(250);
+
+/// How often a Redis wait for a concurrency slot doubles its backoff: 4 times (from
+/// the `retry_after` hint, [`DEFAULT_SLOT_RETRY_AFTER`]: 50, 100, 200, 400, then 800 ms
+/// between tries, plus up to half as much jitter). A slot frees when some call ends,
+/// which no clock predicts, and Redis cannot wake a waiter: this bounds the tries of a
+/// long wait to about one a second, not twenty.
+pub const SLOT_BACKOFF_DOUBLINGS: u32 = 4;
+
 /// Default Redis key prefix: `pgw:rl`.
 pub const DEFAULT_KEY_PREFIX: &str = "pgw:rl";
 
@@ -108,6 +131,12 @@ pub enum Mode {
     ///
     /// The wait happens in the response future, not in `poll_ready`: the token
     /// reservation depends on the request, which `poll_ready` does not see.
+    ///
+    /// Memory: a first-come-first-served queue per scope; a freed slot (a release, a
+    /// refund, a window's or a hold's end) wakes one waiter, and a newcomer queues
+    /// behind those already waiting. Redis (which cannot wake a waiter): another try
+    /// at the refusal's `retry_after` plus jitter ([`MAX_WAIT_JITTER`]), or for a slot
+    /// after a backoff doubling per refusal ([`SLOT_BACKOFF_DOUBLINGS`]).
     Wait {
         /// The longest a request waits for admission; `None` waits as long as it takes.
         max_wait: Option<Duration>,
@@ -136,6 +165,8 @@ pub struct RateLimitConfig {
     pub(crate) mode: Mode,
     pub(crate) key_prefix: String,
     pub(crate) response_timeout: Duration,
+    pub(crate) hold_refresh: Duration,
+    pub(crate) jitter_seed: Option<u64>,
 }
 
 impl RateLimitConfig {
@@ -151,6 +182,8 @@ impl RateLimitConfig {
             mode: Mode::Shed,
             key_prefix: DEFAULT_KEY_PREFIX.to_owned(),
             response_timeout: pgw_core::redis_conn::DEFAULT_RESPONSE_TIMEOUT,
+            hold_refresh: DEFAULT_HOLD_REFRESH,
+            jitter_seed: None,
         }
     }
 
@@ -206,6 +239,24 @@ impl RateLimitConfig {
         self
     }
 
+    /// How stale the cached holds of a Redis limiter with nothing else to enforce may
+    /// be (default [`DEFAULT_HOLD_REFRESH`]); `Duration::ZERO` reads them on every
+    /// admission. Ignored by the memory backend, and by limiters with a quota (their
+    /// admission script reads the holds).
+    #[must_use]
+    pub const fn hold_refresh(mut self, every: Duration) -> Self {
+        self.hold_refresh = every;
+        self
+    }
+
+    /// Seeds the jitter of [`Mode::Wait`]'s waits on the Redis backend (default: a
+    /// random seed per limiter), so a test can replay them.
+    #[must_use]
+    pub const fn jitter_seed(mut self, seed: u64) -> Self {
+        self.jitter_seed = Some(seed);
+        self
+    }
+
     /// The source this limiter guards.
     #[must_use]
     pub const fn source_name(&self) -> &SourceId {
@@ -247,6 +298,12 @@ impl RateLimitConfig {
             return Err(crate::error::config_error(
                 "lease_ttl",
                 "must be a whole number of milliseconds, at least 3 ms and at most 366 days",
+            ));
+        }
+        if self.hold_refresh > MAX_PERIOD {
+            return Err(crate::error::config_error(
+                "hold_refresh",
+                "must be at most 366 days",
             ));
         }
         if self.response_timeout.is_zero() {

@@ -7,23 +7,21 @@ use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
-use pgw_core::{BackendUnavailable, BoxError, NotAdmitted, QuotaExceeded};
+use pgw_core::{BoxError, NotAdmitted, QuotaExceeded};
 use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
 use tower_service::Service;
 
-use crate::backend::BackendFuture;
 use crate::hooks::{AdmissionObserver, UsageReport};
-use crate::limiter::{Ending, InFlight, Pending, Permit, detach};
+use crate::limiter::{Ending, InFlight, Pending, Permit, Wait, detach};
 use crate::service::Hooks;
 
 pin_project! {
     #[project = StateProj]
     enum State<F> {
         Admitting,
-        Waiting { sleep: Pin<Box<Sleep>> },
+        Waiting,
         Calling { #[pin] fut: F },
-        Settling,
         Failed,
         Done,
     }
@@ -33,8 +31,10 @@ pin_project! {
     /// The response future of [`RateLimit`](crate::RateLimit).
     ///
     /// It owns the [`Permit`]: dropping it (or a panic unwinding through it) releases
-    /// the concurrency lease; a settle still in flight finishes in the background, and
-    /// an admission still in flight (Redis) is refunded when it answers.
+    /// the concurrency lease, and an admission still in flight (Redis) is refunded when
+    /// it answers. The answer is returned as soon as the inner service gives it: the
+    /// settle (reconcile and release) that follows never delays it; a settle round trip
+    /// finishes in the background.
     ///
     /// Small on the path answered at once (memory): the state of the admission round
     /// trip or of a wait is boxed, allocated only on those paths.
@@ -52,7 +52,7 @@ pin_project! {
     }
 }
 
-/// What only the admission round trip, a wait or a settle in flight needs.
+/// What only the admission round trip or a wait needs.
 struct Slow<S: Service<Req>, Req, E, U, O> {
     shared: Arc<Hooks<E, U, O>>,
     inner: Option<S>,
@@ -60,8 +60,11 @@ struct Slow<S: Service<Req>, Req, E, U, O> {
     pending: Option<InFlight>,
     tokens: u64,
     deadline: Option<Instant>,
-    settling: Option<Detached>,
-    output: Option<Result<S::Response, BoxError>>,
+    /// The wait for another try, and how many refusals it has waited out (the Redis
+    /// backoff for slots grows with them).
+    wait: Option<Wait>,
+    refusals: u32,
+    deadline_timer: Option<Pin<Box<Sleep>>>,
 }
 
 impl<S, Req, E, U, O> fmt::Debug for ResponseFuture<S, Req, E, U, O>
@@ -75,22 +78,11 @@ where
     }
 }
 
-/// A settle in flight; finished in the background if the future is dropped first.
-struct Detached(Option<BackendFuture<Result<(), BackendUnavailable>>>);
-
-impl Drop for Detached {
-    fn drop(&mut self) {
-        if let Some(f) = self.0.take() {
-            detach(f);
-        }
-    }
-}
-
 impl<S, Req, E, U: Clone, O> ResponseFuture<S, Req, E, U, O>
 where
     S: Service<Req>,
 {
-    #[inline]
+    #[inline(always)]
     fn new(shared: &Hooks<E, U, O>, state: State<S::Future>) -> Self {
         Self {
             state,
@@ -110,8 +102,9 @@ where
             pending: None,
             tokens,
             deadline: None,
-            settling: None,
-            output: None,
+            wait: None,
+            refusals: 0,
+            deadline_timer: None,
         })
     }
 
@@ -121,7 +114,7 @@ where
         f
     }
 
-    #[inline]
+    #[inline(always)]
     pub(crate) fn calling(shared: &Arc<Hooks<E, U, O>>, fut: S::Future, permit: Permit) -> Self {
         let mut f = Self::new(shared, State::Calling { fut });
         f.renew = renewal(&permit);
@@ -155,10 +148,37 @@ where
         if deadline.is_some_and(|d| now.checked_add(refused.retry_after()).is_none_or(|t| t > d)) {
             return Self::failed(shared, Box::new(refused));
         }
-        let sleep = Box::pin(tokio::time::sleep(refused.retry_after()));
-        let mut f = Self::new(shared, State::Waiting { sleep });
+        let wait = shared.limiter.wait(&refused, 0, None);
+        Self::queued(shared, inner, req, tokens, deadline, wait)
+    }
+
+    /// Waits behind admissions already waiting (first come first served), without
+    /// trying first.
+    pub(crate) fn behind(
+        shared: &Arc<Hooks<E, U, O>>,
+        inner: S,
+        req: Req,
+        tokens: u64,
+        max_wait: Option<Duration>,
+        wait: Wait,
+    ) -> Self {
+        let deadline = max_wait.and_then(|w| Instant::now().checked_add(w));
+        Self::queued(shared, inner, req, tokens, deadline, wait)
+    }
+
+    fn queued(
+        shared: &Arc<Hooks<E, U, O>>,
+        inner: S,
+        req: Req,
+        tokens: u64,
+        deadline: Option<Instant>,
+        wait: Wait,
+    ) -> Self {
+        let mut f = Self::new(shared, State::Waiting);
         let mut slow = Self::slow(shared, inner, req, tokens);
         slow.deadline = deadline;
+        slow.wait = Some(wait);
+        slow.refusals = 1;
         f.slow = Some(slow);
         f
     }
@@ -213,26 +233,12 @@ where
                         this.state.set(State::Done);
                         return Poll::Ready(out);
                     }
-                    match permit.end(ending(this.usage, &out)).now_or() {
-                        Ok(_) => {
-                            this.state.set(State::Done);
-                            return Poll::Ready(out);
-                        }
-                        Err(f) => match this.slow.as_mut() {
-                            Some(slow) => {
-                                slow.settling = Some(Detached(Some(f)));
-                                slow.output = Some(out);
-                                this.state.set(State::Settling);
-                            }
-                            // Backends that answer admissions at once settle at once too;
-                            // should one not, its settle finishes in the background.
-                            None => {
-                                detach(f);
-                                this.state.set(State::Done);
-                                return Poll::Ready(out);
-                            }
-                        },
-                    }
+                    // The answer never waits for the settle (reconcile, release): a
+                    // round trip still in flight finishes in the background, its
+                    // command already on the connection (see `detach`).
+                    detach(permit.end(ending(this.usage, &out)));
+                    this.state.set(State::Done);
+                    return Poll::Ready(out);
                 }
                 StateProj::Admitting => {
                     let slow = this.slow.as_mut().expect("admitting without its state");
@@ -243,6 +249,9 @@ where
                     let shared = &slow.shared;
                     match shared.limiter.conclude(ticket, verdict) {
                         Ok(permit) => {
+                            if let Some(w) = slow.wait.take() {
+                                shared.limiter.waited(w);
+                            }
                             let req = slow.req.take().expect("request taken twice");
                             shared.observer.on_admission(&req, permit.admission());
                             let mut svc = slow.inner.take().expect("service taken twice");
@@ -253,48 +262,55 @@ where
                         }
                         Err(e) => match (waits(&shared.limiter), e.downcast::<QuotaExceeded>()) {
                             (true, Ok(q)) => {
+                                let now = Instant::now();
                                 if slow.deadline.is_some_and(|d| {
-                                    Instant::now().checked_add(q.retry_after()).is_none_or(|t| t > d)
+                                    now >= d || now.checked_add(q.retry_after()).is_none_or(|t| t > d)
                                 }) {
+                                    slow.wait = None;
                                     this.state.set(State::Done);
                                     return Poll::Ready(Err(q));
                                 }
-                                let sleep = Box::pin(tokio::time::sleep(q.retry_after()));
-                                this.state.set(State::Waiting { sleep });
+                                let wait = shared.limiter.wait(&q, slow.refusals, slow.wait.take());
+                                slow.wait = Some(wait);
+                                slow.refusals = slow.refusals.saturating_add(1);
+                                this.state.set(State::Waiting);
                             }
                             (_, Ok(q)) => {
                                 this.state.set(State::Done);
                                 return Poll::Ready(Err(q));
                             }
                             (_, Err(e)) => {
+                                slow.wait = None;
                                 this.state.set(State::Done);
                                 return Poll::Ready(Err(e));
                             }
                         },
                     }
                 }
-                StateProj::Waiting { sleep } => {
-                    ready!(sleep.as_mut().poll(cx));
+                StateProj::Waiting => {
                     let slow = this.slow.as_mut().expect("waiting without its state");
                     let limiter = &slow.shared.limiter;
+                    let wait = slow.wait.as_mut().expect("waiting without a wait");
+                    if limiter.poll_wait(wait, slow.tokens, cx).is_pending() {
+                        let Some(deadline) = slow.deadline else {
+                            return Poll::Pending;
+                        };
+                        let timer = slow
+                            .deadline_timer
+                            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+                        // Out of time: one last try, answered as it comes (a refusal
+                        // past the deadline is final).
+                        ready!(timer.as_mut().poll(cx));
+                    }
                     match limiter.start(slow.tokens) {
                         Ok(p) => slow.pending = Some(InFlight::new(limiter.clone(), p.fut, p.ticket)),
                         Err(e) => {
+                            slow.wait = None;
                             this.state.set(State::Done);
                             return Poll::Ready(Err(Box::new(e)));
                         }
                     }
                     this.state.set(State::Admitting);
-                }
-                StateProj::Settling => {
-                    let slow = this.slow.as_mut().expect("settling without its state");
-                    let d = slow.settling.as_mut().expect("settling without a settle");
-                    let fut = d.0.as_mut().expect("settle taken twice");
-                    // Failures are logged and counted by the limiter; the answer stands.
-                    let _ = ready!(Pin::new(fut).poll(cx));
-                    d.0 = None;
-                    this.state.set(State::Done);
-                    return Poll::Ready(slow.output.take().expect("output taken twice"));
                 }
                 StateProj::Failed => {
                     this.state.set(State::Done);
@@ -333,9 +349,7 @@ where
         out,
         Box::new(move |r| {
             drop(renewing);
-            if let Err(f) = permit.end(ending(&report, r)).now_or() {
-                detach(f);
-            }
+            detach(permit.end(ending(&report, r)));
         }),
     );
 }

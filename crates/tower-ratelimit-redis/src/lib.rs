@@ -3,9 +3,10 @@
 //!
 //! A provider's quota is shared by every process that calls it, so the limiter's
 //! state lives in a [`Backend`]: [`RedisBackend`] (every process; windows on the Redis
-//! server clock; one Lua script and one round trip per admission, all dimensions
-//! checked and reserved atomically; works on Redis Cluster) or [`MemoryBackend`] (one
-//! process; the tokio clock). Both keep one contract.
+//! server clock; one Lua script and at most one round trip per admission, all
+//! dimensions checked and reserved atomically, none at all for a limiter with nothing
+//! to enforce but holds; works on Redis Cluster) or [`MemoryBackend`] (one process; the
+//! tokio clock; no lock on the hot path). Both keep one contract.
 //!
 //! - **Dimensions** per scope ([`Quota`]): requests per window, tokens per window,
 //!   concurrent requests. **Scopes**: the source, and optionally an account shared by
@@ -23,8 +24,9 @@
 //!   hold in the backend right now, read from the backend itself (after a run: was
 //!   anything left behind?).
 //! - Not admitted is [`QuotaExceeded`] `{ retry_after }` (shedding, the default) or a
-//!   wait ([`Mode::Wait`]); an unreachable backend fails closed with
-//!   [`BackendUnavailable`].
+//!   wait ([`Mode::Wait`]: in memory a first-come-first-served queue per scope woken
+//!   one waiter per freed slot; on Redis a wait keyed to `retry_after`, with jitter);
+//!   an unreachable backend fails closed with [`BackendUnavailable`].
 //! - Every [`Admission`] records its instant on the limiter's clock: bucket by it to
 //!   check windows exactly ([`RateLimitLayer::on_admission`]).
 //!
@@ -72,8 +74,8 @@ mod service;
 
 pub use backend::{Backend, Clock, Held, HoldScope, MemoryBackend, RedisBackend, ScopeHeld};
 pub use config::{
-    DEFAULT_KEY_PREFIX, DEFAULT_LEASE_TTL, DEFAULT_SLOT_RETRY_AFTER, DEFAULT_WINDOW, Mode, Quota,
-    RENEW_FRACTION, RateLimitConfig,
+    DEFAULT_HOLD_REFRESH, DEFAULT_KEY_PREFIX, DEFAULT_LEASE_TTL, DEFAULT_SLOT_RETRY_AFTER, DEFAULT_WINDOW,
+    MAX_WAIT_JITTER, Mode, Quota, RENEW_FRACTION, RateLimitConfig, SLOT_BACKOFF_DOUBLINGS,
 };
 pub use error::{BackendUnavailable, ConfigError, QuotaExceeded, RequestTooLarge, UnknownSource};
 pub use future::ResponseFuture;

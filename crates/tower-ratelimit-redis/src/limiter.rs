@@ -9,14 +9,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
-use pgw_core::{BackendUnavailable, BoxError, Hold, HoldFuture, SourceId};
+use pgw_core::{BackendUnavailable, BoxError, Hold, HoldFuture, QuotaExceeded, SourceId};
 
-use tokio::time::Instant;
+use tokio::time::{Instant, Sleep};
 
+use crate::backend::memory::Waiter;
 use crate::backend::{
     AnyGate, Backend, BackendFuture, Clock, Gate, Held, HoldScope, LeaseId, Settle, Verdict,
 };
-use crate::config::{RENEW_FRACTION, RateLimitConfig};
+use crate::config::{MAX_WAIT_JITTER, RENEW_FRACTION, RateLimitConfig, SLOT_BACKOFF_DOUBLINGS};
 use crate::error::{ConfigError, RequestTooLarge, UnknownSource};
 
 /// Lease ids, unique in the process: limiters of one account share the account's
@@ -53,7 +54,13 @@ struct Inner {
     gate: AnyGate,
     stats: Stats,
     uses_leases: bool,
+    /// Whether any scope limits requests / tokens: a settle changes only what is
+    /// limited, and skips the backend when nothing is left to change.
+    counts_requests: bool,
+    counts_tokens: bool,
     max_tokens: Option<(u64, String)>,
+    /// The state of the wait jitter's generator (splitmix64).
+    jitter: AtomicU64,
 }
 
 impl fmt::Debug for RateLimiter {
@@ -109,6 +116,9 @@ impl RateLimiter {
                 .account
                 .as_ref()
                 .is_some_and(|(_, q)| q.concurrency.is_some());
+        let quotas = || std::iter::once(&config.source_quota).chain(config.account.as_ref().map(|(_, q)| q));
+        let counts_requests = quotas().any(|q| q.requests.is_some());
+        let counts_tokens = quotas().any(|q| q.tokens.is_some());
         let max_tokens = config.max_tokens().map(|(t, kind)| {
             let scope = if kind == "account" {
                 format!("account:{}", config.account_name().unwrap_or_default())
@@ -117,13 +127,17 @@ impl RateLimiter {
             };
             (t, scope)
         });
+        let jitter = AtomicU64::new(config.jitter_seed.unwrap_or_else(random_seed));
         Ok(Self {
             inner: Arc::new(Inner {
                 config,
                 gate,
                 stats: Stats::default(),
                 uses_leases,
+                counts_requests,
+                counts_tokens,
                 max_tokens,
+                jitter,
             }),
         })
     }
@@ -168,13 +182,9 @@ impl RateLimiter {
     }
 
     /// Starts one admission of `tokens`: refused at once when it can never fit.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn start(&self, tokens: u64) -> Result<Pending, RequestTooLarge> {
-        if let Some((max, scope)) = &self.inner.max_tokens
-            && tokens > *max
-        {
-            return Err(RequestTooLarge::new(tokens, *max, scope.clone()));
-        }
+        self.check_size(tokens)?;
         let lease = self
             .inner
             .uses_leases
@@ -185,17 +195,32 @@ impl RateLimiter {
         })
     }
 
+    /// Starts one admission and, when the backend answers at once (memory), concludes
+    /// it: the hot path, without the backend future's wrapping.
+    #[inline(always)]
+    pub(crate) fn start_now(&self, tokens: u64) -> Result<Started, RequestTooLarge> {
+        if let AnyGate::Memory(g) = &self.inner.gate {
+            self.check_size(tokens)?;
+            let lease = self
+                .inner
+                .uses_leases
+                .then(|| NEXT_LEASE.fetch_add(1, Ordering::Relaxed));
+            let ticket = Ticket { tokens, lease };
+            return Ok(Started::Now(ticket, g.admit_now(tokens, lease)));
+        }
+        self.start(tokens).map(Started::Later)
+    }
+
     /// Turns a backend answer into a permit or a boxed not-admitted/unavailable error.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn conclude(
         &self,
         ticket: Ticket,
         verdict: Result<Verdict, BackendUnavailable>,
     ) -> Result<Permit, BoxError> {
-        let s = &self.inner.stats;
         match verdict {
             Ok(Verdict::Admitted { at, window, local }) => {
-                s.admitted.fetch_add(1, Ordering::Relaxed);
+                self.inner.stats.admitted.fetch_add(1, Ordering::Relaxed);
                 Ok(Permit {
                     admission: Admission {
                         limiter: self.clone(),
@@ -208,15 +233,47 @@ impl RateLimiter {
                     armed: true,
                 })
             }
+            other => Err(self.not_admitted(other)),
+        }
+    }
+
+    /// [`conclude`](Self::conclude) for a verdict answered at once.
+    #[inline(always)]
+    pub(crate) fn conclude_now(&self, ticket: Ticket, verdict: Verdict) -> Result<Permit, BoxError> {
+        match verdict {
+            Verdict::Admitted { at, window, local } => {
+                self.inner.stats.admitted.fetch_add(1, Ordering::Relaxed);
+                Ok(Permit {
+                    admission: Admission {
+                        limiter: self.clone(),
+                        at,
+                        window,
+                        tokens: ticket.tokens,
+                    },
+                    lease: ticket.lease,
+                    local,
+                    armed: true,
+                })
+            }
+            refused @ Verdict::Refused(_) => Err(self.not_admitted(Ok(refused))),
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn not_admitted(&self, verdict: Result<Verdict, BackendUnavailable>) -> BoxError {
+        let s = &self.inner.stats;
+        match verdict {
             Ok(Verdict::Refused(q)) => {
                 s.refused.fetch_add(1, Ordering::Relaxed);
-                Err(Box::new(q))
+                Box::new(q)
             }
             Err(e) => {
                 s.unavailable.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(source = %self.inner.config.source, error = %e, "rate limit admission failed closed");
-                Err(Box::new(e))
+                Box::new(e)
             }
+            Ok(Verdict::Admitted { .. }) => unreachable!("admissions are concluded by `conclude`"),
         }
     }
 
@@ -282,7 +339,13 @@ impl RateLimiter {
     }
 
     /// A settle operation with failure logging and counting.
-    fn settle(&self, settle: Settle) -> BackendFuture<Result<(), BackendUnavailable>> {
+    fn settle(&self, mut settle: Settle) -> BackendFuture<Result<(), BackendUnavailable>> {
+        if !self.inner.counts_requests {
+            settle.requests = 0;
+        }
+        if !self.inner.counts_tokens {
+            settle.tokens = 0;
+        }
         if settle.is_noop() {
             return BackendFuture::ready(Ok(()));
         }
@@ -338,6 +401,120 @@ impl RateLimiter {
             })),
         }
     }
+}
+
+#[cold]
+fn too_large(tokens: u64, max: u64, scope: &str) -> RequestTooLarge {
+    RequestTooLarge::new(tokens, max, scope.to_owned())
+}
+
+/// A seed for a limiter's jitter when none is configured: different in every limiter
+/// and process, so waits spread instead of falling in step.
+fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(NEXT_LEASE.fetch_add(1, Ordering::Relaxed));
+    h.finish()
+}
+
+/// A wait before another try at admission ([`Mode::Wait`](crate::Mode::Wait)).
+#[derive(Debug)]
+pub(crate) enum Wait {
+    /// Redis: a sleep keyed to the refusal's `retry_after`, with jitter.
+    Sleep(Pin<Box<Sleep>>),
+    /// Memory: a place in the refusing scope's queue, woken when a slot frees for it.
+    Queue(Waiter),
+}
+
+impl RateLimiter {
+    /// Checks only the size of a request: what can never be admitted.
+    #[inline]
+    pub(crate) fn check_size(&self, tokens: u64) -> Result<(), RequestTooLarge> {
+        match &self.inner.max_tokens {
+            Some((max, scope)) if tokens > *max => Err(too_large(tokens, *max, scope)),
+            _ => Ok(()),
+        }
+    }
+
+    /// How to wait out `refused` (the `refusals`-th in a row): a place in the queue of
+    /// the refusing scope (memory, kept from `prev` when it is the same scope), or a
+    /// sleep (Redis): `retry_after` plus up to a quarter of it (at most
+    /// [`MAX_WAIT_JITTER`]) when the clock frees the slot (window, hold), or a backoff
+    /// from `retry_after` doubling per refusal ([`SLOT_BACKOFF_DOUBLINGS`] times at
+    /// most), plus up to half of it, when only a release does (concurrency).
+    pub(crate) fn wait(&self, refused: &QuotaExceeded, refusals: u32, prev: Option<Wait>) -> Wait {
+        match &self.inner.gate {
+            AnyGate::Memory(g) => {
+                let prev = match prev {
+                    Some(Wait::Queue(w)) => Some(w),
+                    _ => None,
+                };
+                Wait::Queue(g.enqueue(refused.scope(), prev))
+            }
+            AnyGate::Redis(_) => Wait::Sleep(Box::pin(tokio::time::sleep(self.backoff(refused, refusals)))),
+        }
+    }
+
+    fn backoff(&self, refused: &QuotaExceeded, refusals: u32) -> Duration {
+        let ra = refused.retry_after();
+        // A uniform fraction in [0, 1).
+        #[allow(clippy::cast_precision_loss, reason = "53 random bits")]
+        let frac = (self.next_random() >> 11) as f64 / (1u64 << 53) as f64;
+        if refused.dimension() == "concurrency" {
+            let base = ra
+                .max(Duration::from_millis(1))
+                .saturating_mul(1 << refusals.min(SLOT_BACKOFF_DOUBLINGS));
+            base.saturating_add(base.mul_f64(frac / 2.0))
+        } else {
+            ra.saturating_add((ra / 4).min(MAX_WAIT_JITTER).mul_f64(frac))
+        }
+    }
+
+    /// splitmix64 over an atomic state: lock-free, seedable.
+    fn next_random(&self) -> u64 {
+        const GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
+        let mut z = self
+            .inner
+            .jitter
+            .fetch_add(GAMMA, Ordering::Relaxed)
+            .wrapping_add(GAMMA);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Ready when the wait is over: try again.
+    pub(crate) fn poll_wait(&self, w: &mut Wait, tokens: u64, cx: &mut Context<'_>) -> Poll<()> {
+        match (w, &self.inner.gate) {
+            (Wait::Sleep(s), _) => s.as_mut().poll(cx),
+            (Wait::Queue(w), AnyGate::Memory(g)) => g.poll_wait(w, tokens, cx),
+            (Wait::Queue(_), AnyGate::Redis(_)) => Poll::Ready(()),
+        }
+    }
+
+    /// The wait ended in an admission: a queue hands on to the next in line when room
+    /// is left.
+    pub(crate) fn waited(&self, w: Wait) {
+        if let (Wait::Queue(w), AnyGate::Memory(g)) = (w, &self.inner.gate) {
+            g.admitted(w);
+        }
+    }
+
+    /// A place behind the admissions already waiting in one of this limiter's scopes
+    /// (memory), so a newcomer does not take the slot they wait for.
+    pub(crate) fn queue_ahead(&self) -> Option<Wait> {
+        match &self.inner.gate {
+            AnyGate::Memory(g) => g.queue_ahead().map(Wait::Queue),
+            AnyGate::Redis(_) => None,
+        }
+    }
+}
+
+/// An admission answered at once, or in flight.
+#[derive(Debug)]
+pub(crate) enum Started {
+    Now(Ticket, Verdict),
+    Later(Pending),
 }
 
 /// An admission in flight.
@@ -597,8 +774,18 @@ impl Permit {
         self.local
     }
 
+    #[inline]
     pub(crate) fn end(mut self, ending: Ending) -> BackendFuture<Result<(), BackendUnavailable>> {
         self.armed = false;
+        let inner = &self.admission.limiter.inner;
+        let changes = self.lease.is_some()
+            || match ending {
+                Ending::Finished(used) => inner.counts_tokens && used.is_some(),
+                Ending::Refunded => inner.counts_requests || inner.counts_tokens,
+            };
+        if !changes {
+            return BackendFuture::ready(Ok(()));
+        }
         let tokens = i64::try_from(self.admission.tokens).unwrap_or(i64::MAX);
         let (requests, tokens) = match ending {
             Ending::Finished(None) => (0, 0),
@@ -652,6 +839,7 @@ impl Permit {
 }
 
 impl Drop for Permit {
+    #[inline]
     fn drop(&mut self) {
         if !self.armed || self.lease.is_none() {
             return;
@@ -668,16 +856,31 @@ impl Drop for Permit {
 
 /// Lets a backend operation finish in the background (failures are already logged
 /// and counted by the limiter). Without a runtime, the lease expires by its TTL.
+///
+/// The operation is polled once here, before it is handed to a task: that puts its
+/// command on the (multiplexed) connection now, ahead of whatever this caller sends
+/// next, so a release is never overtaken by the caller's next admission.
+#[inline]
 pub(crate) fn detach<T: Send + 'static>(fut: BackendFuture<T>) {
     if let BackendFuture::Pending(f) = fut {
-        match tokio::runtime::Handle::try_current() {
-            Ok(h) => {
-                drop(h.spawn(f));
-            }
-            Err(_) => {
-                tracing::warn!("no tokio runtime to release a concurrency lease; it expires by its TTL");
-            }
+        detach_pending(f);
+    }
+}
+
+#[cold]
+fn detach_pending<T: Send + 'static>(mut f: Pin<Box<dyn Future<Output = T> + Send + 'static>>) {
+    {
+        let Ok(h) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!("no tokio runtime to release a concurrency lease; it expires by its TTL");
+            return;
+        };
+        if f.as_mut()
+            .poll(&mut Context::from_waker(std::task::Waker::noop()))
+            .is_ready()
+        {
+            return;
         }
+        drop(h.spawn(f));
     }
 }
 
@@ -753,5 +956,52 @@ impl Hold for RateLimiter {
                 Box::new(UnknownSource(source.to_string())) as BoxError,
             )))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{MemoryBackend, Quota};
+
+    fn limiter(seed: u64) -> RateLimiter {
+        RateLimiter::new(
+            RateLimitConfig::new("s", Quota::unlimited()).jitter_seed(seed),
+            MemoryBackend::new(),
+        )
+        .unwrap()
+    }
+
+    /// A wait whose end the clock knows lands after it, by at most a quarter of it
+    /// (capped); a wait for a slot doubles, capped, with up to half as much jitter;
+    /// one seed replays the same waits, another spreads them.
+    #[test]
+    fn backoff_is_keyed_to_retry_after_with_jitter() {
+        let l = limiter(1);
+        let window = QuotaExceeded::new("rpm", Duration::from_millis(400));
+        let long = QuotaExceeded::new("hold", Duration::from_secs(60));
+        let slot = QuotaExceeded::new("concurrency", Duration::from_millis(50));
+        for _ in 0..100 {
+            let w = l.backoff(&window, 3);
+            assert!(
+                w >= Duration::from_millis(400) && w <= Duration::from_millis(500),
+                "{w:?}"
+            );
+            let w = l.backoff(&long, 0);
+            assert!(w >= Duration::from_secs(60) && w <= Duration::from_secs(60) + MAX_WAIT_JITTER);
+        }
+        for (refusals, base) in [(0, 50), (1, 100), (2, 200), (4, 800), (9, 800)] {
+            let w = l.backoff(&slot, refusals);
+            let base = Duration::from_millis(base);
+            assert!(w >= base && w <= base * 3 / 2, "{refusals}: {w:?}");
+        }
+        let waits = |seed| {
+            (0..8)
+                .map(|_| limiter(seed).backoff(&window, 0))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(waits(5), waits(5));
+        let (a, b) = (limiter(5), limiter(6));
+        assert_ne!(a.backoff(&window, 0), b.backoff(&window, 0));
     }
 }

@@ -11,7 +11,7 @@ use crate::RateLimiter;
 use crate::config::Mode;
 use crate::future::ResponseFuture;
 use crate::hooks::{AdmissionObserver, ChatEstimate, ChatUsage, NoObserver, TokenEstimate, UsageReport};
-use crate::limiter::Pending;
+use crate::limiter::{Pending, Started};
 
 /// What every call of one service shares: the limiter and the hooks.
 pub(crate) struct Hooks<E, U, O> {
@@ -113,32 +113,65 @@ where
         let shared = &self.shared;
         let limiter = &shared.limiter;
         let tokens = shared.estimate.estimate(&req);
-        let Pending { fut, ticket } = match limiter.start(tokens) {
-            Ok(p) => p,
-            Err(e) => return ResponseFuture::failed(shared, Box::new(e)),
-        };
-        match fut.now_or() {
+        if let Mode::Wait { max_wait } = limiter.config().mode
+            && let Some(wait) = limiter.queue_ahead()
+        {
+            // Others wait already: behind them, first come first served.
+            if let Err(e) = limiter.check_size(tokens) {
+                return ResponseFuture::failed(shared, Box::new(e));
+            }
+            let inner = take_ready(&mut self.inner);
+            return ResponseFuture::behind(shared, inner, req, tokens, max_wait, wait);
+        }
+        match limiter.start_now(tokens) {
+            Err(e) => ResponseFuture::failed(shared, Box::new(e)),
             // The memory backend answers at once: dispatch on the service made ready
             // by `poll_ready`, no clone.
-            Ok(verdict) => match limiter.conclude(ticket, verdict) {
+            Ok(Started::Now(ticket, verdict)) => match limiter.conclude_now(ticket, verdict) {
                 Ok(permit) => {
                     shared.observer.on_admission(&req, permit.admission());
                     let fut = self.inner.call(req);
                     ResponseFuture::calling(shared, fut, permit)
                 }
-                Err(e) => match (limiter.config().mode, e.downcast::<QuotaExceeded>()) {
-                    (Mode::Wait { max_wait }, Ok(q)) => {
-                        let inner = take_ready(&mut self.inner);
-                        ResponseFuture::waiting(shared, inner, req, ticket.tokens, max_wait, *q)
-                    }
-                    (_, Ok(q)) => ResponseFuture::failed(shared, q),
-                    (_, Err(e)) => ResponseFuture::failed(shared, e),
-                },
+                Err(e) => self.refused(req, ticket.tokens, e),
             },
-            Err(fut) => {
+            Ok(Started::Later(Pending { fut, ticket })) => match fut.now_or() {
+                Ok(verdict) => match limiter.conclude(ticket, verdict) {
+                    Ok(permit) => {
+                        shared.observer.on_admission(&req, permit.admission());
+                        let fut = self.inner.call(req);
+                        ResponseFuture::calling(shared, fut, permit)
+                    }
+                    Err(e) => self.refused(req, ticket.tokens, e),
+                },
+                Err(fut) => {
+                    let inner = take_ready(&mut self.inner);
+                    ResponseFuture::admitting(shared, inner, req, Pending { fut, ticket })
+                }
+            },
+        }
+    }
+}
+
+impl<S, E, U, O> RateLimit<S, E, U, O>
+where
+    U: Clone,
+{
+    /// Not admitted at once: wait (waiting mode, a quota refusal) or answer the error.
+    #[cold]
+    #[inline(never)]
+    fn refused<Req>(&mut self, req: Req, tokens: u64, e: BoxError) -> ResponseFuture<S, Req, E, U, O>
+    where
+        S: Service<Req> + Clone,
+    {
+        let shared = &self.shared;
+        match (shared.limiter.config().mode, e.downcast::<QuotaExceeded>()) {
+            (Mode::Wait { max_wait }, Ok(q)) => {
                 let inner = take_ready(&mut self.inner);
-                ResponseFuture::admitting(shared, inner, req, Pending { fut, ticket })
+                ResponseFuture::waiting(shared, inner, req, tokens, max_wait, *q)
             }
+            (_, Ok(q)) => ResponseFuture::failed(shared, q),
+            (_, Err(e)) => ResponseFuture::failed(shared, e),
         }
     }
 }

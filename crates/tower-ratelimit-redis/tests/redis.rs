@@ -206,6 +206,196 @@ async fn one_round_trip_per_operation() {
     assert!(seen.iter().all(|c| c == "evalsha"), "{seen:?}");
 }
 
+/// Round trips (`EVALSHA`: the limiter sends nothing else) and every command in total
+/// (scripts' own included) the server has run, from `INFO commandstats`, leaving out
+/// the `INFO`s that read them.
+async fn commands(conn: &RedisConn) -> (u64, u64) {
+    let mut c = conn.clone();
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let mut total = 0;
+    for l in info.lines() {
+        if let Some(rest) = l.trim().strip_prefix("cmdstat_")
+            && let Some((name, stats)) = rest.split_once(":calls=")
+            && name != "info"
+        {
+            total += stats.split(',').next().unwrap().parse::<u64>().unwrap();
+        }
+    }
+    (calls(&info, "evalsha"), total)
+}
+
+/// Redis round trips and commands per call through the layer, for a limiter with
+/// nothing to enforce, RPM only, and RPM + TPM + concurrency in the source and its
+/// account: none, one (admission), two (admission + settle, which the answer does not
+/// wait for). Printed for the README.
+#[tokio::test]
+async fn redis_commands_per_call() {
+    let server = PrivateRedis::start();
+    let target = RedisTarget::Standalone(server.url());
+    let conn = RedisConn::connect(&target).await.unwrap();
+    let full = Quota::unlimited()
+        .requests(10_000)
+        .tokens(1_000_000)
+        .concurrency(1000);
+    let cases = [
+        ("unlimited", RateLimitConfig::new("s0", Quota::unlimited()), 0),
+        (
+            "rpm",
+            RateLimitConfig::new("s1", Quota::unlimited().requests(10_000)),
+            1,
+        ),
+        (
+            "rpm+tpm+concurrency, account",
+            RateLimitConfig::new("s2", full).account("acct", full),
+            2,
+        ),
+    ];
+    for (name, config, round_trips) in cases {
+        // Long enough that no background hold refresh falls inside the measurement.
+        let config = config.hold_refresh(Duration::from_secs(60));
+        let l = RateLimiter::new(config, RedisBackend::new(conn.clone())).unwrap();
+        let mut svc = RateLimitLayer::new(l.clone())
+            .token_estimate(|_: &()| 7)
+            .usage(|_: &()| Some(3))
+            .layer(service_fn(|_: ()| async { Ok::<_, BoxError>(()) }));
+        // Warm-up: loads the scripts, reads the holds once.
+        svc.ready().await.unwrap().call(()).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let (rt0, all0) = commands(&conn).await;
+        const N: u64 = 50;
+        for _ in 0..N {
+            svc.ready().await.unwrap().call(()).await.unwrap();
+        }
+        // The settles finish in the background.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let (rt1, all1) = commands(&conn).await;
+        #[allow(clippy::cast_precision_loss)]
+        let per_call = (all1 - all0) as f64 / N as f64;
+        println!(
+            "{name}: {} round trips, {per_call:.1} commands per call",
+            (rt1 - rt0) / N
+        );
+        assert_eq!(rt1 - rt0, round_trips * N, "{name}");
+        assert_eq!(l.stats().admitted, N + 1);
+        assert_eq!(l.stats().settle_failures, 0);
+        assert_eq!(
+            l.held().await.unwrap().leases(),
+            0,
+            "{name}: every lease released"
+        );
+    }
+}
+
+/// Waiting on Redis never polls: a wait for the window's end is one try at its end
+/// (with jitter after it), and a wait for a slot backs off, doubling from the 50 ms
+/// hint: a second's wait costs a handful of tries, not twenty. Counted in `EVALSHA`
+/// (admission tries are the limiter's only round trips here).
+#[tokio::test]
+async fn waiting_on_redis_tries_by_retry_after_not_by_poll() {
+    use tower_ratelimit_redis::Mode;
+    let server = PrivateRedis::start();
+    let conn = RedisConn::connect(&RedisTarget::Standalone(server.url()))
+        .await
+        .unwrap();
+    let wait = Mode::Wait { max_wait: None };
+    let l = RateLimiter::new(
+        RateLimitConfig::new("s1", Quota::unlimited().requests(1))
+            .window(Duration::from_secs(1))
+            .mode(wait)
+            .jitter_seed(7),
+        RedisBackend::new(conn.clone()),
+    )
+    .unwrap();
+    let mut svc = RateLimitLayer::new(l.clone())
+        .token_estimate(NoTokens)
+        .usage(NoTokens)
+        .layer(service_fn(|_: ()| async { Ok::<_, BoxError>(()) }));
+    svc.ready().await.unwrap().call(()).await.unwrap();
+    let (before, _) = commands(&conn).await;
+    svc.ready().await.unwrap().call(()).await.unwrap();
+    let (after, _) = commands(&conn).await;
+    assert_eq!(after - before, 2, "refused once, admitted at the window's end");
+    assert_eq!((l.stats().admitted, l.stats().refused), (2, 1));
+
+    let l = RateLimiter::new(
+        RateLimitConfig::new("s2", Quota::unlimited().concurrency(1))
+            .mode(wait)
+            .jitter_seed(7),
+        RedisBackend::new(conn.clone()),
+    )
+    .unwrap();
+    let svc = RateLimitLayer::new(l.clone())
+        .token_estimate(NoTokens)
+        .usage(NoTokens)
+        .layer(service_fn(|_: ()| async { Ok::<_, BoxError>(()) }));
+    let held = l.acquire(0).await.unwrap();
+    let waiter = tokio::spawn(svc.oneshot(()));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let refused = l.stats().refused;
+    // A 50 ms poll would have tried 20 times; 0, 50, 150, 350, 750 ms (plus jitter).
+    assert!((2..=5).contains(&refused), "{refused} tries in a second");
+    held.finish(None).await.unwrap();
+    waiter.await.unwrap().unwrap();
+    assert_eq!(l.stats().admitted, 2);
+    assert_eq!(l.held().await.unwrap().leases(), 0);
+}
+
+/// A limiter with nothing to enforce admits from its cached holds: a hold set through
+/// this process is honoured at once; one set by another process is honoured by every
+/// admission that starts `hold_refresh` after it; and with the server gone, admission
+/// fails closed once the cache is older than `hold_refresh`.
+#[tokio::test]
+async fn unlimited_honours_holds_within_the_refresh_bound() {
+    let mut server = PrivateRedis::start();
+    let target = RedisTarget::Standalone(server.url());
+    let connect = || async {
+        RedisConn::connect_with(&target, Duration::from_millis(200), Duration::from_millis(200))
+            .await
+            .unwrap()
+    };
+    let every = Duration::from_millis(300);
+    let config = RateLimitConfig::new("s1", Quota::unlimited())
+        .account("acct", Quota::unlimited())
+        .hold_refresh(every)
+        .response_timeout(Duration::from_millis(200));
+    let here = RedisBackend::new(connect().await);
+    let l = RateLimiter::new(config.clone(), here.clone()).unwrap();
+    let sibling = RateLimiter::new(config.clone(), here).unwrap();
+    let other_process = RateLimiter::new(config, RedisBackend::new(connect().await)).unwrap();
+    l.acquire(0).await.unwrap();
+
+    // This process: at once, through another limiter of the same backend.
+    sibling
+        .hold(HoldScope::Source, Duration::from_millis(400))
+        .await
+        .unwrap();
+    let err = l.acquire(0).await.unwrap_err();
+    let q = err.downcast_ref::<pgw_core::QuotaExceeded>().unwrap();
+    assert_eq!((q.dimension(), q.scope()), ("hold", Some("source:s1")));
+    tokio::time::sleep(q.retry_after()).await;
+    l.acquire(0).await.expect("admitted when the hold ends");
+
+    // Another process: within `hold_refresh`.
+    other_process
+        .hold(HoldScope::Account, Duration::from_secs(5))
+        .await
+        .unwrap();
+    tokio::time::sleep(every).await;
+    let err = l.acquire(0).await.unwrap_err();
+    let q = err.downcast_ref::<pgw_core::QuotaExceeded>().unwrap();
+    assert_eq!((q.dimension(), q.scope()), ("hold", Some("account:acct")));
+
+    server.stop();
+    tokio::time::sleep(every).await;
+    let err = l.acquire(0).await.unwrap_err();
+    let e = err.downcast_ref::<BackendUnavailable>().expect("fails closed");
+    assert_eq!((e.backend(), e.operation()), ("redis", "admit"));
+}
+
 /// The server dies: admission fails closed with BackendUnavailable, settling failures
 /// are counted, nothing panics, and the service answers the error quickly.
 #[tokio::test]

@@ -222,10 +222,11 @@ async fn long_call_renews_its_lease() {
     assert_eq!(l.stats().leases_lost, 0);
 }
 
-/// With Redis, the settle is awaited before the answer: the reconciliation is visible
-/// as soon as the caller has the response.
+/// With Redis, the answer does not wait for the settle's round trip, but the settle's
+/// command is on the connection before the answer is returned: the caller's next
+/// admission (on the same connection) sees the reconciliation and the released lease.
 #[tokio::test]
-async fn redis_service_reconciles_before_answering() {
+async fn redis_service_settles_without_delaying_the_answer() {
     let h = common::Harness::redis(common::standalone(), "svc").await;
     let l = h.limiter(h.config("s1", Quota::unlimited().tokens(200).concurrency(1)));
     let mut svc = RateLimitLayer::new(l.clone()).layer(service_fn(|_: ChatRequest| async {

@@ -14,16 +14,33 @@
 //! Every key has a TTL: the window hash two windows, the lease zset two lease TTLs
 //! (refreshed on renewal), the hold exactly its duration.
 //!
-//! Scripts: `admit`, `settle`, `renew`, `hold`, and `held` (reads the lease zsets and
-//! holds, writes nothing), each one round trip on the keys of one hash tag.
+//! Scripts: `admit`, `settle`, `renew`, `hold`, `held` (reads the lease zsets and
+//! holds, writes nothing) and `peek` (reads the holds and the server clock), each one
+//! round trip on the keys of one hash tag.
+//!
+//! # A limiter with nothing to enforce
+//!
+//! A limiter whose scopes limit nothing (no requests, tokens or concurrency quota) has
+//! only holds to honour, and makes no round trip to admit or settle. Its holds are read
+//! from a cache this backend shares between its limiters: a hold set through any of
+//! them is in the cache when its round trip answers; a hold set by another process is
+//! read by `peek`, at most once per `hold_refresh` per limiter (in the background once
+//! half of it has passed; an admission waits for the read only when the cache is older
+//! than `hold_refresh`, e.g. after an idle spell). So another process's hold is
+//! honoured by every admission that starts `hold_refresh` (default 1 s) after it was
+//! set. Such an admission's instant is the server clock estimated from the last
+//! answer (local clock plus the offset it showed, late by at most one round trip).
 
+use std::collections::HashMap;
 use std::fmt;
-use std::sync::{Arc, LazyLock};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 use std::time::Duration;
 
 use pgw_core::redis_conn::{RedisConn, RedisTarget, run};
 use pgw_core::{BackendUnavailable, QuotaExceeded};
 use redis::Script;
+use tokio::time::Instant;
 
 use super::{
     BackendFuture, Clock, Gate, Held, HoldScope, LeaseId, ScopeHeld, ScopeKind, ScopeSpec, Settle, Verdict,
@@ -35,6 +52,7 @@ static SETTLE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../
 static RENEW: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/renew.lua")));
 static HOLD: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/hold.lua")));
 static HELD: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/held.lua")));
+static PEEK: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/peek.lua")));
 
 /// The longest hold sent to Redis, in milliseconds (ten years).
 const MAX_HOLD_MS: u128 = 10 * 365 * 24 * 3600 * 1000;
@@ -49,10 +67,49 @@ static NONCE: LazyLock<u64> = LazyLock::new(|| {
 
 /// Limiter state in Redis, shared by every process.
 ///
-/// Cheap to clone (one multiplexed connection underneath).
+/// Cheap to clone (one multiplexed connection underneath). Give every limiter of a
+/// process clones of one backend: they share its cache of holds.
+///
+/// A limiter whose scopes limit nothing (no requests, tokens or concurrency quota)
+/// has only holds to honour and makes no round trip to admit or settle: it reads that
+/// cache. A hold set through any limiter of the backend is in it as soon as its round
+/// trip answers; a hold set by another process is read at most once per
+/// [`RateLimitConfig::hold_refresh`] (default
+/// [`DEFAULT_HOLD_REFRESH`](crate::DEFAULT_HOLD_REFRESH)) per limiter, so every
+/// admission that starts that long after the hold was set honours it. With Redis
+/// unreachable, such a limiter fails closed once its cache is older than that.
 #[derive(Clone)]
 pub struct RedisBackend {
     conn: RedisConn,
+    book: Arc<HoldBook>,
+}
+
+/// What this process knows of holds, shared by every limiter of one backend: the end
+/// of each hold key (server milliseconds, 0 = none), and the server clock's offset from
+/// the local one.
+struct HoldBook {
+    base: Instant,
+    /// Server ms minus local ms (since `base`), from the last answer that showed it.
+    offset_ms: AtomicI64,
+    ends: Mutex<HashMap<String, Arc<AtomicI64>>>,
+}
+
+impl HoldBook {
+    fn local_ms(&self, t: Instant) -> i64 {
+        i64::try_from(t.saturating_duration_since(self.base).as_millis()).unwrap_or(i64::MAX)
+    }
+
+    /// Notes the server's `now` read by a round trip answered at local `at`: the offset
+    /// is an underestimate by the answer's flight, so holds are judged to end late,
+    /// never early.
+    fn saw_server(&self, now: i64, at: Instant) {
+        self.offset_ms.store(now - self.local_ms(at), Ordering::Relaxed);
+    }
+
+    fn end_of(&self, key: &str) -> Arc<AtomicI64> {
+        let mut ends = self.ends.lock().unwrap_or_else(PoisonError::into_inner);
+        ends.entry(key.to_owned()).or_default().clone()
+    }
 }
 
 impl fmt::Debug for RedisBackend {
@@ -64,8 +121,15 @@ impl fmt::Debug for RedisBackend {
 impl RedisBackend {
     /// A backend over an existing connection.
     #[must_use]
-    pub const fn new(conn: RedisConn) -> Self {
-        Self { conn }
+    pub fn new(conn: RedisConn) -> Self {
+        Self {
+            conn,
+            book: Arc::new(HoldBook {
+                base: Instant::now(),
+                offset_ms: AtomicI64::new(0),
+                ends: Mutex::new(HashMap::new()),
+            }),
+        }
     }
 
     /// Connects to a standalone server or a cluster.
@@ -113,9 +177,20 @@ impl RedisBackend {
                 limit(s.quota.concurrency),
             ]);
         }
+        let unlimited = scopes.iter().all(|s| s.quota == crate::Quota::unlimited());
+        let ends: Vec<_> = keys.iter().map(|k| self.book.end_of(&k[2])).collect();
         RedisGate {
             conn: self.conn.clone(),
+            book: self.book.clone(),
+            cache: unlimited.then(|| {
+                Arc::new(HoldCache {
+                    refreshed_ms: AtomicI64::new(NEVER),
+                    refreshing: AtomicBool::new(false),
+                    every_ms: ms(config.hold_refresh),
+                })
+            }),
             inner: Arc::new(GateKeys {
+                ends,
                 admit_keys: keys.iter().flat_map(|k| k.iter().cloned()).collect(),
                 settle_keys: keys.iter().flat_map(|k| [k[0].clone(), k[1].clone()]).collect(),
                 lease_keys: keys
@@ -143,8 +218,23 @@ impl RedisBackend {
     }
 }
 
+/// "Never refreshed", as a local millisecond count.
+const NEVER: i64 = i64::MIN;
+
+/// The holds of a limiter with nothing else to enforce: when they were last read from
+/// Redis, whether a read is under way.
+#[derive(Debug)]
+struct HoldCache {
+    /// Local ms (since the book's base) when the last successful read was sent.
+    refreshed_ms: AtomicI64,
+    refreshing: AtomicBool,
+    every_ms: i64,
+}
+
 #[derive(Debug)]
 struct GateKeys {
+    /// Per scope, account first: the shared end of its hold (server ms).
+    ends: Vec<Arc<AtomicI64>>,
     admit_keys: Vec<String>,
     settle_keys: Vec<String>,
     lease_keys: Vec<String>,
@@ -163,6 +253,9 @@ struct GateKeys {
 /// One limiter's keys in a [`RedisBackend`].
 pub(crate) struct RedisGate {
     conn: RedisConn,
+    book: Arc<HoldBook>,
+    /// `Some` when no scope limits anything: admission reads cached holds.
+    cache: Option<Arc<HoldCache>>,
     inner: Arc<GateKeys>,
 }
 
@@ -186,12 +279,106 @@ fn garbage(operation: &'static str, reply: &[i64]) -> BackendUnavailable {
     BackendUnavailable::new("redis", operation, format!("unexpected script reply {reply:?}"))
 }
 
+impl RedisGate {
+    /// The verdict on the cached holds at local instant `at` (a limiter with nothing
+    /// else to enforce): the longest hold wins, account first on ties, as in the script.
+    fn judge_cached(book: &HoldBook, k: &GateKeys, at: Instant) -> Verdict {
+        let now = book
+            .local_ms(at)
+            .saturating_add(book.offset_ms.load(Ordering::Relaxed));
+        let mut worst: Option<(usize, i64)> = None;
+        for (i, end) in k.ends.iter().enumerate() {
+            let wait = end.load(Ordering::Relaxed).saturating_sub(now);
+            if wait > 0 && worst.is_none_or(|(_, w)| wait > w) {
+                worst = Some((i, wait));
+            }
+        }
+        match worst {
+            Some((i, wait)) => {
+                Verdict::Refused(QuotaExceeded::new("hold", millis(wait)).with_scope(&*k.labels[i]))
+            }
+            None => Verdict::Admitted {
+                at: millis(now),
+                window: u64::try_from(now / k.window_ms).unwrap_or(0),
+                local: Some(at),
+            },
+        }
+    }
+
+    /// Reads the scopes' holds and the server clock into the book (`peek.lua`).
+    fn refresh(
+        &self,
+        cache: Arc<HoldCache>,
+    ) -> impl std::future::Future<Output = Result<(), BackendUnavailable>> + Send + 'static {
+        let mut inv = PEEK.prepare_invoke();
+        for (_, key) in &self.inner.hold_keys {
+            inv.key(key);
+        }
+        let mut conn = self.conn.clone();
+        let book = self.book.clone();
+        let inner = self.inner.clone();
+        async move {
+            let sent = Instant::now();
+            let r: Result<Vec<i64>, _> = run("admit", inner.timeout, inv.invoke_async(&mut conn)).await;
+            cache.refreshing.store(false, Ordering::Release);
+            let reply = r?;
+            let [now, ends @ ..] = reply.as_slice() else {
+                return Err(garbage("admit", &reply));
+            };
+            if ends.len() != inner.ends.len() {
+                return Err(garbage("admit", &reply));
+            }
+            book.saw_server(*now, Instant::now());
+            for (slot, &end) in inner.ends.iter().zip(ends) {
+                slot.fetch_max(end, Ordering::Relaxed);
+            }
+            cache
+                .refreshed_ms
+                .fetch_max(book.local_ms(sent), Ordering::Release);
+            Ok(())
+        }
+    }
+
+    /// Admission with nothing to enforce but holds: from the cache, without a round
+    /// trip while it is fresh; refreshed in the background once half its age limit has
+    /// passed; waited for only when older than that limit.
+    fn admit_cached(&self, cache: &Arc<HoldCache>) -> BackendFuture<Result<Verdict, BackendUnavailable>> {
+        let at = Instant::now();
+        let refreshed = cache.refreshed_ms.load(Ordering::Acquire);
+        let age = self.book.local_ms(at).saturating_sub(refreshed);
+        if refreshed == NEVER || age >= cache.every_ms {
+            let refresh = self.refresh(cache.clone());
+            let book = self.book.clone();
+            let inner = self.inner.clone();
+            return BackendFuture::Pending(Box::pin(async move {
+                refresh.await?;
+                Ok(Self::judge_cached(&book, &inner, Instant::now()))
+            }));
+        }
+        if age >= cache.every_ms / 2 && !cache.refreshing.swap(true, Ordering::AcqRel) {
+            let refresh = self.refresh(cache.clone());
+            let source = self.inner.labels.last().cloned();
+            crate::limiter::detach(BackendFuture::Pending(Box::pin(async move {
+                if let Err(e) = refresh.await {
+                    // The next admission past the age limit waits for a read, and
+                    // fails closed if it fails too.
+                    tracing::warn!(scope = ?source, error = %e, "rate limit hold refresh failed");
+                }
+            })));
+        }
+        BackendFuture::ready(Ok(Self::judge_cached(&self.book, &self.inner, at)))
+    }
+}
+
 impl Gate for RedisGate {
     fn admit(
         &self,
         tokens: u64,
         lease: Option<LeaseId>,
     ) -> BackendFuture<Result<Verdict, BackendUnavailable>> {
+        if let Some(cache) = &self.cache {
+            return self.admit_cached(cache);
+        }
         let k = &*self.inner;
         let mut inv = ADMIT.prepare_invoke();
         for key in &k.admit_keys {
@@ -248,6 +435,9 @@ impl Gate for RedisGate {
             .arg(s.requests)
             .arg(s.tokens)
             .arg(s.lease.map(lease_member).unwrap_or_default());
+        for l in &k.limits {
+            inv.arg(*l);
+        }
         let mut conn = self.conn.clone();
         let timeout = k.timeout;
         BackendFuture::Pending(Box::pin(async move {
@@ -291,10 +481,26 @@ impl Gate for RedisGate {
         inv.arg(u64::try_from(ms).unwrap_or(u64::MAX));
         let mut conn = self.conn.clone();
         let timeout = k.timeout;
+        let book = self.book.clone();
+        let ends: Vec<_> = k
+            .hold_keys
+            .iter()
+            .zip(&k.ends)
+            .filter(|((kind, _), _)| kind.held_by(which, k.has_account))
+            .map(|(_, end)| end.clone())
+            .collect();
         BackendFuture::Pending(Box::pin(async move {
             let reply: Vec<i64> = run("hold", timeout, inv.invoke_async(&mut conn)).await?;
             match reply.as_slice() {
-                [_, until] => Ok(millis(*until)),
+                [now, until] => {
+                    // Every limiter of this backend honours it from now on, also those
+                    // that admit from the cache.
+                    book.saw_server(*now, Instant::now());
+                    for end in ends {
+                        end.fetch_max(*until, Ordering::Relaxed);
+                    }
+                    Ok(millis(*until))
+                }
                 _ => Err(garbage("hold", &reply)),
             }
         }))

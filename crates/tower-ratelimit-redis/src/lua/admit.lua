@@ -10,6 +10,10 @@
 -- Returns {1, now_ms, window} when admitted,
 --         {0, now_ms, scope_index, dimension, retry_after_ms} when not
 --         (dimension: 1 rpm, 2 tpm, 3 concurrency, 4 hold; the longest wait wins).
+--
+-- Only what a scope limits is read or written: a scope without rpm and tpm has no
+-- window hash; the hash's TTL is set when its window starts (HINCRBY keeps it);
+-- expired leases are purged only when the slots look full (ZCARD is O(1)).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local n = tonumber(ARGV[1])
@@ -38,23 +42,30 @@ for i = 0, n - 1 do
   if hold > now then
     refuse(i, 4, hold - now)
   end
-  local st = redis.call('HMGET', q, 'w', 'r', 't')
-  local r, tk, same = 0, 0, false
-  if tonumber(st[1]) == win then
-    r = tonumber(st[2]) or 0
-    tk = tonumber(st[3]) or 0
-    same = true
+  local same = false
+  if rpm >= 0 or tpm >= 0 then
+    local st = redis.call('HMGET', q, 'w', 'r', 't')
+    local r, tk = 0, 0
+    if tonumber(st[1]) == win then
+      r = tonumber(st[2]) or 0
+      tk = tonumber(st[3]) or 0
+      same = true
+    end
+    if rpm >= 0 and r + 1 > rpm then
+      refuse(i, 1, wend - now)
+    end
+    if tpm >= 0 and tk + tokens > tpm then
+      refuse(i, 2, wend - now)
+    end
   end
   used[i] = same
-  if rpm >= 0 and r + 1 > rpm then
-    refuse(i, 1, wend - now)
-  end
-  if tpm >= 0 and tk + tokens > tpm then
-    refuse(i, 2, wend - now)
-  end
   if conc >= 0 then
-    redis.call('ZREMRANGEBYSCORE', c, '-inf', now)
-    if redis.call('ZCARD', c) >= conc then
+    local live = redis.call('ZCARD', c)
+    if live >= conc then
+      redis.call('ZREMRANGEBYSCORE', c, '-inf', now)
+      live = redis.call('ZCARD', c)
+    end
+    if live >= conc then
       local first = redis.call('ZRANGE', c, 0, 0, 'WITHSCORES')
       local wait = hint
       if first[2] and tonumber(first[2]) - now < wait then
@@ -70,13 +81,19 @@ end
 
 for i = 0, n - 1 do
   local q, c = KEYS[3 * i + 1], KEYS[3 * i + 2]
+  local rpm = tonumber(ARGV[7 + 3 * i])
+  local tpm = tonumber(ARGV[8 + 3 * i])
   if used[i] then
-    redis.call('HINCRBY', q, 'r', 1)
-    redis.call('HINCRBY', q, 't', tokens)
-  else
+    if rpm >= 0 then
+      redis.call('HINCRBY', q, 'r', 1)
+    end
+    if tpm >= 0 and tokens ~= 0 then
+      redis.call('HINCRBY', q, 't', tokens)
+    end
+  elseif rpm >= 0 or tpm >= 0 then
     redis.call('HSET', q, 'w', win, 'r', 1, 't', tokens)
+    redis.call('PEXPIRE', q, 2 * wms)
   end
-  redis.call('PEXPIRE', q, 2 * wms)
   if lease ~= '' and tonumber(ARGV[9 + 3 * i]) >= 0 then
     redis.call('ZADD', c, now + ttl, lease)
     redis.call('PEXPIRE', c, 2 * ttl)
