@@ -63,7 +63,11 @@ async fn every_framework_error_is_openai_json() {
     }
 }
 
-#[tokio::test(start_paused = true)]
+// On the real clock: a stream passed through crosses two loopback sockets (simulator ->
+// gateway -> client), and the paused clock jumps to the next timer (the watchdog) whenever
+// every task waits, bytes in flight or not. The simulated source answers in milliseconds;
+// nothing here asserts on time.
+#[tokio::test]
 async fn chat_answers_json_and_streams_sse_ending_with_done() {
     let h = start("", vec![fast("s1")]).await;
     let (status, headers, body) = call(h.addr, chat(None), chat_body("m", false)).await;
@@ -421,7 +425,11 @@ fn assert_prometheus_text(text: &str) {
     }
 }
 
-#[tokio::test(start_paused = true)]
+// On the real clock: a stream passed through crosses two loopback sockets (simulator ->
+// gateway -> client), and the paused clock jumps to the next timer (the watchdog) whenever
+// every task waits, bytes in flight or not. The simulated source answers in milliseconds;
+// nothing here asserts on time.
+#[tokio::test]
 async fn metrics_parse_as_prometheus_text_and_move_when_calls_run() {
     let keys = key_toml("metrics-tenant", CLIENT_KEY, "");
     let h = start(&keys, vec![fast("s1")]).await;
