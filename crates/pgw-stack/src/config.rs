@@ -384,7 +384,8 @@ pub struct BreakerSection {
     pub probe_ttl_s: Option<f64>,
 }
 
-/// `[aimd]`: defaults from tower-aimd (initial 8, floor 1, cut 0.5).
+/// `[aimd]`: defaults from tower-aimd (initial 8, floor 1, cut 0.5, tolerated pushback
+/// share 0.3).
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AimdSection {
@@ -394,6 +395,9 @@ pub struct AimdSection {
     pub min_limit: Option<f64>,
     /// Cut on 429.
     pub decrease_factor: Option<f64>,
+    /// The share of recent outcomes that may be 429s before a 429 cuts (0.0: every
+    /// congestion episode cuts; see `tower_aimd::DEFAULT_TOLERATED_PUSHBACK`).
+    pub tolerated_pushback: Option<f64>,
     /// The caller's concurrency (caps the limit, A1).
     pub caller_concurrency: Option<usize>,
 }

@@ -892,8 +892,10 @@ fn aimd_config(cfg: &GatewayConfig, max_concurrency: Option<u64>) -> AimdConfig 
         initial_limit: a.initial_limit.unwrap_or(d.initial_limit),
         min_limit: a.min_limit.unwrap_or(d.min_limit),
         decrease_factor: a.decrease_factor.unwrap_or(d.decrease_factor),
+        tolerated_pushback: a.tolerated_pushback.unwrap_or(d.tolerated_pushback),
         max_concurrency: max_concurrency.map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
         caller_concurrency: a.caller_concurrency,
+        ..d
     }
 }
 

@@ -5,7 +5,10 @@
 //! `min(source max_concurrency, caller concurrency)`. A `RateLimited` outcome (429)
 //! halves it, once per congestion episode: the first 429 of a request sent since the
 //! last cut cuts and starts a new episode, and the 429s of requests already in flight
-//! then do not cut again (as TCP's once per window). A `Success` adds `1/limit`. Other outcomes leave it alone, and an error
+//! then do not cut again (as TCP's once per window). It cuts only while pushback is
+//! more than a tolerated share of recent outcomes (default 0.3,
+//! [`DEFAULT_TOLERATED_PUSHBACK`]: a goodput-seeking limit; 0.0 cuts on every
+//! episode). A `Success` adds `1/limit`. Other outcomes leave it alone, and an error
 //! from below that is *not admitted* ([`pgw_core::NotAdmitted`]) changes nothing: it
 //! was not an attempt. Outcomes come from a [`pgw_core::Classify`] (default
 //! [`pgw_core::OkIsSuccess`]).
@@ -36,8 +39,9 @@
 //!     Ok(_) => Outcome::Success,
 //!     Err(_) => Outcome::RateLimited { retry_after: None },
 //! };
-//! let layer = AimdLayer::new(AimdConfig { max_concurrency: Some(16), ..AimdConfig::default() })?
-//!     .with_classifier(classify);
+//! // Every 429 episode cuts (no tolerated share), to show the cut.
+//! let strict = AimdConfig { max_concurrency: Some(16), tolerated_pushback: 0.0, ..AimdConfig::default() };
+//! let layer = AimdLayer::new(strict)?.with_classifier(classify);
 //! let limits = layer.handle();
 //! let mut svc = layer.layer(service_fn(|fail: bool| async move {
 //!     if fail { Err::<&'static str, pgw_core::BoxError>("429".into()) } else { Ok("hi") }
@@ -69,6 +73,7 @@ mod service;
 
 pub use config::{
     AimdConfig, DEFAULT_DECREASE_FACTOR, DEFAULT_INITIAL_LIMIT, DEFAULT_MAX_LIMIT, DEFAULT_MIN_LIMIT,
+    DEFAULT_TOLERATED_PUSHBACK, PUSHBACK_ALPHA,
 };
 pub use error::ConfigError;
 pub use future::ResponseFuture;

@@ -24,6 +24,9 @@ pub(crate) struct Limiter {
     floor: f64,
     ceiling: f64,
     cut: f64,
+    /// The EWMA of pushback among outcomes (1 a 429, 0 a success).
+    pushback_bits: AtomicU64,
+    tolerated: f64,
     source: Option<SourceId>,
 }
 
@@ -39,6 +42,8 @@ impl Limiter {
             floor: config.min_limit,
             ceiling,
             cut: config.decrease_factor,
+            pushback_bits: AtomicU64::new(0f64.to_bits()),
+            tolerated: config.tolerated_pushback,
             source,
         }
     }
@@ -113,22 +118,43 @@ impl Limiter {
     pub(crate) fn on_outcome(&self, episode: u64, outcome: Outcome) {
         match outcome {
             Outcome::RateLimited { .. } => {
-                if self
-                    .episode
-                    .compare_exchange(
-                        episode,
-                        episode.wrapping_add(1),
-                        Ordering::SeqCst,
-                        Ordering::SeqCst,
-                    )
-                    .is_ok()
+                let share = self.pushback(1.0);
+                if share > self.tolerated
+                    && self
+                        .episode
+                        .compare_exchange(
+                            episode,
+                            episode.wrapping_add(1),
+                            Ordering::SeqCst,
+                            Ordering::SeqCst,
+                        )
+                        .is_ok()
                 {
                     self.update(|l| (l * self.cut).max(self.floor));
                 }
             }
-            Outcome::Success => self.update(|l| (l + 1.0 / l).min(self.ceiling)),
+            Outcome::Success => {
+                self.pushback(0.0);
+                self.update(|l| (l + 1.0 / l).min(self.ceiling));
+            }
             Outcome::Transient | Outcome::SourceDead | Outcome::Rejected | Outcome::Invalid => {}
         }
+    }
+
+    /// Feeds one outcome to the pushback share; the share after it.
+    fn pushback(&self, sample: f64) -> f64 {
+        if self.tolerated == 0.0 {
+            return 1.0;
+        }
+        let step = |b: u64| {
+            let old = f64::from_bits(b);
+            old + crate::config::PUSHBACK_ALPHA * (sample - old)
+        };
+        let prev = self
+            .pushback_bits
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| Some(step(b).to_bits()))
+            .unwrap_or_else(|b| b);
+        step(prev)
     }
 
     fn update(&self, f: impl Fn(f64) -> f64) {
@@ -246,6 +272,7 @@ mod tests {
         let l = limiter(&AimdConfig {
             max_concurrency: Some(12),
             caller_concurrency: Some(10),
+            tolerated_pushback: 0.0,
             ..AimdConfig::default()
         });
         let rl = Outcome::RateLimited { retry_after: None };
@@ -276,7 +303,10 @@ mod tests {
 
     #[test]
     fn one_cut_per_congestion_episode() {
-        let l = limiter(&AimdConfig::default());
+        let l = limiter(&AimdConfig {
+            tolerated_pushback: 0.0,
+            ..AimdConfig::default()
+        });
         let send = || {
             assert!(l.try_acquire());
             Permit::new(Arc::clone(&l))
@@ -292,6 +322,40 @@ mod tests {
         send().on_outcome(Outcome::RateLimited { retry_after: None });
         assert!((l.limit() - 2.0).abs() < 1e-12, "{}", l.limit());
         assert_eq!(l.inflight(), 0);
+    }
+
+    #[test]
+    fn pushback_under_the_tolerated_share_keeps_the_limit_and_above_it_cuts() {
+        let l = limiter(&AimdConfig {
+            tolerated_pushback: 0.3,
+            ..AimdConfig::default()
+        });
+        let rl = Outcome::RateLimited { retry_after: None };
+        // One 429 in four outcomes (share ~0.25 at equilibrium): the limit only grows.
+        for _ in 0..200 {
+            l.on_outcome(l.episode(), rl);
+            for _ in 0..3 {
+                l.on_outcome(l.episode(), Outcome::Success);
+            }
+        }
+        assert!(l.limit() > 8.0, "no cut under the tolerated share: {}", l.limit());
+        let grown = l.limit();
+        // Then a storm: once the share passes 0.3, each episode cuts.
+        for _ in 0..40 {
+            l.on_outcome(l.episode(), rl);
+        }
+        assert!(l.limit() < grown / 4.0, "{} vs {grown}", l.limit());
+        // Validation names the field.
+        let bad = AimdConfig {
+            tolerated_pushback: 1.0,
+            ..AimdConfig::default()
+        };
+        assert!(
+            bad.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("tolerated_pushback")
+        );
     }
 
     #[test]

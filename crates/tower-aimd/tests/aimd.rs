@@ -115,7 +115,12 @@ async fn not_admitted_from_below_changes_nothing_but_errors_pass_unchanged() {
         Ok(()) => Outcome::Success,
         Err(_) => Outcome::RateLimited { retry_after: None },
     };
-    let layer = AimdLayer::default().with_classifier(classify);
+    // Every 429 episode cuts (A2's letter), so one 429 shows.
+    let strict = AimdConfig {
+        tolerated_pushback: 0.0,
+        ..AimdConfig::default()
+    };
+    let layer = AimdLayer::new(strict).unwrap().with_classifier(classify);
     let h = layer.handle();
     let svc = layer.layer(service_fn(|open: bool| async move {
         if open {
