@@ -895,7 +895,6 @@ fn aimd_config(cfg: &GatewayConfig, max_concurrency: Option<u64>) -> AimdConfig 
         tolerated_pushback: a.tolerated_pushback.unwrap_or(d.tolerated_pushback),
         max_concurrency: max_concurrency.map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
         caller_concurrency: a.caller_concurrency,
-        ..d
     }
 }
 
