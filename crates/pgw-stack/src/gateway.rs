@@ -679,6 +679,7 @@ impl GatewayBuilder {
             let mut retry = RetryLayer::new(retry_cfg.clone())
                 .map_err(|e| crate::config::config_error(format!("retry.{}", e.field()), e.to_string()))?
                 .classifier(AnswerClassifier)
+                .resend(ChatResend)
                 .hold(Arc::new(Holds::new(limiters)))
                 .progress(progress.clone());
             if let Some(seed) = cfg.balance.seed {
@@ -704,6 +705,25 @@ impl GatewayBuilder {
                 accepts_prefill: cfg.sources.iter().any(|s| s.accepts_prefill),
             }),
         })
+    }
+}
+
+/// Re-sends a [`ChatCall`] (an `Arc` clone) and reads the caller's deadline from a
+/// [`tower_retry_pushback::CallDeadline`] in its extensions: every wait of the call
+/// (backoff, holds, pushback) honours it, and the call fails with `DeadlineExceeded`
+/// when it passes.
+#[derive(Clone, Copy, Debug, Default)]
+struct ChatResend;
+
+impl tower_retry_pushback::Resend<ChatCall> for ChatResend {
+    fn resend(&self, req: &ChatCall) -> Option<ChatCall> {
+        Some(req.clone())
+    }
+
+    fn deadline(&self, req: &ChatCall) -> Option<tokio::time::Instant> {
+        req.extensions()
+            .get::<tower_retry_pushback::CallDeadline>()
+            .map(|d| d.0)
     }
 }
 
