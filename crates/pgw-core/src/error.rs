@@ -605,6 +605,24 @@ pub fn exceeds_source(err: &(dyn Error + 'static)) -> bool {
     UpstreamStatus::find(err).is_some_and(|s| s.code() == Some("context_length_exceeded"))
 }
 
+/// Whether the provider said a 429 in `err`'s chain is its account's limit, not the
+/// key's or the deployment's: its message names the organization or the account
+/// (OpenAI: "Rate limit reached for gpt-4o in organization org-... on requests per
+/// min"), or its error `type` is `tokens`/`requests` with such a message. Only then is
+/// the pushback hold applied to every source of the account; otherwise to the source
+/// alone (a key's own RPM gate says nothing about its siblings).
+#[must_use]
+pub fn pushback_is_account_wide(err: &(dyn Error + 'static)) -> bool {
+    let Some(s) = UpstreamStatus::find(err) else {
+        return false;
+    };
+    let says = |text: &str| {
+        let t = text.to_ascii_lowercase();
+        t.contains("organization") || t.contains("account")
+    };
+    s.provider().is_some_and(|p| says(&p.message)) || says(s.message())
+}
+
 /// An attempt ran out of time: a connect, first-token, inter-token or total timeout.
 ///
 /// The marker a timeout carries in its error chain so any layer can tell it from other
@@ -704,5 +722,24 @@ mod tests {
             q.to_string(),
             "quota exceeded (tpm) for account:a; retry after 0.000s"
         );
+    }
+
+    #[test]
+    fn a_429_is_account_wide_only_when_the_provider_names_the_account() {
+        let status =
+            |msg: &str| UpstreamStatus::new(http::StatusCode::TOO_MANY_REQUESTS, None, msg.to_owned());
+        let org = status("Rate limit reached for gpt-4o in organization org-abc on requests per min (RPM)");
+        assert!(pushback_is_account_wide(&org));
+        assert!(pushback_is_account_wide(&status(
+            "Rate limit reached for account acct-a. Please slow down."
+        )));
+        assert!(!pushback_is_account_wide(&status(
+            "Rate limit reached for requests on source s4"
+        )));
+        assert!(!pushback_is_account_wide(&status("Too Many Requests")));
+        assert!(!pushback_is_account_wide(&QuotaExceeded::new(
+            "rpm",
+            Duration::from_secs(1)
+        )));
     }
 }

@@ -16,8 +16,15 @@ pub type HoldFuture = Pin<Box<dyn Future<Output = Result<(), BoxError>> + Send +
 /// with one round trip shared by every process (L9). Defined here so the retry layer
 /// does not depend on the limiter.
 pub trait Hold: Send + Sync {
-    /// Holds `source` for `duration` from now.
+    /// Holds `source` (and its account, when the implementation knows one) for
+    /// `duration` from now.
     fn hold(&self, source: &SourceId, duration: Duration) -> HoldFuture;
+
+    /// Holds `source` alone, not its account: the pushback was the source's own limit
+    /// ([`crate::pushback_is_account_wide`] says which). Default: [`Hold::hold`].
+    fn hold_source(&self, source: &SourceId, duration: Duration) -> HoldFuture {
+        self.hold(source, duration)
+    }
 }
 
 /// A hold that does nothing: the default when no limiter is present.

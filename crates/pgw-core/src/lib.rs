@@ -50,7 +50,7 @@ pub use classify::{Classify, OkIsSuccess, Settle, attempt_outcome, settle};
 pub use error::{
     BackendUnavailable, BoxError, CircuitOpen, ConfigError, EmptyCompletion, InvalidResponse, NeverAdmitted,
     NotAdmitted, Paced, ProviderError, QuotaExceeded, TimedOut, UNAVAILABLE_RETRY_AFTER, UpstreamStatus,
-    exceeds_source, is_timeout,
+    exceeds_source, is_timeout, pushback_is_account_wide,
 };
 pub use history::{AttemptRecord, CallHistory, CarriesHistory};
 pub use hold::{Hold, HoldFuture, NoHold};

@@ -56,7 +56,7 @@ async fn a_call_deadline_cuts_a_black_hole_and_releases_everything() {
     let gerr = err.downcast_ref::<GatewayError>().expect("a gateway error");
     assert!(
         matches!(
-            gerr.last_retry_error().map(|r| r.reason()),
+            gerr.last_retry_error().map(pgw_stack::retry::RetryError::reason),
             Some(Reason::DeadlineExceeded)
         ),
         "{err}"

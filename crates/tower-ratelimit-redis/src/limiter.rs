@@ -931,17 +931,29 @@ impl Hold for Holds {
     /// Holds the source and its account (when configured) in one round trip.
     fn hold(&self, source: &SourceId, duration: Duration) -> HoldFuture {
         match self.by_source.get(source) {
-            Some(l) => l.hold_future(duration),
-            None => Box::pin(std::future::ready(Err(
-                Box::new(UnknownSource(source.to_string())) as BoxError,
-            ))),
+            Some(l) => l.hold_future(HoldScope::Both, duration),
+            None => unknown(source),
+        }
+    }
+
+    /// Holds the source alone.
+    fn hold_source(&self, source: &SourceId, duration: Duration) -> HoldFuture {
+        match self.by_source.get(source) {
+            Some(l) => l.hold_future(HoldScope::Source, duration),
+            None => unknown(source),
         }
     }
 }
 
+fn unknown(source: &SourceId) -> HoldFuture {
+    Box::pin(std::future::ready(Err(
+        Box::new(UnknownSource(source.to_string())) as BoxError,
+    )))
+}
+
 impl RateLimiter {
-    fn hold_future(&self, duration: Duration) -> HoldFuture {
-        let fut = self.inner.gate.hold(HoldScope::Both, duration);
+    fn hold_future(&self, scope: HoldScope, duration: Duration) -> HoldFuture {
+        let fut = self.inner.gate.hold(scope, duration);
         Box::pin(async move { fut.await.map(|_| ()).map_err(|e| Box::new(e) as BoxError) })
     }
 }
@@ -950,11 +962,18 @@ impl Hold for RateLimiter {
     /// Holds this limiter's source and its account; an error for another source.
     fn hold(&self, source: &SourceId, duration: Duration) -> HoldFuture {
         if source == self.source() {
-            self.hold_future(duration)
+            self.hold_future(HoldScope::Both, duration)
         } else {
-            Box::pin(std::future::ready(Err(
-                Box::new(UnknownSource(source.to_string())) as BoxError,
-            )))
+            unknown(source)
+        }
+    }
+
+    /// Holds this limiter's source alone.
+    fn hold_source(&self, source: &SourceId, duration: Duration) -> HoldFuture {
+        if source == self.source() {
+            self.hold_future(HoldScope::Source, duration)
+        } else {
+            unknown(source)
         }
     }
 }

@@ -122,7 +122,9 @@ impl<Req, C, R> Drop for Call<Req, C, R> {
 enum Next<T> {
     Dispatch,
     Sleep(Duration),
-    Hold(SourceId, Duration),
+    /// Hold the source (and its account when the provider said the limit is the
+    /// account's) for the wait, then dispatch.
+    Hold(SourceId, Duration, bool),
     Finish(Result<T, BoxError>),
 }
 
@@ -277,6 +279,10 @@ impl<Req: CarriesHistory, C, R> Call<Req, C, R> {
             .as_ref()
             .err()
             .is_some_and(|e| pgw_core::exceeds_source(&**e));
+        let account_wide = result
+            .as_ref()
+            .err()
+            .is_some_and(|e| pgw_core::pushback_is_account_wide(&**e));
         let now = Instant::now();
         self.start_waiting(now).last_error = result.err();
         tracing::debug!(outcome = outcome.as_str(), source = ?source, "attempt failed");
@@ -329,7 +335,7 @@ impl<Req: CarriesHistory, C, R> Call<Req, C, R> {
             Outcome::RateLimited { retry_after } => {
                 let wait = retry_after.unwrap_or_default().max(self.next_backoff());
                 match (&self.shared.hold, source) {
-                    (Some(_), Some(source)) => Next::Hold(source, wait),
+                    (Some(_), Some(source)) => Next::Hold(source, wait, account_wide),
                     _ => self.sleep_or_fail(wait, now),
                 }
             }
@@ -478,10 +484,11 @@ where
                         waiting,
                     });
                 }
-                Next::Hold(source, wait) => {
+                Next::Hold(source, wait, account_wide) => {
                     let waiting = WaitGuard::new(&this.call.shared.counters);
                     let fut = match &this.call.shared.hold {
-                        Some(hold) => hold.hold(&source, wait),
+                        Some(hold) if account_wide => hold.hold(&source, wait),
+                        Some(hold) => hold.hold_source(&source, wait),
                         None => Box::pin(std::future::ready(Err("no hold hook".into()))),
                     };
                     tracing::debug!(%source, wait_s = wait.as_secs_f64(), "holding source after pushback");
