@@ -360,6 +360,10 @@ pub struct BalanceSection {
     pub policy: Option<String>,
     /// Longest wait for an admission, seconds.
     pub max_wait_s: Option<f64>,
+    /// Slow-call detection: a source with attempts in flight that answered nothing for
+    /// this long is not dispatched to until they end, seconds (default 60,
+    /// `tower_health_p2c::DEFAULT_SILENT_AFTER`; 0 turns it off).
+    pub silent_after_s: Option<f64>,
     /// Seed of the balancer's random choices and the retry jitter (default: from the OS).
     pub seed: Option<u64>,
 }

@@ -868,6 +868,11 @@ fn balance_config(cfg: &GatewayConfig) -> Result<BalanceConfig, ConfigError> {
     let c = BalanceConfig {
         policy,
         max_wait: secs("balance.max_wait_s", b.max_wait_s)?.unwrap_or(d.max_wait),
+        silent_after: match secs("balance.silent_after_s", b.silent_after_s)? {
+            Some(d) if d.is_zero() => None,
+            Some(d) => Some(d),
+            None => d.silent_after,
+        },
         ..d
     };
     c.validate()

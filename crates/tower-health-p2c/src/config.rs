@@ -46,6 +46,14 @@ pub const DEFAULT_MAX_WAIT: Duration = Duration::from_secs(30);
 /// signal (a gate that does not fire one must not stall a call until `max_wait`).
 pub const DEFAULT_PACED_POLL: Duration = Duration::from_millis(100);
 
+/// How long a source with attempts in flight may answer nothing before it is silent
+/// (slow-call detection): 60 s. A black hole accepts and never answers, so each
+/// attempt holds a caller for the whole attempt timeout (180 s in P6) while the
+/// breaker sees nothing; a busy healthy source answers something far more often (P6's
+/// slowest healthy answers take about a minute, but with many in flight one ends every
+/// few seconds). A streamed attempt counts as an answer at its first chunk.
+pub const DEFAULT_SILENT_AFTER: Duration = Duration::from_secs(60);
+
 /// The shortest wait after a round in which no source admitted, whatever `retry_after`
 /// the gates said: 10 ms, so a gate answering `retry_after = 0` cannot make a call spin
 /// (the same floor as tower-retry-pushback's `MIN_NOT_ADMITTED_WAIT`).
@@ -116,6 +124,10 @@ pub struct BalanceConfig {
     pub max_wait: Duration,
     /// Re-check interval while sources are paced (default [`DEFAULT_PACED_POLL`]).
     pub paced_poll: Duration,
+    /// A source with attempts in flight that has answered nothing for this long is
+    /// silent: it is not dispatched to (refused as open, with this as `retry_after`)
+    /// until its attempts end (default [`DEFAULT_SILENT_AFTER`]); `None` turns it off.
+    pub silent_after: Option<Duration>,
 }
 
 impl Default for BalanceConfig {
@@ -124,6 +136,7 @@ impl Default for BalanceConfig {
             policy: Policy::HealthAware,
             max_wait: DEFAULT_MAX_WAIT,
             paced_poll: DEFAULT_PACED_POLL,
+            silent_after: Some(DEFAULT_SILENT_AFTER),
         }
     }
 }
@@ -134,6 +147,12 @@ impl BalanceConfig {
     /// # Errors
     /// A [`ConfigError`] naming the bad field.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.silent_after.is_some_and(|d| d.is_zero()) {
+            return Err(crate::error::config_error(
+                "silent_after",
+                "must be greater than zero (or None to turn it off)",
+            ));
+        }
         if self.paced_poll.is_zero() {
             return Err(crate::error::config_error(
                 "paced_poll",

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
-use pgw_core::{AttemptRecord, BoxError, CallHistory, Classify, NotAdmitted};
+use pgw_core::{AttemptRecord, BoxError, CallHistory, CircuitOpen, Classify, NotAdmitted};
 use pin_project_lite::pin_project;
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
@@ -149,6 +149,15 @@ impl<S, Req, C> Drop for Ctx<S, Req, C> {
 }
 
 impl<S, Req, C> Ctx<S, Req, C> {
+    /// An attempt of this call already timed out: it is not the one to probe a source
+    /// that has said nothing since its own last timeout (a call must not spend two
+    /// attempt timeouts on silence).
+    fn timed_out_before(&self) -> bool {
+        self.history
+            .as_ref()
+            .is_some_and(|h| h.attempts().iter().any(|a| a.timed_out))
+    }
+
     fn next_candidate(&mut self) -> Option<usize> {
         let entries = &self.snapshot.entries;
         if let Plan::Expand(i) = self.plan {
@@ -308,6 +317,12 @@ impl<S, Req, C> Ctx<S, Req, C> {
             },
             ok => ok,
         };
+        if result.as_ref().err().is_some_and(|e| pgw_core::is_timeout(&**e)) {
+            inflight.0.timed_out();
+        } else {
+            // Any answer (a committed stream's first chunk included) says it is alive.
+            inflight.0.heard();
+        }
         let (class, history, classifier) = (self.class, self.history.clone(), self.classifier.clone());
         pgw_core::settle(&self.classifier, &mut result, move |r| {
             inflight.judge(class, history.as_ref(), &classifier, r);
@@ -450,6 +465,18 @@ where
                 StateProj::Next => match this.ctx.next_candidate() {
                     Some(i) => {
                         let entry = &this.ctx.snapshot.entries[i];
+                        if let Some(after) = this.ctx.config.silent_after
+                            && (entry.state.silent(after)
+                                || (entry.state.has_timed_out() && this.ctx.timed_out_before()))
+                        {
+                            // Slow-call detection: calls hang there; refused like an
+                            // open circuit until they end.
+                            let open = CircuitOpen::new(after);
+                            this.ctx
+                                .round
+                                .refuse(NotAdmitted::CircuitOpen(after), Box::new(open));
+                            continue;
+                        }
                         entry.state.inc();
                         this.ctx.dispatched = Some(i);
                         let svc = entry.service.clone();

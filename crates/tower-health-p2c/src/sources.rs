@@ -1,11 +1,14 @@
 //! The source set: per-source health (H1, H2) and a handle to change the set at runtime.
 
 use std::fmt;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
+
+use std::time::Duration;
 
 use pgw_core::SourceId;
 use tokio::sync::Notify;
+use tokio::time::Instant;
 
 use crate::{HEALTH_ALPHA, HEALTH_CLASSES, HEALTH_FLOOR, HEALTH_INITIAL};
 
@@ -15,6 +18,12 @@ pub(crate) struct SourceState {
     id: SourceId,
     ewma_bits: [AtomicU64; HEALTH_CLASSES],
     inflight: AtomicUsize,
+    /// Nanoseconds after `epoch` when the source last answered anything (an error
+    /// included, a timeout not), or when it went from idle to busy, whichever is later.
+    heard_ns: AtomicU64,
+    /// An attempt timed out since the source last answered.
+    timed_out: AtomicBool,
+    epoch: Instant,
 }
 
 impl SourceState {
@@ -23,7 +32,41 @@ impl SourceState {
             id,
             ewma_bits: std::array::from_fn(|_| AtomicU64::new(HEALTH_INITIAL.to_bits())),
             inflight: AtomicUsize::new(0),
+            heard_ns: AtomicU64::new(0),
+            timed_out: AtomicBool::new(false),
+            epoch: Instant::now(),
         }
+    }
+
+    fn now_ns(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// The source answered something (it is alive, whatever the answer).
+    pub(crate) fn heard(&self) {
+        self.heard_ns.fetch_max(self.now_ns(), Ordering::Relaxed);
+        self.timed_out.store(false, Ordering::Relaxed);
+    }
+
+    /// An attempt ran out of time: the source said nothing.
+    pub(crate) fn timed_out(&self) {
+        self.timed_out.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether an attempt timed out since the source last answered.
+    pub(crate) fn has_timed_out(&self) -> bool {
+        self.timed_out.load(Ordering::Relaxed)
+    }
+
+    /// Attempts in flight and nothing heard from the source for longer than `after`.
+    pub(crate) fn silent(&self, after: Duration) -> bool {
+        if self.inflight() == 0 {
+            return false;
+        }
+        let quiet = self
+            .now_ns()
+            .saturating_sub(self.heard_ns.load(Ordering::Relaxed));
+        quiet > u64::try_from(after.as_nanos()).unwrap_or(u64::MAX)
     }
 
     pub(crate) const fn id(&self) -> &SourceId {
@@ -62,7 +105,11 @@ impl SourceState {
     }
 
     pub(crate) fn inc(&self) {
-        self.inflight.fetch_add(1, Ordering::Relaxed);
+        if self.inflight.fetch_add(1, Ordering::Relaxed) == 0 && !self.has_timed_out() {
+            // Idle until now: the silence starts with this attempt. After a timeout it
+            // goes on: this attempt is a probe, and the others wait for its answer.
+            self.heard_ns.fetch_max(self.now_ns(), Ordering::Relaxed);
+        }
     }
 
     pub(crate) fn dec(&self) {

@@ -769,3 +769,67 @@ async fn a_poor_source_waits_behind_a_briefly_refused_healthy_one() {
     assert!(served.iter().all(|(s, _)| *s == "good"), "{served:?}");
     assert_eq!(served[0].1, Duration::from_secs(3), "{served:?}");
 }
+
+/// A black hole: accepts, says nothing for 180 s, then times out.
+fn hole(hits: Arc<AtomicUsize>) -> Svc {
+    BoxCloneSyncService::new(service_fn(move |_: Req| {
+        hits.fetch_add(1, Ordering::SeqCst);
+        async move {
+            tokio::time::sleep(Duration::from_secs(180)).await;
+            Err::<&'static str, BoxError>(Box::new(pgw_core::TimedOut))
+        }
+    }))
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_silent_source_stops_receiving_calls_and_gets_one_probe_after_its_timeouts() {
+    let (hole_hits, good_hits) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let sources = Sources::new();
+    sources.insert(SourceId::from("hole"), hole(Arc::clone(&hole_hits)));
+    sources.insert(
+        SourceId::from("good"),
+        fixed(Ok("ok"), Duration::from_secs(1), Arc::clone(&good_hits)),
+    );
+    let lb = balancer(&sources, Policy::RoundRobin);
+    let spawn = |n: usize| {
+        (0..n)
+            .map(|_| tokio::spawn(lb.clone().oneshot(Req::default())))
+            .collect::<Vec<_>>()
+    };
+    // Round robin: the hole takes its share while nothing is known.
+    let first = spawn(4);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let early = hole_hits.load(Ordering::SeqCst);
+    assert!(early >= 1, "the hole got calls at first");
+    // Within the first minute the hole is only slow as far as anyone knows.
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    // Silent for a minute with calls in flight: every new call goes to `good`.
+    for h in spawn(10) {
+        assert_eq!(h.await.unwrap().unwrap(), "ok");
+    }
+    assert_eq!(
+        hole_hits.load(Ordering::SeqCst),
+        early,
+        "no call into the silence"
+    );
+    // Its attempts time out at 180 s; then one probe, and nothing more while it is out.
+    tokio::time::sleep(Duration::from_secs(120)).await;
+    for h in first {
+        let _ = h.await.unwrap();
+    }
+    let later = spawn(10);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(hole_hits.load(Ordering::SeqCst), early + 1, "one probe");
+    for h in later {
+        let _ = h.await;
+    }
+}
+
+#[test]
+fn a_zero_silence_threshold_is_a_config_error() {
+    let bad = BalanceConfig {
+        silent_after: Some(Duration::ZERO),
+        ..BalanceConfig::default()
+    };
+    assert!(bad.validate().unwrap_err().to_string().contains("silent_after"));
+}
