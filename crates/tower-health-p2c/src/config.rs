@@ -43,8 +43,12 @@ pub const CREDIBLE_HEALTH_RATIO: f64 = 0.5;
 pub const DEFAULT_MAX_WAIT: Duration = Duration::from_secs(30);
 
 /// While every source is paced, re-check at least this often even without a release
-/// signal (a gate that does not fire one must not stall a call until `max_wait`).
-pub const DEFAULT_PACED_POLL: Duration = Duration::from_millis(100);
+/// signal (a gate that does not fire one must not stall a call until `max_wait`): 1 s.
+/// The release signal wakes waiters when a slot frees; the poll is only the safety
+/// net. At 100 ms, 64 waiting callers re-ran their rounds 640 times a second: the P6
+/// soak's pgw profile spent 18.3 s of CPU against naive's 2.7 s; at 1 s, 4.9 s, with
+/// success 99.55% -> 99.61% and goodput 30.0 -> 30.6 ok/min.
+pub const DEFAULT_PACED_POLL: Duration = Duration::from_millis(1000);
 
 /// How long a source with attempts in flight may answer nothing before it is silent
 /// (slow-call detection): 60 s. A black hole accepts and never answers, so each

@@ -60,7 +60,12 @@ impl<C, R> Shared<C, R> {
             .max_backoff
             .min(self.config.base_backoff.saturating_mul(1 << n.min(31)));
         let ns = u64::try_from(ceiling.as_nanos()).unwrap_or(u64::MAX);
-        Duration::from_nanos(self.rng().random_range(0..=ns))
+        // The floor: half the base (250 ms by default), so no two attempts of one call
+        // go back to back (full jitter alone drew gaps of a few milliseconds).
+        let floor = u64::try_from((self.config.base_backoff / 2).as_nanos())
+            .unwrap_or(u64::MAX)
+            .min(ns);
+        Duration::from_nanos(self.rng().random_range(floor..=ns))
     }
 
     /// A uniform draw in `[0, 1)`.
@@ -256,8 +261,17 @@ mod tests {
                 Duration::from_secs(20).min(Duration::from_millis(500).saturating_mul(1 << n.min(31)));
             let draws: Vec<Duration> = (0..200).map(|_| shared.backoff(n)).collect();
             assert!(draws.iter().all(|d| *d <= ceiling), "n={n}");
+            assert!(
+                draws.iter().all(|d| *d >= Duration::from_millis(250)),
+                "n={n}: never under the floor"
+            );
             // Spread over the whole range, not stuck at one end.
-            assert!(draws.iter().any(|d| *d < ceiling / 4), "n={n}");
+            assert!(
+                draws
+                    .iter()
+                    .any(|d| *d < ceiling / 4 + Duration::from_millis(250)),
+                "n={n}"
+            );
             assert!(draws.iter().any(|d| *d > ceiling * 3 / 4), "n={n}");
         }
     }
