@@ -222,7 +222,7 @@ pub fn markdown(info: &RunInfo, scores: &[Score]) -> String {
 
     for s in scores.iter().filter(|s| !s.violations.is_empty()) {
         let _ = writeln!(md, "\n### Quota violations: {}\n", s.profile);
-        md.push_str("| scope | dim | window start (s) | used | limit |\n|---|---|---:|---:|---:|\n");
+        md.push_str("| scope | dim | span start (s) | used | limit |\n|---|---|---:|---:|---:|\n");
         for v in s.violations.iter().take(20) {
             let _ = writeln!(
                 md,

@@ -3,8 +3,10 @@
 //! It reads only the rows ([`ProfileRun`]), never the live client, so `--rescore RUN`
 //! re-judges a stored run with exactly the same code. Quotas are judged the way the
 //! seeds' scoreboard learned to (seed 003 section 3): by **admission instant** on the
-//! **limiter's clock** (the run's tokio clock, windows aligned on the run's start),
-//! **excluding cache hits** (they never pass a gate).
+//! **limiter's clock** (the run's tokio clock), **excluding cache hits** (they never
+//! pass a gate), over **every span** of a quota's window length, as a provider counts
+//! "N per minute" over any minute: aligned windows alone miss a fixed-window limiter's
+//! burst across a window edge (up to twice the quota in one span).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -38,16 +40,17 @@ pub struct Check {
     pub detail: String,
 }
 
-/// One window where a quota was exceeded.
+/// One run of overlapping spans where a quota was exceeded, by its fullest span.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Violation {
     /// The quota's scope (`source s4`).
     pub scope: String,
     /// `rpm` or `tpm`.
     pub dimension: String,
-    /// Window start, ms since the run started.
+    /// Start of the fullest span (any instant: a span of the window's length starting
+    /// at an admission), ms since the run started.
     pub window_start_ms: u64,
-    /// What was admitted in that window.
+    /// What was admitted in that span.
     pub used: u64,
     /// The limit.
     pub limit: u64,
@@ -80,7 +83,7 @@ pub struct Score {
     pub attempts_by_source: Vec<(String, u64)>,
     /// Attempt outcomes by name.
     pub outcomes: BTreeMap<String, u64>,
-    /// Every window where a quota was exceeded.
+    /// Every run of overlapping spans where a quota was exceeded.
     pub violations: Vec<Violation>,
     /// Success rate per scenario minute (by the call's end), `(minute, calls, ok)`.
     pub success_by_minute: Vec<(u64, u64, u64)>,
@@ -216,34 +219,50 @@ fn success_check(rate: f64, ok: u64, calls: u64, expect: &Expectations) -> Check
     }
 }
 
-/// Every window where a quota rule was exceeded, by admission instant, cache hits
-/// excluded.
+/// Where a quota rule was exceeded, by admission instant, cache hits excluded: every
+/// span `[t, t + window)` that starts at an admission is judged (a span that starts
+/// elsewhere holds no more than the one starting at its first admission). Spans over
+/// the quota that overlap are one [`Violation`], reported by the fullest of them.
 #[must_use]
 pub fn quota_violations(run: &ProfileRun) -> Vec<Violation> {
     let mut out = Vec::new();
     for rule in &run.quotas {
-        let mut windows: BTreeMap<u64, u64> = BTreeMap::new();
-        for a in run
+        let w = rule.window_ms.max(1);
+        let mut rows: Vec<(u64, u64)> = run
             .attempts
             .iter()
             .filter(|a| !a.cache_hit && rule.sources.contains(&a.source))
-        {
-            let w = a.admitted_ms / rule.window_ms.max(1);
-            let add = if rule.dimension == "tpm" { a.tokens } else { 1 };
-            *windows.entry(w).or_insert(0) += add;
+            .map(|a| (a.admitted_ms, if rule.dimension == "tpm" { a.tokens } else { 1 }))
+            .collect();
+        rows.sort_unstable();
+        let violation = |start: u64, used: u64| Violation {
+            scope: rule.scope.clone(),
+            dimension: rule.dimension.clone(),
+            window_start_ms: start,
+            used,
+            limit: rule.limit,
+        };
+        // Two pointers: rows[i..end] is the span starting at rows[i], `used` its sum.
+        let (mut end, mut used) = (0, 0u64);
+        let mut run_of: Option<Violation> = None;
+        for &(start, add) in &rows {
+            while end < rows.len() && rows[end].0 < start.saturating_add(w) {
+                used += rows[end].1;
+                end += 1;
+            }
+            if used > rule.limit {
+                match &mut run_of {
+                    Some(v) if start < v.window_start_ms.saturating_add(w) => {
+                        if used > v.used {
+                            *v = violation(start, used);
+                        }
+                    }
+                    _ => out.extend(run_of.replace(violation(start, used))),
+                }
+            }
+            used -= add;
         }
-        out.extend(
-            windows
-                .into_iter()
-                .filter(|&(_, used)| used > rule.limit)
-                .map(|(w, used)| Violation {
-                    scope: rule.scope.clone(),
-                    dimension: rule.dimension.clone(),
-                    window_start_ms: w * rule.window_ms,
-                    used,
-                    limit: rule.limit,
-                }),
-        );
+        out.extend(run_of);
     }
     out
 }
@@ -262,7 +281,7 @@ fn quota_check(violations: &[Violation], rules: &[QuotaRule]) -> Check {
         }
         by.iter()
             .map(|((scope, dim), (n, worst, limit))| {
-                format!("{scope} {dim}: {n} windows over (worst {worst} > {limit})")
+                format!("{scope} {dim}: {n} spans over (worst {worst} > {limit})")
             })
             .collect::<Vec<_>>()
             .join("; ")
@@ -449,50 +468,116 @@ mod tests {
         }
     }
 
-    #[test]
-    fn quota_windows_by_admission_and_cache_hits_excluded() {
-        let mut r = run();
-        r.calls = (0..4).map(|i| call(&format!("c{i}"), true, 1)).collect();
-        // Two admissions in window 0, a cache hit in it too, two in window 1: no violation.
-        r.attempts = vec![
-            attempt("c0", 1, "s4", 59_000, false),
-            attempt("c1", 1, "s4", 59_999, false),
-            attempt("c2", 1, "s4", 59_999, true),
-            attempt("c3", 1, "s4", 60_000, false),
-            attempt("c2", 2, "s4", 61_000, false),
-        ];
-        let s = judge(
-            &r,
-            &Expectations {
-                calls: 4,
-                success_bar: Some(0.99),
-                success_band: None,
-            },
-        );
-        assert!(s.violations.is_empty(), "{:?}", s.violations);
-        assert!(s.passed(), "{:?}", s.checks);
-        assert_eq!(s.cache_hits, 1);
-        // A third real admission in window 1 is a violation.
-        r.attempts.push(attempt("c1", 2, "s4", 119_999, false));
-        let s = judge(
-            &r,
+    fn judged(r: &ProfileRun) -> Score {
+        judge(
+            r,
             &Expectations {
                 calls: 4,
                 success_bar: None,
                 success_band: None,
             },
-        );
+        )
+    }
+
+    #[test]
+    fn quota_spans_by_admission_and_cache_hits_excluded() {
+        let mut r = run();
+        r.calls = (0..4).map(|i| call(&format!("c{i}"), true, 1)).collect();
+        // RPM 2 per 60 s: two in [1 s, 61 s), a cache hit among them, the third at
+        // 61 s just outside; [2 s, 62 s) holds 2 s and 61 s: no violation.
+        r.attempts = vec![
+            attempt("c0", 1, "s4", 1_000, false),
+            attempt("c1", 1, "s4", 2_000, false),
+            attempt("c2", 1, "s4", 1_500, true),
+            attempt("c3", 1, "s4", 61_000, false),
+            attempt("c2", 2, "s4", 62_000, false),
+        ];
+        let s = judged(&r);
+        assert!(s.violations.is_empty(), "{:?}", s.violations);
+        assert!(s.check("quotas never exceeded").unwrap().pass);
+        assert_eq!(s.cache_hits, 1);
+        // A third real admission within 60 s of 61 s is a violation, reported once, by
+        // the span that starts at 61 s.
+        r.attempts.push(attempt("c1", 2, "s4", 100_000, false));
+        let s = judged(&r);
         assert_eq!(
             s.violations,
             vec![Violation {
                 scope: "source s4".into(),
                 dimension: "rpm".into(),
-                window_start_ms: 60_000,
+                window_start_ms: 61_000,
                 used: 3,
                 limit: 2
             }]
         );
         assert!(!s.passed());
+    }
+
+    /// The check this scoreboard had: by aligned windows only.
+    fn aligned_violations(run: &ProfileRun) -> usize {
+        let mut n = 0;
+        for rule in &run.quotas {
+            let mut windows: BTreeMap<u64, u64> = BTreeMap::new();
+            for a in run.attempts.iter().filter(|a| !a.cache_hit) {
+                *windows.entry(a.admitted_ms / rule.window_ms).or_insert(0) += 1;
+            }
+            n += windows.values().filter(|&&used| used > rule.limit).count();
+        }
+        n
+    }
+
+    /// A fixed-window limiter with RPM 2 admits two at the end of one window and two at
+    /// the start of the next: every aligned window passes, one span holds four.
+    #[test]
+    fn a_fixed_window_limiter_is_caught() {
+        let mut r = run();
+        r.calls = (0..4).map(|i| call(&format!("c{i}"), true, 1)).collect();
+        r.attempts = [59_000, 59_500, 60_000, 60_500]
+            .into_iter()
+            .enumerate()
+            .map(|(i, at)| attempt(&format!("c{i}"), 1, "s4", at, false))
+            .collect();
+        assert_eq!(aligned_violations(&r), 0, "the old check passes it");
+        let s = judged(&r);
+        assert_eq!(
+            s.violations,
+            vec![Violation {
+                scope: "source s4".into(),
+                dimension: "rpm".into(),
+                window_start_ms: 59_000,
+                used: 4,
+                limit: 2
+            }]
+        );
+        assert!(!s.check("quotas never exceeded").unwrap().pass);
+        // Two overlapping runs over the quota far apart are two violations; the
+        // tokens of TPM rules are weighed.
+        r.attempts.extend(
+            [300_000, 300_001, 300_002]
+                .into_iter()
+                .map(|at| attempt("c0", 2, "s4", at, false)),
+        );
+        r.quotas.push(QuotaRule {
+            scope: "source s4".into(),
+            sources: vec!["s4".into()],
+            dimension: "tpm".into(),
+            limit: 250,
+            window_ms: 60_000,
+        });
+        let v = quota_violations(&r);
+        let starts: Vec<_> = v
+            .iter()
+            .map(|v| (v.dimension.as_str(), v.window_start_ms, v.used))
+            .collect();
+        assert_eq!(
+            starts,
+            [
+                ("rpm", 59_000, 4),
+                ("rpm", 300_000, 3),
+                ("tpm", 59_000, 400),
+                ("tpm", 300_000, 300)
+            ]
+        );
     }
 
     #[test]

@@ -282,7 +282,7 @@ pub struct Accounting {
     pub expired_by_ttl: BTreeMap<String, u64>,
 }
 
-/// A quota the scoreboard checks: at most `limit` per `window_ms` in `scope`.
+/// A quota the scoreboard checks: at most `limit` in any `window_ms` span in `scope`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct QuotaRule {
@@ -294,7 +294,8 @@ pub struct QuotaRule {
     pub dimension: String,
     /// The most admissions (rpm) or tokens (tpm) per window.
     pub limit: u64,
-    /// Window length, ms; windows are aligned on the run's start (the limiter's epoch).
+    /// Window length, ms: at most `limit` in every span of this length, wherever it
+    /// starts.
     /// Default 60 000.
     #[serde(default = "default_window_ms")]
     pub window_ms: u64,

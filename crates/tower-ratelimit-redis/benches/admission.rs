@@ -177,10 +177,13 @@ fn redis_throughput() {
     .map(ToString::to_string)
     .collect();
     args.extend(keys[0].iter().cloned());
-    // nscopes, window_ms, tokens, lease ('' = none), lease_ttl_ms, slot_hint_ms, rpm, tpm, concurrency
+    // nscopes, window_ms, sub_window_ms, sub_windows, tokens, lease ('' = none),
+    // lease_ttl_ms, slot_hint_ms, rpm, tpm, concurrency (the defaults: 60 s in 60)
     for a in [
         "1",
         "60000",
+        "1000",
+        "60",
         "1",
         "",
         "30000",

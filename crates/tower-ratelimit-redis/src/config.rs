@@ -14,6 +14,23 @@ const MAX_PERIOD: Duration = Duration::from_secs(366 * 24 * 3600);
 /// Default window length: 60 s, because provider quotas are per minute (RPM, TPM).
 pub const DEFAULT_WINDOW: Duration = Duration::from_secs(60);
 
+/// Default number of sub-windows a window is counted in: 60 (one second for a 60 s
+/// window).
+///
+/// Quotas hold over every span of the window's length, not only over aligned windows
+/// (a provider counting "10 per minute" counts any minute). The limiter counts each
+/// window in sub-windows and, at an admission, sums the whole sub-windows that overlap
+/// the span ending now: never less than the span holds, so never over the quota, and a
+/// quota that frees comes back at most one sub-window late (1 s of a minute). Memory
+/// is bounded by the sub-windows (61 counters per scope and dimension), not by the
+/// traffic, as a sliding log's would be (one entry per admission, thousands per scope
+/// at a high RPM, and a weighted entry per request for tokens).
+pub const DEFAULT_SUB_WINDOWS: u32 = 60;
+
+/// The most sub-windows per window: 1000 (keeps an admission that rolls many
+/// sub-windows at once, after an idle spell, to one bounded read).
+pub const MAX_SUB_WINDOWS: u32 = 1000;
+
 /// Default concurrency lease TTL: 30 s. A process that dies holds its slots at most
 /// this long; a live call renews its lease every [`RENEW_FRACTION`] of it.
 pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(30);
@@ -160,6 +177,7 @@ pub struct RateLimitConfig {
     pub(crate) source_quota: Quota,
     pub(crate) account: Option<(Arc<str>, Quota)>,
     pub(crate) window: Duration,
+    pub(crate) sub_windows: u32,
     pub(crate) lease_ttl: Duration,
     pub(crate) slot_retry_after: Duration,
     pub(crate) mode: Mode,
@@ -177,6 +195,7 @@ impl RateLimitConfig {
             source_quota: quota,
             account: None,
             window: DEFAULT_WINDOW,
+            sub_windows: DEFAULT_SUB_WINDOWS,
             lease_ttl: DEFAULT_LEASE_TTL,
             slot_retry_after: DEFAULT_SLOT_RETRY_AFTER,
             mode: Mode::Shed,
@@ -199,6 +218,23 @@ impl RateLimitConfig {
     #[must_use]
     pub const fn window(mut self, window: Duration) -> Self {
         self.window = window;
+        self
+    }
+
+    /// How many sub-windows the window is counted in (default
+    /// [`DEFAULT_SUB_WINDOWS`], at most [`MAX_SUB_WINDOWS`]): at least this many,
+    /// as many as fit evenly. The sub-window is the longest whole number of
+    /// milliseconds that divides the window and is at most `window / sub_windows`
+    /// (a 1 s window and the default 60: 100 sub-windows of 10 ms).
+    ///
+    /// Every span of the window's length holds at most the quota; what frees comes
+    /// back at most one sub-window late. More sub-windows: closer to an exact sliding
+    /// window, a few more counters per scope. One: two whole windows are summed (safe,
+    /// but a quota frees up to a window late). Every limiter sharing a scope (sources
+    /// of one account, every process) must use the same window and sub-windows.
+    #[must_use]
+    pub const fn sub_windows(mut self, n: u32) -> Self {
+        self.sub_windows = n;
         self
     }
 
@@ -275,6 +311,14 @@ impl RateLimitConfig {
         self.window
     }
 
+    /// The length of one sub-window the window is counted in (see
+    /// [`sub_windows`](Self::sub_windows)): a quota that frees comes back at most this
+    /// late.
+    #[must_use]
+    pub fn sub_window_len(&self) -> Duration {
+        Duration::from_millis(sub_window_ms(window_ms(self.window), self.sub_windows))
+    }
+
     pub(crate) fn validate(&self) -> Result<(), ConfigError> {
         check_name("source", self.source.as_str())?;
         self.source_quota.validate("source")?;
@@ -289,6 +333,12 @@ impl RateLimitConfig {
             return Err(crate::error::config_error(
                 "window",
                 "must be a whole number of milliseconds, at least 1 ms and at most 366 days",
+            ));
+        }
+        if self.sub_windows == 0 || self.sub_windows > MAX_SUB_WINDOWS {
+            return Err(crate::error::config_error(
+                "sub_windows",
+                "must be at least 1 and at most 1000",
             ));
         }
         if self.lease_ttl < Duration::from_millis(3)
@@ -333,6 +383,36 @@ impl RateLimitConfig {
             (a, b) => a.or(b),
         }
     }
+}
+
+/// A window's whole milliseconds (validated: whole, at most 366 days).
+pub(crate) fn window_ms(window: Duration) -> u64 {
+    u64::try_from(window.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+/// The sub-window of a window of `window_ms`, counted in at least `n` sub-windows: the
+/// longest divisor of `window_ms` that is at most `window_ms / n` (1 ms at least).
+/// Trial division up to the square root: at most 180 000 steps for a 366-day window.
+pub(crate) fn sub_window_ms(window_ms: u64, n: u32) -> u64 {
+    let cap = window_ms / u64::from(n.max(1));
+    if cap <= 1 {
+        return 1;
+    }
+    let mut best = 1;
+    let mut d = 1;
+    while d * d <= window_ms {
+        if window_ms.is_multiple_of(d) {
+            let pair = window_ms / d;
+            if d <= cap {
+                best = best.max(d);
+            }
+            if pair <= cap {
+                best = best.max(pair);
+            }
+        }
+        d += 1;
+    }
+    best
 }
 
 fn check_name(field: &'static str, name: &str) -> Result<(), ConfigError> {
@@ -397,6 +477,30 @@ mod tests {
                 .validate()
                 .is_ok()
         );
+    }
+
+    #[test]
+    fn sub_windows_divide_the_window() {
+        let len = |w: u64, n: u32| {
+            RateLimitConfig::new("s", Quota::unlimited())
+                .window(Duration::from_millis(w))
+                .sub_windows(n)
+                .sub_window_len()
+        };
+        assert_eq!(len(60_000, DEFAULT_SUB_WINDOWS), Duration::from_secs(1));
+        assert_eq!(
+            len(1000, 60),
+            Duration::from_millis(10),
+            "16.6 ms rounds to a divisor"
+        );
+        assert_eq!(len(1000, 1), Duration::from_millis(1000));
+        assert_eq!(len(7, 60), Duration::from_millis(1));
+        assert_eq!(len(7919, 2), Duration::from_millis(1), "a prime: 1 ms");
+        assert_eq!(len(366 * 24 * 3_600_000, 60), Duration::from_secs(366 * 24 * 60));
+        for n in [0, MAX_SUB_WINDOWS + 1] {
+            let c = RateLimitConfig::new("s", Quota::unlimited()).sub_windows(n);
+            assert_eq!(c.validate().unwrap_err().field(), "sub_windows");
+        }
     }
 
     #[test]

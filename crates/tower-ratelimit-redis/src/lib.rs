@@ -59,7 +59,8 @@
 //! let err = svc.ready().await.unwrap().call("ccc".into()).await.unwrap_err();
 //! let q = err.downcast_ref::<QuotaExceeded>().unwrap();
 //! assert_eq!(q.dimension(), "rpm");
-//! assert!(q.retry_after() <= Duration::from_secs(60));
+//! // Until the first admission leaves the span: a window and a sub-window (1 s).
+//! assert!(q.retry_after() <= Duration::from_secs(61));
 //! # }
 //! ```
 
@@ -74,8 +75,9 @@ mod service;
 
 pub use backend::{Backend, Clock, Held, HoldScope, MemoryBackend, RedisBackend, ScopeHeld};
 pub use config::{
-    DEFAULT_HOLD_REFRESH, DEFAULT_KEY_PREFIX, DEFAULT_LEASE_TTL, DEFAULT_SLOT_RETRY_AFTER, DEFAULT_WINDOW,
-    MAX_WAIT_JITTER, Mode, Quota, RENEW_FRACTION, RateLimitConfig, SLOT_BACKOFF_DOUBLINGS,
+    DEFAULT_HOLD_REFRESH, DEFAULT_KEY_PREFIX, DEFAULT_LEASE_TTL, DEFAULT_SLOT_RETRY_AFTER,
+    DEFAULT_SUB_WINDOWS, DEFAULT_WINDOW, MAX_SUB_WINDOWS, MAX_WAIT_JITTER, Mode, Quota, RENEW_FRACTION,
+    RateLimitConfig, SLOT_BACKOFF_DOUBLINGS,
 };
 pub use error::{BackendUnavailable, ConfigError, QuotaExceeded, RequestTooLarge, UnknownSource};
 pub use future::ResponseFuture;

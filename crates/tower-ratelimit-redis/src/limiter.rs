@@ -40,7 +40,7 @@ static NEXT_LEASE: AtomicU64 = AtomicU64::new(1);
 /// .unwrap();
 /// let permit = limiter.acquire(400).await.unwrap();
 /// assert_eq!(permit.admission().tokens(), 400);
-/// assert!(limiter.acquire(1).await.is_err()); // one request per window
+/// assert!(limiter.acquire(1).await.is_err()); // one request per minute, any minute
 /// permit.finish(Some(250)).await.unwrap(); // real usage: 150 tokens refunded
 /// # }
 /// ```
@@ -281,7 +281,7 @@ impl RateLimiter {
     ///
     /// # Errors
     /// [`QuotaExceeded`](pgw_core::QuotaExceeded) when not admitted,
-    /// [`RequestTooLarge`] when `tokens` exceeds a whole window's token quota,
+    /// [`RequestTooLarge`] when `tokens` exceeds a window's whole token quota,
     /// [`BackendUnavailable`] when the backend cannot answer (fails closed).
     pub async fn acquire(&self, tokens: u64) -> Result<Permit, BoxError> {
         let Pending { fut, ticket } = self.start(tokens)?;
@@ -579,8 +579,8 @@ impl Drop for InFlight {
         let Some(fut) = self.fut.take() else { return };
         let ticket = self.ticket;
         let undo = move |verdict: Result<Verdict, BackendUnavailable>| match verdict {
-            Ok(Verdict::Admitted { window, .. }) => Some(Settle {
-                window,
+            Ok(Verdict::Admitted { at, .. }) => Some(Settle {
+                at,
                 requests: -1,
                 tokens: -i64::try_from(ticket.tokens).unwrap_or(i64::MAX),
                 lease: ticket.lease,
@@ -613,13 +613,14 @@ pub(crate) struct Ticket {
     lease: Option<LeaseId>,
 }
 
-/// The record of one admission: when (on the limiter's clock), in which window, how
-/// many tokens were reserved.
+/// The record of one admission: when (on the limiter's clock), in which aligned
+/// window, how many tokens were reserved.
 ///
-/// The scoreboard's measure: bucket admissions by [`Admission::window`] (or by
-/// [`Admission::at`] divided by [`Admission::window_len`]), on this clock, counting
-/// only traffic that passed the gate. Completion times and local clocks give false
-/// violations (seed 003).
+/// The scoreboard's measure: judge quotas by [`Admission::at`] on this clock, over
+/// every span of [`Admission::window_len`] (the limiter keeps each of them within the
+/// quota, not only the aligned windows), counting only traffic that passed the gate.
+/// [`Admission::window`] labels the aligned window `at` falls in, for reports.
+/// Completion times and local clocks give false violations (seed 003).
 #[derive(Clone)]
 pub struct Admission {
     /// The limiter that admitted: source, account, window length and clock come from
@@ -662,7 +663,9 @@ impl Admission {
         self.at
     }
 
-    /// The window id: `at / window_len`, rounded down.
+    /// The id of the aligned window `at` falls in: `at / window_len`, rounded down. A
+    /// label for reports: quotas hold over every span of the window's length, whether
+    /// aligned or not.
     #[must_use]
     pub const fn window(&self) -> u64 {
         self.window
@@ -674,7 +677,7 @@ impl Admission {
         self.limiter.inner.config.window
     }
 
-    /// The window's end on the limiter's clock.
+    /// The end of the aligned window [`window`](Self::window), on the limiter's clock.
     #[must_use]
     pub fn window_end(&self) -> Duration {
         let nanos = (u128::from(self.window) + 1) * self.window_len().as_nanos();
@@ -793,7 +796,7 @@ impl Permit {
             Ending::Refunded => (-1, -tokens),
         };
         self.admission.limiter.settle(Settle {
-            window: self.admission.window,
+            at: self.admission.at,
             requests,
             tokens,
             lease: self.lease,
@@ -801,8 +804,10 @@ impl Permit {
     }
 
     /// The call is done and used `used_tokens` (when the response said): the token
-    /// reservation is reconciled (refund or charge, in the window of admission only)
-    /// and the lease released, in one round trip.
+    /// reservation is reconciled and the lease released, in one round trip. Tokens
+    /// reserved and not used go back to the sub-window of admission (while it still
+    /// counts); tokens used beyond the estimate are charged where the settle lands,
+    /// so they count against every span from now on.
     ///
     /// # Errors
     /// [`BackendUnavailable`] (also logged and counted in
@@ -812,7 +817,8 @@ impl Permit {
     }
 
     /// The call was not admitted below (not an attempt): the request and its tokens are
-    /// given back to the window of admission and the lease released.
+    /// given back to the sub-window of admission (while it still counts) and the lease
+    /// released.
     ///
     /// # Errors
     /// As [`finish`](Self::finish).
@@ -845,7 +851,7 @@ impl Drop for Permit {
             return;
         }
         let fut = self.admission.limiter.settle(Settle {
-            window: self.admission.window,
+            at: self.admission.at,
             requests: 0,
             tokens: 0,
             lease: self.lease,

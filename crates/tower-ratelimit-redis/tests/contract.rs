@@ -16,32 +16,55 @@ fn refused(err: &pgw_core::BoxError) -> &QuotaExceeded {
         .unwrap_or_else(|| panic!("expected QuotaExceeded, got {err}"))
 }
 
-/// RPM 2: two admissions, the third refused until the window rolls over, then admitted
-/// in the next window.
-async fn window_rollover(h: Harness) {
-    let l = h.limiter(h.config("s1", Quota::unlimited().requests(2)));
+/// One sub-window of the harness's 1 s window (the default 60 sub-windows: 10 ms).
+const SUB: Duration = Duration::from_millis(10);
+
+/// RPM 2 holds over every span of a window, not only over aligned windows: an
+/// admission that a fixed window would take at the start of the next window is
+/// refused until the first admission's sub-window leaves the span, and `retry_after`
+/// says exactly when that is.
+async fn sliding_span_never_over_quota(h: Harness) {
+    let config = h.config("s1", Quota::unlimited().requests(2));
+    assert_eq!(config.sub_window_len(), SUB);
+    let l = h.limiter(config);
     h.align(W).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
     let a = l.acquire(0).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(400)).await;
     let b = l.acquire(0).await.unwrap();
     assert_eq!(a.admission().window(), b.admission().window());
+    // The next aligned window: a fixed window would admit here, 3 in one span.
+    tokio::time::sleep(b.admission().window_end() - b.admission().at() + SUB).await;
     let err = l.acquire(0).await.unwrap_err();
     let q = refused(&err);
-    assert_eq!(q.dimension(), "rpm");
-    assert_eq!(q.scope(), Some("source:s1"));
-    let to_end = b.admission().window_end() - b.admission().at();
-    assert!(q.retry_after() <= to_end && !q.retry_after().is_zero(), "{q}");
+    assert_eq!((q.dimension(), q.scope()), ("rpm", Some("source:s1")));
+    assert!(!q.retry_after().is_zero() && q.retry_after() <= W, "{q}");
     if h.exact {
-        assert_eq!(q.retry_after(), W);
+        // a's sub-window (500 ms into the window) leaves the span one window and one
+        // sub-window after it began: at 1510 ms, and this is 1010 ms.
+        assert_eq!(q.retry_after(), Duration::from_millis(500));
+        tokio::time::sleep(q.retry_after() - Duration::from_millis(1)).await;
+        assert_eq!(
+            refused(&l.acquire(0).await.unwrap_err()).retry_after(),
+            Duration::from_millis(1)
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    } else {
+        tokio::time::sleep(q.retry_after()).await;
     }
-    tokio::time::sleep(q.retry_after()).await;
-    let c = l.acquire(0).await.unwrap();
-    assert_eq!(c.admission().window(), a.admission().window() + 1);
-    assert_eq!(
-        c.admission().window(),
-        c.admission().at().as_millis() as u64 / 1000
+    let c = l.acquire(0).await.expect("a left the span");
+    assert!(c.admission().at() - a.admission().at() >= W, "{c:?} {a:?}");
+    // b is still in the span: the next waits for b's sub-window.
+    let err = l.acquire(0).await.unwrap_err();
+    let q = refused(&err);
+    assert!(
+        c.admission().at() + q.retry_after() >= b.admission().at() + W,
+        "{q}"
     );
-    l.acquire(0).await.unwrap();
-    refused(&l.acquire(0).await.unwrap_err());
+    assert!(q.retry_after() <= W / 2, "{q}");
+    if h.exact {
+        assert_eq!(q.retry_after(), Duration::from_millis(400));
+    }
 }
 
 /// A refusal on one dimension reserves nothing on any other, in any scope.
@@ -134,9 +157,38 @@ async fn lease_expiry_after_crash(h: Harness) {
     assert!(ok, "a dropped permit released its lease");
 }
 
-/// `retry_after` near the end of a window is the time left in it, and admission works
-/// again right after it elapses.
-async fn retry_after_at_window_edge(h: Harness) {
+/// Tokens used beyond the estimate are charged where the settle lands: a call
+/// admitted in one window and settled after it counts against the spans that follow
+/// (with fixed windows the overrun was dropped with the closed window).
+async fn overrun_charged_where_it_lands(h: Harness) {
+    let l = h.limiter(h.config("s1", Quota::unlimited().tokens(100)));
+    h.align(W).await;
+    let p = l.acquire(80).await.unwrap();
+    tokio::time::sleep(W + SUB * 2).await;
+    // p's reservation has left the span: the whole quota is free...
+    let probe = l.acquire(100).await.unwrap();
+    probe.refund().await.unwrap();
+    // ...until p reports 150 used: 70 over its estimate, charged now.
+    p.finish(Some(150)).await.unwrap();
+    let err = l.acquire(40).await.unwrap_err();
+    let q = refused(&err);
+    assert_eq!(q.dimension(), "tpm");
+    assert!(q.retry_after() > W / 2 && q.retry_after() <= W + SUB, "{q}");
+    let small = l.acquire(30).await.expect("70 + 30 fits");
+    if h.exact {
+        // The overrun's sub-window (aligned + W + 2 sub) leaves one window and a
+        // sub-window later.
+        assert_eq!(q.retry_after(), W + SUB);
+    }
+    tokio::time::sleep(q.retry_after()).await;
+    small.finish(None).await.unwrap();
+    // The overrun and the 30 (admitted in the same sub-window) left together.
+    l.acquire(100).await.expect("everything left the span");
+}
+
+/// `retry_after` just before a lone admission leaves the span is the time left until
+/// its sub-window does, and admission works again right after it elapses.
+async fn retry_after_at_span_edge(h: Harness) {
     let l = h.limiter(h.config("s1", Quota::unlimited().requests(1)));
     let margin = if h.exact {
         Duration::from_millis(50)
@@ -146,8 +198,10 @@ async fn retry_after_at_window_edge(h: Harness) {
     for _ in 0..3 {
         h.align(W).await;
         let p = l.acquire(0).await.unwrap();
-        let to_edge = p.admission().window_end() - p.admission().at();
-        tokio::time::sleep(to_edge - margin).await;
+        // p's sub-window leaves the span one window and one sub-window after it began.
+        let began = Duration::from_millis(p.admission().at().as_millis() as u64 / 10 * 10);
+        let leaves = began + W + SUB;
+        tokio::time::sleep(leaves - p.admission().at() - margin).await;
         match l.acquire(0).await {
             Err(err) => {
                 let q = refused(&err);
@@ -162,14 +216,14 @@ async fn retry_after_at_window_edge(h: Harness) {
                     tokio::time::sleep(q.retry_after()).await;
                 }
                 let next = l.acquire(0).await.unwrap();
-                assert_eq!(next.admission().window(), p.admission().window() + 1);
+                assert!(next.admission().at() >= leaves, "{next:?}");
                 return;
             }
-            // A loaded machine slept past the edge: the window really rolled over.
-            Ok(next) => assert!(!h.exact && next.admission().window() > p.admission().window()),
+            // A loaded machine slept past the edge: p really left the span.
+            Ok(next) => assert!(!h.exact && next.admission().at() >= leaves),
         }
     }
-    panic!("could not observe the window edge in three tries");
+    panic!("could not observe the span's edge in three tries");
 }
 
 /// A request larger than a whole window's token quota is refused at once.
@@ -438,11 +492,12 @@ macro_rules! contract {
 }
 
 contract!(
-    window_rollover,
+    sliding_span_never_over_quota,
+    overrun_charged_where_it_lands,
     all_or_nothing,
     tpm_reconcile_up_and_down,
     lease_expiry_after_crash,
-    retry_after_at_window_edge,
+    retry_after_at_span_edge,
     oversize_request_rejected,
     account_hold,
     account_concurrency_shared,

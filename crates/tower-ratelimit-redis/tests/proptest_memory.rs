@@ -1,7 +1,8 @@
 //! Random interleavings of admissions, completions (reconciled up or down), refunds,
 //! drops, crashes (forgotten permits), holds and clock advances, on the memory
-//! backend: the limiter decides exactly as a reference model of the quotas, and so
-//! never admits more than the quota of any dimension in any window.
+//! backend: the limiter decides exactly as a reference model of the quotas (a sliding
+//! window counted per sub-window), and so never admits more than the quota of any
+//! dimension in any span of a window's length.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -10,6 +11,9 @@ use proptest::prelude::*;
 use tower_ratelimit_redis::{HoldScope, MemoryBackend, Permit, Quota, RateLimitConfig, RateLimiter};
 
 const WINDOW_MS: u64 = 1000;
+/// The default 60 sub-windows of a 1 s window: 100 of 10 ms.
+const SUB_MS: u64 = 10;
+const SUBS: u64 = WINDOW_MS / SUB_MS;
 const TTL_MS: u64 = 500;
 
 #[derive(Clone, Debug)]
@@ -51,7 +55,7 @@ fn scopes_of(source: usize) -> Vec<usize> {
 
 #[derive(Default)]
 struct ScopeModel {
-    /// (requests, tokens) per window.
+    /// (requests, tokens) per sub-window.
     windows: HashMap<u64, (u64, u64)>,
     /// Lease expiry (ms) per live permit id.
     leases: HashMap<usize, u64>,
@@ -62,8 +66,21 @@ struct Held {
     permit: Permit,
     id: usize,
     source: usize,
-    window: u64,
+    /// The sub-window of admission.
+    sub: u64,
     tokens: u64,
+}
+
+impl ScopeModel {
+    /// Requests and tokens in the sub-windows live at `now` (ms): `now / SUB_MS - SUBS`
+    /// and later.
+    fn live(&self, now: u64) -> (u64, u64) {
+        let oldest = (now / SUB_MS).saturating_sub(SUBS);
+        self.windows
+            .iter()
+            .filter(|&(&b, _)| b >= oldest)
+            .fold((0, 0), |(r, t), (_, &(br, bt))| (r + br, t + bt))
+    }
 }
 
 fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
@@ -92,11 +109,20 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
         let mut held: Vec<Held> = Vec::new();
         let mut now = 0u64;
         let mut next_id = 0usize;
-        let release = |model: &mut Vec<ScopeModel>, h: &Held, requests: i64, tokens: i64| {
+        // Refunds go back to the sub-window of admission, never below zero; charges
+        // to the sub-window the settle lands in.
+        let release = |model: &mut Vec<ScopeModel>, h: &Held, requests: i64, tokens: i64, now: u64| {
             for s in scopes_of(h.source) {
-                let e = model[s].windows.entry(h.window).or_default();
-                e.0 = e.0.saturating_add_signed(requests);
-                e.1 = e.1.saturating_add_signed(tokens);
+                let e = model[s].windows.entry(h.sub).or_default();
+                if requests < 0 {
+                    e.0 = e.0.saturating_sub(requests.unsigned_abs());
+                }
+                if tokens < 0 {
+                    e.1 = e.1.saturating_sub(tokens.unsigned_abs());
+                }
+                if tokens > 0 {
+                    model[s].windows.entry(now / SUB_MS).or_default().1 += tokens as u64;
+                }
                 model[s].leases.remove(&h.id);
             }
         };
@@ -108,12 +134,13 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 }
                 Op::Admit { source, tokens } => {
                     let w = now / WINDOW_MS;
+                    let sub = now / SUB_MS;
                     let scopes = scopes_of(source);
                     let too_large = scopes.iter().any(|&s| q[s].tokens.is_some_and(|t| tokens > t));
                     let fits = !too_large
                         && scopes.iter().all(|&s| {
                             let m = &model[s];
-                            let (r, t) = m.windows.get(&w).copied().unwrap_or_default();
+                            let (r, t) = m.live(now);
                             let live = m.leases.values().filter(|&&exp| exp > now).count() as u64;
                             m.hold_until <= now
                                 && q[s].requests.is_none_or(|max| r < max)
@@ -135,12 +162,14 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                         let id = next_id;
                         next_id += 1;
                         for &s in &scopes {
-                            let e = model[s].windows.entry(w).or_default();
+                            let e = model[s].windows.entry(sub).or_default();
                             e.0 += 1;
                             e.1 += tokens;
-                            // The invariant itself: never more than the quota.
-                            prop_assert!(q[s].requests.is_none_or(|max| e.0 <= max));
-                            prop_assert!(q[s].tokens.is_none_or(|max| e.1 <= max));
+                            // The invariant itself: never more than the quota in the
+                            // live sub-windows, which cover the span ending now.
+                            let (r, t) = model[s].live(now);
+                            prop_assert!(q[s].requests.is_none_or(|max| r <= max));
+                            prop_assert!(q[s].tokens.is_none_or(|max| t <= max));
                             if q[s].concurrency.is_some() {
                                 model[s].leases.insert(id, now + TTL_MS);
                                 let live = model[s].leases.values().filter(|&&exp| exp > now).count() as u64;
@@ -151,7 +180,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                             permit,
                             id,
                             source,
-                            window: w,
+                            sub,
                             tokens,
                         });
                     }
@@ -159,17 +188,17 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 Op::Finish { idx, used } if !held.is_empty() => {
                     let h = held.swap_remove(idx % held.len());
                     let delta = used.map_or(0, |u| u as i64 - h.tokens as i64);
-                    release(&mut model, &h, 0, delta);
+                    release(&mut model, &h, 0, delta, now);
                     h.permit.finish(used).await.unwrap();
                 }
                 Op::Refund { idx } if !held.is_empty() => {
                     let h = held.swap_remove(idx % held.len());
-                    release(&mut model, &h, -1, -(h.tokens as i64));
+                    release(&mut model, &h, -1, -(h.tokens as i64), now);
                     h.permit.refund().await.unwrap();
                 }
                 Op::Drop { idx } if !held.is_empty() => {
                     let h = held.swap_remove(idx % held.len());
-                    release(&mut model, &h, 0, 0);
+                    release(&mut model, &h, 0, 0, now);
                     drop(h.permit);
                 }
                 Op::Forget { idx } if !held.is_empty() => {
@@ -203,7 +232,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
         for h in held.drain(..) {
             h.permit.finish(None).await.unwrap();
         }
-        tokio::time::advance(Duration::from_millis(WINDOW_MS + TTL_MS + 400)).await;
+        tokio::time::advance(Duration::from_millis(WINDOW_MS + SUB_MS + TTL_MS + 400)).await;
         for l in &limiters {
             prop_assert!(l.acquire(0).await.is_ok());
         }

@@ -46,7 +46,12 @@ async fn sheds_with_quota_exceeded_and_stays_ready() {
     assert_eq!(svc.ready().await.unwrap().call(()).await.unwrap(), "ok");
     let err = svc.ready().await.unwrap().call(()).await.unwrap_err();
     let q = err.downcast_ref::<QuotaExceeded>().unwrap();
-    assert_eq!((q.dimension(), q.retry_after()), ("rpm", Duration::from_secs(1)));
+    // The first admission's sub-window (10 ms of a 1 s window) leaves the span one
+    // window and one sub-window after it began.
+    assert_eq!(
+        (q.dimension(), q.retry_after()),
+        ("rpm", Duration::from_millis(1010))
+    );
     assert_eq!(l.stats().refused, 1);
 }
 
@@ -78,7 +83,8 @@ async fn chat_estimate_reserved_and_reconciled() {
     assert_eq!(seen.lock().unwrap().len(), 1);
 }
 
-/// Waiting mode waits for the next window; an oversize request still fails at once.
+/// Waiting mode waits until the first admission leaves the span (one window and one
+/// sub-window); an oversize request still fails at once.
 #[tokio::test(start_paused = true)]
 async fn waiting_mode_waits_but_never_for_the_impossible() {
     let l = RateLimiter::new(
@@ -97,10 +103,10 @@ async fn waiting_mode_waits_but_never_for_the_impossible() {
     let t0 = tokio::time::Instant::now();
     svc.ready().await.unwrap().call(10).await.unwrap();
     let second = svc.ready().await.unwrap().call(10).await.unwrap();
-    assert_eq!(second - t0, Duration::from_secs(1));
+    assert_eq!(second - t0, Duration::from_millis(1010));
     let err = svc.ready().await.unwrap().call(101).await.unwrap_err();
     assert!(err.is::<RequestTooLarge>());
-    assert_eq!(tokio::time::Instant::now() - t0, Duration::from_secs(1));
+    assert_eq!(tokio::time::Instant::now() - t0, Duration::from_millis(1010));
 
     // max_wait shorter than the wait: refused at once instead of sleeping past it.
     let l = RateLimiter::new(
@@ -260,5 +266,5 @@ async fn huge_max_wait_waits_without_panicking() {
     let t0 = tokio::time::Instant::now();
     svc.ready().await.unwrap().call(()).await.unwrap();
     let second = svc.ready().await.unwrap().call(()).await.unwrap();
-    assert_eq!(second - t0, Duration::from_secs(1));
+    assert_eq!(second - t0, Duration::from_millis(1010));
 }

@@ -90,9 +90,10 @@ async fn one_freed_slot_wakes_exactly_one_waiter_in_order() {
     assert_eq!(l.held().await.unwrap().leases(), 0, "every lease released");
 }
 
-/// RPM 2 and five waiters: each window's roll admits two of them (the first in line
-/// wakes on its timer and hands on to the next while room is left), in order, with no
-/// waiter tried in vain.
+/// RPM 2 and five waiters: each time two admissions leave the span (their sub-window,
+/// one window and one sub-window after it began), two waiters are admitted (the first
+/// in line wakes on its timer and hands on to the next while room is left), in order,
+/// not a moment early, with no waiter tried in vain.
 #[tokio::test(start_paused = true)]
 async fn a_window_roll_admits_one_waiter_per_freed_request() {
     let l = waiting(Quota::unlimited().requests(2), None);
@@ -106,12 +107,19 @@ async fn a_window_roll_admits_one_waiter_per_freed_request() {
     l.acquire(0).await.unwrap().finish(None).await.unwrap();
     l.acquire(0).await.unwrap().finish(None).await.unwrap();
     let calls: Vec<_> = (0..5).map(|id| tokio::spawn(svc.clone().oneshot(id))).collect();
+    let t0 = tokio::time::Instant::now();
     settle().await;
     assert_eq!(tries(l.stats()), (2, 1));
-    for (w, admitted) in [(1, 4), (2, 6), (3, 7)] {
-        tokio::time::sleep_until(tokio::time::Instant::now() + Duration::from_secs(1)).await;
+    let mut before = 2;
+    for (w, admitted, at_ms) in [(1, 4, 1010), (2, 6, 2020), (3, 7, 3030)] {
+        let at = t0 + Duration::from_millis(at_ms);
+        tokio::time::sleep_until(at - Duration::from_millis(1)).await;
+        settle().await;
+        assert_eq!(tries(l.stats()), (before, 1), "not yet, window {w}");
+        tokio::time::sleep_until(at).await;
         settle().await;
         assert_eq!(tries(l.stats()), (admitted, 1), "window {w}");
+        before = admitted;
     }
     for call in calls {
         call.await.unwrap().unwrap();

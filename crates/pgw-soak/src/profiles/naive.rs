@@ -12,7 +12,9 @@
 //!   included, with a fixed exponential backoff; 400 fails fast.
 //! - The seed's response cache and a simple fixed-window RPM/TPM gate (to be fair: the
 //!   same quotas as every profile), both shared by the workers (the seed kept them in
-//!   Redis).
+//!   Redis). The scoreboard judges every span of a quota's window, so this gate's
+//!   bursts across window edges (up to twice the quota in one span) show as violations:
+//!   the seed's design, kept as it was.
 //!
 //! Profile-local code on purpose: it is the baseline, not library code.
 

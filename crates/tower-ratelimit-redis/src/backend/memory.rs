@@ -11,17 +11,20 @@ use std::time::Duration;
 use pgw_core::{BackendUnavailable, QuotaExceeded};
 use tokio::time::{Instant, Sleep};
 
+use super::sliding::{Count, Sliding};
 use super::{
     BackendFuture, Clock, Gate, Held, HoldScope, LeaseId, ScopeHeld, ScopeKind, ScopeSpec, Settle, Verdict,
 };
-use crate::config::{Quota, RateLimitConfig};
+use crate::config::{self, Quota, RateLimitConfig};
 
 /// Limiter state in this process's memory.
 ///
 /// Clone it and give the clones to every limiter that must share scopes (sources of one
 /// account share the account's quota only when they share one `MemoryBackend`).
-/// Windows are `[k * window, (k + 1) * window)` on the tokio clock, counted from the
-/// backend's creation, so tests run under a paused clock.
+/// Instants are on the tokio clock, counted from the backend's creation (tests run
+/// under a paused clock); every span of one window's length holds at most the quota
+/// (counted per sub-window, as on Redis: see
+/// [`RateLimitConfig::sub_windows`](crate::RateLimitConfig::sub_windows)).
 #[derive(Clone)]
 pub struct MemoryBackend {
     inner: Arc<Shared>,
@@ -49,13 +52,12 @@ impl Default for MemoryBackend {
 /// One scope: its state (times are nanoseconds since the backend's creation) and the
 /// queue of admissions waiting for it ([`Mode::Wait`](crate::Mode::Wait)).
 ///
-/// Requests and tokens of the current window are one atomic word each (the window's
-/// tag and the count, see [`Counter`]), the hold's end another: admission takes no
-/// lock for them. Only a scope with a concurrency quota locks, for its lease list.
+/// The hold's end is one atomic word: holds take no lock. A scope with a requests or
+/// tokens quota locks its sliding window ([`Sliding`]) to admit; one with a
+/// concurrency quota its lease list. A scope that limits neither takes no lock.
 #[derive(Debug, Default)]
 struct Cell {
-    requests: Counter,
-    tokens: Counter,
+    window: Mutex<Sliding>,
     hold_until: AtomicU64,
     /// Live leases and their expiry. Few: at most the concurrency limit.
     leases: Mutex<Vec<(LeaseId, u64)>>,
@@ -63,94 +65,6 @@ struct Cell {
     /// How many wait in `queue`: read without its lock, so a release with nobody
     /// waiting costs one load.
     queued: AtomicUsize,
-}
-
-/// Bits of a [`Counter`] word that count; the others tag the window.
-const COUNT_BITS: u32 = 40;
-/// The largest count: counts saturate there (over 10^12 requests or tokens in one
-/// window of one process: a quota at least this large never refuses).
-const COUNT_MAX: u64 = (1 << COUNT_BITS) - 1;
-/// Window ids are tagged modulo `2^(64 - COUNT_BITS)`.
-const TAG_MASK: u64 = (1 << (64 - COUNT_BITS)) - 1;
-
-/// A count per window in one atomic word, `tag << COUNT_BITS | count`, where `tag` is
-/// the window id modulo 2^24: a compare-and-swap checks the limit, rolls the window and
-/// reserves at once. `window` remembers the full id of the last window started, so a
-/// tag that came round again (the scope idle for 2^24 windows) reads as a new window,
-/// not as the old count.
-#[derive(Debug, Default)]
-struct Counter {
-    word: AtomicU64,
-    window: AtomicU64,
-}
-
-impl Counter {
-    /// The count `word` holds for window `win`, if it is that window's.
-    #[inline]
-    fn of(&self, word: u64, win: u64) -> Option<u64> {
-        (word >> COUNT_BITS == win & TAG_MASK
-            && self.window.load(Ordering::Acquire).abs_diff(win) < 1 << (63 - COUNT_BITS))
-            .then_some(word & COUNT_MAX)
-    }
-
-    /// The count of window `win`.
-    #[inline]
-    fn get(&self, win: u64) -> u64 {
-        self.of(self.word.load(Ordering::Acquire), win).unwrap_or(0)
-    }
-
-    /// Adds `n` in window `win` if the count stays within `limit` (`None`: always).
-    #[inline]
-    fn try_add(&self, win: u64, n: u64, limit: Option<u64>) -> bool {
-        let mut word = self.word.load(Ordering::Acquire);
-        loop {
-            let cur = self.of(word, win);
-            let next = cur.unwrap_or(0).saturating_add(n);
-            if limit.is_some_and(|l| next > l) {
-                return false;
-            }
-            if cur.is_none() && self.window.load(Ordering::Relaxed) < win {
-                // Starting a window: its full id first, so a reader that sees the new
-                // tag also knows it is not an old window whose tag came round again
-                // (the other order would let a stale count read as current).
-                self.window.fetch_max(win, Ordering::AcqRel);
-            }
-            let next = (win & TAG_MASK) << COUNT_BITS | next.min(COUNT_MAX);
-            match self
-                .word
-                .compare_exchange_weak(word, next, Ordering::AcqRel, Ordering::Acquire)
-            {
-                Ok(_) => return true,
-                Err(actual) => word = actual,
-            }
-        }
-    }
-
-    /// Applies a signed settle delta to window `win` (not below zero, past the limit if
-    /// need be: a reconciliation charge), nothing once `win` is over; `true` when it
-    /// gave some back.
-    fn settle(&self, win: u64, delta: i64) -> bool {
-        let mut word = self.word.load(Ordering::Acquire);
-        loop {
-            let Some(cur) = self.of(word, win) else {
-                return false;
-            };
-            let n = delta.unsigned_abs();
-            let count = if delta < 0 {
-                cur.saturating_sub(n)
-            } else {
-                cur.saturating_add(n).min(COUNT_MAX)
-            };
-            let next = (win & TAG_MASK) << COUNT_BITS | count;
-            match self
-                .word
-                .compare_exchange_weak(word, next, Ordering::AcqRel, Ordering::Acquire)
-            {
-                Ok(_) => return delta < 0,
-                Err(actual) => word = actual,
-            }
-        }
-    }
 }
 
 /// The live leases of `leases`, after dropping the expired ones.
@@ -276,19 +190,25 @@ impl MemoryBackend {
         let mut cells = scopes.into_iter().map(|spec| Scope {
             cell: map.entry(spec.label.clone()).or_default().clone(),
             quota: spec.quota,
+            counts: spec.quota.requests.is_some() || spec.quota.tokens.is_some(),
             spec,
         });
         let first = cells.next().expect("a limiter has at least its source scope");
         let second = cells.next();
         drop(map);
+        let window_ms = config::window_ms(config.window);
+        let sub_ms = config::sub_window_ms(window_ms, config.sub_windows);
         MemoryGate {
             base: self.inner.base,
             first,
             second,
             has_account: config.account.is_some(),
             // Whole milliseconds, at least one (validated).
-            window_ns: nanos(config.window).max(1),
+            window_ns: window_ms.saturating_mul(1_000_000),
             win_hint: AtomicU64::new(0),
+            sub_ns: sub_ms.saturating_mul(1_000_000),
+            subs: window_ms / sub_ms,
+            sub_hint: AtomicU64::new(0),
             lease_ttl_ns: nanos(config.lease_ttl),
             slot_hint: config.slot_retry_after,
         }
@@ -299,15 +219,18 @@ impl MemoryBackend {
 /// admission) and its shared state.
 struct Scope {
     quota: Quota,
+    /// Whether the scope limits requests or tokens: only then is its window locked.
+    counts: bool,
     cell: Arc<Cell>,
     spec: ScopeSpec,
 }
 
 /// One limiter's scopes in a [`MemoryBackend`].
 ///
-/// The hot path (DESIGN.md section 6): one clock read, no division while the window
-/// lasts, one compare-and-swap per limited count, no lock (but for the lease list of a
-/// scope with a concurrency quota), no allocation and no reference count.
+/// The hot path (DESIGN.md section 6): one clock read, no division while the
+/// sub-window lasts, one uncontended lock per scope that limits requests or tokens
+/// (its sliding window), one for the lease list of a scope with a concurrency quota,
+/// no allocation once the window's sub-windows exist, and no reference count.
 pub(crate) struct MemoryGate {
     base: Instant,
     /// The account when there is one, else the source: the lock order, the same for
@@ -319,6 +242,12 @@ pub(crate) struct MemoryGate {
     window_ns: u64,
     /// The last window id computed: a hint, checked against the clock on every use.
     win_hint: AtomicU64,
+    /// The sub-window's length and how many make a window (`subs * sub_ns` is the
+    /// window).
+    sub_ns: u64,
+    subs: u64,
+    /// The last sub-window id computed: a hint, as `win_hint`.
+    sub_hint: AtomicU64,
     lease_ttl_ns: u64,
     slot_hint: Duration,
 }
@@ -334,6 +263,19 @@ impl fmt::Debug for MemoryGate {
     }
 }
 
+/// The period of length `len` holding `now`: `hint` when it still does (a multiply and
+/// a compare), else a division (and the hint updated).
+#[inline]
+fn period_of(hint: &AtomicU64, len: u64, now: u64) -> u64 {
+    let h = hint.load(Ordering::Relaxed);
+    if now.wrapping_sub(h.wrapping_mul(len)) < len {
+        return h;
+    }
+    let id = now / len;
+    hint.store(id, Ordering::Relaxed);
+    id
+}
+
 impl MemoryGate {
     #[inline]
     fn scopes(&self) -> impl Iterator<Item = &Scope> {
@@ -345,33 +287,44 @@ impl MemoryGate {
         nanos(t.saturating_duration_since(self.base))
     }
 
-    /// The window holding `now`: the hint when it still does (a multiply and a
-    /// compare), else a division.
+    /// The oldest sub-window still live in sub-window `sub`: the `subs + 1` from it to
+    /// `sub` cover the whole span of one window ending now.
     #[inline]
-    fn window_of(&self, now: u64) -> u64 {
-        let hint = self.win_hint.load(Ordering::Relaxed);
-        if now.wrapping_sub(hint.wrapping_mul(self.window_ns)) < self.window_ns {
-            return hint;
-        }
-        let win = now / self.window_ns;
-        self.win_hint.store(win, Ordering::Relaxed);
-        win
+    const fn oldest(&self, sub: u64) -> u64 {
+        sub.saturating_sub(self.subs)
     }
 
-    /// Checks and reserves every dimension of every scope, all or nothing: a
-    /// compare-and-swap per limited count, in scope order (account first), the lease
-    /// lists of scopes with a concurrency quota last; what does not fit undoes what was
-    /// reserved before it.
+    /// When what sub-window `id` holds leaves every span ending from then on (ns
+    /// since base).
+    #[inline]
+    const fn leaves_at(&self, id: u64) -> u64 {
+        id.saturating_add(self.subs)
+            .saturating_add(1)
+            .saturating_mul(self.sub_ns)
+    }
+
+    /// Checks and reserves every dimension of every scope, all or nothing: the
+    /// sliding windows of the scopes that count are locked (account first), then the
+    /// lease lists of scopes with a concurrency quota; nothing is counted until
+    /// everything fits, and a lease taken in one scope is given back when the next
+    /// has no slot.
     ///
-    /// The undo is not atomic with the reservation: a concurrent admission that sees a
-    /// count before it is undone may be refused although it would fit (never admitted
-    /// beyond a quota). A single limited count (requests only, the common case) is one
-    /// compare-and-swap and exact.
+    /// The windows are locked before the clock is read: the admissions of a scope
+    /// count in the order they read the clock, so none counts at an instant older
+    /// than a sub-window another has already rolled away.
     #[inline]
     pub(crate) fn admit_now(&self, tokens: u64, lease: Option<LeaseId>) -> Verdict {
+        let mut windows = [
+            self.first.counts.then(|| lock(&self.first.cell.window)),
+            self.second
+                .as_ref()
+                .filter(|s| s.counts)
+                .map(|s| lock(&s.cell.window)),
+        ];
         let instant = Instant::now();
         let now = self.since_base(instant);
-        let win = self.window_of(now);
+        let win = period_of(&self.win_hint, self.window_ns, now);
+        let sub = period_of(&self.sub_hint, self.sub_ns, now);
         let admitted = Verdict::Admitted {
             at: Duration::from_nanos(now),
             window: win,
@@ -381,78 +334,94 @@ impl MemoryGate {
             .scopes()
             .any(|s| s.cell.hold_until.load(Ordering::Acquire) > now)
         {
-            return self.refusal(now, win, tokens, (0, "hold"));
+            drop(windows);
+            return self.refusal(now, sub, tokens, (0, "hold"));
         }
-        // Steps reserved so far: 2 per scope (requests, tokens), then leases.
-        let mut reserved = 0;
-        for (i, scope) in self.scopes().enumerate() {
-            let (q, cell) = (&scope.quota, &scope.cell);
-            if let Some(r) = q.requests
-                && !cell.requests.try_add(win, 1, Some(r))
+        for (i, (scope, w)) in self.scopes().zip(&mut windows).enumerate() {
+            let Some(w) = w else { continue };
+            w.roll(self.oldest(sub));
+            let q = &scope.quota;
+            let failed = if q.requests.is_some_and(|r| w.total(Count::Requests) >= r) {
+                "rpm"
+            } else if q
+                .tokens
+                .is_some_and(|t| w.total(Count::Tokens).saturating_add(tokens) > t)
             {
-                self.undo(reserved, win, tokens, None);
-                return self.refusal(now, win, tokens, (i, "rpm"));
-            }
-            reserved += 1;
-            if let Some(t) = q.tokens
-                && !cell.tokens.try_add(win, tokens, Some(t))
-            {
-                self.undo(reserved, win, tokens, None);
-                return self.refusal(now, win, tokens, (i, "tpm"));
-            }
-            reserved += 1;
-        }
-        let Some(id) = lease else { return admitted };
-        let entry = (id, now.saturating_add(self.lease_ttl_ns));
-        for (i, scope) in self.scopes().enumerate() {
-            let Some(c) = scope.quota.concurrency else {
+                "tpm"
+            } else {
                 continue;
             };
-            let mut leases = lock(&scope.cell.leases);
-            if live_leases(&mut leases, now) >= c {
-                drop(leases);
-                self.undo(reserved, win, tokens, Some((i, id)));
-                return self.refusal(now, win, tokens, (i, "concurrency"));
+            drop(windows);
+            return self.refusal(now, sub, tokens, (i, failed));
+        }
+        if let Some(id) = lease {
+            let entry = (id, now.saturating_add(self.lease_ttl_ns));
+            for (i, scope) in self.scopes().enumerate() {
+                let Some(c) = scope.quota.concurrency else {
+                    continue;
+                };
+                let mut leases = lock(&scope.cell.leases);
+                if live_leases(&mut leases, now) >= c {
+                    drop(leases);
+                    drop(windows);
+                    self.undo_lease(i, id);
+                    return self.refusal(now, sub, tokens, (i, "concurrency"));
+                }
+                leases.push(entry);
             }
-            leases.push(entry);
+        }
+        for (scope, w) in self.scopes().zip(&mut windows) {
+            if let Some(w) = w {
+                let q = &scope.quota;
+                w.add(
+                    sub,
+                    u64::from(q.requests.is_some()),
+                    if q.tokens.is_some() { tokens } else { 0 },
+                );
+            }
         }
         admitted
     }
 
-    /// Undoes the first `steps` count reservations (two per scope: requests, tokens)
-    /// and the lease `id` in the scopes before `upto`.
+    /// Gives back the lease `id` taken in the scopes before `upto`.
     #[cold]
-    fn undo(&self, steps: usize, win: u64, tokens: u64, lease: Option<(usize, LeaseId)>) {
-        for (i, scope) in self.scopes().enumerate() {
-            let (q, cell) = (&scope.quota, &scope.cell);
-            if 2 * i < steps && q.requests.is_some() {
-                cell.requests.settle(win, -1);
-            }
-            if 2 * i + 1 < steps && q.tokens.is_some() {
-                cell.tokens
-                    .settle(win, -i64::try_from(tokens).unwrap_or(i64::MAX));
-            }
-            if let Some((upto, id)) = lease
-                && i < upto
-                && q.concurrency.is_some()
-            {
-                lock(&cell.leases).retain(|&(l, _)| l != id);
+    fn undo_lease(&self, upto: usize, id: LeaseId) {
+        for scope in self.scopes().take(upto) {
+            if scope.quota.concurrency.is_some() {
+                lock(&scope.cell.leases).retain(|&(l, _)| l != id);
+                // What was taken back may be what a waiter waits for.
+                scope.cell.wake_one();
             }
         }
-        // What was taken back may be what a waiter waits for.
-        for scope in self.scopes() {
-            scope.cell.wake_one();
+    }
+
+    /// When the counts of `scope` leave room for one more request of `tokens` (ns
+    /// since base), per limited dimension that has none now: the end of life of the
+    /// first sub-window whose departure makes room. Locks the scope's window.
+    fn count_waits(&self, scope: &Scope, sub: u64, tokens: u64) -> [Option<(&'static str, u64)>; 2] {
+        if !scope.counts {
+            return [None, None];
         }
+        let mut w = lock(&scope.cell.window);
+        w.roll(self.oldest(sub));
+        let q = &scope.quota;
+        // Room for `need` more of `c`: what is over the limit must leave first.
+        let due = |c: Count, need: u64, limit: Option<u64>| {
+            let excess = w.total(c).saturating_add(need).checked_sub(limit?)?;
+            (excess > 0).then(|| self.leaves_at(w.frees(c, excess).unwrap_or(sub)))
+        };
+        let rpm = due(Count::Requests, 1, q.requests);
+        let tpm = due(Count::Tokens, tokens, q.tokens);
+        [rpm.map(|d| ("rpm", d)), tpm.map(|d| ("tpm", d))]
     }
 
     /// Why an admission that does not fit is refused: the dimension with the longest
     /// wait; on ties the first in the order hold, rpm, tpm, concurrency, account first
-    /// (as the Lua script). Read after the undo; should a concurrent release have made
-    /// room since, the step that did not fit (`failed`) answers.
+    /// (as the Lua script). Read after the locks were let go; should a concurrent
+    /// release have made room since, the step that did not fit (`failed`) answers.
     #[cold]
     #[inline(never)]
-    fn refusal(&self, now: u64, win: u64, tokens: u64, failed: (usize, &'static str)) -> Verdict {
-        let to_window_end = win.saturating_add(1).saturating_mul(self.window_ns) - now;
+    fn refusal(&self, now: u64, sub: u64, tokens: u64, failed: (usize, &'static str)) -> Verdict {
         let hint = nanos(self.slot_hint);
         let mut worst: Option<(&Scope, &'static str, u64)> = None;
         for scope in self.scopes() {
@@ -461,20 +430,15 @@ impl MemoryGate {
                     worst = Some((scope, dim, wait));
                 }
             };
-            let (q, cell) = (&scope.quota, &scope.cell);
+            let cell = &scope.cell;
             let hold = cell.hold_until.load(Ordering::Acquire);
             if hold > now {
                 refuse("hold", hold - now);
             }
-            if q.requests.is_some_and(|r| cell.requests.get(win) >= r) {
-                refuse("rpm", to_window_end);
+            for (dim, due) in self.count_waits(scope, sub, tokens).into_iter().flatten() {
+                refuse(dim, due.saturating_sub(now));
             }
-            if q.tokens
-                .is_some_and(|t| cell.tokens.get(win).saturating_add(tokens) > t)
-            {
-                refuse("tpm", to_window_end);
-            }
-            if let Some(c) = q.concurrency {
+            if let Some(c) = scope.quota.concurrency {
                 let mut leases = lock(&cell.leases);
                 if live_leases(&mut leases, now) >= c {
                     let first = leases.iter().map(|&(_, e)| e - now).min();
@@ -485,22 +449,34 @@ impl MemoryGate {
         let (scope, dim, wait) = worst.unwrap_or_else(|| {
             let wait = match failed.1 {
                 "concurrency" => hint,
-                _ => to_window_end,
+                // Room was made since: one sub-window, the finest a count frees by.
+                _ => self.sub_ns,
             };
             (self.scope_at(failed.0), failed.1, wait)
         });
         Verdict::Refused(QuotaExceeded::new(dim, Duration::from_nanos(wait)).with_scope(&*scope.spec.label))
     }
 
+    /// Reconciles one admission: what it reserved and did not use goes back to its
+    /// sub-window (if still live); what it used beyond is charged where the settle
+    /// lands, the current sub-window, so it counts in every span from now on.
     fn settle_now(&self, s: Settle) {
+        let at_sub = nanos(s.at) / self.sub_ns;
         for scope in self.scopes() {
             let (q, cell) = (&scope.quota, &scope.cell);
             let mut freed = false;
-            if q.requests.is_some() && s.requests != 0 {
-                freed |= cell.requests.settle(s.window, s.requests);
-            }
-            if q.tokens.is_some() && s.tokens != 0 {
-                freed |= cell.tokens.settle(s.window, s.tokens);
+            let dr = if q.requests.is_some() { s.requests } else { 0 };
+            let dt = if q.tokens.is_some() { s.tokens } else { 0 };
+            if dr != 0 || dt != 0 {
+                let back = |d: i64| if d < 0 { d.unsigned_abs() } else { 0 };
+                let charge = |d: i64| u64::try_from(d).unwrap_or(0);
+                let mut w = lock(&cell.window);
+                freed |= w.give_back(at_sub, back(dr), back(dt));
+                if dr > 0 || dt > 0 {
+                    let sub = self.since_base(Instant::now()) / self.sub_ns;
+                    w.roll(self.oldest(sub));
+                    w.add(sub, charge(dr), charge(dt));
+                }
             }
             if let Some(id) = s.lease
                 && q.concurrency.is_some()
@@ -621,19 +597,17 @@ impl MemoryGate {
     }
 
     /// When `scope` could next admit `tokens` by the clock alone (ns since base): now
-    /// when it fits, else the latest of the hold's end, the window's end (requests or
-    /// tokens full) and the first lease expiry (slots full).
+    /// when it fits, else the latest of the hold's end, the departure of the
+    /// sub-window that makes room for requests or tokens, and the first lease expiry
+    /// (slots full).
     fn free_at(&self, scope: &Scope, now: u64, tokens: u64) -> u64 {
-        let win = self.window_of(now);
-        let (q, cell) = (&scope.quota, &scope.cell);
+        let cell = &scope.cell;
         let mut due = now.max(cell.hold_until.load(Ordering::Acquire));
-        if q.requests.is_some_and(|r| cell.requests.get(win) >= r)
-            || q.tokens
-                .is_some_and(|t| cell.tokens.get(win).saturating_add(tokens) > t)
-        {
-            due = due.max(win.saturating_add(1).saturating_mul(self.window_ns));
+        let sub = now / self.sub_ns;
+        for (_, d) in self.count_waits(scope, sub, tokens).into_iter().flatten() {
+            due = due.max(d);
         }
-        if let Some(c) = q.concurrency {
+        if let Some(c) = scope.quota.concurrency {
             let mut leases = lock(&cell.leases);
             if live_leases(&mut leases, now) >= c {
                 let first = leases.iter().map(|&(_, e)| e).min().unwrap_or(now);
@@ -736,44 +710,6 @@ mod tests {
     use super::*;
     use crate::{Quota, RateLimitConfig, RateLimiter};
 
-    #[test]
-    fn a_counter_counts_per_window_and_never_below_zero() {
-        let c = Counter::default();
-        assert!(c.try_add(5, 1, Some(2)) && c.try_add(5, 1, Some(2)));
-        assert!(!c.try_add(5, 1, Some(2)), "full");
-        assert_eq!(c.get(5), 2);
-        assert!(c.try_add(6, 1, Some(2)), "a new window starts at zero");
-        assert_eq!((c.get(5), c.get(6)), (0, 1));
-        // Settles of a closed window change nothing; refunds stop at zero; charges may
-        // go past the limit.
-        assert!(!c.settle(5, -1));
-        assert!(c.settle(6, -5));
-        assert_eq!(c.get(6), 0);
-        assert!(!c.settle(6, 7));
-        assert_eq!(c.get(6), 7);
-        assert!(!c.try_add(6, 0, Some(6)), "overspent: not even zero fits");
-        // Counts saturate instead of spilling into the tag.
-        assert!(c.try_add(6, u64::MAX / 4, None));
-        assert_eq!(c.get(6), COUNT_MAX);
-        assert!(c.try_add(6, 1, Some(COUNT_MAX + 1)));
-    }
-
-    /// A scope idle for exactly 2^24 windows sees its tag again: the full window id
-    /// tells the old count from a new window's.
-    #[test]
-    fn a_tag_that_came_round_again_is_a_new_window() {
-        let c = Counter::default();
-        assert!(c.try_add(3, 1, Some(1)));
-        let later = 3 + (TAG_MASK + 1);
-        assert_eq!(c.get(later), 0);
-        assert!(
-            c.try_add(later, 1, Some(1)),
-            "not refused by the old window's count"
-        );
-        assert!(!c.try_add(later, 1, Some(1)));
-        assert_eq!(c.get(3), 0);
-    }
-
     /// Four threads race for one window's quotas (source and account, requests, tokens
     /// and slots): exactly the quota is admitted, and what was refused left nothing
     /// reserved behind (the counts equal what was admitted).
@@ -815,14 +751,10 @@ mod tests {
             assert_eq!(rt.block_on(l.held()).unwrap().leases(), 0, "every slot released");
         }
         // The window's counts are exactly what was admitted.
-        let probe = RateLimiter::new(RateLimitConfig::new("probe", Quota::unlimited()), backend.clone());
-        let p = rt.block_on(probe.unwrap().acquire(0)).unwrap();
-        let win = p.admission().window();
         let cells = lock(&backend.inner.scopes);
-        assert_eq!(cells["account:acct"].tokens.get(win), 3000);
-        let requests = cells["source:s1"].requests.get(win) + cells["source:s2"].requests.get(win);
+        let total = |scope: &str, c| lock(&cells[scope].window).total(c);
+        assert_eq!(total("account:acct", Count::Tokens), 3000);
+        let requests = total("source:s1", Count::Requests) + total("source:s2", Count::Requests);
         assert_eq!(requests, 1000);
-        drop(cells);
-        drop(p);
     }
 }

@@ -16,6 +16,7 @@ use crate::config::{Quota, RateLimitConfig};
 
 pub(crate) mod memory;
 pub(crate) mod redis;
+mod sliding;
 
 pub use memory::MemoryBackend;
 pub use redis::RedisBackend;
@@ -190,10 +191,12 @@ pub(crate) enum Verdict {
     Refused(QuotaExceeded),
 }
 
-/// What settling an admission changes.
+/// What settling an admission changes: refunds go back to the sub-window of the
+/// admission instant `at` (on the backend's clock), charges to the sub-window the
+/// settle lands in.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Settle {
-    pub(crate) window: u64,
+    pub(crate) at: Duration,
     pub(crate) requests: i64,
     pub(crate) tokens: i64,
     pub(crate) lease: Option<LeaseId>,

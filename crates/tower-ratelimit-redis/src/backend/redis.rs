@@ -3,7 +3,8 @@
 //!
 //! # Key layout
 //!
-//! Each scope has three keys, `PREFIX:{TAG}:SCOPE:q` (window hash `w, r, t`),
+//! Each scope has three keys, `PREFIX:{TAG}:SCOPE:sw` (the sliding window: a hash of
+//! per-sub-window counts and their totals, see `lua/window.lua`),
 //! `...:c` (lease zset scored by expiry) and `...:h` (hold end, ms), where `SCOPE` is
 //! `source:NAME` or `account:NAME`. The hash tag `TAG` is `a:ACCOUNT` for a source
 //! that has an account and for the account itself, `s:SOURCE` otherwise. So every key
@@ -11,7 +12,8 @@
 //! which a Lua script requires. The cost: all sources of one account share that
 //! account's slot (one shard carries the account's whole traffic).
 //!
-//! Every key has a TTL: the window hash two windows, the lease zset two lease TTLs
+//! Every key has a TTL: the window hash a window and two sub-windows past its newest
+//! write, the lease zset two lease TTLs
 //! (refreshed on renewal), the hold exactly its duration.
 //!
 //! Scripts: `admit`, `settle`, `renew`, `hold`, `held` (reads the lease zsets and
@@ -47,8 +49,18 @@ use super::{
 };
 use crate::config::RateLimitConfig;
 
-static ADMIT: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/admit.lua")));
-static SETTLE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/settle.lua")));
+static ADMIT: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat!(
+        include_str!("../lua/window.lua"),
+        include_str!("../lua/admit.lua")
+    ))
+});
+static SETTLE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat!(
+        include_str!("../lua/window.lua"),
+        include_str!("../lua/settle.lua")
+    ))
+});
 static RENEW: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/renew.lua")));
 static HOLD: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/hold.lua")));
 static HELD: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/held.lua")));
@@ -147,7 +159,8 @@ impl RedisBackend {
         &ADMIT
     }
 
-    /// The keys of `config`'s scopes, account first: `(q, c, h)` for each.
+    /// The keys of `config`'s scopes, account first: `(w, c, h)` for each (sliding
+    /// window, leases, hold).
     #[must_use]
     pub fn keys(config: &RateLimitConfig) -> Vec<[String; 3]> {
         let tag = match &config.account {
@@ -158,7 +171,7 @@ impl RedisBackend {
             .iter()
             .map(|s| {
                 let base = format!("{}:{{{tag}}}:{}", config.key_prefix, s.label);
-                [format!("{base}:q"), format!("{base}:c"), format!("{base}:h")]
+                [format!("{base}:sw"), format!("{base}:c"), format!("{base}:h")]
             })
             .collect()
     }
@@ -167,6 +180,8 @@ impl RedisBackend {
         let keys = Self::keys(config);
         let limit = |v: Option<u64>| v.map_or(-1, |v| i64::try_from(v).unwrap_or(i64::MAX));
         let ms = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
+        let window_ms = crate::config::window_ms(config.window);
+        let sub_ms = crate::config::sub_window_ms(window_ms, config.sub_windows);
         let has_account = config.account.is_some();
         let n = i64::try_from(scopes.len()).unwrap_or(2);
         let mut limits = Vec::new();
@@ -208,6 +223,8 @@ impl RedisBackend {
                 labels: scopes.iter().map(|s| s.label.clone()).collect(),
                 n,
                 window_ms: ms(config.window),
+                sub_ms: i64::try_from(sub_ms).unwrap_or(i64::MAX),
+                subs: i64::try_from(window_ms / sub_ms).unwrap_or(i64::MAX),
                 ttl_ms: ms(config.lease_ttl),
                 hint_ms: ms(config.slot_retry_after),
                 limits,
@@ -243,6 +260,9 @@ struct GateKeys {
     labels: Vec<Arc<str>>,
     n: i64,
     window_ms: i64,
+    /// The sub-window's length and how many make a window.
+    sub_ms: i64,
+    subs: i64,
     ttl_ms: i64,
     hint_ms: i64,
     limits: Vec<i64>,
@@ -386,6 +406,8 @@ impl Gate for RedisGate {
         }
         inv.arg(k.n)
             .arg(k.window_ms)
+            .arg(k.sub_ms)
+            .arg(k.subs)
             .arg(tokens)
             .arg(lease.map(lease_member).unwrap_or_default())
             .arg(k.ttl_ms)
@@ -431,7 +453,9 @@ impl Gate for RedisGate {
             inv.key(key);
         }
         inv.arg(k.n)
-            .arg(s.window)
+            .arg(k.sub_ms)
+            .arg(k.subs)
+            .arg(u64::try_from(s.at.as_millis()).unwrap_or(u64::MAX))
             .arg(s.requests)
             .arg(s.tokens)
             .arg(s.lease.map(lease_member).unwrap_or_default());

@@ -1,29 +1,30 @@
 -- Checks and reserves every dimension of every scope of one admission, atomically
--- (all or nothing), on the server clock. One call = one round trip (L3).
+-- (all or nothing), on the server clock. One call = one round trip (L3). Prepended
+-- with window.lua (roll, add, wait_for).
 --
 -- KEYS, three per scope (account first, then source; all share one hash tag):
---   q  hash {w = window id, r = requests, t = tokens} of the current window
+--   w  the scope's sliding window (hash, see window.lua)
 --   c  zset of concurrency leases, scored by expiry (ms)
 --   h  hold: the instant (ms) until which the scope is not admitted
--- ARGV: nscopes, window_ms, tokens, lease_id ('' = no lease), lease_ttl_ms, slot_hint_ms,
---       then per scope: rpm, tpm, concurrency (-1 = unlimited)
--- Returns {1, now_ms, window} when admitted,
+-- ARGV: nscopes, window_ms, sub_ms, subs, tokens, lease_id ('' = no lease),
+--       lease_ttl_ms, slot_hint_ms, then per scope: rpm, tpm, concurrency (-1 = unlimited)
+-- Returns {1, now_ms, window} when admitted (window: the aligned window's id, a label),
 --         {0, now_ms, scope_index, dimension, retry_after_ms} when not
 --         (dimension: 1 rpm, 2 tpm, 3 concurrency, 4 hold; the longest wait wins).
 --
 -- Only what a scope limits is read or written: a scope without rpm and tpm has no
--- window hash; the hash's TTL is set when its window starts (HINCRBY keeps it);
--- expired leases are purged only when the slots look full (ZCARD is O(1)).
+-- window hash; expired leases are purged only when the slots look full (ZCARD is O(1)).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local n = tonumber(ARGV[1])
 local wms = tonumber(ARGV[2])
-local tokens = tonumber(ARGV[3])
-local lease = ARGV[4]
-local ttl = tonumber(ARGV[5])
-local hint = tonumber(ARGV[6])
-local win = math.floor(now / wms)
-local wend = (win + 1) * wms
+local g = tonumber(ARGV[3])
+local k = tonumber(ARGV[4])
+local tokens = tonumber(ARGV[5])
+local lease = ARGV[6]
+local ttl = tonumber(ARGV[7])
+local hint = tonumber(ARGV[8])
+local cur = math.floor(now / g)
 
 local worst_dim, worst_scope, worst_wait = 0, 0, -1
 local function refuse(i, dim, wait)
@@ -32,33 +33,26 @@ local function refuse(i, dim, wait)
   end
 end
 
-local used = {}
+local newest = {}
 for i = 0, n - 1 do
-  local q, c, h = KEYS[3 * i + 1], KEYS[3 * i + 2], KEYS[3 * i + 3]
-  local rpm = tonumber(ARGV[7 + 3 * i])
-  local tpm = tonumber(ARGV[8 + 3 * i])
-  local conc = tonumber(ARGV[9 + 3 * i])
+  local w, c, h = KEYS[3 * i + 1], KEYS[3 * i + 2], KEYS[3 * i + 3]
+  local rpm = tonumber(ARGV[9 + 3 * i])
+  local tpm = tonumber(ARGV[10 + 3 * i])
+  local conc = tonumber(ARGV[11 + 3 * i])
   local hold = tonumber(redis.call('GET', h) or '0')
   if hold > now then
     refuse(i, 4, hold - now)
   end
-  local same = false
   if rpm >= 0 or tpm >= 0 then
-    local st = redis.call('HMGET', q, 'w', 'r', 't')
-    local r, tk = 0, 0
-    if tonumber(st[1]) == win then
-      r = tonumber(st[2]) or 0
-      tk = tonumber(st[3]) or 0
-      same = true
-    end
+    local r, tk, l = roll(w, cur, k)
+    newest[i] = l
     if rpm >= 0 and r + 1 > rpm then
-      refuse(i, 1, wend - now)
+      refuse(i, 1, wait_for(w, 'r', r, 1, rpm, cur, k, g, now))
     end
     if tpm >= 0 and tk + tokens > tpm then
-      refuse(i, 2, wend - now)
+      refuse(i, 2, wait_for(w, 't', tk, tokens, tpm, cur, k, g, now))
     end
   end
-  used[i] = same
   if conc >= 0 then
     local live = redis.call('ZCARD', c)
     if live >= conc then
@@ -80,23 +74,18 @@ if worst_dim > 0 then
 end
 
 for i = 0, n - 1 do
-  local q, c = KEYS[3 * i + 1], KEYS[3 * i + 2]
-  local rpm = tonumber(ARGV[7 + 3 * i])
-  local tpm = tonumber(ARGV[8 + 3 * i])
-  if used[i] then
-    if rpm >= 0 then
-      redis.call('HINCRBY', q, 'r', 1)
-    end
-    if tpm >= 0 and tokens ~= 0 then
-      redis.call('HINCRBY', q, 't', tokens)
-    end
-  elseif rpm >= 0 or tpm >= 0 then
-    redis.call('HSET', q, 'w', win, 'r', 1, 't', tokens)
-    redis.call('PEXPIRE', q, 2 * wms)
+  local w, c = KEYS[3 * i + 1], KEYS[3 * i + 2]
+  local rpm = tonumber(ARGV[9 + 3 * i])
+  local tpm = tonumber(ARGV[10 + 3 * i])
+  if rpm >= 0 or tpm >= 0 then
+    local dr, dt = 0, 0
+    if rpm >= 0 then dr = 1 end
+    if tpm >= 0 then dt = tokens end
+    add(w, cur, k, g, dr, dt, newest[i])
   end
-  if lease ~= '' and tonumber(ARGV[9 + 3 * i]) >= 0 then
+  if lease ~= '' and tonumber(ARGV[11 + 3 * i]) >= 0 then
     redis.call('ZADD', c, now + ttl, lease)
     redis.call('PEXPIRE', c, 2 * ttl)
   end
 end
-return {1, now, win}
+return {1, now, math.floor(now / wms)}

@@ -1,30 +1,56 @@
--- Settles one admission after the call: reconciles the token reservation to real usage
--- (or refunds the request and its tokens when the call was not admitted below), in the
--- window of admission only, and releases the concurrency lease. One round trip.
+-- Settles one admission after the call, one round trip. Prepended with window.lua.
+-- Tokens reserved and not used (or the request and its tokens, when the call was not
+-- admitted below) go back to the sub-window of admission, while it is still kept;
+-- tokens used beyond the estimate are charged to the sub-window the settle lands in
+-- (server clock), so they count in every span from now on. The lease is released.
 --
--- KEYS, two per scope: q (window hash), c (lease zset)
--- ARGV: nscopes, window, delta_requests, delta_tokens, lease_id ('' = none),
---       then per scope: rpm, tpm, concurrency (-1 = unlimited)
--- Only what a scope limits is touched. A window that has already rolled over is left
--- alone: its quota no longer matters.
+-- KEYS, two per scope: w (window hash), c (lease zset)
+-- ARGV: nscopes, sub_ms, subs, admitted_ms, delta_requests, delta_tokens,
+--       lease_id ('' = none), then per scope: rpm, tpm, concurrency (-1 = unlimited)
+-- Only what a scope limits is touched; the clock is read only when a count changes.
 local n = tonumber(ARGV[1])
-local win = tonumber(ARGV[2])
-local dr = tonumber(ARGV[3])
-local dt = tonumber(ARGV[4])
-local lease = ARGV[5]
+local g = tonumber(ARGV[2])
+local k = tonumber(ARGV[3])
+local at = math.floor(tonumber(ARGV[4]) / g)
+local dr = tonumber(ARGV[5])
+local dt = tonumber(ARGV[6])
+local lease = ARGV[7]
+local cur
+-- Gives back up to -d of count c at sub-window at (never below zero).
+local function back(w, c, d)
+  local left = redis.call('HINCRBY', w, c .. at, d)
+  if left < 0 then
+    redis.call('HINCRBY', w, c .. at, -left)
+    d = d - left
+  end
+  if d ~= 0 then
+    redis.call('HINCRBY', w, c, d)
+  end
+end
 for i = 0, n - 1 do
-  local q, c = KEYS[2 * i + 1], KEYS[2 * i + 2]
-  local r = tonumber(ARGV[6 + 3 * i]) >= 0 and dr ~= 0
-  local tk = tonumber(ARGV[7 + 3 * i]) >= 0 and dt ~= 0
-  if (r or tk) and tonumber(redis.call('HGET', q, 'w')) == win then
-    if r and redis.call('HINCRBY', q, 'r', dr) < 0 then
-      redis.call('HSET', q, 'r', 0)
+  local w, c = KEYS[2 * i + 1], KEYS[2 * i + 2]
+  local r = 0
+  local tk = 0
+  if tonumber(ARGV[8 + 3 * i]) >= 0 then r = dr end
+  if tonumber(ARGV[9 + 3 * i]) >= 0 then tk = dt end
+  if r ~= 0 or tk ~= 0 then
+    if not cur then
+      local t = redis.call('TIME')
+      cur = math.floor((tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)) / g)
     end
-    if tk and redis.call('HINCRBY', q, 't', dt) < 0 then
-      redis.call('HSET', q, 't', 0)
+    local _, _, newest, oldest = roll(w, cur, k)
+    if newest and at >= oldest and at <= newest then
+      if r < 0 then back(w, 'r', r) end
+      if tk < 0 then back(w, 't', tk) end
+    end
+    local cr, ct = 0, 0
+    if r > 0 then cr = r end
+    if tk > 0 then ct = tk end
+    if cr ~= 0 or ct ~= 0 then
+      add(w, cur, k, g, cr, ct, newest)
     end
   end
-  if lease ~= '' and tonumber(ARGV[8 + 3 * i]) >= 0 then
+  if lease ~= '' and tonumber(ARGV[10 + 3 * i]) >= 0 then
     redis.call('ZREM', c, lease)
   end
 end
