@@ -15,6 +15,7 @@ use pgw_core::{BoxError, CarriesHistory, Classify, InvalidResponse, SourceId};
 use tokio::time::Instant;
 use tower_service::Service;
 
+use crate::route::Pushback;
 use crate::telemetry::{AttemptTelemetry, Telemetry};
 use crate::validate::Validator;
 
@@ -45,6 +46,8 @@ pub(crate) struct Attempt<S> {
     pub(crate) accepts_prefill: bool,
     /// How often this source's streams were cut once they had started.
     pub(crate) cuts: StreamCuts,
+    /// What the route's last 429 said of its scope (for the hold that follows).
+    pub(crate) pushback: Pushback,
 }
 
 /// The EWMA weight of one stream in [`StreamCuts`]: 0.2, the balancer's health weight.
@@ -149,6 +152,7 @@ where
             call.extensions_mut().remove::<pgw_client::PassThrough>();
         }
         let cuts = self.cuts.clone();
+        let pushback = self.pushback.clone();
         let attempt =
             u32::try_from(call.call_history().map_or(0, pgw_core::CallHistory::len) + 1).unwrap_or(u32::MAX);
         let admission = call
@@ -186,6 +190,11 @@ where
                 && let Err(reason) = v.0.validate(&answer.response)
             {
                 result = Err(InvalidResponse::new(reason).into());
+            }
+            if let Err(e) = &result
+                && AnswerClassifier.classify(&result).is_rate_limited()
+            {
+                pushback.note(&**e, record.model.as_str());
             }
             // A stream passed through is recorded when it ends, with its real usage.
             let committed = AnswerClassifier.in_progress(&result);

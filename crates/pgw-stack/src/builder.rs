@@ -2,6 +2,7 @@
 //! cache, the telemetry sinks, then per group a retry loop over a balancer over one
 //! [`SourceLayer`] stack per source.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,7 +15,7 @@ use tower_aimd::AimdLayer;
 use tower_breaker_window::BreakerLayer;
 use tower_health_p2c::{HealthP2c, Sources};
 use tower_layer::Layer;
-use tower_ratelimit_redis::{Holds, RateLimiter};
+use tower_ratelimit_redis::{Quota, RateLimitConfig, RateLimiter};
 use tower_retry_pushback::{Progress, RetryLayer};
 
 use crate::attempt::{Attempt, StreamCuts};
@@ -24,8 +25,9 @@ use crate::config::{
     GatewayConfig, SourceConfig, config_error, quota, secs,
 };
 use crate::gateway::{Gateway, Group, Inner, SourceHandles, call_shape};
+use crate::route::{Plan, Pushback, RouteHold, RouteHolds, RouteSpec};
 use crate::settings::{aimd_config, balance_config, breaker_config, rate_limit_config, retry_config};
-use crate::source::{SourceBreaker, SourceLayer, SourceService, limit_layer};
+use crate::source::{SourceBreaker, SourceLayer, SourceService, hold_layer, limit_layer};
 use crate::telemetry::{JsonlSink, PriceTable, Telemetry, TelemetrySink, TracingSink};
 use crate::validate::{Validate, Validator};
 
@@ -148,21 +150,32 @@ impl GatewayBuilder {
         let balance_cfg = balance_config(&cfg)?;
         let progress = Progress::new();
 
-        let mut groups = Vec::new();
+        let plan = Plan::of(&cfg);
+        let group_sources: Vec<Sources<SourceService>> = plan.groups.iter().map(|_| Sources::new()).collect();
+        let mut sources = SourceParts::default();
         let mut handles = Vec::new();
-        for group_name in cfg.group_order() {
-            let name: Arc<str> = Arc::from(group_name.as_str());
-            let sources: Sources<SourceService> = Sources::new();
-            let mut limiters = Vec::new();
-            for (i, sc) in cfg.sources.iter().enumerate() {
-                if sc.group_name() != group_name {
-                    continue;
-                }
-                let (service, handle) = wiring.source(&format!("sources[{i}]"), sc, &name, &sources)?;
-                sources.insert(handle.source.clone(), service);
-                limiters.push(handle.limiter.clone());
-                handles.push(handle);
+        let mut holds = HashMap::new();
+        for (r, route) in plan.routes.iter().enumerate() {
+            let in_groups: Vec<usize> = (0..plan.groups.len())
+                .filter(|&g| plan.groups[g].routes.contains(&r))
+                .collect();
+            let Some(&first) = in_groups.first() else {
+                continue;
+            };
+            let group = Arc::from(plan.groups[first].name.as_str());
+            let (service, handle, hold) = wiring.route(route, &mut sources, &group, &group_sources[first])?;
+            for &g in &in_groups {
+                group_sources[g].insert(route.id.clone(), service.clone());
             }
+            holds.insert(route.id.clone(), hold);
+            handles.push(handle);
+        }
+        let holds = Arc::new(RouteHolds {
+            routes: Arc::new(holds),
+        });
+
+        let mut groups = Vec::new();
+        for (spec, sources) in plan.groups.iter().zip(group_sources) {
             let mut lb = HealthP2c::new(sources.clone(), balance_cfg)
                 .map_err(|e| config_error("balance", e.to_string()))?
                 .with_classifier(AnswerClassifier)
@@ -173,22 +186,22 @@ impl GatewayBuilder {
             let mut retry = RetryLayer::new(retry_cfg.clone())
                 .map_err(|e| config_error(format!("retry.{}", e.field()), e.to_string()))?
                 .classifier(AnswerClassifier)
-                .hold(Arc::new(Holds::new(limiters)))
+                .hold(holds.clone())
                 .progress(progress.clone());
             if let Some(seed) = cfg.balance.seed {
                 // One seed makes the balancer's choices and the backoff jitter repeatable.
                 retry = retry.rng_seed(seed.wrapping_add(groups.len() as u64));
             }
-            let service = BoxCloneSyncService::new(retry.layer(lb));
             groups.push(Group {
-                name,
-                service,
+                name: Arc::from(spec.name.as_str()),
+                service: BoxCloneSyncService::new(retry.layer(lb)),
                 sources,
             });
         }
         Ok(Gateway {
             inner: Arc::new(Inner {
                 groups,
+                models: plan.models,
                 cache,
                 cache_ttl,
                 telemetry,
@@ -264,67 +277,107 @@ struct Wiring<'a> {
     transport: Option<&'a TransportFactory>,
 }
 
+/// What the routes of one source share: its transport (one connection pool) and its
+/// limiter (its quotas and its account's), built when a route first needs them.
+#[derive(Default)]
+struct SourceParts {
+    built: HashMap<usize, (BoxTransport, RateLimiter)>,
+}
+
 impl Wiring<'_> {
-    /// One source's stack, `at` naming it in errors (`sources[2]`), and its handles.
-    fn source(
+    /// One route's stack, its handles and what its holds need.
+    fn route(
         &self,
-        at: &str,
-        sc: &SourceConfig,
+        route: &RouteSpec,
+        parts: &mut SourceParts,
         group: &Arc<str>,
         sources: &Sources<SourceService>,
-    ) -> Result<(SourceService, SourceHandles), BoxError> {
+    ) -> Result<(SourceService, SourceHandles, RouteHold), BoxError> {
         let cfg = self.cfg;
-        let settings = sc.settings(at)?;
-        let transport = match self.transport {
-            Some(f) => f(sc)?,
-            None => box_transport(HyperTransport::new(settings.timeouts.connect)?),
+        let sc = &cfg.sources[route.source];
+        let at = format!("sources[{}]", route.source);
+        let mut settings = sc.settings(&at)?;
+        settings.model.clone_from(&route.upstream);
+        let (transport, limiter) = match parts.built.get(&route.source) {
+            Some(built) => built.clone(),
+            None => {
+                let transport = match self.transport {
+                    Some(f) => f(sc)?,
+                    None => box_transport(HyperTransport::new(settings.timeouts.connect)?),
+                };
+                let limiter = RateLimiter::new(
+                    rate_limit_config(cfg, sc, &at, self.prefix)?,
+                    self.backends.limiter.clone(),
+                )
+                .map_err(|e| config_error(&at, e.to_string()))?;
+                parts
+                    .built
+                    .insert(route.source, (transport.clone(), limiter.clone()));
+                (transport, limiter)
+            }
         };
-        let id = settings.id.clone();
-        let model = settings.model.as_deref().map(Arc::from);
+        let source = settings.id.clone();
+        let pushback = Pushback::default();
         let attempt = Attempt {
             inner: UpstreamClient::new(settings, transport)?,
-            source: id.clone(),
+            source: source.clone(),
             group: Arc::clone(group),
-            model,
+            model: route.upstream.as_deref().map(Arc::from),
             telemetry: self.telemetry.clone(),
             validator: self.validator.cloned(),
             accepts_prefill: sc.accepts_prefill,
             cuts: StreamCuts::default(),
+            pushback: pushback.clone(),
         };
-        let limiter = RateLimiter::new(
-            rate_limit_config(cfg, sc, at, self.prefix)?,
-            self.backends.limiter.clone(),
-        )
-        .map_err(|e| config_error(at, e.to_string()))?;
+        // A route that is not the whole source has a hold scope of its own, so a 429 of
+        // one model leaves the source's other models admitted.
+        let route_hold = if route.id == source {
+            None
+        } else {
+            let config = RateLimitConfig::new(route.id.as_str(), Quota::unlimited())
+                .key_prefix(format!("{}:rl", self.prefix));
+            Some(
+                RateLimiter::new(config, self.backends.limiter.clone())
+                    .map_err(|e| config_error(&at, e.to_string()))?,
+            )
+        };
         let max_conc = quota(&format!("{at}.max_concurrency"), sc.max_concurrency)?;
         let aimd = AimdLayer::new(aimd_config(cfg, max_conc))
             .map_err(|e| config_error(format!("aimd ({at})"), e.to_string()))?
-            .with_source(id.clone())
+            .with_source(route.id.clone())
             .with_release_signal(sources.wake_signal())
             .shedding()
             .with_classifier(AnswerClassifier);
         let breaker_cfg = breaker_config(cfg, max_conc)?;
         let breaker = match &self.backends.breaker_redis {
             Some(b) => SourceBreaker::Redis(
-                BreakerLayer::new(b, id.clone(), &breaker_cfg).with_classifier(AnswerClassifier),
+                BreakerLayer::new(b, route.id.clone(), &breaker_cfg).with_classifier(AnswerClassifier),
             ),
             None => SourceBreaker::Memory(
-                BreakerLayer::new(&self.backends.breaker_memory, id.clone(), &breaker_cfg)
+                BreakerLayer::new(&self.backends.breaker_memory, route.id.clone(), &breaker_cfg)
                     .with_classifier(AnswerClassifier),
             ),
         };
         let handle = SourceHandles {
-            source: id,
+            source,
+            route: route.id.clone(),
+            model: route.upstream.clone(),
             group: group.to_string(),
             breaker: breaker.handle(),
             aimd: aimd.handle(),
             limiter: limiter.clone(),
         };
+        let hold = RouteHold {
+            source: limiter.clone(),
+            route: route_hold.clone(),
+            pushback,
+        };
         let layer = SourceLayer {
             aimd,
             breaker,
+            hold: route_hold.map(hold_layer),
             limit: limit_layer(limiter),
         };
-        Ok((layer.layer(attempt), handle))
+        Ok((layer.layer(attempt), handle, hold))
     }
 }

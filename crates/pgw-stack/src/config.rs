@@ -27,6 +27,11 @@
 //!
 //! [cache]
 //! ttl_s = 600
+//!
+//! # Or, instead of groups and `fallback`, model routing (see ModelConfig):
+//! [models.gpt-4o]
+//! routes = [{ source = "s1", model = "gpt-4o-2024-08-06" }]
+//! fallback = ["gpt-4o-mini"]
 //! ```
 //!
 //! An environment variable `PGW__A__B=value` sets `a.b` (segments lowercased; a
@@ -126,6 +131,12 @@ pub struct GatewayConfig {
     /// Prices per model, for telemetry's cost (S6).
     #[serde(default)]
     pub prices: BTreeMap<String, Price>,
+    /// Model routing: each public model name the callers may ask for, with its routes
+    /// (source + upstream model), its fallback chain and its context-window fallback
+    /// chain. Empty (the default): the caller's `model` is forwarded (unless a source
+    /// overrides it) and every call walks the groups in `fallback` order.
+    #[serde(default)]
+    pub models: BTreeMap<String, ModelConfig>,
 }
 
 impl fmt::Debug for GatewayConfig {
@@ -148,6 +159,7 @@ impl fmt::Debug for GatewayConfig {
             .field("cache", &self.cache)
             .field("telemetry", &self.telemetry)
             .field("prices", &self.prices)
+            .field("models", &self.models)
             .finish()
     }
 }
@@ -330,6 +342,71 @@ pub struct AccountConfig {
     /// Concurrent requests for the whole account.
     #[serde(default)]
     pub max_concurrency: Option<i64>,
+}
+
+/// `[models.NAME]`: one public model name and where its calls go.
+///
+/// ```
+/// use pgw_stack::GatewayConfig;
+///
+/// let cfg = GatewayConfig::from_toml_str(r#"
+///     [[sources]]
+///     name = "openai"
+///     base_url = "https://api.openai.com/v1"
+///     key = "sk-demo"
+///
+///     [models.gpt-4o]
+///     routes = [{ source = "openai", model = "gpt-4o-2024-08-06" }]
+///     fallback = ["gpt-4o-mini"]
+///     context_fallback = ["gpt-4.1"]
+///
+///     [models.gpt-4o-mini]
+///     routes = [{ source = "openai" }]
+///
+///     [models."gpt-4.1"]
+///     routes = [{ source = "openai" }]
+/// "#).unwrap();
+/// assert_eq!(cfg.models["gpt-4o"].routes[0].upstream_model("gpt-4o", None), "gpt-4o-2024-08-06");
+/// assert_eq!(cfg.models["gpt-4o-mini"].routes[0].upstream_model("gpt-4o-mini", None), "gpt-4o-mini");
+/// ```
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// Where the model is served: one route per source (at least one). The balancer
+    /// picks among them per attempt; each route has its own breaker, health and 429
+    /// holds, so one model's faults leave the source's other models alone.
+    pub routes: Vec<RouteConfig>,
+    /// Other public models tried in order, each with its own routes, when every route
+    /// of this one failed or none was admitted (not for a rejected request, which
+    /// every model would refuse). Not followed transitively.
+    #[serde(default)]
+    pub fallback: Vec<String>,
+    /// Public models tried in order when the request does not fit this model's
+    /// context window (`context_length_exceeded` from every route tried). Not followed
+    /// transitively.
+    #[serde(default)]
+    pub context_fallback: Vec<String>,
+}
+
+/// One route of a public model: a source, and the model name sent upstream.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    /// The source's `name`.
+    pub source: String,
+    /// The model name sent to that source. Default: the source's `model`, else the
+    /// public model name.
+    #[serde(default)]
+    pub model: Option<String>,
+}
+
+impl RouteConfig {
+    /// The model sent upstream for public model `public` on a source whose `model`
+    /// override is `source_model`.
+    #[must_use]
+    pub fn upstream_model<'a>(&'a self, public: &'a str, source_model: Option<&'a str>) -> &'a str {
+        self.model.as_deref().or(source_model).unwrap_or(public)
+    }
 }
 
 /// `[retry]`: defaults from tower-retry-pushback (`max_attempts` 3, `max_reasks` 2,
@@ -639,6 +716,7 @@ impl GatewayConfig {
                 format!("{p:?} is not one of health_aware, round_robin, least_inflight"),
             ));
         }
+        self.validate_models()?;
         for (model, p) in &self.prices {
             let ok = |x: f64| x.is_finite() && x >= 0.0;
             if !(ok(p.input_per_mtok) && ok(p.output_per_mtok)) {
@@ -646,6 +724,72 @@ impl GatewayConfig {
                     format!("prices.{model}"),
                     "prices must be finite and not negative",
                 ));
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_models(&self) -> Result<(), ConfigError> {
+        if self.models.is_empty() {
+            return Ok(());
+        }
+        if !self.fallback.is_empty() {
+            return Err(config_error(
+                "fallback",
+                "with [models], each model names its own fallback chain (models.NAME.fallback)",
+            ));
+        }
+        for (name, m) in &self.models {
+            let at = format!("models.{name}");
+            if name.trim().is_empty() {
+                return Err(config_error(at, "a model name must not be empty"));
+            }
+            if m.routes.is_empty() {
+                return Err(config_error(
+                    format!("{at}.routes"),
+                    "at least one route is required",
+                ));
+            }
+            for (i, r) in m.routes.iter().enumerate() {
+                let at = format!("{at}.routes[{i}]");
+                let Some(source) = self.sources.iter().find(|s| s.name == r.source) else {
+                    return Err(config_error(
+                        format!("{at}.source"),
+                        format!("no source is named {:?}", r.source),
+                    ));
+                };
+                if r.model.as_ref().is_some_and(|m| m.trim().is_empty()) {
+                    return Err(config_error(format!("{at}.model"), "must not be empty"));
+                }
+                let upstream = r.upstream_model(name, source.model.as_deref());
+                if m.routes[..i].iter().any(|o| {
+                    o.source == r.source && o.upstream_model(name, source.model.as_deref()) == upstream
+                }) {
+                    return Err(config_error(
+                        at,
+                        format!("route {}/{upstream} is listed twice", r.source),
+                    ));
+                }
+            }
+            for (field, chain) in [
+                ("fallback", &m.fallback),
+                ("context_fallback", &m.context_fallback),
+            ] {
+                for (i, other) in chain.iter().enumerate() {
+                    let at = format!("{at}.{field}[{i}]");
+                    if other == name {
+                        return Err(config_error(at, "a model cannot fall back to itself"));
+                    }
+                    if !self.models.contains_key(other) {
+                        return Err(config_error(
+                            at,
+                            format!("no model is named {other:?} in [models]"),
+                        ));
+                    }
+                    if chain[..i].contains(other) {
+                        return Err(config_error(at, format!("model {other:?} is listed twice")));
+                    }
+                }
             }
         }
         Ok(())

@@ -1,6 +1,7 @@
 //! [`Gateway`]: the call flow of DESIGN.md section 3 (cache, then the fallback chain
 //! of model groups), and what it answers.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -10,7 +11,9 @@ use futures_core::Stream;
 use futures_util::future::BoxFuture;
 use pgw_client::{ChatAnswer, ChatCall, PassThrough};
 use pgw_core::openai::{ChatChunk, ChatRequest, chunks_of};
-use pgw_core::{BoxError, CallHistory, CarriesHistory, SourceId};
+use pgw_core::{
+    BoxError, CallHistory, CarriesHistory, ProviderError, SourceId, UpstreamStatus, exceeds_source,
+};
 use tower::ServiceExt;
 use tower_aimd::AimdHandle;
 use tower_breaker_window::{BreakerHandle, BreakerState};
@@ -22,6 +25,7 @@ use tower_service::Service;
 use crate::attempt::AdmissionCell;
 use crate::cache::{CacheKey, CachedAnswer, ResponseCache};
 use crate::relay::ChatStream;
+use crate::route::ModelChain;
 use crate::source::SourceService;
 use crate::telemetry::{AttemptTelemetry, Telemetry};
 use crate::validate::{JsonValidator, Validator};
@@ -111,12 +115,18 @@ impl std::error::Error for GatewayError {
     }
 }
 
-/// Observability handles of one source.
+/// Observability handles of one route: a source serving one upstream model (without
+/// `[models]`, each source is one route, named as the source).
 #[derive(Clone)]
 pub struct SourceHandles {
     /// The source.
     pub source: SourceId,
-    /// Its group.
+    /// The route: the key of its breaker, health and holds (`source/model` with
+    /// `[models]`, else the source's name).
+    pub route: SourceId,
+    /// The model sent upstream (`None`: the caller's).
+    pub model: Option<String>,
+    /// Its group (with `[models]`: the first public model it serves).
     pub group: String,
     /// Its breaker.
     pub breaker: BreakerHandle,
@@ -130,6 +140,8 @@ impl fmt::Debug for SourceHandles {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("SourceHandles")
             .field("source", &self.source)
+            .field("route", &self.route)
+            .field("model", &self.model)
             .field("group", &self.group)
             .finish_non_exhaustive()
     }
@@ -144,6 +156,8 @@ pub(crate) struct Group {
 
 pub(crate) struct Inner {
     pub(crate) groups: Vec<Group>,
+    /// Each public model's chains (empty without `[models]`).
+    pub(crate) models: BTreeMap<String, ModelChain>,
     pub(crate) cache: Option<Arc<dyn ResponseCache>>,
     pub(crate) cache_ttl: Duration,
     pub(crate) telemetry: Telemetry,
@@ -191,13 +205,40 @@ impl Gateway {
         &self.inner.handles
     }
 
-    /// The group names in fallback order.
+    /// The public model names callers may ask for (`[models]`), sorted; empty when the
+    /// gateway forwards the caller's model as it is.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), pgw_core::BoxError> {
+    /// let config = pgw_stack::GatewayConfig::from_toml_str(r#"
+    ///     [[sources]]
+    ///     name = "p"
+    ///     base_url = "http://127.0.0.1:9/v1"
+    ///     key = "sk-demo"
+    ///     [models.gpt-4o]
+    ///     routes = [{ source = "p" }]
+    ///     [models.gpt-4o-mini]
+    ///     routes = [{ source = "p" }]
+    /// "#)?;
+    /// let gateway = pgw_stack::Gateway::from_config(config).await?;
+    /// assert_eq!(gateway.models(), ["gpt-4o", "gpt-4o-mini"]);
+    /// # Ok(())
+    /// # }
+    /// ```
+    #[must_use]
+    pub fn models(&self) -> Vec<String> {
+        self.inner.models.keys().cloned().collect()
+    }
+
+    /// The group names in fallback order (with `[models]`: the public model names).
     #[must_use]
     pub fn groups(&self) -> Vec<String> {
         self.inner.groups.iter().map(|g| g.name.to_string()).collect()
     }
 
-    /// The health EWMA of `source` for calls that are not streamed, if known.
+    /// The health EWMA of route `source` (a source's name without `[models]`) for
+    /// calls that are not streamed, if known.
     #[must_use]
     pub fn health(&self, source: &str) -> Option<f64> {
         self.inner
@@ -207,7 +248,7 @@ impl Gateway {
             .map(|v| v.health())
     }
 
-    /// The health EWMA of `source` for streamed calls (kept apart: a source's slow
+    /// The health EWMA of route `source` for streamed calls (kept apart: a source's slow
     /// streams say nothing of its short answers), if known.
     #[must_use]
     pub fn stream_health(&self, source: &str) -> Option<f64> {
@@ -333,6 +374,9 @@ impl Service<ChatCall> for Gateway {
         let inner = Arc::clone(&self.inner);
         Box::pin(async move {
             let call_id = call.id().0;
+            let Some(route) = inner.chain_of(&call.request().model) else {
+                return Err(unknown_model(call_id, &call.request().model));
+            };
             let key = inner.cache.as_ref().map(|_| CacheKey::of(call.request()));
             if let (Some(cache), Some(key)) = (&inner.cache, key)
                 && let Some(hit) = cache.get(key).await
@@ -379,7 +423,12 @@ impl Service<ChatCall> for Gateway {
             }
             call.extensions_mut().insert(AdmissionCell::default());
             let mut failures = Vec::new();
-            for group in &inner.groups {
+            let mut chain = route.chain.as_slice();
+            let mut context = false;
+            let mut next = 0;
+            while let Some(&g) = chain.get(next) {
+                next += 1;
+                let group = &inner.groups[g];
                 let result = group.service.clone().oneshot(call.clone()).await;
                 match result {
                     Ok(answer) => {
@@ -425,12 +474,21 @@ impl Service<ChatCall> for Gateway {
                         });
                     }
                     Err(e) => {
-                        let stop = e.downcast_ref::<RetryError>().is_some_and(|r| {
-                            matches!(r.reason(), Reason::Rejected | Reason::DeadlineExceeded)
-                        });
+                        let verdict = e.downcast_ref::<RetryError>();
+                        let reason = verdict.map(RetryError::reason);
+                        // Too large for this model: its context-window fallback chain
+                        // may take it (and the next of that chain, if still too large).
+                        let too_large = reason == Some(Reason::Rejected)
+                            && verdict
+                                .and_then(RetryError::last_error)
+                                .is_some_and(|l| exceeds_source(l));
                         tracing::debug!(call = call_id, group = %group.name, error = %e, "group failed");
                         failures.push((group.name.to_string(), e));
-                        if stop {
+                        if too_large && !context && !route.context.is_empty() {
+                            (chain, context, next) = (route.context.as_slice(), true, 0);
+                        } else if too_large && context {
+                            // The next model of the context chain.
+                        } else if matches!(reason, Some(Reason::Rejected | Reason::DeadlineExceeded)) {
                             break;
                         }
                     }
@@ -440,6 +498,39 @@ impl Service<ChatCall> for Gateway {
         })
     }
 }
+impl Inner {
+    /// The chains of a call asking for `model`: without `[models]`, every group in
+    /// fallback order; `None` for a model that is not configured.
+    fn chain_of(&self, model: &str) -> Option<std::borrow::Cow<'_, ModelChain>> {
+        if self.models.is_empty() {
+            return Some(std::borrow::Cow::Owned(ModelChain {
+                chain: (0..self.groups.len()).collect(),
+                context: Vec::new(),
+            }));
+        }
+        self.models.get(model).map(std::borrow::Cow::Borrowed)
+    }
+}
+
+/// A call for a model no route serves: rejected before any source is asked, as
+/// OpenAI answers it (404 `model_not_found`, `param: model`).
+fn unknown_model(call_id: u64, model: &str) -> BoxError {
+    let message = format!("The model `{model}` does not exist or you do not have access to it.");
+    let status = UpstreamStatus::new(http::StatusCode::NOT_FOUND, None, message.clone()).with_provider(
+        ProviderError {
+            message,
+            kind: Some("invalid_request_error".into()),
+            code: Some("model_not_found".into()),
+            param: Some("model".into()),
+        },
+    );
+    GatewayError {
+        call_id,
+        failures: vec![(model.to_owned(), Box::new(status))],
+    }
+    .into()
+}
+
 /// The balancer's health class of a call: streamed calls (1) apart from the rest (0).
 ///
 /// A source's slow stream, cut by the inter-token watchdog, says nothing about its

@@ -38,6 +38,7 @@ pub mod config;
 mod gateway;
 pub mod proxy;
 mod relay;
+mod route;
 mod settings;
 mod source;
 pub mod telemetry;
@@ -45,7 +46,7 @@ mod validate;
 
 pub use builder::{GatewayBuilder, TransportFactory};
 pub use cache::{CacheKey, CachedAnswer, MemoryCache, RedisCache, ResponseCache};
-pub use config::{BackendKind, ConfigError, GatewayConfig, SourceConfig};
+pub use config::{BackendKind, ConfigError, GatewayConfig, ModelConfig, RouteConfig, SourceConfig};
 pub use gateway::{Gateway, GatewayAnswer, GatewayError, SourceHandles};
 /// The chunks equivalent to a non-streamed answer (moved to [`pgw_core::openai`],
 /// beside the `ChunkAccumulator` that folds them back).

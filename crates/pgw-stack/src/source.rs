@@ -1,5 +1,6 @@
-//! [`SourceLayer`]: one source's gates as one `Layer`, asked in DESIGN.md's order:
-//! AIMD (local, cheapest) -> breaker -> rate limit, over the attempt service.
+//! [`SourceLayer`]: one route's gates as one `Layer`, asked in DESIGN.md's order:
+//! AIMD (local, cheapest) -> breaker -> the route's holds -> the source's rate limit,
+//! over the attempt service.
 
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -11,7 +12,7 @@ use tower::util::BoxCloneSyncService;
 use tower_aimd::{Aimd, AimdLayer};
 use tower_breaker_window::{Breaker, BreakerHandle, BreakerLayer, Gate, MemoryGate, RedisGate};
 use tower_layer::Layer;
-use tower_ratelimit_redis::{Admission, RateLimitLayer, RateLimiter};
+use tower_ratelimit_redis::{Admission, NoTokens, RateLimitLayer, RateLimiter};
 use tower_service::Service;
 
 use crate::attempt::{AdmissionCell, AnswerUsage};
@@ -43,6 +44,14 @@ pub(crate) fn limit_layer(limiter: RateLimiter) -> RateLimitLayer<Estimate, Answ
         .on_admission(observe as Observe)
 }
 
+/// The layer of a route's own hold scope (an unlimited limiter: only holds, no round
+/// trip in memory, cached holds on Redis).
+pub(crate) fn hold_layer(limiter: RateLimiter) -> RateLimitLayer<NoTokens, NoTokens> {
+    RateLimitLayer::new(limiter)
+        .token_estimate(NoTokens)
+        .usage(NoTokens)
+}
+
 /// The breaker of a source on the configured backend.
 #[derive(Clone)]
 pub(crate) enum SourceBreaker {
@@ -68,6 +77,8 @@ impl SourceBreaker {
 pub(crate) struct SourceLayer {
     pub(crate) aimd: AimdLayer<AnswerClassifier>,
     pub(crate) breaker: SourceBreaker,
+    /// The route's own hold scope, when the route is not the whole source.
+    pub(crate) hold: Option<RateLimitLayer<NoTokens, NoTokens>>,
     pub(crate) limit: RateLimitLayer<Estimate, AnswerUsage, Observe>,
 }
 
@@ -80,9 +91,12 @@ where
 
     fn layer(&self, attempt: S) -> SourceService {
         let inner = self.limit.layer(attempt);
-        match &self.breaker {
-            SourceBreaker::Memory(b) => lazy(self.aimd.clone(), b.clone(), inner),
-            SourceBreaker::Redis(b) => lazy(self.aimd.clone(), b.clone(), inner),
+        let aimd = self.aimd.clone();
+        match (&self.breaker, &self.hold) {
+            (SourceBreaker::Memory(b), None) => lazy(aimd, b.clone(), inner),
+            (SourceBreaker::Redis(b), None) => lazy(aimd, b.clone(), inner),
+            (SourceBreaker::Memory(b), Some(h)) => lazy(aimd, b.clone(), h.layer(inner)),
+            (SourceBreaker::Redis(b), Some(h)) => lazy(aimd, b.clone(), h.layer(inner)),
         }
     }
 }
