@@ -174,21 +174,22 @@ impl GatewayBuilder {
             routes: Arc::new(holds),
         });
 
+        // One layer cloned per group: the retry budget and the throttle are shared by
+        // every group, as the process's view of upstream overload.
+        let retry = RetryLayer::new(retry_cfg)
+            .map_err(|e| config_error(format!("retry.{}", e.field()), e.to_string()))?
+            .classifier(AnswerClassifier)
+            .hold(holds)
+            .progress(progress.clone());
         let mut groups = Vec::new();
         for (spec, sources) in plan.groups.iter().zip(group_sources) {
             let mut lb = HealthP2c::new(sources.clone(), balance_cfg)
                 .map_err(|e| config_error("balance", e.to_string()))?
                 .with_classifier(AnswerClassifier)
                 .with_class(call_shape);
+            let mut retry = retry.clone();
             if let Some(seed) = cfg.balance.seed {
                 lb = lb.with_seed(seed);
-            }
-            let mut retry = RetryLayer::new(retry_cfg.clone())
-                .map_err(|e| config_error(format!("retry.{}", e.field()), e.to_string()))?
-                .classifier(AnswerClassifier)
-                .hold(holds.clone())
-                .progress(progress.clone());
-            if let Some(seed) = cfg.balance.seed {
                 // One seed makes the balancer's choices and the backoff jitter repeatable.
                 retry = retry.rng_seed(seed.wrapping_add(groups.len() as u64));
             }

@@ -410,7 +410,23 @@ impl RouteConfig {
 }
 
 /// `[retry]`: defaults from tower-retry-pushback (`max_attempts` 3, `max_reasks` 2,
-/// backoff 0.5 s to 20 s, stall window 120 s, no deadline).
+/// backoff 0.5 s to 20 s, stall window 120 s, no deadline, no retry budget, no
+/// adaptive throttling).
+///
+/// ```
+/// let cfg = pgw_stack::GatewayConfig::from_toml_str(r#"
+///     [[sources]]
+///     name = "s1"
+///     base_url = "http://127.0.0.1:9/v1"
+///     key = "sk-demo"
+///     [retry.budget]
+///     ratio = 0.2
+///     [retry.throttle]
+///     k = 1.5
+/// "#).unwrap();
+/// assert_eq!(cfg.retry.budget.unwrap().ratio, Some(0.2));
+/// assert_eq!(cfg.retry.throttle.unwrap().window_s, None);
+/// ```
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RetrySection {
@@ -426,6 +442,40 @@ pub struct RetrySection {
     pub stall_window_s: Option<f64>,
     /// Deadline of one call in one group, seconds.
     pub max_call_duration_s: Option<f64>,
+    /// The shared retry budget (`[retry.budget]`): retries at most `ratio` of requests
+    /// over a sliding window, plus a floor of retries per second. Off unless the table
+    /// is present; shared by every group of the gateway.
+    pub budget: Option<RetryBudgetSection>,
+    /// Client-side adaptive throttling (`[retry.throttle]`, the Google SRE book's):
+    /// reject locally with probability `max(0, (requests - k * accepts) / (requests +
+    /// 1))` over a window. Off unless the table is present; shared by every group.
+    pub throttle: Option<ThrottleSection>,
+}
+
+/// `[retry.budget]`: tower-retry-pushback's `RetryBudgetConfig`, durations in seconds.
+/// Every field defaults to the crate's default.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetryBudgetSection {
+    /// Retries allowed per request, in `[0, 1]` (default 0.1: Google SRE's 10%).
+    pub ratio: Option<f64>,
+    /// Retries per second allowed whatever the traffic (default 10, as tower's
+    /// `TpsBudget` and Finagle).
+    pub min_retries_per_sec: Option<u32>,
+    /// The sliding window, seconds, 1 to 3600 (default 10).
+    pub ttl_s: Option<f64>,
+}
+
+/// `[retry.throttle]`: tower-retry-pushback's `ThrottleConfig`, durations in seconds.
+/// Every field defaults to the crate's default.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ThrottleSection {
+    /// The multiplier K, finite and at least 1 (default 2, the SRE book's).
+    pub k: Option<f64>,
+    /// The history window, seconds, 1 to 86400 (default 120, the SRE book's two
+    /// minutes).
+    pub window_s: Option<f64>,
 }
 
 /// `[balance]`: defaults from tower-health-p2c (`health_aware`, wait at most its
@@ -698,6 +748,14 @@ impl GatewayConfig {
             ("retry.max_backoff_s", self.retry.max_backoff_s),
             ("retry.stall_window_s", self.retry.stall_window_s),
             ("retry.max_call_duration_s", self.retry.max_call_duration_s),
+            (
+                "retry.budget.ttl_s",
+                self.retry.budget.as_ref().and_then(|b| b.ttl_s),
+            ),
+            (
+                "retry.throttle.window_s",
+                self.retry.throttle.as_ref().and_then(|t| t.window_s),
+            ),
             ("balance.max_wait_s", self.balance.max_wait_s),
             ("ratelimit.window_s", self.ratelimit.window_s),
             ("ratelimit.lease_ttl_s", self.ratelimit.lease_ttl_s),

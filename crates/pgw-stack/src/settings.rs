@@ -7,7 +7,7 @@ use tower_aimd::AimdConfig;
 use tower_breaker_window::BreakerConfig;
 use tower_health_p2c::{BalanceConfig, Policy};
 use tower_ratelimit_redis::{Quota, RateLimitConfig};
-use tower_retry_pushback::RetryConfig;
+use tower_retry_pushback::{RetryBudgetConfig, RetryConfig, ThrottleConfig};
 
 use crate::config::{
     ConfigError, DEFAULT_COOLDOWN_S, DEFAULT_FAIL_THRESHOLD, GatewayConfig, SourceConfig, config_error,
@@ -24,11 +24,43 @@ pub(crate) fn retry_config(cfg: &GatewayConfig) -> Result<RetryConfig, ConfigErr
         max_backoff: secs("retry.max_backoff_s", r.max_backoff_s)?.unwrap_or(d.max_backoff),
         stall_window: secs("retry.stall_window_s", r.stall_window_s)?.unwrap_or(d.stall_window),
         max_call_duration: secs("retry.max_call_duration_s", r.max_call_duration_s)?.or(d.max_call_duration),
-        ..d
+        retry_budget: match &r.budget {
+            None => None,
+            Some(b) => {
+                let d = RetryBudgetConfig::default();
+                Some(RetryBudgetConfig {
+                    ratio: b.ratio.unwrap_or(d.ratio),
+                    min_retries_per_sec: b.min_retries_per_sec.unwrap_or(d.min_retries_per_sec),
+                    ttl: secs("retry.budget.ttl_s", b.ttl_s)?.unwrap_or(d.ttl),
+                })
+            }
+        },
+        throttle: match &r.throttle {
+            None => None,
+            Some(t) => {
+                let d = ThrottleConfig::default();
+                Some(ThrottleConfig {
+                    k: t.k.unwrap_or(d.k),
+                    window: secs("retry.throttle.window_s", t.window_s)?.unwrap_or(d.window),
+                })
+            }
+        },
     };
     c.validate()
-        .map_err(|e| config_error(format!("retry.{}", e.field()), e.to_string()))?;
+        .map_err(|e| config_error(format!("retry.{}", retry_field(e.field())), e.to_string()))?;
     Ok(c)
+}
+
+/// A field of tower-retry-pushback's `RetryConfig` as this crate's config names it.
+fn retry_field(field: &str) -> String {
+    match field {
+        "retry_budget.ratio" => "budget.ratio".into(),
+        "retry_budget.ttl" => "budget.ttl_s".into(),
+        "throttle.k" => "throttle.k".into(),
+        "throttle.window" => "throttle.window_s".into(),
+        "base_backoff" | "max_backoff" | "stall_window" | "max_call_duration" => format!("{field}_s"),
+        other => other.to_owned(),
+    }
 }
 
 pub(crate) fn balance_config(cfg: &GatewayConfig) -> Result<BalanceConfig, ConfigError> {
