@@ -20,9 +20,10 @@ use tower_retry_pushback::{Progress, RetryLayer};
 
 use crate::attempt::{Attempt, StreamCuts};
 use crate::cache::{MemoryCache, RedisCache, ResponseCache};
+use crate::cached::CacheFlow;
 use crate::config::{
-    BackendKind, ConfigError, DEFAULT_CACHE_MAX_ENTRIES, DEFAULT_CACHE_TTL_S, DEFAULT_KEY_PREFIX,
-    GatewayConfig, SourceConfig, config_error, quota, secs,
+    BackendKind, ConfigError, DEFAULT_CACHE_FALLBACK_TTL_S, DEFAULT_CACHE_MAX_ENTRIES, DEFAULT_CACHE_TTL_S,
+    DEFAULT_KEY_PREFIX, GatewayConfig, SourceConfig, config_error, quota, secs,
 };
 use crate::gateway::{Gateway, Group, Inner, SourceHandles, call_shape};
 use crate::route::{Plan, Pushback, RouteHold, RouteHolds, RouteSpec};
@@ -127,15 +128,19 @@ impl GatewayBuilder {
         let telemetry = telemetry(&cfg, self.sinks)?;
         let redis = connect(&cfg).await?;
 
-        let cache: Option<Arc<dyn ResponseCache>> = match (&redis, cfg.cache.enabled) {
+        let store: Option<Arc<dyn ResponseCache>> = match (&redis, cfg.cache.enabled) {
             (_, false) => None,
             (Some(conn), true) => Some(Arc::new(RedisCache::new(conn.clone(), prefix.clone()))),
             (None, true) => Some(Arc::new(MemoryCache::new(
                 cfg.cache.max_entries.unwrap_or(DEFAULT_CACHE_MAX_ENTRIES),
             ))),
         };
-        let cache_ttl = secs("cache.ttl_s", cfg.cache.ttl_s)?
+        let ttl = secs("cache.ttl_s", cfg.cache.ttl_s)?
             .unwrap_or_else(|| Duration::from_secs_f64(DEFAULT_CACHE_TTL_S));
+        let fallback_ttl = secs("cache.fallback_ttl_s", cfg.cache.fallback_ttl_s)?
+            .unwrap_or_else(|| Duration::from_secs_f64(DEFAULT_CACHE_FALLBACK_TTL_S))
+            .min(ttl);
+        let cache = store.map(|store| CacheFlow::new(store, cfg.cache.when, ttl, fallback_ttl));
 
         let backends = Backends::new(redis.as_ref(), &prefix);
         let wiring = Wiring {
@@ -203,8 +208,8 @@ impl GatewayBuilder {
             inner: Arc::new(Inner {
                 groups,
                 models: plan.models,
+                all: plan.all,
                 cache,
-                cache_ttl,
                 telemetry,
                 handles,
                 progress,

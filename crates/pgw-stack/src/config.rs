@@ -53,6 +53,10 @@ pub const DEFAULT_FAIL_THRESHOLD: u32 = 5;
 pub const DEFAULT_COOLDOWN_S: f64 = 30.0;
 /// Default cache TTL: 600 s (an identical prompt within ten minutes gets the same answer).
 pub const DEFAULT_CACHE_TTL_S: f64 = 600.0;
+/// Default TTL of an answer from a fallback group: 30 s, the breaker's default
+/// cooldown ([`DEFAULT_COOLDOWN_S`]): by then the primary is probed again, and an
+/// answer of the backup must not be served once the primary answers.
+pub const DEFAULT_CACHE_FALLBACK_TTL_S: f64 = 30.0;
 /// Default cache size bound: 10,000 answers (memory backend).
 pub const DEFAULT_CACHE_MAX_ENTRIES: usize = 10_000;
 /// Default key prefix of every Redis key the gateway writes: `pgw`.
@@ -535,6 +539,18 @@ pub struct RateLimitSection {
     pub lease_ttl_s: Option<f64>,
 }
 
+/// Which requests the cache serves (`cache.when`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CacheWhen {
+    /// Only deterministic requests: `temperature` 0 or a fixed `seed` (the default):
+    /// a sampled request must not get the same text twice.
+    #[default]
+    Deterministic,
+    /// Every request (repeated prompts whose sampling the caller does not care about).
+    Always,
+}
+
 /// `[cache]` (S4).
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -542,9 +558,17 @@ pub struct CacheSection {
     /// On by default.
     #[serde(default = "yes")]
     pub enabled: bool,
+    /// Which requests: `deterministic` (default) or `always`. A call carrying
+    /// [`crate::NoCache`] is never served from the cache nor stored.
+    #[serde(default)]
+    pub when: CacheWhen,
     /// Time to live, seconds (default [`DEFAULT_CACHE_TTL_S`]).
     #[serde(default)]
     pub ttl_s: Option<f64>,
+    /// Time to live of an answer from a fallback group (not the call's first),
+    /// seconds (default [`DEFAULT_CACHE_FALLBACK_TTL_S`]); at most `ttl_s`.
+    #[serde(default)]
+    pub fallback_ttl_s: Option<f64>,
     /// Size bound of the memory cache (default [`DEFAULT_CACHE_MAX_ENTRIES`]).
     #[serde(default)]
     pub max_entries: Option<usize>,
@@ -558,7 +582,9 @@ impl Default for CacheSection {
     fn default() -> Self {
         Self {
             enabled: true,
+            when: CacheWhen::default(),
             ttl_s: None,
+            fallback_ttl_s: None,
             max_entries: None,
         }
     }
@@ -760,6 +786,7 @@ impl GatewayConfig {
             ("ratelimit.window_s", self.ratelimit.window_s),
             ("ratelimit.lease_ttl_s", self.ratelimit.lease_ttl_s),
             ("cache.ttl_s", self.cache.ttl_s),
+            ("cache.fallback_ttl_s", self.cache.fallback_ttl_s),
         ] {
             secs(k, v)?;
         }

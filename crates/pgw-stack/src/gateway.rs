@@ -5,7 +5,6 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
 
 use futures_core::Stream;
 use futures_util::future::BoxFuture;
@@ -23,11 +22,12 @@ use tower_retry_pushback::{Progress, Reason, RetryError};
 use tower_service::Service;
 
 use crate::attempt::AdmissionCell;
-use crate::cache::{CacheKey, CachedAnswer, ResponseCache};
+use crate::cache::{CacheKey, CachedAnswer};
+use crate::cached::{CacheFlow, Lookup, replay};
 use crate::relay::ChatStream;
 use crate::route::ModelChain;
 use crate::source::SourceService;
-use crate::telemetry::{AttemptTelemetry, Telemetry};
+use crate::telemetry::Telemetry;
 use crate::validate::{JsonValidator, Validator};
 
 /// What the gateway answers: the answer, and who gave it.
@@ -158,8 +158,9 @@ pub(crate) struct Inner {
     pub(crate) groups: Vec<Group>,
     /// Each public model's chains (empty without `[models]`).
     pub(crate) models: BTreeMap<String, ModelChain>,
-    pub(crate) cache: Option<Arc<dyn ResponseCache>>,
-    pub(crate) cache_ttl: Duration,
+    /// Every group in fallback order: the chain without `[models]`.
+    pub(crate) all: ModelChain,
+    pub(crate) cache: Option<CacheFlow>,
     pub(crate) telemetry: Telemetry,
     pub(crate) handles: Vec<SourceHandles>,
     pub(crate) progress: Progress,
@@ -377,49 +378,21 @@ impl Service<ChatCall> for Gateway {
             let Some(route) = inner.chain_of(&call.request().model) else {
                 return Err(unknown_model(call_id, &call.request().model));
             };
-            let key = inner.cache.as_ref().map(|_| CacheKey::of(call.request()));
-            if let (Some(cache), Some(key)) = (&inner.cache, key)
-                && let Some(hit) = cache.get(key).await
-            {
+            let mut cached = None;
+            if let Some(cache) = inner.cache.as_ref().filter(|c| c.applies(&call)) {
+                let key = CacheKey::for_route(call.request(), &route.route_key);
                 let validator = call.extensions().get::<Validator>().or(inner.validator.as_ref());
-                if validator.is_none_or(|v| hit.response.is_declined() || v.0.validate(&hit.response).is_ok())
-                {
-                    metrics::counter!("pgw_cache_hits_total").increment(1);
-                    inner.telemetry.emit(&AttemptTelemetry {
-                        call_id,
-                        attempt: 0,
-                        group: hit.group.clone(),
-                        source: hit.source.clone(),
-                        admitted_at_s: None,
-                        admission_window: None,
-                        latency_ms: 0.0,
-                        ttft_ms: None,
-                        prompt_tokens: None,
-                        completion_tokens: None,
-                        cost_usd: Some(0.0),
-                        outcome: "success",
-                        error: None,
-                        cache_hit: true,
-                    });
-                    return Ok(GatewayAnswer {
-                        call_id,
-                        answer: ChatAnswer {
-                            response: hit.response.clone(),
-                            chunks: hit.chunks.clone(),
-                            stats: pgw_client::AttemptStats {
-                                source: hit.source.clone(),
-                                ..pgw_client::AttemptStats::default()
-                            },
-                            tail: None,
-                        },
-                        group: hit.group.clone(),
-                        source: hit.source.clone(),
-                        cache_hit: true,
-                    });
+                let usable = |hit: &CachedAnswer| {
+                    validator
+                        .is_none_or(|v| hit.response.is_declined() || v.0.validate(&hit.response).is_ok())
+                };
+                match cache.lookup(key, usable).await {
+                    Lookup::Hit(hit) => return Ok(replay(&inner.telemetry, call_id, &hit)),
+                    Lookup::Miss(flight) => {
+                        metrics::counter!("pgw_cache_misses_total").increment(1);
+                        cached = Some((cache, key, flight));
+                    }
                 }
-            }
-            if key.is_some() {
-                metrics::counter!("pgw_cache_misses_total").increment(1);
             }
             call.extensions_mut().insert(AdmissionCell::default());
             let mut failures = Vec::new();
@@ -434,36 +407,11 @@ impl Service<ChatCall> for Gateway {
                     Ok(answer) => {
                         inner.progress.record_success();
                         let source = answer.stats.source.clone();
-                        if let (Some(cache), Some(key)) = (&inner.cache, key) {
-                            let (group, source, ttl) =
-                                (group.name.to_string(), source.clone(), inner.cache_ttl);
-                            match &answer.tail {
-                                // Only a whole answer is cached: a stream passed
-                                // through, when it ends complete.
-                                Some(tail) => {
-                                    let cache = Arc::clone(cache);
-                                    tail.on_end(Box::new(move |end| {
-                                        if let Ok(done) = end {
-                                            let cached = Arc::new(CachedAnswer {
-                                                response: done.response.clone(),
-                                                chunks: Vec::new(),
-                                                group,
-                                                source,
-                                            });
-                                            tokio::spawn(async move { cache.put(key, cached, ttl).await });
-                                        }
-                                    }));
-                                }
-                                None => {
-                                    let cached = Arc::new(CachedAnswer {
-                                        response: answer.response.clone(),
-                                        chunks: answer.chunks.clone(),
-                                        group,
-                                        source,
-                                    });
-                                    cache.put(key, cached, ttl).await;
-                                }
-                            }
+                        if let Some((cache, key, flight)) = cached.take() {
+                            let ttl = cache.ttl_for(next - 1, context);
+                            cache
+                                .store(key, &answer, group.name.to_string(), ttl, flight)
+                                .await;
                         }
                         return Ok(GatewayAnswer {
                             call_id,
@@ -501,14 +449,11 @@ impl Service<ChatCall> for Gateway {
 impl Inner {
     /// The chains of a call asking for `model`: without `[models]`, every group in
     /// fallback order; `None` for a model that is not configured.
-    fn chain_of(&self, model: &str) -> Option<std::borrow::Cow<'_, ModelChain>> {
+    fn chain_of(&self, model: &str) -> Option<&ModelChain> {
         if self.models.is_empty() {
-            return Some(std::borrow::Cow::Owned(ModelChain {
-                chain: (0..self.groups.len()).collect(),
-                context: Vec::new(),
-            }));
+            return Some(&self.all);
         }
-        self.models.get(model).map(std::borrow::Cow::Borrowed)
+        self.models.get(model)
     }
 }
 

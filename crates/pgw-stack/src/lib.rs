@@ -34,6 +34,7 @@
 mod attempt;
 mod builder;
 pub mod cache;
+mod cached;
 pub mod config;
 mod gateway;
 pub mod proxy;
@@ -45,8 +46,10 @@ pub mod telemetry;
 mod validate;
 
 pub use builder::{GatewayBuilder, TransportFactory};
-pub use cache::{CacheKey, CachedAnswer, MemoryCache, RedisCache, ResponseCache};
-pub use config::{BackendKind, ConfigError, GatewayConfig, ModelConfig, RouteConfig, SourceConfig};
+pub use cache::{CacheKey, CachedAnswer, MemoryCache, NoCache, RedisCache, ResponseCache};
+pub use config::{
+    BackendKind, CacheWhen, ConfigError, GatewayConfig, ModelConfig, RouteConfig, SourceConfig,
+};
 pub use gateway::{Gateway, GatewayAnswer, GatewayError, SourceHandles};
 /// The chunks equivalent to a non-streamed answer (moved to [`pgw_core::openai`],
 /// beside the `ChunkAccumulator` that folds them back).

@@ -36,6 +36,9 @@ pub(crate) struct ModelChain {
     pub(crate) chain: Vec<usize>,
     /// The context-window fallback chain.
     pub(crate) context: Vec<usize>,
+    /// Where these chains go (groups, routes, upstream models): part of the cache
+    /// key, so a stored answer is not served once the routing changed.
+    pub(crate) route_key: String,
 }
 
 /// The gateway's shape, read from the config: routes, groups, and (with `[models]`)
@@ -44,8 +47,10 @@ pub(crate) struct ModelChain {
 pub(crate) struct Plan {
     pub(crate) routes: Vec<RouteSpec>,
     pub(crate) groups: Vec<GroupSpec>,
-    /// Empty without `[models]`: every call walks every group.
+    /// Empty without `[models]`: every call walks every group, `all`.
     pub(crate) models: BTreeMap<String, ModelChain>,
+    /// Every group in order: the chain without `[models]`.
+    pub(crate) all: ModelChain,
 }
 
 impl Plan {
@@ -66,6 +71,8 @@ impl Plan {
                     .collect();
                 plan.groups.push(GroupSpec { name, routes });
             }
+            let chain = (0..plan.groups.len()).collect();
+            plan.all = plan.chain(chain, Vec::new());
             return plan;
         }
         for (name, model) in &cfg.models {
@@ -105,9 +112,37 @@ impl Plan {
                 .chain(model.fallback.iter().filter_map(index))
                 .collect();
             let context = model.context_fallback.iter().filter_map(index).collect();
-            plan.models.insert(name.clone(), ModelChain { chain, context });
+            let chains = plan.chain(chain, context);
+            plan.models.insert(name.clone(), chains);
         }
         plan
+    }
+
+    /// The chains over these groups, with their route key.
+    fn chain(&self, chain: Vec<usize>, context: Vec<usize>) -> ModelChain {
+        let describe = |groups: &[usize]| -> String {
+            groups
+                .iter()
+                .map(|&g| {
+                    let routes: Vec<String> = self.groups[g]
+                        .routes
+                        .iter()
+                        .map(|&r| {
+                            let r = &self.routes[r];
+                            format!("{}:{}", r.id, r.upstream.as_deref().unwrap_or("*"))
+                        })
+                        .collect();
+                    format!("{}=[{}]", self.groups[g].name, routes.join(","))
+                })
+                .collect::<Vec<_>>()
+                .join(";")
+        };
+        let route_key = format!("{}|{}", describe(&chain), describe(&context));
+        ModelChain {
+            chain,
+            context,
+            route_key,
+        }
     }
 }
 
