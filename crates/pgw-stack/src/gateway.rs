@@ -338,10 +338,12 @@ impl Gateway {
     /// Reads every source's breaker, AIMD limit, health, inflight and limiter usage
     /// and sets the `metrics` gauges: `pgw_breaker_state` (0 closed, 1 half-open,
     /// 2 open), `pgw_aimd_limit`, `pgw_inflight`, `pgw_health`, `pgw_quota_admitted`,
-    /// each labelled `source`. Call it periodically (one backend read per source).
+    /// each labelled `source` with the route (the source's name without `[models]`,
+    /// `source/model` with it). Call it periodically (one backend read per route).
     pub async fn refresh_metrics(&self) {
         for h in &self.inner.handles {
-            let source = h.source.to_string();
+            // One series per route (with `[models]`, a source has one per model).
+            let source = h.route.to_string();
             if let Ok(view) = h.breaker.view().await {
                 let state = match view.state {
                     BreakerState::Closed => 0.0,
