@@ -1,9 +1,12 @@
 //! The response cache (S4): asked before every gate, so a hit never reaches the
-//! limiter or the upstream. Memory (TTL + size bound, tokio clock) or Redis.
+//! limiter or the upstream. Memory (size-bounded, TTL on the tokio clock) or Redis.
+//!
+//! What is cached (the gateway decides, see `[cache]` in the crate's README): by
+//! default only deterministic requests (`temperature: 0` or a fixed `seed`); never a
+//! call carrying [`NoCache`]; an answer of a fallback group only for
+//! `cache.fallback_ttl_s`, so it is not served past the primary's recovery.
 
-use std::collections::{HashMap, VecDeque};
-use std::hash::{Hash, Hasher};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
@@ -11,19 +14,43 @@ use pgw_core::SourceId;
 use pgw_core::openai::{ChatChunk, ChatRequest, ChatResponse};
 use pgw_core::redis_conn::RedisConn;
 use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
 use tokio::time::Instant;
 
-/// The key of a request: a 128-bit digest of its model, messages, `max_tokens` and
-/// other fields (everything but `stream`: a streamed and a plain call share answers).
+/// The key of a request: the first 128 bits of a SHA-256 over a canonical JSON form of
+/// its model, messages, `max_tokens` and every other field but `stream` (a streamed
+/// and a plain call share answers: each replays as the other), and the route the
+/// gateway would send it on. Stable across processes, builds and Rust releases, so a
+/// Redis cache shared by several gateways keeps hitting after an upgrade.
+///
+/// ```
+/// use pgw_stack::CacheKey;
+/// use pgw_stack::core::openai::ChatRequest;
+///
+/// let a = CacheKey::of(&ChatRequest::user("gpt-4o", "hello"));
+/// let mut streamed = ChatRequest::user("gpt-4o", "hello");
+/// streamed.stream = true;
+/// assert_eq!(a, CacheKey::of(&streamed));
+/// assert_ne!(a, CacheKey::for_route(&ChatRequest::user("gpt-4o", "hello"), "default=s1"));
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct CacheKey(pub u128);
 
 impl CacheKey {
-    /// The key of `req`.
+    /// The key of `req` on no particular route.
     #[must_use]
     pub fn of(req: &ChatRequest) -> Self {
+        Self::for_route(req, "")
+    }
+
+    /// The key of `req` sent on `route` (the gateway's description of where the call
+    /// goes: groups, sources and upstream models), so an answer is never served for a
+    /// request that would now be routed elsewhere.
+    #[must_use]
+    pub fn for_route(req: &ChatRequest, route: &str) -> Self {
         #[derive(Serialize)]
         struct Canon<'a> {
+            route: &'a str,
             model: &'a str,
             messages: &'a [pgw_core::openai::ChatMessage],
             max_tokens: Option<u64>,
@@ -31,25 +58,64 @@ impl CacheKey {
         }
         // serde_json maps are sorted (no `preserve_order`), so the bytes are canonical.
         let bytes = serde_json::to_vec(&Canon {
+            route,
             model: &req.model,
             messages: &req.messages,
             max_tokens: req.max_tokens,
             extra: &req.extra,
         })
         .unwrap_or_default();
-        let half = |salt: u64| {
-            // SipHash with fixed keys: the same digest in every process of one build.
-            let mut h = std::hash::DefaultHasher::new();
-            salt.hash(&mut h);
-            bytes.hash(&mut h);
-            h.finish()
-        };
-        Self((u128::from(half(0x9e37_79b9)) << 64) | u128::from(half(0x7f4a_7c15)))
+        let digest = Sha256::digest(&bytes);
+        let mut first = [0u8; 16];
+        first.copy_from_slice(&digest[..16]);
+        Self(u128::from_be_bytes(first))
     }
 
     fn hex(self) -> String {
         format!("{:032x}", self.0)
     }
+}
+
+/// A call carrying this extension neither reads nor fills the response cache (a chat
+/// UI's "regenerate"; pgw-server can map a request header to it).
+///
+/// ```
+/// use pgw_stack::{ChatCall, NoCache};
+/// use pgw_stack::core::openai::ChatRequest;
+///
+/// let mut call = ChatCall::new(ChatRequest::user("gpt-4o", "hello"));
+/// call.extensions_mut().insert(NoCache);
+/// // gateway.clone().oneshot(call).await
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NoCache;
+
+/// Whether `req` asks for a deterministic answer: `temperature` 0 or a fixed `seed`.
+/// Only those are cached by default: a sampled answer (a chat UI's regenerate) must
+/// not come back identical.
+///
+/// ```
+/// use pgw_stack::cache::is_deterministic;
+/// use pgw_stack::core::openai::ChatRequest;
+///
+/// let mut req = ChatRequest::user("m", "hi");
+/// assert!(!is_deterministic(&req), "the provider's default temperature samples");
+/// req.extra.insert("temperature".into(), 0.0.into());
+/// assert!(is_deterministic(&req));
+/// req.extra.insert("temperature".into(), 1.2.into());
+/// assert!(!is_deterministic(&req));
+/// req.extra.insert("seed".into(), 42.into());
+/// assert!(is_deterministic(&req));
+/// ```
+#[must_use]
+pub fn is_deterministic(req: &ChatRequest) -> bool {
+    let zero_temperature = req
+        .extra
+        .get("temperature")
+        .and_then(serde_json::Value::as_f64)
+        .is_some_and(|t| t == 0.0);
+    let seeded = req.extra.get("seed").is_some_and(serde_json::Value::is_number);
+    zero_temperature || seeded
 }
 
 /// A cached answer: what a caller gets on a hit.
@@ -74,22 +140,21 @@ pub trait ResponseCache: Send + Sync {
     fn put(&self, key: CacheKey, answer: Arc<CachedAnswer>, ttl: Duration) -> BoxFuture<'static, ()>;
 }
 
-/// An in-process cache with a TTL (tokio clock) and a size bound (the oldest entry is
-/// evicted first).
-#[derive(Clone, Debug)]
+/// An in-process cache: at most `max_entries` answers (quick_cache's CLOCK-Pro
+/// eviction: recently and often used answers stay), each until its TTL on the tokio
+/// clock.
+#[derive(Clone)]
 pub struct MemoryCache {
-    inner: Arc<Mutex<MemoryInner>>,
-    max_entries: usize,
+    inner: Arc<quick_cache::sync::Cache<CacheKey, (Instant, Arc<CachedAnswer>)>>,
 }
 
-#[derive(Debug, Default)]
-struct MemoryInner {
-    /// key -> (expiry, insertion number, answer)
-    map: HashMap<CacheKey, (Instant, u64, Arc<CachedAnswer>)>,
-    /// (key, insertion number, expiry), oldest first; pairs of overwritten entries are
-    /// stale (their number no longer matches the map's) and skipped.
-    order: VecDeque<(CacheKey, u64, Instant)>,
-    seq: u64,
+impl std::fmt::Debug for MemoryCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryCache")
+            .field("len", &self.len())
+            .field("capacity", &self.inner.capacity())
+            .finish()
+    }
 }
 
 impl MemoryCache {
@@ -97,19 +162,14 @@ impl MemoryCache {
     #[must_use]
     pub fn new(max_entries: usize) -> Self {
         Self {
-            inner: Arc::default(),
-            max_entries: max_entries.max(1),
+            inner: Arc::new(quick_cache::sync::Cache::new(max_entries.max(1))),
         }
     }
 
-    /// How many answers it holds (expired ones included until evicted).
+    /// How many answers it holds (expired ones included until read or evicted).
     #[must_use]
     pub fn len(&self) -> usize {
-        self.inner
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .map
-            .len()
+        self.inner.len()
     }
 
     /// Whether it holds nothing.
@@ -121,12 +181,10 @@ impl MemoryCache {
 
 impl ResponseCache for MemoryCache {
     fn get(&self, key: CacheKey) -> BoxFuture<'static, Option<Arc<CachedAnswer>>> {
-        let now = Instant::now();
-        let mut g = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
-        let hit = match g.map.get(&key) {
-            Some((exp, _, a)) if *exp > now => Some(Arc::clone(a)),
+        let hit = match self.inner.get(&key) {
+            Some((expires, a)) if expires > Instant::now() => Some(a),
             Some(_) => {
-                g.map.remove(&key);
+                self.inner.remove(&key);
                 None
             }
             None => None,
@@ -136,28 +194,10 @@ impl ResponseCache for MemoryCache {
 
     fn put(&self, key: CacheKey, answer: Arc<CachedAnswer>, ttl: Duration) -> BoxFuture<'static, ()> {
         let now = Instant::now();
-        let expires = now + ttl;
-        let mut g = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
-        g.seq += 1;
-        let seq = g.seq;
-        g.map.insert(key, (expires, seq, answer));
-        g.order.push_back((key, seq, expires));
-        // Evict expired entries from the front, then the oldest while over the bound.
-        while let Some(&(k, n, exp)) = g.order.front() {
-            let over = g.map.len() > self.max_entries;
-            if !(over || exp <= now) {
-                break;
-            }
-            g.order.pop_front();
-            if g.map.get(&k).is_some_and(|(_, m, _)| *m == n) {
-                g.map.remove(&k);
-            }
-        }
-        // Overwritten keys leave stale pairs behind: compact before they outgrow the map.
-        if g.order.len() > 2 * self.max_entries {
-            let MemoryInner { map, order, .. } = &mut *g;
-            order.retain(|(k, n, _)| map.get(k).is_some_and(|(_, m, _)| m == n));
-        }
+        let expires = now
+            .checked_add(ttl)
+            .unwrap_or(now + Duration::from_secs(86_400 * 365));
+        self.inner.insert(key, (expires, answer));
         Box::pin(std::future::ready(()))
     }
 }
@@ -238,14 +278,36 @@ mod tests {
     }
 
     #[test]
-    fn key_ignores_stream_and_sees_content() {
+    fn key_ignores_stream_and_sees_content_model_and_route() {
         let a = ChatRequest::user("m", "hello");
         let mut b = a.clone();
         b.stream = true;
         assert_eq!(CacheKey::of(&a), CacheKey::of(&b));
         assert_ne!(CacheKey::of(&a), CacheKey::of(&ChatRequest::user("m", "hellO")));
         assert_ne!(CacheKey::of(&a), CacheKey::of(&ChatRequest::user("m2", "hello")));
+        assert_ne!(
+            CacheKey::for_route(&a, "x=s1/m"),
+            CacheKey::for_route(&a, "x=s2/m")
+        );
     }
+
+    /// The digest is SHA-256 of a fixed canonical form: a key computed by any build of
+    /// the gateway (any Rust release, any process) is this one, so a Redis cache
+    /// shared across upgrades keeps its hits. If this changes, every shared cache
+    /// starts cold: change it only on purpose, and say so in the changelog.
+    #[test]
+    fn key_is_stable_across_builds() {
+        let mut req = ChatRequest::user("gpt-4o", "What is the capital of France?");
+        req.max_tokens = Some(16);
+        req.extra.insert("temperature".into(), 0.0.into());
+        let key = CacheKey::for_route(&req, "gpt-4o=openai/gpt-4o");
+        assert_eq!(key.hex(), EXPECTED_KEY);
+    }
+
+    /// SHA-256 of `{"route":"gpt-4o=openai/gpt-4o","model":"gpt-4o","messages":[{"role":"user",
+    /// "content":"What is the capital of France?"}],"max_tokens":16,"extra":{"temperature":0.0}}`
+    /// (without the line break), first 16 bytes; checked with `sha256sum` outside Rust.
+    const EXPECTED_KEY: &str = "596809ecfd03a0fba72f24421a3ac720";
 
     #[tokio::test(start_paused = true)]
     async fn ttl_and_bound() {
@@ -256,23 +318,11 @@ mod tests {
         assert!(c.get(k("a")).await.is_some());
         tokio::time::advance(Duration::from_secs(6)).await;
         assert!(c.get(k("a")).await.is_none(), "expired");
-        for n in ["x", "y", "z"] {
+        for n in ["x", "y", "z", "w"] {
             c.put(k(n), answer(n), Duration::from_secs(60)).await;
         }
-        assert_eq!(c.len(), 2);
-        assert!(c.get(k("x")).await.is_none(), "oldest evicted");
-        assert_eq!(c.get(k("z")).await.unwrap().group, "z");
-        for _ in 0..10 {
-            c.put(k("z"), answer("z2"), Duration::from_secs(60)).await;
-        }
-        assert!(
-            c.inner.lock().unwrap().order.len() <= 4,
-            "stale order entries compacted"
-        );
-        assert_eq!(c.get(k("z")).await.unwrap().group, "z2");
-        assert!(
-            c.get(k("y")).await.is_some(),
-            "overwrites do not evict live entries"
-        );
+        assert!(c.len() <= 2, "bounded: {}", c.len());
+        c.put(k("z"), answer("z2"), Duration::from_secs(60)).await;
+        assert_eq!(c.get(k("z")).await.unwrap().group, "z2", "an overwrite wins");
     }
 }

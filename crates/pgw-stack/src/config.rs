@@ -27,6 +27,11 @@
 //!
 //! [cache]
 //! ttl_s = 600
+//!
+//! # Or, instead of groups and `fallback`, model routing (see ModelConfig):
+//! [models.gpt-4o]
+//! routes = [{ source = "s1", model = "gpt-4o-2024-08-06" }]
+//! fallback = ["gpt-4o-mini"]
 //! ```
 //!
 //! An environment variable `PGW__A__B=value` sets `a.b` (segments lowercased; a
@@ -48,6 +53,10 @@ pub const DEFAULT_FAIL_THRESHOLD: u32 = 5;
 pub const DEFAULT_COOLDOWN_S: f64 = 30.0;
 /// Default cache TTL: 600 s (an identical prompt within ten minutes gets the same answer).
 pub const DEFAULT_CACHE_TTL_S: f64 = 600.0;
+/// Default TTL of an answer from a fallback group: 30 s, the breaker's default
+/// cooldown ([`DEFAULT_COOLDOWN_S`]): by then the primary is probed again, and an
+/// answer of the backup must not be served once the primary answers.
+pub const DEFAULT_CACHE_FALLBACK_TTL_S: f64 = 30.0;
 /// Default cache size bound: 10,000 answers (memory backend).
 pub const DEFAULT_CACHE_MAX_ENTRIES: usize = 10_000;
 /// Default key prefix of every Redis key the gateway writes: `pgw`.
@@ -126,6 +135,12 @@ pub struct GatewayConfig {
     /// Prices per model, for telemetry's cost (S6).
     #[serde(default)]
     pub prices: BTreeMap<String, Price>,
+    /// Model routing: each public model name the callers may ask for, with its routes
+    /// (source + upstream model), its fallback chain and its context-window fallback
+    /// chain. Empty (the default): the caller's `model` is forwarded (unless a source
+    /// overrides it) and every call walks the groups in `fallback` order.
+    #[serde(default)]
+    pub models: BTreeMap<String, ModelConfig>,
 }
 
 impl fmt::Debug for GatewayConfig {
@@ -148,6 +163,7 @@ impl fmt::Debug for GatewayConfig {
             .field("cache", &self.cache)
             .field("telemetry", &self.telemetry)
             .field("prices", &self.prices)
+            .field("models", &self.models)
             .finish()
     }
 }
@@ -332,8 +348,89 @@ pub struct AccountConfig {
     pub max_concurrency: Option<i64>,
 }
 
+/// `[models.NAME]`: one public model name and where its calls go.
+///
+/// ```
+/// use pgw_stack::GatewayConfig;
+///
+/// let cfg = GatewayConfig::from_toml_str(r#"
+///     [[sources]]
+///     name = "openai"
+///     base_url = "https://api.openai.com/v1"
+///     key = "sk-demo"
+///
+///     [models.gpt-4o]
+///     routes = [{ source = "openai", model = "gpt-4o-2024-08-06" }]
+///     fallback = ["gpt-4o-mini"]
+///     context_fallback = ["gpt-4.1"]
+///
+///     [models.gpt-4o-mini]
+///     routes = [{ source = "openai" }]
+///
+///     [models."gpt-4.1"]
+///     routes = [{ source = "openai" }]
+/// "#).unwrap();
+/// assert_eq!(cfg.models["gpt-4o"].routes[0].upstream_model("gpt-4o", None), "gpt-4o-2024-08-06");
+/// assert_eq!(cfg.models["gpt-4o-mini"].routes[0].upstream_model("gpt-4o-mini", None), "gpt-4o-mini");
+/// ```
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// Where the model is served: one route per source (at least one). The balancer
+    /// picks among them per attempt; each route has its own breaker, health and 429
+    /// holds, so one model's faults leave the source's other models alone.
+    pub routes: Vec<RouteConfig>,
+    /// Other public models tried in order, each with its own routes, when every route
+    /// of this one failed or none was admitted (not for a rejected request, which
+    /// every model would refuse). Not followed transitively.
+    #[serde(default)]
+    pub fallback: Vec<String>,
+    /// Public models tried in order when the request does not fit this model's
+    /// context window (`context_length_exceeded` from every route tried). Not followed
+    /// transitively.
+    #[serde(default)]
+    pub context_fallback: Vec<String>,
+}
+
+/// One route of a public model: a source, and the model name sent upstream.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    /// The source's `name`.
+    pub source: String,
+    /// The model name sent to that source. Default: the source's `model`, else the
+    /// public model name.
+    #[serde(default)]
+    pub model: Option<String>,
+}
+
+impl RouteConfig {
+    /// The model sent upstream for public model `public` on a source whose `model`
+    /// override is `source_model`.
+    #[must_use]
+    pub fn upstream_model<'a>(&'a self, public: &'a str, source_model: Option<&'a str>) -> &'a str {
+        self.model.as_deref().or(source_model).unwrap_or(public)
+    }
+}
+
 /// `[retry]`: defaults from tower-retry-pushback (`max_attempts` 3, `max_reasks` 2,
-/// backoff 0.5 s to 20 s, stall window 120 s, no deadline).
+/// backoff 0.5 s to 20 s, stall window 120 s, no deadline, no retry budget, no
+/// adaptive throttling).
+///
+/// ```
+/// let cfg = pgw_stack::GatewayConfig::from_toml_str(r#"
+///     [[sources]]
+///     name = "s1"
+///     base_url = "http://127.0.0.1:9/v1"
+///     key = "sk-demo"
+///     [retry.budget]
+///     ratio = 0.2
+///     [retry.throttle]
+///     k = 1.5
+/// "#).unwrap();
+/// assert_eq!(cfg.retry.budget.unwrap().ratio, Some(0.2));
+/// assert_eq!(cfg.retry.throttle.unwrap().window_s, None);
+/// ```
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RetrySection {
@@ -349,6 +446,40 @@ pub struct RetrySection {
     pub stall_window_s: Option<f64>,
     /// Deadline of one call in one group, seconds.
     pub max_call_duration_s: Option<f64>,
+    /// The shared retry budget (`[retry.budget]`): retries at most `ratio` of requests
+    /// over a sliding window, plus a floor of retries per second. Off unless the table
+    /// is present; shared by every group of the gateway.
+    pub budget: Option<RetryBudgetSection>,
+    /// Client-side adaptive throttling (`[retry.throttle]`, the Google SRE book's):
+    /// reject locally with probability `max(0, (requests - k * accepts) / (requests +
+    /// 1))` over a window. Off unless the table is present; shared by every group.
+    pub throttle: Option<ThrottleSection>,
+}
+
+/// `[retry.budget]`: tower-retry-pushback's `RetryBudgetConfig`, durations in seconds.
+/// Every field defaults to the crate's default.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetryBudgetSection {
+    /// Retries allowed per request, in `[0, 1]` (default 0.1: Google SRE's 10%).
+    pub ratio: Option<f64>,
+    /// Retries per second allowed whatever the traffic (default 10, as tower's
+    /// `TpsBudget` and Finagle).
+    pub min_retries_per_sec: Option<u32>,
+    /// The sliding window, seconds, 1 to 3600 (default 10).
+    pub ttl_s: Option<f64>,
+}
+
+/// `[retry.throttle]`: tower-retry-pushback's `ThrottleConfig`, durations in seconds.
+/// Every field defaults to the crate's default.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ThrottleSection {
+    /// The multiplier K, finite and at least 1 (default 2, the SRE book's).
+    pub k: Option<f64>,
+    /// The history window, seconds, 1 to 86400 (default 120, the SRE book's two
+    /// minutes).
+    pub window_s: Option<f64>,
 }
 
 /// `[balance]`: defaults from tower-health-p2c (`health_aware`, wait at most its
@@ -416,6 +547,18 @@ pub struct RateLimitSection {
     pub lease_ttl_s: Option<f64>,
 }
 
+/// Which requests the cache serves (`cache.when`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CacheWhen {
+    /// Only deterministic requests: `temperature` 0 or a fixed `seed` (the default):
+    /// a sampled request must not get the same text twice.
+    #[default]
+    Deterministic,
+    /// Every request (repeated prompts whose sampling the caller does not care about).
+    Always,
+}
+
 /// `[cache]` (S4).
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -423,9 +566,17 @@ pub struct CacheSection {
     /// On by default.
     #[serde(default = "yes")]
     pub enabled: bool,
+    /// Which requests: `deterministic` (default) or `always`. A call carrying
+    /// [`crate::NoCache`] is never served from the cache nor stored.
+    #[serde(default)]
+    pub when: CacheWhen,
     /// Time to live, seconds (default [`DEFAULT_CACHE_TTL_S`]).
     #[serde(default)]
     pub ttl_s: Option<f64>,
+    /// Time to live of an answer from a fallback group (not the call's first),
+    /// seconds (default [`DEFAULT_CACHE_FALLBACK_TTL_S`]); at most `ttl_s`.
+    #[serde(default)]
+    pub fallback_ttl_s: Option<f64>,
     /// Size bound of the memory cache (default [`DEFAULT_CACHE_MAX_ENTRIES`]).
     #[serde(default)]
     pub max_entries: Option<usize>,
@@ -439,7 +590,9 @@ impl Default for CacheSection {
     fn default() -> Self {
         Self {
             enabled: true,
+            when: CacheWhen::default(),
             ttl_s: None,
+            fallback_ttl_s: None,
             max_entries: None,
         }
     }
@@ -629,10 +782,19 @@ impl GatewayConfig {
             ("retry.max_backoff_s", self.retry.max_backoff_s),
             ("retry.stall_window_s", self.retry.stall_window_s),
             ("retry.max_call_duration_s", self.retry.max_call_duration_s),
+            (
+                "retry.budget.ttl_s",
+                self.retry.budget.as_ref().and_then(|b| b.ttl_s),
+            ),
+            (
+                "retry.throttle.window_s",
+                self.retry.throttle.as_ref().and_then(|t| t.window_s),
+            ),
             ("balance.max_wait_s", self.balance.max_wait_s),
             ("ratelimit.window_s", self.ratelimit.window_s),
             ("ratelimit.lease_ttl_s", self.ratelimit.lease_ttl_s),
             ("cache.ttl_s", self.cache.ttl_s),
+            ("cache.fallback_ttl_s", self.cache.fallback_ttl_s),
         ] {
             secs(k, v)?;
         }
@@ -647,6 +809,7 @@ impl GatewayConfig {
                 format!("{p:?} is not one of health_aware, round_robin, least_inflight"),
             ));
         }
+        self.validate_models()?;
         for (model, p) in &self.prices {
             let ok = |x: f64| x.is_finite() && x >= 0.0;
             if !(ok(p.input_per_mtok) && ok(p.output_per_mtok)) {
@@ -654,6 +817,72 @@ impl GatewayConfig {
                     format!("prices.{model}"),
                     "prices must be finite and not negative",
                 ));
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_models(&self) -> Result<(), ConfigError> {
+        if self.models.is_empty() {
+            return Ok(());
+        }
+        if !self.fallback.is_empty() {
+            return Err(config_error(
+                "fallback",
+                "with [models], each model names its own fallback chain (models.NAME.fallback)",
+            ));
+        }
+        for (name, m) in &self.models {
+            let at = format!("models.{name}");
+            if name.trim().is_empty() {
+                return Err(config_error(at, "a model name must not be empty"));
+            }
+            if m.routes.is_empty() {
+                return Err(config_error(
+                    format!("{at}.routes"),
+                    "at least one route is required",
+                ));
+            }
+            for (i, r) in m.routes.iter().enumerate() {
+                let at = format!("{at}.routes[{i}]");
+                let Some(source) = self.sources.iter().find(|s| s.name == r.source) else {
+                    return Err(config_error(
+                        format!("{at}.source"),
+                        format!("no source is named {:?}", r.source),
+                    ));
+                };
+                if r.model.as_ref().is_some_and(|m| m.trim().is_empty()) {
+                    return Err(config_error(format!("{at}.model"), "must not be empty"));
+                }
+                let upstream = r.upstream_model(name, source.model.as_deref());
+                if m.routes[..i].iter().any(|o| {
+                    o.source == r.source && o.upstream_model(name, source.model.as_deref()) == upstream
+                }) {
+                    return Err(config_error(
+                        at,
+                        format!("route {}/{upstream} is listed twice", r.source),
+                    ));
+                }
+            }
+            for (field, chain) in [
+                ("fallback", &m.fallback),
+                ("context_fallback", &m.context_fallback),
+            ] {
+                for (i, other) in chain.iter().enumerate() {
+                    let at = format!("{at}.{field}[{i}]");
+                    if other == name {
+                        return Err(config_error(at, "a model cannot fall back to itself"));
+                    }
+                    if !self.models.contains_key(other) {
+                        return Err(config_error(
+                            at,
+                            format!("no model is named {other:?} in [models]"),
+                        ));
+                    }
+                    if chain[..i].contains(other) {
+                        return Err(config_error(at, format!("model {other:?} is listed twice")));
+                    }
+                }
             }
         }
         Ok(())

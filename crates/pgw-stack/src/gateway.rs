@@ -1,45 +1,34 @@
-//! [`Gateway`] and [`GatewayBuilder`]: the composition of DESIGN.md section 3.
+//! [`Gateway`]: the call flow of DESIGN.md section 3 (cache, then the fallback chain
+//! of model groups), and what it answers.
 
+use std::collections::BTreeMap;
 use std::fmt;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
 
 use futures_core::Stream;
 use futures_util::future::BoxFuture;
-use pgw_client::{
-    AnswerClassifier, BoxTransport, ChatAnswer, ChatCall, HyperTransport, PassThrough, UpstreamClient,
-    box_transport,
-};
+use pgw_client::{ChatAnswer, ChatCall, PassThrough};
 use pgw_core::openai::{ChatChunk, ChatRequest, chunks_of};
-use pgw_core::redis_conn::{RedisConn, RedisTarget};
-use pgw_core::{BoxError, CallHistory, CarriesHistory, SourceId};
+use pgw_core::{
+    BoxError, CallHistory, CarriesHistory, ProviderError, SourceId, UpstreamStatus, exceeds_source,
+};
 use tower::ServiceExt;
-use tower::util::BoxCloneSyncService;
-use tower_aimd::{Aimd, AimdConfig, AimdHandle, AimdLayer};
-use tower_breaker_window::{Breaker, BreakerConfig, BreakerHandle, BreakerLayer, BreakerState, Gate};
-use tower_health_p2c::{BalanceConfig, HealthP2c, Policy, Sources};
-use tower_layer::Layer;
-use tower_ratelimit_redis::{Admission, Holds, Quota, RateLimitConfig, RateLimitLayer, RateLimiter};
-use tower_retry_pushback::{Progress, Reason, RetryConfig, RetryError, RetryLayer};
+use tower_aimd::AimdHandle;
+use tower_breaker_window::{BreakerHandle, BreakerState};
+use tower_health_p2c::Sources;
+use tower_ratelimit_redis::RateLimiter;
+use tower_retry_pushback::{Progress, Reason, RetryError};
 use tower_service::Service;
 
-use crate::attempt::{AdmissionCell, AnswerUsage, Attempt, StreamCuts};
-use crate::cache::{CacheKey, CachedAnswer, MemoryCache, RedisCache, ResponseCache};
-use crate::config::{
-    BackendKind, ConfigError, DEFAULT_CACHE_MAX_ENTRIES, DEFAULT_CACHE_TTL_S, DEFAULT_COOLDOWN_S,
-    DEFAULT_FAIL_THRESHOLD, DEFAULT_KEY_PREFIX, GatewayConfig, SourceConfig, quota, secs,
-};
+use crate::attempt::AdmissionCell;
+use crate::cache::{CacheKey, CachedAnswer};
+use crate::cached::{CacheFlow, Lookup, replay};
 use crate::relay::ChatStream;
-use crate::telemetry::{AttemptTelemetry, JsonlSink, PriceTable, Telemetry, TelemetrySink, TracingSink};
-use crate::validate::{JsonValidator, Validate, Validator};
-
-/// One source's stack as the balancer holds it: AIMD -> breaker -> rate limit ->
-/// attempt (validator, telemetry) -> client.
-pub type SourceService = BoxCloneSyncService<ChatCall, ChatAnswer, BoxError>;
-
-/// Builds the transport of a source (a custom one: the simulator, a proxy, a mock).
-pub type TransportFactory = dyn Fn(&SourceConfig) -> Result<BoxTransport, BoxError> + Send + Sync;
+use crate::route::ModelChain;
+use crate::source::SourceService;
+use crate::telemetry::Telemetry;
+use crate::validate::{JsonValidator, Validator};
 
 /// What the gateway answers: the answer, and who gave it.
 #[derive(Clone, Debug)]
@@ -126,12 +115,18 @@ impl std::error::Error for GatewayError {
     }
 }
 
-/// Observability handles of one source.
+/// Observability handles of one route: a source serving one upstream model (without
+/// `[models]`, each source is one route, named as the source).
 #[derive(Clone)]
 pub struct SourceHandles {
     /// The source.
     pub source: SourceId,
-    /// Its group.
+    /// The route: the key of its breaker, health and holds (`source/model` with
+    /// `[models]`, else the source's name).
+    pub route: SourceId,
+    /// The model sent upstream (`None`: the caller's).
+    pub model: Option<String>,
+    /// Its group (with `[models]`: the first public model it serves).
     pub group: String,
     /// Its breaker.
     pub breaker: BreakerHandle,
@@ -145,27 +140,33 @@ impl fmt::Debug for SourceHandles {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("SourceHandles")
             .field("source", &self.source)
+            .field("route", &self.route)
+            .field("model", &self.model)
             .field("group", &self.group)
             .finish_non_exhaustive()
     }
 }
 
-struct Group {
-    name: Arc<str>,
-    service: SourceService,
-    sources: Sources<SourceService>,
+/// One model group of the fallback chain: its retry loop over its balancer.
+pub(crate) struct Group {
+    pub(crate) name: Arc<str>,
+    pub(crate) service: SourceService,
+    pub(crate) sources: Sources<SourceService>,
 }
 
 pub(crate) struct Inner {
-    groups: Vec<Group>,
-    cache: Option<Arc<dyn ResponseCache>>,
-    cache_ttl: Duration,
-    telemetry: Telemetry,
-    handles: Vec<SourceHandles>,
-    progress: Progress,
+    pub(crate) groups: Vec<Group>,
+    /// Each public model's chains (empty without `[models]`).
+    pub(crate) models: BTreeMap<String, ModelChain>,
+    /// Every group in fallback order: the chain without `[models]`.
+    pub(crate) all: ModelChain,
+    pub(crate) cache: Option<CacheFlow>,
+    pub(crate) telemetry: Telemetry,
+    pub(crate) handles: Vec<SourceHandles>,
+    pub(crate) progress: Progress,
     /// The default validator, also applied to cache hits (a hit stored by a call
     /// with a more lenient validator of its own must not bypass it).
-    validator: Option<Validator>,
+    pub(crate) validator: Option<Validator>,
     /// Some source accepts an assistant prefill: a cut stream may be continued.
     pub(crate) accepts_prefill: bool,
 }
@@ -199,33 +200,46 @@ impl fmt::Debug for Gateway {
 }
 
 impl Gateway {
-    /// A builder on `config`.
-    #[must_use]
-    pub fn builder(config: GatewayConfig) -> GatewayBuilder {
-        GatewayBuilder::new(config)
-    }
-
-    /// Builds a gateway from configuration, with real HTTP transports.
-    ///
-    /// # Errors
-    /// As [`GatewayBuilder::build`].
-    pub async fn from_config(config: GatewayConfig) -> Result<Self, BoxError> {
-        GatewayBuilder::new(config).build().await
-    }
-
     /// The handles of every source (breaker, AIMD, limiter).
     #[must_use]
     pub fn sources(&self) -> &[SourceHandles] {
         &self.inner.handles
     }
 
-    /// The group names in fallback order.
+    /// The public model names callers may ask for (`[models]`), sorted; empty when the
+    /// gateway forwards the caller's model as it is.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), pgw_core::BoxError> {
+    /// let config = pgw_stack::GatewayConfig::from_toml_str(r#"
+    ///     [[sources]]
+    ///     name = "p"
+    ///     base_url = "http://127.0.0.1:9/v1"
+    ///     key = "sk-demo"
+    ///     [models.gpt-4o]
+    ///     routes = [{ source = "p" }]
+    ///     [models.gpt-4o-mini]
+    ///     routes = [{ source = "p" }]
+    /// "#)?;
+    /// let gateway = pgw_stack::Gateway::from_config(config).await?;
+    /// assert_eq!(gateway.models(), ["gpt-4o", "gpt-4o-mini"]);
+    /// # Ok(())
+    /// # }
+    /// ```
+    #[must_use]
+    pub fn models(&self) -> Vec<String> {
+        self.inner.models.keys().cloned().collect()
+    }
+
+    /// The group names in fallback order (with `[models]`: the public model names).
     #[must_use]
     pub fn groups(&self) -> Vec<String> {
         self.inner.groups.iter().map(|g| g.name.to_string()).collect()
     }
 
-    /// The health EWMA of `source` for calls that are not streamed, if known.
+    /// The health EWMA of route `source` (a source's name without `[models]`) for
+    /// calls that are not streamed, if known.
     #[must_use]
     pub fn health(&self, source: &str) -> Option<f64> {
         self.inner
@@ -235,7 +249,7 @@ impl Gateway {
             .map(|v| v.health())
     }
 
-    /// The health EWMA of `source` for streamed calls (kept apart: a source's slow
+    /// The health EWMA of route `source` for streamed calls (kept apart: a source's slow
     /// streams say nothing of its short answers), if known.
     #[must_use]
     pub fn stream_health(&self, source: &str) -> Option<f64> {
@@ -324,10 +338,12 @@ impl Gateway {
     /// Reads every source's breaker, AIMD limit, health, inflight and limiter usage
     /// and sets the `metrics` gauges: `pgw_breaker_state` (0 closed, 1 half-open,
     /// 2 open), `pgw_aimd_limit`, `pgw_inflight`, `pgw_health`, `pgw_quota_admitted`,
-    /// each labelled `source`. Call it periodically (one backend read per source).
+    /// each labelled `source` with the route (the source's name without `[models]`,
+    /// `source/model` with it). Call it periodically (one backend read per route).
     pub async fn refresh_metrics(&self) {
         for h in &self.inner.handles {
-            let source = h.source.to_string();
+            // One series per route (with `[models]`, a source has one per model).
+            let source = h.route.to_string();
             if let Ok(view) = h.breaker.view().await {
                 let state = match view.state {
                     BreakerState::Closed => 0.0,
@@ -361,88 +377,43 @@ impl Service<ChatCall> for Gateway {
         let inner = Arc::clone(&self.inner);
         Box::pin(async move {
             let call_id = call.id().0;
-            let key = inner.cache.as_ref().map(|_| CacheKey::of(call.request()));
-            if let (Some(cache), Some(key)) = (&inner.cache, key)
-                && let Some(hit) = cache.get(key).await
-            {
+            let Some(route) = inner.chain_of(&call.request().model) else {
+                return Err(unknown_model(call_id, &call.request().model));
+            };
+            let mut cached = None;
+            if let Some(cache) = inner.cache.as_ref().filter(|c| c.applies(&call)) {
+                let key = CacheKey::for_route(call.request(), &route.route_key);
                 let validator = call.extensions().get::<Validator>().or(inner.validator.as_ref());
-                if validator.is_none_or(|v| hit.response.is_declined() || v.0.validate(&hit.response).is_ok())
-                {
-                    metrics::counter!("pgw_cache_hits_total").increment(1);
-                    inner.telemetry.emit(&AttemptTelemetry {
-                        call_id,
-                        attempt: 0,
-                        group: hit.group.clone(),
-                        source: hit.source.clone(),
-                        admitted_at_s: None,
-                        admission_window: None,
-                        latency_ms: 0.0,
-                        ttft_ms: None,
-                        prompt_tokens: None,
-                        completion_tokens: None,
-                        cost_usd: Some(0.0),
-                        outcome: "success",
-                        error: None,
-                        cache_hit: true,
-                    });
-                    return Ok(GatewayAnswer {
-                        call_id,
-                        answer: ChatAnswer {
-                            response: hit.response.clone(),
-                            chunks: hit.chunks.clone(),
-                            stats: pgw_client::AttemptStats {
-                                source: hit.source.clone(),
-                                ..pgw_client::AttemptStats::default()
-                            },
-                            tail: None,
-                        },
-                        group: hit.group.clone(),
-                        source: hit.source.clone(),
-                        cache_hit: true,
-                    });
+                let usable = |hit: &CachedAnswer| {
+                    validator
+                        .is_none_or(|v| hit.response.is_declined() || v.0.validate(&hit.response).is_ok())
+                };
+                match cache.lookup(key, usable).await {
+                    Lookup::Hit(hit) => return Ok(replay(&inner.telemetry, call_id, &hit)),
+                    Lookup::Miss(flight) => {
+                        metrics::counter!("pgw_cache_misses_total").increment(1);
+                        cached = Some((cache, key, flight));
+                    }
                 }
-            }
-            if key.is_some() {
-                metrics::counter!("pgw_cache_misses_total").increment(1);
             }
             call.extensions_mut().insert(AdmissionCell::default());
             let mut failures = Vec::new();
-            for group in &inner.groups {
+            let mut chain = route.chain.as_slice();
+            let mut context = false;
+            let mut next = 0;
+            while let Some(&g) = chain.get(next) {
+                next += 1;
+                let group = &inner.groups[g];
                 let result = group.service.clone().oneshot(call.clone()).await;
                 match result {
                     Ok(answer) => {
                         inner.progress.record_success();
                         let source = answer.stats.source.clone();
-                        if let (Some(cache), Some(key)) = (&inner.cache, key) {
-                            let (group, source, ttl) =
-                                (group.name.to_string(), source.clone(), inner.cache_ttl);
-                            match &answer.tail {
-                                // Only a whole answer is cached: a stream passed
-                                // through, when it ends complete.
-                                Some(tail) => {
-                                    let cache = Arc::clone(cache);
-                                    tail.on_end(Box::new(move |end| {
-                                        if let Ok(done) = end {
-                                            let cached = Arc::new(CachedAnswer {
-                                                response: done.response.clone(),
-                                                chunks: Vec::new(),
-                                                group,
-                                                source,
-                                            });
-                                            tokio::spawn(async move { cache.put(key, cached, ttl).await });
-                                        }
-                                    }));
-                                }
-                                None => {
-                                    let cached = Arc::new(CachedAnswer {
-                                        response: answer.response.clone(),
-                                        chunks: answer.chunks.clone(),
-                                        group,
-                                        source,
-                                    });
-                                    cache.put(key, cached, ttl).await;
-                                }
-                            }
+                        if let Some((cache, key, flight)) = cached.take() {
+                            let ttl = cache.ttl_for(next - 1, context);
+                            cache
+                                .store(key, &answer, group.name.to_string(), ttl, flight)
+                                .await;
                         }
                         return Ok(GatewayAnswer {
                             call_id,
@@ -453,12 +424,21 @@ impl Service<ChatCall> for Gateway {
                         });
                     }
                     Err(e) => {
-                        let stop = e.downcast_ref::<RetryError>().is_some_and(|r| {
-                            matches!(r.reason(), Reason::Rejected | Reason::DeadlineExceeded)
-                        });
+                        let verdict = e.downcast_ref::<RetryError>();
+                        let reason = verdict.map(RetryError::reason);
+                        // Too large for this model: its context-window fallback chain
+                        // may take it (and the next of that chain, if still too large).
+                        let too_large = reason == Some(Reason::Rejected)
+                            && verdict
+                                .and_then(RetryError::last_error)
+                                .is_some_and(|l| exceeds_source(l));
                         tracing::debug!(call = call_id, group = %group.name, error = %e, "group failed");
                         failures.push((group.name.to_string(), e));
-                        if stop {
+                        if too_large && !context && !route.context.is_empty() {
+                            (chain, context, next) = (route.context.as_slice(), true, 0);
+                        } else if too_large && context {
+                            // The next model of the context chain.
+                        } else if matches!(reason, Some(Reason::Rejected | Reason::DeadlineExceeded)) {
                             break;
                         }
                     }
@@ -468,263 +448,34 @@ impl Service<ChatCall> for Gateway {
         })
     }
 }
-
-/// Builds a [`Gateway`] from a [`GatewayConfig`], with optional custom transports,
-/// telemetry sinks and a default validator.
-pub struct GatewayBuilder {
-    config: GatewayConfig,
-    transport: Option<Arc<TransportFactory>>,
-    sinks: Vec<Arc<dyn TelemetrySink>>,
-    validator: Option<Validator>,
-}
-
-impl fmt::Debug for GatewayBuilder {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("GatewayBuilder")
-            .field("config", &self.config)
-            .field("custom_transport", &self.transport.is_some())
-            .field("sinks", &self.sinks.len())
-            .finish_non_exhaustive()
+impl Inner {
+    /// The chains of a call asking for `model`: without `[models]`, every group in
+    /// fallback order; `None` for a model that is not configured.
+    fn chain_of(&self, model: &str) -> Option<&ModelChain> {
+        if self.models.is_empty() {
+            return Some(&self.all);
+        }
+        self.models.get(model)
     }
 }
 
-impl GatewayBuilder {
-    /// A builder on `config`.
-    #[must_use]
-    pub fn new(config: GatewayConfig) -> Self {
-        Self {
-            config,
-            transport: None,
-            sinks: Vec::new(),
-            validator: None,
-        }
+/// A call for a model no route serves: rejected before any source is asked, as
+/// OpenAI answers it (404 `model_not_found`, `param: model`).
+fn unknown_model(call_id: u64, model: &str) -> BoxError {
+    let message = format!("The model `{model}` does not exist or you do not have access to it.");
+    let status = UpstreamStatus::new(http::StatusCode::NOT_FOUND, None, message.clone()).with_provider(
+        ProviderError {
+            message,
+            kind: Some("invalid_request_error".into()),
+            code: Some("model_not_found".into()),
+            param: Some("model".into()),
+        },
+    );
+    GatewayError {
+        call_id,
+        failures: vec![(model.to_owned(), Box::new(status))],
     }
-
-    /// Adds a source.
-    #[must_use]
-    pub fn source(mut self, source: SourceConfig) -> Self {
-        self.config.sources.push(source);
-        self
-    }
-
-    /// Builds each source's transport with `factory` instead of a [`HyperTransport`]
-    /// (e.g. `pgw_sim::SimService` under tokio's paused clock).
-    #[must_use]
-    pub fn transport<F>(mut self, factory: F) -> Self
-    where
-        F: Fn(&SourceConfig) -> Result<BoxTransport, BoxError> + Send + Sync + 'static,
-    {
-        self.transport = Some(Arc::new(factory));
-        self
-    }
-
-    /// Adds a telemetry sink (besides those the config names).
-    #[must_use]
-    pub fn sink(mut self, sink: Arc<dyn TelemetrySink>) -> Self {
-        self.sinks.push(sink);
-        self
-    }
-
-    /// Validates every answer with `v` unless the call carries its own [`Validator`].
-    #[must_use]
-    pub fn validator(mut self, v: impl Validate + 'static) -> Self {
-        self.validator = Some(Validator::new(v));
-        self
-    }
-
-    /// Validates the configuration, connects the backend and composes the stack.
-    ///
-    /// # Errors
-    /// A [`ConfigError`] naming the field (an unreachable Redis names `redis_url`
-    /// and the address); a layer's configuration error.
-    pub async fn build(self) -> Result<Gateway, BoxError> {
-        let cfg = self.config;
-        cfg.validate()?;
-        let prefix = cfg
-            .key_prefix
-            .clone()
-            .unwrap_or_else(|| DEFAULT_KEY_PREFIX.to_owned());
-
-        let mut sinks = self.sinks;
-        if let Some(path) = &cfg.telemetry.jsonl_path {
-            let sink = JsonlSink::open(path).map_err(|e| {
-                crate::config::config_error("telemetry.jsonl_path", format!("cannot open {path}: {e}"))
-            })?;
-            sinks.push(Arc::new(sink));
-        }
-        if cfg.telemetry.tracing {
-            sinks.push(Arc::new(TracingSink));
-        }
-        let telemetry = Telemetry {
-            sinks: Arc::new(sinks),
-            prices: Arc::new(PriceTable::new(cfg.prices.clone())),
-        };
-
-        let redis = match cfg.backend {
-            BackendKind::Memory => None,
-            BackendKind::Redis => {
-                let url = cfg.redis_url.as_deref().unwrap_or_default();
-                let target = RedisTarget::parse(url).map_err(|e| {
-                    crate::config::config_error("redis_url", crate::config::redact_in(&e, url))
-                })?;
-                let conn = RedisConn::connect(&target).await.map_err(|e| {
-                    let e = crate::config::redact_in(&e.to_string(), url);
-                    crate::config::config_error("redis_url", format!("cannot connect to {target}: {e}"))
-                })?;
-                Some(conn)
-            }
-        };
-
-        let cache: Option<Arc<dyn ResponseCache>> = match (&redis, cfg.cache.enabled) {
-            (_, false) => None,
-            (Some(conn), true) => Some(Arc::new(RedisCache::new(conn.clone(), prefix.clone()))),
-            (None, true) => Some(Arc::new(MemoryCache::new(
-                cfg.cache.max_entries.unwrap_or(DEFAULT_CACHE_MAX_ENTRIES),
-            ))),
-        };
-        let cache_ttl = secs("cache.ttl_s", cfg.cache.ttl_s)?
-            .unwrap_or_else(|| Duration::from_secs_f64(DEFAULT_CACHE_TTL_S));
-
-        let rl_backend: tower_ratelimit_redis::Backend = match &redis {
-            Some(conn) => tower_ratelimit_redis::RedisBackend::new(conn.clone()).into(),
-            None => tower_ratelimit_redis::MemoryBackend::new().into(),
-        };
-        let breaker_memory = tower_breaker_window::MemoryBackend::new();
-        let breaker_redis = redis
-            .as_ref()
-            .map(|c| tower_breaker_window::RedisBackend::new(c.clone()).with_prefix(format!("{prefix}:brk")));
-
-        let retry_cfg = retry_config(&cfg)?;
-        let balance_cfg = balance_config(&cfg)?;
-        let progress = Progress::new();
-        let factory = self.transport;
-
-        let mut groups = Vec::new();
-        let mut handles = Vec::new();
-        for group_name in cfg.group_order() {
-            let name: Arc<str> = Arc::from(group_name.as_str());
-            let sources: Sources<SourceService> = Sources::new();
-            let mut limiters = Vec::new();
-            for (i, sc) in cfg.sources.iter().enumerate() {
-                if sc.group_name() != group_name {
-                    continue;
-                }
-                let at = format!("sources[{i}]");
-                let settings = sc.settings(&at)?;
-                let transport = match &factory {
-                    Some(f) => f(sc)?,
-                    None => box_transport(HyperTransport::new(settings.timeouts.connect)?),
-                };
-                let id = settings.id.clone();
-                let model = settings.model.as_deref().map(Arc::from);
-                let client = UpstreamClient::new(settings, transport)?;
-                let attempt = Attempt {
-                    inner: client,
-                    source: id.clone(),
-                    group: Arc::clone(&name),
-                    model,
-                    telemetry: telemetry.clone(),
-                    validator: self.validator.clone(),
-                    accepts_prefill: sc.accepts_prefill,
-                    cuts: StreamCuts::default(),
-                };
-
-                let limiter =
-                    RateLimiter::new(rate_limit_config(&cfg, sc, &at, &prefix)?, rl_backend.clone())
-                        .map_err(|e| crate::config::config_error(at.clone(), e.to_string()))?;
-                limiters.push(limiter.clone());
-                let rl = RateLimitLayer::new(limiter.clone())
-                    .token_estimate(|c: &ChatCall| c.estimate_tokens())
-                    .usage(AnswerUsage)
-                    .on_admission(|c: &ChatCall, adm: &Admission| {
-                        if let Some(cell) = c.extensions().get::<AdmissionCell>() {
-                            cell.set(adm.at(), adm.window());
-                        }
-                    });
-
-                let max_conc = quota(&format!("{at}.max_concurrency"), sc.max_concurrency)?;
-                let aimd = AimdLayer::new(aimd_config(&cfg, max_conc))
-                    .map_err(|e| crate::config::config_error(format!("aimd ({at})"), e.to_string()))?
-                    .with_source(id.clone())
-                    .with_release_signal(sources.wake_signal())
-                    .shedding()
-                    .with_classifier(AnswerClassifier);
-                let breaker_cfg = breaker_config(&cfg, max_conc)?;
-
-                let inner = rl.layer(attempt);
-                let (service, breaker) = match &breaker_redis {
-                    Some(b) => compose(BreakerLayer::new(b, id.clone(), &breaker_cfg), &aimd, inner),
-                    None => compose(
-                        BreakerLayer::new(&breaker_memory, id.clone(), &breaker_cfg),
-                        &aimd,
-                        inner,
-                    ),
-                };
-                sources.insert(id.clone(), service);
-                handles.push(SourceHandles {
-                    source: id,
-                    group: group_name.clone(),
-                    breaker,
-                    aimd: aimd.handle(),
-                    limiter,
-                });
-            }
-            let mut lb = HealthP2c::new(sources.clone(), balance_cfg)
-                .map_err(|e| crate::config::config_error("balance", e.to_string()))?
-                .with_classifier(AnswerClassifier)
-                .with_class(call_shape);
-            if let Some(seed) = cfg.balance.seed {
-                lb = lb.with_seed(seed);
-            }
-            let mut retry = RetryLayer::new(retry_cfg.clone())
-                .map_err(|e| crate::config::config_error(format!("retry.{}", e.field()), e.to_string()))?
-                .classifier(AnswerClassifier)
-                .resend(ChatResend)
-                .hold(Arc::new(Holds::new(limiters)))
-                .progress(progress.clone());
-            if let Some(seed) = cfg.balance.seed {
-                // One seed makes the balancer's choices and the backoff jitter repeatable.
-                retry = retry.rng_seed(seed.wrapping_add(groups.len() as u64));
-            }
-            let service = BoxCloneSyncService::new(retry.layer(lb));
-            groups.push(Group {
-                name,
-                service,
-                sources,
-            });
-        }
-        Ok(Gateway {
-            inner: Arc::new(Inner {
-                groups,
-                cache,
-                cache_ttl,
-                telemetry,
-                handles,
-                progress,
-                validator: self.validator,
-                accepts_prefill: cfg.sources.iter().any(|s| s.accepts_prefill),
-            }),
-        })
-    }
-}
-
-/// Re-sends a [`ChatCall`] (an `Arc` clone) and reads the caller's deadline from a
-/// [`tower_retry_pushback::CallDeadline`] in its extensions: every wait of the call
-/// (backoff, holds, pushback) honours it, and the call fails with `DeadlineExceeded`
-/// when it passes.
-#[derive(Clone, Copy, Debug, Default)]
-struct ChatResend;
-
-impl tower_retry_pushback::Resend<ChatCall> for ChatResend {
-    fn resend(&self, req: &ChatCall) -> Option<ChatCall> {
-        Some(req.clone())
-    }
-
-    fn deadline(&self, req: &ChatCall) -> Option<tokio::time::Instant> {
-        req.extensions()
-            .get::<tower_retry_pushback::CallDeadline>()
-            .map(|d| d.0)
-    }
+    .into()
 }
 
 /// The balancer's health class of a call: streamed calls (1) apart from the rest (0).
@@ -733,238 +484,12 @@ impl tower_retry_pushback::Resend<ChatCall> for ChatResend {
 /// short answers, and the reverse: P6's `s5` answers short calls and fails 90% of its
 /// streams. One health EWMA per source would average the two and keep sending streams
 /// there.
-fn call_shape(call: &ChatCall) -> usize {
+pub(crate) fn call_shape(call: &ChatCall) -> usize {
     call_shape_of(call.is_stream())
 }
 
 const fn call_shape_of(streamed: bool) -> usize {
     streamed as usize
-}
-
-fn compose<G, R>(
-    breaker: BreakerLayer<G>,
-    aimd: &AimdLayer<AnswerClassifier>,
-    inner: R,
-) -> (SourceService, BreakerHandle)
-where
-    G: Gate,
-    BreakerLayer<G, AnswerClassifier>: Send + Sync + 'static,
-    R: Service<ChatCall, Response = ChatAnswer, Error = BoxError> + Clone + Send + Sync + 'static,
-    Aimd<Breaker<R, G, AnswerClassifier>, AnswerClassifier>:
-        Service<ChatCall, Response = ChatAnswer, Error = BoxError> + Send + 'static,
-    <Aimd<Breaker<R, G, AnswerClassifier>, AnswerClassifier> as Service<ChatCall>>::Future: Send + 'static,
-{
-    let breaker = breaker.with_classifier(AnswerClassifier);
-    let handle = breaker.handle();
-    let proto = Arc::new(SourceProto {
-        aimd: aimd.clone(),
-        breaker,
-        inner,
-    });
-    (BoxCloneSyncService::new(LazySource::new(proto)), handle)
-}
-
-/// What a source's service is built from: the layers and the inner service, all `Sync`.
-struct SourceProto<G: Gate, R> {
-    aimd: AimdLayer<AnswerClassifier>,
-    breaker: BreakerLayer<G, AnswerClassifier>,
-    inner: R,
-}
-
-/// A source's service as the balancer's shared source set holds it: `Sync`, and a
-/// clone costs one `Arc` increment (the balancer clones it for every attempt).
-///
-/// The breaker keeps its pending admission (a `Send` but not `Sync` boxed future) in
-/// the service between `poll_ready` and `call`, so the built stack is not `Sync`. A
-/// clone starts without it (readiness is per instance, exactly as `Aimd`'s and
-/// `Breaker`'s own `Clone` reset it) and builds it from the layers on first
-/// `poll_ready`; `Layer::layer` and `Clone` share the same limiter, gate and source
-/// state. The `Mutex` only makes the unbuilt-or-owned slot `Sync`: `Service` methods
-/// take `&mut self`, so it is reached with `get_mut` and never locked.
-struct LazySource<G: Gate, R, S> {
-    proto: Arc<SourceProto<G, R>>,
-    svc: Mutex<Option<S>>,
-}
-
-impl<G: Gate, R, S> LazySource<G, R, S> {
-    const fn new(proto: Arc<SourceProto<G, R>>) -> Self {
-        Self {
-            proto,
-            svc: Mutex::new(None),
-        }
-    }
-}
-
-impl<G: Gate, R, S> Clone for LazySource<G, R, S> {
-    fn clone(&self) -> Self {
-        Self::new(Arc::clone(&self.proto))
-    }
-}
-
-impl<G, R> LazySource<G, R, Aimd<Breaker<R, G, AnswerClassifier>, AnswerClassifier>>
-where
-    G: Gate,
-    R: Clone,
-{
-    fn built(&mut self) -> &mut Aimd<Breaker<R, G, AnswerClassifier>, AnswerClassifier> {
-        let p = &self.proto;
-        self.svc
-            .get_mut()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get_or_insert_with(|| p.aimd.layer(p.breaker.layer(p.inner.clone())))
-    }
-}
-
-impl<G, R> Service<ChatCall> for LazySource<G, R, Aimd<Breaker<R, G, AnswerClassifier>, AnswerClassifier>>
-where
-    G: Gate,
-    R: Clone,
-    Aimd<Breaker<R, G, AnswerClassifier>, AnswerClassifier>: Service<ChatCall>,
-{
-    type Response = <Aimd<Breaker<R, G, AnswerClassifier>, AnswerClassifier> as Service<ChatCall>>::Response;
-    type Error = <Aimd<Breaker<R, G, AnswerClassifier>, AnswerClassifier> as Service<ChatCall>>::Error;
-    type Future = <Aimd<Breaker<R, G, AnswerClassifier>, AnswerClassifier> as Service<ChatCall>>::Future;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.built().poll_ready(cx)
-    }
-
-    fn call(&mut self, req: ChatCall) -> Self::Future {
-        self.built().call(req)
-    }
-}
-
-fn retry_config(cfg: &GatewayConfig) -> Result<RetryConfig, ConfigError> {
-    let r = &cfg.retry;
-    let d = RetryConfig::default();
-    let c = RetryConfig {
-        max_attempts: r.max_attempts.unwrap_or(d.max_attempts),
-        max_reasks: r.max_reasks.unwrap_or(d.max_reasks),
-        base_backoff: secs("retry.base_backoff_s", r.base_backoff_s)?.unwrap_or(d.base_backoff),
-        max_backoff: secs("retry.max_backoff_s", r.max_backoff_s)?.unwrap_or(d.max_backoff),
-        stall_window: secs("retry.stall_window_s", r.stall_window_s)?.unwrap_or(d.stall_window),
-        max_call_duration: secs("retry.max_call_duration_s", r.max_call_duration_s)?.or(d.max_call_duration),
-        ..d
-    };
-    c.validate()
-        .map_err(|e| crate::config::config_error(format!("retry.{}", e.field()), e.to_string()))?;
-    Ok(c)
-}
-
-fn balance_config(cfg: &GatewayConfig) -> Result<BalanceConfig, ConfigError> {
-    let b = &cfg.balance;
-    let d = BalanceConfig::default();
-    let policy = match b.policy.as_deref() {
-        None | Some("health_aware") => Policy::HealthAware,
-        Some("round_robin") => Policy::RoundRobin,
-        Some("least_inflight") => Policy::LeastInflight,
-        Some(other) => {
-            return Err(crate::config::config_error(
-                "balance.policy",
-                format!("unknown policy {other:?}"),
-            ));
-        }
-    };
-    let c = BalanceConfig {
-        policy,
-        max_wait: secs("balance.max_wait_s", b.max_wait_s)?.unwrap_or(d.max_wait),
-        silent_after: match secs("balance.silent_after_s", b.silent_after_s)? {
-            Some(d) if d.is_zero() => None,
-            Some(d) => Some(d),
-            None => d.silent_after,
-        },
-        ..d
-    };
-    c.validate()
-        .map_err(|e| crate::config::config_error("balance", e.to_string()))?;
-    Ok(c)
-}
-
-fn breaker_config(cfg: &GatewayConfig, max_concurrency: Option<u64>) -> Result<BreakerConfig, ConfigError> {
-    let b = &cfg.breaker;
-    let mut builder = BreakerConfig::builder()
-        .fail_threshold(b.fail_threshold.unwrap_or(DEFAULT_FAIL_THRESHOLD))
-        .cooldown(
-            secs("breaker.cooldown_s", b.cooldown_s)?.unwrap_or(Duration::from_secs_f64(DEFAULT_COOLDOWN_S)),
-        );
-    if let Some(n) = max_concurrency {
-        builder = builder.max_concurrency(u32::try_from(n).unwrap_or(u32::MAX));
-    }
-    if let Some(n) = b.min_calls {
-        builder = builder.min_calls(n);
-    }
-    if let Some(r) = b.fail_rate {
-        builder = builder.fail_rate(r);
-    }
-    if let Some(d) = secs("breaker.window_s", b.window_s)? {
-        builder = builder.window(d);
-    }
-    if let Some(d) = secs("breaker.max_cooldown_s", b.max_cooldown_s)? {
-        builder = builder.max_cooldown(d);
-    }
-    if let Some(d) = secs("breaker.probe_ttl_s", b.probe_ttl_s)? {
-        builder = builder.probe_ttl(d);
-    }
-    builder
-        .build()
-        .map_err(|e| crate::config::config_error(format!("breaker.{}", e.field()), e.to_string()))
-}
-
-fn aimd_config(cfg: &GatewayConfig, max_concurrency: Option<u64>) -> AimdConfig {
-    let a = &cfg.aimd;
-    let d = AimdConfig::default();
-    AimdConfig {
-        initial_limit: a.initial_limit.unwrap_or(d.initial_limit),
-        min_limit: a.min_limit.unwrap_or(d.min_limit),
-        decrease_factor: a.decrease_factor.unwrap_or(d.decrease_factor),
-        tolerated_pushback: a.tolerated_pushback.unwrap_or(d.tolerated_pushback),
-        max_concurrency: max_concurrency.map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
-        caller_concurrency: a.caller_concurrency,
-    }
-}
-
-fn rate_limit_config(
-    cfg: &GatewayConfig,
-    sc: &SourceConfig,
-    at: &str,
-    prefix: &str,
-) -> Result<RateLimitConfig, ConfigError> {
-    let q = |rpm: Option<u64>, tpm: Option<u64>, conc: Option<u64>| {
-        let mut q = Quota::unlimited();
-        if let Some(n) = rpm {
-            q = q.requests(n);
-        }
-        if let Some(n) = tpm {
-            q = q.tokens(n);
-        }
-        if let Some(n) = conc {
-            q = q.concurrency(n);
-        }
-        q
-    };
-    let source_quota = q(
-        quota(&format!("{at}.rpm"), sc.rpm)?,
-        quota(&format!("{at}.tpm"), sc.tpm)?,
-        quota(&format!("{at}.max_concurrency"), sc.max_concurrency)?,
-    );
-    let mut c = RateLimitConfig::new(sc.name.as_str(), source_quota).key_prefix(format!("{prefix}:rl"));
-    if let Some(account) = &sc.account {
-        let a = cfg.accounts.get(account).cloned().unwrap_or_default();
-        let at = format!("accounts.{account}");
-        let account_quota = q(
-            quota(&format!("{at}.rpm"), a.rpm)?,
-            quota(&format!("{at}.tpm"), a.tpm)?,
-            quota(&format!("{at}.max_concurrency"), a.max_concurrency)?,
-        );
-        c = c.account(account, account_quota);
-    }
-    if let Some(d) = secs("ratelimit.window_s", cfg.ratelimit.window_s)? {
-        c = c.window(d);
-    }
-    if let Some(d) = secs("ratelimit.lease_ttl_s", cfg.ratelimit.lease_ttl_s)? {
-        c = c.lease_ttl(d);
-    }
-    Ok(c)
 }
 
 #[cfg(test)]

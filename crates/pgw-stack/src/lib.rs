@@ -32,23 +32,30 @@
 //! [`retry`], [`client`], [`core`].
 
 mod attempt;
+mod builder;
 pub mod cache;
+mod cached;
 pub mod config;
 mod gateway;
 pub mod proxy;
 mod relay;
+mod route;
+mod settings;
+mod source;
 pub mod telemetry;
 mod validate;
 
-pub use cache::{CacheKey, CachedAnswer, MemoryCache, RedisCache, ResponseCache};
-pub use config::{BackendKind, ConfigError, GatewayConfig, SourceConfig};
-pub use gateway::{
-    Gateway, GatewayAnswer, GatewayBuilder, GatewayError, SourceHandles, SourceService, TransportFactory,
+pub use builder::{GatewayBuilder, TransportFactory};
+pub use cache::{CacheKey, CachedAnswer, MemoryCache, NoCache, RedisCache, ResponseCache};
+pub use config::{
+    BackendKind, CacheWhen, ConfigError, GatewayConfig, ModelConfig, RouteConfig, SourceConfig,
 };
+pub use gateway::{Gateway, GatewayAnswer, GatewayError, SourceHandles};
 /// The chunks equivalent to a non-streamed answer (moved to [`pgw_core::openai`],
 /// beside the `ChunkAccumulator` that folds them back).
 pub use pgw_core::openai::chunks_of;
 pub use relay::ChatStream;
+pub use source::SourceService;
 pub use telemetry::{AttemptTelemetry, JsonlSink, MemorySink, PriceTable, TelemetrySink, TracingSink};
 pub use validate::{JsonValidator, Validate, Validator, json_text};
 

@@ -149,13 +149,16 @@ impl<S, Req, C> Drop for Ctx<S, Req, C> {
 }
 
 impl<S, Req, C> Ctx<S, Req, C> {
-    /// An attempt of this call already timed out: it is not the one to probe a source
-    /// that has said nothing since its own last timeout (a call must not spend two
-    /// attempt timeouts on silence).
-    fn timed_out_before(&self) -> bool {
-        self.history
-            .as_ref()
-            .is_some_and(|h| h.attempts().iter().any(|a| a.timed_out))
+    /// An attempt of this call already failed: it is not the one to probe a source
+    /// that has said nothing since its own last timeout (a call must not spend what
+    /// is left of its attempts, nor two attempt timeouts, on silence). Fresh calls
+    /// probe.
+    fn failed_before(&self) -> bool {
+        self.history.as_ref().is_some_and(|h| {
+            h.attempts()
+                .iter()
+                .any(|a| a.outcome.health_sample() == Some(false))
+        })
     }
 
     fn next_candidate(&mut self) -> Option<usize> {
@@ -467,7 +470,7 @@ where
                         let entry = &this.ctx.snapshot.entries[i];
                         if let Some(after) = this.ctx.config.silent_after
                             && (entry.state.silent(after)
-                                || (entry.state.has_timed_out() && this.ctx.timed_out_before()))
+                                || (entry.state.has_timed_out() && this.ctx.failed_before()))
                         {
                             // Slow-call detection: calls hang there; refused like an
                             // open circuit until they end.

@@ -1,0 +1,213 @@
+//! The gateway's side of the response cache: which calls it serves, single-flight for
+//! identical concurrent misses, how long each answer is kept, and a hit as an answer.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use pgw_client::{ChatAnswer, ChatCall};
+use tokio::sync::watch;
+
+use crate::cache::{CacheKey, CachedAnswer, NoCache, ResponseCache, is_deterministic};
+use crate::config::CacheWhen;
+use crate::gateway::GatewayAnswer;
+use crate::telemetry::{AttemptTelemetry, Telemetry};
+
+/// The answers of the calls in flight for a key, as their followers wait for them.
+type Flights = Arc<Mutex<HashMap<CacheKey, watch::Receiver<Option<Arc<CachedAnswer>>>>>>;
+
+/// The response cache as the gateway uses it.
+pub(crate) struct CacheFlow {
+    pub(crate) cache: Arc<dyn ResponseCache>,
+    pub(crate) when: CacheWhen,
+    /// TTL of an answer from the call's first group, or its context fallback.
+    pub(crate) ttl: Duration,
+    /// TTL of an answer from a fallback group: the primary may have recovered since.
+    pub(crate) fallback_ttl: Duration,
+    flights: Flights,
+}
+
+/// What the cache says about one call it applies to.
+pub(crate) enum Lookup {
+    /// A fresh answer: the call is done.
+    Hit(Arc<CachedAnswer>),
+    /// Go upstream and store the answer; with a [`Flight`] when this call leads the
+    /// identical calls that arrive meanwhile.
+    Miss(Option<Flight>),
+}
+
+/// The leader of the identical calls in flight: what it stores is handed to every
+/// follower; dropped without an answer (failure, a stream cut or dropped), the
+/// followers go upstream themselves.
+pub(crate) struct Flight {
+    key: CacheKey,
+    tx: watch::Sender<Option<Arc<CachedAnswer>>>,
+    flights: Flights,
+}
+
+impl Flight {
+    /// Hands `answer` to the followers.
+    pub(crate) fn done(self, answer: Arc<CachedAnswer>) {
+        self.tx.send_replace(Some(answer));
+    }
+}
+
+impl Drop for Flight {
+    fn drop(&mut self) {
+        let mut map = self.flights.lock().unwrap_or_else(PoisonError::into_inner);
+        if map
+            .get(&self.key)
+            .is_some_and(|rx| rx.same_channel(&self.tx.subscribe()))
+        {
+            map.remove(&self.key);
+        }
+    }
+}
+
+impl CacheFlow {
+    pub(crate) fn new(
+        cache: Arc<dyn ResponseCache>,
+        when: CacheWhen,
+        ttl: Duration,
+        fallback_ttl: Duration,
+    ) -> Self {
+        Self {
+            cache,
+            when,
+            ttl,
+            fallback_ttl,
+            flights: Arc::default(),
+        }
+    }
+
+    /// Whether `call` is served from the cache and stored in it.
+    pub(crate) fn applies(&self, call: &ChatCall) -> bool {
+        call.extensions().get::<NoCache>().is_none()
+            && (self.when == CacheWhen::Always || is_deterministic(call.request()))
+    }
+
+    /// Looks `key` up; on a miss, leads the identical calls that arrive while this one
+    /// is upstream, or follows the one already there. `usable` says whether a stored
+    /// answer may be given to this call (its validator).
+    pub(crate) async fn lookup(&self, key: CacheKey, usable: impl Fn(&CachedAnswer) -> bool) -> Lookup {
+        if let Some(hit) = self.cache.get(key).await
+            && usable(&hit)
+        {
+            return Lookup::Hit(hit);
+        }
+        let mut rx = {
+            let mut map = self.flights.lock().unwrap_or_else(PoisonError::into_inner);
+            match map.get(&key) {
+                Some(rx) => rx.clone(),
+                None => {
+                    let (tx, rx) = watch::channel(None);
+                    map.insert(key, rx);
+                    return Lookup::Miss(Some(Flight {
+                        key,
+                        tx,
+                        flights: Arc::clone(&self.flights),
+                    }));
+                }
+            }
+        };
+        let shared = rx.wait_for(Option::is_some).await.ok().and_then(|v| v.clone());
+        match shared {
+            Some(answer) if usable(&answer) => Lookup::Hit(answer),
+            // The leader failed, or its answer does not pass this call's validator.
+            _ => Lookup::Miss(None),
+        }
+    }
+
+    /// The TTL of an answer from the group at `position` in the call's chain
+    /// (`context`: in its context-window fallback chain).
+    pub(crate) const fn ttl_for(&self, position: usize, context: bool) -> Duration {
+        if position == 0 || context {
+            self.ttl
+        } else {
+            self.fallback_ttl
+        }
+    }
+
+    /// Stores `answer` under `key` and hands it to the flight's followers. A stream
+    /// passed through is stored when it ends complete (and not at all otherwise).
+    pub(crate) async fn store(
+        &self,
+        key: CacheKey,
+        answer: &ChatAnswer,
+        group: String,
+        ttl: Duration,
+        flight: Option<Flight>,
+    ) {
+        let source = answer.stats.source.clone();
+        match &answer.tail {
+            Some(tail) => {
+                let cache = Arc::clone(&self.cache);
+                tail.on_end(Box::new(move |end| {
+                    if let Ok(done) = end {
+                        let cached = Arc::new(CachedAnswer {
+                            response: done.response.clone(),
+                            chunks: Vec::new(),
+                            group,
+                            source,
+                        });
+                        tokio::spawn(async move {
+                            cache.put(key, Arc::clone(&cached), ttl).await;
+                            if let Some(f) = flight {
+                                f.done(cached);
+                            }
+                        });
+                    }
+                }));
+            }
+            None => {
+                let cached = Arc::new(CachedAnswer {
+                    response: answer.response.clone(),
+                    chunks: answer.chunks.clone(),
+                    group,
+                    source,
+                });
+                // Stored first, so a call arriving after the flight ends finds it.
+                self.cache.put(key, Arc::clone(&cached), ttl).await;
+                if let Some(f) = flight {
+                    f.done(cached);
+                }
+            }
+        }
+    }
+}
+
+/// A stored answer as the answer of call `call_id`, recorded as a cache hit.
+pub(crate) fn replay(telemetry: &Telemetry, call_id: u64, hit: &CachedAnswer) -> GatewayAnswer {
+    metrics::counter!("pgw_cache_hits_total").increment(1);
+    telemetry.emit(&AttemptTelemetry {
+        call_id,
+        attempt: 0,
+        group: hit.group.clone(),
+        source: hit.source.clone(),
+        admitted_at_s: None,
+        admission_window: None,
+        latency_ms: 0.0,
+        ttft_ms: None,
+        prompt_tokens: None,
+        completion_tokens: None,
+        cost_usd: Some(0.0),
+        outcome: "success",
+        error: None,
+        cache_hit: true,
+    });
+    GatewayAnswer {
+        call_id,
+        answer: ChatAnswer {
+            response: hit.response.clone(),
+            chunks: hit.chunks.clone(),
+            stats: pgw_client::AttemptStats {
+                source: hit.source.clone(),
+                ..pgw_client::AttemptStats::default()
+            },
+            tail: None,
+        },
+        group: hit.group.clone(),
+        source: hit.source.clone(),
+        cache_hit: true,
+    }
+}

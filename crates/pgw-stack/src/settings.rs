@@ -1,0 +1,182 @@
+//! What each layer crate is given: the gateway's config sections as each crate's own
+//! configuration, defaults filled in and errors naming the gateway's field.
+
+use std::time::Duration;
+
+use tower_aimd::AimdConfig;
+use tower_breaker_window::BreakerConfig;
+use tower_health_p2c::{BalanceConfig, Policy};
+use tower_ratelimit_redis::{Quota, RateLimitConfig};
+use tower_retry_pushback::{RetryBudgetConfig, RetryConfig, ThrottleConfig};
+
+use crate::config::{
+    ConfigError, DEFAULT_COOLDOWN_S, DEFAULT_FAIL_THRESHOLD, GatewayConfig, SourceConfig, config_error,
+    quota, secs,
+};
+
+pub(crate) fn retry_config(cfg: &GatewayConfig) -> Result<RetryConfig, ConfigError> {
+    let r = &cfg.retry;
+    let d = RetryConfig::default();
+    let c = RetryConfig {
+        max_attempts: r.max_attempts.unwrap_or(d.max_attempts),
+        max_reasks: r.max_reasks.unwrap_or(d.max_reasks),
+        base_backoff: secs("retry.base_backoff_s", r.base_backoff_s)?.unwrap_or(d.base_backoff),
+        max_backoff: secs("retry.max_backoff_s", r.max_backoff_s)?.unwrap_or(d.max_backoff),
+        stall_window: secs("retry.stall_window_s", r.stall_window_s)?.unwrap_or(d.stall_window),
+        max_call_duration: secs("retry.max_call_duration_s", r.max_call_duration_s)?.or(d.max_call_duration),
+        retry_budget: match &r.budget {
+            None => None,
+            Some(b) => {
+                let d = RetryBudgetConfig::default();
+                Some(RetryBudgetConfig {
+                    ratio: b.ratio.unwrap_or(d.ratio),
+                    min_retries_per_sec: b.min_retries_per_sec.unwrap_or(d.min_retries_per_sec),
+                    ttl: secs("retry.budget.ttl_s", b.ttl_s)?.unwrap_or(d.ttl),
+                })
+            }
+        },
+        throttle: match &r.throttle {
+            None => None,
+            Some(t) => {
+                let d = ThrottleConfig::default();
+                Some(ThrottleConfig {
+                    k: t.k.unwrap_or(d.k),
+                    window: secs("retry.throttle.window_s", t.window_s)?.unwrap_or(d.window),
+                })
+            }
+        },
+    };
+    c.validate()
+        .map_err(|e| config_error(format!("retry.{}", retry_field(e.field())), e.to_string()))?;
+    Ok(c)
+}
+
+/// A field of tower-retry-pushback's `RetryConfig` as this crate's config names it.
+fn retry_field(field: &str) -> String {
+    match field {
+        "retry_budget.ratio" => "budget.ratio".into(),
+        "retry_budget.ttl" => "budget.ttl_s".into(),
+        "throttle.k" => "throttle.k".into(),
+        "throttle.window" => "throttle.window_s".into(),
+        "base_backoff" | "max_backoff" | "stall_window" | "max_call_duration" => format!("{field}_s"),
+        other => other.to_owned(),
+    }
+}
+
+pub(crate) fn balance_config(cfg: &GatewayConfig) -> Result<BalanceConfig, ConfigError> {
+    let b = &cfg.balance;
+    let d = BalanceConfig::default();
+    let policy = match b.policy.as_deref() {
+        None | Some("health_aware") => Policy::HealthAware,
+        Some("round_robin") => Policy::RoundRobin,
+        Some("least_inflight") => Policy::LeastInflight,
+        Some(other) => {
+            return Err(config_error(
+                "balance.policy",
+                format!("unknown policy {other:?}"),
+            ));
+        }
+    };
+    let c = BalanceConfig {
+        policy,
+        max_wait: secs("balance.max_wait_s", b.max_wait_s)?.unwrap_or(d.max_wait),
+        silent_after: match secs("balance.silent_after_s", b.silent_after_s)? {
+            Some(d) if d.is_zero() => None,
+            Some(d) => Some(d),
+            None => d.silent_after,
+        },
+        ..d
+    };
+    c.validate().map_err(|e| config_error("balance", e.to_string()))?;
+    Ok(c)
+}
+
+pub(crate) fn breaker_config(
+    cfg: &GatewayConfig,
+    max_concurrency: Option<u64>,
+) -> Result<BreakerConfig, ConfigError> {
+    let b = &cfg.breaker;
+    let mut builder = BreakerConfig::builder()
+        .fail_threshold(b.fail_threshold.unwrap_or(DEFAULT_FAIL_THRESHOLD))
+        .cooldown(
+            secs("breaker.cooldown_s", b.cooldown_s)?.unwrap_or(Duration::from_secs_f64(DEFAULT_COOLDOWN_S)),
+        );
+    if let Some(n) = max_concurrency {
+        builder = builder.max_concurrency(u32::try_from(n).unwrap_or(u32::MAX));
+    }
+    if let Some(n) = b.min_calls {
+        builder = builder.min_calls(n);
+    }
+    if let Some(r) = b.fail_rate {
+        builder = builder.fail_rate(r);
+    }
+    if let Some(d) = secs("breaker.window_s", b.window_s)? {
+        builder = builder.window(d);
+    }
+    if let Some(d) = secs("breaker.max_cooldown_s", b.max_cooldown_s)? {
+        builder = builder.max_cooldown(d);
+    }
+    if let Some(d) = secs("breaker.probe_ttl_s", b.probe_ttl_s)? {
+        builder = builder.probe_ttl(d);
+    }
+    builder
+        .build()
+        .map_err(|e| config_error(format!("breaker.{}", e.field()), e.to_string()))
+}
+
+pub(crate) fn aimd_config(cfg: &GatewayConfig, max_concurrency: Option<u64>) -> AimdConfig {
+    let a = &cfg.aimd;
+    let d = AimdConfig::default();
+    AimdConfig {
+        initial_limit: a.initial_limit.unwrap_or(d.initial_limit),
+        min_limit: a.min_limit.unwrap_or(d.min_limit),
+        decrease_factor: a.decrease_factor.unwrap_or(d.decrease_factor),
+        tolerated_pushback: a.tolerated_pushback.unwrap_or(d.tolerated_pushback),
+        max_concurrency: max_concurrency.map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
+        caller_concurrency: a.caller_concurrency,
+    }
+}
+
+pub(crate) fn rate_limit_config(
+    cfg: &GatewayConfig,
+    sc: &SourceConfig,
+    at: &str,
+    prefix: &str,
+) -> Result<RateLimitConfig, ConfigError> {
+    let q = |rpm: Option<u64>, tpm: Option<u64>, conc: Option<u64>| {
+        let mut q = Quota::unlimited();
+        if let Some(n) = rpm {
+            q = q.requests(n);
+        }
+        if let Some(n) = tpm {
+            q = q.tokens(n);
+        }
+        if let Some(n) = conc {
+            q = q.concurrency(n);
+        }
+        q
+    };
+    let source_quota = q(
+        quota(&format!("{at}.rpm"), sc.rpm)?,
+        quota(&format!("{at}.tpm"), sc.tpm)?,
+        quota(&format!("{at}.max_concurrency"), sc.max_concurrency)?,
+    );
+    let mut c = RateLimitConfig::new(sc.name.as_str(), source_quota).key_prefix(format!("{prefix}:rl"));
+    if let Some(account) = &sc.account {
+        let a = cfg.accounts.get(account).cloned().unwrap_or_default();
+        let at = format!("accounts.{account}");
+        let account_quota = q(
+            quota(&format!("{at}.rpm"), a.rpm)?,
+            quota(&format!("{at}.tpm"), a.tpm)?,
+            quota(&format!("{at}.max_concurrency"), a.max_concurrency)?,
+        );
+        c = c.account(account, account_quota);
+    }
+    if let Some(d) = secs("ratelimit.window_s", cfg.ratelimit.window_s)? {
+        c = c.window(d);
+    }
+    if let Some(d) = secs("ratelimit.lease_ttl_s", cfg.ratelimit.lease_ttl_s)? {
+        c = c.lease_ttl(d);
+    }
+    Ok(c)
+}

@@ -1,0 +1,185 @@
+//! [`SourceLayer`]: one route's gates as one `Layer`, asked in DESIGN.md's order:
+//! AIMD (local, cheapest) -> breaker -> the route's holds -> the source's rate limit,
+//! over the attempt service.
+
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use pgw_client::{AnswerClassifier, ChatAnswer, ChatCall};
+use pgw_core::BoxError;
+use sync_wrapper::SyncWrapper;
+use tower::util::BoxCloneSyncService;
+use tower_aimd::{Aimd, AimdLayer};
+use tower_breaker_window::{Breaker, BreakerHandle, BreakerLayer, Gate, MemoryGate, RedisGate};
+use tower_layer::Layer;
+use tower_ratelimit_redis::{Admission, NoTokens, RateLimitLayer, RateLimiter};
+use tower_service::Service;
+
+use crate::attempt::{AdmissionCell, AnswerUsage};
+
+/// One source's stack as the balancer holds it: AIMD -> breaker -> rate limit ->
+/// attempt (validator, telemetry) -> client.
+pub type SourceService = BoxCloneSyncService<ChatCall, ChatAnswer, BoxError>;
+
+/// The token estimate the limiter reserves (prompt bytes / 3 + `max_tokens`).
+type Estimate = fn(&ChatCall) -> u64;
+/// Leaves each admission where the attempt's telemetry record finds it.
+type Observe = fn(&ChatCall, &Admission);
+
+fn estimate(call: &ChatCall) -> u64 {
+    call.estimate_tokens()
+}
+
+fn observe(call: &ChatCall, admission: &Admission) {
+    if let Some(cell) = call.extensions().get::<AdmissionCell>() {
+        cell.set(admission.at(), admission.window());
+    }
+}
+
+/// The limiter's layer with the gateway's hooks.
+pub(crate) fn limit_layer(limiter: RateLimiter) -> RateLimitLayer<Estimate, AnswerUsage, Observe> {
+    RateLimitLayer::new(limiter)
+        .token_estimate(estimate as Estimate)
+        .usage(AnswerUsage)
+        .on_admission(observe as Observe)
+}
+
+/// The layer of a route's own hold scope (an unlimited limiter: only holds, no round
+/// trip in memory, cached holds on Redis).
+pub(crate) fn hold_layer(limiter: RateLimiter) -> RateLimitLayer<NoTokens, NoTokens> {
+    RateLimitLayer::new(limiter)
+        .token_estimate(NoTokens)
+        .usage(NoTokens)
+}
+
+/// The breaker of a source on the configured backend.
+#[derive(Clone)]
+pub(crate) enum SourceBreaker {
+    /// One process.
+    Memory(BreakerLayer<MemoryGate, AnswerClassifier>),
+    /// Shared through Redis.
+    Redis(BreakerLayer<RedisGate, AnswerClassifier>),
+}
+
+impl SourceBreaker {
+    pub(crate) fn handle(&self) -> BreakerHandle {
+        match self {
+            Self::Memory(b) => b.handle(),
+            Self::Redis(b) => b.handle(),
+        }
+    }
+}
+
+/// The gates of one source, wrapped around its attempt service: AIMD (adaptive
+/// concurrency, local) -> breaker -> rate limit. Builds the [`SourceService`] the
+/// balancer holds.
+#[derive(Clone)]
+pub(crate) struct SourceLayer {
+    pub(crate) aimd: AimdLayer<AnswerClassifier>,
+    pub(crate) breaker: SourceBreaker,
+    /// The route's own hold scope, when the route is not the whole source.
+    pub(crate) hold: Option<RateLimitLayer<NoTokens, NoTokens>>,
+    pub(crate) limit: RateLimitLayer<Estimate, AnswerUsage, Observe>,
+}
+
+impl<S> Layer<S> for SourceLayer
+where
+    S: Service<ChatCall, Response = ChatAnswer, Error = BoxError> + Clone + Send + Sync + 'static,
+    S::Future: Send + 'static,
+{
+    type Service = SourceService;
+
+    fn layer(&self, attempt: S) -> SourceService {
+        let inner = self.limit.layer(attempt);
+        let aimd = self.aimd.clone();
+        match (&self.breaker, &self.hold) {
+            (SourceBreaker::Memory(b), None) => lazy(aimd, b.clone(), inner),
+            (SourceBreaker::Redis(b), None) => lazy(aimd, b.clone(), inner),
+            (SourceBreaker::Memory(b), Some(h)) => lazy(aimd, b.clone(), h.layer(inner)),
+            (SourceBreaker::Redis(b), Some(h)) => lazy(aimd, b.clone(), h.layer(inner)),
+        }
+    }
+}
+
+/// The gated stack of one source over `R`.
+type Gated<R, G> = Aimd<Breaker<R, G, AnswerClassifier>, AnswerClassifier>;
+
+fn lazy<G, R>(
+    aimd: AimdLayer<AnswerClassifier>,
+    breaker: BreakerLayer<G, AnswerClassifier>,
+    inner: R,
+) -> SourceService
+where
+    G: Gate,
+    R: Clone + Send + Sync + 'static,
+    Gated<R, G>: Service<ChatCall, Response = ChatAnswer, Error = BoxError> + Send + 'static,
+    <Gated<R, G> as Service<ChatCall>>::Future: Send + 'static,
+{
+    let proto = Arc::new(SourceProto { aimd, breaker, inner });
+    BoxCloneSyncService::new(LazySource::new(proto))
+}
+
+/// What a source's service is built from: the layers and the inner service, all `Sync`.
+struct SourceProto<G: Gate, R> {
+    aimd: AimdLayer<AnswerClassifier>,
+    breaker: BreakerLayer<G, AnswerClassifier>,
+    inner: R,
+}
+
+/// A source's service as the balancer's shared source set holds it: `Sync`, and a
+/// clone costs one `Arc` increment (the balancer clones it for every attempt).
+///
+/// The breaker keeps its pending admission (a `Send` but not `Sync` boxed future) in
+/// the service between `poll_ready` and `call`, so the built stack is not `Sync`. A
+/// clone starts without it (readiness is per instance, exactly as `Aimd`'s and
+/// `Breaker`'s own `Clone` reset it) and builds it from the layers on first
+/// `poll_ready`; `Layer::layer` and `Clone` share the same limiter, gate and source
+/// state. `SyncWrapper` makes the slot `Sync`: `Service` methods take `&mut self`, so
+/// it is only ever reached through `get_mut`.
+struct LazySource<G: Gate, R> {
+    proto: Arc<SourceProto<G, R>>,
+    svc: SyncWrapper<Option<Gated<R, G>>>,
+}
+
+impl<G: Gate, R> LazySource<G, R> {
+    const fn new(proto: Arc<SourceProto<G, R>>) -> Self {
+        Self {
+            proto,
+            svc: SyncWrapper::new(None),
+        }
+    }
+}
+
+impl<G: Gate, R> Clone for LazySource<G, R> {
+    fn clone(&self) -> Self {
+        Self::new(Arc::clone(&self.proto))
+    }
+}
+
+impl<G: Gate, R: Clone> LazySource<G, R> {
+    fn built(&mut self) -> &mut Gated<R, G> {
+        let p = &self.proto;
+        self.svc
+            .get_mut()
+            .get_or_insert_with(|| p.aimd.layer(p.breaker.layer(p.inner.clone())))
+    }
+}
+
+impl<G, R> Service<ChatCall> for LazySource<G, R>
+where
+    G: Gate,
+    R: Clone,
+    Gated<R, G>: Service<ChatCall>,
+{
+    type Response = <Gated<R, G> as Service<ChatCall>>::Response;
+    type Error = <Gated<R, G> as Service<ChatCall>>::Error;
+    type Future = <Gated<R, G> as Service<ChatCall>>::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.built().poll_ready(cx)
+    }
+
+    fn call(&mut self, req: ChatCall) -> Self::Future {
+        self.built().call(req)
+    }
+}

@@ -1,0 +1,228 @@
+//! The response cache through the gateway, against the simulator on tokio's paused
+//! clock: what is cached by default, the opt-out, single-flight, replay as a stream,
+//! and a fallback group's shorter TTL.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use pgw_core::BoxError;
+use pgw_core::openai::{ChatRequest, ChunkAccumulator};
+use pgw_sim::{PoolConfig, SimPool};
+use pgw_stack::client::box_transport;
+use pgw_stack::{ChatCall, Gateway, GatewayConfig, MemorySink, NoCache, SecretKey, SourceConfig};
+use tower::ServiceExt;
+
+fn serving(name: &str) -> pgw_sim::SourceConfig {
+    pgw_sim::SourceConfig {
+        ttft_s: pgw_sim::LogNormal::constant(0.5).into(),
+        tokens_per_second: pgw_sim::LogNormal::constant(200.0).into(),
+        error_latency_s: pgw_sim::LogNormal::constant(0.1).into(),
+        ..pgw_sim::SourceConfig::healthy(name)
+    }
+}
+
+fn pool(sources: Vec<pgw_sim::SourceConfig>) -> SimPool {
+    let config = PoolConfig {
+        sources,
+        bad_prompt_rate: 0.0,
+        ..PoolConfig::default()
+    };
+    SimPool::new(config, 5).unwrap()
+}
+
+async fn gateway(pool: &SimPool, cfg: impl FnOnce(&mut GatewayConfig), sink: &MemorySink) -> Gateway {
+    let mut c = GatewayConfig::default();
+    for name in pool.sources() {
+        let mut s = SourceConfig::new(
+            name.as_str(),
+            format!("http://sim.invalid/{name}/v1"),
+            SecretKey::new("sk-virtual-0123456789"),
+        );
+        s.total_timeout_s = Some(60.0);
+        c.sources.push(s);
+    }
+    cfg(&mut c);
+    let p = pool.clone();
+    Gateway::builder(c)
+        .sink(Arc::new(sink.clone()))
+        .transport(move |sc: &SourceConfig| -> Result<_, BoxError> {
+            Ok(box_transport(p.service(&sc.name).ok_or("unknown sim source")?))
+        })
+        .build()
+        .await
+        .unwrap()
+}
+
+fn received(pool: &SimPool) -> u64 {
+    pool.stats().sources.values().map(|s| s.received).sum()
+}
+
+fn at(temperature: f64, prompt: &str) -> ChatRequest {
+    let mut r = ChatRequest::user("m", prompt);
+    r.extra.insert("temperature".into(), temperature.into());
+    r
+}
+
+#[tokio::test(start_paused = true)]
+async fn only_deterministic_requests_are_cached_by_default() {
+    let pool = pool(vec![serving("a")]);
+    let sink = MemorySink::new();
+    let gw = gateway(&pool, |_| {}, &sink).await;
+
+    for _ in 0..2 {
+        let a = gw.chat(at(1.2, "regenerate me")).await.unwrap();
+        assert!(!a.cache_hit, "a sampled answer is never replayed");
+    }
+    assert_eq!(received(&pool), 2);
+    // No temperature: the provider's default samples.
+    for _ in 0..2 {
+        assert!(
+            !gw.chat(ChatRequest::user("m", "default"))
+                .await
+                .unwrap()
+                .cache_hit
+        );
+    }
+    assert_eq!(received(&pool), 4);
+
+    let first = gw.chat(at(0.0, "deterministic")).await.unwrap();
+    let second = gw.chat(at(0.0, "deterministic")).await.unwrap();
+    assert!(!first.cache_hit && second.cache_hit);
+    assert_eq!(first.content(), second.content());
+    assert_eq!(received(&pool), 5, "the hit reached no source");
+    let mut seeded = ChatRequest::user("m", "seeded");
+    seeded.extra.insert("seed".into(), 7.into());
+    gw.chat(seeded.clone()).await.unwrap();
+    assert!(gw.chat(seeded).await.unwrap().cache_hit);
+    assert_eq!(received(&pool), 6);
+    let hits = sink.records().iter().filter(|r| r.cache_hit).count();
+    assert_eq!(hits, 2, "each hit leaves one record marked cache_hit");
+}
+
+#[tokio::test(start_paused = true)]
+async fn always_caches_every_request_when_configured() {
+    let pool = pool(vec![serving("a")]);
+    let gw = gateway(
+        &pool,
+        |c| c.cache.when = pgw_stack::CacheWhen::Always,
+        &MemorySink::new(),
+    )
+    .await;
+    gw.chat(ChatRequest::user("m", "x")).await.unwrap();
+    assert!(gw.chat(ChatRequest::user("m", "x")).await.unwrap().cache_hit);
+    assert_eq!(received(&pool), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_call_that_opts_out_neither_reads_nor_fills_the_cache() {
+    let pool = pool(vec![serving("a")]);
+    let gw = gateway(&pool, |_| {}, &MemorySink::new()).await;
+    let opted_out = || {
+        let mut call = ChatCall::new(at(0.0, "fresh please"));
+        call.extensions_mut().insert(NoCache);
+        call
+    };
+    let a = gw.clone().oneshot(opted_out()).await.unwrap();
+    assert!(!a.cache_hit);
+    let b = gw.chat(at(0.0, "fresh please")).await.unwrap();
+    assert!(!b.cache_hit, "the opted-out answer was not stored");
+    assert_eq!(received(&pool), 2);
+    let c = gw.clone().oneshot(opted_out()).await.unwrap();
+    assert!(!c.cache_hit, "nor is a stored answer served to it");
+    assert_eq!(received(&pool), 3);
+}
+
+#[tokio::test(start_paused = true)]
+async fn identical_concurrent_misses_make_one_upstream_call() {
+    let pool = pool(vec![serving("a"), serving("b")]);
+    let gw = gateway(&pool, |_| {}, &MemorySink::new()).await;
+    let calls: Vec<_> = (0..8)
+        .map(|_| {
+            let gw = gw.clone();
+            tokio::spawn(async move { gw.chat(at(0.0, "the same question")).await })
+        })
+        .collect();
+    let mut hits = 0;
+    let mut texts = Vec::new();
+    for c in calls {
+        let a = c.await.unwrap().unwrap();
+        hits += usize::from(a.cache_hit);
+        texts.push(a.content().to_owned());
+    }
+    assert_eq!(received(&pool), 1, "one leader went upstream");
+    assert_eq!(hits, 7, "the followers got its answer, marked as cached");
+    assert!(texts.iter().all(|t| *t == texts[0]));
+    // A different request is not held behind that flight.
+    let other = gw.chat(at(0.0, "another question")).await.unwrap();
+    assert!(!other.cache_hit);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_plain_answer_replays_as_a_proper_stream() {
+    let pool = pool(vec![serving("a")]);
+    let gw = gateway(&pool, |_| {}, &MemorySink::new()).await;
+    let plain = gw.chat(at(0.0, "stream me later")).await.unwrap();
+    let mut stream = gw.chat_stream(at(0.0, "stream me later")).await.unwrap();
+    assert!(stream.cache_hit());
+    let mut acc = ChunkAccumulator::default();
+    let mut n = 0;
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.unwrap();
+        assert_eq!(chunk.object, "chat.completion.chunk");
+        acc.push(&chunk);
+        n += 1;
+    }
+    assert!(n >= 1);
+    let back = acc.finish();
+    assert_eq!(back.content(), plain.content());
+    assert_eq!(
+        back.choices[0].finish_reason,
+        plain.answer.response.choices[0].finish_reason
+    );
+    assert_eq!(back.choices[0].message.role, "assistant");
+    assert_eq!(received(&pool), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_fallback_groups_answer_is_kept_only_briefly() {
+    let down = pgw_sim::SourceConfig {
+        server_error_rate: 1.0.into(),
+        ..serving("primary")
+    };
+    let pool = pool(vec![down, serving("backup")]);
+    let gw = gateway(
+        &pool,
+        |c| {
+            c.sources[0].group = Some("main".into());
+            c.sources[1].group = Some("spare".into());
+            c.cache.fallback_ttl_s = Some(20.0);
+        },
+        &MemorySink::new(),
+    )
+    .await;
+    let a = gw.chat(at(0.0, "q")).await.unwrap();
+    assert_eq!(a.group, "spare");
+    tokio::time::advance(Duration::from_secs(10)).await;
+    assert!(
+        gw.chat(at(0.0, "q")).await.unwrap().cache_hit,
+        "within the fallback TTL"
+    );
+    tokio::time::advance(Duration::from_secs(15)).await;
+    let after = gw.chat(at(0.0, "q")).await.unwrap();
+    assert!(
+        !after.cache_hit,
+        "past the fallback TTL the chain is walked again"
+    );
+
+    // The primary group's answers keep the full TTL (600 s).
+    let pool = pool_of_one();
+    let gw = gateway(&pool, |c| c.cache.fallback_ttl_s = Some(20.0), &MemorySink::new()).await;
+    gw.chat(at(0.0, "q")).await.unwrap();
+    tokio::time::advance(Duration::from_secs(300)).await;
+    assert!(gw.chat(at(0.0, "q")).await.unwrap().cache_hit);
+}
+
+fn pool_of_one() -> SimPool {
+    pool(vec![serving("a")])
+}

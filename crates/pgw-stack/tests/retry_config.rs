@@ -1,0 +1,134 @@
+//! The retry budget and adaptive throttling, turned on from `GatewayConfig` and seen
+//! through the gateway against the simulator on tokio's paused clock.
+
+use pgw_core::BoxError;
+use pgw_core::openai::ChatRequest;
+use pgw_sim::{PoolConfig, SimPool};
+use pgw_stack::client::box_transport;
+use pgw_stack::retry::Reason;
+use pgw_stack::{Gateway, GatewayConfig, GatewayError, SourceConfig};
+
+/// A pool of one source that answers every request with a 5xx.
+fn failing_pool() -> SimPool {
+    let broken = pgw_sim::SourceConfig {
+        server_error_rate: 1.0.into(),
+        error_latency_s: pgw_sim::LogNormal::constant(0.1).into(),
+        ..pgw_sim::SourceConfig::healthy("down")
+    };
+    let config = PoolConfig {
+        sources: vec![broken],
+        bad_prompt_rate: 0.0,
+        ..PoolConfig::default()
+    };
+    SimPool::new(config, 3).unwrap()
+}
+
+async fn gateway(pool: &SimPool, toml: &str) -> Gateway {
+    let text = format!(
+        "{toml}\n[cache]\nenabled = false\n[breaker]\nfail_threshold = 1000\nmin_calls = 1000000\n[[sources]]\nname = \"down\"\nbase_url = \"http://sim.invalid/v1\"\nkey = \"sk-x\"\n"
+    );
+    let cfg = GatewayConfig::from_toml_str(&text).unwrap();
+    let p = pool.clone();
+    Gateway::builder(cfg)
+        .transport(move |sc: &SourceConfig| -> Result<_, BoxError> {
+            Ok(box_transport(p.service(&sc.name).ok_or("unknown sim source")?))
+        })
+        .build()
+        .await
+        .unwrap()
+}
+
+fn reason(err: &BoxError) -> Reason {
+    err.downcast_ref::<GatewayError>()
+        .and_then(GatewayError::last_retry_error)
+        .map(pgw_stack::retry::RetryError::reason)
+        .expect("a retry verdict")
+}
+
+fn received(pool: &SimPool) -> u64 {
+    pool.stats().sources["down"].received
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retry_budget_from_config_stops_the_retries() {
+    // Without a budget, each call spends its three attempts.
+    let pool = failing_pool();
+    let gw = gateway(&pool, "[retry]\nmax_attempts = 3").await;
+    for i in 0..4 {
+        let e = gw
+            .chat(ChatRequest::user("m", format!("q{i}")))
+            .await
+            .unwrap_err();
+        assert_eq!(reason(&e), Reason::BudgetExhausted);
+    }
+    assert_eq!(received(&pool), 12);
+
+    // A budget of no retries at all: one attempt per call.
+    let pool = failing_pool();
+    let gw = gateway(
+        &pool,
+        "[retry]\nmax_attempts = 3\n[retry.budget]\nratio = 0.0\nmin_retries_per_sec = 0",
+    )
+    .await;
+    for i in 0..4 {
+        let e = gw
+            .chat(ChatRequest::user("m", format!("q{i}")))
+            .await
+            .unwrap_err();
+        assert_eq!(reason(&e), Reason::RetryBudgetExhausted);
+    }
+    assert_eq!(received(&pool), 4);
+}
+
+#[tokio::test(start_paused = true)]
+async fn adaptive_throttling_from_config_rejects_locally() {
+    let calls = 60;
+    let run = |toml: &'static str| async move {
+        let pool = failing_pool();
+        let gw = gateway(&pool, toml).await;
+        let mut throttled = 0;
+        for i in 0..calls {
+            let e = gw
+                .chat(ChatRequest::user("m", format!("q{i}")))
+                .await
+                .unwrap_err();
+            if reason(&e) == Reason::Throttled {
+                throttled += 1;
+            }
+        }
+        (received(&pool), throttled)
+    };
+    let (sent, throttled) = run("[retry]\nmax_attempts = 1").await;
+    assert_eq!((sent, throttled), (calls, 0));
+    let (sent, throttled) = run("[retry]\nmax_attempts = 1\n[retry.throttle]\nk = 1.0\nwindow_s = 600").await;
+    assert!(throttled > calls / 2, "{throttled} of {calls} throttled");
+    assert_eq!(sent + throttled, calls, "a throttled call reaches no source");
+}
+
+#[test]
+fn budget_and_throttle_errors_name_the_field() {
+    let base = "[[sources]]\nname = \"s\"\nbase_url = \"http://127.0.0.1:9/v1\"\nkey = \"sk-x\"\n";
+    for (extra, field) in [
+        ("[retry.budget]\nratio = 1.5", "retry.budget.ratio"),
+        ("[retry.budget]\nttl_s = -1", "retry.budget.ttl_s"),
+        ("[retry.budget]\nttl_s = 0.5", "retry.budget.ttl_s"),
+        ("[retry.throttle]\nk = 0.5", "retry.throttle.k"),
+        ("[retry.throttle]\nwindow_s = 1e9", "retry.throttle.window_s"),
+        ("[retry.throttle]\nkk = 2", "kk"),
+    ] {
+        let cfg = GatewayConfig::from_toml_str(&format!("{base}{extra}"));
+        let err = match cfg {
+            Err(e) => e,
+            // Caught when the layers are configured (the crate's own ranges).
+            Ok(cfg) => {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                let err = rt.block_on(Gateway::from_config(cfg)).unwrap_err();
+                err.downcast::<pgw_stack::ConfigError>().map(|e| *e).unwrap()
+            }
+        };
+        assert_eq!(err.field(), field, "{extra}: {err}");
+    }
+}

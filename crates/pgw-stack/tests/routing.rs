@@ -1,0 +1,326 @@
+//! Model routing through the gateway, against the simulator on tokio's paused clock:
+//! public model names, routes keyed by source and upstream model, the fallback and
+//! context-window fallback chains.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use pgw_core::openai::ChatRequest;
+use pgw_core::{BoxError, Outcome, UpstreamStatus, classify_error};
+use pgw_sim::{PoolConfig, SimPool};
+use pgw_stack::breaker::BreakerState;
+use pgw_stack::client::box_transport;
+use pgw_stack::{
+    Gateway, GatewayConfig, GatewayError, MemorySink, ModelConfig, RouteConfig, SecretKey, SourceConfig,
+};
+use tokio::time::Instant;
+
+const KEY: &str = "sk-virtual-0123456789";
+
+fn pool(sources: Vec<pgw_sim::SourceConfig>) -> SimPool {
+    let config = PoolConfig {
+        sources,
+        bad_prompt_rate: 0.0,
+        ..PoolConfig::default()
+    };
+    SimPool::new(config, 11).unwrap()
+}
+
+/// A simulated backend serving only `model`, answering within a second or two.
+fn serving(name: &str, model: &str) -> pgw_sim::SourceConfig {
+    pgw_sim::SourceConfig {
+        models: Some(vec![model.into()]),
+        ttft_s: pgw_sim::LogNormal::constant(0.5).into(),
+        tokens_per_second: pgw_sim::LogNormal::constant(200.0).into(),
+        error_latency_s: pgw_sim::LogNormal::constant(0.1).into(),
+        ..pgw_sim::SourceConfig::healthy(name)
+    }
+}
+
+fn model(routes: &[(&str, Option<&str>)]) -> ModelConfig {
+    ModelConfig {
+        routes: routes
+            .iter()
+            .map(|(source, model)| RouteConfig {
+                source: (*source).into(),
+                model: model.map(Into::into),
+            })
+            .collect(),
+        ..ModelConfig::default()
+    }
+}
+
+fn source(name: &str) -> SourceConfig {
+    let mut s = SourceConfig::new(name, format!("http://sim.invalid/{name}/v1"), SecretKey::new(KEY));
+    s.total_timeout_s = Some(60.0);
+    s
+}
+
+/// One provider (one source, one key) whose models are served by different simulated
+/// backends: `backend_of(model)` names the simulator source that answers it. So one
+/// model can be rate limited or broken while the provider's other models are fine.
+async fn gateway(pool: &SimPool, mut cfg: GatewayConfig, sink: &MemorySink) -> Gateway {
+    cfg.cache.enabled = false;
+    let p = pool.clone();
+    Gateway::builder(cfg)
+        .sink(Arc::new(sink.clone()))
+        .transport(move |sc: &SourceConfig| -> Result<_, BoxError> {
+            let p = p.clone();
+            let name = sc.name.clone();
+            let by_model = tower::service_fn(move |req: http::Request<Bytes>| {
+                let p = p.clone();
+                let name = name.clone();
+                async move {
+                    let body: serde_json::Value = serde_json::from_slice(req.body())?;
+                    let model = body["model"].as_str().unwrap_or_default();
+                    let backend = format!("{name}-{model}");
+                    let mut svc = p
+                        .service(&backend)
+                        .or_else(|| p.service(&name))
+                        .ok_or("unknown sim source")?;
+                    tower::Service::call(&mut svc, req).await
+                }
+            });
+            Ok(box_transport(by_model))
+        })
+        .build()
+        .await
+        .unwrap()
+}
+
+fn two_models_on_one_provider() -> GatewayConfig {
+    let mut cfg = GatewayConfig::default();
+    cfg.sources.push(source("prov"));
+    cfg.models.insert("gpt-4o".into(), model(&[("prov", None)]));
+    cfg.models.insert("gpt-4o-mini".into(), model(&[("prov", None)]));
+    cfg
+}
+
+async fn breaker_of(gw: &Gateway, route: &str) -> BreakerState {
+    let h = gw.sources().iter().find(|h| h.route.as_str() == route).unwrap();
+    h.breaker.view().await.unwrap().state
+}
+
+fn received(pool: &SimPool, backend: &str) -> u64 {
+    pool.stats().sources[backend].received
+}
+
+#[tokio::test(start_paused = true)]
+async fn one_models_faults_leave_the_providers_other_model_alone() {
+    let broken = pgw_sim::SourceConfig {
+        server_error_rate: 1.0.into(),
+        ..serving("prov-gpt-4o", "gpt-4o")
+    };
+    let pool = pool(vec![broken, serving("prov-gpt-4o-mini", "gpt-4o-mini")]);
+    let mut cfg = two_models_on_one_provider();
+    cfg.breaker.fail_threshold = Some(2);
+    let gw = gateway(&pool, cfg, &MemorySink::new()).await;
+    assert_eq!(gw.models(), ["gpt-4o", "gpt-4o-mini"]);
+    let routes: Vec<_> = gw.sources().iter().map(|h| h.route.to_string()).collect();
+    assert_eq!(routes, ["prov/gpt-4o", "prov/gpt-4o-mini"]);
+
+    for i in 0..2 {
+        gw.chat(ChatRequest::user("gpt-4o", format!("q{i}")))
+            .await
+            .unwrap_err();
+    }
+    assert_eq!(breaker_of(&gw, "prov/gpt-4o").await, BreakerState::Open);
+    assert_eq!(breaker_of(&gw, "prov/gpt-4o-mini").await, BreakerState::Closed);
+    // Before, breakers were per source: the provider was closed for every model.
+    for i in 0..3 {
+        let a = gw
+            .chat(ChatRequest::user("gpt-4o-mini", format!("m{i}")))
+            .await
+            .unwrap();
+        assert_eq!(a.group, "gpt-4o-mini");
+        assert_eq!(a.source.as_ref().unwrap().as_str(), "prov");
+        assert_eq!(a.answer.response.model, "gpt-4o-mini");
+    }
+    assert_eq!(received(&pool, "prov-gpt-4o-mini"), 3, "one attempt each");
+    assert_eq!(gw.health("prov/gpt-4o-mini"), Some(1.0), "health is per route");
+    assert!(gw.health("prov/gpt-4o").unwrap() < 1.0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_models_429_holds_that_route_not_the_provider() {
+    let gated = pgw_sim::SourceConfig {
+        rpm_gate: Some(1).into(),
+        ..serving("prov-gpt-4o", "gpt-4o")
+    };
+    let pool = pool(vec![gated, serving("prov-gpt-4o-mini", "gpt-4o-mini")]);
+    let gw = gateway(&pool, two_models_on_one_provider(), &MemorySink::new()).await;
+    gw.chat(ChatRequest::user("gpt-4o", "first")).await.unwrap();
+    // The second gpt-4o call gets a 429 (one request per minute) and waits it out.
+    let waiting = tokio::spawn({
+        let gw = gw.clone();
+        async move { gw.chat(ChatRequest::user("gpt-4o", "second")).await }
+    });
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(pool.stats().sources["prov-gpt-4o"].rate_limited, 1);
+    let held = gw.sources()[0].limiter.held().await.unwrap();
+    assert_eq!(held.source.hold_ends_in, None, "the source is not held: {held:?}");
+    // Before, the 429 held the source (and its account): every model waited.
+    let start = Instant::now();
+    let a = gw
+        .chat(ChatRequest::user("gpt-4o-mini", "meanwhile"))
+        .await
+        .unwrap();
+    assert_eq!(a.group, "gpt-4o-mini");
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "answered at once: {:?}",
+        start.elapsed()
+    );
+    assert!(!waiting.is_finished(), "gpt-4o is still held");
+    waiting.abort();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_typo_in_the_model_touches_no_source() {
+    let pool = pool(vec![
+        serving("prov-gpt-4o", "gpt-4o"),
+        serving("prov-gpt-4o-mini", "gpt-4o-mini"),
+    ]);
+    let sink = MemorySink::new();
+    let gw = gateway(&pool, two_models_on_one_provider(), &sink).await;
+    for _ in 0..5 {
+        let err = gw
+            .chat(ChatRequest::user("gpt-4o-mimi", "hello"))
+            .await
+            .unwrap_err();
+        assert_eq!(classify_error(&*err), Outcome::Rejected, "{err}");
+        let status = UpstreamStatus::find(&*err).expect("an OpenAI-shaped error");
+        assert_eq!(status.status(), 404);
+        assert_eq!(status.code(), Some("model_not_found"));
+        let provider = status.provider().unwrap();
+        assert_eq!(provider.kind.as_deref(), Some("invalid_request_error"));
+        assert_eq!(provider.param.as_deref(), Some("model"));
+        assert!(provider.message.contains("gpt-4o-mimi"), "{provider:?}");
+        let g = err.downcast_ref::<GatewayError>().unwrap();
+        assert_eq!(g.failures().len(), 1);
+    }
+    let stats = pool.stats();
+    assert_eq!(stats.sources.values().map(|s| s.received).sum::<u64>(), 0);
+    assert!(sink.records().is_empty(), "no attempt");
+    for h in gw.sources() {
+        assert_eq!(h.breaker.view().await.unwrap().state, BreakerState::Closed);
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_too_large_for_the_model_lands_on_its_context_fallback() {
+    let small = pgw_sim::SourceConfig {
+        context_window: Some(4096),
+        ..serving("small", "m-8k")
+    };
+    let large = pgw_sim::SourceConfig {
+        context_window: Some(200_000),
+        ..serving("large", "m-200k")
+    };
+    let pool = pool(vec![small, large]);
+    let mut cfg = GatewayConfig::default();
+    cfg.sources.push(source("small"));
+    cfg.sources.push(source("large"));
+    let mut short = model(&[("small", Some("m-8k"))]);
+    short.context_fallback = vec!["long".into()];
+    cfg.models.insert("chat".into(), short);
+    cfg.models
+        .insert("long".into(), model(&[("large", Some("m-200k"))]));
+    let sink = MemorySink::new();
+    let gw = gateway(&pool, cfg, &sink).await;
+
+    let fits = gw.chat(ChatRequest::user("chat", "hello")).await.unwrap();
+    assert_eq!(fits.group, "chat");
+    assert_eq!(fits.source.as_ref().unwrap().as_str(), "small");
+
+    let mut big = ChatRequest::user("chat", "a long one");
+    big.max_tokens = Some(100_000);
+    let a = gw.chat(big).await.unwrap();
+    assert_eq!(a.group, "long", "the context fallback answered");
+    assert_eq!(a.source.as_ref().unwrap().as_str(), "large");
+    assert_eq!(a.answer.response.model, "m-200k");
+    assert!(pool.stats().sources["small"].context_length_exceeded >= 1);
+    assert_eq!(
+        breaker_of(&gw, "small/m-8k").await,
+        BreakerState::Closed,
+        "too large is not the source's fault"
+    );
+
+    // A model without a context fallback hands the provider's answer to the caller.
+    let mut too_big = ChatRequest::user("long", "far too long");
+    too_big.max_tokens = Some(1_000_000);
+    let err = gw.chat(too_big).await.unwrap_err();
+    let status = UpstreamStatus::find(&*err).unwrap();
+    assert_eq!(status.code(), Some("context_length_exceeded"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_model_falls_back_to_another_when_its_routes_fail() {
+    let down = pgw_sim::SourceConfig {
+        server_error_rate: 1.0.into(),
+        ..serving("a", "big")
+    };
+    let pool = pool(vec![down, serving("b", "small")]);
+    let mut cfg = GatewayConfig::default();
+    cfg.sources.push(source("a"));
+    cfg.sources.push(source("b"));
+    let mut primary = model(&[("a", Some("big"))]);
+    primary.fallback = vec!["backup".into()];
+    cfg.models.insert("primary".into(), primary);
+    cfg.models.insert("backup".into(), model(&[("b", Some("small"))]));
+    let gw = gateway(&pool, cfg, &MemorySink::new()).await;
+    let a = gw.chat(ChatRequest::user("primary", "hi")).await.unwrap();
+    assert_eq!(a.group, "backup");
+    assert_eq!(a.answer.response.model, "small");
+    // The fallback is not transitive, and "backup" has its own chain (none).
+    let b = gw.chat(ChatRequest::user("backup", "hi")).await.unwrap();
+    assert_eq!(b.group, "backup");
+}
+
+#[test]
+fn routing_config_errors_name_the_field() {
+    let base = r#"
+        [[sources]]
+        name = "p"
+        base_url = "http://127.0.0.1:9/v1"
+        key = "sk-x"
+    "#;
+    let cases = [
+        ("[models.a]\nroutes = []", "models.a.routes"),
+        (
+            "[models.a]\nroutes = [{ source = \"nope\" }]",
+            "models.a.routes[0].source",
+        ),
+        (
+            "[models.a]\nroutes = [{ source = \"p\" }]\nfallback = [\"b\"]",
+            "models.a.fallback[0]",
+        ),
+        (
+            "[models.a]\nroutes = [{ source = \"p\" }]\ncontext_fallback = [\"a\"]",
+            "models.a.context_fallback[0]",
+        ),
+        (
+            "[models.a]\nroutes = [{ source = \"p\" }, { source = \"p\", model = \"a\" }]",
+            "models.a.routes[1]",
+        ),
+        (
+            "fallback = [\"default\"]\n[models.a]\nroutes = [{ source = \"p\" }]",
+            "fallback",
+        ),
+        (
+            "[models.a]\nroutes = [{ source = \"p\", modle = \"x\" }]",
+            "modle",
+        ),
+    ];
+    for (extra, field) in cases {
+        // `fallback` is a top-level key: it must come before any table.
+        let text = if extra.starts_with("fallback") {
+            format!("{extra}\n{base}")
+        } else {
+            format!("{base}\n{extra}")
+        };
+        let err = GatewayConfig::from_toml_str(&text).unwrap_err();
+        assert_eq!(err.field(), field, "{extra}: {err}");
+    }
+}
