@@ -171,7 +171,9 @@ async fn virtual_keys_401_unknown_404_foreign_models_429_past_quota() {
     assert_eq!(status, 429, "rpm = 1");
     openai_error(&body, "rate_limit_exceeded");
     let after: u64 = headers["retry-after"].to_str().unwrap().parse().unwrap();
-    assert!((1..=60).contains(&after), "{after}");
+    // A sliding minute frees the request one sub-window (1 s) after it leaves the span:
+    // up to 61 s, rounded up to whole seconds.
+    assert!((1..=61).contains(&after), "{after}");
     // The tenant's refusal never reached a source.
     assert_eq!(upstream_requests(&h), 1);
 }
