@@ -305,6 +305,7 @@ impl Wiring<'_> {
         let at = format!("sources[{}]", route.source);
         let mut settings = sc.settings(&at)?;
         settings.model.clone_from(&route.upstream);
+        let attempt_timeout = settings.timeouts.total;
         let (transport, limiter) = match parts.built.get(&route.source) {
             Some(built) => built.clone(),
             None => {
@@ -355,7 +356,7 @@ impl Wiring<'_> {
             .with_release_signal(sources.wake_signal())
             .shedding()
             .with_classifier(AnswerClassifier);
-        let breaker_cfg = breaker_config(cfg, max_conc)?;
+        let breaker_cfg = breaker_config(cfg, max_conc, attempt_timeout)?;
         let breaker = match &self.backends.breaker_redis {
             Some(b) => SourceBreaker::Redis(
                 BreakerLayer::new(b, route.id.clone(), &breaker_cfg).with_classifier(AnswerClassifier),

@@ -188,7 +188,13 @@ pub(crate) fn account_wide(err: &(dyn std::error::Error + 'static), model: &str)
     };
     let message = status.message().to_ascii_lowercase();
     let says_account = message.contains("organization") || message.contains("account");
-    says_account && (model.is_empty() || !message.contains(&model.to_ascii_lowercase()))
+    // The model as a word of the message, not a substring ("m" is in "limit").
+    let model = model.to_ascii_lowercase();
+    let names_model = !model.is_empty()
+        && message
+            .split(|c: char| c.is_whitespace() || matches!(c, ',' | ';' | '(' | ')' | '"' | '\''))
+            .any(|w| w.trim_end_matches(['.', ':']) == model);
+    says_account && !names_model
 }
 
 /// One route as [`RouteHolds`] sees it.
@@ -277,6 +283,11 @@ mod tests {
         assert!(!account_wide(&*key, "gpt-4o"));
         let plain: BoxError = "connection reset".into();
         assert!(!account_wide(&*plain, "gpt-4o"));
+        // A one-letter model is a word, not a substring of "limit".
+        assert!(account_wide(
+            &*too_many("Rate limit reached for account acct. Please slow down."),
+            "m"
+        ));
     }
 
     #[test]

@@ -91,9 +91,15 @@ pub(crate) fn balance_config(cfg: &GatewayConfig) -> Result<BalanceConfig, Confi
     Ok(c)
 }
 
+/// The breaker of one source. Unless `breaker.probe_ttl_s` says otherwise, a probe's
+/// lease outlives the source's longest attempt (`attempt_timeout` plus a tenth): a
+/// probe lease shorter than an attempt expires while the probe still runs, a second
+/// "single" probe goes out, and the first one's late verdict is fenced off, so a source
+/// whose calls take 90 s never left half-open with the old fixed 60 s.
 pub(crate) fn breaker_config(
     cfg: &GatewayConfig,
     max_concurrency: Option<u64>,
+    attempt_timeout: Duration,
 ) -> Result<BreakerConfig, ConfigError> {
     let b = &cfg.breaker;
     let mut builder = BreakerConfig::builder()
@@ -116,8 +122,18 @@ pub(crate) fn breaker_config(
     if let Some(d) = secs("breaker.max_cooldown_s", b.max_cooldown_s)? {
         builder = builder.max_cooldown(d);
     }
-    if let Some(d) = secs("breaker.probe_ttl_s", b.probe_ttl_s)? {
-        builder = builder.probe_ttl(d);
+    match secs("breaker.probe_ttl_s", b.probe_ttl_s)? {
+        Some(d) => builder = builder.probe_ttl(d),
+        None => {
+            let cooldown = secs("breaker.cooldown_s", b.cooldown_s)?
+                .unwrap_or(Duration::from_secs_f64(DEFAULT_COOLDOWN_S));
+            let outlives = attempt_timeout.saturating_add(attempt_timeout / 10);
+            builder = builder.probe_ttl(
+                tower_breaker_window::DEFAULT_PROBE_TTL_FLOOR
+                    .max(cooldown)
+                    .max(outlives),
+            );
+        }
     }
     builder
         .build()
@@ -179,4 +195,23 @@ pub(crate) fn rate_limit_config(
         c = c.lease_ttl(d);
     }
     Ok(c)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_probe_lease_outlives_the_sources_longest_attempt() {
+        let cfg = GatewayConfig::default();
+        let long = breaker_config(&cfg, None, Duration::from_secs(180)).unwrap();
+        assert_eq!(long.probe_ttl(), Duration::from_secs(198));
+        // Short attempts keep the floor (60 s, or the cooldown when longer).
+        let short = breaker_config(&cfg, None, Duration::from_secs(10)).unwrap();
+        assert_eq!(short.probe_ttl(), Duration::from_secs(60));
+        let mut set = GatewayConfig::default();
+        set.breaker.probe_ttl_s = Some(5.0);
+        let set = breaker_config(&set, None, Duration::from_secs(180)).unwrap();
+        assert_eq!(set.probe_ttl(), Duration::from_secs(5), "configured wins");
+    }
 }
