@@ -20,6 +20,13 @@ use crate::order;
 use crate::sources::Snapshot;
 use crate::{BalanceConfig, CREDIBLE_HEALTH_RATIO, MIN_WAKE_WAIT};
 
+/// Timeouts in a row, with no answer between them, after which only a fresh call
+/// probes a source: 3, a call's default attempts. A timeout may be a slow answer (a
+/// long generation past the attempt timeout), and one call alone on a slow source may
+/// retry it to its last attempt; more timeouts than one call makes, with nothing heard,
+/// is silence (a black hole's concurrent attempts time out together).
+const SILENT_TIMEOUTS: u32 = 3;
+
 /// Which sources this round still has to try.
 pub(crate) enum Plan {
     Empty,
@@ -150,7 +157,7 @@ impl<S, Req, C> Drop for Ctx<S, Req, C> {
 
 impl<S, Req, C> Ctx<S, Req, C> {
     /// An attempt of this call already failed: it is not the one to probe a source
-    /// that has said nothing since its own last timeout (a call must not spend what
+    /// that has said nothing since [`SILENT_TIMEOUTS`] timeouts (a call must not spend what
     /// is left of its attempts, nor two attempt timeouts, on silence). Fresh calls
     /// probe.
     fn failed_before(&self) -> bool {
@@ -470,7 +477,8 @@ where
                         let entry = &this.ctx.snapshot.entries[i];
                         if let Some(after) = this.ctx.config.silent_after
                             && (entry.state.silent(after)
-                                || (entry.state.has_timed_out() && this.ctx.failed_before()))
+                                || (entry.state.timed_out_since_heard(SILENT_TIMEOUTS)
+                                    && this.ctx.failed_before()))
                         {
                             // Slow-call detection: calls hang there; refused like an
                             // open circuit until they end.

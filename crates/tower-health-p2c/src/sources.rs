@@ -1,7 +1,7 @@
 //! The source set: per-source health (H1, H2) and a handle to change the set at runtime.
 
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 
 use std::time::Duration;
@@ -21,8 +21,8 @@ pub(crate) struct SourceState {
     /// Nanoseconds after `epoch` when the source last answered anything (an error
     /// included, a timeout not), or when it went from idle to busy, whichever is later.
     heard_ns: AtomicU64,
-    /// An attempt timed out since the source last answered.
-    timed_out: AtomicBool,
+    /// Attempts timed out since the source last answered.
+    timeouts: AtomicU32,
     epoch: Instant,
 }
 
@@ -33,7 +33,7 @@ impl SourceState {
             ewma_bits: std::array::from_fn(|_| AtomicU64::new(HEALTH_INITIAL.to_bits())),
             inflight: AtomicUsize::new(0),
             heard_ns: AtomicU64::new(0),
-            timed_out: AtomicBool::new(false),
+            timeouts: AtomicU32::new(0),
             epoch: Instant::now(),
         }
     }
@@ -45,17 +45,17 @@ impl SourceState {
     /// The source answered something (it is alive, whatever the answer).
     pub(crate) fn heard(&self) {
         self.heard_ns.fetch_max(self.now_ns(), Ordering::Relaxed);
-        self.timed_out.store(false, Ordering::Relaxed);
+        self.timeouts.store(0, Ordering::Relaxed);
     }
 
     /// An attempt ran out of time: the source said nothing.
     pub(crate) fn timed_out(&self) {
-        self.timed_out.store(true, Ordering::Relaxed);
+        self.timeouts.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Whether an attempt timed out since the source last answered.
-    pub(crate) fn has_timed_out(&self) -> bool {
-        self.timed_out.load(Ordering::Relaxed)
+    /// Whether attempts timed out since the source last answered: at least `n`.
+    pub(crate) fn timed_out_since_heard(&self, n: u32) -> bool {
+        self.timeouts.load(Ordering::Relaxed) >= n
     }
 
     /// Attempts in flight and nothing heard from the source for longer than `after`.
@@ -105,7 +105,7 @@ impl SourceState {
     }
 
     pub(crate) fn inc(&self) {
-        if self.inflight.fetch_add(1, Ordering::Relaxed) == 0 && !self.has_timed_out() {
+        if self.inflight.fetch_add(1, Ordering::Relaxed) == 0 && !self.timed_out_since_heard(1) {
             // Idle until now: the silence starts with this attempt. After a timeout it
             // goes on: this attempt is a probe, and the others wait for its answer.
             self.heard_ns.fetch_max(self.now_ns(), Ordering::Relaxed);
