@@ -380,20 +380,25 @@ impl ServerConfig {
         vars: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Self, ConfigError> {
         let mut table: toml::Table = toml::from_str(text).map_err(|e| toml_error(&e, Some(text)))?;
-        let server = table.remove("server");
-        let (mut server_vars, gateway_vars): (Vec<_>, Vec<_>) = vars
-            .into_iter()
-            .filter(|(k, _)| k.starts_with("PGW__"))
-            .partition(|(k, _)| k.to_ascii_uppercase().starts_with("PGW__SERVER__"));
-        server_vars.sort();
-        let mut server = match server {
+        // pgw-stack's own override rules, over the whole file: `PGW__SERVER__...` lands
+        // in `[server]`, everything else in the gateway's tables.
+        let mut overrides: Vec<(String, String)> =
+            vars.into_iter().filter(|(k, _)| k.starts_with("PGW__")).collect();
+        overrides.sort();
+        for (k, v) in &overrides {
+            pgw_stack::config::apply_override(&mut table, k, v).map_err(|e| {
+                if k.to_ascii_uppercase().starts_with("PGW__SERVER__") {
+                    config_error(e.field(), e.reason().to_owned())
+                } else {
+                    e
+                }
+            })?;
+        }
+        let server = match table.remove("server") {
             None => toml::Table::new(),
             Some(toml::Value::Table(t)) => t,
             Some(_) => return Err(config_error("server", "must be a table")),
         };
-        for (k, v) in &server_vars {
-            env::apply_override(&mut server, &k["PGW__SERVER__".len()..], k, v)?;
-        }
         let section: ServerSection = toml::Value::Table(server).try_into().map_err(|e| {
             let mut err = toml_error(&e, None);
             if err.field() != "config" {
@@ -403,7 +408,7 @@ impl ServerConfig {
         })?;
         let server = section.settings()?;
         let rest = toml::to_string(&table).map_err(|e| config_error("config", e.to_string()))?;
-        let gateway = GatewayConfig::from_toml_str_with_env(&rest, gateway_vars)?;
+        let gateway = GatewayConfig::from_toml_str(&rest)?;
         Ok(Self { server, gateway })
     }
 }
@@ -428,65 +433,6 @@ fn toml_error(e: &toml::de::Error, text: Option<&str>) -> ConfigError {
         })
         .unwrap_or_else(|| "config".to_owned());
     config_error(field, msg.trim().replace('\n', " "))
-}
-
-/// `PGW__A__B=value` overrides, as pgw-stack applies them to the gateway's table
-/// (the same rules, written again here because pgw-stack keeps them private).
-mod env {
-    use super::config_error;
-    use pgw_core::ConfigError;
-
-    /// Sets `rest` (`KEYS__0__RPM`: lowercased segments, a number indexes an array) in
-    /// `table` to `raw`, read as a TOML value when it parses as one, else as a string.
-    pub(super) fn apply_override(
-        table: &mut toml::Table,
-        rest: &str,
-        var: &str,
-        raw: &str,
-    ) -> Result<(), ConfigError> {
-        let path: Vec<String> = rest.split("__").map(str::to_ascii_lowercase).collect();
-        if path.iter().any(String::is_empty) {
-            return Err(config_error(var, "empty path segment"));
-        }
-        let value = toml::from_str::<toml::Table>(&format!("v = {raw}"))
-            .ok()
-            .and_then(|mut t| t.remove("v"))
-            .unwrap_or_else(|| toml::Value::String(raw.to_owned()));
-        let mut root = toml::Value::Table(std::mem::take(table));
-        let result = set(&mut root, &path, value, var);
-        if let toml::Value::Table(t) = root {
-            *table = t;
-        }
-        result
-    }
-
-    fn set(cur: &mut toml::Value, path: &[String], value: toml::Value, var: &str) -> Result<(), ConfigError> {
-        let Some((seg, rest)) = path.split_first() else {
-            *cur = value;
-            return Ok(());
-        };
-        match cur {
-            toml::Value::Table(t) => {
-                let next = t
-                    .entry(seg.clone())
-                    .or_insert_with(|| toml::Value::Table(toml::Table::new()));
-                set(next, rest, value, var)
-            }
-            toml::Value::Array(a) => {
-                let len = a.len();
-                let item = seg
-                    .parse::<usize>()
-                    .ok()
-                    .and_then(|i| a.get_mut(i))
-                    .ok_or_else(|| config_error(var, format!("{seg:?} is not an index of {len} items")))?;
-                set(item, rest, value, var)
-            }
-            _ => Err(config_error(
-                var,
-                format!("{seg:?} is inside a value that is not a table"),
-            )),
-        }
-    }
 }
 
 #[cfg(test)]
