@@ -305,7 +305,7 @@ async fn chat(
         None => None,
     };
     if request.stream {
-        return sse::respond(&state, request, permit, slot, call);
+        return sse::respond(&state, request, permit, slot, call).await;
     }
     let result = state.gateway.chat(request).await;
     drop(slot);

@@ -83,6 +83,8 @@ async fn chat_answers_json_and_streams_sse_ending_with_done() {
     let (status, headers, body) = call(h.addr, chat(None), chat_body("m", true)).await;
     assert_eq!(status, 200);
     assert_eq!(headers["content-type"], "text/event-stream");
+    assert_eq!(headers["x-pgw-group"], "default", "streams say who answered too");
+    assert!(!headers.contains_key("x-pgw-source"));
     let ev = events(&body);
     assert_eq!(ev.last().map(String::as_str), Some("[DONE]"), "{ev:?}");
     let chunks: Vec<serde_json::Value> = ev[..ev.len() - 1]
@@ -98,15 +100,52 @@ async fn chat_answers_json_and_streams_sse_ending_with_done() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_failed_stream_ends_with_an_error_event_and_no_done() {
+async fn a_stream_failing_before_its_head_went_out_is_an_ordinary_error_answer() {
     let revoked = pgw_sim::SourceConfig {
         revoked: true.into(),
         ..fast("dead")
     };
     let h = start("", vec![revoked]).await;
-    let (status, _, body) = call(h.addr, chat(None), chat_body("m", true)).await;
-    assert_eq!(status, 200, "the SSE headers went out before the call failed");
+    let (status, headers, body) = call(h.addr, chat(None), chat_body("m", true)).await;
+    assert!(status.is_server_error(), "{status}");
+    assert!(
+        headers["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("application/json"),
+        "{headers:?}"
+    );
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert!(v["error"]["message"].is_string(), "{v}");
+    assert!(
+        !String::from_utf8_lossy(&body).contains("dead"),
+        "source names stay hidden: {v}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stream_failing_after_its_head_went_out_ends_with_an_error_event_and_no_done() {
+    // The revoked key's 401 takes 30 s to come back; the head goes out after 15 s.
+    let revoked = pgw_sim::SourceConfig {
+        revoked: true.into(),
+        error_latency_s: quick(30.0).into(),
+        ..fast("dead")
+    };
+    let h = start(
+        "sse_keep_alive_s = 15
+",
+        vec![revoked],
+    )
+    .await;
+    let (status, headers, body) = call(h.addr, chat(None), chat_body("m", true)).await;
+    assert_eq!(status, 200, "the SSE head went out before the call failed");
+    assert_eq!(headers["content-type"], "text/event-stream");
+    assert!(
+        !headers.contains_key("x-pgw-group"),
+        "no group was committed when the head went out"
+    );
     let ev = events(&body);
+    assert_eq!(ev.first().map(String::as_str), Some(":"), "{ev:?}");
     assert!(!ev.iter().any(|e| e == "[DONE]"), "{ev:?}");
     let last = ev.last().unwrap();
     let v: serde_json::Value = serde_json::from_str(last).unwrap();
@@ -366,7 +405,12 @@ async fn shutdown_drains_a_running_stream_then_stops() {
 
 #[tokio::test(start_paused = true)]
 async fn shutdown_cuts_what_is_left_after_the_grace_period() {
-    let mut h = start("shutdown_grace_s = 5\n", vec![slow("s1", 60.0)]).await;
+    // The head goes out after 1 s of waiting for the first token (60 s away), the cut at 5 s.
+    let mut h = start(
+        "shutdown_grace_s = 5\nsse_keep_alive_s = 1\n",
+        vec![slow("s1", 60.0)],
+    )
+    .await;
     let addr = h.addr;
     let stream = tokio::spawn(async move {
         let resp = send(addr, chat(None).body(Full::new(chat_body("m", true))).unwrap()).await;
