@@ -35,7 +35,6 @@ mod attempt;
 pub mod cache;
 pub mod config;
 mod gateway;
-pub mod proxy;
 mod relay;
 pub mod telemetry;
 mod validate;
