@@ -6,6 +6,7 @@
 //! listen = "0.0.0.0:8080"
 //! expose_sources = false
 //! header_read_timeout_s = 10
+//! body_read_timeout_s = 30
 //! max_body_bytes = 8388608
 //! max_connections = 1024
 //! max_in_flight = 512
@@ -44,6 +45,9 @@ pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
 /// Default time a client has to send a request's headers (and the longest a kept-alive
 /// connection may sit idle between requests): 10 s. Slow-header clients are cut then.
 pub const DEFAULT_HEADER_READ_TIMEOUT_S: f64 = 10.0;
+/// Default time a client has to send a request's whole body once its headers are in:
+/// 30 s. A body trickled slower is cut then with a 408, before it costs an attempt.
+pub const DEFAULT_BODY_READ_TIMEOUT_S: f64 = 30.0;
 /// Default request body limit: 8 MiB (a long prompt is a few hundred KB).
 pub const DEFAULT_MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
 /// Default cap on open client connections: 1024 (well under a default `ulimit -n` of
@@ -126,6 +130,11 @@ pub struct ServerSection {
     /// kept-alive connection (default [`DEFAULT_HEADER_READ_TIMEOUT_S`]).
     #[serde(default)]
     pub header_read_timeout_s: Option<f64>,
+    /// Seconds a client has to send a request's whole body after its headers (default
+    /// [`DEFAULT_BODY_READ_TIMEOUT_S`]); a slower body is answered 408 and the
+    /// connection closed.
+    #[serde(default)]
+    pub body_read_timeout_s: Option<f64>,
     /// Keep connections alive between requests (default true).
     #[serde(default = "yes")]
     pub keep_alive: bool,
@@ -175,6 +184,7 @@ impl Default for ServerSection {
             allow_unauthenticated: false,
             expose_sources: false,
             header_read_timeout_s: None,
+            body_read_timeout_s: None,
             keep_alive: true,
             max_body_bytes: None,
             max_connections: None,
@@ -199,6 +209,8 @@ pub struct Settings {
     pub expose_sources: bool,
     /// See [`ServerSection::header_read_timeout_s`].
     pub header_read_timeout: Duration,
+    /// See [`ServerSection::body_read_timeout_s`].
+    pub body_read_timeout: Duration,
     /// See [`ServerSection::keep_alive`].
     pub keep_alive: bool,
     /// See [`ServerSection::max_body_bytes`].
@@ -305,6 +317,11 @@ impl ServerSection {
                 "server.header_read_timeout_s",
                 self.header_read_timeout_s,
                 DEFAULT_HEADER_READ_TIMEOUT_S,
+            )?,
+            body_read_timeout: secs(
+                "server.body_read_timeout_s",
+                self.body_read_timeout_s,
+                DEFAULT_BODY_READ_TIMEOUT_S,
             )?,
             keep_alive: self.keep_alive,
             max_body_bytes: positive(
@@ -459,6 +476,10 @@ mod tests {
             (
                 "[server]\nheader_read_timeout_s = -1\n",
                 "server.header_read_timeout_s",
+            ),
+            (
+                "[server]\nbody_read_timeout_s = 0\n",
+                "server.body_read_timeout_s",
             ),
             (
                 "[[server.keys]]\nlabel = \"a\"\nsha256 = \"sk-plaintext\"\n",
