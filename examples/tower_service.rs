@@ -30,7 +30,11 @@ struct Reply {
 async fn main() -> Result<(), pgw_core::BoxError> {
     let (gateway, _sim) = pgw_examples::gateway().await?;
     let mut service = ServiceBuilder::new()
-        .map_request(|q: Question| ChatCall::new(ChatRequest::user("gpt-4o-mini", q.0)))
+        .map_request(|q: Question| {
+            let mut request = ChatRequest::user("gpt-4o-mini", q.0);
+            request.max_tokens = Some(40);
+            ChatCall::new(request)
+        })
         .map_response(|a: GatewayAnswer| Reply {
             text: a.content().to_owned(),
             source: a.source.map(|s| s.to_string()),
