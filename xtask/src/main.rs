@@ -1,8 +1,10 @@
 //! Project automation for the pgw workspace.
 //!
 //! - `cargo xtask test`: installs redis-server when missing, starts a throwaway
-//!   standalone Redis and a 3-node Redis Cluster on free loopback ports, runs the whole
-//!   test suite against them, stops them, exits with the tests' status.
+//!   standalone Redis and a 3-node Redis Cluster on free loopback ports, installs the
+//!   official OpenAI Python SDK into a venv under `target/` when missing (for the SDK
+//!   check in `tests/openai_sdk.rs`), runs the whole test suite, stops the servers,
+//!   exits with the tests' status.
 //! - `cargo xtask lint`: fmt, clippy `-D warnings`, rustdoc `-D warnings`.
 //! - `cargo xtask ci`: exactly what CI does (`.ci/run`): `cargo xtask lint`, then `cargo xtask test`.
 //! - `cargo xtask soak`: the soak, P6 by default (see the `pgw-soak` crate; `-- --scenario NAME`, `-- --matrix`).
@@ -16,6 +18,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod redis;
+mod sdk;
 
 #[derive(Parser)]
 #[command(about = "pgw project automation")]
@@ -86,13 +89,18 @@ fn status_code(status: std::process::ExitStatus) -> ExitCode {
 }
 
 fn test(args: &[String]) -> Result<ExitCode> {
+    let sdk = sdk::python()?;
     let servers = redis::Servers::start()?;
     eprintln!(
         "xtask: REDIS_URL={} REDIS_CLUSTER_NODES={}",
         servers.standalone_url(),
         servers.cluster_nodes()
     );
-    let status = cargo()
+    let mut cmd = cargo();
+    if let Some(python) = &sdk {
+        cmd.env("PGW_SDK_PYTHON", python);
+    }
+    let status = cmd
         .args(["test", "--workspace", "--all-features"])
         .args(args)
         .env("REDIS_URL", servers.standalone_url())

@@ -12,6 +12,12 @@
 //! through pgw) so drift hits both alike. CPU per request is the pgw process's own
 //! user + system time (`/proc/PID/stat`) over the measured requests. With `--litellm`,
 //! LiteLLM's proxy (`litellm --config`) on the same upstream, when it is installed.
+//!
+//! Then, for each path: the most requests/s whose p99 stays <= 20 ms (closed loops of
+//! 1, 2, 4, ... keep-alive connections); the first-chunk latency and the gaps between
+//! chunks of a long stream (100 chunks 2 ms apart), pgw against direct; and the pgw
+//! process's resident memory (`/proc/PID/statm`) before, while and after it streams a
+//! 64k-token answer.
 
 #![allow(clippy::cast_precision_loss, clippy::cast_possible_truncation, missing_docs)]
 
@@ -48,6 +54,54 @@ fn sse_body() -> String {
     out
 }
 
+/// One SSE chunk event carrying `word`.
+fn chunk_event(word: &str) -> Bytes {
+    Bytes::from(format!(
+        "data: {{\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{word}\"}},\"finish_reason\":null}}]}}\n\n"
+    ))
+}
+
+const LAST_EVENTS: &str = "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\ndata: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":5,\"total_tokens\":14}}\n\ndata: [DONE]\n\n";
+
+/// Chunks of a long stream (`"long"` in the prompt): `LONG_CHUNKS` events `LONG_GAP` apart.
+const LONG_CHUNKS: usize = 100;
+const LONG_GAP: Duration = Duration::from_millis(2);
+/// Chunks of a huge stream (`"huge"` in the prompt): a 64k-token answer, sent as fast
+/// as the reader takes it.
+const HUGE_CHUNKS: usize = 65_536;
+
+type UpBody = http_body_util::combinators::BoxBody<Bytes, Infallible>;
+
+fn paced(n: usize, gap: Option<Duration>) -> UpBody {
+    let events = futures_util::stream::unfold(0usize, move |i| async move {
+        if i > n {
+            return None;
+        }
+        if i == n {
+            return Some((
+                Ok(hyper::body::Frame::data(Bytes::from_static(
+                    LAST_EVENTS.as_bytes(),
+                ))),
+                i + 1,
+            ));
+        }
+        if let Some(g) = gap
+            && i > 0
+        {
+            tokio::time::sleep(g).await;
+        }
+        Some((
+            Ok(hyper::body::Frame::data(chunk_event(if i % 2 == 0 {
+                "tok"
+            } else {
+                "en "
+            }))),
+            i + 1,
+        ))
+    });
+    BodyExt::boxed(http_body_util::StreamBody::new(events))
+}
+
 async fn upstream(listener: TcpListener) {
     let sse: Bytes = sse_body().into();
     loop {
@@ -66,16 +120,24 @@ async fn upstream(listener: TcpListener) {
                         .await
                         .map(http_body_util::Collected::to_bytes)
                         .unwrap_or_default();
-                    let stream = body.windows(13).any(|w| w == b"\"stream\":true");
-                    let (ct, bytes) = if stream {
-                        ("text/event-stream", sse)
+                    let has = |s: &[u8]| body.windows(s.len()).any(|w| w == s);
+                    let stream = has(b"\"stream\":true");
+                    let (ct, bytes): (&str, UpBody) = if stream && has(b"long") {
+                        ("text/event-stream", paced(LONG_CHUNKS, Some(LONG_GAP)))
+                    } else if stream && has(b"huge") {
+                        ("text/event-stream", paced(HUGE_CHUNKS, None))
+                    } else if stream {
+                        ("text/event-stream", Full::new(sse).boxed())
                     } else {
-                        ("application/json", Bytes::from_static(COMPLETION.as_bytes()))
+                        (
+                            "application/json",
+                            Full::new(Bytes::from_static(COMPLETION.as_bytes())).boxed(),
+                        )
                     };
                     Ok::<_, Infallible>(
                         http::Response::builder()
                             .header("content-type", ct)
-                            .body(Full::new(bytes))
+                            .body(bytes)
                             .unwrap_or_default(),
                     )
                 }
@@ -127,6 +189,34 @@ impl Client {
             return Err(format!("status {status}: {}", String::from_utf8_lossy(&bytes)).into());
         }
         Ok(took)
+    }
+
+    /// One streamed call: the arrival offset of each `data:` event, and the bytes read.
+    async fn events(&mut self, body: &Bytes) -> Result<(Vec<Duration>, usize), BoxError> {
+        let req = http::Request::post(&self.path)
+            .header("host", "bench")
+            .header("content-type", "application/json")
+            .header("authorization", format!("Bearer {CLIENT_KEY}"))
+            .body(Full::new(body.clone()))?;
+        if self.sender.is_closed() || self.sender.ready().await.is_err() {
+            *self = Self::connect(self.addr, &self.path).await?;
+        }
+        let started = Instant::now();
+        let resp = self.sender.send_request(req).await?;
+        if resp.status() != 200 {
+            return Err(format!("status {}", resp.status()).into());
+        }
+        let mut body = resp.into_body();
+        let (mut at, mut bytes) = (Vec::new(), 0);
+        while let Some(frame) = body.frame().await {
+            if let Ok(data) = frame?.into_data() {
+                bytes += data.len();
+                let n = data.windows(6).filter(|w| w == b"data: ").count();
+                let t = started.elapsed();
+                at.extend(std::iter::repeat_n(t, n));
+            }
+        }
+        Ok((at, bytes))
     }
 }
 
@@ -343,6 +433,120 @@ fn rows(
     out
 }
 
+/// Requests/s of `concurrency` keep-alive connections in a closed loop for `run`, and
+/// the p99 latency (ms) of those requests.
+async fn closed_loop(
+    addr: SocketAddr,
+    path: &str,
+    body: &Bytes,
+    concurrency: usize,
+    run: Duration,
+) -> Result<(f64, f64), BoxError> {
+    let mut tasks = tokio::task::JoinSet::new();
+    let started = Instant::now();
+    for _ in 0..concurrency {
+        let mut c = Client::connect(addr, path).await?;
+        let body = body.clone();
+        tasks.spawn(async move {
+            let mut lat = Vec::new();
+            while started.elapsed() < run {
+                lat.push(c.call(&body).await?);
+            }
+            Ok::<_, BoxError>(lat)
+        });
+    }
+    let mut all = Vec::new();
+    while let Some(r) = tasks.join_next().await {
+        all.extend(r??);
+    }
+    let took = started.elapsed().as_secs_f64();
+    all.sort();
+    Ok((all.len() as f64 / took, pct(&all, 0.99)))
+}
+
+/// The most requests/s at p99 <= 20 ms over concurrency 1, 2, 4, ... 128: (rps,
+/// concurrency, p99 ms).
+async fn rps_at_p99(addr: SocketAddr, path: &str, body: &Bytes) -> Result<(f64, usize, f64), BoxError> {
+    let mut best = (0.0, 0, f64::NAN);
+    let mut c = 1;
+    while c <= 128 {
+        let (rps, p99) = closed_loop(addr, path, body, c, Duration::from_millis(1500)).await?;
+        if p99 > 20.0 {
+            break;
+        }
+        if rps > best.0 {
+            best = (rps, c, p99);
+        }
+        c *= 2;
+    }
+    Ok(best)
+}
+
+/// A long stream (`LONG_CHUNKS` events `LONG_GAP` apart), `n` times: per request the
+/// first event's offset and every gap between events.
+async fn long_stream(
+    addr: SocketAddr,
+    path: &str,
+    n: usize,
+) -> Result<(Vec<Duration>, Vec<Duration>), BoxError> {
+    let body = Bytes::from_static(
+        br#"{"model":"m","messages":[{"role":"user","content":"long"}],"max_tokens":200,"stream":true}"#,
+    );
+    let mut c = Client::connect(addr, path).await?;
+    let (mut first, mut gaps) = (Vec::new(), Vec::new());
+    for _ in 0..n {
+        let (at, _) = c.events(&body).await?;
+        // The content events only: not the finish, usage and [DONE] events at the end.
+        let content = &at[..at.len().min(LONG_CHUNKS)];
+        if let Some(f) = content.first() {
+            first.push(*f);
+        }
+        gaps.extend(content.windows(2).map(|w| w[1].saturating_sub(w[0])));
+    }
+    first.sort();
+    gaps.sort();
+    Ok((first, gaps))
+}
+
+fn rss_bytes(pid: u32) -> Option<u64> {
+    let statm = std::fs::read_to_string(format!("/proc/{pid}/statm")).ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    Some(pages * 4096)
+}
+
+/// Streams a 64k-token answer through `p` while sampling its resident memory: (RSS
+/// before, highest RSS while streaming, RSS after, bytes streamed).
+async fn huge_stream_rss(p: &Proxy) -> Result<(u64, u64, u64, usize), BoxError> {
+    let pid = p.child.id();
+    let body = Bytes::from_static(
+        br#"{"model":"m","messages":[{"role":"user","content":"huge"}],"max_tokens":65536,"stream":true}"#,
+    );
+    let mut c = Client::connect(p.addr, &p.path).await?;
+    // One first, so allocator pools and lazily built state are in place.
+    c.events(&body).await?;
+    let before = rss_bytes(pid).ok_or("no /proc/PID/statm")?;
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sampler = {
+        let done = std::sync::Arc::clone(&done);
+        tokio::spawn(async move {
+            let mut peak = 0;
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                peak = peak.max(rss_bytes(pid).unwrap_or(0));
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            peak
+        })
+    };
+    let (at, bytes) = c.events(&body).await?;
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let peak = sampler.await?;
+    if at.len() < HUGE_CHUNKS {
+        return Err(format!("{}: {} events of {HUGE_CHUNKS}", p.name, at.len()).into());
+    }
+    let after = rss_bytes(pid).ok_or("no /proc/PID/statm")?;
+    Ok((before, peak.max(before), after, bytes))
+}
+
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), BoxError> {
     let mut args = std::env::args().skip(1);
@@ -406,6 +610,60 @@ async fn main() -> Result<(), BoxError> {
         println!(
             "| {} | {:.3} | {:.3} | {:+.3} | {:+.3} | {cpu} |",
             r.name, r.p50, r.p99, r.added_p50, r.added_p99
+        );
+    }
+
+    println!();
+    println!("requests/s at p99 <= 20 ms (json, closed loop, concurrency 1..128, 1.5 s each)");
+    println!();
+    println!("| path | requests/s | at concurrency | p99 ms |");
+    println!("|---|---:|---:|---:|");
+    let path = "/v1/chat/completions";
+    let (rps, c, p99) = rps_at_p99(up, path, &json).await?;
+    println!("| direct | {rps:.0} | {c} | {p99:.2} |");
+    for p in &proxies {
+        let (rps, c, p99) = rps_at_p99(p.addr, &p.path, &json).await?;
+        println!("| {} | {rps:.0} | {c} | {p99:.2} |", p.name);
+    }
+
+    println!();
+    println!(
+        "a long stream: {LONG_CHUNKS} chunks {} ms apart, 30 requests, concurrency 1",
+        LONG_GAP.as_millis()
+    );
+    println!();
+    println!("| path | first chunk p50 ms | added | chunk gap p50 ms | p99 ms | added p50 | added p99 |");
+    println!("|---|---:|---:|---:|---:|---:|---:|");
+    let (df, dg) = long_stream(up, path, 30).await?;
+    let (f50, g50, g99) = (pct(&df, 0.5), pct(&dg, 0.5), pct(&dg, 0.99));
+    println!("| direct | {f50:.3} | | {g50:.3} | {g99:.3} | | |");
+    for p in &proxies {
+        let (pf, pg) = long_stream(p.addr, &p.path, 30).await?;
+        let (pf50, pg50, pg99) = (pct(&pf, 0.5), pct(&pg, 0.5), pct(&pg, 0.99));
+        println!(
+            "| {} | {pf50:.3} | {:+.3} | {pg50:.3} | {pg99:.3} | {:+.3} | {:+.3} |",
+            p.name,
+            pf50 - f50,
+            pg50 - g50,
+            pg99 - g99
+        );
+    }
+
+    println!();
+    println!("a 64k-token streamed answer through pgw: resident memory of the pgw process (/proc/PID/statm)");
+    println!();
+    println!("| path | streamed | RSS before | peak while streaming | after |");
+    println!("|---|---:|---:|---:|---:|");
+    for p in proxies.iter().filter(|p| p.name != "litellm") {
+        let (before, peak, after, bytes) = huge_stream_rss(p).await?;
+        let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+        println!(
+            "| {} | {:.1} MiB | {:.1} MiB | {:.1} MiB | {:.1} MiB |",
+            p.name,
+            mib(bytes as u64),
+            mib(before),
+            mib(peak),
+            mib(after)
         );
     }
     Ok(())

@@ -6,6 +6,7 @@
 //! listen = "0.0.0.0:8080"
 //! expose_sources = false
 //! header_read_timeout_s = 10
+//! body_read_timeout_s = 30
 //! max_body_bytes = 8388608
 //! max_connections = 1024
 //! max_in_flight = 512
@@ -44,6 +45,9 @@ pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
 /// Default time a client has to send a request's headers (and the longest a kept-alive
 /// connection may sit idle between requests): 10 s. Slow-header clients are cut then.
 pub const DEFAULT_HEADER_READ_TIMEOUT_S: f64 = 10.0;
+/// Default time a client has to send a request's whole body once its headers are in:
+/// 30 s. A body trickled slower is cut then with a 408, before it costs an attempt.
+pub const DEFAULT_BODY_READ_TIMEOUT_S: f64 = 30.0;
 /// Default request body limit: 8 MiB (a long prompt is a few hundred KB).
 pub const DEFAULT_MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
 /// Default cap on open client connections: 1024 (well under a default `ulimit -n` of
@@ -126,6 +130,11 @@ pub struct ServerSection {
     /// kept-alive connection (default [`DEFAULT_HEADER_READ_TIMEOUT_S`]).
     #[serde(default)]
     pub header_read_timeout_s: Option<f64>,
+    /// Seconds a client has to send a request's whole body after its headers (default
+    /// [`DEFAULT_BODY_READ_TIMEOUT_S`]); a slower body is answered 408 and the
+    /// connection closed.
+    #[serde(default)]
+    pub body_read_timeout_s: Option<f64>,
     /// Keep connections alive between requests (default true).
     #[serde(default = "yes")]
     pub keep_alive: bool,
@@ -175,6 +184,7 @@ impl Default for ServerSection {
             allow_unauthenticated: false,
             expose_sources: false,
             header_read_timeout_s: None,
+            body_read_timeout_s: None,
             keep_alive: true,
             max_body_bytes: None,
             max_connections: None,
@@ -199,6 +209,8 @@ pub struct Settings {
     pub expose_sources: bool,
     /// See [`ServerSection::header_read_timeout_s`].
     pub header_read_timeout: Duration,
+    /// See [`ServerSection::body_read_timeout_s`].
+    pub body_read_timeout: Duration,
     /// See [`ServerSection::keep_alive`].
     pub keep_alive: bool,
     /// See [`ServerSection::max_body_bytes`].
@@ -306,6 +318,11 @@ impl ServerSection {
                 self.header_read_timeout_s,
                 DEFAULT_HEADER_READ_TIMEOUT_S,
             )?,
+            body_read_timeout: secs(
+                "server.body_read_timeout_s",
+                self.body_read_timeout_s,
+                DEFAULT_BODY_READ_TIMEOUT_S,
+            )?,
             keep_alive: self.keep_alive,
             max_body_bytes: positive(
                 "server.max_body_bytes",
@@ -380,20 +397,25 @@ impl ServerConfig {
         vars: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Self, ConfigError> {
         let mut table: toml::Table = toml::from_str(text).map_err(|e| toml_error(&e, Some(text)))?;
-        let server = table.remove("server");
-        let (mut server_vars, gateway_vars): (Vec<_>, Vec<_>) = vars
-            .into_iter()
-            .filter(|(k, _)| k.starts_with("PGW__"))
-            .partition(|(k, _)| k.to_ascii_uppercase().starts_with("PGW__SERVER__"));
-        server_vars.sort();
-        let mut server = match server {
+        // pgw-stack's own override rules, over the whole file: `PGW__SERVER__...` lands
+        // in `[server]`, everything else in the gateway's tables.
+        let mut overrides: Vec<(String, String)> =
+            vars.into_iter().filter(|(k, _)| k.starts_with("PGW__")).collect();
+        overrides.sort();
+        for (k, v) in &overrides {
+            pgw_stack::config::apply_override(&mut table, k, v).map_err(|e| {
+                if k.to_ascii_uppercase().starts_with("PGW__SERVER__") {
+                    config_error(e.field(), e.reason().to_owned())
+                } else {
+                    e
+                }
+            })?;
+        }
+        let server = match table.remove("server") {
             None => toml::Table::new(),
             Some(toml::Value::Table(t)) => t,
             Some(_) => return Err(config_error("server", "must be a table")),
         };
-        for (k, v) in &server_vars {
-            env::apply_override(&mut server, &k["PGW__SERVER__".len()..], k, v)?;
-        }
         let section: ServerSection = toml::Value::Table(server).try_into().map_err(|e| {
             let mut err = toml_error(&e, None);
             if err.field() != "config" {
@@ -403,7 +425,7 @@ impl ServerConfig {
         })?;
         let server = section.settings()?;
         let rest = toml::to_string(&table).map_err(|e| config_error("config", e.to_string()))?;
-        let gateway = GatewayConfig::from_toml_str_with_env(&rest, gateway_vars)?;
+        let gateway = GatewayConfig::from_toml_str(&rest)?;
         Ok(Self { server, gateway })
     }
 }
@@ -430,65 +452,6 @@ fn toml_error(e: &toml::de::Error, text: Option<&str>) -> ConfigError {
     config_error(field, msg.trim().replace('\n', " "))
 }
 
-/// `PGW__A__B=value` overrides, as pgw-stack applies them to the gateway's table
-/// (the same rules, written again here because pgw-stack keeps them private).
-mod env {
-    use super::config_error;
-    use pgw_core::ConfigError;
-
-    /// Sets `rest` (`KEYS__0__RPM`: lowercased segments, a number indexes an array) in
-    /// `table` to `raw`, read as a TOML value when it parses as one, else as a string.
-    pub(super) fn apply_override(
-        table: &mut toml::Table,
-        rest: &str,
-        var: &str,
-        raw: &str,
-    ) -> Result<(), ConfigError> {
-        let path: Vec<String> = rest.split("__").map(str::to_ascii_lowercase).collect();
-        if path.iter().any(String::is_empty) {
-            return Err(config_error(var, "empty path segment"));
-        }
-        let value = toml::from_str::<toml::Table>(&format!("v = {raw}"))
-            .ok()
-            .and_then(|mut t| t.remove("v"))
-            .unwrap_or_else(|| toml::Value::String(raw.to_owned()));
-        let mut root = toml::Value::Table(std::mem::take(table));
-        let result = set(&mut root, &path, value, var);
-        if let toml::Value::Table(t) = root {
-            *table = t;
-        }
-        result
-    }
-
-    fn set(cur: &mut toml::Value, path: &[String], value: toml::Value, var: &str) -> Result<(), ConfigError> {
-        let Some((seg, rest)) = path.split_first() else {
-            *cur = value;
-            return Ok(());
-        };
-        match cur {
-            toml::Value::Table(t) => {
-                let next = t
-                    .entry(seg.clone())
-                    .or_insert_with(|| toml::Value::Table(toml::Table::new()));
-                set(next, rest, value, var)
-            }
-            toml::Value::Array(a) => {
-                let len = a.len();
-                let item = seg
-                    .parse::<usize>()
-                    .ok()
-                    .and_then(|i| a.get_mut(i))
-                    .ok_or_else(|| config_error(var, format!("{seg:?} is not an index of {len} items")))?;
-                set(item, rest, value, var)
-            }
-            _ => Err(config_error(
-                var,
-                format!("{seg:?} is inside a value that is not a table"),
-            )),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -513,6 +476,10 @@ mod tests {
             (
                 "[server]\nheader_read_timeout_s = -1\n",
                 "server.header_read_timeout_s",
+            ),
+            (
+                "[server]\nbody_read_timeout_s = 0\n",
+                "server.body_read_timeout_s",
             ),
             (
                 "[[server.keys]]\nlabel = \"a\"\nsha256 = \"sk-plaintext\"\n",

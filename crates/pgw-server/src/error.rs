@@ -330,7 +330,10 @@ impl ApiError {
     }
 }
 
-fn find<'a, T: std::error::Error + 'static>(e: &'a (dyn std::error::Error + 'static)) -> Option<&'a T> {
+/// The first error of type `T` in `e`'s source chain.
+pub(crate) fn find<'a, T: std::error::Error + 'static>(
+    e: &'a (dyn std::error::Error + 'static),
+) -> Option<&'a T> {
     let mut cur = Some(e);
     while let Some(e) = cur {
         if let Some(t) = e.downcast_ref::<T>() {

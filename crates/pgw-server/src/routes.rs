@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use axum::body::Body;
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
@@ -12,6 +13,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use http_body_util::BodyExt;
 use metrics_exporter_prometheus::PrometheusHandle;
 use pgw_core::openai::ChatRequest;
 use pgw_stack::{BackendKind, Gateway, GatewayConfig};
@@ -35,6 +37,7 @@ pub struct AppState {
     pub(crate) expose_sources: bool,
     pub(crate) sse_keep_alive: Duration,
     pub(crate) shed_retry_after: Duration,
+    pub(crate) body_read_timeout: Duration,
     pub(crate) in_flight: Arc<Semaphore>,
     pub(crate) metrics: Option<PrometheusHandle>,
     pub(crate) draining: Arc<AtomicBool>,
@@ -69,6 +72,7 @@ impl AppState {
             expose_sources: settings.expose_sources,
             sse_keep_alive: settings.sse_keep_alive,
             shed_retry_after: settings.shed_retry_after,
+            body_read_timeout: settings.body_read_timeout,
             in_flight: Arc::new(Semaphore::new(settings.max_in_flight)),
             metrics,
             draining: Arc::new(AtomicBool::new(false)),
@@ -113,6 +117,7 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
     let api = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/models", get(models))
+        .layer(middleware::from_fn_with_state(state.clone(), read_body))
         .layer(DefaultBodyLimit::disable())
         .layer(RequestBodyLimitLayer::new(max_body_bytes));
     Router::new()
@@ -133,6 +138,36 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
                 .on_response(DefaultOnResponse::new().level(tracing::Level::INFO)),
         )
         .with_state(state)
+}
+
+/// Reads the whole request body within `body_read_timeout` of its headers: a client
+/// trickling its body is answered 408 and its connection closed then, before the call
+/// costs an attempt (hyper's header read timeout only covers the head). A body over
+/// the limit (tower-http's `Limited` below) is a 413.
+async fn read_body(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    let (parts, body) = request.into_parts();
+    match tokio::time::timeout(state.body_read_timeout, body.collect()).await {
+        Ok(Ok(collected)) => {
+            next.run(Request::from_parts(parts, Body::from(collected.to_bytes())))
+                .await
+        }
+        Ok(Err(e)) => {
+            let too_large = crate::error::find::<http_body_util::LengthLimitError>(&e).is_some();
+            if too_large {
+                ApiError::of_status(StatusCode::PAYLOAD_TOO_LARGE).into_response()
+            } else {
+                ApiError::invalid_request("invalid_body", "the request body could not be read")
+                    .into_response()
+            }
+        }
+        Err(_) => {
+            let mut response = ApiError::of_status(StatusCode::REQUEST_TIMEOUT).into_response();
+            response
+                .headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            response
+        }
+    }
 }
 
 /// Any error answer that is not JSON yet (a layer's 413, the framework's 405) becomes
@@ -305,7 +340,7 @@ async fn chat(
         None => None,
     };
     if request.stream {
-        return sse::respond(&state, request, permit, slot, call);
+        return sse::respond(&state, request, permit, slot, call).await;
     }
     let result = state.gateway.chat(request).await;
     drop(slot);

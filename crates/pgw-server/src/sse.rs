@@ -1,11 +1,17 @@
 //! Streamed answers as server-sent events.
 //!
-//! The `200` and its headers go out at once; then, while the gateway looks for an
-//! answer, a `: keep-alive` comment every `sse_keep_alive` (proxies and clients with
-//! idle timeouts keep the connection); then each chunk as `data: {json}\n\n`, and
-//! `data: [DONE]\n\n` at the end. A call that fails, before or after its first chunk,
-//! ends with one OpenAI-style error event `data: {"error": {...}}` and no `[DONE]`, so
-//! a client never takes a truncated answer for a complete one.
+//! The response head waits for the gateway to commit the stream to a source (its first
+//! chunk of output), at most one keep-alive interval: then it goes out with
+//! `x-pgw-group` (and `x-pgw-source` with `expose_sources`). A call that fails before
+//! the head went out gets an ordinary error answer (status, OpenAI JSON,
+//! `Retry-After`), as the provider's own API does, so an SDK's retry policy sees it.
+//! When the interval passes first, the `200` goes out without those headers, and a
+//! `: keep-alive` comment follows every `sse_keep_alive` of silence (proxies and
+//! clients with idle timeouts keep the connection). Then each chunk as
+//! `data: {json}\n\n`, and `data: [DONE]\n\n` at the end. A call that fails after the
+//! head went out, before or after its first chunk, ends with one OpenAI-style error
+//! event `data: {"error": {...}}` and no `[DONE]`, so a client never takes a
+//! truncated answer for a complete one.
 
 use std::convert::Infallible;
 use std::pin::Pin;
@@ -13,12 +19,12 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::http::{HeaderValue, StatusCode, header};
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use futures_util::StreamExt;
-use futures_util::stream::BoxStream;
 use pgw_core::BoxError;
 use pgw_core::openai::{ChatChunk, ChatRequest, Usage};
+use pgw_stack::ChatStream;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::{Instant, Interval, MissedTickBehavior};
 use tower_ratelimit_redis::Permit;
@@ -26,12 +32,11 @@ use tower_ratelimit_redis::Permit;
 use crate::error::ApiError;
 use crate::routes::{AppState, CallMetrics};
 
-type Chunks = BoxStream<'static, Result<ChatChunk, BoxError>>;
-type Opening = Pin<Box<dyn Future<Output = Result<Chunks, BoxError>> + Send>>;
+type Opening = Pin<Box<dyn Future<Output = Result<ChatStream, BoxError>> + Send>>;
 
 enum Phase {
     Opening(Opening),
-    Streaming(Chunks),
+    Streaming(ChatStream),
     Done,
 }
 
@@ -139,24 +144,50 @@ impl Call {
     }
 }
 
-/// The SSE response of a streamed call: headers now, events as they come.
-pub(crate) fn respond(
+/// The SSE response of a streamed call: the head once the stream is committed (or one
+/// keep-alive interval passed), events as they come.
+pub(crate) async fn respond(
     state: &AppState,
     request: ChatRequest,
-    permit: Option<Permit>,
+    mut permit: Option<Permit>,
     slot: OwnedSemaphorePermit,
     metrics: CallMetrics,
 ) -> Response {
     let gateway = state.gateway.clone();
-    let opening: Opening = Box::pin(async move {
-        let chunks = gateway.chat_stream(request).await?;
-        Ok(chunks.boxed())
-    });
+    let mut opening: Opening = Box::pin(async move { gateway.chat_stream(request).await });
     let every = state.sse_keep_alive.max(Duration::from_millis(1));
-    let mut keep_alive = tokio::time::interval_at(Instant::now() + every, every);
+    let (phase, who) = match tokio::time::timeout(every, &mut opening).await {
+        Ok(Ok(stream)) => {
+            let who = (
+                HeaderValue::from_str(stream.group()).ok(),
+                stream
+                    .source()
+                    .filter(|_| state.expose_sources)
+                    .and_then(|s| HeaderValue::from_str(s.as_str()).ok()),
+            );
+            (Phase::Streaming(stream), who)
+        }
+        Ok(Err(e)) => {
+            drop(slot);
+            let err = ApiError::from_gateway(&e, state.expose_sources);
+            tracing::warn!(tenant = %metrics.tenant, status = err.status.as_u16(), code = ?err.code, error = %e, "streamed call failed");
+            metrics.finish(Some(&err));
+            if let Some(p) = permit.take() {
+                let _ = p.finish(None).await;
+            }
+            return err.into_response();
+        }
+        // A full interval of silence already: the first comment goes out with the head.
+        Err(_) => (Phase::Opening(opening), (None, None)),
+    };
+    let first_tick = match phase {
+        Phase::Opening(_) => Instant::now(),
+        _ => Instant::now() + every,
+    };
+    let mut keep_alive = tokio::time::interval_at(first_tick, every);
     keep_alive.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let call = Call {
-        phase: Phase::Opening(opening),
+        phase,
         keep_alive,
         permit,
         usage: None,
@@ -179,5 +210,11 @@ pub(crate) fn respond(
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     // Tells nginx-style proxies not to buffer the stream.
     h.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    if let (Some(g), source) = who {
+        h.insert("x-pgw-group", g);
+        if let Some(s) = source {
+            h.insert("x-pgw-source", s);
+        }
+    }
     response
 }

@@ -102,6 +102,10 @@ async fn accept_loop(listener: TcpListener, pool: SimPool, mut stopped: oneshot:
                     tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                     continue;
                 };
+                // Providers' servers flush each SSE event at once. With Nagle on, an
+                // event written while the previous one is unacknowledged waits for the
+                // client's delayed ACK (~40 ms; on the paused clock, the next timer).
+                let _ = stream.set_nodelay(true);
                 let pool = pool.clone();
                 conns.spawn(async move {
                     let svc = hyper::service::service_fn(move |req| handle(pool.clone(), req));

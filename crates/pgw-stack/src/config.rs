@@ -928,11 +928,29 @@ fn toml_error(e: &toml::de::Error, text: Option<&str>) -> ConfigError {
     config_error(field, msg.trim().replace('\n', " "))
 }
 
-fn apply_override(table: &mut toml::Table, var: &str, raw: &str) -> Result<(), ConfigError> {
-    let path: Vec<String> = var["PGW__".len()..]
-        .split("__")
-        .map(str::to_ascii_lowercase)
-        .collect();
+/// Applies one `PGW__A__B=raw` environment override to `table`: sets `a.b` (segments
+/// lowercased, split on `__`; a number indexes an existing array item) to `raw` read as
+/// a TOML value when it parses as one (`60`, `true`, `[1, 2]`), else as a string. This
+/// is what [`GatewayConfig::from_toml_str_with_env`] does for each variable; it is
+/// public so a program embedding the gateway's TOML in a larger file (the `pgw`
+/// server) applies the same rules to its own tables.
+///
+/// ```
+/// let mut table: toml::Table = toml::from_str("[[sources]]\nname = \"s1\"\n").unwrap();
+/// pgw_stack::config::apply_override(&mut table, "PGW__SOURCES__0__RPM", "60").unwrap();
+/// assert_eq!(table["sources"][0]["rpm"].as_integer(), Some(60));
+/// let err = pgw_stack::config::apply_override(&mut table, "PGW__SOURCES__9__RPM", "1").unwrap_err();
+/// assert_eq!(err.field(), "PGW__SOURCES__9__RPM");
+/// ```
+///
+/// # Errors
+/// A [`ConfigError`] naming the variable: not `PGW__...`, an empty segment, an index
+/// past an array's end, a path through a value that is not a table.
+pub fn apply_override(table: &mut toml::Table, var: &str, raw: &str) -> Result<(), ConfigError> {
+    let Some(rest) = var.strip_prefix("PGW__") else {
+        return Err(config_error(var, "is not a PGW__ variable"));
+    };
+    let path: Vec<String> = rest.split("__").map(str::to_ascii_lowercase).collect();
     if path.iter().any(String::is_empty) {
         return Err(config_error(var, "empty path segment"));
     }

@@ -37,7 +37,6 @@ pub mod cache;
 mod cached;
 pub mod config;
 mod gateway;
-pub mod proxy;
 mod relay;
 mod route;
 mod settings;

@@ -87,6 +87,8 @@ async fn chat_answers_json_and_streams_sse_ending_with_done() {
     let (status, headers, body) = call(h.addr, chat(None), chat_body("m", true)).await;
     assert_eq!(status, 200);
     assert_eq!(headers["content-type"], "text/event-stream");
+    assert_eq!(headers["x-pgw-group"], "default", "streams say who answered too");
+    assert!(!headers.contains_key("x-pgw-source"));
     let ev = events(&body);
     assert_eq!(ev.last().map(String::as_str), Some("[DONE]"), "{ev:?}");
     let chunks: Vec<serde_json::Value> = ev[..ev.len() - 1]
@@ -102,15 +104,52 @@ async fn chat_answers_json_and_streams_sse_ending_with_done() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_failed_stream_ends_with_an_error_event_and_no_done() {
+async fn a_stream_failing_before_its_head_went_out_is_an_ordinary_error_answer() {
     let revoked = pgw_sim::SourceConfig {
         revoked: true.into(),
         ..fast("dead")
     };
     let h = start("", vec![revoked]).await;
-    let (status, _, body) = call(h.addr, chat(None), chat_body("m", true)).await;
-    assert_eq!(status, 200, "the SSE headers went out before the call failed");
+    let (status, headers, body) = call(h.addr, chat(None), chat_body("m", true)).await;
+    assert!(status.is_server_error(), "{status}");
+    assert!(
+        headers["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("application/json"),
+        "{headers:?}"
+    );
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert!(v["error"]["message"].is_string(), "{v}");
+    assert!(
+        !String::from_utf8_lossy(&body).contains("dead"),
+        "source names stay hidden: {v}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stream_failing_after_its_head_went_out_ends_with_an_error_event_and_no_done() {
+    // The revoked key's 401 takes 30 s to come back; the head goes out after 15 s.
+    let revoked = pgw_sim::SourceConfig {
+        revoked: true.into(),
+        error_latency_s: quick(30.0).into(),
+        ..fast("dead")
+    };
+    let h = start(
+        "sse_keep_alive_s = 15
+",
+        vec![revoked],
+    )
+    .await;
+    let (status, headers, body) = call(h.addr, chat(None), chat_body("m", true)).await;
+    assert_eq!(status, 200, "the SSE head went out before the call failed");
+    assert_eq!(headers["content-type"], "text/event-stream");
+    assert!(
+        !headers.contains_key("x-pgw-group"),
+        "no group was committed when the head went out"
+    );
     let ev = events(&body);
+    assert_eq!(ev.first().map(String::as_str), Some(":"), "{ev:?}");
     assert!(!ev.iter().any(|e| e == "[DONE]"), "{ev:?}");
     let last = ev.last().unwrap();
     let v: serde_json::Value = serde_json::from_str(last).unwrap();
@@ -215,13 +254,26 @@ async fn loopback_only_without_keys_unless_allowed() {
 /// Sends `bytes` one at a time, `every` apart; how many were sent when the server
 /// closed the connection (or answered), `None` when the server waited for them all.
 async fn trickle(addr: std::net::SocketAddr, bytes: &[u8], every: Duration) -> Option<usize> {
+    trickle_after(addr, b"", bytes, every).await.0
+}
+
+/// Sends `head` at once, then `bytes` one at a time, `every` apart: how many of
+/// `bytes` were sent when the server closed the connection (or answered), and what
+/// it answered.
+async fn trickle_after(
+    addr: std::net::SocketAddr,
+    head: &[u8],
+    bytes: &[u8],
+    every: Duration,
+) -> (Option<usize>, Vec<u8>) {
     let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(head).await.unwrap();
     for (i, b) in bytes.iter().enumerate() {
         if s.write_all(std::slice::from_ref(b)).await.is_err() {
-            return Some(i);
+            return (Some(i), Vec::new());
         }
         tokio::time::sleep(every).await;
-        let mut buf = [0u8; 256];
+        let mut buf = [0u8; 1024];
         // A closed connection reads as EOF or a reset; a live one has nothing to read.
         if let Ok(r) = tokio::time::timeout(Duration::from_millis(1), s.read(&mut buf)).await {
             let n = r.unwrap_or(0);
@@ -229,10 +281,12 @@ async fn trickle(addr: std::net::SocketAddr, bytes: &[u8], every: Duration) -> O
                 n == 0 || !buf.starts_with(b"HTTP/1.1 2"),
                 "a slow request was served"
             );
-            return Some(i + 1);
+            let mut answer = buf[..n].to_vec();
+            let _ = tokio::time::timeout(Duration::from_secs(1), s.read_to_end(&mut answer)).await;
+            return (Some(i + 1), answer);
         }
     }
-    None
+    (None, Vec::new())
 }
 
 #[tokio::test(start_paused = true)]
@@ -256,6 +310,48 @@ async fn slow_header_trickle_is_cut_at_the_header_timeout_and_opens_no_breaker()
         assert_eq!(s.breaker.view().await.unwrap().state, BreakerState::Closed);
     }
     assert_eq!(upstream_requests(&h), 0);
+    let (status, _, _) = call(h.addr, chat(None), chat_body("m", false)).await;
+    assert_eq!(status, 200);
+}
+
+#[tokio::test(start_paused = true)]
+async fn slow_body_trickle_is_cut_at_the_body_timeout_with_408_and_opens_no_breaker() {
+    let h = start("body_read_timeout_s = 2\n", vec![fast("s1")]).await;
+    let body = chat_body("m", false);
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: pgw.test\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    // The head at once, then the body at one byte per 0.5 s: a minute for all of it.
+    let clients: Vec<_> = (0..8)
+        .map(|_| {
+            let (head, body) = (head.clone(), body.clone());
+            tokio::spawn(async move {
+                trickle_after(h.addr, head.as_bytes(), &body, Duration::from_millis(500)).await
+            })
+        })
+        .collect();
+    for c in clients {
+        let (sent, answer) = c.await.unwrap();
+        // 2 s at one byte per 0.5 s: cut after about 4 bytes, long before the body ends.
+        assert!(
+            sent.is_some_and(|n| n < body.len() / 2),
+            "a slow body kept its connection past the body timeout: {sent:?} of {}",
+            body.len()
+        );
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+        assert!(
+            answer.to_ascii_lowercase().contains("connection: close"),
+            "{answer}"
+        );
+        let json = answer.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+        openai_error(json.as_bytes(), "request_timeout");
+    }
+    for s in h.gateway.sources() {
+        assert_eq!(s.breaker.view().await.unwrap().state, BreakerState::Closed);
+    }
+    assert_eq!(upstream_requests(&h), 0, "a trickled body cost no attempt");
     let (status, _, _) = call(h.addr, chat(None), chat_body("m", false)).await;
     assert_eq!(status, 200);
 }
@@ -372,7 +468,12 @@ async fn shutdown_drains_a_running_stream_then_stops() {
 
 #[tokio::test(start_paused = true)]
 async fn shutdown_cuts_what_is_left_after_the_grace_period() {
-    let mut h = start("shutdown_grace_s = 5\n", vec![slow("s1", 60.0)]).await;
+    // The head goes out after 1 s of waiting for the first token (60 s away), the cut at 5 s.
+    let mut h = start(
+        "shutdown_grace_s = 5\nsse_keep_alive_s = 1\n",
+        vec![slow("s1", 60.0)],
+    )
+    .await;
     let addr = h.addr;
     let stream = tokio::spawn(async move {
         let resp = send(addr, chat(None).body(Full::new(chat_body("m", true))).unwrap()).await;

@@ -1,13 +1,11 @@
 //! An axum handler calling the gateway.
 //!
 //! ```text
-//! cargo run -p pgw-stack --example axum_app
+//! cargo run -p pgw-examples --example axum_app
 //! curl -s localhost:3000/ask -H 'content-type: application/json' -d '{"question":"hello"}'
 //! ```
 //!
 //! With `PGW_CONFIG=gateway.toml` it uses your sources; without, a simulated provider.
-
-mod support;
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -46,7 +44,7 @@ async fn ask(State(gw): State<Gateway>, Json(ask): Json<Ask>) -> Result<Json<Ans
 #[tokio::main]
 async fn main() -> Result<(), pgw_core::BoxError> {
     tracing_subscriber::fmt().with_env_filter("info").init();
-    let (gw, _sim) = support::gateway().await?;
+    let (gw, _sim) = pgw_examples::gateway().await?;
     let app = Router::new().route("/ask", post(ask)).with_state(gw);
     let addr = std::env::var("PGW_LISTEN").unwrap_or_else(|_| "127.0.0.1:3000".into());
     let listener = tokio::net::TcpListener::bind(&addr).await?;

@@ -1,0 +1,310 @@
+//! The OpenAI-compatible front (`pgw-server`'s router) over the gateway: the wire a
+//! plain HTTP client reads, the providers' errors handed over as they wrote them,
+//! every request field through, and a stream cut with nowhere to continue ending in
+//! an error event. The router in process over the simulator's in-process service,
+//! and the whole server over loopback, on tokio's paused clock.
+
+mod support;
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::Body;
+use http_body_util::BodyExt;
+use pgw_core::BoxError;
+use pgw_core::openai::{ChatRequest, ChatResponse};
+use pgw_server::{AppState, KeyRing, ServerSection};
+use pgw_sim::{LogNormal, PoolConfig, SimPool, StallConfig};
+use pgw_stack::client::box_transport;
+use pgw_stack::{Gateway, GatewayConfig, MemorySink, SecretKey, SourceConfig};
+use support::{fast, start};
+use tower::ServiceExt;
+
+const KEY: &str = "sk-virtual-0123456789";
+
+fn pool(sources: Vec<pgw_sim::SourceConfig>) -> SimPool {
+    let config = PoolConfig {
+        sources,
+        bad_prompt_rate: 0.0,
+        ..PoolConfig::default()
+    };
+    SimPool::new(config, 7).unwrap()
+}
+
+/// A source serving only `gpt-4o`, healthy otherwise, answering within a second or two.
+fn serving(name: &str) -> pgw_sim::SourceConfig {
+    pgw_sim::SourceConfig {
+        models: Some(vec!["gpt-4o".into()]),
+        ttft_s: LogNormal::constant(0.5).into(),
+        tokens_per_second: LogNormal::constant(200.0).into(),
+        error_latency_s: LogNormal::constant(0.1).into(),
+        ..pgw_sim::SourceConfig::healthy(name)
+    }
+}
+
+/// A source streaming 60 tokens at 2 per second after a 2 s first token, whose every
+/// stream stalls for 60 s half way.
+fn stalling(name: &str) -> pgw_sim::SourceConfig {
+    let mut s = pgw_sim::SourceConfig {
+        ttft_s: LogNormal::constant(2.0).into(),
+        tokens_per_second: LogNormal::constant(2.0).into(),
+        error_latency_s: LogNormal::constant(0.1).into(),
+        stall: StallConfig {
+            rate: 1.0,
+            min_gap_s: 60.0,
+            max_gap_s: 60.0,
+        }
+        .into(),
+        ..pgw_sim::SourceConfig::healthy(name)
+    };
+    s.completion.min_fraction = 1.0;
+    s.completion.max_fraction = 1.0;
+    s
+}
+
+/// The gateway config over `pool`'s sources in order (round robin, no cache), each
+/// with `tune` applied.
+fn config(pool: &SimPool, tune: impl Fn(&mut SourceConfig)) -> GatewayConfig {
+    let mut cfg = GatewayConfig::default();
+    cfg.cache.enabled = false;
+    cfg.balance.policy = Some("round_robin".into());
+    for name in pool.sources() {
+        let mut s = SourceConfig::new(
+            name.as_str(),
+            format!("http://sim.invalid/{name}/v1"),
+            SecretKey::new(KEY),
+        );
+        tune(&mut s);
+        cfg.sources.push(s);
+    }
+    cfg
+}
+
+/// A gateway over the simulator's in-process services (virtual time, no sockets).
+async fn gateway(pool: &SimPool, cfg: GatewayConfig) -> Gateway {
+    let p = pool.clone();
+    Gateway::builder(cfg)
+        .sink(Arc::new(MemorySink::new()))
+        .transport(move |sc: &SourceConfig| -> Result<_, BoxError> {
+            Ok(box_transport(p.service(&sc.name).ok_or("unknown sim source")?))
+        })
+        .build()
+        .await
+        .unwrap()
+}
+
+/// pgw-server's router over `gateway`, default `[server]` settings, no keys.
+fn router(gateway: Gateway, cfg: &GatewayConfig) -> Router {
+    let settings = ServerSection::default().settings().unwrap();
+    let state = AppState::new(gateway, cfg, &settings, KeyRing::default(), None);
+    pgw_server::router(state, settings.max_body_bytes)
+}
+
+fn post(body: &str) -> http::Request<Body> {
+    http::Request::post("/v1/chat/completions")
+        .header("content-type", "application/json")
+        .body(Body::from(body.to_owned()))
+        .unwrap()
+}
+
+async fn read(resp: axum::response::Response) -> (http::StatusCode, serde_json::Value) {
+    let status = resp.status();
+    let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20).await.unwrap();
+    (
+        status,
+        serde_json::from_slice::<serde_json::Value>(&bytes).unwrap(),
+    )
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_proxy_hands_the_callers_error_over_as_the_provider_wrote_it() {
+    let small = pgw_sim::SourceConfig {
+        context_window: Some(4096),
+        ..serving("a")
+    };
+    let pool = pool(vec![small]);
+    let cfg = config(&pool, |s| s.total_timeout_s = Some(60.0));
+    let app = router(gateway(&pool, cfg.clone()).await, &cfg);
+    let (status, body) = read(
+        app.clone()
+            .oneshot(post(
+                r#"{"model":"gpt-4o-mimi","messages":[{"role":"user","content":"hi"}]}"#,
+            ))
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 404);
+    assert_eq!(body["error"]["code"], "model_not_found");
+    assert_eq!(body["error"]["type"], "invalid_request_error");
+    assert!(
+        body["error"]["message"].as_str().unwrap().contains("gpt-4o-mimi"),
+        "{body}"
+    );
+
+    let (status, body) = read(
+        app.clone()
+            .oneshot(post(
+                r#"{"model":"gpt-4o","messages":[{"role":"user","content":"hi"}],"max_tokens":100000}"#,
+            ))
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 400);
+    assert_eq!(body["error"]["code"], "context_length_exceeded");
+    assert_eq!(body["error"]["param"], "messages");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("maximum context length is 4096 tokens"),
+        "{body}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn every_field_survives_the_trip_through_the_proxy() {
+    let echoing = pgw_sim::SourceConfig {
+        echo_openai_fields: true,
+        ..serving("a")
+    };
+    let pool = pool(vec![echoing]);
+    let cfg = config(&pool, |s| s.total_timeout_s = Some(60.0));
+    let app = router(gateway(&pool, cfg.clone()).await, &cfg);
+    let body = r#"{"model":"gpt-4o","messages":[{"role":"user","content":[{"type":"text","text":"what is this?"},{"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA","detail":"low"}}]}],"logprobs":true,"max_completion_tokens":40}"#;
+    let (status, v) = read(app.oneshot(post(body)).await.unwrap()).await;
+    assert_eq!(status, 200);
+    assert!(
+        v["system_fingerprint"].as_str().unwrap().starts_with("fp_"),
+        "{v}"
+    );
+    assert_eq!(v["service_tier"], "default");
+    assert_eq!(v["usage"]["completion_tokens_details"]["reasoning_tokens"], 0);
+    let logprobs = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert!(!logprobs.is_empty() && logprobs[0]["token"].is_string(), "{v}");
+    // The image part reached the simulator and was counted (85 tokens per image).
+    let answer: ChatResponse = serde_json::from_value(v).unwrap();
+    assert!(answer.usage.unwrap().prompt_tokens >= 85);
+}
+
+/// A stream committed to its only source and cut there (the source stalls past the
+/// inter-token watchdog; no source accepts a prefill to continue it) ends with an
+/// error event and no `[DONE]`: never a clean end on a truncated answer. Every slot,
+/// lease and upstream request is released after it.
+#[tokio::test(start_paused = true)]
+async fn a_cut_with_no_prefill_source_ends_with_an_error_event_never_done() {
+    let pool = pool(vec![stalling("a")]);
+    let cfg = config(&pool, |s| {
+        s.inter_token_timeout_s = Some(5.0);
+        s.total_timeout_s = Some(300.0);
+        s.max_concurrency = Some(4);
+    });
+    let gw = gateway(&pool, cfg.clone()).await;
+    let mut req = ChatRequest::user("m", "tell me a story");
+    req.max_tokens = Some(60);
+    req.stream = true;
+    let resp = router(gw.clone(), &cfg)
+        .oneshot(post(&serde_json::to_string(&req).unwrap()))
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let body = String::from_utf8(resp.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap();
+    assert!(
+        body.starts_with("data: {"),
+        "content streamed before the cut: {body}"
+    );
+    let last = body.trim_end().rsplit("\n\n").next().unwrap();
+    assert!(last.starts_with("data: {\"error\""), "{last}");
+    assert!(!body.contains("[DONE]"));
+    for h in gw.sources() {
+        assert_eq!(h.aimd.inflight(), 0, "{}: AIMD slot held", h.source);
+        let held = h.limiter.held().await.unwrap();
+        assert_eq!(held.leases(), 0, "{}: concurrency lease held", h.source);
+    }
+    for (name, s) in &pool.stats().sources {
+        assert_eq!(s.in_flight, 0, "{name}: upstream request still running");
+    }
+}
+
+/// What a plain HTTP client (curl) sends and reads: one request on a raw socket, the
+/// whole response, byte for byte.
+async fn raw_http(addr: std::net::SocketAddr, body: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    socket.write_all(request.as_bytes()).await.unwrap();
+    let mut out = Vec::new();
+    socket.read_to_end(&mut out).await.unwrap();
+    String::from_utf8(out).unwrap()
+}
+
+/// Undoes `transfer-encoding: chunked`.
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    loop {
+        let (size, rest) = body.split_once("\r\n").expect("chunk size line");
+        let size = usize::from_str_radix(size.trim(), 16).expect("hex chunk size");
+        if size == 0 {
+            return out;
+        }
+        out.push_str(&rest[..size]);
+        body = rest[size..].strip_prefix("\r\n").expect("CRLF after chunk");
+    }
+}
+
+/// The server serves a streamed answer to a plain HTTP client with byte-correct SSE
+/// framing (`data: {chunk}\n\n` ... `data: [DONE]\n\n`) and says who answered in its
+/// headers, and a JSON answer otherwise.
+#[tokio::test(start_paused = true)]
+async fn the_proxy_serves_byte_correct_sse_to_a_plain_http_client() {
+    let h = start("expose_sources = true\n", vec![fast("p1")]).await;
+    let body = r#"{"model":"m","messages":[{"role":"user","content":"stream please"}],"max_tokens":20,"stream":true}"#;
+    let response = raw_http(h.addr, body).await;
+    let (head, payload) = response.split_once("\r\n\r\n").unwrap();
+    let head = head.to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert!(head.contains("content-type: text/event-stream"), "{head}");
+    assert!(head.contains("x-pgw-group: default"), "{head}");
+    assert!(head.contains("x-pgw-source: p1"), "{head}");
+    let sse = if head.contains("transfer-encoding: chunked") {
+        dechunk(payload)
+    } else {
+        payload.to_owned()
+    };
+    assert!(sse.ends_with("data: [DONE]\n\n"), "{sse:?}");
+    let events: Vec<&str> = sse.split_terminator("\n\n").collect();
+    assert!(events.len() >= 2, "{sse:?}");
+    let mut text = String::new();
+    for event in &events[..events.len() - 1] {
+        let json = event
+            .strip_prefix("data: ")
+            .expect("every event is one data line");
+        assert!(!json.contains('\n'), "one line per event: {event:?}");
+        let chunk: pgw_core::openai::ChatChunk = serde_json::from_str(json).unwrap();
+        for c in &chunk.choices {
+            text.push_str(c.delta.content.as_deref().unwrap_or(""));
+        }
+    }
+    assert!(!text.trim().is_empty(), "the chunks carry the answer: {sse:?}");
+
+    let body = r#"{"model":"m","messages":[{"role":"user","content":"json please"}],"max_tokens":20}"#;
+    let response = raw_http(h.addr, body).await;
+    let (head, payload) = response.split_once("\r\n\r\n").unwrap();
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("content-type: application/json"),
+        "{head}"
+    );
+    let json = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+        dechunk(payload)
+    } else {
+        payload.to_owned()
+    };
+    let answer: ChatResponse = serde_json::from_str(&json).unwrap();
+    assert!(!answer.is_empty_completion());
+}
