@@ -396,7 +396,8 @@ impl ServerConfig {
         text: &str,
         vars: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Self, ConfigError> {
-        let mut table: toml::Table = toml::from_str(text).map_err(|e| toml_error(&e, Some(text)))?;
+        let mut table: toml::Table =
+            toml::from_str(text).map_err(|e| pgw_stack::config::toml_error(&e, Some(text)))?;
         // pgw-stack's own override rules, over the whole file: `PGW__SERVER__...` lands
         // in `[server]`, everything else in the gateway's tables.
         let mut overrides: Vec<(String, String)> =
@@ -417,7 +418,7 @@ impl ServerConfig {
             Some(_) => return Err(config_error("server", "must be a table")),
         };
         let section: ServerSection = toml::Value::Table(server).try_into().map_err(|e| {
-            let mut err = toml_error(&e, None);
+            let mut err = pgw_stack::config::toml_error(&e, None);
             if err.field() != "config" {
                 err = config_error(format!("server.{}", err.field()), err.reason().to_owned());
             }
@@ -428,28 +429,6 @@ impl ServerConfig {
         let gateway = GatewayConfig::from_toml_str(&rest)?;
         Ok(Self { server, gateway })
     }
-}
-
-/// A TOML error as a [`ConfigError`], without quoting the source line (it may hold a
-/// key): the same rule as pgw-stack's configuration.
-fn toml_error(e: &toml::de::Error, text: Option<&str>) -> ConfigError {
-    let line = e
-        .span()
-        .zip(text)
-        .map(|(span, text)| text[..span.start.min(text.len())].matches('\n').count() + 1);
-    let msg = match line {
-        Some(line) => format!("line {line}: {}", e.message()),
-        None => e.message().to_owned(),
-    };
-    let field = ["unknown field `", "missing field `", "for key `"]
-        .iter()
-        .find_map(|p| {
-            let start = msg.find(p)? + p.len();
-            let len = msg[start..].find('`')?;
-            Some(msg[start..start + len].to_owned())
-        })
-        .unwrap_or_else(|| "config".to_owned());
-    config_error(field, msg.trim().replace('\n', " "))
 }
 
 #[cfg(test)]

@@ -904,10 +904,12 @@ impl GatewayConfig {
     }
 }
 
-/// A TOML error as a [`ConfigError`]. Only the message and the line number are kept:
-/// toml's `Display` quotes the offending source line, which may hold a key or a Redis
-/// password.
-fn toml_error(e: &toml::de::Error, text: Option<&str>) -> ConfigError {
+/// A TOML error as a [`ConfigError`] naming the field. Only the message and the line
+/// number (when `text`, the parsed source, is given) are kept: toml's `Display` quotes
+/// the offending source line, which may hold a key or a Redis password. Public so that
+/// configurations embedding [`GatewayConfig`] (pgw-server's) report errors alike.
+#[must_use]
+pub fn toml_error(e: &toml::de::Error, text: Option<&str>) -> ConfigError {
     let line = e
         .span()
         .zip(text)
