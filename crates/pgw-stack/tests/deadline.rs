@@ -1,14 +1,13 @@
 //! The caller's deadline bounds the whole call: attempts, waits and the fallback chain.
 
-use std::sync::Arc;
+mod support;
+
 use std::time::Duration;
 
-use pgw_core::BoxError;
 use pgw_core::openai::ChatRequest;
 use pgw_sim::{PoolConfig, SimPool};
-use pgw_stack::client::box_transport;
 use pgw_stack::retry::{CallDeadline, Reason};
-use pgw_stack::{ChatCall, Gateway, GatewayConfig, GatewayError, MemorySink, SecretKey, SourceConfig};
+use pgw_stack::{ChatCall, GatewayConfig, GatewayError, MemorySink, SecretKey, SourceConfig};
 use tokio::time::Instant;
 use tower::ServiceExt;
 
@@ -32,16 +31,8 @@ async fn a_call_deadline_cuts_a_black_hole_and_releases_everything() {
     let mut s = SourceConfig::new("hole", "http://sim.invalid/hole/v1", SecretKey::new("sk-x"));
     s.total_timeout_s = Some(180.0);
     cfg.sources.push(s);
-    let p = pool.clone();
     let sink = MemorySink::default();
-    let gw = Gateway::builder(cfg)
-        .sink(Arc::new(sink.clone()))
-        .transport(move |sc: &SourceConfig| -> Result<_, BoxError> {
-            Ok(box_transport(p.service(&sc.name).ok_or("unknown sim source")?))
-        })
-        .build()
-        .await
-        .unwrap();
+    let gw = support::sim_gateway(&pool, cfg, &sink).await;
 
     let t0 = Instant::now();
     let mut call = ChatCall::new(ChatRequest::user("m", "hello"));

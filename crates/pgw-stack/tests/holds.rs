@@ -1,12 +1,10 @@
 //! A 429 holds what the provider said was limited: the source alone for a key's own
 //! limit, every source of the account only when the provider names the account.
 
-use std::sync::Arc;
+mod support;
 
-use pgw_core::BoxError;
 use pgw_core::openai::ChatRequest;
 use pgw_sim::{AccountConfig, PoolConfig, RateLimitCurve, SimPool};
-use pgw_stack::client::box_transport;
 use pgw_stack::{Gateway, GatewayConfig, MemorySink, SecretKey, SourceConfig};
 
 const KEY: &str = "sk-shared-0123456789";
@@ -35,15 +33,7 @@ async fn gateway(pool: &SimPool) -> Gateway {
         s.account = Some("acct".into());
         cfg.sources.push(s);
     }
-    let p = pool.clone();
-    Gateway::builder(cfg)
-        .sink(Arc::new(MemorySink::default()))
-        .transport(move |sc: &SourceConfig| -> Result<_, BoxError> {
-            Ok(box_transport(p.service(&sc.name).ok_or("unknown sim source")?))
-        })
-        .build()
-        .await
-        .unwrap()
+    support::sim_gateway(pool, cfg, &MemorySink::default()).await
 }
 
 async fn holds(gw: &Gateway) -> Vec<(String, bool, bool)> {

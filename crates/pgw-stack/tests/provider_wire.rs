@@ -2,13 +2,12 @@
 //! simulator's wire behaviours on tokio's paused clock: what each provider answer
 //! does to the breakers, the attempts and the caller.
 
-use std::sync::Arc;
+mod support;
 
 use pgw_core::openai::{ChatRequest, FINISH_CONTENT_FILTER};
-use pgw_core::{BoxError, Outcome, UpstreamStatus, classify_error};
+use pgw_core::{Outcome, UpstreamStatus, classify_error};
 use pgw_sim::{PoolConfig, SimPool};
 use pgw_stack::breaker::BreakerState;
-use pgw_stack::client::box_transport;
 use pgw_stack::{Gateway, GatewayConfig, MemorySink, SecretKey, SourceConfig};
 
 const KEY: &str = "sk-virtual-0123456789";
@@ -48,15 +47,7 @@ async fn gateway(pool: &SimPool, sink: &MemorySink) -> Gateway {
         s.total_timeout_s = Some(60.0);
         cfg.sources.push(s);
     }
-    let p = pool.clone();
-    Gateway::builder(cfg)
-        .sink(Arc::new(sink.clone()))
-        .transport(move |sc: &SourceConfig| -> Result<_, BoxError> {
-            Ok(box_transport(p.service(&sc.name).ok_or("unknown sim source")?))
-        })
-        .build()
-        .await
-        .unwrap()
+    support::sim_gateway(pool, cfg, sink).await
 }
 
 async fn states(gw: &Gateway) -> Vec<(String, BreakerState)> {

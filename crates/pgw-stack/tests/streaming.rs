@@ -2,7 +2,8 @@
 //! the attempt at the stream's end, and never ends a truncated answer cleanly. Against
 //! the simulator's wire bytes, on tokio's paused clock.
 
-use std::sync::Arc;
+mod support;
+
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -11,7 +12,6 @@ use http_body_util::BodyExt;
 use pgw_core::BoxError;
 use pgw_core::openai::{ChatChunk, ChatRequest};
 use pgw_sim::{LogNormal, PoolConfig, SimPool, StallConfig};
-use pgw_stack::client::box_transport;
 use pgw_stack::{AttemptTelemetry, ChatStream, Gateway, GatewayConfig, MemorySink, SecretKey, SourceConfig};
 use tokio::time::Instant;
 use tower::ServiceExt;
@@ -74,15 +74,7 @@ async fn gateway(pool: &SimPool, sink: &MemorySink, prefill: &[&str]) -> Gateway
         s.max_concurrency = Some(4);
         cfg.sources.push(s);
     }
-    let p = pool.clone();
-    Gateway::builder(cfg)
-        .sink(Arc::new(sink.clone()))
-        .transport(move |sc: &SourceConfig| -> Result<_, BoxError> {
-            Ok(box_transport(p.service(&sc.name).ok_or("unknown sim source")?))
-        })
-        .build()
-        .await
-        .unwrap()
+    support::sim_gateway(pool, cfg, sink).await
 }
 
 fn request() -> ChatRequest {

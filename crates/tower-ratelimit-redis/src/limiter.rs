@@ -219,21 +219,25 @@ impl RateLimiter {
         verdict: Result<Verdict, BackendUnavailable>,
     ) -> Result<Permit, BoxError> {
         match verdict {
-            Ok(Verdict::Admitted { at, window, local }) => {
-                self.inner.stats.admitted.fetch_add(1, Ordering::Relaxed);
-                Ok(Permit {
-                    admission: Admission {
-                        limiter: self.clone(),
-                        at,
-                        window,
-                        tokens: ticket.tokens,
-                    },
-                    lease: ticket.lease,
-                    local,
-                    armed: true,
-                })
-            }
+            Ok(Verdict::Admitted { at, window, local }) => Ok(self.admitted(&ticket, at, window, local)),
             other => Err(self.not_admitted(other)),
+        }
+    }
+
+    /// The permit of an admitted ticket (counted in the stats).
+    #[inline(always)]
+    fn admitted(&self, ticket: &Ticket, at: Duration, window: u64, local: Option<Instant>) -> Permit {
+        self.inner.stats.admitted.fetch_add(1, Ordering::Relaxed);
+        Permit {
+            admission: Admission {
+                limiter: self.clone(),
+                at,
+                window,
+                tokens: ticket.tokens,
+            },
+            lease: ticket.lease,
+            local,
+            armed: true,
         }
     }
 
@@ -241,20 +245,7 @@ impl RateLimiter {
     #[inline(always)]
     pub(crate) fn conclude_now(&self, ticket: Ticket, verdict: Verdict) -> Result<Permit, BoxError> {
         match verdict {
-            Verdict::Admitted { at, window, local } => {
-                self.inner.stats.admitted.fetch_add(1, Ordering::Relaxed);
-                Ok(Permit {
-                    admission: Admission {
-                        limiter: self.clone(),
-                        at,
-                        window,
-                        tokens: ticket.tokens,
-                    },
-                    lease: ticket.lease,
-                    local,
-                    armed: true,
-                })
-            }
+            Verdict::Admitted { at, window, local } => Ok(self.admitted(&ticket, at, window, local)),
             refused @ Verdict::Refused(_) => Err(self.not_admitted(Ok(refused))),
         }
     }
