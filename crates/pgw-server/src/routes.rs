@@ -96,10 +96,32 @@ impl AppState {
     }
 }
 
-/// The model names `/v1/models` lists: every group, then every source's own `model`,
-/// each once, in config order.
+/// The request header that bypasses the response cache (`x-pgw-cache: no`, also
+/// `bypass`), and the response header that says whether the answer was a cache hit
+/// (`x-pgw-cache: hit` or `miss`).
+pub(crate) const CACHE_HEADER: &str = "x-pgw-cache";
+
+/// Whether the request asks to bypass the cache (neither read nor stored).
+fn skips_cache(headers: &HeaderMap) -> bool {
+    headers
+        .get(CACHE_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| {
+            matches!(
+                v.trim().to_ascii_lowercase().as_str(),
+                "no" | "bypass" | "no-store"
+            )
+        })
+}
+
+/// The model names `/v1/models` lists: with `[models]`, the public names (what a caller
+/// may ask for; the routes' upstream models are not); without, every group, then every
+/// source's own `model`, each once, in config order.
 #[must_use]
 pub fn model_names(config: &GatewayConfig) -> Vec<String> {
+    if !config.models.is_empty() {
+        return config.models.keys().cloned().collect();
+    }
     let mut out = config.group_order();
     for s in &config.sources {
         if let Some(m) = &s.model
@@ -339,10 +361,14 @@ async fn chat(
         },
         None => None,
     };
-    if request.stream {
-        return sse::respond(&state, request, permit, slot, call).await;
+    let mut chat_call = pgw_stack::ChatCall::new(request);
+    if skips_cache(&headers) {
+        chat_call.extensions_mut().insert(pgw_stack::NoCache);
     }
-    let result = state.gateway.chat(request).await;
+    if chat_call.is_stream() {
+        return sse::respond(&state, chat_call, permit, slot, call).await;
+    }
+    let result = tower::ServiceExt::oneshot(state.gateway.clone(), chat_call).await;
     drop(slot);
     match result {
         Ok(answer) => {
@@ -356,6 +382,10 @@ async fn chat(
             call.finish(None);
             let mut response = Json(&answer.answer.response).into_response();
             let h = response.headers_mut();
+            h.insert(
+                CACHE_HEADER,
+                HeaderValue::from_static(if answer.cache_hit { "hit" } else { "miss" }),
+            );
             if let Ok(g) = HeaderValue::from_str(&answer.group) {
                 h.insert("x-pgw-group", g);
             }
@@ -442,4 +472,35 @@ async fn metrics_text(State(state): State<AppState>) -> Response {
         handle.render(),
     )
         .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cache_bypass_header_is_read_case_and_space_blind() {
+        let with = |v: &'static str| {
+            let mut h = HeaderMap::new();
+            h.insert(CACHE_HEADER, HeaderValue::from_static(v));
+            skips_cache(&h)
+        };
+        assert!(with("no") && with(" Bypass ") && with("no-store"));
+        assert!(!with("yes") && !skips_cache(&HeaderMap::new()));
+    }
+
+    #[test]
+    fn models_lists_the_public_names_when_routing_is_configured() {
+        let plain = GatewayConfig::from_toml_str(
+            "[[sources]]\nname = \"s1\"\nbase_url = \"http://127.0.0.1:9/v1\"\nkey = \"k\"\nmodel = \"gpt-4o\"\n",
+        )
+        .unwrap();
+        assert_eq!(model_names(&plain), ["default", "gpt-4o"]);
+        let routed = GatewayConfig::from_toml_str(
+            "[[sources]]\nname = \"s1\"\nbase_url = \"http://127.0.0.1:9/v1\"\nkey = \"k\"\n\n\
+             [models.chat]\nroutes = [{ source = \"s1\", model = \"gpt-4o-2024-08-06\" }]\n",
+        )
+        .unwrap();
+        assert_eq!(model_names(&routed), ["chat"]);
+    }
 }

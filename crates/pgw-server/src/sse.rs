@@ -23,7 +23,7 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use futures_util::StreamExt;
 use pgw_core::BoxError;
-use pgw_core::openai::{ChatChunk, ChatRequest, Usage};
+use pgw_core::openai::{ChatChunk, Usage};
 use pgw_stack::ChatStream;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::{Instant, Interval, MissedTickBehavior};
@@ -148,13 +148,13 @@ impl Call {
 /// keep-alive interval passed), events as they come.
 pub(crate) async fn respond(
     state: &AppState,
-    request: ChatRequest,
+    request: pgw_stack::ChatCall,
     mut permit: Option<Permit>,
     slot: OwnedSemaphorePermit,
     metrics: CallMetrics,
 ) -> Response {
     let gateway = state.gateway.clone();
-    let mut opening: Opening = Box::pin(async move { gateway.chat_stream(request).await });
+    let mut opening: Opening = Box::pin(async move { gateway.stream_call(request).await });
     let every = state.sse_keep_alive.max(Duration::from_millis(1));
     let (phase, who) = match tokio::time::timeout(every, &mut opening).await {
         Ok(Ok(stream)) => {
