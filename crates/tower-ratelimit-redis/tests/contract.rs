@@ -180,9 +180,13 @@ async fn overrun_charged_where_it_lands(h: Harness) {
         // sub-window later.
         assert_eq!(q.retry_after(), W + SUB);
     }
-    tokio::time::sleep(q.retry_after()).await;
+    // On Redis the clock is real: the 30 may have been admitted one sub-window after
+    // the overrun was charged (a round trip across a sub-window edge), so it may leave
+    // one sub-window later.
+    let slack = if h.exact { Duration::ZERO } else { SUB };
+    tokio::time::sleep(q.retry_after() + slack).await;
     small.finish(None).await.unwrap();
-    // The overrun and the 30 (admitted in the same sub-window) left together.
+    // The overrun and the 30 left the span.
     l.acquire(100).await.expect("everything left the span");
 }
 
