@@ -2,14 +2,13 @@
 //! clock: what is cached by default, the opt-out, single-flight, replay as a stream,
 //! and a fallback group's shorter TTL.
 
-use std::sync::Arc;
+mod support;
+
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use pgw_core::BoxError;
 use pgw_core::openai::{ChatRequest, ChunkAccumulator};
 use pgw_sim::{PoolConfig, SimPool};
-use pgw_stack::client::box_transport;
 use pgw_stack::{ChatCall, Gateway, GatewayConfig, MemorySink, NoCache, SecretKey, SourceConfig};
 use tower::ServiceExt;
 
@@ -43,15 +42,7 @@ async fn gateway(pool: &SimPool, cfg: impl FnOnce(&mut GatewayConfig), sink: &Me
         c.sources.push(s);
     }
     cfg(&mut c);
-    let p = pool.clone();
-    Gateway::builder(c)
-        .sink(Arc::new(sink.clone()))
-        .transport(move |sc: &SourceConfig| -> Result<_, BoxError> {
-            Ok(box_transport(p.service(&sc.name).ok_or("unknown sim source")?))
-        })
-        .build()
-        .await
-        .unwrap()
+    support::sim_gateway(pool, c, sink).await
 }
 
 fn received(pool: &SimPool) -> u64 {

@@ -1,12 +1,13 @@
 //! The retry budget and adaptive throttling, turned on from `GatewayConfig` and seen
 //! through the gateway against the simulator on tokio's paused clock.
 
+mod support;
+
 use pgw_core::BoxError;
 use pgw_core::openai::ChatRequest;
 use pgw_sim::{PoolConfig, SimPool};
-use pgw_stack::client::box_transport;
 use pgw_stack::retry::Reason;
-use pgw_stack::{Gateway, GatewayConfig, GatewayError, SourceConfig};
+use pgw_stack::{Gateway, GatewayConfig, GatewayError};
 
 /// A pool of one source that answers every request with a 5xx.
 fn failing_pool() -> SimPool {
@@ -28,14 +29,7 @@ async fn gateway(pool: &SimPool, toml: &str) -> Gateway {
         "{toml}\n[cache]\nenabled = false\n[breaker]\nfail_threshold = 1000\nmin_calls = 1000000\n[[sources]]\nname = \"down\"\nbase_url = \"http://sim.invalid/v1\"\nkey = \"sk-x\"\n"
     );
     let cfg = GatewayConfig::from_toml_str(&text).unwrap();
-    let p = pool.clone();
-    Gateway::builder(cfg)
-        .transport(move |sc: &SourceConfig| -> Result<_, BoxError> {
-            Ok(box_transport(p.service(&sc.name).ok_or("unknown sim source")?))
-        })
-        .build()
-        .await
-        .unwrap()
+    support::sim_gateway(pool, cfg, &pgw_stack::MemorySink::default()).await
 }
 
 fn reason(err: &BoxError) -> Reason {
