@@ -186,15 +186,14 @@ pub(crate) fn account_wide(err: &(dyn std::error::Error + 'static), model: &str)
     let Some(status) = UpstreamStatus::find(err) else {
         return false;
     };
-    let message = status.message().to_ascii_lowercase();
-    let says_account = message.contains("organization") || message.contains("account");
     // The model as a word of the message, not a substring ("m" is in "limit").
+    let message = status.message().to_ascii_lowercase();
     let model = model.to_ascii_lowercase();
     let names_model = !model.is_empty()
         && message
             .split(|c: char| c.is_whitespace() || matches!(c, ',' | ';' | '(' | ')' | '"' | '\''))
             .any(|w| w.trim_end_matches(['.', ':']) == model);
-    says_account && !names_model
+    pgw_core::pushback_is_account_wide(err) && !names_model
 }
 
 /// One route as [`RouteHolds`] sees it.
