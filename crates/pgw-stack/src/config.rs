@@ -49,14 +49,18 @@ use serde::Deserialize;
 /// Default breaker consecutive-failure threshold: 5 (seed 000 section 3.1; raised
 /// per source to `2 x max_concurrency`, B4).
 pub const DEFAULT_FAIL_THRESHOLD: u32 = 5;
-/// Default breaker cooldown: 30 s (seed 000 section 3.1, the first open duration).
-pub const DEFAULT_COOLDOWN_S: f64 = 30.0;
+/// Default breaker cooldown: 10 s, the first open duration and the period at which a
+/// source with transient failures is probed (only a dead source's streak doubles it):
+/// traffic returns within 10 s of a recovery (issue 12). Seed 000 section 3.1 had 30 s;
+/// measured on the flapping soak (a source failing one minute in two), 30 s with the
+/// old doubling 131 ok/min, 10 s without it 174 ok/min; P6 unchanged within noise.
+pub const DEFAULT_COOLDOWN_S: f64 = 10.0;
 /// Default cache TTL: 600 s (an identical prompt within ten minutes gets the same answer).
 pub const DEFAULT_CACHE_TTL_S: f64 = 600.0;
-/// Default TTL of an answer from a fallback group: 30 s, the breaker's default
+/// Default TTL of an answer from a fallback group: 10 s, the breaker's default
 /// cooldown ([`DEFAULT_COOLDOWN_S`]): by then the primary is probed again, and an
 /// answer of the backup must not be served once the primary answers.
-pub const DEFAULT_CACHE_FALLBACK_TTL_S: f64 = 30.0;
+pub const DEFAULT_CACHE_FALLBACK_TTL_S: f64 = DEFAULT_COOLDOWN_S;
 /// Default cache size bound: 10,000 answers (memory backend).
 pub const DEFAULT_CACHE_MAX_ENTRIES: usize = 10_000;
 /// Default key prefix of every Redis key the gateway writes: `pgw`.
@@ -520,7 +524,7 @@ pub struct BreakerSection {
 }
 
 /// `[aimd]`: defaults from tower-aimd (initial 8, floor 1, cut 0.5, tolerated pushback
-/// share 0.3).
+/// share 0.5, slow start until the first cut).
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AimdSection {

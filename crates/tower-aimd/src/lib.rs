@@ -6,9 +6,11 @@
 //! halves it, once per congestion episode: the first 429 of a request sent since the
 //! last cut cuts and starts a new episode, and the 429s of requests already in flight
 //! then do not cut again (as TCP's once per window). It cuts only while pushback is
-//! more than a tolerated share of recent outcomes (default 0.3,
+//! more than a tolerated share of recent outcomes (default 0.5,
 //! [`DEFAULT_TOLERATED_PUSHBACK`]: a goodput-seeking limit; 0.0 cuts on every
-//! episode). A `Success` adds `1/limit`. Other outcomes leave it alone, and an error
+//! episode). A `Success` adds `1/limit`; before the first cut (slow start, as TCP's) a
+//! success while at least half the limit is in flight adds a whole slot. Other
+//! outcomes leave it alone, and an error
 //! from below that is *not admitted* ([`pgw_core::NotAdmitted`]) changes nothing: it
 //! was not an attempt. Outcomes come from a [`pgw_core::Classify`] (default
 //! [`pgw_core::OkIsSuccess`]).

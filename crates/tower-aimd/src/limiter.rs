@@ -9,6 +9,10 @@ use tokio::sync::Notify;
 
 use crate::AimdConfig;
 
+/// The share of the limit that must be in flight for a success to grow it by a whole
+/// slot in slow start: a limit nobody uses says nothing about what the source takes.
+const SLOW_START_USE: f64 = 0.5;
+
 /// Shared state of one source.
 pub(crate) struct Limiter {
     limit_bits: AtomicU64,
@@ -135,7 +139,17 @@ impl Limiter {
             }
             Outcome::Success => {
                 self.pushback(0.0);
-                self.update(|l| (l + 1.0 / l).min(self.ceiling));
+                // Slow start (as TCP's, RFC 5681): until the first cut there is no sign of
+                // a limit, so a success while the limit is in use (at least half of it
+                // taken, RFC 7661's validation) adds a whole slot; after it, congestion
+                // avoidance adds 1/limit.
+                #[allow(clippy::cast_precision_loss)]
+                let in_use = self.inflight() as f64 >= self.limit() * SLOW_START_USE;
+                if self.episode() == 0 && in_use {
+                    self.update(|l| (l + 1.0).min(self.ceiling));
+                } else {
+                    self.update(|l| (l + 1.0 / l).min(self.ceiling));
+                }
             }
             Outcome::Transient | Outcome::SourceDead | Outcome::Rejected | Outcome::Invalid => {}
         }
@@ -299,6 +313,36 @@ mod tests {
             l.on_outcome(l.episode(), o);
         }
         assert!((l.limit() - 10.0).abs() < 1e-12, "other outcomes leave the limit");
+    }
+
+    #[test]
+    fn slow_start_adds_a_slot_per_success_in_use_until_the_first_cut() {
+        let l = limiter(&AimdConfig {
+            tolerated_pushback: 0.0,
+            ..AimdConfig::default()
+        });
+        // Unused (nothing in flight): congestion avoidance, +1/8.
+        l.on_outcome(l.episode(), Outcome::Success);
+        assert!((l.limit() - 8.125).abs() < 1e-12, "{}", l.limit());
+        // Half the limit in flight: each success adds a whole slot.
+        let held: Vec<Permit> = (0..6)
+            .map(|_| {
+                assert!(l.try_acquire());
+                Permit::new(Arc::clone(&l))
+            })
+            .collect();
+        for p in &held[..3] {
+            p.on_outcome(Outcome::Success);
+        }
+        assert!((l.limit() - 11.125).abs() < 1e-12, "{}", l.limit());
+        // The first cut ends slow start: growth is 1/limit from then on.
+        held[3].on_outcome(Outcome::RateLimited { retry_after: None });
+        let cut = l.limit();
+        assert!((cut - 5.5625).abs() < 1e-12, "{cut}");
+        held[4].on_outcome(Outcome::Success);
+        assert!((l.limit() - (cut + 1.0 / cut)).abs() < 1e-12, "{}", l.limit());
+        drop(held);
+        assert_eq!(l.inflight(), 0);
     }
 
     #[test]

@@ -241,7 +241,7 @@ async fn run(paced: bool) -> (usize, usize, f64) {
 }
 
 #[tokio::test(start_paused = true)]
-async fn aimd_brings_the_429_share_far_below_the_unpaced_run() {
+async fn aimd_keeps_the_429_share_under_the_tolerated_share_far_below_the_unpaced_run() {
     let (a0, l0, _) = run(false).await;
     let (a1, l1, limit) = run(true).await;
     #[allow(clippy::cast_precision_loss)]
@@ -252,5 +252,8 @@ async fn aimd_brings_the_429_share_far_below_the_unpaced_run() {
         s1 * 100.0
     );
     assert!(s0 > 0.5, "the model punishes 32 in flight: {s0}");
-    assert!(s1 < s0 / 4.0, "aimd {s1} vs unpaced {s0}");
+    // The limit holds pushback under the share it tolerates (0.5 by default), a fraction
+    // of the unpaced run's.
+    assert!(s1 < tower_aimd::DEFAULT_TOLERATED_PUSHBACK, "aimd {s1}");
+    assert!(s1 < s0 / 2.0, "aimd {s1} vs unpaced {s0}");
 }

@@ -11,7 +11,8 @@
 //!   isolated at its `min_calls`-th sample.
 //!
 //! An open breaker stays open `cooldown * 2^(streak - 1)`, capped by `max_cooldown`
-//! (B7); then one probe at a time is admitted under a lease with a TTL (B1). Every
+//! (B7), where only a dead source's verdicts (`SourceDead`) grow the streak: transient
+//! failures reopen it for one period, so recovery is seen within one cooldown; then one probe at a time is admitted under a lease with a TTL (B1). Every
 //! outcome is recorded against the epoch it was admitted under; stale epochs change
 //! nothing (B2). Outcomes come from a [`pgw_core::Classify`] (B6): `RateLimited`,
 //! `Rejected` and `Invalid` are ignored, `SourceDead` forces the breaker open.

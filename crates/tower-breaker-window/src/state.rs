@@ -180,8 +180,15 @@ impl GateState {
                     self.close(now);
                     Effect::Closed
                 }
-                BreakerVerdict::Failure | BreakerVerdict::ForceOpen => {
+                BreakerVerdict::ForceOpen => {
+                    // A dead source's probe (B7): the streak grows.
                     self.streak = self.streak.saturating_add(1);
+                    self.trip(now, p);
+                    Effect::Opened
+                }
+                BreakerVerdict::Failure => {
+                    // A transient failure does not grow it: probed again after one open
+                    // period, so a source back from an outage is seen within it.
                     self.trip(now, p);
                     Effect::Opened
                 }
@@ -220,8 +227,8 @@ impl GateState {
                 self.failures = self.failures.saturating_add(1);
                 let (calls, fails) = self.count(now, p, true);
                 if p.rate_opens(calls, fails) {
-                    // Rate channel (B5): grows the streak (B7), pins the count (B9).
-                    self.streak = self.streak.saturating_add(1);
+                    // Rate channel (B5): pins the count (B9); transient failures do not
+                    // grow the streak (B7).
                     self.failures = p.threshold;
                     self.trip(now, p);
                     Effect::Opened

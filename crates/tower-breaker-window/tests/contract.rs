@@ -28,7 +28,7 @@ mod cases {
         let v = view(&g).await;
         assert_eq!(v.state, BreakerState::Open);
         assert_eq!((v.window_calls, v.window_failures), (10, 9));
-        assert_eq!(v.streak, 1, "a rate-channel open grows the streak");
+        assert_eq!(v.streak, 0, "transient failures do not grow the streak (B7)");
         env.assert_near(refused(&g).await, env.unit(), "first open lasts one cooldown");
     }
 
@@ -45,7 +45,7 @@ mod cases {
         let v = view(&g).await;
         assert_eq!(
             (v.state, v.window_calls, v.window_failures, v.streak, v.failures),
-            (BreakerState::Open, 25, 7, 1, 100),
+            (BreakerState::Open, 25, 7, 0, 100),
             "7 / 25 = 0.28 >= 0.28"
         );
     }
@@ -101,7 +101,9 @@ mod cases {
         );
     }
 
-    /// (4) The open duration doubles with the streak, is capped, and the streak decays
+    /// (4) The open duration doubles with the streak, which only a dead source's
+    /// verdict grows (a transient open or failed probe reopens for one cooldown, so a
+    /// source back from an outage is seen within it), is capped, and the streak decays
     /// after the source stayed closed for twice the effective cooldown.
     pub(super) async fn c4_backoff_doubles_caps_decays(env: impl Env) {
         let u = env.unit();
@@ -113,19 +115,35 @@ mod cases {
             .unwrap();
         let g = env.gate("s", &config);
         calls(&g, F, 2).await;
-        assert_eq!(view(&g).await.streak, 1);
-        env.assert_near(refused(&g).await, u, "streak 1");
+        assert_eq!(view(&g).await.streak, 0);
+        env.assert_near(refused(&g).await, u, "a transient open: one cooldown");
         env.pass(u).await;
 
         let probe = admit(&g).await;
         assert!(probe.is_probe());
         g.record(probe, BreakerVerdict::Failure).await;
+        assert_eq!(
+            view(&g).await.streak,
+            0,
+            "a transient probe failure does not grow it"
+        );
+        env.assert_near(refused(&g).await, u, "probed again after one cooldown");
+        env.pass(u).await;
+
+        let probe = admit(&g).await;
+        g.record(probe, BreakerVerdict::ForceOpen).await;
+        assert_eq!(view(&g).await.streak, 1);
+        env.assert_near(refused(&g).await, u, "streak 1");
+        env.pass(u).await;
+
+        let probe = admit(&g).await;
+        g.record(probe, BreakerVerdict::ForceOpen).await;
         assert_eq!(view(&g).await.streak, 2);
         env.assert_near(refused(&g).await, u * 2, "streak 2 doubles");
         env.pass(u * 2).await;
 
         let probe = admit(&g).await;
-        g.record(probe, BreakerVerdict::Failure).await;
+        g.record(probe, BreakerVerdict::ForceOpen).await;
         assert_eq!(view(&g).await.streak, 3);
         env.assert_near(refused(&g).await, u * 2, "streak 3 is capped at max_cooldown");
         env.pass(u * 2).await;
@@ -215,7 +233,7 @@ mod cases {
         let g = env.gate("s", &cfg(&env, 3).max_concurrency(10).build().unwrap());
         calls(&g, F, 10).await;
         let v = view(&g).await;
-        assert_eq!((v.state, v.failures, v.streak), (BreakerState::Open, 20, 1));
+        assert_eq!((v.state, v.failures, v.streak), (BreakerState::Open, 20, 0));
     }
 
     /// (8) With `min_calls` samples of evidence below `fail_rate`, consecutive failures
@@ -230,7 +248,7 @@ mod cases {
         assert_eq!((v.state, v.failures), (BreakerState::Closed, 14));
         call(&warm, F).await; // 15 / 25 = 0.6
         let v = view(&warm).await;
-        assert_eq!((v.state, v.streak, v.failures), (BreakerState::Open, 1, 3));
+        assert_eq!((v.state, v.streak, v.failures), (BreakerState::Open, 0, 3));
 
         let cold = env.gate("cold", &config);
         calls(&cold, F, 3).await;

@@ -4,7 +4,9 @@
 //! AIMD, breaker, rate limit) and below the retry layer. Per call it:
 //!
 //! 1. orders the sources ([`Policy`], H3/H6): by default power of two choices on the
-//!    score `max(ewma, 0.05) / (1 + inflight)` (H2), the rest by descending score;
+//!    score `max(ewma, 0.05) / (1 + inflight)` (H2), the rest by descending score,
+//!    credible sources (health `>=` [`CREDIBLE_HEALTH_RATIO`] x the best one's) always
+//!    before the others: the load term never puts a failing idle source first;
 //! 2. moves a source that failed `>= 2` times *in this call* to the tail when a
 //!    credible alternative exists (H5). The in-call history travels with the request
 //!    ([`pgw_core::CallHistory`] via [`pgw_core::CarriesHistory`]);

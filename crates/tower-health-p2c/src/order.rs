@@ -18,6 +18,20 @@ pub(crate) fn p2c_pair(rng: &mut SmallRng, n: usize) -> (usize, usize) {
     (a, b)
 }
 
+/// The health a source needs to be credible for `class`: [`CREDIBLE_HEALTH_RATIO`] x
+/// the best source's (H2: the load term ranks credible sources among themselves, it
+/// never puts a failing idle source before a healthy busy one).
+fn credible_bar<S>(entries: &[Entry<S>], class: usize) -> f64 {
+    let best = entries.iter().map(|e| e.state.health(class)).fold(0.0, f64::max);
+    CREDIBLE_HEALTH_RATIO * best
+}
+
+/// The ordering key of source `i`: credible first, then the score.
+fn rank<S>(entries: &[Entry<S>], class: usize, bar: f64, i: usize) -> (bool, f64) {
+    let state = &entries[i].state;
+    (state.health(class) >= bar, state.score(class))
+}
+
 /// The first candidate of an attempt under `policy` (n >= 1). `cursor` is the shared
 /// round-robin cursor, read only by that policy.
 pub(crate) fn first<S>(
@@ -34,7 +48,8 @@ pub(crate) fn first<S>(
     match policy {
         Policy::HealthAware => {
             let (a, b) = p2c_pair(rng, n);
-            if entries[b].state.score(class) > entries[a].state.score(class) {
+            let bar = credible_bar(entries, class);
+            if rank(entries, class, bar, b) > rank(entries, class, bar, a) {
                 b
             } else {
                 a
@@ -69,11 +84,12 @@ pub(crate) fn full<S>(policy: Policy, entries: &[Entry<S>], class: usize, first:
     order.extend((1..n).map(|k| (first + k) % n));
     match policy {
         Policy::HealthAware => {
-            let mut rest: Vec<(f64, usize)> = order[1..]
+            let bar = credible_bar(entries, class);
+            let mut rest: Vec<((bool, f64), usize)> = order[1..]
                 .iter()
-                .map(|&i| (entries[i].state.score(class), i))
+                .map(|&i| (rank(entries, class, bar, i), i))
                 .collect();
-            rest.sort_by(|x, y| y.0.total_cmp(&x.0));
+            rest.sort_by(|x, y| y.0.0.cmp(&x.0.0).then(y.0.1.total_cmp(&x.0.1)));
             for (slot, (_, i)) in order[1..].iter_mut().zip(rest) {
                 *slot = i;
             }
@@ -191,6 +207,37 @@ mod tests {
         // The full order continues by descending score.
         let order = full(Policy::HealthAware, &es, 0, 2);
         assert_eq!(order, vec![2, 0, 1, 3, 4]);
+    }
+
+    /// H2 with credibility: the load term ranks credible sources among themselves; an
+    /// idle source failing most calls never goes before a healthy busy one (by score
+    /// alone, 0.1 / 1 beats 0.9 / 11).
+    #[test]
+    fn a_failing_idle_source_never_goes_before_a_healthy_busy_one() {
+        let es = entries(&[0.9, 0.1, 0.8]);
+        for _ in 0..10 {
+            es[0].state.inc();
+            es[2].state.inc();
+        }
+        assert!(
+            es[1].state.score(0) > es[0].state.score(0),
+            "the score alone prefers s2"
+        );
+        let mut rng = SmallRng::seed_from_u64(3);
+        for _ in 0..200 {
+            assert_ne!(first(Policy::HealthAware, &es, 0, &mut rng, || 0), 1);
+        }
+        assert_eq!(full(Policy::HealthAware, &es, 0, 0), vec![0, 2, 1]);
+        assert_eq!(full(Policy::HealthAware, &es, 0, 2), vec![2, 0, 1]);
+        // Among credible sources the load still decides: s3 idle goes before busy s1.
+        for _ in 0..10 {
+            es[2].state.dec();
+        }
+        assert_eq!(
+            full(Policy::HealthAware, &es, 0, 1),
+            vec![1, 2, 0],
+            "first stays first"
+        );
     }
 
     #[test]

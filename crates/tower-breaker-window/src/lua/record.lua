@@ -48,8 +48,13 @@ if ticket_probe ~= 0 then
       'a0', 0, 'f0', 0, 'a1', 0, 'f1', 0, 'closed_since', now)
     redis.call('PEXPIRE', key, ttl)
     return 3
-  elseif verdict == 'f' or verdict == 'o' then
+  elseif verdict == 'o' then
+    -- A dead source's probe (B7): the streak grows.
     trip(streak + 1)
+    return 2
+  elseif verdict == 'f' then
+    -- A transient failure does not grow it: probed again after one open period.
+    trip(streak)
     return 2
   end
   -- B3: no verdict; the next admission may probe at once.
@@ -102,9 +107,9 @@ end
 local calls = a[1] + a[2]
 local fails = f[1] + f[2]
 if calls >= min_calls and calls > 0 and fails / calls >= fail_rate then
-  -- Rate channel: grows the streak (B7), pins the failure count (B9).
+  -- Rate channel: pins the failure count (B9); transient failures do not grow the streak.
   redis.call('HSET', key, 'failures', threshold)
-  trip(streak + 1)
+  trip(streak)
   return 2
 end
 if failures >= threshold and calls < min_calls then
