@@ -7,6 +7,8 @@ use std::time::Duration;
 
 use pgw_client::{ChatAnswer, ChatCall};
 use tokio::sync::watch;
+use tokio::time::Instant;
+use tower_retry_pushback::Progress;
 
 use crate::cache::{CacheKey, CachedAnswer, NoCache, ResponseCache, is_deterministic};
 use crate::config::CacheWhen;
@@ -35,6 +37,30 @@ pub(crate) enum Lookup {
     /// identical calls that arrive meanwhile.
     Miss(Option<Flight>),
 }
+
+/// How long a call that finds an identical one in flight may follow it (see
+/// [`CacheFlow::lookup`]).
+#[derive(Debug)]
+pub(crate) struct Follow<'a> {
+    /// The process's last success (the stall guard's signal).
+    pub(crate) progress: &'a Progress,
+    /// The call's deadline.
+    pub(crate) until: Option<Instant>,
+}
+
+impl Follow<'_> {
+    /// Something answered within [`FOLLOW_IF_ANSWERED_WITHIN`].
+    fn worth_it(&self) -> bool {
+        self.progress.idle_for(Instant::now()) < FOLLOW_IF_ANSWERED_WITHIN
+    }
+}
+
+/// A call follows an identical one in flight only when some call of the process
+/// succeeded within this: 60 s, the balancer's default `silent_after` (a source that
+/// said nothing that long is silent; a process that answered nothing that long has
+/// leaders that are likely to fail, and waiting on one would make an all-dead pool's
+/// calls take a whole attempt timeout instead of failing fast).
+pub(crate) const FOLLOW_IF_ANSWERED_WITHIN: Duration = Duration::from_secs(60);
 
 /// The leader of the identical calls in flight: what it stores is handed to every
 /// follower; dropped without an answer (failure, a stream cut or dropped), the
@@ -88,8 +114,18 @@ impl CacheFlow {
 
     /// Looks `key` up; on a miss, leads the identical calls that arrive while this one
     /// is upstream, or follows the one already there. `usable` says whether a stored
-    /// answer may be given to this call (its validator).
-    pub(crate) async fn lookup(&self, key: CacheKey, usable: impl Fn(&CachedAnswer) -> bool) -> Lookup {
+    /// answer may be given to this call (its validator). A follower waits no later than
+    /// `follow.until` (the call's deadline: then it goes on, and its own gates fail it
+    /// at once), and only while something in the process answers (a success within
+    /// [`FOLLOW_IF_ANSWERED_WITHIN`]): in a process whose calls all fail, a leader's
+    /// answer is not worth a wait, and the follower's own round fails fast
+    /// (`CircuitOpen` on an all-dead pool).
+    pub(crate) async fn lookup(
+        &self,
+        key: CacheKey,
+        follow: Follow<'_>,
+        usable: impl Fn(&CachedAnswer) -> bool,
+    ) -> Lookup {
         if let Some(hit) = self.cache.get(key).await
             && usable(&hit)
         {
@@ -98,6 +134,8 @@ impl CacheFlow {
         let mut rx = {
             let mut map = self.flights.lock().unwrap_or_else(PoisonError::into_inner);
             match map.get(&key) {
+                // Nothing answered lately: go upstream unled, and lead nobody.
+                Some(_) if !follow.worth_it() => return Lookup::Miss(None),
                 Some(rx) => rx.clone(),
                 None => {
                     let (tx, rx) = watch::channel(None);
@@ -110,7 +148,17 @@ impl CacheFlow {
                 }
             }
         };
-        let shared = rx.wait_for(Option::is_some).await.ok().and_then(|v| v.clone());
+        // Followed while something answers: each time the last success is a window old
+        // the follower looks again, and goes on alone when nothing came meanwhile.
+        let shared = loop {
+            let quiet_at = follow.progress.last_success() + FOLLOW_IF_ANSWERED_WITHIN;
+            let until = follow.until.map_or(quiet_at, |d| d.min(quiet_at));
+            match tokio::time::timeout_at(until, rx.wait_for(Option::is_some)).await {
+                Ok(answer) => break answer.ok().and_then(|v| v.clone()),
+                Err(_) if follow.worth_it() && follow.until.is_none_or(|d| Instant::now() < d) => {}
+                Err(_) => break None,
+            }
+        };
         match shared {
             Some(answer) if usable(&answer) => Lookup::Hit(answer),
             // The leader failed, or its answer does not pass this call's validator.

@@ -18,12 +18,12 @@ use tower_aimd::AimdHandle;
 use tower_breaker_window::{BreakerHandle, BreakerState};
 use tower_health_p2c::Sources;
 use tower_ratelimit_redis::RateLimiter;
-use tower_retry_pushback::{Progress, Reason, RetryError};
+use tower_retry_pushback::{CallDeadline, Progress, Reason, RetryError};
 use tower_service::Service;
 
 use crate::attempt::AdmissionCell;
 use crate::cache::{CacheKey, CachedAnswer};
-use crate::cached::{CacheFlow, Lookup, replay};
+use crate::cached::{CacheFlow, Follow, Lookup, replay};
 use crate::relay::ChatStream;
 use crate::route::ModelChain;
 use crate::source::SourceService;
@@ -388,7 +388,11 @@ impl Service<ChatCall> for Gateway {
                     validator
                         .is_none_or(|v| hit.response.is_declined() || v.0.validate(&hit.response).is_ok())
                 };
-                match cache.lookup(key, usable).await {
+                let follow = Follow {
+                    progress: &inner.progress,
+                    until: call.extensions().get::<CallDeadline>().map(|d| d.0),
+                };
+                match cache.lookup(key, follow, usable).await {
                     Lookup::Hit(hit) => return Ok(replay(&inner.telemetry, call_id, &hit)),
                     Lookup::Miss(flight) => {
                         metrics::counter!("pgw_cache_misses_total").increment(1);

@@ -58,7 +58,8 @@ impl SourceState {
         self.timeouts.load(Ordering::Relaxed) >= n
     }
 
-    /// Attempts in flight and nothing heard from the source for longer than `after`.
+    /// Attempts in flight and nothing heard from the source for `after` or longer (a
+    /// slot freed by a timeout at exactly `after` does not admit a fresh call to it).
     pub(crate) fn silent(&self, after: Duration) -> bool {
         if self.inflight() == 0 {
             return false;
@@ -66,7 +67,7 @@ impl SourceState {
         let quiet = self
             .now_ns()
             .saturating_sub(self.heard_ns.load(Ordering::Relaxed));
-        quiet > u64::try_from(after.as_nanos()).unwrap_or(u64::MAX)
+        quiet >= u64::try_from(after.as_nanos()).unwrap_or(u64::MAX)
     }
 
     pub(crate) const fn id(&self) -> &SourceId {
