@@ -19,6 +19,7 @@ use pgw_core::openai::ChatRequest;
 use pgw_stack::{BackendKind, Gateway, GatewayConfig};
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
+use tower::ServiceBuilder;
 use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::limit::RequestBodyLimitLayer;
 use tower_http::trace::{DefaultMakeSpan, DefaultOnResponse, TraceLayer};
@@ -135,13 +136,22 @@ pub fn model_names(config: &GatewayConfig) -> Vec<String> {
 
 /// The router with every route, limit and error mapping, with a request body limit of
 /// `max_body_bytes`.
+///
+/// Each group of layers is applied as one `ServiceBuilder` stack: every
+/// `Router::layer` call boxes each route once more, and a request clones every box
+/// below the one it enters, so one call per group saves most of that per request.
 pub fn router(state: AppState, max_body_bytes: usize) -> Router {
     let api = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/models", get(models))
-        .layer(middleware::from_fn_with_state(state.clone(), read_body))
-        .layer(DefaultBodyLimit::disable())
-        .layer(RequestBodyLimitLayer::new(max_body_bytes));
+        .layer(
+            ServiceBuilder::new()
+                .layer(RequestBodyLimitLayer::new(max_body_bytes))
+                // The limited body back to axum's own (what a `Route` between them did).
+                .map_request(|r: Request<_>| r.map(Body::new))
+                .layer(DefaultBodyLimit::disable())
+                .layer(middleware::from_fn_with_state(state.clone(), read_body)),
+        );
     Router::new()
         .merge(api)
         .route("/healthz", get(healthz))
@@ -149,15 +159,18 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         .route("/metrics", get(metrics_text))
         .fallback(|| async { ApiError::of_status(StatusCode::NOT_FOUND) })
         .method_not_allowed_fallback(|| async { ApiError::of_status(StatusCode::METHOD_NOT_ALLOWED) })
-        .layer(middleware::from_fn(track))
-        .layer(middleware::map_response(as_openai_error))
-        .layer(CatchPanicLayer::custom(|_| {
-            ApiError::of_status(StatusCode::INTERNAL_SERVER_ERROR).into_response()
-        }))
         .layer(
-            TraceLayer::new_for_http()
-                .make_span_with(DefaultMakeSpan::new().level(tracing::Level::INFO))
-                .on_response(DefaultOnResponse::new().level(tracing::Level::INFO)),
+            ServiceBuilder::new()
+                .layer(
+                    TraceLayer::new_for_http()
+                        .make_span_with(DefaultMakeSpan::new().level(tracing::Level::INFO))
+                        .on_response(DefaultOnResponse::new().level(tracing::Level::INFO)),
+                )
+                .layer(CatchPanicLayer::custom(|_| {
+                    ApiError::of_status(StatusCode::INTERNAL_SERVER_ERROR).into_response()
+                }))
+                .layer(middleware::map_response(as_openai_error))
+                .layer(middleware::from_fn(track)),
         )
         .with_state(state)
 }
