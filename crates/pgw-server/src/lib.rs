@@ -31,6 +31,7 @@
 mod auth;
 pub mod config;
 mod error;
+mod handles;
 mod routes;
 mod serve;
 mod sse;

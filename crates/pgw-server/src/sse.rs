@@ -122,11 +122,16 @@ impl Call {
                                 }
                                 if self.first_chunk {
                                     self.first_chunk = false;
-                                    metrics::histogram!(
-                                        "gen_ai_server_time_to_first_token_seconds",
-                                        "gen_ai_request_model" => self.metrics.model.clone(),
-                                    )
-                                    .record(self.metrics.started.elapsed().as_secs_f64());
+                                    self.metrics
+                                        .handles
+                                        .first_token
+                                        .get([&self.metrics.model], |[model]| {
+                                            metrics::histogram!(
+                                                "gen_ai_server_time_to_first_token_seconds",
+                                                "gen_ai_request_model" => model.to_owned(),
+                                            )
+                                        })
+                                        .record(self.metrics.started.elapsed().as_secs_f64());
                                 }
                                 // A chunk that does not serialize is dropped, never sent empty.
                                 if let Some(bytes) = chunk_event(&chunk) {

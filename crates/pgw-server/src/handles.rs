@@ -1,0 +1,64 @@
+//! Metric handles kept by their label values.
+//!
+//! `metrics::histogram!("name", "label" => value)` builds a key on every update (each
+//! label value copied into a `String`, the key hashed) and looks it up in the
+//! recorder's registry; a call updates five such series. Their label sets are small
+//! and bounded (routes, configured models, statuses, tenants), so each handle is made
+//! once and found again by comparing the label values in a short list.
+
+use std::sync::{PoisonError, RwLock};
+
+/// The handles of one metric, by its `N` label values.
+pub(crate) struct Handles<H, const N: usize> {
+    list: RwLock<Vec<([Box<str>; N], H)>>,
+}
+
+impl<H, const N: usize> Default for Handles<H, N> {
+    fn default() -> Self {
+        Self {
+            list: RwLock::new(Vec::new()),
+        }
+    }
+}
+
+impl<H: Clone, const N: usize> Handles<H, N> {
+    /// The handle of the series with `labels`, made with `make` the first time.
+    pub(crate) fn get(&self, labels: [&str; N], make: impl FnOnce([&str; N]) -> H) -> H {
+        let same = |k: &[Box<str>; N]| k.iter().zip(labels).all(|(a, b)| **a == *b);
+        {
+            let list = self.list.read().unwrap_or_else(PoisonError::into_inner);
+            if let Some((_, h)) = list.iter().find(|(k, _)| same(k)) {
+                return h.clone();
+            }
+        }
+        let mut list = self.list.write().unwrap_or_else(PoisonError::into_inner);
+        if let Some((_, h)) = list.iter().find(|(k, _)| same(k)) {
+            return h.clone();
+        }
+        let h = make(labels);
+        list.push((labels.map(Box::from), h.clone()));
+        h
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_handle_is_made_once_per_label_set() {
+        let handles = Handles::<usize, 2>::default();
+        let mut made = 0;
+        let mut get = |labels| {
+            handles.get(labels, |_| {
+                made += 1;
+                made
+            })
+        };
+        assert_eq!(get(["a", "200"]), 1);
+        assert_eq!(get(["a", "500"]), 2);
+        assert_eq!(get(["a", "200"]), 1);
+        assert_eq!(get(["b", "200"]), 3);
+        assert_eq!(made, 3);
+    }
+}
