@@ -15,7 +15,7 @@ use pgw_core::{BoxError, CarriesHistory, Classify, InvalidResponse, SourceId};
 use tokio::time::Instant;
 use tower_service::Service;
 
-use crate::route::Pushback;
+use crate::route::{Pushback, QuotaHold};
 use crate::telemetry::{AttemptTelemetry, Telemetry};
 use crate::validate::Validator;
 
@@ -48,6 +48,8 @@ pub(crate) struct Attempt<S> {
     pub(crate) cuts: StreamCuts,
     /// What the route's last 429 said of its scope (for the hold that follows).
     pub(crate) pushback: Pushback,
+    /// Holds the source long when its account has no credit left.
+    pub(crate) quota_hold: QuotaHold,
 }
 
 /// The EWMA weight of one stream in [`StreamCuts`]: 0.2, the balancer's health weight.
@@ -155,6 +157,7 @@ where
         }
         let cuts = self.cuts.clone();
         let pushback = self.pushback.clone();
+        let quota_hold = self.quota_hold.clone();
         let attempt =
             u32::try_from(call.call_history().map_or(0, pgw_core::CallHistory::len) + 1).unwrap_or(u32::MAX);
         let admission = call
@@ -197,6 +200,12 @@ where
                 && AnswerClassifier.classify(&result).is_rate_limited()
             {
                 pushback.note(&**e, record.model.as_str());
+            }
+            // Written before the retry layer's next dispatch: once the answer is known,
+            // no attempt of this call or any other reaches the source.
+            let hold = result.as_ref().err().and_then(|e| quota_hold.after(&**e));
+            if let Some(hold) = hold {
+                hold.await;
             }
             // A stream passed through is recorded when it ends, with its real usage.
             let committed = AnswerClassifier.in_progress(&result);
