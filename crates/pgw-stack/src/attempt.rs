@@ -11,7 +11,7 @@ use std::time::Duration;
 use futures_util::future::BoxFuture;
 use pgw_client::{AnswerClassifier, ChatAnswer, ChatCall};
 use pgw_core::openai::Usage;
-use pgw_core::{BoxError, CarriesHistory, Classify, InvalidResponse, SourceId};
+use pgw_core::{BoxError, CarriesHistory, Classify, InvalidResponse, SourceId, UpstreamStatus};
 use tokio::time::Instant;
 use tower_service::Service;
 
@@ -217,11 +217,13 @@ where
                     Ok(a) => (a.stats.ttft, a.stats.usage.as_ref()),
                     Err(_) => (None, None),
                 };
+                let upstream = r.as_ref().err().and_then(|e| UpstreamStatus::find(&**e));
                 record.emit(
                     AnswerClassifier.classify(r).as_str(),
                     ttft,
                     usage,
                     r.as_ref().err().map(ToString::to_string),
+                    upstream,
                 );
             });
             result
@@ -269,6 +271,7 @@ impl Record {
         ttft: Option<Duration>,
         usage: Option<&Usage>,
         error: Option<String>,
+        upstream: Option<&UpstreamStatus>,
     ) {
         self.done = true;
         let admission = self.admission;
@@ -286,6 +289,10 @@ impl Record {
             cost_usd: self.telemetry.prices.cost(self.model.as_str(), usage),
             outcome,
             error,
+            status: upstream.map(|u| u.status().as_u16()),
+            code: upstream
+                .and_then(UpstreamStatus::provider)
+                .and_then(|p| p.code.clone().or_else(|| p.kind.clone())),
             cache_hit: false,
         });
     }
@@ -299,6 +306,7 @@ impl Drop for Record {
                 None,
                 None,
                 Some("attempt cancelled before its verdict".to_owned()),
+                None,
             );
         }
     }

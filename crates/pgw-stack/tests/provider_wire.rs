@@ -102,8 +102,16 @@ async fn a_wrong_model_is_rejected_at_once_and_opens_no_breaker() {
     // And the pool still serves the model it has.
     let ok = gw.chat(ChatRequest::user("gpt-4o", "hello")).await.unwrap();
     assert!(!ok.content().is_empty());
-    let outcomes: Vec<_> = sink.records().iter().map(|r| r.outcome).collect();
+    let records = sink.records();
+    let outcomes: Vec<_> = records.iter().map(|r| r.outcome).collect();
     assert_eq!(&outcomes[..6], ["rejected"; 6]);
+    // The records carry what the provider said, whatever the outcome made of it.
+    for r in &records[..6] {
+        assert_eq!(
+            (r.status, r.code.as_deref()),
+            (Some(404), Some("model_not_found"))
+        );
+    }
 }
 
 #[tokio::test(start_paused = true)]
