@@ -55,10 +55,12 @@ async fn a_redis_outage_of_the_limiter_opens_no_breaker_and_feeds_no_health() {
     )
     .unwrap();
     let prefix = pgw_test_support::unique_prefix("limiter_outage");
-    let mut cfg = GatewayConfig::default();
-    cfg.backend = BackendKind::Redis;
-    cfg.redis_url = Some(server.url());
-    cfg.key_prefix = Some(prefix.clone());
+    let mut cfg = GatewayConfig {
+        backend: BackendKind::Redis,
+        redis_url: Some(server.url()),
+        key_prefix: Some(prefix.clone()),
+        ..GatewayConfig::default()
+    };
     cfg.cache.enabled = false;
     cfg.balance.policy = Some("round_robin".into());
     // A call that finds every source not admitted gives up at once instead of asking
@@ -103,7 +105,7 @@ async fn a_redis_outage_of_the_limiter_opens_no_breaker_and_feeds_no_health() {
             .unwrap_err();
         let own = NotAdmitted::of(&*err) == Some(NotAdmitted::Unavailable)
             || std::iter::successors(Some(&*err as &(dyn std::error::Error + 'static)), |e| e.source())
-                .any(|e| e.is::<BackendUnavailable>());
+                .any(<dyn std::error::Error>::is::<BackendUnavailable>);
         assert!(own, "call {i}: {err}");
     }
     assert_eq!(received(), 1, "no attempt left the process");
