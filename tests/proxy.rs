@@ -308,3 +308,155 @@ async fn the_proxy_serves_byte_correct_sse_to_a_plain_http_client() {
     let answer: ChatResponse = serde_json::from_str(&json).unwrap();
     assert!(!answer.is_empty_completion());
 }
+
+/// What the recording upstream answers: every field OpenAI sends that the gateway does
+/// not read, and fields no provider sends yet, at every level. Written by serde_json
+/// (keys sorted, numbers in its shortest form), so a field the proxy passed through
+/// untouched appears in its output byte for byte.
+fn rich_answer() -> serde_json::Value {
+    serde_json::json!({
+        "id": "chatcmpl-rich-1",
+        "object": "chat.completion",
+        "created": 1_784_000_000_u64,
+        "model": "gpt-4o-2024-08-06",
+        "system_fingerprint": "fp_0123456789",
+        "service_tier": "default",
+        "x_provider_trace": {"region": "eu-west", "hops": [1, 2, 3]},
+        "choices": [{
+            "index": 0,
+            "finish_reason": "stop",
+            "x_choice_score": 0.987_654_321_012_345_6,
+            "logprobs": {
+                "content": [
+                    {"token": "It", "logprob": -0.000_012_345_678_9, "bytes": [73, 116],
+                     "top_logprobs": [{"token": "It", "logprob": -0.000_012_345_678_9, "bytes": [73, 116]},
+                                      {"token": "This", "logprob": -11.25, "bytes": [84, 104, 105, 115]}]},
+                    {"token": "'s", "logprob": -1.0e-7, "bytes": [39, 115], "top_logprobs": []}
+                ],
+                "refusal": null
+            },
+            "message": {
+                "role": "assistant",
+                "content": "It's a picture.",
+                "refusal": null,
+                "annotations": [],
+                "x_message_meta": {"lang": "en"}
+            }
+        }],
+        "usage": {
+            "prompt_tokens": 93,
+            "completion_tokens": 5,
+            "total_tokens": 98,
+            "prompt_tokens_details": {"cached_tokens": 64, "audio_tokens": 0},
+            "completion_tokens_details": {
+                "reasoning_tokens": 3, "audio_tokens": 0,
+                "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0
+            },
+            "x_usage_cost": 0.000_123
+        }
+    })
+}
+
+/// The acceptance of "faithful OpenAI types" (issue #14), byte for byte: a response
+/// with logprobs, `system_fingerprint`, usage details and unknown fields at every level
+/// comes out of the proxy with each of those fields exactly as the upstream wrote
+/// it, and a request with content parts (and fields the gateway does not know)
+/// reaches the upstream unchanged.
+#[tokio::test(start_paused = true)]
+async fn a_rich_answer_and_a_content_parts_request_cross_the_proxy_byte_for_byte() {
+    use bytes::Bytes;
+    use std::sync::Mutex;
+
+    let sent: Arc<Mutex<Vec<Bytes>>> = Arc::default();
+    let upstream_body = serde_json::to_vec(&rich_answer()).unwrap();
+    let seen = Arc::clone(&sent);
+    let upstream = tower::service_fn(move |req: http::Request<Bytes>| {
+        seen.lock().unwrap().push(req.into_body());
+        let body = Bytes::from(upstream_body.clone());
+        async move {
+            Ok::<_, BoxError>(
+                http::Response::builder()
+                    .status(200)
+                    .header("content-type", "application/json")
+                    .body(http_body_util::Full::new(body))
+                    .unwrap(),
+            )
+        }
+    });
+    let mut cfg = GatewayConfig::default();
+    cfg.cache.enabled = false;
+    cfg.sources.push(SourceConfig::new(
+        "a",
+        "http://upstream.invalid/v1",
+        SecretKey::new(KEY),
+    ));
+    let gw = Gateway::builder(cfg.clone())
+        .transport(move |_: &SourceConfig| -> Result<_, BoxError> { Ok(box_transport(upstream.clone())) })
+        .build()
+        .await
+        .unwrap();
+    let app = router(gw, &cfg);
+
+    // As the OpenAI SDKs write them: `type` first in a part, `role` first in a message.
+    let messages = r#"[{"role":"user","content":[{"type":"text","text":"what is this?"},{"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA","detail":"low"}}],"name":"ann"},{"role":"assistant","content":null,"tool_calls":[{"id":"call_1","type":"function","function":{"name":"look","arguments":"{\"q\":1}"}}]},{"role":"tool","content":"{\"seen\":true}","tool_call_id":"call_1"}]"#;
+    let request = format!(
+        r#"{{"logprobs":true,"max_completion_tokens":40,"messages":{messages},"metadata":{{"tenant":"t1"}},"model":"gpt-4o","top_logprobs":2,"x_unknown":[1,2.5,"three"]}}"#
+    );
+    let resp = app.oneshot(post(&request)).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let out = String::from_utf8(resp.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap();
+
+    // The response: each field as the upstream wrote it.
+    let want = rich_answer();
+    let field =
+        |name: &str, v: &serde_json::Value| format!("\"{name}\":{}", serde_json::to_string(v).unwrap());
+    for (name, v) in [
+        ("system_fingerprint", &want["system_fingerprint"]),
+        ("service_tier", &want["service_tier"]),
+        ("x_provider_trace", &want["x_provider_trace"]),
+        ("logprobs", &want["choices"][0]["logprobs"]),
+        ("x_choice_score", &want["choices"][0]["x_choice_score"]),
+        ("annotations", &want["choices"][0]["message"]["annotations"]),
+        ("x_message_meta", &want["choices"][0]["message"]["x_message_meta"]),
+        ("prompt_tokens_details", &want["usage"]["prompt_tokens_details"]),
+        (
+            "completion_tokens_details",
+            &want["usage"]["completion_tokens_details"],
+        ),
+        ("x_usage_cost", &want["usage"]["x_usage_cost"]),
+    ] {
+        let bytes = field(name, v);
+        assert!(out.contains(&bytes), "{bytes} not in the proxy's answer: {out}");
+    }
+    let got: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(got["usage"], want["usage"], "usage whole");
+    assert_eq!(got["choices"][0]["message"]["refusal"], serde_json::Value::Null);
+    assert!(
+        got["choices"][0]["message"].get("refusal").is_some(),
+        "null stays null, not dropped"
+    );
+
+    // The request: the messages and every field the gateway does not read, unchanged.
+    let sent = sent.lock().unwrap();
+    assert_eq!(sent.len(), 1, "one attempt");
+    let upstream = std::str::from_utf8(&sent[0]).unwrap();
+    let parsed: serde_json::Value = serde_json::from_str(upstream).unwrap();
+    let asked: serde_json::Value = serde_json::from_str(&request).unwrap();
+    // Unchanged in every name and value; the content parts byte for byte. A tool
+    // call's keys come out in serde_json's order (sorted), its values byte for byte.
+    assert_eq!(parsed["messages"], asked["messages"], "{upstream}");
+    for bytes in [
+        r#""content":[{"type":"text","text":"what is this?"},{"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA","detail":"low"}}]"#,
+        r#""arguments":"{\"q\":1}""#,
+        r#""content":null"#,
+        r#""content":"{\"seen\":true}","tool_call_id":"call_1""#,
+        r#""name":"ann""#,
+        r#""metadata":{"tenant":"t1"}"#,
+        r#""x_unknown":[1,2.5,"three"]"#,
+        r#""logprobs":true"#,
+        r#""top_logprobs":2"#,
+        r#""max_completion_tokens":40"#,
+    ] {
+        assert!(upstream.contains(bytes), "{bytes} not sent upstream: {upstream}");
+    }
+}

@@ -40,6 +40,8 @@ enum Meaning {
     Rejected,
     /// The key or the account cannot serve anyone.
     SourceDead,
+    /// The account has no credit (billing): dead, and for long.
+    QuotaExhausted,
     /// Pushback: slow down.
     RateLimited,
     /// The provider is busy: may pass on a retry.
@@ -61,8 +63,8 @@ const MEANINGS: &[(&str, Meaning)] = &[
     ("content_filter", Meaning::Rejected),
     ("string_above_max_length", Meaning::Rejected),
     // Billing: the account has no credit left; retry-after would not help.
-    ("insufficient_quota", Meaning::SourceDead),
-    ("billing_hard_limit_reached", Meaning::SourceDead),
+    ("insufficient_quota", Meaning::QuotaExhausted),
+    ("billing_hard_limit_reached", Meaning::QuotaExhausted),
     ("invalid_api_key", Meaning::SourceDead),
     ("authentication_error", Meaning::SourceDead),
     ("permission_error", Meaning::SourceDead),
@@ -124,7 +126,7 @@ pub fn classify_upstream(err: &UpstreamStatus) -> Outcome {
     }
     match by_name {
         Some(Meaning::Rejected) => return Outcome::Rejected,
-        Some(Meaning::SourceDead) => return Outcome::SourceDead,
+        Some(Meaning::SourceDead | Meaning::QuotaExhausted) => return Outcome::SourceDead,
         Some(Meaning::RateLimited) => {
             return Outcome::RateLimited {
                 retry_after: err.retry_after(),
@@ -134,6 +136,33 @@ pub fn classify_upstream(err: &UpstreamStatus) -> Outcome {
         Some(Meaning::UnknownModel) | None => {}
     }
     classify_status(status, err.retry_after())
+}
+
+/// Whether `err`'s chain holds a provider's answer saying the account has no credit
+/// left (`insufficient_quota`, `billing_hard_limit_reached`, by `code` or `type`).
+/// Such a source is `SourceDead` ([`classify_upstream`]) and stays dead until someone
+/// pays: the gateway holds it far longer than a breaker's cooldown.
+///
+/// ```
+/// use http::StatusCode;
+/// use pgw_core::{BoxError, ProviderError, UpstreamStatus, is_quota_exhausted};
+///
+/// let body = br#"{"error":{"message":"You exceeded your current quota.","type":"insufficient_quota","param":null,"code":"insufficient_quota"}}"#;
+/// let err: BoxError = Box::new(
+///     UpstreamStatus::new(StatusCode::TOO_MANY_REQUESTS, None, "")
+///         .with_provider(ProviderError::parse(body).unwrap()),
+/// );
+/// assert!(is_quota_exhausted(&*err));
+/// let rate: BoxError = Box::new(UpstreamStatus::new(StatusCode::TOO_MANY_REQUESTS, None, ""));
+/// assert!(!is_quota_exhausted(&*rate));
+/// ```
+#[must_use]
+pub fn is_quota_exhausted(err: &(dyn Error + 'static)) -> bool {
+    let Some(p) = UpstreamStatus::find(err).and_then(UpstreamStatus::provider) else {
+        return false;
+    };
+    let by_name = meaning(p.code.as_deref()).or_else(|| meaning(p.kind.as_deref()));
+    by_name == Some(Meaning::QuotaExhausted)
 }
 
 /// The outcome of a parsed chat completion answer: an empty completion is
@@ -406,6 +435,12 @@ mod tests {
             // Through the error chain, as the layers see it.
             let boxed: BoxError = Box::new(e);
             assert_eq!(classify_error(&*boxed), *want, "{status} {body}");
+            // Only billing says the source is dead for long.
+            assert_eq!(
+                is_quota_exhausted(&*boxed),
+                body.contains("insufficient_quota"),
+                "{status} {body}"
+            );
         }
     }
 

@@ -56,6 +56,7 @@ pub use history::{AttemptRecord, CallHistory, CarriesHistory};
 pub use hold::{Hold, HoldFuture, NoHold};
 pub use http_classify::{
     HttpClassifier, OpenAiClassifier, classify_error, classify_response, classify_status, classify_upstream,
+    is_quota_exhausted,
 };
 pub use outcome::{BreakerVerdict, Outcome};
 pub use source::SourceId;

@@ -102,6 +102,9 @@ pub fn markdown(info: &RunInfo, scores: &[Score]) -> String {
         if s.passed() { "PASS".into() } else { "FAIL".into() }
     });
     row(&mut md, "quota violations", &|s| s.violations.len().to_string());
+    row(&mut md, "request errors against a source", &|s| {
+        format!("{} of {}", s.request_errors_against_source, s.request_errors)
+    });
     row(&mut md, "attempts / call", &|s| {
         format!("{:.2}", s.attempts_per_call)
     });
@@ -259,13 +262,13 @@ pub fn markdown(info: &RunInfo, scores: &[Score]) -> String {
 #[must_use]
 pub fn terminal(scores: &[Score]) -> String {
     let mut out = String::new();
-    let _ = write!(out, "{:<26}", "");
+    let _ = write!(out, "{:<36}", "");
     for s in scores {
         let _ = write!(out, "{:>16}", s.profile);
     }
     out.push('\n');
     let line = |out: &mut String, name: &str, f: &dyn Fn(&Score) -> String| {
-        let _ = write!(out, "{name:<26}");
+        let _ = write!(out, "{name:<36}");
         for s in scores {
             let _ = write!(out, "{:>16}", f(s));
         }
@@ -278,6 +281,9 @@ pub fn terminal(scores: &[Score]) -> String {
         format!("{:.2}%", s.recoverable_success_rate * 100.0)
     });
     line(&mut out, "quota violations", &|s| s.violations.len().to_string());
+    line(&mut out, "request errors against a source", &|s| {
+        format!("{} of {}", s.request_errors_against_source, s.request_errors)
+    });
     line(&mut out, "attempts / call", &|s| {
         format!("{:.2}", s.attempts_per_call)
     });
@@ -600,6 +606,7 @@ mod tests {
                 tokens: 1,
                 outcome: "success".into(),
                 cache_hit: false,
+                request_error: false,
             }],
             ..ProfileRun::default()
         };
@@ -609,6 +616,7 @@ mod tests {
                 calls: 1,
                 success_bar: None,
                 success_band: None,
+                request_errors_gate: false,
             },
         )
     }

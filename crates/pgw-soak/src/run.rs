@@ -48,6 +48,7 @@ pub fn expectations(profile: &str, scenario: &Scenario) -> Expectations {
             .naive_band
             .filter(|_| profile == ProfileKind::Naive.as_str())
             .map(|[lo, hi]| (lo, hi)),
+        request_errors_gate: scenario.request_errors_gate && profile == ProfileKind::Pgw.as_str(),
     }
 }
 

@@ -297,6 +297,9 @@ pub struct Scenario {
     pub success_bar: f64,
     /// The naive profile's calibration band (informational; P6: [`P6_NAIVE_BAND`]).
     pub naive_band: Option<[f64; 2]>,
+    /// Whether "0 breakers opened by request errors" gates the pgw profile's verdict
+    /// (default false: shown, not judged).
+    pub request_errors_gate: bool,
     /// The naive profile's own knobs.
     pub naive: NaiveSettings,
     /// The tower-stock profile's own knobs.
@@ -359,6 +362,7 @@ impl Scenario {
             quota_rules: Vec::new(),
             success_bar: DEFAULT_SUCCESS_BAR,
             naive_band: Some(P6_NAIVE_BAND),
+            request_errors_gate: false,
             naive: NaiveSettings::default(),
             tower_stock: TowerStockSettings::default(),
         }

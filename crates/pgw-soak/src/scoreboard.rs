@@ -83,6 +83,14 @@ pub struct Score {
     pub attempts_by_source: Vec<(String, u64)>,
     /// Attempt outcomes by name.
     pub outcomes: BTreeMap<String, u64>,
+    /// Upstream attempts the provider answered with a request error (the request's
+    /// fault: a wrong model, a context too long, a content policy, another 400).
+    pub request_errors: u64,
+    /// Of those, the attempts the client counted against the source: outcome
+    /// `transient` (a breaker failure) or `source_dead` (forces the breaker open).
+    /// A breaker opens only on such an outcome, so this bounds the breakers opened
+    /// by request errors from above: 0 means none was.
+    pub request_errors_against_source: u64,
     /// Every run of overlapping spans where a quota was exceeded.
     pub violations: Vec<Violation>,
     /// Success rate per scenario minute (by the call's end), `(minute, calls, ok)`.
@@ -122,6 +130,9 @@ pub struct Expectations {
     pub success_bar: Option<f64>,
     /// Informational band for the calibration (`naive`: 0.50..=0.65).
     pub success_band: Option<(f64, f64)>,
+    /// Whether "0 breakers opened by request errors" gates the verdict (pgw on a
+    /// scenario that asks for it, `provider-quirks`); informational otherwise.
+    pub request_errors_gate: bool,
 }
 
 /// Judges one run.
@@ -167,6 +178,12 @@ pub fn judge(run: &ProfileRun, expect: &Expectations) -> Score {
             ),
         });
     }
+    let (request_errors, request_errors_against_source) = request_errors(run);
+    checks.push(request_error_check(
+        request_errors,
+        request_errors_against_source,
+        expect.request_errors_gate,
+    ));
     let violations = quota_violations(run);
     checks.push(quota_check(&violations, &run.quotas));
     checks.push(ids_check(run, expect.calls));
@@ -186,6 +203,8 @@ pub fn judge(run: &ProfileRun, expect: &Expectations) -> Score {
         attempts_per_call: ratio(attempts, calls),
         attempts_by_source: by_source,
         outcomes,
+        request_errors,
+        request_errors_against_source,
         violations,
         success_by_minute: success_by_minute(run),
         checks,
@@ -265,6 +284,36 @@ pub fn quota_violations(run: &ProfileRun) -> Vec<Violation> {
         out.extend(run_of);
     }
     out
+}
+
+/// The outcomes whose breaker verdict is a failure or a forced open.
+const COUNTED_AGAINST_SOURCE: [&str; 2] = ["transient", "source_dead"];
+
+/// Upstream attempts answered with a request error, and how many of them the client
+/// counted against the source.
+fn request_errors(run: &ProfileRun) -> (u64, u64) {
+    let errors: Vec<_> = run
+        .attempts
+        .iter()
+        .filter(|a| !a.cache_hit && a.request_error)
+        .collect();
+    let against = errors
+        .iter()
+        .filter(|a| COUNTED_AGAINST_SOURCE.contains(&a.outcome.as_str()))
+        .count();
+    (errors.len() as u64, against as u64)
+}
+
+fn request_error_check(errors: u64, against: u64, gating: bool) -> Check {
+    Check {
+        name: "0 breakers opened by request errors",
+        pass: against == 0,
+        gating,
+        detail: format!(
+            "{against} of {errors} request errors counted against a source \
+             (a breaker opens only on those)"
+        ),
+    }
 }
 
 fn quota_check(violations: &[Violation], rules: &[QuotaRule]) -> Check {
@@ -427,6 +476,7 @@ mod tests {
             tokens: 100,
             outcome: "success".into(),
             cache_hit,
+            request_error: false,
         }
     }
 
@@ -475,6 +525,7 @@ mod tests {
                 calls: 4,
                 success_bar: None,
                 success_band: None,
+                request_errors_gate: false,
             },
         )
     }
@@ -580,6 +631,58 @@ mod tests {
         );
     }
 
+    /// A request error the client counted against its source (a 404 for a model the
+    /// caller named, read as the source being dead) fails the check; the same error
+    /// read as the request's fault, or a source's own failure, does not.
+    #[test]
+    fn a_request_error_counted_against_a_source_fails_the_breaker_check() {
+        let mut r = run();
+        r.calls = (0..4).map(|i| call(&format!("c{i}"), true, 1)).collect();
+        let row = |call: &str, outcome: &str, request_error: bool| AttemptRow {
+            outcome: outcome.into(),
+            request_error,
+            ..attempt(call, 1, "s4", 0, false)
+        };
+        r.attempts = vec![
+            row("c0", "rejected", true),
+            row("c1", "source_dead", false),
+            row("c2", "transient", false),
+            row("c3", "success", false),
+        ];
+        let gate = |r: &ProfileRun| {
+            judge(
+                r,
+                &Expectations {
+                    calls: 4,
+                    success_bar: None,
+                    success_band: None,
+                    request_errors_gate: true,
+                },
+            )
+        };
+        let s = gate(&r);
+        assert_eq!((s.request_errors, s.request_errors_against_source), (1, 0));
+        let c = s.check("0 breakers opened by request errors").unwrap();
+        assert!(c.pass && c.gating, "{c:?}");
+        // The same 404 read as the source being dead (it forces the breaker open).
+        r.attempts[0].outcome = "source_dead".into();
+        // A 400 read as a transient failure of the source, and one from the cache.
+        r.attempts.push(row("c1", "transient", true));
+        r.attempts.push(AttemptRow {
+            cache_hit: true,
+            ..row("c2", "transient", true)
+        });
+        let s = gate(&r);
+        assert_eq!((s.request_errors, s.request_errors_against_source), (2, 2));
+        let c = s.check("0 breakers opened by request errors").unwrap();
+        assert!(!c.pass, "{c:?}");
+        assert_eq!(
+            c.detail,
+            "2 of 2 request errors counted against a source (a breaker opens only on those)"
+        );
+        assert!(!s.passed());
+    }
+
     #[test]
     fn accounting_fails_on_what_is_left_not_on_what_expired_by_ttl() {
         let mut r = run();
@@ -630,6 +733,7 @@ mod tests {
                 calls: 2,
                 success_bar: Some(0.99),
                 success_band: Some((0.5, 0.65)),
+                request_errors_gate: false,
             },
         );
         for name in [

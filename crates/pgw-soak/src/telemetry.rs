@@ -38,6 +38,51 @@ pub struct AttemptRow {
     pub outcome: String,
     /// A response-cache hit: never reached the source nor its gates.
     pub cache_hit: bool,
+    /// The provider answered that the request itself was at fault
+    /// ([`is_request_error`]): whatever the client made of it, no source is to blame.
+    #[serde(default)]
+    pub request_error: bool,
+}
+
+/// Whether a provider's error answer (its HTTP status and error `code`, else `type`)
+/// says the request is at fault, not the source: a model the caller named that does
+/// not exist, a prompt too long for the context window or refused by a content
+/// policy, any other 400, 413 or 422 unless its code names the key or the account.
+///
+/// Read from the provider's words alone, not from any profile's classifier: the
+/// scoreboard judges the classifiers with it.
+///
+/// ```
+/// use pgw_soak::telemetry::is_request_error;
+///
+/// assert!(is_request_error(Some(404), Some("model_not_found")));
+/// assert!(is_request_error(Some(400), Some("invalid_prompt")));
+/// assert!(!is_request_error(Some(400), Some("invalid_api_key")));
+/// assert!(!is_request_error(Some(429), Some("insufficient_quota")));
+/// assert!(!is_request_error(Some(503), None));
+/// ```
+#[must_use]
+pub fn is_request_error(status: Option<u16>, code: Option<&str>) -> bool {
+    match code {
+        Some(
+            "model_not_found"
+            | "context_length_exceeded"
+            | "content_policy_violation"
+            | "content_filter"
+            | "string_above_max_length",
+        ) => true,
+        Some(
+            "invalid_api_key"
+            | "authentication_error"
+            | "permission_error"
+            | "insufficient_quota"
+            | "billing_hard_limit_reached"
+            | "rate_limit_exceeded"
+            | "rate_limit_error"
+            | "overloaded_error",
+        ) => false,
+        _ => matches!(status, Some(400 | 413 | 422)),
+    }
 }
 
 /// One call, as the driver saw it end.

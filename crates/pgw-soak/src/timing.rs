@@ -206,6 +206,7 @@ mod tests {
             tokens: 1,
             outcome: outcome.into(),
             cache_hit,
+            request_error: false,
         }
     }
 

@@ -11,11 +11,11 @@ use std::time::Duration;
 use futures_util::future::BoxFuture;
 use pgw_client::{AnswerClassifier, ChatAnswer, ChatCall};
 use pgw_core::openai::Usage;
-use pgw_core::{BoxError, CarriesHistory, Classify, InvalidResponse, SourceId};
+use pgw_core::{BoxError, CarriesHistory, Classify, InvalidResponse, SourceId, UpstreamStatus};
 use tokio::time::Instant;
 use tower_service::Service;
 
-use crate::route::Pushback;
+use crate::route::{Pushback, QuotaHold};
 use crate::telemetry::{AttemptTelemetry, Telemetry};
 use crate::validate::Validator;
 
@@ -48,6 +48,8 @@ pub(crate) struct Attempt<S> {
     pub(crate) cuts: StreamCuts,
     /// What the route's last 429 said of its scope (for the hold that follows).
     pub(crate) pushback: Pushback,
+    /// Holds the source long when its account has no credit left.
+    pub(crate) quota_hold: QuotaHold,
 }
 
 /// The EWMA weight of one stream in [`StreamCuts`]: 0.2, the balancer's health weight.
@@ -155,6 +157,7 @@ where
         }
         let cuts = self.cuts.clone();
         let pushback = self.pushback.clone();
+        let quota_hold = self.quota_hold.clone();
         let attempt =
             u32::try_from(call.call_history().map_or(0, pgw_core::CallHistory::len) + 1).unwrap_or(u32::MAX);
         let admission = call
@@ -198,6 +201,12 @@ where
             {
                 pushback.note(&**e, record.model.as_str());
             }
+            // Written before the retry layer's next dispatch: once the answer is known,
+            // no attempt of this call or any other reaches the source.
+            let hold = result.as_ref().err().and_then(|e| quota_hold.after(&**e));
+            if let Some(hold) = hold {
+                hold.await;
+            }
             // A stream passed through is recorded when it ends, with its real usage.
             let committed = AnswerClassifier.in_progress(&result);
             pgw_core::settle(&AnswerClassifier, &mut result, move |r| {
@@ -208,11 +217,13 @@ where
                     Ok(a) => (a.stats.ttft, a.stats.usage.as_ref()),
                     Err(_) => (None, None),
                 };
+                let upstream = r.as_ref().err().and_then(|e| UpstreamStatus::find(&**e));
                 record.emit(
                     AnswerClassifier.classify(r).as_str(),
                     ttft,
                     usage,
                     r.as_ref().err().map(ToString::to_string),
+                    upstream,
                 );
             });
             result
@@ -260,6 +271,7 @@ impl Record {
         ttft: Option<Duration>,
         usage: Option<&Usage>,
         error: Option<String>,
+        upstream: Option<&UpstreamStatus>,
     ) {
         self.done = true;
         let admission = self.admission;
@@ -277,6 +289,10 @@ impl Record {
             cost_usd: self.telemetry.prices.cost(self.model.as_str(), usage),
             outcome,
             error,
+            status: upstream.map(|u| u.status().as_u16()),
+            code: upstream
+                .and_then(UpstreamStatus::provider)
+                .and_then(|p| p.code.clone().or_else(|| p.kind.clone())),
             cache_hit: false,
         });
     }
@@ -290,6 +306,7 @@ impl Drop for Record {
                 None,
                 None,
                 Some("attempt cancelled before its verdict".to_owned()),
+                None,
             );
         }
     }

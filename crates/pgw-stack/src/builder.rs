@@ -26,8 +26,10 @@ use crate::config::{
     DEFAULT_KEY_PREFIX, GatewayConfig, SourceConfig, config_error, quota, secs,
 };
 use crate::gateway::{Gateway, Group, Inner, SourceHandles, call_shape};
-use crate::route::{Plan, Pushback, RouteHold, RouteHolds, RouteSpec};
-use crate::settings::{aimd_config, balance_config, breaker_config, rate_limit_config, retry_config};
+use crate::route::{Plan, Pushback, QuotaHold, RouteHold, RouteHolds, RouteSpec};
+use crate::settings::{
+    aimd_config, balance_config, breaker_config, quota_hold, rate_limit_config, retry_config,
+};
 use crate::source::{SourceBreaker, SourceLayer, SourceService, hold_layer, limit_layer};
 use crate::telemetry::{JsonlSink, PriceTable, Telemetry, TelemetrySink, TracingSink};
 use crate::validate::{Validate, Validator};
@@ -326,6 +328,8 @@ impl Wiring<'_> {
         };
         let source = settings.id.clone();
         let pushback = Pushback::default();
+        let max_conc = quota(&format!("{at}.max_concurrency"), sc.max_concurrency)?;
+        let breaker_cfg = breaker_config(cfg, max_conc, attempt_timeout)?;
         let attempt = Attempt {
             inner: UpstreamClient::new(settings, transport)?,
             source: source.clone(),
@@ -336,6 +340,10 @@ impl Wiring<'_> {
             accepts_prefill: sc.accepts_prefill,
             cuts: StreamCuts::default(),
             pushback: pushback.clone(),
+            quota_hold: QuotaHold {
+                limiter: limiter.clone(),
+                duration: quota_hold(cfg, &breaker_cfg)?,
+            },
         };
         // A route that is not the whole source has a hold scope of its own, so a 429 of
         // one model leaves the source's other models admitted.
@@ -349,14 +357,12 @@ impl Wiring<'_> {
                     .map_err(|e| config_error(&at, e.to_string()))?,
             )
         };
-        let max_conc = quota(&format!("{at}.max_concurrency"), sc.max_concurrency)?;
         let aimd = AimdLayer::new(aimd_config(cfg, max_conc))
             .map_err(|e| config_error(format!("aimd ({at})"), e.to_string()))?
             .with_source(route.id.clone())
             .with_release_signal(sources.wake_signal())
             .shedding()
             .with_classifier(AnswerClassifier);
-        let breaker_cfg = breaker_config(cfg, max_conc, attempt_timeout)?;
         let breaker = match &self.backends.breaker_redis {
             Some(b) => SourceBreaker::Redis(
                 BreakerLayer::new(b, route.id.clone(), &breaker_cfg).with_classifier(AnswerClassifier),

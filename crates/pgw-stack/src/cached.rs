@@ -241,6 +241,8 @@ pub(crate) fn replay(telemetry: &Telemetry, call_id: u64, hit: &CachedAnswer) ->
         cost_usd: Some(0.0),
         outcome: "success",
         error: None,
+        status: None,
+        code: None,
         cache_hit: true,
     });
     GatewayAnswer {

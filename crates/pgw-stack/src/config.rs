@@ -521,6 +521,11 @@ pub struct BreakerSection {
     pub max_cooldown_s: Option<f64>,
     /// Probe lease TTL, seconds (default `max(cooldown, 60)`).
     pub probe_ttl_s: Option<f64>,
+    /// How long a source that answered `insufficient_quota` (no credit left) is held,
+    /// seconds: not admitted by any process, while its breaker's cooldown would let a
+    /// probe through every few seconds to a minute; after it, one probe asks again
+    /// (default: the breaker's `max_cooldown_s`, the longest it would keep a source out).
+    pub quota_hold_s: Option<f64>,
 }
 
 /// `[aimd]`: defaults from tower-aimd (initial 8, floor 1, cut 0.5, tolerated pushback
@@ -799,6 +804,7 @@ impl GatewayConfig {
             ("ratelimit.lease_ttl_s", self.ratelimit.lease_ttl_s),
             ("cache.ttl_s", self.cache.ttl_s),
             ("cache.fallback_ttl_s", self.cache.fallback_ttl_s),
+            ("breaker.quota_hold_s", self.breaker.quota_hold_s),
         ] {
             secs(k, v)?;
         }

@@ -196,6 +196,41 @@ pub(crate) fn account_wide(err: &(dyn std::error::Error + 'static), model: &str)
     pgw_core::pushback_is_account_wide(err) && !names_model
 }
 
+/// The long hold of a source whose account has no credit left (`insufficient_quota`,
+/// [`pgw_core::is_quota_exhausted`]): its breaker opens at once (the answer is
+/// `SourceDead`), but the breaker's cooldown would let a probe through after seconds,
+/// and every process would spend an attempt finding the account still broke. The
+/// source's limiter holds it (every model of the key, in every process sharing the
+/// backend) for `duration`; then the breaker, half-open by then, sends one probe.
+#[derive(Clone, Debug)]
+pub(crate) struct QuotaHold {
+    /// The source's limiter (its scope, not its account's: the answer names the key's
+    /// billing, and each sibling of an account finds out with its own one answer).
+    pub(crate) limiter: RateLimiter,
+    /// How long (`breaker.quota_hold_s`).
+    pub(crate) duration: Duration,
+}
+
+impl QuotaHold {
+    /// The hold to write when `err` says the source's account has no credit, `None`
+    /// otherwise. A hold that cannot be written (the backend is down) is logged: the
+    /// breaker, open already, still keeps the source out for its cooldown.
+    pub(crate) fn after(
+        &self,
+        err: &(dyn std::error::Error + 'static),
+    ) -> Option<impl Future<Output = ()> + Send + 'static> {
+        if !pgw_core::is_quota_exhausted(err) {
+            return None;
+        }
+        let (limiter, duration) = (self.limiter.clone(), self.duration);
+        Some(async move {
+            if let Err(e) = limiter.hold(HoldScope::Source, duration).await {
+                tracing::warn!(source = %limiter.source(), error = %e, "quota hold not written");
+            }
+        })
+    }
+}
+
 /// One route as [`RouteHolds`] sees it.
 #[derive(Clone, Debug)]
 pub(crate) struct RouteHold {

@@ -140,6 +140,14 @@ pub(crate) fn breaker_config(
         .map_err(|e| config_error(format!("breaker.{}", e.field()), e.to_string()))
 }
 
+/// How long a source that answered `insufficient_quota` is held
+/// (`breaker.quota_hold_s`): by default the breaker's longest open period, its
+/// `max_cooldown` (300 s with the defaults), so no failure keeps a source out longer
+/// than its account running out of credit does.
+pub(crate) fn quota_hold(cfg: &GatewayConfig, breaker: &BreakerConfig) -> Result<Duration, ConfigError> {
+    Ok(secs("breaker.quota_hold_s", cfg.breaker.quota_hold_s)?.unwrap_or_else(|| breaker.max_cooldown()))
+}
+
 pub(crate) fn aimd_config(cfg: &GatewayConfig, max_concurrency: Option<u64>) -> AimdConfig {
     let a = &cfg.aimd;
     let d = AimdConfig::default();

@@ -48,6 +48,12 @@ pub struct AttemptTelemetry {
     pub outcome: &'static str,
     /// The error, when the attempt failed.
     pub error: Option<String>,
+    /// The HTTP status of the provider's error answer, when the attempt ended in one
+    /// (what the provider said, whatever the outcome made of it).
+    pub status: Option<u16>,
+    /// The provider's error `code` (else its `type`) in that answer
+    /// (`model_not_found`, `context_length_exceeded`, `insufficient_quota`, ...).
+    pub code: Option<String>,
     /// Whether the answer came from the cache.
     pub cache_hit: bool,
 }
@@ -149,6 +155,8 @@ impl TelemetrySink for TracingSink {
             ttft_ms = r.ttft_ms,
             cache_hit = r.cache_hit,
             error = r.error.as_deref(),
+            status = r.status,
+            code = r.code.as_deref(),
             "attempt"
         );
     }
@@ -217,6 +225,8 @@ mod tests {
             cost_usd: None,
             outcome,
             error: None,
+            status: None,
+            code: None,
             cache_hit: false,
         }
     }

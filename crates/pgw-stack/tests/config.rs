@@ -58,6 +58,8 @@ fn other_bad_values_are_named() {
     ));
     assert_eq!(e.field(), "sources[1].name");
     assert!(err_of("").field() == "sources");
+    let e = err_of(&format!("{GOOD}[breaker]\nquota_hold_s = -1\n"));
+    assert_eq!(e.field(), "breaker.quota_hold_s", "{e}");
 }
 
 #[test]

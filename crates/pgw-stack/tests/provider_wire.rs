@@ -102,8 +102,16 @@ async fn a_wrong_model_is_rejected_at_once_and_opens_no_breaker() {
     // And the pool still serves the model it has.
     let ok = gw.chat(ChatRequest::user("gpt-4o", "hello")).await.unwrap();
     assert!(!ok.content().is_empty());
-    let outcomes: Vec<_> = sink.records().iter().map(|r| r.outcome).collect();
+    let records = sink.records();
+    let outcomes: Vec<_> = records.iter().map(|r| r.outcome).collect();
     assert_eq!(&outcomes[..6], ["rejected"; 6]);
+    // The records carry what the provider said, whatever the outcome made of it.
+    for r in &records[..6] {
+        assert_eq!(
+            (r.status, r.code.as_deref()),
+            (Some(404), Some("model_not_found"))
+        );
+    }
 }
 
 #[tokio::test(start_paused = true)]
@@ -218,4 +226,111 @@ async fn billing_force_opens_that_source_and_overload_is_transient() {
     };
     assert_eq!(outcome_of("broke"), Some("source_dead"));
     assert_eq!(outcome_of("busy"), Some("transient"));
+}
+
+/// The handles of the source named `name`.
+fn handles<'a>(gw: &'a Gateway, name: &str) -> &'a pgw_stack::SourceHandles {
+    gw.sources()
+        .iter()
+        .find(|h| h.source.as_str() == name)
+        .expect("a source of the pool")
+}
+
+/// An account out of credit is held for `breaker.quota_hold_s` (default: the breaker's
+/// `max_cooldown_s`, 300 s), not for a breaker cooldown (30 s): no attempt reaches it
+/// meanwhile though its breaker turned half-open long before, while the other sources
+/// serve every call; then one probe asks again and, the account paid up, it serves.
+#[tokio::test(start_paused = true)]
+async fn insufficient_quota_holds_the_source_long_then_probes_it_once() {
+    use pgw_sim::schedule::{Phase, Schedule};
+    use std::time::Duration;
+    use tokio::time::Instant;
+
+    // Out of credit for the first 200 s, paid up from then on.
+    let broke = pgw_sim::SourceConfig {
+        insufficient_quota_rate: Schedule::Phases {
+            phases: vec![
+                Phase {
+                    from_s: 0.0,
+                    value: 1.0,
+                },
+                Phase {
+                    from_s: 200.0,
+                    value: 0.0,
+                },
+            ],
+        },
+        ..serving("broke")
+    };
+    let pool = pool(vec![broke, serving("a"), serving("b")]);
+    let sink = MemorySink::new();
+    let gw = gateway(&pool, &sink).await;
+    let reached = |pool: &SimPool| pool.stats().sources["broke"].received;
+    let t0 = Instant::now();
+    let hold = Duration::from_secs(300);
+    let mut i = 0;
+    let call = async |i: &mut u32| {
+        *i += 1;
+        let a = gw
+            .chat(ChatRequest::user("gpt-4o", format!("q{i}")))
+            .await
+            .unwrap();
+        a.source.unwrap().to_string()
+    };
+    // Round robin offers every source its turn: a call every 5 s for the hold.
+    while t0.elapsed() + Duration::from_secs(5) < hold {
+        // Paid up from 200 s: only the hold keeps it out after that.
+        assert_ne!(call(&mut i).await, "broke", "call {i}");
+        tokio::time::sleep(Duration::from_secs(5)).await;
+    }
+    assert_eq!(pool.stats().sources["broke"].insufficient_quota, 1);
+    assert_eq!(
+        reached(&pool),
+        1,
+        "held: no attempt reached it after its answer ({:?} in)",
+        t0.elapsed()
+    );
+    let broke = handles(&gw, "broke");
+    assert_eq!(
+        broke.breaker.view().await.unwrap().state,
+        BreakerState::HalfOpen,
+        "the breaker alone would have let a probe through after its cooldown"
+    );
+    let held = broke.limiter.held().await.unwrap();
+    assert!(
+        held.source
+            .hold_ends_in
+            .is_some_and(|d| d <= Duration::from_secs(10)),
+        "{held:?}"
+    );
+    let outcomes: Vec<_> = sink
+        .records()
+        .iter()
+        .filter(|r| r.source.as_ref().unwrap().as_str() == "broke")
+        .map(|r| r.outcome)
+        .collect();
+    assert_eq!(outcomes, ["source_dead"]);
+    let (a, b) = (
+        pool.stats().sources["a"].received,
+        pool.stats().sources["b"].received,
+    );
+    assert_eq!(a + b, u64::from(i), "the others served every call");
+
+    // The hold is over: the next turn of the source is one probe; it succeeds (the
+    // account paid up at 200 s) and the source serves again.
+    tokio::time::sleep_until(t0 + hold + Duration::from_secs(1)).await;
+    let mut served = 0;
+    for _ in 0..6 {
+        if call(&mut i).await == "broke" {
+            served += 1;
+        }
+        tokio::time::sleep(Duration::from_secs(5)).await;
+    }
+    assert_eq!(reached(&pool), 1 + served, "every attempt on it was answered");
+    assert!(served >= 1, "probed again after the hold");
+    assert_eq!(
+        broke.breaker.view().await.unwrap().state,
+        BreakerState::Closed,
+        "the probe closed it"
+    );
 }

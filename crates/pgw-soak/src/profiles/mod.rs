@@ -301,6 +301,7 @@ impl ResponseCache {
             tokens: 0,
             outcome: "success".into(),
             cache_hit: true,
+            request_error: false,
         });
         Some(resp)
     }
@@ -446,6 +447,12 @@ where
                 tokens,
                 outcome: outcome.as_str().to_owned(),
                 cache_hit: false,
+                request_error: result.as_ref().err().is_some_and(|e| {
+                    pgw_core::UpstreamStatus::find(&**e).is_some_and(|u| {
+                        let code = u.provider().and_then(|p| p.code.as_deref().or(p.kind.as_deref()));
+                        crate::telemetry::is_request_error(Some(u.status().as_u16()), code)
+                    })
+                }),
             });
             result
         })

@@ -25,7 +25,7 @@ use pgw_stack::config::{BackendKind, DEFAULT_COOLDOWN_S};
 use super::{Built, Env, chat_call};
 use crate::driver::{Client, Delivered, SoakCall};
 use crate::scenario::Scenario;
-use crate::telemetry::{Accounting, AttemptRow, Recorder};
+use crate::telemetry::{Accounting, AttemptRow, Recorder, is_request_error};
 
 /// Worker and token estimate of the calls in flight, for the telemetry rows.
 type CallMeta = Arc<Mutex<HashMap<u64, (u32, u64)>>>;
@@ -100,6 +100,7 @@ impl TelemetrySink for Sink {
             tokens,
             outcome: r.outcome.to_owned(),
             cache_hit: r.cache_hit,
+            request_error: is_request_error(r.status, r.code.as_deref()),
         });
     }
 }

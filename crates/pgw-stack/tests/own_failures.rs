@@ -1,0 +1,141 @@
+//! Our own failures are never outcomes of a source: a Redis that refuses the limiter's
+//! round trips while the breakers' still land. On a private `redis-server` (the test
+//! changes its ACL) and tokio's real clock: Redis answers on its own clock, and a paused
+//! tokio clock would run out the gateway's Redis response timeouts while the server is
+//! still answering. Nothing here sleeps; the simulator answers within milliseconds.
+
+mod support;
+
+use pgw_core::openai::ChatRequest;
+use pgw_core::{BackendUnavailable, NotAdmitted};
+use pgw_sim::{LogNormal, PoolConfig, SimPool};
+use pgw_stack::breaker::BreakerState;
+use pgw_stack::{BackendKind, Gateway, GatewayConfig, MemorySink, SecretKey, SourceConfig};
+use pgw_test_support::PrivateRedis;
+
+const KEY: &str = "sk-virtual-0123456789";
+
+fn quick(name: &str) -> pgw_sim::SourceConfig {
+    pgw_sim::SourceConfig {
+        ttft_s: LogNormal::constant(0.005).into(),
+        tokens_per_second: LogNormal::constant(5000.0).into(),
+        error_latency_s: LogNormal::constant(0.005).into(),
+        ..pgw_sim::SourceConfig::healthy(name)
+    }
+}
+
+/// Runs `redis-cli -p PORT ARGS...` and checks it said `OK`.
+fn redis_cli(server: &PrivateRedis, args: &[&str]) {
+    let cli = std::env::var_os("PGW_REDIS_CLI").unwrap_or_else(|| "redis-cli".into());
+    let out = std::process::Command::new(cli)
+        .args(["-p", &server.port().to_string()])
+        .args(args)
+        .output()
+        .expect("redis-cli");
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).trim() == "OK",
+        "{args:?}: {out:?}"
+    );
+}
+
+/// The one partial outage in which a misread own failure would open a breaker: the
+/// limiter's keys refused (an ACL: the same `BackendUnavailable` as a timeout or a
+/// lost connection), the breakers' still served, so every failure recorded against a
+/// source would land. In a whole outage the breakers' records are lost with the rest.
+#[tokio::test]
+async fn a_redis_outage_of_the_limiter_opens_no_breaker_and_feeds_no_health() {
+    let server = PrivateRedis::start();
+    let pool = SimPool::new(
+        PoolConfig {
+            sources: vec![quick("a"), quick("b")],
+            bad_prompt_rate: 0.0,
+            ..PoolConfig::default()
+        },
+        7,
+    )
+    .unwrap();
+    let prefix = pgw_test_support::unique_prefix("limiter_outage");
+    let mut cfg = GatewayConfig {
+        backend: BackendKind::Redis,
+        redis_url: Some(server.url()),
+        key_prefix: Some(prefix.clone()),
+        ..GatewayConfig::default()
+    };
+    cfg.cache.enabled = false;
+    cfg.balance.policy = Some("round_robin".into());
+    // A call that finds every source not admitted gives up at once instead of asking
+    // again after a second (the balancer and the retry loop alike): the test makes
+    // many of them.
+    cfg.balance.max_wait_s = Some(0.5);
+    cfg.retry.stall_window_s = Some(0.5);
+    for name in pool.sources() {
+        let mut s = SourceConfig::new(
+            name.as_str(),
+            format!("http://sim.invalid/{name}/v1"),
+            SecretKey::new(KEY),
+        );
+        s.total_timeout_s = Some(5.0);
+        // A quota to enforce: every admission is a round trip to Redis.
+        s.rpm = Some(1000);
+        s.max_concurrency = Some(4);
+        cfg.sources.push(s);
+    }
+    let sink = MemorySink::new();
+    let gw: Gateway = support::sim_gateway(&pool, cfg, &sink).await;
+    gw.chat(ChatRequest::user("m", "before")).await.unwrap();
+    let received = || -> u64 { pool.stats().sources.values().map(|s| s.received).sum() };
+    assert_eq!(received(), 1);
+    let threshold = 5; // the breaker's default consecutive threshold
+
+    redis_cli(
+        &server,
+        &[
+            "ACL",
+            "SETUSER",
+            "default",
+            "resetkeys",
+            &format!("~{prefix}:brk*"),
+        ],
+    );
+    let calls = 4 * threshold;
+    for i in 0..calls {
+        let err = gw
+            .chat(ChatRequest::user("m", format!("during {i}")))
+            .await
+            .unwrap_err();
+        let own = NotAdmitted::of(&*err) == Some(NotAdmitted::Unavailable)
+            || std::iter::successors(Some(&*err as &(dyn std::error::Error + 'static)), |e| e.source())
+                .any(<dyn std::error::Error>::is::<BackendUnavailable>);
+        assert!(own, "call {i}: {err}");
+    }
+    assert_eq!(received(), 1, "no attempt left the process");
+    assert_eq!(
+        sink.records().len(),
+        1,
+        "no attempt record: nothing was attempted"
+    );
+    for h in gw.sources() {
+        let view = h.breaker.view().await.unwrap();
+        assert_eq!(view.state, BreakerState::Closed, "{}: {view:?}", h.source);
+        assert_eq!(view.failures, 0, "{}: no failure recorded", h.source);
+        assert_eq!(
+            gw.health(h.source.as_str()),
+            Some(1.0),
+            "{}: no health sample",
+            h.source
+        );
+        assert!(
+            h.limiter.stats().unavailable > 0,
+            "{}: the limiter was asked",
+            h.source
+        );
+    }
+
+    redis_cli(&server, &["ACL", "SETUSER", "default", "allkeys"]);
+    for i in 0..2 {
+        gw.chat(ChatRequest::user("m", format!("after {i}")))
+            .await
+            .unwrap();
+    }
+    assert_eq!(received(), 3, "both sources serve at once after the outage");
+}
