@@ -11,7 +11,8 @@ use std::time::Duration;
 use pgw_core::{BackendUnavailable, QuotaExceeded};
 use tokio::time::{Instant, Sleep};
 
-use super::sliding::{Count, Sliding};
+use super::sliding::Count;
+use super::window::{Guard, Window};
 use super::{
     BackendFuture, Clock, Gate, Held, HoldScope, LeaseId, ScopeHeld, ScopeKind, ScopeSpec, Settle, Verdict,
 };
@@ -53,11 +54,12 @@ impl Default for MemoryBackend {
 /// queue of admissions waiting for it ([`Mode::Wait`](crate::Mode::Wait)).
 ///
 /// The hold's end is one atomic word: holds take no lock. A scope with a requests or
-/// tokens quota locks its sliding window ([`Sliding`]) to admit; one with a
-/// concurrency quota its lease list. A scope that limits neither takes no lock.
+/// tokens quota admits through its sliding window's atomic words ([`Window`]), locking
+/// the window only once per sub-window or when they do not decide; one with a
+/// concurrency quota locks its lease list. A scope that limits neither takes no lock.
 #[derive(Debug, Default)]
 struct Cell {
-    window: Mutex<Sliding>,
+    window: Window,
     hold_until: AtomicU64,
     /// Live leases and their expiry. Few: at most the concurrency limit.
     leases: Mutex<Vec<(LeaseId, u64)>>,
@@ -219,18 +221,36 @@ impl MemoryBackend {
 /// admission) and its shared state.
 struct Scope {
     quota: Quota,
-    /// Whether the scope limits requests or tokens: only then is its window locked.
+    /// Whether the scope limits requests or tokens: only then is its window used.
     counts: bool,
     cell: Arc<Cell>,
     spec: ScopeSpec,
 }
 
+impl Scope {
+    /// The counts this scope limits, for one admission of `tokens`: which, how much,
+    /// and the limit.
+    #[inline]
+    fn limits(&self, tokens: u64) -> impl Iterator<Item = (Count, u64, u64)> {
+        let q = &self.quota;
+        q.requests
+            .map(|r| (Count::Requests, 1, r))
+            .into_iter()
+            .chain(q.tokens.map(|t| (Count::Tokens, tokens, t)))
+    }
+}
+
+/// What the fast path took, per scope and per limited count (in the order of
+/// [`Scope::limits`]): the generation of the window's word it was taken in.
+#[derive(Default)]
+struct Taken([[Option<u64>; 2]; 2]);
+
 /// One limiter's scopes in a [`MemoryBackend`].
 ///
 /// The hot path (DESIGN.md section 6): one clock read, no division while the
-/// sub-window lasts, one uncontended lock per scope that limits requests or tokens
-/// (its sliding window), one for the lease list of a scope with a concurrency quota,
-/// no allocation once the window's sub-windows exist, and no reference count.
+/// sub-window lasts, one compare-and-swap per limited count of a scope (its window's
+/// word; the window's lock once per sub-window), one lock for the lease list of a
+/// scope with a concurrency quota, no allocation, and no reference count.
 pub(crate) struct MemoryGate {
     base: Instant,
     /// The account when there is one, else the source: the lock order, the same for
@@ -303,86 +323,179 @@ impl MemoryGate {
             .saturating_mul(self.sub_ns)
     }
 
-    /// Checks and reserves every dimension of every scope, all or nothing: the
-    /// sliding windows of the scopes that count are locked (account first), then the
-    /// lease lists of scopes with a concurrency quota; nothing is counted until
-    /// everything fits, and a lease taken in one scope is given back when the next
-    /// has no slot.
+    /// Checks and reserves every dimension of every scope, all or nothing.
     ///
-    /// The windows are locked before the clock is read: the admissions of a scope
-    /// count in the order they read the clock, so none counts at an instant older
-    /// than a sub-window another has already rolled away.
+    /// The fast path reads the clock and takes each count through its window's atomic
+    /// word ([`Window::take`]); leases then go into the lease lists of scopes with a
+    /// concurrency quota, and what was taken is given back when a scope has no slot.
+    /// When a word does not decide (a new sub-window, no room by it, a huge count),
+    /// [`admit_locked`](Self::admit_locked) decides.
     #[inline]
     pub(crate) fn admit_now(&self, tokens: u64, lease: Option<LeaseId>) -> Verdict {
-        let mut windows = [
-            self.first.counts.then(|| lock(&self.first.cell.window)),
-            self.second
-                .as_ref()
-                .filter(|s| s.counts)
-                .map(|s| lock(&s.cell.window)),
-        ];
         let instant = Instant::now();
         let now = self.since_base(instant);
-        let win = period_of(&self.win_hint, self.window_ns, now);
         let sub = period_of(&self.sub_hint, self.sub_ns, now);
-        let admitted = Verdict::Admitted {
-            at: Duration::from_nanos(now),
-            window: win,
-            local: Some(instant),
-        };
         if self
             .scopes()
             .any(|s| s.cell.hold_until.load(Ordering::Acquire) > now)
         {
-            drop(windows);
             return self.refusal(now, sub, tokens, (0, "hold"));
         }
-        for (i, (scope, w)) in self.scopes().zip(&mut windows).enumerate() {
-            let Some(w) = w else { continue };
-            w.roll(self.oldest(sub));
-            let q = &scope.quota;
-            let failed = if q.requests.is_some_and(|r| w.total(Count::Requests) >= r) {
-                "rpm"
-            } else if q
-                .tokens
-                .is_some_and(|t| w.total(Count::Tokens).saturating_add(tokens) > t)
-            {
-                "tpm"
-            } else {
-                continue;
-            };
-            drop(windows);
-            return self.refusal(now, sub, tokens, (i, failed));
+        let Some(taken) = self.take_counts(sub, tokens) else {
+            return self.admit_locked(tokens, lease);
+        };
+        if let Some(id) = lease
+            && let Err(i) = self.take_lease(id, now)
+        {
+            self.put_back(&taken, sub, tokens);
+            return self.refusal(now, sub, tokens, (i, "concurrency"));
         }
-        if let Some(id) = lease {
-            let entry = (id, now.saturating_add(self.lease_ttl_ns));
-            for (i, scope) in self.scopes().enumerate() {
-                let Some(c) = scope.quota.concurrency else {
-                    continue;
-                };
-                let mut leases = lock(&scope.cell.leases);
-                if live_leases(&mut leases, now) >= c {
-                    drop(leases);
-                    drop(windows);
-                    self.undo_lease(i, id);
-                    return self.refusal(now, sub, tokens, (i, "concurrency"));
+        Verdict::Admitted {
+            at: Duration::from_nanos(now),
+            window: period_of(&self.win_hint, self.window_ns, now),
+            local: Some(instant),
+        }
+    }
+
+    /// The counts of `tokens` in every scope that limits them, taken through the
+    /// windows' words at sub-window `sub`: the generations taken in, or `None` (and
+    /// nothing taken) when a word did not decide.
+    #[inline]
+    fn take_counts(&self, sub: u64, tokens: u64) -> Option<Taken> {
+        let mut taken = Taken::default();
+        for (i, scope) in self.scopes().enumerate() {
+            if !scope.counts {
+                continue;
+            }
+            for (j, (c, n, limit)) in scope.limits(tokens).enumerate() {
+                match scope.cell.window.take(c, sub, n, limit) {
+                    Some(g) => taken.0[i][j] = Some(g),
+                    None => {
+                        self.put_back(&taken, sub, tokens);
+                        return None;
+                    }
                 }
-                leases.push(entry);
             }
         }
-        for (scope, w) in self.scopes().zip(&mut windows) {
+        Some(taken)
+    }
+
+    /// Gives back what [`take_counts`](Self::take_counts) took.
+    #[cold]
+    fn put_back(&self, taken: &Taken, sub: u64, tokens: u64) {
+        for (scope, gens) in self.scopes().zip(&taken.0) {
+            let mut freed = false;
+            for ((c, n, _), g) in scope.limits(tokens).zip(gens) {
+                if let Some(g) = *g {
+                    scope.cell.window.put_back(c, sub, n, g);
+                    freed = true;
+                }
+            }
+            if freed {
+                // What was taken back may be what a waiter waits for.
+                scope.cell.wake_one();
+            }
+        }
+    }
+
+    /// Takes lease `id` in every scope with a concurrency quota: `Err(i)` (and nothing
+    /// taken) when scope `i` has no slot.
+    #[inline]
+    fn take_lease(&self, id: LeaseId, now: u64) -> Result<(), usize> {
+        let entry = (id, now.saturating_add(self.lease_ttl_ns));
+        for (i, scope) in self.scopes().enumerate() {
+            let Some(c) = scope.quota.concurrency else {
+                continue;
+            };
+            let mut leases = lock(&scope.cell.leases);
+            if live_leases(&mut leases, now) >= c {
+                drop(leases);
+                self.undo_lease(i, id);
+                return Err(i);
+            }
+            leases.push(entry);
+        }
+        Ok(())
+    }
+
+    /// [`admit_now`](Self::admit_now) under the windows' locks (account first), where
+    /// the words did not decide: once per sub-window, and for what does not fit. The
+    /// windows are locked before the clock is read: the admissions of a scope count in
+    /// the order they read the clock, so none counts at an instant older than a
+    /// sub-window another has already rolled away. The words are published again for
+    /// the sub-window of this admission.
+    #[cold]
+    #[inline(never)]
+    fn admit_locked(&self, tokens: u64, lease: Option<LeaseId>) -> Verdict {
+        let mut windows = [
+            self.first.counts.then(|| self.first.cell.window.lock()),
+            self.second
+                .as_ref()
+                .filter(|s| s.counts)
+                .map(|s| s.cell.window.lock()),
+        ];
+        let instant = Instant::now();
+        let now = self.since_base(instant);
+        let sub = period_of(&self.sub_hint, self.sub_ns, now);
+        let verdict = self.admit_in(&mut windows, now, sub, tokens, lease);
+        for w in windows.into_iter().flatten() {
+            w.publish(sub);
+        }
+        match verdict {
+            Ok(()) => Verdict::Admitted {
+                at: Duration::from_nanos(now),
+                window: period_of(&self.win_hint, self.window_ns, now),
+                local: Some(instant),
+            },
+            Err(failed) => self.refusal(now, sub, tokens, failed),
+        }
+    }
+
+    /// The locked admission: rolls the windows to `sub`, checks every count, takes the
+    /// lease, and counts; the scope and dimension that did not fit otherwise.
+    fn admit_in(
+        &self,
+        windows: &mut [Option<Guard<'_>>; 2],
+        now: u64,
+        sub: u64,
+        tokens: u64,
+        lease: Option<LeaseId>,
+    ) -> Result<(), (usize, &'static str)> {
+        if self
+            .scopes()
+            .any(|s| s.cell.hold_until.load(Ordering::Acquire) > now)
+        {
+            return Err((0, "hold"));
+        }
+        for (i, (scope, w)) in self.scopes().zip(windows.iter_mut()).enumerate() {
+            let Some(w) = w else { continue };
+            w.roll(sub, self.oldest(sub));
+            let w = w.counts();
+            let q = &scope.quota;
+            if q.requests.is_some_and(|r| w.total(Count::Requests) >= r) {
+                return Err((i, "rpm"));
+            }
+            if q.tokens
+                .is_some_and(|t| w.total(Count::Tokens).saturating_add(tokens) > t)
+            {
+                return Err((i, "tpm"));
+            }
+        }
+        if let Some(id) = lease {
+            self.take_lease(id, now).map_err(|i| (i, "concurrency"))?;
+        }
+        for (scope, w) in self.scopes().zip(windows.iter_mut()) {
             if let Some(w) = w {
                 let q = &scope.quota;
-                w.add(
+                w.counts().add(
                     sub,
                     u64::from(q.requests.is_some()),
                     if q.tokens.is_some() { tokens } else { 0 },
                 );
             }
         }
-        admitted
+        Ok(())
     }
-
     /// Gives back the lease `id` taken in the scopes before `upto`.
     #[cold]
     fn undo_lease(&self, upto: usize, id: LeaseId) {
@@ -402,8 +515,10 @@ impl MemoryGate {
         if !scope.counts {
             return [None, None];
         }
-        let mut w = lock(&scope.cell.window);
-        w.roll(self.oldest(sub));
+        // Left closed: the next admission publishes it again.
+        let mut g = scope.cell.window.lock();
+        g.roll(sub, self.oldest(sub));
+        let w = g.counts();
         let q = &scope.quota;
         // Room for `need` more of `c`: what is over the limit must leave first.
         let due = |c: Count, need: u64, limit: Option<u64>| {
@@ -470,13 +585,16 @@ impl MemoryGate {
             if dr != 0 || dt != 0 {
                 let back = |d: i64| if d < 0 { d.unsigned_abs() } else { 0 };
                 let charge = |d: i64| u64::try_from(d).unwrap_or(0);
-                let mut w = lock(&cell.window);
-                freed |= w.give_back(at_sub, back(dr), back(dt));
+                let mut w = cell.window.lock();
+                freed |= w.counts().give_back(at_sub, back(dr), back(dt));
                 if dr > 0 || dt > 0 {
                     let sub = self.since_base(Instant::now()) / self.sub_ns;
-                    w.roll(self.oldest(sub));
-                    w.add(sub, charge(dr), charge(dt));
+                    w.roll(sub, self.oldest(sub));
+                    w.counts().add(sub, charge(dr), charge(dt));
                 }
+                // Published again (for the sub-window it was, or the one a charge
+                // rolled it to), so the next admissions keep the fast path.
+                w.publish(0);
             }
             if let Some(id) = s.lease
                 && q.concurrency.is_some()
@@ -752,7 +870,7 @@ mod tests {
         }
         // The window's counts are exactly what was admitted.
         let cells = lock(&backend.inner.scopes);
-        let total = |scope: &str, c| lock(&cells[scope].window).total(c);
+        let total = |scope: &str, c| cells[scope].window.lock().counts().total(c);
         assert_eq!(total("account:acct", Count::Tokens), 3000);
         let requests = total("source:s1", Count::Requests) + total("source:s2", Count::Requests);
         assert_eq!(requests, 1000);

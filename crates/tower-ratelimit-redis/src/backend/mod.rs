@@ -17,6 +17,7 @@ use crate::config::{Quota, RateLimitConfig};
 pub(crate) mod memory;
 pub(crate) mod redis;
 mod sliding;
+mod window;
 
 pub use memory::MemoryBackend;
 pub use redis::RedisBackend;
