@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use pgw_core::{BackendUnavailable, BoxError, Hold, HoldFuture, QuotaExceeded, SourceId};
 
+use thread_local::ThreadLocal;
 use tokio::time::{Instant, Sleep};
 
 use crate::backend::memory::Waiter;
@@ -76,7 +77,9 @@ impl fmt::Debug for RateLimiter {
 /// counted here; nothing panics).
 #[derive(Debug, Default)]
 struct Stats {
-    admitted: AtomicU64,
+    /// One counter per thread, written only by its thread: an admission counts
+    /// with a load and a store, no read-modify-write (summed when read).
+    admitted: ThreadLocal<AtomicU64>,
     refused: AtomicU64,
     unavailable: AtomicU64,
     settle_failures: AtomicU64,
@@ -165,7 +168,7 @@ impl RateLimiter {
     pub fn stats(&self) -> LimiterStats {
         let s = &self.inner.stats;
         LimiterStats {
-            admitted: s.admitted.load(Ordering::Relaxed),
+            admitted: s.admitted.iter().map(|c| c.load(Ordering::Relaxed)).sum(),
             refused: s.refused.load(Ordering::Relaxed),
             unavailable: s.unavailable.load(Ordering::Relaxed),
             settle_failures: s.settle_failures.load(Ordering::Relaxed),
@@ -227,7 +230,10 @@ impl RateLimiter {
     /// The permit of an admitted ticket (counted in the stats).
     #[inline(always)]
     fn admitted(&self, ticket: &Ticket, at: Duration, window: u64, local: Option<Instant>) -> Permit {
-        self.inner.stats.admitted.fetch_add(1, Ordering::Relaxed);
+        let admitted = self.inner.stats.admitted.get_or_default();
+        // Only this thread writes its counter (a thread's id is reused only after it
+        // exited).
+        admitted.store(admitted.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
         Permit {
             admission: Admission {
                 limiter: self.clone(),
