@@ -222,14 +222,14 @@ impl RateLimiter {
         verdict: Result<Verdict, BackendUnavailable>,
     ) -> Result<Permit, BoxError> {
         match verdict {
-            Ok(Verdict::Admitted { at, window, local }) => Ok(self.admitted(&ticket, at, window, local)),
+            Ok(Verdict::Admitted { at, window }) => Ok(self.admitted(&ticket, at, window)),
             other => Err(self.not_admitted(other)),
         }
     }
 
     /// The permit of an admitted ticket (counted in the stats).
     #[inline(always)]
-    fn admitted(&self, ticket: &Ticket, at: Duration, window: u64, local: Option<Instant>) -> Permit {
+    fn admitted(&self, ticket: &Ticket, at: u64, window: u64) -> Permit {
         let admitted = self.inner.stats.admitted.get_or_default();
         // Only this thread writes its counter (a thread's id is reused only after it
         // exited).
@@ -242,7 +242,6 @@ impl RateLimiter {
                 tokens: ticket.tokens,
             },
             lease: ticket.lease,
-            local,
             armed: true,
         }
     }
@@ -251,7 +250,7 @@ impl RateLimiter {
     #[inline(always)]
     pub(crate) fn conclude_now(&self, ticket: Ticket, verdict: Verdict) -> Result<Permit, BoxError> {
         match verdict {
-            Verdict::Admitted { at, window, local } => Ok(self.admitted(&ticket, at, window, local)),
+            Verdict::Admitted { at, window } => Ok(self.admitted(&ticket, at, window)),
             refused @ Verdict::Refused(_) => Err(self.not_admitted(Ok(refused))),
         }
     }
@@ -263,7 +262,7 @@ impl RateLimiter {
         match verdict {
             Ok(Verdict::Refused(q)) => {
                 s.refused.fetch_add(1, Ordering::Relaxed);
-                Box::new(q)
+                q
             }
             Err(e) => {
                 s.unavailable.fetch_add(1, Ordering::Relaxed);
@@ -281,7 +280,10 @@ impl RateLimiter {
     /// [`RequestTooLarge`] when `tokens` exceeds a window's whole token quota,
     /// [`BackendUnavailable`] when the backend cannot answer (fails closed).
     pub async fn acquire(&self, tokens: u64) -> Result<Permit, BoxError> {
-        let Pending { fut, ticket } = self.start(tokens)?;
+        let Pending { fut, ticket } = match self.start_now(tokens)? {
+            Started::Now(ticket, verdict) => return self.conclude_now(ticket, verdict),
+            Started::Later(pending) => pending,
+        };
         let verdict = match fut.now_or() {
             Ok(verdict) => verdict,
             Err(fut) => InFlight::new(self.clone(), fut, ticket).await,
@@ -577,7 +579,7 @@ impl Drop for InFlight {
         let ticket = self.ticket;
         let undo = move |verdict: Result<Verdict, BackendUnavailable>| match verdict {
             Ok(Verdict::Admitted { at, .. }) => Some(Settle {
-                at,
+                at: Duration::from_nanos(at),
                 requests: -1,
                 tokens: -i64::try_from(ticket.tokens).unwrap_or(i64::MAX),
                 lease: ticket.lease,
@@ -623,7 +625,9 @@ pub struct Admission {
     /// The limiter that admitted: source, account, window length and clock come from
     /// it (one reference count per admission, not three).
     limiter: RateLimiter,
-    at: Duration,
+    /// Nanoseconds on the limiter's clock (a `Duration` when asked: no division
+    /// per admission).
+    at: u64,
     window: u64,
     tokens: u64,
 }
@@ -633,7 +637,7 @@ impl fmt::Debug for Admission {
         f.debug_struct("Admission")
             .field("source", self.source())
             .field("account", &self.account())
-            .field("at", &self.at)
+            .field("at", &self.at())
             .field("window", &self.window)
             .field("tokens", &self.tokens)
             .field("clock", &self.clock())
@@ -657,7 +661,7 @@ impl Admission {
     /// epoch on the Redis server, or since the memory backend's creation.
     #[must_use]
     pub const fn at(&self) -> Duration {
-        self.at
+        Duration::from_nanos(self.at)
     }
 
     /// The id of the aligned window `at` falls in: `at / window_len`, rounded down. A
@@ -715,8 +719,6 @@ impl Admission {
 pub struct Permit {
     admission: Admission,
     lease: Option<LeaseId>,
-    /// The tokio instant of the admission, when the backend read it (memory).
-    local: Option<Instant>,
     armed: bool,
 }
 
@@ -770,20 +772,14 @@ impl Permit {
     }
 
     /// The tokio instant of the admission, if the backend read the tokio clock.
-    pub(crate) const fn admitted_local(&self) -> Option<Instant> {
-        self.local
+    pub(crate) fn admitted_local(&self) -> Option<Instant> {
+        self.admission.limiter.inner.gate.local(self.admission.at)
     }
 
     #[inline]
     pub(crate) fn end(mut self, ending: Ending) -> BackendFuture<Result<(), BackendUnavailable>> {
         self.armed = false;
-        let inner = &self.admission.limiter.inner;
-        let changes = self.lease.is_some()
-            || match ending {
-                Ending::Finished(used) => inner.counts_tokens && used.is_some(),
-                Ending::Refunded => inner.counts_requests || inner.counts_tokens,
-            };
-        if !changes {
+        if !self.changes(ending) {
             return BackendFuture::ready(Ok(()));
         }
         let tokens = i64::try_from(self.admission.tokens).unwrap_or(i64::MAX);
@@ -793,11 +789,33 @@ impl Permit {
             Ending::Refunded => (-1, -tokens),
         };
         self.admission.limiter.settle(Settle {
-            at: self.admission.at,
+            at: self.admission.at(),
             requests,
             tokens,
             lease: self.lease,
         })
+    }
+
+    /// Whether ending so changes anything in the backend.
+    #[inline]
+    fn changes(&self, ending: Ending) -> bool {
+        let inner = &self.admission.limiter.inner;
+        self.lease.is_some()
+            || match ending {
+                Ending::Finished(used) => inner.counts_tokens && used.is_some(),
+                Ending::Refunded => inner.counts_requests || inner.counts_tokens,
+            }
+    }
+
+    /// [`end`](Self::end)s the permit in the background, after the answer: nothing
+    /// at all when the ending changes nothing.
+    #[inline]
+    pub(crate) fn end_detached(mut self, ending: Ending) {
+        if self.changes(ending) {
+            detach(self.end(ending));
+        } else {
+            self.armed = false;
+        }
     }
 
     /// The call is done and used `used_tokens` (when the response said): the token
@@ -848,7 +866,7 @@ impl Drop for Permit {
             return;
         }
         let fut = self.admission.limiter.settle(Settle {
-            at: self.admission.at,
+            at: self.admission.at(),
             requests: 0,
             tokens: 0,
             lease: self.lease,

@@ -15,6 +15,7 @@ use super::sliding::Count;
 use super::window::{Guard, Window};
 use super::{
     BackendFuture, Clock, Gate, Held, HoldScope, LeaseId, ScopeHeld, ScopeKind, ScopeSpec, Settle, Verdict,
+    nanos,
 };
 use crate::config::{self, Quota, RateLimitConfig};
 
@@ -167,14 +168,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// Nanoseconds in `d`, saturating (u64 nanoseconds last 584 years).
-#[inline]
-fn nanos(d: Duration) -> u64 {
-    d.as_secs()
-        .saturating_mul(1_000_000_000)
-        .saturating_add(u64::from(d.subsec_nanos()))
-}
-
 impl MemoryBackend {
     /// A new, empty backend; its clock starts now.
     #[must_use]
@@ -198,12 +191,30 @@ impl MemoryBackend {
         let first = cells.next().expect("a limiter has at least its source scope");
         let second = cells.next();
         drop(map);
+        let limits = std::iter::once(&first)
+            .chain(second.as_ref())
+            .flat_map(|s| {
+                let q = &s.quota;
+                let limit = |count, limit: Option<u64>| {
+                    limit.map(|limit| Limit {
+                        cell: s.cell.clone(),
+                        count,
+                        limit,
+                    })
+                };
+                limit(Count::Requests, q.requests)
+                    .into_iter()
+                    .chain(limit(Count::Tokens, q.tokens))
+            })
+            .collect::<Box<[Limit]>>();
+        assert!(limits.len() <= MAX_LIMITS, "two scopes, two counts each");
         let window_ms = config::window_ms(config.window);
         let sub_ms = config::sub_window_ms(window_ms, config.sub_windows);
         MemoryGate {
             base: self.inner.base,
             first,
             second,
+            limits,
             has_account: config.account.is_some(),
             // Whole milliseconds, at least one (validated).
             window_ns: window_ms.saturating_mul(1_000_000),
@@ -227,23 +238,27 @@ struct Scope {
     spec: ScopeSpec,
 }
 
-impl Scope {
-    /// The counts this scope limits, for one admission of `tokens`: which, how much,
-    /// and the limit.
+/// One count a gate limits in one of its scopes, flattened at bind time: the fast
+/// path walks these (at most four: requests and tokens, source and account).
+struct Limit {
+    cell: Arc<Cell>,
+    count: Count,
+    limit: u64,
+}
+
+impl Limit {
+    /// How much one admission of `tokens` takes of this count.
     #[inline]
-    fn limits(&self, tokens: u64) -> impl Iterator<Item = (Count, u64, u64)> {
-        let q = &self.quota;
-        q.requests
-            .map(|r| (Count::Requests, 1, r))
-            .into_iter()
-            .chain(q.tokens.map(|t| (Count::Tokens, tokens, t)))
+    const fn amount(&self, tokens: u64) -> u64 {
+        match self.count {
+            Count::Requests => 1,
+            Count::Tokens => tokens,
+        }
     }
 }
 
-/// What the fast path took, per scope and per limited count (in the order of
-/// [`Scope::limits`]): the generation of the window's word it was taken in.
-#[derive(Default)]
-struct Taken([[Option<u64>; 2]; 2]);
+/// The most counts one gate limits.
+const MAX_LIMITS: usize = 4;
 
 /// One limiter's scopes in a [`MemoryBackend`].
 ///
@@ -258,6 +273,8 @@ pub(crate) struct MemoryGate {
     first: Scope,
     /// The source, when `first` is its account.
     second: Option<Scope>,
+    /// The counts limited, in the lock order of their scopes.
+    limits: Box<[Limit]>,
     has_account: bool,
     window_ns: u64,
     /// The last window id computed: a hint, checked against the clock on every use.
@@ -302,6 +319,11 @@ impl MemoryGate {
         std::iter::once(&self.first).chain(self.second.as_ref())
     }
 
+    /// The tokio instant of `at` (on this gate's clock).
+    pub(crate) fn local(&self, at: u64) -> Instant {
+        self.base + Duration::from_nanos(at)
+    }
+
     #[inline]
     fn since_base(&self, t: Instant) -> u64 {
         nanos(t.saturating_duration_since(self.base))
@@ -332,69 +354,47 @@ impl MemoryGate {
     /// [`admit_locked`](Self::admit_locked) decides.
     #[inline]
     pub(crate) fn admit_now(&self, tokens: u64, lease: Option<LeaseId>) -> Verdict {
-        let instant = Instant::now();
-        let now = self.since_base(instant);
+        let now = self.since_base(Instant::now());
         let sub = period_of(&self.sub_hint, self.sub_ns, now);
-        if self
-            .scopes()
-            .any(|s| s.cell.hold_until.load(Ordering::Acquire) > now)
-        {
+        if self.held_at(now) {
             return self.refusal(now, sub, tokens, (0, "hold"));
         }
-        let Some(taken) = self.take_counts(sub, tokens) else {
-            return self.admit_locked(tokens, lease);
-        };
+        let mut generations = [0u64; MAX_LIMITS];
+        for (k, (l, g)) in self.limits.iter().zip(&mut generations).enumerate() {
+            match l.cell.window.take(l.count, sub, l.amount(tokens), l.limit) {
+                Some(taken) => *g = taken,
+                None => {
+                    self.put_back(&generations[..k], sub, tokens);
+                    return self.admit_locked(tokens, lease);
+                }
+            }
+        }
         if let Some(id) = lease
             && let Err(i) = self.take_lease(id, now)
         {
-            self.put_back(&taken, sub, tokens);
+            self.put_back(&generations, sub, tokens);
             return self.refusal(now, sub, tokens, (i, "concurrency"));
         }
         Verdict::Admitted {
-            at: Duration::from_nanos(now),
+            at: now,
             window: period_of(&self.win_hint, self.window_ns, now),
-            local: Some(instant),
         }
     }
 
-    /// The counts of `tokens` in every scope that limits them, taken through the
-    /// windows' words at sub-window `sub`: the generations taken in, or `None` (and
-    /// nothing taken) when a word did not decide.
+    /// Whether a hold of either scope lasts past `now`.
     #[inline]
-    fn take_counts(&self, sub: u64, tokens: u64) -> Option<Taken> {
-        let mut taken = Taken::default();
-        for (i, scope) in self.scopes().enumerate() {
-            if !scope.counts {
-                continue;
-            }
-            for (j, (c, n, limit)) in scope.limits(tokens).enumerate() {
-                match scope.cell.window.take(c, sub, n, limit) {
-                    Some(g) => taken.0[i][j] = Some(g),
-                    None => {
-                        self.put_back(&taken, sub, tokens);
-                        return None;
-                    }
-                }
-            }
-        }
-        Some(taken)
+    fn held_at(&self, now: u64) -> bool {
+        let held = |s: &Scope| s.cell.hold_until.load(Ordering::Acquire) > now;
+        held(&self.first) || self.second.as_ref().is_some_and(held)
     }
 
-    /// Gives back what [`take_counts`](Self::take_counts) took.
+    /// Gives back what the fast path took: the first `generations.len()` limits.
     #[cold]
-    fn put_back(&self, taken: &Taken, sub: u64, tokens: u64) {
-        for (scope, gens) in self.scopes().zip(&taken.0) {
-            let mut freed = false;
-            for ((c, n, _), g) in scope.limits(tokens).zip(gens) {
-                if let Some(g) = *g {
-                    scope.cell.window.put_back(c, sub, n, g);
-                    freed = true;
-                }
-            }
-            if freed {
-                // What was taken back may be what a waiter waits for.
-                scope.cell.wake_one();
-            }
+    fn put_back(&self, generations: &[u64], sub: u64, tokens: u64) {
+        for (l, &g) in self.limits.iter().zip(generations) {
+            l.cell.window.put_back(l.count, sub, l.amount(tokens), g);
+            // What was taken back may be what a waiter waits for.
+            l.cell.wake_one();
         }
     }
 
@@ -434,8 +434,7 @@ impl MemoryGate {
                 .filter(|s| s.counts)
                 .map(|s| s.cell.window.lock()),
         ];
-        let instant = Instant::now();
-        let now = self.since_base(instant);
+        let now = self.since_base(Instant::now());
         let sub = period_of(&self.sub_hint, self.sub_ns, now);
         let verdict = self.admit_in(&mut windows, now, sub, tokens, lease);
         for w in windows.into_iter().flatten() {
@@ -443,9 +442,8 @@ impl MemoryGate {
         }
         match verdict {
             Ok(()) => Verdict::Admitted {
-                at: Duration::from_nanos(now),
+                at: now,
                 window: period_of(&self.win_hint, self.window_ns, now),
-                local: Some(instant),
             },
             Err(failed) => self.refusal(now, sub, tokens, failed),
         }
@@ -461,10 +459,7 @@ impl MemoryGate {
         tokens: u64,
         lease: Option<LeaseId>,
     ) -> Result<(), (usize, &'static str)> {
-        if self
-            .scopes()
-            .any(|s| s.cell.hold_until.load(Ordering::Acquire) > now)
-        {
+        if self.held_at(now) {
             return Err((0, "hold"));
         }
         for (i, (scope, w)) in self.scopes().zip(windows.iter_mut()).enumerate() {
@@ -569,7 +564,9 @@ impl MemoryGate {
             };
             (self.scope_at(failed.0), failed.1, wait)
         });
-        Verdict::Refused(QuotaExceeded::new(dim, Duration::from_nanos(wait)).with_scope(&*scope.spec.label))
+        Verdict::Refused(Box::new(
+            QuotaExceeded::new(dim, Duration::from_nanos(wait)).with_scope(&*scope.spec.label),
+        ))
     }
 
     /// Reconciles one admission: what it reserved and did not use goes back to its
