@@ -117,7 +117,9 @@ where
     #[inline(always)]
     pub(crate) fn calling(shared: &Arc<Hooks<E, U, O>>, fut: S::Future, permit: Permit) -> Self {
         let mut f = Self::new(shared, State::Calling { fut });
-        f.renew = renewal(&permit);
+        if permit.has_lease() {
+            f.renew = renewal(&permit);
+        }
         f.permit = Some(permit);
         f
     }
@@ -184,7 +186,7 @@ where
     }
 }
 
-#[inline]
+#[cold]
 fn renewal(permit: &Permit) -> Option<Pin<Box<Sleep>>> {
     if !permit.has_lease() {
         return None;
@@ -236,7 +238,7 @@ where
                     // The answer never waits for the settle (reconcile, release): a
                     // round trip still in flight finishes in the background, its
                     // command already on the connection (see `detach`).
-                    detach(permit.end(ending(this.usage, &out)));
+                    permit.end_detached(ending(this.usage, &out));
                     this.state.set(State::Done);
                     return Poll::Ready(out);
                 }
@@ -349,7 +351,7 @@ where
         out,
         Box::new(move |r| {
             drop(renewing);
-            detach(permit.end(ending(&report, r)));
+            permit.end_detached(ending(&report, r));
         }),
     );
 }

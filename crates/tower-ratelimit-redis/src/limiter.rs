@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use pgw_core::{BackendUnavailable, BoxError, Hold, HoldFuture, QuotaExceeded, SourceId};
 
+use thread_local::ThreadLocal;
 use tokio::time::{Instant, Sleep};
 
 use crate::backend::memory::Waiter;
@@ -76,7 +77,9 @@ impl fmt::Debug for RateLimiter {
 /// counted here; nothing panics).
 #[derive(Debug, Default)]
 struct Stats {
-    admitted: AtomicU64,
+    /// One counter per thread, written only by its thread: an admission counts
+    /// with a load and a store, no read-modify-write (summed when read).
+    admitted: ThreadLocal<AtomicU64>,
     refused: AtomicU64,
     unavailable: AtomicU64,
     settle_failures: AtomicU64,
@@ -165,7 +168,7 @@ impl RateLimiter {
     pub fn stats(&self) -> LimiterStats {
         let s = &self.inner.stats;
         LimiterStats {
-            admitted: s.admitted.load(Ordering::Relaxed),
+            admitted: s.admitted.iter().map(|c| c.load(Ordering::Relaxed)).sum(),
             refused: s.refused.load(Ordering::Relaxed),
             unavailable: s.unavailable.load(Ordering::Relaxed),
             settle_failures: s.settle_failures.load(Ordering::Relaxed),
@@ -219,15 +222,18 @@ impl RateLimiter {
         verdict: Result<Verdict, BackendUnavailable>,
     ) -> Result<Permit, BoxError> {
         match verdict {
-            Ok(Verdict::Admitted { at, window, local }) => Ok(self.admitted(&ticket, at, window, local)),
+            Ok(Verdict::Admitted { at, window }) => Ok(self.admitted(&ticket, at, window)),
             other => Err(self.not_admitted(other)),
         }
     }
 
     /// The permit of an admitted ticket (counted in the stats).
     #[inline(always)]
-    fn admitted(&self, ticket: &Ticket, at: Duration, window: u64, local: Option<Instant>) -> Permit {
-        self.inner.stats.admitted.fetch_add(1, Ordering::Relaxed);
+    fn admitted(&self, ticket: &Ticket, at: u64, window: u64) -> Permit {
+        let admitted = self.inner.stats.admitted.get_or_default();
+        // Only this thread writes its counter (a thread's id is reused only after it
+        // exited).
+        admitted.store(admitted.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
         Permit {
             admission: Admission {
                 limiter: self.clone(),
@@ -236,7 +242,6 @@ impl RateLimiter {
                 tokens: ticket.tokens,
             },
             lease: ticket.lease,
-            local,
             armed: true,
         }
     }
@@ -245,7 +250,7 @@ impl RateLimiter {
     #[inline(always)]
     pub(crate) fn conclude_now(&self, ticket: Ticket, verdict: Verdict) -> Result<Permit, BoxError> {
         match verdict {
-            Verdict::Admitted { at, window, local } => Ok(self.admitted(&ticket, at, window, local)),
+            Verdict::Admitted { at, window } => Ok(self.admitted(&ticket, at, window)),
             refused @ Verdict::Refused(_) => Err(self.not_admitted(Ok(refused))),
         }
     }
@@ -257,7 +262,7 @@ impl RateLimiter {
         match verdict {
             Ok(Verdict::Refused(q)) => {
                 s.refused.fetch_add(1, Ordering::Relaxed);
-                Box::new(q)
+                q
             }
             Err(e) => {
                 s.unavailable.fetch_add(1, Ordering::Relaxed);
@@ -275,7 +280,10 @@ impl RateLimiter {
     /// [`RequestTooLarge`] when `tokens` exceeds a window's whole token quota,
     /// [`BackendUnavailable`] when the backend cannot answer (fails closed).
     pub async fn acquire(&self, tokens: u64) -> Result<Permit, BoxError> {
-        let Pending { fut, ticket } = self.start(tokens)?;
+        let Pending { fut, ticket } = match self.start_now(tokens)? {
+            Started::Now(ticket, verdict) => return self.conclude_now(ticket, verdict),
+            Started::Later(pending) => pending,
+        };
         let verdict = match fut.now_or() {
             Ok(verdict) => verdict,
             Err(fut) => InFlight::new(self.clone(), fut, ticket).await,
@@ -571,7 +579,7 @@ impl Drop for InFlight {
         let ticket = self.ticket;
         let undo = move |verdict: Result<Verdict, BackendUnavailable>| match verdict {
             Ok(Verdict::Admitted { at, .. }) => Some(Settle {
-                at,
+                at: Duration::from_nanos(at),
                 requests: -1,
                 tokens: -i64::try_from(ticket.tokens).unwrap_or(i64::MAX),
                 lease: ticket.lease,
@@ -617,7 +625,9 @@ pub struct Admission {
     /// The limiter that admitted: source, account, window length and clock come from
     /// it (one reference count per admission, not three).
     limiter: RateLimiter,
-    at: Duration,
+    /// Nanoseconds on the limiter's clock (a `Duration` when asked: no division
+    /// per admission).
+    at: u64,
     window: u64,
     tokens: u64,
 }
@@ -627,7 +637,7 @@ impl fmt::Debug for Admission {
         f.debug_struct("Admission")
             .field("source", self.source())
             .field("account", &self.account())
-            .field("at", &self.at)
+            .field("at", &self.at())
             .field("window", &self.window)
             .field("tokens", &self.tokens)
             .field("clock", &self.clock())
@@ -651,7 +661,7 @@ impl Admission {
     /// epoch on the Redis server, or since the memory backend's creation.
     #[must_use]
     pub const fn at(&self) -> Duration {
-        self.at
+        Duration::from_nanos(self.at)
     }
 
     /// The id of the aligned window `at` falls in: `at / window_len`, rounded down. A
@@ -709,8 +719,6 @@ impl Admission {
 pub struct Permit {
     admission: Admission,
     lease: Option<LeaseId>,
-    /// The tokio instant of the admission, when the backend read it (memory).
-    local: Option<Instant>,
     armed: bool,
 }
 
@@ -764,20 +772,14 @@ impl Permit {
     }
 
     /// The tokio instant of the admission, if the backend read the tokio clock.
-    pub(crate) const fn admitted_local(&self) -> Option<Instant> {
-        self.local
+    pub(crate) fn admitted_local(&self) -> Option<Instant> {
+        self.admission.limiter.inner.gate.local(self.admission.at)
     }
 
     #[inline]
     pub(crate) fn end(mut self, ending: Ending) -> BackendFuture<Result<(), BackendUnavailable>> {
         self.armed = false;
-        let inner = &self.admission.limiter.inner;
-        let changes = self.lease.is_some()
-            || match ending {
-                Ending::Finished(used) => inner.counts_tokens && used.is_some(),
-                Ending::Refunded => inner.counts_requests || inner.counts_tokens,
-            };
-        if !changes {
+        if !self.changes(ending) {
             return BackendFuture::ready(Ok(()));
         }
         let tokens = i64::try_from(self.admission.tokens).unwrap_or(i64::MAX);
@@ -787,11 +789,33 @@ impl Permit {
             Ending::Refunded => (-1, -tokens),
         };
         self.admission.limiter.settle(Settle {
-            at: self.admission.at,
+            at: self.admission.at(),
             requests,
             tokens,
             lease: self.lease,
         })
+    }
+
+    /// Whether ending so changes anything in the backend.
+    #[inline]
+    fn changes(&self, ending: Ending) -> bool {
+        let inner = &self.admission.limiter.inner;
+        self.lease.is_some()
+            || match ending {
+                Ending::Finished(used) => inner.counts_tokens && used.is_some(),
+                Ending::Refunded => inner.counts_requests || inner.counts_tokens,
+            }
+    }
+
+    /// [`end`](Self::end)s the permit in the background, after the answer: nothing
+    /// at all when the ending changes nothing.
+    #[inline]
+    pub(crate) fn end_detached(mut self, ending: Ending) {
+        if self.changes(ending) {
+            detach(self.end(ending));
+        } else {
+            self.armed = false;
+        }
     }
 
     /// The call is done and used `used_tokens` (when the response said): the token
@@ -842,7 +866,7 @@ impl Drop for Permit {
             return;
         }
         let fut = self.admission.limiter.settle(Settle {
-            at: self.admission.at,
+            at: self.admission.at(),
             requests: 0,
             tokens: 0,
             lease: self.lease,

@@ -11,9 +11,11 @@ use std::time::Duration;
 use pgw_core::{BackendUnavailable, QuotaExceeded};
 use tokio::time::{Instant, Sleep};
 
-use super::sliding::{Count, Sliding};
+use super::sliding::Count;
+use super::window::{Guard, Window};
 use super::{
     BackendFuture, Clock, Gate, Held, HoldScope, LeaseId, ScopeHeld, ScopeKind, ScopeSpec, Settle, Verdict,
+    nanos,
 };
 use crate::config::{self, Quota, RateLimitConfig};
 
@@ -53,11 +55,12 @@ impl Default for MemoryBackend {
 /// queue of admissions waiting for it ([`Mode::Wait`](crate::Mode::Wait)).
 ///
 /// The hold's end is one atomic word: holds take no lock. A scope with a requests or
-/// tokens quota locks its sliding window ([`Sliding`]) to admit; one with a
-/// concurrency quota its lease list. A scope that limits neither takes no lock.
+/// tokens quota admits through its sliding window's atomic words ([`Window`]), locking
+/// the window only once per sub-window or when they do not decide; one with a
+/// concurrency quota locks its lease list. A scope that limits neither takes no lock.
 #[derive(Debug, Default)]
 struct Cell {
-    window: Mutex<Sliding>,
+    window: Window,
     hold_until: AtomicU64,
     /// Live leases and their expiry. Few: at most the concurrency limit.
     leases: Mutex<Vec<(LeaseId, u64)>>,
@@ -165,14 +168,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// Nanoseconds in `d`, saturating (u64 nanoseconds last 584 years).
-#[inline]
-fn nanos(d: Duration) -> u64 {
-    d.as_secs()
-        .saturating_mul(1_000_000_000)
-        .saturating_add(u64::from(d.subsec_nanos()))
-}
-
 impl MemoryBackend {
     /// A new, empty backend; its clock starts now.
     #[must_use]
@@ -196,12 +191,30 @@ impl MemoryBackend {
         let first = cells.next().expect("a limiter has at least its source scope");
         let second = cells.next();
         drop(map);
+        let limits = std::iter::once(&first)
+            .chain(second.as_ref())
+            .flat_map(|s| {
+                let q = &s.quota;
+                let limit = |count, limit: Option<u64>| {
+                    limit.map(|limit| Limit {
+                        cell: s.cell.clone(),
+                        count,
+                        limit,
+                    })
+                };
+                limit(Count::Requests, q.requests)
+                    .into_iter()
+                    .chain(limit(Count::Tokens, q.tokens))
+            })
+            .collect::<Box<[Limit]>>();
+        assert!(limits.len() <= MAX_LIMITS, "two scopes, two counts each");
         let window_ms = config::window_ms(config.window);
         let sub_ms = config::sub_window_ms(window_ms, config.sub_windows);
         MemoryGate {
             base: self.inner.base,
             first,
             second,
+            limits,
             has_account: config.account.is_some(),
             // Whole milliseconds, at least one (validated).
             window_ns: window_ms.saturating_mul(1_000_000),
@@ -219,18 +232,40 @@ impl MemoryBackend {
 /// admission) and its shared state.
 struct Scope {
     quota: Quota,
-    /// Whether the scope limits requests or tokens: only then is its window locked.
+    /// Whether the scope limits requests or tokens: only then is its window used.
     counts: bool,
     cell: Arc<Cell>,
     spec: ScopeSpec,
 }
 
+/// One count a gate limits in one of its scopes, flattened at bind time: the fast
+/// path walks these (at most four: requests and tokens, source and account).
+struct Limit {
+    cell: Arc<Cell>,
+    count: Count,
+    limit: u64,
+}
+
+impl Limit {
+    /// How much one admission of `tokens` takes of this count.
+    #[inline]
+    const fn amount(&self, tokens: u64) -> u64 {
+        match self.count {
+            Count::Requests => 1,
+            Count::Tokens => tokens,
+        }
+    }
+}
+
+/// The most counts one gate limits.
+const MAX_LIMITS: usize = 4;
+
 /// One limiter's scopes in a [`MemoryBackend`].
 ///
 /// The hot path (DESIGN.md section 6): one clock read, no division while the
-/// sub-window lasts, one uncontended lock per scope that limits requests or tokens
-/// (its sliding window), one for the lease list of a scope with a concurrency quota,
-/// no allocation once the window's sub-windows exist, and no reference count.
+/// sub-window lasts, one compare-and-swap per limited count of a scope (its window's
+/// word; the window's lock once per sub-window), one lock for the lease list of a
+/// scope with a concurrency quota, no allocation, and no reference count.
 pub(crate) struct MemoryGate {
     base: Instant,
     /// The account when there is one, else the source: the lock order, the same for
@@ -238,6 +273,8 @@ pub(crate) struct MemoryGate {
     first: Scope,
     /// The source, when `first` is its account.
     second: Option<Scope>,
+    /// The counts limited, in the lock order of their scopes.
+    limits: Box<[Limit]>,
     has_account: bool,
     window_ns: u64,
     /// The last window id computed: a hint, checked against the clock on every use.
@@ -282,6 +319,11 @@ impl MemoryGate {
         std::iter::once(&self.first).chain(self.second.as_ref())
     }
 
+    /// The tokio instant of `at` (on this gate's clock).
+    pub(crate) fn local(&self, at: u64) -> Instant {
+        self.base + Duration::from_nanos(at)
+    }
+
     #[inline]
     fn since_base(&self, t: Instant) -> u64 {
         nanos(t.saturating_duration_since(self.base))
@@ -303,86 +345,152 @@ impl MemoryGate {
             .saturating_mul(self.sub_ns)
     }
 
-    /// Checks and reserves every dimension of every scope, all or nothing: the
-    /// sliding windows of the scopes that count are locked (account first), then the
-    /// lease lists of scopes with a concurrency quota; nothing is counted until
-    /// everything fits, and a lease taken in one scope is given back when the next
-    /// has no slot.
+    /// Checks and reserves every dimension of every scope, all or nothing.
     ///
-    /// The windows are locked before the clock is read: the admissions of a scope
-    /// count in the order they read the clock, so none counts at an instant older
-    /// than a sub-window another has already rolled away.
+    /// The fast path reads the clock and takes each count through its window's atomic
+    /// word ([`Window::take`]); leases then go into the lease lists of scopes with a
+    /// concurrency quota, and what was taken is given back when a scope has no slot.
+    /// When a word does not decide (a new sub-window, no room by it, a huge count),
+    /// [`admit_locked`](Self::admit_locked) decides.
     #[inline]
     pub(crate) fn admit_now(&self, tokens: u64, lease: Option<LeaseId>) -> Verdict {
+        let now = self.since_base(Instant::now());
+        let sub = period_of(&self.sub_hint, self.sub_ns, now);
+        if self.held_at(now) {
+            return self.refusal(now, sub, tokens, (0, "hold"));
+        }
+        let mut generations = [0u64; MAX_LIMITS];
+        for (k, (l, g)) in self.limits.iter().zip(&mut generations).enumerate() {
+            match l.cell.window.take(l.count, sub, l.amount(tokens), l.limit) {
+                Some(taken) => *g = taken,
+                None => {
+                    self.put_back(&generations[..k], sub, tokens);
+                    return self.admit_locked(tokens, lease);
+                }
+            }
+        }
+        if let Some(id) = lease
+            && let Err(i) = self.take_lease(id, now)
+        {
+            self.put_back(&generations, sub, tokens);
+            return self.refusal(now, sub, tokens, (i, "concurrency"));
+        }
+        Verdict::Admitted {
+            at: now,
+            window: period_of(&self.win_hint, self.window_ns, now),
+        }
+    }
+
+    /// Whether a hold of either scope lasts past `now`.
+    #[inline]
+    fn held_at(&self, now: u64) -> bool {
+        let held = |s: &Scope| s.cell.hold_until.load(Ordering::Acquire) > now;
+        held(&self.first) || self.second.as_ref().is_some_and(held)
+    }
+
+    /// Gives back what the fast path took: the first `generations.len()` limits.
+    #[cold]
+    fn put_back(&self, generations: &[u64], sub: u64, tokens: u64) {
+        for (l, &g) in self.limits.iter().zip(generations) {
+            l.cell.window.put_back(l.count, sub, l.amount(tokens), g);
+            // What was taken back may be what a waiter waits for.
+            l.cell.wake_one();
+        }
+    }
+
+    /// Takes lease `id` in every scope with a concurrency quota: `Err(i)` (and nothing
+    /// taken) when scope `i` has no slot.
+    #[inline]
+    fn take_lease(&self, id: LeaseId, now: u64) -> Result<(), usize> {
+        let entry = (id, now.saturating_add(self.lease_ttl_ns));
+        for (i, scope) in self.scopes().enumerate() {
+            let Some(c) = scope.quota.concurrency else {
+                continue;
+            };
+            let mut leases = lock(&scope.cell.leases);
+            if live_leases(&mut leases, now) >= c {
+                drop(leases);
+                self.undo_lease(i, id);
+                return Err(i);
+            }
+            leases.push(entry);
+        }
+        Ok(())
+    }
+
+    /// [`admit_now`](Self::admit_now) under the windows' locks (account first), where
+    /// the words did not decide: once per sub-window, and for what does not fit. The
+    /// windows are locked before the clock is read: the admissions of a scope count in
+    /// the order they read the clock, so none counts at an instant older than a
+    /// sub-window another has already rolled away. The words are published again for
+    /// the sub-window of this admission.
+    #[cold]
+    #[inline(never)]
+    fn admit_locked(&self, tokens: u64, lease: Option<LeaseId>) -> Verdict {
         let mut windows = [
-            self.first.counts.then(|| lock(&self.first.cell.window)),
+            self.first.counts.then(|| self.first.cell.window.lock()),
             self.second
                 .as_ref()
                 .filter(|s| s.counts)
-                .map(|s| lock(&s.cell.window)),
+                .map(|s| s.cell.window.lock()),
         ];
-        let instant = Instant::now();
-        let now = self.since_base(instant);
-        let win = period_of(&self.win_hint, self.window_ns, now);
+        let now = self.since_base(Instant::now());
         let sub = period_of(&self.sub_hint, self.sub_ns, now);
-        let admitted = Verdict::Admitted {
-            at: Duration::from_nanos(now),
-            window: win,
-            local: Some(instant),
-        };
-        if self
-            .scopes()
-            .any(|s| s.cell.hold_until.load(Ordering::Acquire) > now)
-        {
-            drop(windows);
-            return self.refusal(now, sub, tokens, (0, "hold"));
+        let verdict = self.admit_in(&mut windows, now, sub, tokens, lease);
+        for w in windows.into_iter().flatten() {
+            w.publish(sub);
         }
-        for (i, (scope, w)) in self.scopes().zip(&mut windows).enumerate() {
+        match verdict {
+            Ok(()) => Verdict::Admitted {
+                at: now,
+                window: period_of(&self.win_hint, self.window_ns, now),
+            },
+            Err(failed) => self.refusal(now, sub, tokens, failed),
+        }
+    }
+
+    /// The locked admission: rolls the windows to `sub`, checks every count, takes the
+    /// lease, and counts; the scope and dimension that did not fit otherwise.
+    fn admit_in(
+        &self,
+        windows: &mut [Option<Guard<'_>>; 2],
+        now: u64,
+        sub: u64,
+        tokens: u64,
+        lease: Option<LeaseId>,
+    ) -> Result<(), (usize, &'static str)> {
+        if self.held_at(now) {
+            return Err((0, "hold"));
+        }
+        for (i, (scope, w)) in self.scopes().zip(windows.iter_mut()).enumerate() {
             let Some(w) = w else { continue };
-            w.roll(self.oldest(sub));
+            w.roll(sub, self.oldest(sub));
+            let w = w.counts();
             let q = &scope.quota;
-            let failed = if q.requests.is_some_and(|r| w.total(Count::Requests) >= r) {
-                "rpm"
-            } else if q
-                .tokens
+            if q.requests.is_some_and(|r| w.total(Count::Requests) >= r) {
+                return Err((i, "rpm"));
+            }
+            if q.tokens
                 .is_some_and(|t| w.total(Count::Tokens).saturating_add(tokens) > t)
             {
-                "tpm"
-            } else {
-                continue;
-            };
-            drop(windows);
-            return self.refusal(now, sub, tokens, (i, failed));
-        }
-        if let Some(id) = lease {
-            let entry = (id, now.saturating_add(self.lease_ttl_ns));
-            for (i, scope) in self.scopes().enumerate() {
-                let Some(c) = scope.quota.concurrency else {
-                    continue;
-                };
-                let mut leases = lock(&scope.cell.leases);
-                if live_leases(&mut leases, now) >= c {
-                    drop(leases);
-                    drop(windows);
-                    self.undo_lease(i, id);
-                    return self.refusal(now, sub, tokens, (i, "concurrency"));
-                }
-                leases.push(entry);
+                return Err((i, "tpm"));
             }
         }
-        for (scope, w) in self.scopes().zip(&mut windows) {
+        if let Some(id) = lease {
+            self.take_lease(id, now).map_err(|i| (i, "concurrency"))?;
+        }
+        for (scope, w) in self.scopes().zip(windows.iter_mut()) {
             if let Some(w) = w {
                 let q = &scope.quota;
-                w.add(
+                w.counts().add(
                     sub,
                     u64::from(q.requests.is_some()),
                     if q.tokens.is_some() { tokens } else { 0 },
                 );
             }
         }
-        admitted
+        Ok(())
     }
-
     /// Gives back the lease `id` taken in the scopes before `upto`.
     #[cold]
     fn undo_lease(&self, upto: usize, id: LeaseId) {
@@ -402,8 +510,10 @@ impl MemoryGate {
         if !scope.counts {
             return [None, None];
         }
-        let mut w = lock(&scope.cell.window);
-        w.roll(self.oldest(sub));
+        // Left closed: the next admission publishes it again.
+        let mut g = scope.cell.window.lock();
+        g.roll(sub, self.oldest(sub));
+        let w = g.counts();
         let q = &scope.quota;
         // Room for `need` more of `c`: what is over the limit must leave first.
         let due = |c: Count, need: u64, limit: Option<u64>| {
@@ -454,7 +564,9 @@ impl MemoryGate {
             };
             (self.scope_at(failed.0), failed.1, wait)
         });
-        Verdict::Refused(QuotaExceeded::new(dim, Duration::from_nanos(wait)).with_scope(&*scope.spec.label))
+        Verdict::Refused(Box::new(
+            QuotaExceeded::new(dim, Duration::from_nanos(wait)).with_scope(&*scope.spec.label),
+        ))
     }
 
     /// Reconciles one admission: what it reserved and did not use goes back to its
@@ -470,13 +582,16 @@ impl MemoryGate {
             if dr != 0 || dt != 0 {
                 let back = |d: i64| if d < 0 { d.unsigned_abs() } else { 0 };
                 let charge = |d: i64| u64::try_from(d).unwrap_or(0);
-                let mut w = lock(&cell.window);
-                freed |= w.give_back(at_sub, back(dr), back(dt));
+                let mut w = cell.window.lock();
+                freed |= w.counts().give_back(at_sub, back(dr), back(dt));
                 if dr > 0 || dt > 0 {
                     let sub = self.since_base(Instant::now()) / self.sub_ns;
-                    w.roll(self.oldest(sub));
-                    w.add(sub, charge(dr), charge(dt));
+                    w.roll(sub, self.oldest(sub));
+                    w.counts().add(sub, charge(dr), charge(dt));
                 }
+                // Published again (for the sub-window it was, or the one a charge
+                // rolled it to), so the next admissions keep the fast path.
+                w.publish(0);
             }
             if let Some(id) = s.lease
                 && q.concurrency.is_some()
@@ -752,7 +867,7 @@ mod tests {
         }
         // The window's counts are exactly what was admitted.
         let cells = lock(&backend.inner.scopes);
-        let total = |scope: &str, c| lock(&cells[scope].window).total(c);
+        let total = |scope: &str, c| cells[scope].window.lock().counts().total(c);
         assert_eq!(total("account:acct", Count::Tokens), 3000);
         let requests = total("source:s1", Count::Requests) + total("source:s2", Count::Requests);
         assert_eq!(requests, 1000);

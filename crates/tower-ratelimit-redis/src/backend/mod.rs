@@ -17,6 +17,7 @@ use crate::config::{Quota, RateLimitConfig};
 pub(crate) mod memory;
 pub(crate) mod redis;
 mod sliding;
+mod window;
 
 pub use memory::MemoryBackend;
 pub use redis::RedisBackend;
@@ -50,6 +51,14 @@ impl Backend {
             Self::Redis(r) => AnyGate::Redis(r.bind(&scopes, config)),
         }
     }
+}
+
+/// Nanoseconds in `d`, saturating (u64 nanoseconds last 584 years).
+#[inline]
+pub(crate) fn nanos(d: Duration) -> u64 {
+    d.as_secs()
+        .saturating_mul(1_000_000_000)
+        .saturating_add(u64::from(d.subsec_nanos()))
 }
 
 /// The clock an [`Admission`](crate::Admission)'s instant is read on.
@@ -179,16 +188,10 @@ pub(crate) type LeaseId = u64;
 /// The backend's answer to an admission.
 #[derive(Debug)]
 pub(crate) enum Verdict {
-    /// Admitted at `at` (on the backend's clock), in window `window`; `local` is the
-    /// tokio instant of the admission when the backend read it (memory), so nothing
-    /// after it reads the clock again.
-    Admitted {
-        at: Duration,
-        window: u64,
-        local: Option<Instant>,
-    },
-    /// Not admitted.
-    Refused(QuotaExceeded),
+    /// Admitted at `at` (nanoseconds on the backend's clock), in window `window`.
+    Admitted { at: u64, window: u64 },
+    /// Not admitted (boxed: the error it becomes is, and the verdict stays small).
+    Refused(Box<QuotaExceeded>),
 }
 
 /// What settling an admission changes: refunds go back to the sub-window of the
@@ -293,6 +296,17 @@ impl Gate for AnyGate {
         match self {
             Self::Memory(g) => g.clock(),
             Self::Redis(g) => g.clock(),
+        }
+    }
+}
+
+impl AnyGate {
+    /// The tokio instant of an admission at `at`, when the backend's clock is the
+    /// tokio clock (memory): nothing after the admission reads the clock again.
+    pub(crate) fn local(&self, at: u64) -> Option<Instant> {
+        match self {
+            Self::Memory(g) => Some(g.local(at)),
+            Self::Redis(_) => None,
         }
     }
 }

@@ -46,6 +46,7 @@ use tokio::time::Instant;
 
 use super::{
     BackendFuture, Clock, Gate, Held, HoldScope, LeaseId, ScopeHeld, ScopeKind, ScopeSpec, Settle, Verdict,
+    nanos,
 };
 use crate::config::RateLimitConfig;
 
@@ -314,13 +315,12 @@ impl RedisGate {
             }
         }
         match worst {
-            Some((i, wait)) => {
-                Verdict::Refused(QuotaExceeded::new("hold", millis(wait)).with_scope(&*k.labels[i]))
-            }
+            Some((i, wait)) => Verdict::Refused(Box::new(
+                QuotaExceeded::new("hold", millis(wait)).with_scope(&*k.labels[i]),
+            )),
             None => Verdict::Admitted {
-                at: millis(now),
+                at: nanos(millis(now)),
                 window: u64::try_from(now / k.window_ms).unwrap_or(0),
-                local: Some(at),
             },
         }
     }
@@ -421,9 +421,8 @@ impl Gate for RedisGate {
             let reply: Vec<i64> = run("admit", inner.timeout, inv.invoke_async(&mut conn)).await?;
             match reply.as_slice() {
                 [1, now, win] => Ok(Verdict::Admitted {
-                    at: millis(*now),
+                    at: nanos(millis(*now)),
                     window: u64::try_from(*win).unwrap_or(0),
-                    local: None,
                 }),
                 [0, _, scope, dim, wait] => {
                     let dim = match dim {
@@ -437,9 +436,9 @@ impl Gate for RedisGate {
                         .ok()
                         .and_then(|i| inner.labels.get(i))
                         .ok_or_else(|| garbage("admit", &reply))?;
-                    Ok(Verdict::Refused(
+                    Ok(Verdict::Refused(Box::new(
                         QuotaExceeded::new(dim, millis(*wait)).with_scope(&**label),
-                    ))
+                    )))
                 }
                 _ => Err(garbage("admit", &reply)),
             }
