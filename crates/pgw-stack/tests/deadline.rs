@@ -142,3 +142,224 @@ async fn a_follower_does_not_wait_out_a_leader_on_a_dead_pool_nor_past_its_deadl
     assert!(!leader.is_finished(), "the leader still hangs");
     leader.abort();
 }
+
+/// A simulated source answering at once (errors in 0.1 s, first token in 0.5 s).
+fn quick(name: &str) -> pgw_sim::SourceConfig {
+    pgw_sim::SourceConfig {
+        ttft_s: pgw_sim::LogNormal::constant(0.5).into(),
+        error_latency_s: pgw_sim::LogNormal::constant(0.1).into(),
+        ..pgw_sim::SourceConfig::healthy(name)
+    }
+}
+
+/// A gateway over `sources` (simulated, each `(sim config, group, max_concurrency,
+/// rpm)`), cache off, round robin, no account limits unless `accounts` has them.
+async fn gateway_over(
+    sources: Vec<(pgw_sim::SourceConfig, &str, Option<i64>, Option<i64>)>,
+    accounts: Vec<pgw_sim::AccountConfig>,
+) -> (SimPool, pgw_stack::Gateway, MemorySink) {
+    let mut cfg = GatewayConfig::default();
+    cfg.cache.enabled = false;
+    cfg.balance.policy = Some("round_robin".into());
+    let mut sims = Vec::new();
+    for (sim, group, max_concurrency, rpm) in sources {
+        let name = sim.name.clone();
+        let mut s = SourceConfig::new(
+            name.as_str(),
+            format!("http://sim.invalid/{name}/v1"),
+            SecretKey::new("sk-x"),
+        )
+        .group(group);
+        s.total_timeout_s = Some(180.0);
+        s.max_concurrency = max_concurrency;
+        s.rpm = rpm;
+        cfg.sources.push(s);
+        sims.push(sim);
+    }
+    let pool = SimPool::new(
+        PoolConfig {
+            sources: sims,
+            accounts,
+            bad_prompt_rate: 0.0,
+            ..PoolConfig::default()
+        },
+        7,
+    )
+    .unwrap();
+    let sink = MemorySink::default();
+    let gw = support::sim_gateway(&pool, cfg, &sink).await;
+    (pool, gw, sink)
+}
+
+/// One call with a deadline `after` from now: its error's last retry reason and how
+/// long it took.
+async fn call_with_deadline(gw: &pgw_stack::Gateway, after: Duration) -> (Option<Reason>, Duration, String) {
+    let t0 = Instant::now();
+    let mut call = ChatCall::new(ChatRequest::user("m", "with a deadline"));
+    call.extensions_mut().insert(CallDeadline(t0 + after));
+    let err = gw.clone().oneshot(call).await.unwrap_err();
+    let reason = err
+        .downcast_ref::<GatewayError>()
+        .and_then(GatewayError::last_retry_error)
+        .map(pgw_stack::retry::RetryError::reason);
+    (reason, t0.elapsed(), err.to_string())
+}
+
+/// A call on a source at its concurrency limit (AIMD paced: the balancer's H7 wait for a
+/// slot) ends at its deadline, not at the balancer's 30 s `max_wait`, and the call holding
+/// the slot is untouched.
+#[tokio::test(start_paused = true)]
+async fn a_call_deadline_bounds_the_balancers_wait_for_a_paced_source() {
+    let slow = pgw_sim::SourceConfig {
+        ttft_s: pgw_sim::LogNormal::constant(20.0).into(),
+        ..quick("busy")
+    };
+    let (_pool, gw, _sink) = gateway_over(vec![(slow, "g", Some(1), None)], vec![]).await;
+    let holder = tokio::spawn({
+        let gw = gw.clone();
+        async move { gw.chat(ChatRequest::user("m", "holds the only slot")).await }
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(gw.sources()[0].aimd.inflight(), 1, "the slot is taken");
+
+    let (reason, took, err) = call_with_deadline(&gw, Duration::from_secs(3)).await;
+    assert_eq!(reason, Some(Reason::DeadlineExceeded), "{err}");
+    assert_eq!(took, Duration::from_secs(3), "{err}");
+    assert_eq!(gw.sources()[0].aimd.inflight(), 1, "the holder still runs");
+    assert!(holder.await.unwrap().is_ok(), "the holder is answered");
+}
+
+/// A call on a source whose minute quota is spent (the limiter's wait, answered as
+/// `QuotaExceeded` for the next minute) fails at once: the wait is longer than its
+/// deadline allows, so it does not sleep until the deadline either.
+#[tokio::test(start_paused = true)]
+async fn a_call_deadline_shorter_than_the_quota_wait_fails_at_once() {
+    let (pool, gw, _sink) = gateway_over(vec![(quick("rpm1"), "g", None, Some(1))], vec![]).await;
+    gw.chat(ChatRequest::user("m", "spends the minute"))
+        .await
+        .unwrap();
+    let (reason, took, err) = call_with_deadline(&gw, Duration::from_secs(3)).await;
+    assert!(
+        matches!(reason, Some(Reason::WaitTooLong { limit, .. }) if limit == Duration::from_secs(3)),
+        "{err}"
+    );
+    assert_eq!(took, Duration::ZERO, "{err}");
+    assert_eq!(pool.stats().sources["rpm1"].received, 1, "never sent upstream");
+}
+
+/// A 429 whose `Retry-After` (10 s) is longer than the call may still wait (3 s): the
+/// source is held, and the call does not sleep past its deadline waiting for the hold
+/// (today it waits up to the deadline: the balancer, which waits for the hold, does not
+/// know the deadline; R3 would have it fail at once).
+#[tokio::test(start_paused = true)]
+async fn a_retry_after_longer_than_the_deadline_does_not_hold_the_call_past_it() {
+    let storm = pgw_sim::AccountConfig {
+        rate_limit: pgw_sim::RateLimitCurve {
+            base: 1.0,
+            max: 1.0,
+            ..pgw_sim::RateLimitCurve::default()
+        }
+        .into(),
+        retry_after: pgw_sim::RetryAfterConfig {
+            rate: 1.0,
+            min_s: 10,
+            max_s: 10,
+        }
+        .into(),
+        name: "acct".into(),
+        ..pgw_sim::AccountConfig::default()
+    };
+    let (pool, gw, _sink) = gateway_over(
+        vec![(quick("s").in_account("acct"), "g", None, None)],
+        vec![storm],
+    )
+    .await;
+    let (reason, took, err) = call_with_deadline(&gw, Duration::from_secs(3)).await;
+    assert!(
+        matches!(
+            reason,
+            Some(Reason::DeadlineExceeded | Reason::WaitTooLong { .. })
+        ),
+        "{err}"
+    );
+    assert!(took <= Duration::from_secs(3), "{took:?}: {err}");
+    assert_eq!(pool.stats().sources["s"].received, 1, "one attempt, then held");
+    let held = gw.sources()[0].limiter.held().await.unwrap();
+    assert!(held.source.hold_ends_in.is_some(), "the source is held: {held:?}");
+}
+
+/// A breaker-open source next to a paced one: the balancer waits for the earliest
+/// wake-up (H7) instead of failing fast, and that wait ends at the call's deadline.
+#[tokio::test(start_paused = true)]
+async fn a_call_deadline_bounds_the_wait_behind_an_open_breaker() {
+    let dead = pgw_sim::SourceConfig {
+        revoked: true.into(),
+        ..quick("dead")
+    };
+    let slow = pgw_sim::SourceConfig {
+        ttft_s: pgw_sim::LogNormal::constant(20.0).into(),
+        ..quick("busy")
+    };
+    let (_pool, gw, _sink) =
+        gateway_over(vec![(dead, "g", None, None), (slow, "g", Some(1), None)], vec![]).await;
+    // The first call opens `dead` (401) and ends up holding `busy`'s only slot.
+    let holder = tokio::spawn({
+        let gw = gw.clone();
+        async move { gw.chat(ChatRequest::user("m", "holds the only slot")).await }
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(gw.sources()[1].aimd.inflight(), 1, "busy's slot is taken");
+    let dead_view = gw.sources()[0].breaker.view().await.unwrap();
+    assert_ne!(
+        dead_view.state,
+        tower_breaker_window::BreakerState::Closed,
+        "dead's breaker is open"
+    );
+
+    let (reason, took, err) = call_with_deadline(&gw, Duration::from_secs(3)).await;
+    assert_eq!(reason, Some(Reason::DeadlineExceeded), "{err}");
+    assert_eq!(took, Duration::from_secs(3), "{err}");
+    assert!(holder.await.unwrap().is_ok());
+}
+
+/// The deadline runs across the fallback chain, from the call's start: the primary
+/// group fails fast (its only source is revoked), and the backup's black hole is cut
+/// at the call's deadline, not at a fresh one for the backup group.
+#[tokio::test(start_paused = true)]
+async fn the_deadline_spans_the_fallback_chain() {
+    let dead = pgw_sim::SourceConfig {
+        revoked: true.into(),
+        ..quick("dead")
+    };
+    let hole = pgw_sim::SourceConfig {
+        black_hole_rate: 1.0.into(),
+        ..quick("hole")
+    };
+    let (pool, gw, _sink) = gateway_over(
+        vec![(dead, "primary", None, None), (hole, "backup", None, None)],
+        vec![],
+    )
+    .await;
+    assert_eq!(gw.groups(), ["primary", "backup"]);
+    let t0 = Instant::now();
+    let mut call = ChatCall::new(ChatRequest::user("m", "down the chain"));
+    call.extensions_mut()
+        .insert(CallDeadline(t0 + Duration::from_secs(5)));
+    let err = gw.clone().oneshot(call).await.unwrap_err();
+    assert_eq!(t0.elapsed(), Duration::from_secs(5), "{err}");
+    let gerr = err.downcast_ref::<GatewayError>().expect("a gateway error");
+    let groups: Vec<_> = gerr.failures().iter().map(|(g, _)| g.as_str()).collect();
+    assert_eq!(groups, ["primary", "backup"], "{err}");
+    assert_eq!(
+        gerr.last_retry_error().map(pgw_stack::retry::RetryError::reason),
+        Some(Reason::DeadlineExceeded),
+        "{err}"
+    );
+    let stats = pool.stats();
+    assert_eq!(stats.sources["dead"].received, 1);
+    assert_eq!(stats.sources["hole"].received, 1);
+    assert_eq!(
+        stats.sources["hole"].in_flight, 0,
+        "the backup's attempt was dropped"
+    );
+}

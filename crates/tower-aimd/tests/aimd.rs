@@ -257,3 +257,49 @@ async fn aimd_keeps_the_429_share_under_the_tolerated_share_far_below_the_unpace
     assert!(s1 < tower_aimd::DEFAULT_TOLERATED_PUSHBACK, "aimd {s1}");
     assert!(s1 < s0 / 2.0, "aimd {s1} vs unpaced {s0}");
 }
+
+/// A2 through the layer: four requests sent in one congestion episode all come back
+/// 429, and the limit is cut once (8 -> 4), not once per 429 (8 -> 4 -> 2 -> 1); a
+/// request sent after the cut belongs to the next episode, and its 429 cuts again.
+#[tokio::test(start_paused = true)]
+async fn the_429s_of_one_episode_cut_the_limit_once() {
+    let classify = |r: &Result<(), BoxError>| match r {
+        Ok(()) => Outcome::Success,
+        Err(_) => Outcome::RateLimited { retry_after: None },
+    };
+    let strict = AimdConfig {
+        initial_limit: 8.0,
+        tolerated_pushback: 0.0,
+        ..AimdConfig::default()
+    };
+    let layer = AimdLayer::new(strict)
+        .unwrap()
+        .with_classifier(classify)
+        .shedding();
+    let h = layer.handle();
+    let svc = layer.layer(service_fn(|after: u64| async move {
+        tokio::time::sleep(Duration::from_millis(after)).await;
+        Err::<(), BoxError>("429".into())
+    }));
+    // Sent together, answered 429 one after the other.
+    let calls: Vec<_> = (1..=4)
+        .map(|i| tokio::spawn(svc.clone().oneshot(i * 100)))
+        .collect();
+    tokio::task::yield_now().await;
+    assert_eq!(h.inflight(), 4);
+    for c in calls {
+        assert!(c.await.unwrap().is_err());
+    }
+    assert!(
+        (h.limit() - 4.0).abs() < 1e-9,
+        "one cut for the episode: {}",
+        h.limit()
+    );
+    // Sent after the cut: a new episode.
+    assert!(svc.clone().oneshot(1).await.is_err());
+    assert!(
+        (h.limit() - 2.0).abs() < 1e-9,
+        "the next episode cuts: {}",
+        h.limit()
+    );
+}

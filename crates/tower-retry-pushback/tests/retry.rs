@@ -842,3 +842,109 @@ async fn a_failed_hold_falls_back_to_sleeping_through_the_pushback() {
     assert_eq!(t.len(), 2);
     assert!(t[1] - t[0] >= Duration::from_secs(9), "{:?}", t[1] - t[0]);
 }
+
+// ---------------------------------------------------------------- backoff floor, deadline
+
+/// The backoff floor (half the base, 250 ms by default): whatever the jitter draws, two
+/// attempts of one call to one source are never back to back, after a transient
+/// failure (a backoff slept) and after a 429 without `Retry-After` (the source held for
+/// the backoff).
+#[tokio::test(start_paused = true)]
+async fn no_two_attempts_to_one_source_go_back_to_back() {
+    let floor = Duration::from_millis(250);
+    for seed in 0..40 {
+        let upstream = Upstream::always(Ans::Transient);
+        let mut svc = layer(RetryConfig {
+            max_attempts: 6,
+            ..RetryConfig::default()
+        })
+        .rng_seed(seed)
+        .layer(upstream.clone());
+        let err = call(&mut svc, Req::new(1)).await.unwrap_err();
+        assert_eq!(retry_error(&err).reason(), Reason::BudgetExhausted);
+        let t = upstream.sent_times();
+        assert_eq!(t.len(), 6);
+        assert!(
+            t.windows(2).all(|w| w[1] - w[0] >= floor),
+            "seed {seed}: transient gaps {:?}",
+            t.windows(2).map(|w| w[1] - w[0]).collect::<Vec<_>>()
+        );
+
+        let holds = TestHold::default();
+        let s1 = Upstream::with((0..5).map(|_| Ok(Ans::RateLimited(None))).collect());
+        let router = Router::new(vec![("s1", s1)], holds.clone());
+        let mut svc = layer(RetryConfig::default())
+            .rng_seed(seed)
+            .hold(Arc::new(holds.clone()))
+            .layer(router.clone());
+        assert_eq!(call(&mut svc, Req::new(1)).await.unwrap(), Ans::Ok);
+        let t = router.times_of("s1");
+        assert_eq!(t.len(), 6);
+        assert!(
+            t.windows(2).all(|w| w[1] - w[0] >= floor),
+            "seed {seed}: 429 gaps {:?}",
+            t.windows(2).map(|w| w[1] - w[0]).collect::<Vec<_>>()
+        );
+        assert!(
+            holds.calls.lock().unwrap().iter().all(|(_, d)| *d >= floor),
+            "seed {seed}: every hold at least the floor"
+        );
+    }
+}
+
+/// Every wait of the loop honours the call's deadline: a backoff after a transient
+/// failure, a `Retry-After` slept, a hold the service below then answers as over quota,
+/// a gate's `Paced`, `QuotaExceeded` and `Unavailable`. Each asks for more than the
+/// 0.5 s left (the backoff floor is 2 s here, a backend down is asked again in 1 s), so the call fails at once with the wait
+/// it would have needed, instead of sleeping toward or past the deadline.
+#[tokio::test(start_paused = true)]
+async fn every_wait_of_the_loop_fails_at_once_when_longer_than_the_deadline_allows() {
+    let config = RetryConfig {
+        base_backoff: Duration::from_secs(4),
+        max_backoff: Duration::from_secs(8),
+        max_call_duration: Some(Duration::from_millis(500)),
+        ..RetryConfig::default()
+    };
+    let refusal = |e: BoxError| Upstream::with(vec![Err(e)]);
+    let cases: Vec<(&str, Upstream)> = vec![
+        ("transient backoff", Upstream::always(Ans::Transient)),
+        ("retry-after", Upstream::with(vec![rl(5)])),
+        ("paced", refusal(Box::new(Paced::new()))),
+        (
+            "quota",
+            refusal(Box::new(QuotaExceeded::new("rpm", Duration::from_secs(5)))),
+        ),
+        (
+            "unavailable",
+            refusal(Box::new(pgw_core::BackendUnavailable::new(
+                "redis", "admit", "down",
+            ))),
+        ),
+    ];
+    for (name, upstream) in cases {
+        let mut svc = layer(config.clone()).layer(upstream.clone());
+        let start = Instant::now();
+        let err = call(&mut svc, Req::new(1)).await.unwrap_err();
+        assert_eq!(Instant::now(), start, "{name}: at once");
+        assert!(
+            matches!(retry_error(&err).reason(), Reason::WaitTooLong { wait, limit }
+                if limit == Duration::from_millis(500) && wait > limit),
+            "{name}: {err}"
+        );
+        assert_eq!(upstream.sent_count(), 1, "{name}");
+    }
+
+    // A hold: the source is held 5 s, the service below answers over quota for it.
+    let holds = TestHold::default();
+    let router = Router::new(vec![("s1", Upstream::with(vec![rl(5)]))], holds.clone());
+    let mut svc = layer(config).hold(Arc::new(holds.clone())).layer(router.clone());
+    let start = Instant::now();
+    let err = call(&mut svc, Req::new(1)).await.unwrap_err();
+    assert_eq!(Instant::now(), start, "hold: at once");
+    assert!(
+        matches!(retry_error(&err).reason(), Reason::WaitTooLong { limit, .. } if limit == Duration::from_millis(500)),
+        "hold: {err}"
+    );
+    assert_eq!(holds.calls.lock().unwrap().len(), 1, "the source was held");
+    assert_eq!(router.times_of("s1").len(), 1);
+}
