@@ -32,6 +32,7 @@
 //! assert!(naive.check("accounting back to zero").unwrap().pass);
 //! ```
 
+pub mod commands;
 pub mod driver;
 pub mod matrix;
 pub mod profiles;

@@ -226,6 +226,9 @@ fn redis_main(
     };
     let outcome = run_redis(scenario, &opts)?;
     print!("{}", report::terminal(&outcome.scores));
+    if let Some(c) = &outcome.redis_commands {
+        print!("{}", c.terminal());
+    }
     println!("report: {}", dir.join("report.md").display());
     Ok(verdict(&outcome.scores))
 }

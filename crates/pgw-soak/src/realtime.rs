@@ -23,6 +23,7 @@ use indicatif::ProgressBar;
 use pgw_core::BoxError;
 use serde::{Deserialize, Serialize};
 
+use crate::commands::RedisCommands;
 use crate::driver::{DriveOptions, drive};
 use crate::profiles::pgw::{RedisWorker, build_redis};
 use crate::profiles::{BuildError, ProfileKind};
@@ -30,6 +31,9 @@ use crate::run::{RSS_SAMPLES, RunOutcome, describe, expectations, traffic, write
 use crate::scenario::{QUOTA_WINDOW, Scenario};
 use crate::scoreboard;
 use crate::telemetry::{ProfileRun, Recorder, RunClock};
+
+/// The file of the Redis commands the run made ([`RedisCommands`]).
+pub const COMMANDS_FILE: &str = "redis-commands.json";
 
 /// The file the parent writes for its workers.
 pub const REALTIME_FILE: &str = "realtime.json";
@@ -176,6 +180,7 @@ pub fn run_redis(scenario: &Scenario, opts: &RedisOptions) -> Result<RunOutcome,
         origin_ms: unix_ms() / window_ms * window_ms,
     };
     fs::write(dir.join(REALTIME_FILE), serde_json::to_vec_pretty(&real)?)?;
+    let before = rt.block_on(crate::commands::read(&opts.redis_url))?;
     let mut workers = Workers(Vec::new());
     for i in 0..scenario.workers {
         match fs::remove_file(done_file(dir, i)) {
@@ -211,6 +216,9 @@ pub fn run_redis(scenario: &Scenario, opts: &RedisOptions) -> Result<RunOutcome,
     }
     let settle = SETTLE.mul_f64(opts.time_scale).max(MIN_SETTLE);
     rt.block_on(async { tokio::time::sleep(settle).await });
+    let after = rt.block_on(crate::commands::read(&opts.redis_url))?;
+    let commands = RedisCommands::between(&before, &after, scenario.calls);
+    fs::write(dir.join(COMMANDS_FILE), serde_json::to_vec_pretty(&commands)?)?;
     let stats = pool.stats();
     rt.block_on(server.shutdown());
     drop(rt);
@@ -227,9 +235,14 @@ pub fn run_redis(scenario: &Scenario, opts: &RedisOptions) -> Result<RunOutcome,
     fs::write(dir.join("profiles.txt"), format!("{pgw}\n"))?;
     let scores = vec![score];
     write_report(dir, &scenario.name, &describe_redis(&scenario, &real), &scores)?;
+    let report = dir.join("report.md");
+    let mut md = fs::read_to_string(&report)?;
+    md.push_str(&commands.markdown());
+    fs::write(&report, md)?;
     Ok(RunOutcome {
         scores,
         skipped: Vec::new(),
+        redis_commands: Some(commands),
     })
 }
 

@@ -191,6 +191,8 @@ pub struct RunOutcome {
     pub scores: Vec<Score>,
     /// Profiles that could not be built, with the reason.
     pub skipped: Vec<(ProfileKind, String)>,
+    /// The Redis mode: the commands the run's Redis ran, per call.
+    pub redis_commands: Option<crate::commands::RedisCommands>,
 }
 
 /// Runs every profile of `opts` on `scenario`, judges them, writes the report when a
@@ -232,7 +234,11 @@ pub fn run(scenario: &Scenario, opts: &RunOptions) -> Result<RunOutcome, BoxErro
         fs::write(d.join("profiles.txt"), names.join("\n") + "\n")?;
         write_report(d, &scenario.name, &describe(scenario), &scores)?;
     }
-    Ok(RunOutcome { scores, skipped })
+    Ok(RunOutcome {
+        scores,
+        skipped,
+        redis_commands: None,
+    })
 }
 
 /// One line describing the scenario for the report.
