@@ -25,8 +25,9 @@
 //!
 //! The inflight count returns to zero on success, error, panic in the inner future
 //! and drop of the response future (A4). The limit is observable through
-//! [`AimdHandle`] (for metrics). The hot path is two atomics; the release signal is
-//! fired only when someone was refused since the last release.
+//! [`AimdHandle`] (for metrics). The hot path is two atomics; each release answers one
+//! counted refusal by waking one waiter of the release signal (first come first served,
+//! `Notify::notify_one`), and fires nothing when nobody was refused.
 //!
 //! ```
 //! use pgw_core::{Outcome, Paced};

@@ -2,7 +2,7 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use pgw_core::{Outcome, SourceId};
 use tokio::sync::Notify;
@@ -20,10 +20,12 @@ pub(crate) struct Limiter {
     /// earlier episode (before the last cut) does not cut again (A2, as TCP).
     episode: AtomicU64,
     inflight: AtomicUsize,
-    /// Set by whoever was refused (a shed `Paced`, a waiting `poll_ready`) before it
-    /// re-checks; a release that finds it set fires the release signal. This keeps
-    /// `Notify::notify_waiters` (which takes a lock) off the path where nobody waits.
-    refused: AtomicBool,
+    /// Refusals not yet answered by a release: counted by whoever was refused (a shed
+    /// `Paced`, a waiting `poll_ready`) before it re-checks. Each release takes one and
+    /// wakes one waiter of the release signal (`Notify::notify_one`, first come first
+    /// served): one freed slot, one wake-up, not a herd; and nothing (no lock) on the
+    /// path where nobody was refused.
+    refused: AtomicUsize,
     signal: Arc<Notify>,
     floor: f64,
     ceiling: f64,
@@ -41,7 +43,7 @@ impl Limiter {
             limit_bits: AtomicU64::new(config.initial_limit.min(ceiling).to_bits()),
             episode: AtomicU64::new(0),
             inflight: AtomicUsize::new(0),
-            refused: AtomicBool::new(false),
+            refused: AtomicUsize::new(0),
             signal,
             floor: config.min_limit,
             ceiling,
@@ -88,24 +90,40 @@ impl Limiter {
         }
     }
 
-    /// Like [`try_acquire`](Self::try_acquire), but a refusal marks the limiter so the
-    /// next release fires the signal. The caller must have enabled its `Notified`
-    /// before calling this if it means to wait on it.
+    /// Like [`try_acquire`](Self::try_acquire), but a refusal is counted so a release
+    /// wakes one waiter for it. The caller must have enabled its `Notified` before
+    /// calling this if it means to wait on it.
     pub(crate) fn acquire_or_mark(&self) -> bool {
         if self.try_acquire() {
             return true;
         }
-        // Dekker-style: mark, then re-check. A release that the re-check does not see
-        // comes later in the SeqCst order and therefore sees the mark.
-        self.refused.store(true, Ordering::SeqCst);
-        self.try_acquire()
+        // Dekker-style: count the refusal, then re-check. A release that the re-check
+        // does not see comes later in the SeqCst order and therefore sees the count.
+        self.refused.fetch_add(1, Ordering::SeqCst);
+        if self.try_acquire() {
+            // Admitted after all: the refusal is withdrawn (unless a release took it
+            // already, whose wake-up then finds a waiter who re-checks, or is kept
+            // for the next one to wait).
+            self.take_refusal();
+            return true;
+        }
+        false
     }
 
-    /// Gives a slot back and wakes whoever was refused since the last release.
+    /// Takes one unanswered refusal, if any (a waiter admitted without its wake-up
+    /// withdraws the refusal it waited for).
+    pub(crate) fn take_refusal(&self) -> bool {
+        self.refused
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+    }
+
+    /// Gives a slot back and wakes one waiter if a refusal is unanswered: the one that
+    /// waited longest (`Notify` is first in, first out).
     pub(crate) fn release(&self) {
         self.inflight.fetch_sub(1, Ordering::SeqCst);
-        if self.refused.load(Ordering::SeqCst) && self.refused.swap(false, Ordering::SeqCst) {
-            self.signal.notify_waiters();
+        if self.refused.load(Ordering::SeqCst) > 0 && self.take_refusal() {
+            self.signal.notify_one();
         }
     }
 
@@ -182,7 +200,16 @@ impl Limiter {
                 .limit_bits
                 .compare_exchange_weak(cur, next, Ordering::Relaxed, Ordering::Relaxed)
             {
-                Ok(_) => return,
+                Ok(_) => {
+                    // A whole slot more: it wakes one waiter, as a release does.
+                    if f64::from_bits(next).floor() > f64::from_bits(cur).floor()
+                        && self.refused.load(Ordering::SeqCst) > 0
+                        && self.take_refusal()
+                    {
+                        self.signal.notify_one();
+                    }
+                    return;
+                }
                 Err(actual) => cur = actual,
             }
         }

@@ -87,13 +87,22 @@ impl<S, C> Aimd<S, C> {
     /// Waits for a slot (Mode::Wait).
     fn poll_slot(&mut self, cx: &mut Context<'_>) -> Poll<()> {
         loop {
+            // A wake-up is taken before the slot: a `Notified` dropped with its wake-up
+            // unread would pass it on to the next waiter, who would find no slot.
+            if let Some(n) = self.notified.as_mut()
+                && n.as_mut().poll(cx).is_ready()
+            {
+                self.notified = None;
+            }
             if self.limiter.try_acquire() {
+                if self.notified.take().is_some() {
+                    // Admitted before our wake-up came: withdraw the refusal it was for.
+                    self.limiter.take_refusal();
+                }
                 break;
             }
-            if let Some(n) = self.notified.as_mut() {
-                ready!(n.as_mut().poll(cx));
-                self.notified = None;
-                continue;
+            if self.notified.is_some() {
+                return Poll::Pending;
             }
             // Enable before marking, so a release between our refusal and our poll
             // still wakes us.

@@ -303,3 +303,40 @@ async fn the_429s_of_one_episode_cut_the_limit_once() {
         h.limit()
     );
 }
+
+/// Waiting without herds, in `Mode::Wait`: four services wait for the only slot; each
+/// release wakes exactly one of them, the one that waited longest, and the others stay
+/// asleep (a wake-up that finds no slot would be a wasted round).
+#[tokio::test(start_paused = true)]
+async fn one_release_wakes_one_waiter_first_come_first_served() {
+    // A ceiling of one: the successes do not grow the limit.
+    let layer = AimdLayer::new(AimdConfig {
+        max_concurrency: Some(1),
+        ..one_slot()
+    })
+    .unwrap();
+    let (mut holder, mut handle) = mock::spawn_layer::<&str, &str, _>(layer.clone());
+    assert!(holder.poll_ready().is_ready());
+    let mut running = holder.call("first");
+    let mut waiters: Vec<_> = (0..4)
+        .map(|_| mock::spawn_layer::<&str, &str, _>(layer.clone()))
+        .collect();
+    for (w, _) in &mut waiters {
+        assert!(w.poll_ready().is_pending());
+    }
+    for next in 0..4 {
+        assert_request_eq!(handle, "first").send_response("ok");
+        assert_eq!(running.await.unwrap(), "ok");
+        let woken: Vec<usize> = (0..4).filter(|&i| waiters[i].0.is_woken()).collect();
+        assert_eq!(woken, [next], "one slot freed: only waiter {next} is woken");
+        let (w, h) = &mut waiters[next];
+        assert!(w.poll_ready().is_ready());
+        running = w.call("first");
+        handle = std::mem::replace(h, mock::pair().1);
+        for (later, _) in &mut waiters[next + 1..] {
+            assert!(later.poll_ready().is_pending(), "still waiting after {next}");
+        }
+    }
+    assert_request_eq!(handle, "first").send_response("ok");
+    assert_eq!(running.await.unwrap(), "ok");
+}
