@@ -614,3 +614,56 @@ async fn a_release_lost_in_an_outage_is_held_until_its_ttl() {
     b.finish(None).await.unwrap();
     assert_eq!(l.stats().settle_failures, 1);
 }
+
+/// A refused request quota is remembered until its `retry_after`: the waiting calls'
+/// rounds ask this process, not Redis (nothing can free a request count before the
+/// oldest sub-window leaves); a refund forgets it; and once the wait is over the next
+/// admission asks Redis again and is admitted.
+#[tokio::test]
+async fn a_refused_request_quota_is_not_asked_again_before_its_retry_after() {
+    let server = PrivateRedis::start();
+    let conn = RedisConn::connect(&RedisTarget::Standalone(server.url()))
+        .await
+        .unwrap();
+    let l = RateLimiter::new(
+        RateLimitConfig::new("s1", Quota::unlimited().requests(1)).window(Duration::from_secs(1)),
+        RedisBackend::new(conn.clone()),
+    )
+    .unwrap();
+    l.acquire(0).await.unwrap().finish(None).await.unwrap();
+    let (before, _) = commands(&conn).await;
+    let mut waits = Vec::new();
+    for _ in 0..5 {
+        let e = l.acquire(0).await.unwrap_err();
+        match pgw_core::NotAdmitted::of(&*e) {
+            Some(pgw_core::NotAdmitted::QuotaExceeded(d)) => waits.push(d),
+            other => panic!("{other:?}: {e}"),
+        }
+    }
+    let (after, _) = commands(&conn).await;
+    assert_eq!(after - before, 1, "one round trip learned the refusal");
+    assert!(waits.windows(2).all(|w| w[1] <= w[0]), "{waits:?}");
+    // At most a window and a sub-window of slack (the server's clock, 60 sub-windows).
+    assert!(
+        waits[0] > Duration::ZERO && waits[0] <= Duration::from_millis(1100),
+        "{waits:?}"
+    );
+    assert_eq!(l.stats().refused, 5);
+    tokio::time::sleep(waits[4] + Duration::from_millis(50)).await;
+    let (before, _) = commands(&conn).await;
+    let p = l
+        .acquire(0)
+        .await
+        .expect("admitted once the oldest sub-window left");
+    let (after, _) = commands(&conn).await;
+    assert_eq!(after - before, 1, "asked Redis again");
+    // Refused again (and remembered); then the admitted request is given back (not
+    // admitted below): the refund frees its place and forgets the refusal.
+    assert!(l.acquire(0).await.is_err());
+    p.refund().await.unwrap();
+    let p = l
+        .acquire(0)
+        .await
+        .expect("the refund freed the place and forgot the refusal");
+    p.finish(None).await.unwrap();
+}

@@ -35,7 +35,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -231,6 +231,10 @@ impl RedisBackend {
                 limits,
                 timeout: config.response_timeout,
                 has_account,
+                refused_until_ms: AtomicI64::new(NEVER),
+                refused_dim: AtomicI64::new(0),
+                refused_scope: AtomicI64::new(0),
+                refunds: AtomicU64::new(0),
             }),
         }
     }
@@ -269,6 +273,40 @@ struct GateKeys {
     limits: Vec<i64>,
     timeout: Duration,
     has_account: bool,
+    /// This process's memory of the last refusal: until when (local ms since the
+    /// book's base) the scopes are known to refuse, which dimension (as the script
+    /// numbers them) and which scope. Asked again only after that, not by every
+    /// waiting call's round (see [`remembered_for`]).
+    refused_until_ms: AtomicI64,
+    refused_dim: AtomicI64,
+    refused_scope: AtomicI64,
+    /// Refunds this process sent: a refusal answered across one is not remembered (it
+    /// may have been judged before the refund landed).
+    refunds: AtomicU64,
+}
+
+/// How long a refusal is remembered, from the script's `dim` and `wait` (ms): a
+/// request count (`rpm`) or a hold frees nothing before `wait` (the oldest sub-window
+/// leaves, or the hold ends; other processes only add to either) and every admission
+/// asks for one request, so the whole wait. A token refusal depends on the amount (a
+/// smaller request may fit) and a concurrency slot frees on any release: not at all.
+/// A refund from this process forgets it at once.
+const fn remembered_for(dim: i64, wait: i64) -> i64 {
+    match dim {
+        1 | 4 => wait,
+        _ => 0,
+    }
+}
+
+/// The script's dimension number, as [`QuotaExceeded`] names it.
+const fn dim_name(dim: i64) -> Option<&'static str> {
+    match dim {
+        1 => Some("rpm"),
+        2 => Some("tpm"),
+        3 => Some("concurrency"),
+        4 => Some("hold"),
+        _ => None,
+    }
 }
 
 /// One limiter's keys in a [`RedisBackend`].
@@ -400,6 +438,22 @@ impl Gate for RedisGate {
             return self.admit_cached(cache);
         }
         let k = &*self.inner;
+        let sent = self.book.local_ms(Instant::now());
+        let refunds = k.refunds.load(Ordering::Acquire);
+        let until = k.refused_until_ms.load(Ordering::Acquire);
+        if sent < until {
+            // Refused a moment ago and nothing can have freed since: no round trip.
+            let (dim, scope) = (
+                k.refused_dim.load(Ordering::Relaxed),
+                k.refused_scope.load(Ordering::Relaxed),
+            );
+            let label = usize::try_from(scope).ok().and_then(|i| k.labels.get(i));
+            if let (Some(dim), Some(label)) = (dim_name(dim), label) {
+                return BackendFuture::ready(Ok(Verdict::Refused(Box::new(
+                    QuotaExceeded::new(dim, millis(until - sent)).with_scope(&**label),
+                ))));
+            }
+        }
         let mut inv = ADMIT.prepare_invoke();
         for key in &k.admit_keys {
             inv.key(key);
@@ -424,18 +478,26 @@ impl Gate for RedisGate {
                     at: nanos(millis(*now)),
                     window: u64::try_from(*win).unwrap_or(0),
                 }),
-                [0, _, scope, dim, wait] => {
-                    let dim = match dim {
-                        1 => "rpm",
-                        2 => "tpm",
-                        3 => "concurrency",
-                        4 => "hold",
-                        _ => return Err(garbage("admit", &reply)),
-                    };
+                [0, _, scope, dim_no, wait] => {
+                    let dim = dim_name(*dim_no).ok_or_else(|| garbage("admit", &reply))?;
                     let label = usize::try_from(*scope)
                         .ok()
                         .and_then(|i| inner.labels.get(i))
                         .ok_or_else(|| garbage("admit", &reply))?;
+                    let memory = remembered_for(*dim_no, *wait);
+                    if memory > 0 && inner.refunds.load(Ordering::Acquire) == refunds {
+                        // Counted from when the question was sent: never past the
+                        // server's answer.
+                        inner.refused_dim.store(*dim_no, Ordering::Relaxed);
+                        inner.refused_scope.store(*scope, Ordering::Relaxed);
+                        inner
+                            .refused_until_ms
+                            .store(sent.saturating_add(memory), Ordering::Release);
+                        if inner.refunds.load(Ordering::Acquire) != refunds {
+                            // A refund went out meanwhile: forget it again.
+                            inner.refused_until_ms.store(NEVER, Ordering::Release);
+                        }
+                    }
                     Ok(Verdict::Refused(Box::new(
                         QuotaExceeded::new(dim, millis(*wait)).with_scope(&**label),
                     )))
@@ -447,6 +509,12 @@ impl Gate for RedisGate {
 
     fn settle(&self, s: Settle) -> BackendFuture<Result<(), BackendUnavailable>> {
         let k = &*self.inner;
+        if s.requests < 0 || s.tokens < 0 {
+            // Something given back: a remembered refusal may no longer hold, nor one
+            // answered before this settle lands.
+            k.refunds.fetch_add(1, Ordering::AcqRel);
+            k.refused_until_ms.store(NEVER, Ordering::Release);
+        }
         let mut inv = SETTLE.prepare_invoke();
         for key in &k.settle_keys {
             inv.key(key);
