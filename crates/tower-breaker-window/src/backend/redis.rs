@@ -10,7 +10,7 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, LazyLock};
+use std::sync::{Arc, LazyLock, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -18,6 +18,7 @@ use pgw_core::redis_conn::{DEFAULT_RESPONSE_TIMEOUT, RedisConn, run, scope_key};
 use pgw_core::{BoxError, BreakerVerdict, SourceId};
 use redis::Script;
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 
 use super::{Admission, Backend, BoxFuture, Gate};
 use crate::config::BreakerConfig;
@@ -93,6 +94,7 @@ impl Backend for RedisBackend {
             params: Params::of(config),
             timeout: self.timeout,
             record_errors: AtomicU64::new(0),
+            open_until: std::sync::Mutex::new(None),
         }))
     }
 }
@@ -104,6 +106,12 @@ struct Inner {
     params: Params,
     timeout: Duration,
     record_errors: AtomicU64,
+    /// When the breaker was last seen open, until when (local clock, counted from when
+    /// the question was sent): refused here until then without a round trip. Nothing
+    /// closes an open breaker before its `open_until` (a probe is admitted only after
+    /// it), so this loses nothing; a refusal because a probe is out is not kept (the
+    /// probe may close it any moment).
+    open_until: std::sync::Mutex<Option<Instant>>,
 }
 
 /// One source's gate in Redis.
@@ -165,6 +173,13 @@ impl Gate for RedisGate {
 
     fn admit(&self) -> Self::Admit {
         let inner = self.0.clone();
+        let sent = Instant::now();
+        let known = *inner.open_until.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(until) = known.filter(|u| sent < *u) {
+            return Box::pin(std::future::ready(Ok(Admission::Refused {
+                retry_after: until - sent,
+            })));
+        }
         Box::pin(async move {
             let mut conn = inner.conn.clone();
             let p = &inner.params;
@@ -173,14 +188,17 @@ impl Gate for RedisGate {
                 .arg(p.probe_ttl)
                 .arg(p.cooldown)
                 .arg(p.key_ttl);
-            let (admitted, epoch, probe, retry_ms): (i64, i64, i64, i64) =
+            let (admitted, epoch, probe, retry_ms, open): (i64, i64, i64, i64, i64) =
                 run("admit", inner.timeout, call.invoke_async(&mut conn)).await?;
             Ok(if admitted == 1 {
                 Admission::Admitted(Ticket::new(non_negative(epoch), non_negative(probe)))
             } else {
-                Admission::Refused {
-                    retry_after: Duration::from_millis(non_negative(retry_ms)),
+                let retry_after = Duration::from_millis(non_negative(retry_ms));
+                if open == 1 {
+                    let mut known = inner.open_until.lock().unwrap_or_else(PoisonError::into_inner);
+                    *known = Some(known.map_or(sent + retry_after, |k| k.max(sent + retry_after)));
                 }
+                Admission::Refused { retry_after }
             })
         })
     }
