@@ -11,8 +11,16 @@ use pgw_stack::{ChatCall, GatewayConfig, GatewayError, MemorySink, SecretKey, So
 use tokio::time::Instant;
 use tower::ServiceExt;
 
-#[tokio::test(start_paused = true)]
-async fn a_call_deadline_cuts_a_black_hole_and_releases_everything() {
+/// The reason of a gateway error's last retry error.
+fn last_reason(err: &(dyn std::error::Error + Send + Sync + 'static)) -> Option<Reason> {
+    err.downcast_ref::<GatewayError>()
+        .expect("a gateway error")
+        .last_retry_error()
+        .map(pgw_stack::retry::RetryError::reason)
+}
+
+/// One black hole (`hole`, a 180 s attempt timeout) behind a gateway that `cfg` sets up.
+async fn one_black_hole(cfg: impl FnOnce(&mut GatewayConfig)) -> (SimPool, pgw_stack::Gateway, MemorySink) {
     let hole = pgw_sim::SourceConfig {
         black_hole_rate: 1.0.into(),
         ..pgw_sim::SourceConfig::healthy("hole")
@@ -26,13 +34,19 @@ async fn a_call_deadline_cuts_a_black_hole_and_releases_everything() {
         3,
     )
     .unwrap();
-    let mut cfg = GatewayConfig::default();
-    cfg.cache.enabled = false;
+    let mut c = GatewayConfig::default();
     let mut s = SourceConfig::new("hole", "http://sim.invalid/hole/v1", SecretKey::new("sk-x"));
     s.total_timeout_s = Some(180.0);
-    cfg.sources.push(s);
+    c.sources.push(s);
+    cfg(&mut c);
     let sink = MemorySink::default();
-    let gw = support::sim_gateway(&pool, cfg, &sink).await;
+    let gw = support::sim_gateway(&pool, c, &sink).await;
+    (pool, gw, sink)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_call_deadline_cuts_a_black_hole_and_releases_everything() {
+    let (pool, gw, sink) = one_black_hole(|c| c.cache.enabled = false).await;
 
     let t0 = Instant::now();
     let mut call = ChatCall::new(ChatRequest::user("m", "hello"));
@@ -44,12 +58,8 @@ async fn a_call_deadline_cuts_a_black_hole_and_releases_everything() {
         Duration::from_secs(5),
         "cut at the deadline, not the 180 s attempt timeout"
     );
-    let gerr = err.downcast_ref::<GatewayError>().expect("a gateway error");
     assert!(
-        matches!(
-            gerr.last_retry_error().map(pgw_stack::retry::RetryError::reason),
-            Some(Reason::DeadlineExceeded)
-        ),
+        matches!(last_reason(&*err), Some(Reason::DeadlineExceeded)),
         "{err}"
     );
     assert_eq!(gw.sources()[0].aimd.inflight(), 0);
@@ -70,26 +80,7 @@ async fn a_call_deadline_cuts_a_black_hole_and_releases_everything() {
 /// follower's wait ends at its deadline.
 #[tokio::test(start_paused = true)]
 async fn a_follower_does_not_wait_out_a_leader_on_a_dead_pool_nor_past_its_deadline() {
-    let hole = pgw_sim::SourceConfig {
-        black_hole_rate: 1.0.into(),
-        ..pgw_sim::SourceConfig::healthy("hole")
-    };
-    let pool = SimPool::new(
-        PoolConfig {
-            sources: vec![hole],
-            bad_prompt_rate: 0.0,
-            ..PoolConfig::default()
-        },
-        3,
-    )
-    .unwrap();
-    let mut cfg = GatewayConfig::default();
-    cfg.cache.when = pgw_stack::config::CacheWhen::Always;
-    let mut s = SourceConfig::new("hole", "http://sim.invalid/hole/v1", SecretKey::new("sk-x"));
-    s.total_timeout_s = Some(180.0);
-    cfg.sources.push(s);
-    let sink = MemorySink::default();
-    let gw = support::sim_gateway(&pool, cfg, &sink).await;
+    let (pool, gw, _sink) = one_black_hole(|c| c.cache.when = pgw_stack::config::CacheWhen::Always).await;
 
     let t0 = Instant::now();
     let leader = tokio::spawn({
@@ -109,12 +100,8 @@ async fn a_follower_does_not_wait_out_a_leader_on_a_dead_pool_nor_past_its_deadl
         .insert(CallDeadline(Instant::now() + Duration::from_secs(5)));
     let err = gw.clone().oneshot(call).await.unwrap_err();
     assert_eq!(t0.elapsed(), Duration::from_secs(6), "{err}");
-    let gerr = err.downcast_ref::<GatewayError>().expect("a gateway error");
     assert!(
-        matches!(
-            gerr.last_retry_error().map(pgw_stack::retry::RetryError::reason),
-            Some(Reason::DeadlineExceeded)
-        ),
+        matches!(last_reason(&*err), Some(Reason::DeadlineExceeded)),
         "{err}"
     );
 
@@ -122,12 +109,8 @@ async fn a_follower_does_not_wait_out_a_leader_on_a_dead_pool_nor_past_its_deadl
     // it stops following and fails fast on the silent source.
     let err = gw.chat(ChatRequest::user("m", "same")).await.unwrap_err();
     assert_eq!(t0.elapsed(), Duration::from_secs(60), "{err}");
-    let gerr = err.downcast_ref::<GatewayError>().expect("a gateway error");
     assert!(
-        matches!(
-            gerr.last_retry_error().map(pgw_stack::retry::RetryError::reason),
-            Some(Reason::AllCircuitsOpen { .. })
-        ),
+        matches!(last_reason(&*err), Some(Reason::AllCircuitsOpen { .. })),
         "{err}"
     );
     assert_eq!(
