@@ -23,11 +23,7 @@ use tower::ServiceExt;
 const KEY: &str = "sk-virtual-0123456789";
 
 fn pool(sources: Vec<pgw_sim::SourceConfig>) -> SimPool {
-    let config = PoolConfig {
-        sources,
-        bad_prompt_rate: 0.0,
-        ..PoolConfig::default()
-    };
+    let config = PoolConfig::of(sources);
     SimPool::new(config, 7).unwrap()
 }
 
@@ -35,10 +31,7 @@ fn pool(sources: Vec<pgw_sim::SourceConfig>) -> SimPool {
 fn serving(name: &str) -> pgw_sim::SourceConfig {
     pgw_sim::SourceConfig {
         models: Some(vec!["gpt-4o".into()]),
-        ttft_s: LogNormal::constant(0.5).into(),
-        tokens_per_second: LogNormal::constant(200.0).into(),
-        error_latency_s: LogNormal::constant(0.1).into(),
-        ..pgw_sim::SourceConfig::healthy(name)
+        ..pgw_sim::SourceConfig::quick(name)
     }
 }
 

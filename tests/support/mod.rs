@@ -101,15 +101,7 @@ pub async fn start(server: &str, sources: Vec<pgw_sim::SourceConfig>) -> Harness
 
 /// As [`start`], with top-level gateway keys (`backend = "redis"`, ...) first.
 pub async fn start_with(top: &str, server: &str, sources: Vec<pgw_sim::SourceConfig>) -> Harness {
-    let pool = SimPool::new(
-        PoolConfig {
-            sources: sources.clone(),
-            bad_prompt_rate: 0.0,
-            ..PoolConfig::default()
-        },
-        7,
-    )
-    .unwrap();
+    let pool = SimPool::new(PoolConfig::of(sources.clone()), 7).unwrap();
     let (_, sim) = pgw_sim::http::serve(pool.clone(), "127.0.0.1:0".parse().unwrap())
         .await
         .unwrap();

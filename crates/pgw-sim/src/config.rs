@@ -449,6 +449,19 @@ impl SourceConfig {
         }
     }
 
+    /// A healthy source that answers at once, in constant time: first token after
+    /// 0.5 s, 200 tokens per second, errors after 0.1 s (the tests' quick source: no
+    /// breaker cooldown runs out between the calls of a test).
+    #[must_use]
+    pub fn quick(name: &str) -> Self {
+        Self {
+            ttft_s: LogNormal::constant(0.5).into(),
+            tokens_per_second: LogNormal::constant(200.0).into(),
+            error_latency_s: LogNormal::constant(0.1).into(),
+            ..Self::healthy(name)
+        }
+    }
+
     /// Puts the source in `account`.
     #[must_use]
     pub fn in_account(mut self, account: &str) -> Self {
@@ -762,6 +775,23 @@ pub const P6_SHARED_KEY: &str = "sk-sim-account-a";
 pub const P6_ASSUMED_INTER_TOKEN_WATCHDOG_S: f64 = 8.0;
 
 impl PoolConfig {
+    /// A pool of `sources` whose prompts no source rejects (`bad_prompt_rate` 0), every
+    /// other knob at its default: the deterministic pool of tests and examples.
+    ///
+    /// ```
+    /// use pgw_sim::{PoolConfig, SourceConfig};
+    /// let c = PoolConfig::of(vec![SourceConfig::healthy("a")]);
+    /// assert_eq!((c.sources.len(), c.bad_prompt_rate), (1, 0.0));
+    /// ```
+    #[must_use]
+    pub fn of(sources: Vec<SourceConfig>) -> Self {
+        Self {
+            sources,
+            bad_prompt_rate: 0.0,
+            ..Self::default()
+        }
+    }
+
     /// The P6 pool of DESIGN.md section 5: five sources, s1/s4/s5 on one account.
     ///
     /// The pool is the same for every client profile (K2). The soak calibrates only

@@ -12,21 +12,8 @@ use pgw_sim::{PoolConfig, SimPool};
 use pgw_stack::{ChatCall, Gateway, GatewayConfig, MemorySink, NoCache, SecretKey, SourceConfig};
 use tower::ServiceExt;
 
-fn serving(name: &str) -> pgw_sim::SourceConfig {
-    pgw_sim::SourceConfig {
-        ttft_s: pgw_sim::LogNormal::constant(0.5).into(),
-        tokens_per_second: pgw_sim::LogNormal::constant(200.0).into(),
-        error_latency_s: pgw_sim::LogNormal::constant(0.1).into(),
-        ..pgw_sim::SourceConfig::healthy(name)
-    }
-}
-
 fn pool(sources: Vec<pgw_sim::SourceConfig>) -> SimPool {
-    let config = PoolConfig {
-        sources,
-        bad_prompt_rate: 0.0,
-        ..PoolConfig::default()
-    };
+    let config = PoolConfig::of(sources);
     SimPool::new(config, 5).unwrap()
 }
 
@@ -57,7 +44,7 @@ fn at(temperature: f64, prompt: &str) -> ChatRequest {
 
 #[tokio::test(start_paused = true)]
 async fn only_deterministic_requests_are_cached_by_default() {
-    let pool = pool(vec![serving("a")]);
+    let pool = pool(vec![pgw_sim::SourceConfig::quick("a")]);
     let sink = MemorySink::new();
     let gw = gateway(&pool, |_| {}, &sink).await;
 
@@ -93,7 +80,7 @@ async fn only_deterministic_requests_are_cached_by_default() {
 
 #[tokio::test(start_paused = true)]
 async fn always_caches_every_request_when_configured() {
-    let pool = pool(vec![serving("a")]);
+    let pool = pool(vec![pgw_sim::SourceConfig::quick("a")]);
     let gw = gateway(
         &pool,
         |c| c.cache.when = pgw_stack::CacheWhen::Always,
@@ -107,7 +94,7 @@ async fn always_caches_every_request_when_configured() {
 
 #[tokio::test(start_paused = true)]
 async fn a_call_that_opts_out_neither_reads_nor_fills_the_cache() {
-    let pool = pool(vec![serving("a")]);
+    let pool = pool(vec![pgw_sim::SourceConfig::quick("a")]);
     let gw = gateway(&pool, |_| {}, &MemorySink::new()).await;
     let opted_out = || {
         let mut call = ChatCall::new(at(0.0, "fresh please"));
@@ -126,7 +113,10 @@ async fn a_call_that_opts_out_neither_reads_nor_fills_the_cache() {
 
 #[tokio::test(start_paused = true)]
 async fn identical_concurrent_misses_make_one_upstream_call() {
-    let pool = pool(vec![serving("a"), serving("b")]);
+    let pool = pool(vec![
+        pgw_sim::SourceConfig::quick("a"),
+        pgw_sim::SourceConfig::quick("b"),
+    ]);
     let gw = gateway(&pool, |_| {}, &MemorySink::new()).await;
     let calls: Vec<_> = (0..8)
         .map(|_| {
@@ -151,7 +141,7 @@ async fn identical_concurrent_misses_make_one_upstream_call() {
 
 #[tokio::test(start_paused = true)]
 async fn a_plain_answer_replays_as_a_proper_stream() {
-    let pool = pool(vec![serving("a")]);
+    let pool = pool(vec![pgw_sim::SourceConfig::quick("a")]);
     let gw = gateway(&pool, |_| {}, &MemorySink::new()).await;
     let plain = gw.chat(at(0.0, "stream me later")).await.unwrap();
     let mut stream = gw.chat_stream(at(0.0, "stream me later")).await.unwrap();
@@ -179,9 +169,9 @@ async fn a_plain_answer_replays_as_a_proper_stream() {
 async fn a_fallback_groups_answer_is_kept_only_briefly() {
     let down = pgw_sim::SourceConfig {
         server_error_rate: 1.0.into(),
-        ..serving("primary")
+        ..pgw_sim::SourceConfig::quick("primary")
     };
-    let pool = pool(vec![down, serving("backup")]);
+    let pool = pool(vec![down, pgw_sim::SourceConfig::quick("backup")]);
     let gw = gateway(
         &pool,
         |c| {
@@ -215,5 +205,5 @@ async fn a_fallback_groups_answer_is_kept_only_briefly() {
 }
 
 fn pool_of_one() -> SimPool {
-    pool(vec![serving("a")])
+    pool(vec![pgw_sim::SourceConfig::quick("a")])
 }

@@ -25,15 +25,7 @@ async fn one_black_hole(cfg: impl FnOnce(&mut GatewayConfig)) -> (SimPool, pgw_s
         black_hole_rate: 1.0.into(),
         ..pgw_sim::SourceConfig::healthy("hole")
     };
-    let pool = SimPool::new(
-        PoolConfig {
-            sources: vec![hole],
-            bad_prompt_rate: 0.0,
-            ..PoolConfig::default()
-        },
-        3,
-    )
-    .unwrap();
+    let pool = SimPool::new(PoolConfig::of(vec![hole]), 3).unwrap();
     let mut c = GatewayConfig::default();
     let mut s = SourceConfig::new("hole", "http://sim.invalid/hole/v1", SecretKey::new("sk-x"));
     s.total_timeout_s = Some(180.0);

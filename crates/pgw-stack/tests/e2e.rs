@@ -42,11 +42,7 @@ struct Env {
 }
 
 async fn serve(sources: Vec<pgw_sim::SourceConfig>) -> (SimPool, ServerHandle) {
-    let config = PoolConfig {
-        sources,
-        bad_prompt_rate: 0.0,
-        ..PoolConfig::default()
-    };
+    let config = PoolConfig::of(sources);
     let pool = SimPool::new(config, 7).unwrap();
     let (_, server) = pgw_sim::http::serve(pool.clone(), "127.0.0.1:0".parse().unwrap())
         .await

@@ -45,15 +45,7 @@ fn redis_cli(server: &PrivateRedis, args: &[&str]) {
 #[tokio::test]
 async fn a_redis_outage_of_the_limiter_opens_no_breaker_and_feeds_no_health() {
     let server = PrivateRedis::start();
-    let pool = SimPool::new(
-        PoolConfig {
-            sources: vec![quick("a"), quick("b")],
-            bad_prompt_rate: 0.0,
-            ..PoolConfig::default()
-        },
-        7,
-    )
-    .unwrap();
+    let pool = SimPool::new(PoolConfig::of(vec![quick("a"), quick("b")]), 7).unwrap();
     let prefix = pgw_test_support::unique_prefix("limiter_outage");
     let mut cfg = GatewayConfig {
         backend: BackendKind::Redis,

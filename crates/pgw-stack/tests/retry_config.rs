@@ -16,11 +16,7 @@ fn failing_pool() -> SimPool {
         error_latency_s: pgw_sim::LogNormal::constant(0.1).into(),
         ..pgw_sim::SourceConfig::healthy("down")
     };
-    let config = PoolConfig {
-        sources: vec![broken],
-        bad_prompt_rate: 0.0,
-        ..PoolConfig::default()
-    };
+    let config = PoolConfig::of(vec![broken]);
     SimPool::new(config, 3).unwrap()
 }
 

@@ -53,15 +53,7 @@ async fn the_key_never_prints() {
         .into(),
         ..pgw_sim::SourceConfig::healthy(name)
     };
-    let pool = SimPool::new(
-        PoolConfig {
-            sources: vec![sim("good"), sim("rejects")],
-            bad_prompt_rate: 0.0,
-            ..PoolConfig::default()
-        },
-        3,
-    )
-    .unwrap();
+    let pool = SimPool::new(PoolConfig::of(vec![sim("good"), sim("rejects")]), 3).unwrap();
     let (_, server) = pgw_sim::http::serve(pool.clone(), "127.0.0.1:0".parse().unwrap())
         .await
         .unwrap();

@@ -48,11 +48,7 @@ fn stalling(name: &str) -> pgw_sim::SourceConfig {
 }
 
 fn pool(sources: Vec<pgw_sim::SourceConfig>) -> SimPool {
-    let config = PoolConfig {
-        sources,
-        bad_prompt_rate: 0.0,
-        ..PoolConfig::default()
-    };
+    let config = PoolConfig::of(sources);
     SimPool::new(config, 11).unwrap()
 }
 

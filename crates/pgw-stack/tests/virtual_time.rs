@@ -14,11 +14,7 @@ use tower::ServiceExt;
 const KEY: &str = "sk-virtual-0123456789";
 
 fn pool(sources: Vec<pgw_sim::SourceConfig>) -> SimPool {
-    let config = PoolConfig {
-        sources,
-        bad_prompt_rate: 0.0,
-        ..PoolConfig::default()
-    };
+    let config = PoolConfig::of(sources);
     SimPool::new(config, 11).unwrap()
 }
 
