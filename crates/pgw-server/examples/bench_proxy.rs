@@ -168,18 +168,24 @@ impl Client {
         })
     }
 
-    /// One call, timed to the end of its body.
-    async fn call(&mut self, body: &Bytes) -> Result<Duration, BoxError> {
+    /// The request for `body`, on a connection ready to send it: a server that closed
+    /// the idle connection (uvicorn after 5 s) is reconnected before the clock starts,
+    /// as a pooling client would.
+    async fn ready_request(&mut self, body: &Bytes) -> Result<http::Request<Full<Bytes>>, BoxError> {
         let req = http::Request::post(&self.path)
             .header("host", "bench")
             .header("content-type", "application/json")
             .header("authorization", format!("Bearer {CLIENT_KEY}"))
             .body(Full::new(body.clone()))?;
-        // A server that closed the idle connection (uvicorn after 5 s) is reconnected
-        // before the clock starts, as a pooling client would.
         if self.sender.is_closed() || self.sender.ready().await.is_err() {
             *self = Self::connect(self.addr, &self.path).await?;
         }
+        Ok(req)
+    }
+
+    /// One call, timed to the end of its body.
+    async fn call(&mut self, body: &Bytes) -> Result<Duration, BoxError> {
+        let req = self.ready_request(body).await?;
         let started = Instant::now();
         let resp = self.sender.send_request(req).await?;
         let status = resp.status();
@@ -193,14 +199,7 @@ impl Client {
 
     /// One streamed call: the arrival offset of each `data:` event, and the bytes read.
     async fn events(&mut self, body: &Bytes) -> Result<(Vec<Duration>, usize), BoxError> {
-        let req = http::Request::post(&self.path)
-            .header("host", "bench")
-            .header("content-type", "application/json")
-            .header("authorization", format!("Bearer {CLIENT_KEY}"))
-            .body(Full::new(body.clone()))?;
-        if self.sender.is_closed() || self.sender.ready().await.is_err() {
-            *self = Self::connect(self.addr, &self.path).await?;
-        }
+        let req = self.ready_request(body).await?;
         let started = Instant::now();
         let resp = self.sender.send_request(req).await?;
         if resp.status() != 200 {
