@@ -56,11 +56,11 @@ impl Follow<'_> {
 }
 
 /// A call follows an identical one in flight only when some call of the process
-/// succeeded within this: 60 s, the balancer's default `silent_after` (a source that
+/// succeeded within this: the balancer's default `silent_after`, 60 s (a source that
 /// said nothing that long is silent; a process that answered nothing that long has
 /// leaders that are likely to fail, and waiting on one would make an all-dead pool's
 /// calls take a whole attempt timeout instead of failing fast).
-pub(crate) const FOLLOW_IF_ANSWERED_WITHIN: Duration = Duration::from_secs(60);
+pub(crate) const FOLLOW_IF_ANSWERED_WITHIN: Duration = tower_health_p2c::DEFAULT_SILENT_AFTER;
 
 /// The leader of the identical calls in flight: what it stores is handed to every
 /// follower; dropped without an answer (failure, a stream cut or dropped), the
