@@ -23,7 +23,7 @@ use crate::cache::{MemoryCache, RedisCache, ResponseCache};
 use crate::cached::CacheFlow;
 use crate::config::{
     BackendKind, ConfigError, DEFAULT_CACHE_FALLBACK_TTL_S, DEFAULT_CACHE_MAX_ENTRIES, DEFAULT_CACHE_TTL_S,
-    DEFAULT_KEY_PREFIX, GatewayConfig, SourceConfig, config_error, quota, secs,
+    DEFAULT_KEY_PREFIX, GatewayConfig, SourceConfig, config_error, quota, secs, secs_or_off,
 };
 use crate::gateway::{Gateway, Group, Inner, SourceHandles, call_shape};
 use crate::route::{Plan, Pushback, QuotaHold, RouteHold, RouteHolds, RouteSpec};
@@ -144,7 +144,9 @@ impl GatewayBuilder {
             .min(ttl);
         let cache = store.map(|store| CacheFlow::new(store, cfg.cache.when, ttl, fallback_ttl));
 
-        let backends = Backends::new(redis.as_ref(), &prefix);
+        let closed_view = secs_or_off("breaker.closed_view_s", cfg.breaker.closed_view_s)?
+            .unwrap_or(tower_breaker_window::DEFAULT_CLOSED_VIEW);
+        let backends = Backends::new(redis.as_ref(), &prefix, closed_view);
         let wiring = Wiring {
             cfg: &cfg,
             prefix: &prefix,
@@ -262,7 +264,7 @@ struct Backends {
 }
 
 impl Backends {
-    fn new(redis: Option<&RedisConn>, prefix: &str) -> Self {
+    fn new(redis: Option<&RedisConn>, prefix: &str, closed_view: Duration) -> Self {
         Self {
             limiter: match redis {
                 Some(conn) => tower_ratelimit_redis::RedisBackend::new(conn.clone()).into(),
@@ -270,7 +272,9 @@ impl Backends {
             },
             breaker_memory: tower_breaker_window::MemoryBackend::new(),
             breaker_redis: redis.map(|c| {
-                tower_breaker_window::RedisBackend::new(c.clone()).with_prefix(format!("{prefix}:brk"))
+                tower_breaker_window::RedisBackend::new(c.clone())
+                    .with_prefix(format!("{prefix}:brk"))
+                    .with_closed_view(closed_view)
             }),
         }
     }

@@ -526,6 +526,11 @@ pub struct BreakerSection {
     /// probe through every few seconds to a minute; after it, one probe asks again
     /// (default: the breaker's `max_cooldown_s`, the longest it would keep a source out).
     pub quota_hold_s: Option<f64>,
+    /// Redis backend: how long a process trusts a closed breaker that admitted it,
+    /// seconds, admitting without a round trip meanwhile; another process's open
+    /// reaches it at its next recorded outcome, or when this ends (default 1,
+    /// `tower_breaker_window::DEFAULT_CLOSED_VIEW`; 0 asks Redis every time).
+    pub closed_view_s: Option<f64>,
 }
 
 /// `[aimd]`: defaults from tower-aimd (initial 8, floor 1, cut 0.5, tolerated pushback
@@ -638,6 +643,14 @@ pub(crate) fn redact_in(text: &str, url: &str) -> String {
         return text.to_owned();
     }
     text.replace(url, &pgw_core::redis_conn::redact_url(url))
+}
+
+/// Like [`secs`], for a field where 0 means off: `Some(Duration::ZERO)`.
+pub(crate) fn secs_or_off(field: &str, v: Option<f64>) -> Result<Option<Duration>, ConfigError> {
+    match v {
+        Some(0.0) => Ok(Some(Duration::ZERO)),
+        v => secs(field, v),
+    }
 }
 
 pub(crate) fn secs(field: &str, v: Option<f64>) -> Result<Option<Duration>, ConfigError> {
@@ -807,6 +820,12 @@ impl GatewayConfig {
             ("breaker.quota_hold_s", self.breaker.quota_hold_s),
         ] {
             secs(k, v)?;
+        }
+        for (k, v) in [
+            ("breaker.closed_view_s", self.breaker.closed_view_s),
+            ("balance.silent_after_s", self.balance.silent_after_s),
+        ] {
+            secs_or_off(k, v)?;
         }
         if self.cache.max_entries == Some(0) {
             return Err(config_error("cache.max_entries", "must be at least 1"));

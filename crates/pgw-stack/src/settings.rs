@@ -11,7 +11,7 @@ use tower_retry_pushback::{RetryBudgetConfig, RetryConfig, ThrottleConfig};
 
 use crate::config::{
     ConfigError, DEFAULT_COOLDOWN_S, DEFAULT_FAIL_THRESHOLD, GatewayConfig, SourceConfig, config_error,
-    quota, secs,
+    quota, secs, secs_or_off,
 };
 
 pub(crate) fn retry_config(cfg: &GatewayConfig) -> Result<RetryConfig, ConfigError> {
@@ -80,7 +80,7 @@ pub(crate) fn balance_config(cfg: &GatewayConfig) -> Result<BalanceConfig, Confi
     let c = BalanceConfig {
         policy,
         max_wait: secs("balance.max_wait_s", b.max_wait_s)?.unwrap_or(d.max_wait),
-        silent_after: match secs("balance.silent_after_s", b.silent_after_s)? {
+        silent_after: match secs_or_off("balance.silent_after_s", b.silent_after_s)? {
             Some(d) if d.is_zero() => None,
             Some(d) => Some(d),
             None => d.silent_after,

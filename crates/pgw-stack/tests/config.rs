@@ -138,3 +138,17 @@ fn a_toml_error_does_not_quote_the_line_holding_a_secret() {
     assert!(!e.to_string().contains("sk-quoted-secret"), "{e}");
     assert!(e.to_string().contains("line 4"), "{e}");
 }
+
+/// The durations where 0 means off accept 0 (and build a gateway), and refuse a
+/// negative value naming the field.
+#[tokio::test]
+async fn zero_turns_off_the_closed_view_and_slow_call_detection() {
+    let text = format!("{GOOD}[breaker]\nclosed_view_s = 0\n[balance]\nsilent_after_s = 0\n");
+    let cfg = GatewayConfig::from_toml_str(&text).expect("0 is off, not an error");
+    Gateway::builder(cfg).build().await.expect("builds with both off");
+    for field in ["breaker.closed_view_s", "balance.silent_after_s"] {
+        let (table, key) = field.split_once('.').unwrap();
+        let e = err_of(&format!("{GOOD}[{table}]\n{key} = -1\n"));
+        assert_eq!(e.field(), field, "{e}");
+    }
+}

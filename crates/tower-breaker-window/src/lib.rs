@@ -65,7 +65,7 @@ mod state;
 
 pub use backend::memory::{MemoryBackend, MemoryGate};
 #[cfg(feature = "redis")]
-pub use backend::redis::{RedisBackend, RedisGate};
+pub use backend::redis::{DEFAULT_CLOSED_VIEW, RedisBackend, RedisGate};
 pub use backend::{Admission, Backend, Gate};
 pub use config::{
     BreakerConfig, BreakerConfigBuilder, DEFAULT_FAIL_RATE, DEFAULT_MAX_COOLDOWN_FLOOR, DEFAULT_MIN_CALLS,

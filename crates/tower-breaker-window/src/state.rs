@@ -103,7 +103,7 @@ impl Ticket {
 /// What a record did; returned by both backends for tests and logs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Effect {
-    /// Stale epoch, ended lease, or an ignored outcome: nothing changed.
+    /// An ended lease, or an ignored outcome: nothing changed.
     Nothing = 0,
     /// Counters changed, the state did not.
     Counted = 1,
@@ -111,6 +111,9 @@ pub(crate) enum Effect {
     Opened = 2,
     /// A probe succeeded: the breaker closed.
     Closed = 3,
+    /// The ticket's epoch is over (the breaker opened or closed since its admission):
+    /// nothing changed.
+    Stale = 4,
 }
 
 impl Effect {
@@ -120,6 +123,7 @@ impl Effect {
             1 => Self::Counted,
             2 => Self::Opened,
             3 => Self::Closed,
+            4 => Self::Stale,
             _ => Self::Nothing,
         }
     }
@@ -169,7 +173,7 @@ impl GateState {
     /// Records the verdict of a call admitted with `ticket` (B2..B9).
     pub(crate) fn record(&mut self, ticket: Ticket, verdict: BreakerVerdict, now: Ms, p: &Params) -> Effect {
         if ticket.epoch != self.epoch {
-            return Effect::Nothing;
+            return Effect::Stale;
         }
         if ticket.is_probe() {
             if !self.open || ticket.probe != self.probe_id || self.probe_until == 0 {
@@ -451,7 +455,7 @@ mod tests {
                             prop_assert_eq!(g.open, effect == Effect::Opened);
                             prop_assert!(effect == Effect::Closed || g.open_until > now || p.open_for(g.streak) == 0);
                         }
-                        Effect::Nothing | Effect::Counted => {
+                        Effect::Nothing | Effect::Counted | Effect::Stale => {
                             prop_assert_eq!(g.epoch, before.epoch);
                             prop_assert_eq!(g.open, was_open);
                         }

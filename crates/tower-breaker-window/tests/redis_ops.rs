@@ -41,13 +41,17 @@ fn commandstats(info: &str) -> Vec<(String, u64)> {
         .collect()
 }
 
-/// Exactly one round trip (one EVALSHA) per admission and per record, on every path:
-/// closed, open (refused), half-open probe, probe verdict.
+/// At most one round trip (one EVALSHA) per admission, exactly one per record, on every
+/// path: closed (none within the closed view), open (refused: one, then none until
+/// `open_until`), half-open probe, probe verdict.
 #[tokio::test]
 async fn one_round_trip_per_admission_and_per_record() {
     let server = PrivateRedis::start();
     let target = RedisTarget::Standalone(server.url());
-    let backend = RedisBackend::new(RedisConn::connect(&target).await.unwrap()).with_prefix("rt");
+    // A closed view longer than the test: its closed admissions are answered here.
+    let backend = RedisBackend::new(RedisConn::connect(&target).await.unwrap())
+        .with_prefix("rt")
+        .with_closed_view(Duration::from_secs(3600));
     let gate = backend.gate(&"s".into(), &config(3));
     // Load the scripts (the first EVALSHA of each falls back to loading it).
     call(&gate, S).await;
@@ -61,10 +65,11 @@ async fn one_round_trip_per_admission_and_per_record() {
         .unwrap();
 
     let (mut admissions, mut records) = (0u64, 0u64);
+    // Closed: admitted by the view the first call left, no round trip; the third
+    // failure in a row opens the breaker, and this process forgets its view.
     for outcome in [S, S, F, S, F, F, F] {
         let t = admit(&gate).await;
         gate.record(t, outcome.breaker_verdict()).await;
-        admissions += 1;
         records += 1;
     }
     // Open: the first refusal is one round trip and tells until when; the next four
@@ -104,6 +109,48 @@ async fn one_round_trip_per_admission_and_per_record() {
     );
     assert_eq!(evalsha, admissions + records, "{info}");
     assert!(others.is_empty(), "unexpected commands: {others:?}");
+}
+
+/// The closed view: another process's open reaches this one at the first outcome it
+/// records after it (its ticket's epoch is over), not only when the view ends.
+async fn another_process_open_is_learnt_from_the_next_record(env: RedisEnv) {
+    let other = env.other_process().await;
+    let config = cfg(&env, 3).build().unwrap();
+    // A view longer than the test, so only the record can end it.
+    let a = env
+        .backend
+        .clone()
+        .with_closed_view(Duration::from_secs(3600))
+        .gate(&"s".into(), &config);
+    let b = other.gate(&"s".into(), &config);
+    let first = admit(&a).await;
+    assert!(!first.is_probe());
+    // The other process finds the source dead: open at once.
+    let t = admit(&b).await;
+    b.record(t, BreakerVerdict::ForceOpen).await;
+    assert_eq!(view(&b).await.state, BreakerState::Open);
+    // This process still trusts its closed view (the price of no round trip)...
+    let stale = admit(&a).await;
+    assert_eq!(stale, first, "admitted by the view, under the old epoch");
+    // ...until its next outcome lands against the old epoch: counted nowhere, and
+    // the next admission asks and is refused.
+    let before = still(&a).await;
+    a.record(stale, BreakerVerdict::Success).await;
+    assert_eq!(still(&a).await, before, "a stale outcome counts nowhere");
+    match a.admit().await.unwrap() {
+        Admission::Refused { retry_after } => assert!(retry_after > Duration::ZERO),
+        admitted @ Admission::Admitted(_) => panic!("still trusted the closed view: {admitted:?}"),
+    }
+}
+
+#[tokio::test]
+async fn standalone_another_process_open_is_learnt_from_the_next_record() {
+    another_process_open_is_learnt_from_the_next_record(RedisEnv::standalone("stale").await).await;
+}
+
+#[tokio::test]
+async fn cluster_another_process_open_is_learnt_from_the_next_record() {
+    another_process_open_is_learnt_from_the_next_record(RedisEnv::cluster("stale").await).await;
 }
 
 /// Two processes (two connections) racing in half-open: exactly one probe.
@@ -153,9 +200,12 @@ async fn outage_fails_closed_then_recovers() {
     let target = RedisTarget::Standalone(server.url());
     let timeout = Duration::from_millis(300);
     let conn = RedisConn::connect_with(&target, timeout, timeout).await.unwrap();
+    // Every admission asks Redis: with a closed view, the admissions within it after
+    // the last answer would still be admitted (see `DEFAULT_CLOSED_VIEW`).
     let backend = RedisBackend::new(conn)
         .with_prefix("outage")
-        .with_timeout(timeout);
+        .with_timeout(timeout)
+        .with_closed_view(Duration::ZERO);
     let layer = BreakerLayer::new(&backend, "s", &config(3));
     let gate = layer.gate().clone();
     let handle = layer.handle();

@@ -667,3 +667,81 @@ async fn a_refused_request_quota_is_not_asked_again_before_its_retry_after() {
         .expect("the refund freed the place and forgot the refusal");
     p.finish(None).await.unwrap();
 }
+
+/// Concurrency, token and hold refusals are remembered too, each only while nothing
+/// this process can see frees them:
+/// - a full account (concurrency 1, shared by two sources' limiters) refuses the
+///   sibling once over the wire, then here, until a lease of that account is given
+///   back by either limiter: then the next admission asks and is admitted;
+/// - a token refusal holds for requests at least as large; a smaller one asks;
+/// - a hold one limiter was refused by refuses its sibling without a round trip.
+#[tokio::test]
+async fn concurrency_token_and_hold_refusals_are_remembered_until_something_frees_them() {
+    let server = PrivateRedis::start();
+    let conn = RedisConn::connect(&RedisTarget::Standalone(server.url()))
+        .await
+        .unwrap();
+    let backend = RedisBackend::new(conn.clone());
+    // A long slot hint: only a release can end the concurrency memory here.
+    let limiter = |source: &str, account: Quota| {
+        RateLimiter::new(
+            RateLimitConfig::new(source, Quota::unlimited().tokens(100))
+                .account("acct", account)
+                .window(Duration::from_secs(60))
+                .slot_retry_after(Duration::from_secs(30)),
+            backend.clone(),
+        )
+        .unwrap()
+    };
+    let (a, b) = (
+        limiter("s1", Quota::unlimited().concurrency(1)),
+        limiter("s2", Quota::unlimited().concurrency(1)),
+    );
+    let held = a.acquire(1).await.unwrap();
+    let (before, _) = commands(&conn).await;
+    for _ in 0..5 {
+        let e = b.acquire(1).await.unwrap_err();
+        assert!(
+            matches!(pgw_core::NotAdmitted::of(&*e), Some(pgw_core::NotAdmitted::QuotaExceeded(_))),
+            "{e}"
+        );
+    }
+    let (after, _) = commands(&conn).await;
+    assert_eq!(after - before, 1, "one round trip learned the full account");
+    // The sibling's lease ends: the account's slot is free, and b asks again.
+    held.finish(None).await.unwrap();
+    let (before, _) = commands(&conn).await;
+    let p = b.acquire(1).await.expect("the released slot is seen at once");
+    let (after, _) = commands(&conn).await;
+    assert_eq!(after - before, 1, "asked Redis again after the release");
+    p.finish(None).await.unwrap();
+
+    // Tokens: s1 has 100 a window, 1 spent above; 100 cannot fit, 99 may.
+    let (before, _) = commands(&conn).await;
+    for _ in 0..3 {
+        assert!(a.acquire(100).await.is_err(), "over the token quota");
+    }
+    let (after, _) = commands(&conn).await;
+    assert_eq!(after - before, 1, "one round trip learned the token refusal");
+    let p = a.acquire(99).await.expect("a smaller request asks, and fits");
+    let (again, _) = commands(&conn).await;
+    assert_eq!(again - after, 1, "the smaller request asked Redis");
+    p.finish(None).await.unwrap();
+
+    // A hold placed by another process on the account: a learns it over the wire,
+    // then b (the same account) refuses without a round trip.
+    let other = RateLimiter::new(
+        RateLimitConfig::new("s3", Quota::unlimited().requests(1000))
+            .account("acct", Quota::unlimited().concurrency(1)),
+        RedisBackend::new(RedisConn::connect(&RedisTarget::Standalone(server.url())).await.unwrap()),
+    )
+    .unwrap();
+    other.hold(HoldScope::Account, Duration::from_secs(600)).await.unwrap();
+    let (before, _) = commands(&conn).await;
+    let e = a.acquire(1).await.unwrap_err();
+    assert!(e.to_string().contains("hold"), "{e}");
+    let e = b.acquire(1).await.unwrap_err();
+    assert!(e.to_string().contains("hold"), "{e}");
+    let (after, _) = commands(&conn).await;
+    assert_eq!(after - before, 1, "the sibling knew the hold");
+}

@@ -262,7 +262,7 @@ pub struct RedisWorker {
 /// The gateway configuration of a real-time worker: [`gateway_config`]'s sources,
 /// keys, accounts and quotas over HTTP on loopback, the Redis backend, and every
 /// duration (the scenario's timeouts, and the pgw defaults that are durations: rate
-/// window, breaker cooldowns and windows, backoffs, stall window, balancer wait, cache
+/// window, breaker cooldowns, windows and closed view, backoffs, stall window, balancer wait, cache
 /// TTL) times the time scale. The lease TTL stays unscaled: it is a safety net for a
 /// crashed process, not a scenario duration.
 #[must_use]
@@ -286,6 +286,7 @@ pub fn redis_gateway_config(sc: &Scenario, w: &RedisWorker) -> GatewayConfig {
     cfg.breaker.window_s = Some(60.0 * s);
     cfg.breaker.max_cooldown_s = Some(300.0 * s);
     cfg.breaker.probe_ttl_s = Some(60.0 * s);
+    cfg.breaker.closed_view_s = Some(pgw_stack::breaker::DEFAULT_CLOSED_VIEW.as_secs_f64() * s);
     cfg.retry.base_backoff_s = Some(0.5 * s);
     cfg.retry.max_backoff_s = Some(20.0 * s);
     cfg.retry.stall_window_s = Some(120.0 * s);

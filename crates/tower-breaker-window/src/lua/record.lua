@@ -3,7 +3,7 @@
 -- ARGV: epoch, probe, verdict ('s' success | 'f' failure | 'o' force open | 'i' ignore),
 --       threshold, min_calls, fail_rate, half_window_ms, cooldown_ms, max_cooldown_ms,
 --       key_ttl_ms.
--- Returns 0 nothing changed, 1 counted, 2 opened, 3 closed.
+-- Returns 0 nothing changed, 1 counted, 2 opened, 3 closed, 4 stale epoch (nothing changed).
 local key = KEYS[1]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -15,7 +15,7 @@ local ticket_epoch = tonumber(ARGV[1])
 local ticket_probe = tonumber(ARGV[2])
 local verdict = ARGV[3]
 if ticket_epoch ~= epoch then
-  return 0
+  return 4
 end
 local threshold = tonumber(ARGV[4])
 local min_calls = tonumber(ARGV[5])

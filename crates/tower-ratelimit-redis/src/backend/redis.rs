@@ -105,6 +105,10 @@ struct HoldBook {
     /// Server ms minus local ms (since `base`), from the last answer that showed it.
     offset_ms: AtomicI64,
     ends: Mutex<HashMap<String, Arc<AtomicI64>>>,
+    /// Per scope (its leases' key): how many of its concurrency leases this process
+    /// gave back, counted when a settle is sent and when it lands. A concurrency
+    /// refusal is remembered only while the count stays what it was.
+    releases: Mutex<HashMap<String, Arc<AtomicU64>>>,
 }
 
 impl HoldBook {
@@ -122,6 +126,17 @@ impl HoldBook {
     fn end_of(&self, key: &str) -> Arc<AtomicI64> {
         let mut ends = self.ends.lock().unwrap_or_else(PoisonError::into_inner);
         ends.entry(key.to_owned()).or_default().clone()
+    }
+
+    fn releases_of(&self, key: &str) -> Arc<AtomicU64> {
+        let mut releases = self.releases.lock().unwrap_or_else(PoisonError::into_inner);
+        releases.entry(key.to_owned()).or_default().clone()
+    }
+
+    /// The server's clock now, as this process estimates it (late, never early).
+    fn server_ms(&self, at: Instant) -> i64 {
+        self.local_ms(at)
+            .saturating_add(self.offset_ms.load(Ordering::Relaxed))
     }
 }
 
@@ -141,6 +156,7 @@ impl RedisBackend {
                 base: Instant::now(),
                 offset_ms: AtomicI64::new(0),
                 ends: Mutex::new(HashMap::new()),
+                releases: Mutex::new(HashMap::new()),
             }),
         }
     }
@@ -195,6 +211,7 @@ impl RedisBackend {
         }
         let unlimited = scopes.iter().all(|s| s.quota == crate::Quota::unlimited());
         let ends: Vec<_> = keys.iter().map(|k| self.book.end_of(&k[2])).collect();
+        let released: Vec<_> = keys.iter().map(|k| self.book.releases_of(&k[1])).collect();
         RedisGate {
             conn: self.conn.clone(),
             book: self.book.clone(),
@@ -207,6 +224,7 @@ impl RedisBackend {
             }),
             inner: Arc::new(GateKeys {
                 ends,
+                released,
                 admit_keys: keys.iter().flat_map(|k| k.iter().cloned()).collect(),
                 settle_keys: keys.iter().flat_map(|k| [k[0].clone(), k[1].clone()]).collect(),
                 lease_keys: keys
@@ -231,9 +249,7 @@ impl RedisBackend {
                 limits,
                 timeout: config.response_timeout,
                 has_account,
-                refused_until_ms: AtomicI64::new(NEVER),
-                refused_dim: AtomicI64::new(0),
-                refused_scope: AtomicI64::new(0),
+                refused: Mutex::new(None),
                 refunds: AtomicU64::new(0),
             }),
         }
@@ -257,6 +273,8 @@ struct HoldCache {
 struct GateKeys {
     /// Per scope, account first: the shared end of its hold (server ms).
     ends: Vec<Arc<AtomicI64>>,
+    /// Per scope: the shared count of its leases this process gave back.
+    released: Vec<Arc<AtomicU64>>,
     admit_keys: Vec<String>,
     settle_keys: Vec<String>,
     lease_keys: Vec<String>,
@@ -273,28 +291,57 @@ struct GateKeys {
     limits: Vec<i64>,
     timeout: Duration,
     has_account: bool,
-    /// This process's memory of the last refusal: until when (local ms since the
-    /// book's base) the scopes are known to refuse, which dimension (as the script
-    /// numbers them) and which scope. Asked again only after that, not by every
-    /// waiting call's round (see [`remembered_for`]).
-    refused_until_ms: AtomicI64,
-    refused_dim: AtomicI64,
-    refused_scope: AtomicI64,
+    /// This process's memory of the last refusal: asked again only after it, not by
+    /// every waiting call's round (see [`Refusal`]).
+    refused: Mutex<Option<Refusal>>,
     /// Refunds this process sent: a refusal answered across one is not remembered (it
     /// may have been judged before the refund landed).
     refunds: AtomicU64,
 }
 
-/// How long a refusal is remembered, from the script's `dim` and `wait` (ms): a
-/// request count (`rpm`) or a hold frees nothing before `wait` (the oldest sub-window
-/// leaves, or the hold ends; other processes only add to either) and every admission
-/// asks for one request, so the whole wait. A token refusal depends on the amount (a
-/// smaller request may fit) and a concurrency slot frees on any release: not at all.
-/// A refund from this process forgets it at once.
-const fn remembered_for(dim: i64, wait: i64) -> i64 {
-    match dim {
-        1 | 4 => wait,
-        _ => 0,
+/// A refusal this process remembers, and answers again without a round trip while it
+/// [`holds`](Refusal::holds).
+///
+/// Nothing this process cannot see frees it before `until_ms` (other processes only
+/// add to what refused):
+/// - a request count (`rpm`, dimension 1) frees when the oldest sub-window leaves,
+///   and every admission asks for one request: the whole wait;
+/// - tokens (`tpm`, 2): the same, for an admission asking at least as many tokens (a
+///   smaller one may fit);
+/// - a concurrency slot (3) frees when a lease ends: until the earliest lease's expiry
+///   or the slot hint, while this process gives back no lease of that scope (another
+///   process's release is seen when the memory ends: at most the slot hint late);
+/// - holds (4) are kept in the book instead, where every limiter of the backend sees
+///   them ([`GateKeys::ends`]).
+///
+/// A refund from this process forgets it at once, and a refusal answered across one
+/// is not kept.
+#[derive(Clone, Copy, Debug)]
+struct Refusal {
+    /// Until when (local ms since the book's base), counted from when it was asked.
+    until_ms: i64,
+    /// The dimension, as the script numbers it.
+    dim: i64,
+    /// The scope's index.
+    scope: usize,
+    /// `tpm`: the tokens asked.
+    tokens: u64,
+    /// Concurrency: the scope's count of releases when it was asked.
+    released: u64,
+}
+
+impl Refusal {
+    fn holds(&self, k: &GateKeys, at_ms: i64, tokens: u64) -> bool {
+        at_ms < self.until_ms
+            && match self.dim {
+                1 => true,
+                2 => tokens >= self.tokens,
+                3 => k
+                    .released
+                    .get(self.scope)
+                    .is_some_and(|r| r.load(Ordering::Acquire) == self.released),
+                _ => false,
+            }
     }
 }
 
@@ -342,9 +389,7 @@ impl RedisGate {
     /// The verdict on the cached holds at local instant `at` (a limiter with nothing
     /// else to enforce): the longest hold wins, account first on ties, as in the script.
     fn judge_cached(book: &HoldBook, k: &GateKeys, at: Instant) -> Verdict {
-        let now = book
-            .local_ms(at)
-            .saturating_add(book.offset_ms.load(Ordering::Relaxed));
+        let now = book.server_ms(at);
         let mut worst: Option<(usize, i64)> = None;
         for (i, end) in k.ends.iter().enumerate() {
             let wait = end.load(Ordering::Relaxed).saturating_sub(now);
@@ -438,22 +483,26 @@ impl Gate for RedisGate {
             return self.admit_cached(cache);
         }
         let k = &*self.inner;
-        let sent = self.book.local_ms(Instant::now());
+        let now = Instant::now();
+        let sent = self.book.local_ms(now);
         let refunds = k.refunds.load(Ordering::Acquire);
-        let until = k.refused_until_ms.load(Ordering::Acquire);
-        if sent < until {
+        // A hold any limiter of this backend learnt (placed, or refused by): it ends
+        // when it ends, so no round trip asks before.
+        let held = Self::judge_cached(&self.book, k, now);
+        if let Verdict::Refused(_) = held {
+            return BackendFuture::ready(Ok(held));
+        }
+        let known = *k.refused.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(r) = known.filter(|r| r.holds(k, sent, tokens)) {
             // Refused a moment ago and nothing can have freed since: no round trip.
-            let (dim, scope) = (
-                k.refused_dim.load(Ordering::Relaxed),
-                k.refused_scope.load(Ordering::Relaxed),
-            );
-            let label = usize::try_from(scope).ok().and_then(|i| k.labels.get(i));
-            if let (Some(dim), Some(label)) = (dim_name(dim), label) {
+            let label = k.labels.get(r.scope);
+            if let (Some(dim), Some(label)) = (dim_name(r.dim), label) {
                 return BackendFuture::ready(Ok(Verdict::Refused(Box::new(
-                    QuotaExceeded::new(dim, millis(until - sent)).with_scope(&**label),
+                    QuotaExceeded::new(dim, millis(r.until_ms - sent)).with_scope(&**label),
                 ))));
             }
         }
+        let released: Vec<u64> = k.released.iter().map(|r| r.load(Ordering::Acquire)).collect();
         let mut inv = ADMIT.prepare_invoke();
         for key in &k.admit_keys {
             inv.key(key);
@@ -471,6 +520,7 @@ impl Gate for RedisGate {
         }
         let mut conn = self.conn.clone();
         let inner = self.inner.clone();
+        let book = self.book.clone();
         BackendFuture::Pending(Box::pin(async move {
             let reply: Vec<i64> = run("admit", inner.timeout, inv.invoke_async(&mut conn)).await?;
             match reply.as_slice() {
@@ -478,24 +528,31 @@ impl Gate for RedisGate {
                     at: nanos(millis(*now)),
                     window: u64::try_from(*win).unwrap_or(0),
                 }),
-                [0, _, scope, dim_no, wait] => {
+                [0, server_now, scope, dim_no, wait] => {
                     let dim = dim_name(*dim_no).ok_or_else(|| garbage("admit", &reply))?;
-                    let label = usize::try_from(*scope)
+                    let i = usize::try_from(*scope)
                         .ok()
-                        .and_then(|i| inner.labels.get(i))
+                        .filter(|i| *i < inner.labels.len())
                         .ok_or_else(|| garbage("admit", &reply))?;
-                    let memory = remembered_for(*dim_no, *wait);
-                    if memory > 0 && inner.refunds.load(Ordering::Acquire) == refunds {
-                        // Counted from when the question was sent: never past the
-                        // server's answer.
-                        inner.refused_dim.store(*dim_no, Ordering::Relaxed);
-                        inner.refused_scope.store(*scope, Ordering::Relaxed);
-                        inner
-                            .refused_until_ms
-                            .store(sent.saturating_add(memory), Ordering::Release);
-                        if inner.refunds.load(Ordering::Acquire) != refunds {
-                            // A refund went out meanwhile: forget it again.
-                            inner.refused_until_ms.store(NEVER, Ordering::Release);
+                    let label = &inner.labels[i];
+                    if *dim_no == 4 {
+                        // A hold: every limiter of the backend honours it from now on.
+                        book.saw_server(*server_now, Instant::now());
+                        inner.ends[i].fetch_max(server_now.saturating_add(*wait), Ordering::Relaxed);
+                    } else if *wait > 0 && inner.refunds.load(Ordering::Acquire) == refunds {
+                        let mut known = inner.refused.lock().unwrap_or_else(PoisonError::into_inner);
+                        // Checked again under the lock a refund takes: a refund sent
+                        // meanwhile may have freed what refused.
+                        if inner.refunds.load(Ordering::Acquire) == refunds {
+                            // Counted from when the question was sent: never past
+                            // the server's answer.
+                            *known = Some(Refusal {
+                                until_ms: sent.saturating_add(*wait),
+                                dim: *dim_no,
+                                scope: i,
+                                tokens,
+                                released: released.get(i).copied().unwrap_or(0),
+                            });
                         }
                     }
                     Ok(Verdict::Refused(Box::new(
@@ -512,8 +569,18 @@ impl Gate for RedisGate {
         if s.requests < 0 || s.tokens < 0 {
             // Something given back: a remembered refusal may no longer hold, nor one
             // answered before this settle lands.
+            let mut known = k.refused.lock().unwrap_or_else(PoisonError::into_inner);
             k.refunds.fetch_add(1, Ordering::AcqRel);
-            k.refused_until_ms.store(NEVER, Ordering::Release);
+            *known = None;
+        }
+        // A lease given back frees a slot of each scope it holds: counted now and when
+        // the settle lands, so a concurrency refusal answered before it lands is not
+        // kept past it.
+        let released = s.lease.is_some().then(|| k.released.clone());
+        if let Some(r) = &released {
+            for c in r {
+                c.fetch_add(1, Ordering::AcqRel);
+            }
         }
         let mut inv = SETTLE.prepare_invoke();
         for key in &k.settle_keys {
@@ -533,6 +600,9 @@ impl Gate for RedisGate {
         let timeout = k.timeout;
         BackendFuture::Pending(Box::pin(async move {
             let _: i64 = run("settle", timeout, inv.invoke_async(&mut conn)).await?;
+            for c in released.iter().flatten() {
+                c.fetch_add(1, Ordering::AcqRel);
+            }
             Ok(())
         }))
     }
