@@ -1,6 +1,6 @@
 //! [`SourceLayer`]: one route's gates as one `Layer`, asked in DESIGN.md's order:
-//! AIMD (local, cheapest) -> breaker -> the route's holds -> the source's rate limit,
-//! over the attempt service.
+//! AIMD (local, cheapest) -> what the limiters already know (no round trip) ->
+//! breaker -> the route's holds -> the source's rate limit, over the attempt service.
 
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -92,20 +92,28 @@ where
     fn layer(&self, attempt: S) -> SourceService {
         let inner = self.limit.layer(attempt);
         let aimd = self.aimd.clone();
+        // The limiters below the breaker, asked for what they already know first.
+        let known: Arc<[RateLimiter]> = self
+            .hold
+            .iter()
+            .map(|h| h.limiter().clone())
+            .chain([self.limit.limiter().clone()])
+            .collect();
         match (&self.breaker, &self.hold) {
-            (SourceBreaker::Memory(b), None) => lazy(aimd, b.clone(), inner),
-            (SourceBreaker::Redis(b), None) => lazy(aimd, b.clone(), inner),
-            (SourceBreaker::Memory(b), Some(h)) => lazy(aimd, b.clone(), h.layer(inner)),
-            (SourceBreaker::Redis(b), Some(h)) => lazy(aimd, b.clone(), h.layer(inner)),
+            (SourceBreaker::Memory(b), None) => lazy(aimd, known, b.clone(), inner),
+            (SourceBreaker::Redis(b), None) => lazy(aimd, known, b.clone(), inner),
+            (SourceBreaker::Memory(b), Some(h)) => lazy(aimd, known, b.clone(), h.layer(inner)),
+            (SourceBreaker::Redis(b), Some(h)) => lazy(aimd, known, b.clone(), h.layer(inner)),
         }
     }
 }
 
 /// The gated stack of one source over `R`.
-type Gated<R, G> = Aimd<Breaker<R, G, AnswerClassifier>, AnswerClassifier>;
+type Gated<R, G> = Aimd<Known<Breaker<R, G, AnswerClassifier>>, AnswerClassifier>;
 
 fn lazy<G, R>(
     aimd: AimdLayer<AnswerClassifier>,
+    known: Arc<[RateLimiter]>,
     breaker: BreakerLayer<G, AnswerClassifier>,
     inner: R,
 ) -> SourceService
@@ -115,13 +123,51 @@ where
     Gated<R, G>: Service<ChatCall, Response = ChatAnswer, Error = BoxError> + Send + 'static,
     <Gated<R, G> as Service<ChatCall>>::Future: Send + 'static,
 {
-    let proto = Arc::new(SourceProto { aimd, breaker, inner });
+    let proto = Arc::new(SourceProto {
+        aimd,
+        known,
+        breaker,
+        inner,
+    });
     BoxCloneSyncService::new(LazySource::new(proto))
+}
+
+/// Between AIMD and the breaker: a call the limiters below would refuse from what
+/// they already know (a hold, a remembered refusal: [`RateLimiter::known_refusal`])
+/// is refused here, before the breaker's admission (a Redis round trip on the Redis
+/// backend). Cheapest gate first (DESIGN.md section 3): a waiting call's rounds ask
+/// no breaker for a source whose quota is known to be full. On the memory backend the
+/// limiters know nothing this way and it passes through.
+#[derive(Clone)]
+struct Known<S> {
+    limiters: Arc<[RateLimiter]>,
+    inner: S,
+}
+
+impl<S> Service<ChatCall> for Known<S>
+where
+    S: Service<ChatCall, Error = BoxError>,
+{
+    type Response = S::Response;
+    type Error = BoxError;
+    type Future = S::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        if let Some(refused) = self.limiters.iter().find_map(RateLimiter::known_refusal) {
+            return Poll::Ready(Err(refused));
+        }
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: ChatCall) -> Self::Future {
+        self.inner.call(req)
+    }
 }
 
 /// What a source's service is built from: the layers and the inner service, all `Sync`.
 struct SourceProto<G: Gate, R> {
     aimd: AimdLayer<AnswerClassifier>,
+    known: Arc<[RateLimiter]>,
     breaker: BreakerLayer<G, AnswerClassifier>,
     inner: R,
 }
@@ -159,9 +205,12 @@ impl<G: Gate, R> Clone for LazySource<G, R> {
 impl<G: Gate, R: Clone> LazySource<G, R> {
     fn built(&mut self) -> &mut Gated<R, G> {
         let p = &self.proto;
-        self.svc
-            .get_mut()
-            .get_or_insert_with(|| p.aimd.layer(p.breaker.layer(p.inner.clone())))
+        self.svc.get_mut().get_or_insert_with(|| {
+            p.aimd.layer(Known {
+                limiters: Arc::clone(&p.known),
+                inner: p.breaker.layer(p.inner.clone()),
+            })
+        })
     }
 }
 

@@ -17,10 +17,13 @@ use crate::{AimdConfig, AimdHandle, ConfigError, Mode};
 /// An adaptive concurrency limit in front of one source (DESIGN.md A1-A4).
 ///
 /// In [`Mode::Wait`] a slot is taken in `poll_ready` and spent in `call`, like tower's
-/// `ConcurrencyLimit`. In [`Mode::Shed`] the service is always ready (as ready as the
-/// inner one) and a call over the limit answers [`Paced`]. In [`Mode::Wait`], a `call`
-/// made without a successful `poll_ready` tries to take a slot and answers [`Paced`]
-/// when none is free (it never panics).
+/// `ConcurrencyLimit`. In [`Mode::Shed`] the service is always ready and a call over
+/// the limit answers [`Paced`]: `poll_ready` takes a slot when one is free and only
+/// then asks the inner service (the gates below, a breaker's admission round trip
+/// among them, are not asked for a call this gate refuses); with none free it is
+/// ready at once and the `call` answers [`Paced`]. A `call` made without a successful
+/// `poll_ready` tries to take a slot and answers [`Paced`] when none is free (it
+/// never panics).
 pub struct Aimd<S, C = OkIsSuccess> {
     inner: S,
     limiter: Arc<Limiter>,
@@ -28,6 +31,9 @@ pub struct Aimd<S, C = OkIsSuccess> {
     classifier: C,
     permit: Option<Permit>,
     notified: Option<Pin<Box<OwnedNotified>>>,
+    /// Mode::Shed: `poll_ready` found no slot; the next `call` answers `Paced`
+    /// without calling the inner service (which was not polled ready).
+    shed: bool,
 }
 
 impl<S> Aimd<S> {
@@ -51,6 +57,7 @@ impl<S, C> Aimd<S, C> {
             classifier,
             permit: None,
             notified: None,
+            shed: false,
         }
     }
 
@@ -142,13 +149,33 @@ where
     type Future = ResponseFuture<S::Future, C>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        if self.mode == Mode::Wait && self.permit.is_none() {
-            ready!(self.poll_slot(cx));
+        if self.permit.is_none() {
+            match self.mode {
+                Mode::Wait => ready!(self.poll_slot(cx)),
+                Mode::Shed if self.shed => return Poll::Ready(Ok(())),
+                Mode::Shed if self.limiter.acquire_or_mark() => {
+                    self.permit = Some(Permit::new(Arc::clone(&self.limiter)));
+                }
+                Mode::Shed => {
+                    // Over the limit: the call answers `Paced`, and nothing below is
+                    // asked (the cheapest gate first).
+                    self.shed = true;
+                    return Poll::Ready(Ok(()));
+                }
+            }
         }
-        self.inner.poll_ready(cx).map_err(Into::into)
+        let ready = self.inner.poll_ready(cx).map_err(Into::into);
+        if matches!(ready, Poll::Ready(Err(_))) {
+            // Not admitted below: the slot goes back at once.
+            self.permit = None;
+        }
+        ready
     }
 
     fn call(&mut self, req: Req) -> Self::Future {
+        if std::mem::take(&mut self.shed) {
+            return ResponseFuture::paced(self.paced());
+        }
         let permit = match self.permit.take() {
             Some(p) => p,
             None if self.limiter.acquire_or_mark() => Permit::new(Arc::clone(&self.limiter)),

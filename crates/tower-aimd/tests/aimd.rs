@@ -340,3 +340,63 @@ async fn one_release_wakes_one_waiter_first_come_first_served() {
     assert_request_eq!(handle, "first").send_response("ok");
     assert_eq!(running.await.unwrap(), "ok");
 }
+
+/// A service whose `poll_ready` is counted, and refused while `refuse` is set (a gate
+/// below AIMD: a breaker's admission).
+#[derive(Clone)]
+struct CountedReady {
+    polled: Arc<AtomicUsize>,
+    refuse: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Service<&'static str> for CountedReady {
+    type Response = &'static str;
+    type Error = BoxError;
+    type Future = std::future::Pending<Result<&'static str, BoxError>>;
+
+    fn poll_ready(&mut self, _: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), BoxError>> {
+        self.polled.fetch_add(1, Ordering::SeqCst);
+        if self.refuse.load(Ordering::SeqCst) {
+            return std::task::Poll::Ready(Err(Box::new(CircuitOpen::new(Duration::from_secs(1)))));
+        }
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: &'static str) -> Self::Future {
+        std::future::pending()
+    }
+}
+
+/// Shed mode asks the cheapest gate first: over the limit, the gates below are not
+/// asked (no breaker admission, no Redis round trip, for a call answered `Paced`);
+/// and a slot taken by `poll_ready` goes back when a gate below refuses.
+#[tokio::test(start_paused = true)]
+async fn shed_mode_asks_nothing_below_when_over_the_limit() {
+    let layer = AimdLayer::new(one_slot()).unwrap().shedding();
+    let h = layer.handle();
+    let polled = Arc::new(AtomicUsize::new(0));
+    let refuse = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let inner = CountedReady {
+        polled: Arc::clone(&polled),
+        refuse: Arc::clone(&refuse),
+    };
+    let mut a = layer.layer(inner.clone());
+    let held = a.ready().await.unwrap().call("one");
+    assert_eq!((h.inflight(), polled.load(Ordering::SeqCst)), (1, 1));
+
+    let mut b = layer.layer(inner.clone());
+    let err = b.ready().await.unwrap().call("two").await.unwrap_err();
+    assert!(err.is::<Paced>(), "{err}");
+    assert_eq!(polled.load(Ordering::SeqCst), 1, "the gate below was not asked");
+
+    drop(held);
+    assert_eq!(h.inflight(), 0);
+    refuse.store(true, Ordering::SeqCst);
+    let mut c = layer.layer(inner);
+    let Err(err) = c.ready().await.map(|_| ()) else {
+        panic!("the gate below refused");
+    };
+    assert!(err.is::<CircuitOpen>(), "{err}");
+    assert_eq!(polled.load(Ordering::SeqCst), 2, "asked once a slot was free");
+    assert_eq!(h.inflight(), 0, "the refused call's slot went back");
+}

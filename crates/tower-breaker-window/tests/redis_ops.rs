@@ -153,6 +153,48 @@ async fn cluster_another_process_open_is_learnt_from_the_next_record() {
     another_process_open_is_learnt_from_the_next_record(RedisEnv::cluster("stale").await).await;
 }
 
+/// A record counted by the closed breaker renews the closed view as an admission
+/// does: a source in use is not asked about between its outcomes. Real time (the
+/// server's clock); margins of 0.8 s either side.
+#[tokio::test]
+async fn a_counted_record_renews_the_closed_view() {
+    let server = PrivateRedis::start();
+    let target = RedisTarget::Standalone(server.url());
+    let view = Duration::from_secs(2);
+    let backend = RedisBackend::new(RedisConn::connect(&target).await.unwrap())
+        .with_prefix("renew")
+        .with_closed_view(view);
+    let gate = backend.gate(&"s".into(), &config(3));
+    let client = redis::Client::open(server.url()).unwrap();
+    let stats = client.get_multiplexed_async_connection().await.unwrap();
+    let evalsha = |info: String| {
+        commandstats(&info)
+            .into_iter()
+            .find(|(n, _)| n == "evalsha")
+            .map_or(0, |c| c.1)
+    };
+    let info = || {
+        let mut c = stats.clone();
+        async move {
+            redis::cmd("INFO")
+                .arg("commandstats")
+                .query_async::<String>(&mut c)
+                .await
+                .unwrap()
+        }
+    };
+    call(&gate, S).await; // asks (and loads the scripts): the view starts
+    let start = evalsha(info().await);
+    tokio::time::sleep(view * 3 / 5).await;
+    call(&gate, S).await; // admitted by the view; its record renews it
+    tokio::time::sleep(view * 3 / 5).await;
+    // Past the first view's end, within the renewed one.
+    let t = admit(&gate).await;
+    let end = evalsha(info().await);
+    assert_eq!(end - start, 1, "only the record went to Redis");
+    gate.record(t, BreakerVerdict::Success).await;
+}
+
 /// Two processes (two connections) racing in half-open: exactly one probe.
 async fn two_processes_one_probe(env: RedisEnv) {
     let other = env.other_process().await;

@@ -273,6 +273,20 @@ impl RateLimiter {
         }
     }
 
+    /// A refusal this limiter already knows, for any admission (of 0 tokens), without
+    /// a round trip and without reserving anything: on the Redis backend, a hold it
+    /// learnt or a request-count or concurrency refusal it remembers (see the crate's
+    /// README); `None` otherwise, and always on the memory backend (whose admission
+    /// costs no more). Counted as a refusal in [`stats`](Self::stats).
+    ///
+    /// For a gate asked before this one, to skip its own round trip for a call this
+    /// limiter would refuse anyway: pgw-stack asks it before a source's breaker.
+    #[must_use]
+    pub fn known_refusal(&self) -> Option<BoxError> {
+        let q = self.inner.gate.known_refusal(0)?;
+        Some(self.not_admitted(Ok(Verdict::Refused(q))))
+    }
+
     /// Asks for one admission of `tokens` (shedding: one try, no waiting).
     ///
     /// # Errors

@@ -702,7 +702,10 @@ async fn concurrency_token_and_hold_refusals_are_remembered_until_something_free
     for _ in 0..5 {
         let e = b.acquire(1).await.unwrap_err();
         assert!(
-            matches!(pgw_core::NotAdmitted::of(&*e), Some(pgw_core::NotAdmitted::QuotaExceeded(_))),
+            matches!(
+                pgw_core::NotAdmitted::of(&*e),
+                Some(pgw_core::NotAdmitted::QuotaExceeded(_))
+            ),
             "{e}"
         );
     }
@@ -733,10 +736,17 @@ async fn concurrency_token_and_hold_refusals_are_remembered_until_something_free
     let other = RateLimiter::new(
         RateLimitConfig::new("s3", Quota::unlimited().requests(1000))
             .account("acct", Quota::unlimited().concurrency(1)),
-        RedisBackend::new(RedisConn::connect(&RedisTarget::Standalone(server.url())).await.unwrap()),
+        RedisBackend::new(
+            RedisConn::connect(&RedisTarget::Standalone(server.url()))
+                .await
+                .unwrap(),
+        ),
     )
     .unwrap();
-    other.hold(HoldScope::Account, Duration::from_secs(600)).await.unwrap();
+    other
+        .hold(HoldScope::Account, Duration::from_secs(600))
+        .await
+        .unwrap();
     let (before, _) = commands(&conn).await;
     let e = a.acquire(1).await.unwrap_err();
     assert!(e.to_string().contains("hold"), "{e}");

@@ -138,6 +138,28 @@ struct Inner {
     opens: AtomicU64,
 }
 
+impl Inner {
+    /// Redis said, to a question sent at `sent`, that the breaker is closed in
+    /// `epoch`: trusted for the closed view from then, unless an open of this process
+    /// (its count was `opens` at `sent`) or a newer refusal came since.
+    fn saw_closed(&self, sent: Instant, epoch: u64, opens: u64) {
+        if self.closed_view.is_zero() {
+            return;
+        }
+        let mut known = self.known.lock().unwrap_or_else(PoisonError::into_inner);
+        if self.opens.load(Ordering::Acquire) != opens {
+            return;
+        }
+        let until = sent + self.closed_view;
+        *known = match *known {
+            // Never over a newer fact: an open seen meanwhile stands.
+            k @ Known::Open(u) if u > sent => k,
+            Known::Closed(u, e) if e == epoch && u > until => Known::Closed(u, e),
+            _ => Known::Closed(until, epoch),
+        };
+    }
+}
+
 /// What this process last learnt of the gate, and until when (local clock, counted
 /// from when the question was sent) it answers admissions without a round trip.
 #[derive(Clone, Copy, Debug)]
@@ -181,6 +203,8 @@ fn non_negative(v: i64) -> u64 {
 
 impl RedisGate {
     async fn record_once(inner: &Inner, ticket: Ticket, verdict: BreakerVerdict) {
+        let sent = Instant::now();
+        let opens = inner.opens.load(Ordering::Acquire);
         let mut conn = inner.conn.clone();
         let p = &inner.params;
         let mut call = RECORD.prepare_invoke();
@@ -204,6 +228,10 @@ impl RedisGate {
                     let mut known = inner.known.lock().unwrap_or_else(PoisonError::into_inner);
                     inner.opens.fetch_add(1, Ordering::AcqRel);
                     *known = Known::Nothing;
+                } else if effect == Effect::Counted && !ticket.is_probe() {
+                    // Counted by the closed breaker of the ticket's epoch: closed as of
+                    // this record, a view as good as an admission's.
+                    inner.saw_closed(sent, ticket.epoch(), opens);
                 }
                 tracing::trace!(source = %inner.source, effect = ?effect, "breaker record");
             }
@@ -248,11 +276,9 @@ impl Gate for RedisGate {
             let mut known = inner.known.lock().unwrap_or_else(PoisonError::into_inner);
             Ok(if admitted == 1 {
                 let (epoch, probe) = (non_negative(epoch), non_negative(probe));
-                if probe == 0 && !inner.closed_view.is_zero() && inner.opens.load(Ordering::Acquire) == opens {
-                    // Never over a newer fact: an open seen meanwhile stands.
-                    if !matches!(*known, Known::Open(u) if u > sent) {
-                        *known = Known::Closed(sent + inner.closed_view, epoch);
-                    }
+                if probe == 0 {
+                    drop(known);
+                    inner.saw_closed(sent, epoch, opens);
                 }
                 Admission::Admitted(Ticket::new(epoch, probe))
             } else {

@@ -301,6 +301,16 @@ impl Gate for AnyGate {
 }
 
 impl AnyGate {
+    /// A refusal this process already knows for an admission of `tokens`, with no
+    /// round trip and no reservation: the Redis backend's remembered refusal or
+    /// known hold. The memory backend answers `None` (its admission is as cheap).
+    pub(crate) fn known_refusal(&self, tokens: u64) -> Option<Box<QuotaExceeded>> {
+        match self {
+            Self::Memory(_) => None,
+            Self::Redis(g) => g.known_refusal(tokens),
+        }
+    }
+
     /// The tokio instant of an admission at `at`, when the backend's clock is the
     /// tokio clock (memory): nothing after the admission reads the clock again.
     pub(crate) fn local(&self, at: u64) -> Option<Instant> {

@@ -473,6 +473,31 @@ impl RedisGate {
     }
 }
 
+impl RedisGate {
+    /// A refusal this process knows for an admission of `tokens` (see
+    /// [`AnyGate::known_refusal`](super::AnyGate::known_refusal)).
+    pub(crate) fn known_refusal(&self, tokens: u64) -> Option<Box<QuotaExceeded>> {
+        self.known_at(Instant::now(), tokens)
+    }
+
+    fn known_at(&self, now: Instant, tokens: u64) -> Option<Box<QuotaExceeded>> {
+        let k = &*self.inner;
+        // A hold any limiter of this backend learnt (placed, or refused by): it ends
+        // when it ends, so no round trip asks before.
+        if let Verdict::Refused(q) = Self::judge_cached(&self.book, k, now) {
+            return Some(q);
+        }
+        let sent = self.book.local_ms(now);
+        let known = *k.refused.lock().unwrap_or_else(PoisonError::into_inner);
+        // Refused a moment ago and nothing can have freed since: no round trip.
+        let r = known.filter(|r| r.holds(k, sent, tokens))?;
+        let (dim, label) = (dim_name(r.dim)?, k.labels.get(r.scope)?);
+        Some(Box::new(
+            QuotaExceeded::new(dim, millis(r.until_ms - sent)).with_scope(&**label),
+        ))
+    }
+}
+
 impl Gate for RedisGate {
     fn admit(
         &self,
@@ -486,21 +511,8 @@ impl Gate for RedisGate {
         let now = Instant::now();
         let sent = self.book.local_ms(now);
         let refunds = k.refunds.load(Ordering::Acquire);
-        // A hold any limiter of this backend learnt (placed, or refused by): it ends
-        // when it ends, so no round trip asks before.
-        let held = Self::judge_cached(&self.book, k, now);
-        if let Verdict::Refused(_) = held {
-            return BackendFuture::ready(Ok(held));
-        }
-        let known = *k.refused.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(r) = known.filter(|r| r.holds(k, sent, tokens)) {
-            // Refused a moment ago and nothing can have freed since: no round trip.
-            let label = k.labels.get(r.scope);
-            if let (Some(dim), Some(label)) = (dim_name(r.dim), label) {
-                return BackendFuture::ready(Ok(Verdict::Refused(Box::new(
-                    QuotaExceeded::new(dim, millis(r.until_ms - sent)).with_scope(&**label),
-                ))));
-            }
+        if let Some(q) = self.known_at(now, tokens) {
+            return BackendFuture::ready(Ok(Verdict::Refused(q)));
         }
         let released: Vec<u64> = k.released.iter().map(|r| r.load(Ordering::Acquire)).collect();
         let mut inv = ADMIT.prepare_invoke();
