@@ -146,6 +146,9 @@ impl<Req: CarriesHistory, C, R> Call<Req, C, R> {
             let carried = self.next.as_ref().and_then(CarriesHistory::call_history).cloned();
             let history = carried.unwrap_or_else(|| {
                 let h = CallHistory::new();
+                if let Some(at) = self.deadline_at {
+                    h.set_deadline(at);
+                }
                 if let Some(next) = &mut self.next {
                     next.set_call_history(h.clone());
                 }

@@ -15,7 +15,10 @@
 //! | not admitted | not an attempt: `CircuitOpen` fails at once ([`Reason::AllCircuitsOpen`]); `QuotaExceeded`/`Paced` waits for the gate, then tries again |
 //!
 //! - A wait longer than the call may still wait (the stall window, the deadline) fails
-//!   at once with [`Reason::WaitTooLong`] instead of sleeping past it (R3).
+//!   at once with [`Reason::WaitTooLong`] instead of sleeping past it (R3). The
+//!   deadline is set on the call's history too, so a balancer below does not wait
+//!   past it for an admission either: a call whose every source is held beyond its
+//!   deadline fails at once, not when the deadline comes.
 //! - Stall guard (R4): before each retry, a call that has waited longer than
 //!   `stall_window` fails with [`Reason::Stalled`] **if** nothing in the process
 //!   succeeded within `stall_window` ([`Progress`], one atomic shared by every call).

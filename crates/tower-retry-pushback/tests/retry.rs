@@ -10,7 +10,7 @@ use support::{Ans, FailingHold, Req, Router, StuckHold, TestClassifier, TestHold
 use tokio::time::Instant;
 use tower::{Layer, Service, ServiceExt};
 use tower_retry_pushback::{
-    CallDeadline, HttpResend, Reason, Retry, RetryConfig, RetryError, RetryLayer, RetryStats,
+    CallDeadline, HistoryMode, HttpResend, Reason, Retry, RetryConfig, RetryError, RetryLayer, RetryStats,
 };
 
 fn layer(config: RetryConfig) -> RetryLayer<TestClassifier> {
@@ -702,6 +702,68 @@ async fn the_deadline_cuts_the_attempt_in_flight() {
     assert_eq!(svc.stats(), RetryStats::default());
 }
 
+/// The call's deadline is set on its history, on every attempt, so a balancer below
+/// (which waits for an admission) knows how long the call may wait: the config's
+/// `max_call_duration` on a history the layer creates, the sooner of it and the
+/// request's own on a history the caller passed, nothing without a deadline.
+#[tokio::test(start_paused = true)]
+async fn the_deadline_reaches_the_service_below_in_the_history() {
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let upstream = {
+        let seen = seen.clone();
+        Upstream::from_fn(move |req: &Req| {
+            let deadline = req.history.as_ref().and_then(CallHistory::deadline);
+            let mut seen = seen.lock().unwrap();
+            seen.push(deadline);
+            if seen.len() % 2 == 1 {
+                Ok(Ans::Transient)
+            } else {
+                Ok(Ans::Ok)
+            }
+        })
+    };
+    let t0 = Instant::now();
+    let due = t0 + Duration::from_secs(5);
+    let mut svc = layer(RetryConfig {
+        max_call_duration: Some(Duration::from_secs(5)),
+        ..RetryConfig::default()
+    })
+    .layer(upstream.clone());
+    assert_eq!(call(&mut svc, Req::new(1)).await.unwrap(), Ans::Ok);
+    assert_eq!(*seen.lock().unwrap(), vec![Some(due); 2], "both attempts");
+
+    seen.lock().unwrap().clear();
+    let history = CallHistory::new();
+    history.set_deadline(t0 + Duration::from_secs(2));
+    let req = Req {
+        id: 2,
+        history: Some(history.clone()),
+    };
+    assert_eq!(call(&mut svc, req).await.unwrap(), Ans::Ok);
+    assert_eq!(
+        *seen.lock().unwrap(),
+        vec![Some(t0 + Duration::from_secs(2)); 2],
+        "the caller's sooner deadline stays"
+    );
+
+    // A history made at the first retry carries it from then on.
+    seen.lock().unwrap().clear();
+    let mut svc = layer(RetryConfig {
+        max_call_duration: Some(Duration::from_secs(5)),
+        ..RetryConfig::default()
+    })
+    .history_mode(HistoryMode::FromFirstRetry)
+    .layer(upstream.clone());
+    let due = Instant::now() + Duration::from_secs(5);
+    assert_eq!(call(&mut svc, Req::new(3)).await.unwrap(), Ans::Ok);
+    assert_eq!(*seen.lock().unwrap(), vec![None, Some(due)]);
+
+    seen.lock().unwrap().clear();
+    let mut svc = layer(RetryConfig::default()).layer(upstream);
+    assert_eq!(call(&mut svc, Req::new(4)).await.unwrap(), Ans::Ok);
+    assert_eq!(*seen.lock().unwrap(), vec![None; 2], "no deadline, none set");
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_request_deadline_is_read_from_http_extensions() {
     let sent = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -791,7 +853,6 @@ async fn readiness_is_asked_again_before_a_retry() {
 
 #[tokio::test(start_paused = true)]
 async fn history_from_the_first_retry_records_the_first_attempt_without_source() {
-    use tower_retry_pushback::HistoryMode;
     let holds = TestHold::default();
     let s1 = Upstream::with(vec![rl(5), Ok(Ans::Transient)]);
     let router = Router::new(vec![("s1", s1.clone())], holds.clone());
