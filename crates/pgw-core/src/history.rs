@@ -4,8 +4,13 @@
 //! on every attempt, and never shared between calls. Cloning shares the same history
 //! (it is a handle), so a request cloned for the next attempt carries what the earlier
 //! attempts recorded.
+//!
+//! It also carries the call's deadline, when it has one, so every wait below the
+//! retry layer (the balancer's wait for an admission) honours it.
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use tokio::time::Instant;
 
 use crate::{Outcome, SourceId};
 
@@ -25,10 +30,16 @@ pub struct AttemptRecord {
 }
 
 /// A call-local record of attempts, shared by handle between the retry layer and the
-/// balancer of one call.
+/// balancer of one call, with the call's deadline.
 #[derive(Clone, Debug, Default)]
 pub struct CallHistory {
-    attempts: Arc<Mutex<Vec<AttemptRecord>>>,
+    state: Arc<Mutex<State>>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    attempts: Vec<AttemptRecord>,
+    deadline: Option<Instant>,
 }
 
 impl CallHistory {
@@ -38,11 +49,25 @@ impl CallHistory {
         Self::default()
     }
 
-    fn lock(&self) -> MutexGuard<'_, Vec<AttemptRecord>> {
+    fn lock(&self) -> MutexGuard<'_, State> {
         // The lock is never held across an await or a user callback; a poisoned lock can
         // only come from a panic inside one of these short methods, and the data is
-        // still a valid Vec.
-        self.attempts.lock().unwrap_or_else(PoisonError::into_inner)
+        // still valid.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Sets the call's deadline: the instant after which it may not wait (the retry
+    /// layer sets it; the balancer does not wait for an admission past it). An earlier
+    /// deadline set before stays.
+    pub fn set_deadline(&self, at: Instant) {
+        let mut state = self.lock();
+        state.deadline = Some(state.deadline.map_or(at, |d| d.min(at)));
+    }
+
+    /// The call's deadline, if it has one.
+    #[must_use]
+    pub fn deadline(&self) -> Option<Instant> {
+        self.lock().deadline
     }
 
     /// Records one attempt that neither timed out nor was too large for its source.
@@ -57,7 +82,7 @@ impl CallHistory {
 
     /// Records one attempt as it ended.
     pub fn push(&self, attempt: AttemptRecord) {
-        self.lock().push(attempt);
+        self.lock().attempts.push(attempt);
     }
 
     /// How many attempts of this call failed on `source` (outcomes whose health sample
@@ -66,6 +91,7 @@ impl CallHistory {
     pub fn failures(&self, source: &SourceId) -> u32 {
         let n = self
             .lock()
+            .attempts
             .iter()
             .filter(|a| a.source.as_ref() == Some(source) && a.outcome.health_sample() == Some(false))
             .count();
@@ -75,25 +101,25 @@ impl CallHistory {
     /// The most recent attempt.
     #[must_use]
     pub fn last(&self) -> Option<AttemptRecord> {
-        self.lock().last().cloned()
+        self.lock().attempts.last().cloned()
     }
 
     /// Every attempt so far, oldest first.
     #[must_use]
     pub fn attempts(&self) -> Vec<AttemptRecord> {
-        self.lock().clone()
+        self.lock().attempts.clone()
     }
 
     /// The number of attempts so far.
     #[must_use]
     pub fn len(&self) -> usize {
-        self.lock().len()
+        self.lock().attempts.len()
     }
 
     /// Whether no attempt was recorded yet.
     #[must_use]
     pub fn is_empty(&self) -> bool {
-        self.lock().is_empty()
+        self.lock().attempts.is_empty()
     }
 }
 
@@ -137,5 +163,18 @@ mod tests {
         assert_eq!(h.failures(&s1), 2);
         assert_eq!(h.len(), 4);
         assert_eq!(h.last().unwrap().source, Some(SourceId::from("s2")));
+    }
+
+    #[test]
+    fn the_deadline_is_shared_and_only_moves_earlier() {
+        let h = CallHistory::new();
+        assert_eq!(h.deadline(), None);
+        let carried = h.clone();
+        let t = Instant::now();
+        carried.set_deadline(t + std::time::Duration::from_secs(5));
+        h.set_deadline(t + std::time::Duration::from_secs(9));
+        assert_eq!(h.deadline(), Some(t + std::time::Duration::from_secs(5)));
+        carried.set_deadline(t + std::time::Duration::from_secs(2));
+        assert_eq!(h.deadline(), Some(t + std::time::Duration::from_secs(2)));
     }
 }

@@ -418,8 +418,8 @@ impl RouteConfig {
 }
 
 /// `[retry]`: defaults from tower-retry-pushback (`max_attempts` 3, `max_reasks` 2,
-/// backoff 0.5 s to 20 s, stall window 120 s, no deadline, no retry budget, no
-/// adaptive throttling).
+/// backoff 0.5 s to 20 s, stall window 120 s, pushback wait 60 s, no deadline, no
+/// retry budget, no adaptive throttling).
 ///
 /// ```
 /// let cfg = pgw_stack::GatewayConfig::from_toml_str(r#"
@@ -448,6 +448,12 @@ pub struct RetrySection {
     pub max_backoff_s: Option<f64>,
     /// Stall window, seconds (R4).
     pub stall_window_s: Option<f64>,
+    /// The most one call waits on pushback in one group, seconds (R3; default
+    /// `tower_retry_pushback::DEFAULT_MAX_PUSHBACK_WAIT`, 60): the time covered by the
+    /// waits its 429s asked for (Retry-After, else the backoff); waits for pacing and
+    /// quotas do not count. Past it the group gives up with `pushback_exhausted` and
+    /// the call goes on down the fallback chain.
+    pub max_pushback_wait_s: Option<f64>,
     /// Deadline of one call in one group, seconds.
     pub max_call_duration_s: Option<f64>,
     /// The shared retry budget (`[retry.budget]`): retries at most `ratio` of requests
@@ -803,6 +809,7 @@ impl GatewayConfig {
             ("retry.base_backoff_s", self.retry.base_backoff_s),
             ("retry.max_backoff_s", self.retry.max_backoff_s),
             ("retry.stall_window_s", self.retry.stall_window_s),
+            ("retry.max_pushback_wait_s", self.retry.max_pushback_wait_s),
             ("retry.max_call_duration_s", self.retry.max_call_duration_s),
             (
                 "retry.budget.ttl_s",

@@ -23,6 +23,8 @@ pub(crate) fn retry_config(cfg: &GatewayConfig) -> Result<RetryConfig, ConfigErr
         base_backoff: secs("retry.base_backoff_s", r.base_backoff_s)?.unwrap_or(d.base_backoff),
         max_backoff: secs("retry.max_backoff_s", r.max_backoff_s)?.unwrap_or(d.max_backoff),
         stall_window: secs("retry.stall_window_s", r.stall_window_s)?.unwrap_or(d.stall_window),
+        max_pushback_wait: secs("retry.max_pushback_wait_s", r.max_pushback_wait_s)?
+            .unwrap_or(d.max_pushback_wait),
         max_call_duration: secs("retry.max_call_duration_s", r.max_call_duration_s)?.or(d.max_call_duration),
         retry_budget: match &r.budget {
             None => None,
@@ -58,7 +60,9 @@ fn retry_field(field: &str) -> String {
         "retry_budget.ttl" => "budget.ttl_s".into(),
         "throttle.k" => "throttle.k".into(),
         "throttle.window" => "throttle.window_s".into(),
-        "base_backoff" | "max_backoff" | "stall_window" | "max_call_duration" => format!("{field}_s"),
+        "base_backoff" | "max_backoff" | "stall_window" | "max_pushback_wait" | "max_call_duration" => {
+            format!("{field}_s")
+        }
         other => other.to_owned(),
     }
 }

@@ -223,11 +223,11 @@ async fn a_call_deadline_shorter_than_the_quota_wait_fails_at_once() {
 }
 
 /// A 429 whose `Retry-After` (10 s) is longer than the call may still wait (3 s): the
-/// source is held, and the call does not sleep past its deadline waiting for the hold
-/// (today it waits up to the deadline: the balancer, which waits for the hold, does not
-/// know the deadline; R3 would have it fail at once).
+/// source is held, and with no other source the call fails at once (R3), saying what
+/// it would have waited for, instead of sleeping until its deadline. (The balancer,
+/// which waits for the hold, reads the deadline from the call's history.)
 #[tokio::test(start_paused = true)]
-async fn a_retry_after_longer_than_the_deadline_does_not_hold_the_call_past_it() {
+async fn a_retry_after_longer_than_the_deadline_ends_the_call_at_once() {
     let storm = pgw_sim::AccountConfig {
         rate_limit: pgw_sim::RateLimitCurve {
             base: 1.0,
@@ -244,21 +244,29 @@ async fn a_retry_after_longer_than_the_deadline_does_not_hold_the_call_past_it()
         name: "acct".into(),
         ..pgw_sim::AccountConfig::default()
     };
-    let (pool, gw, _sink) = gateway_over(
+    let (pool, gw, sink) = gateway_over(
         vec![(quick("s").in_account("acct"), "g", None, None)],
         vec![storm],
     )
     .await;
     let (reason, took, err) = call_with_deadline(&gw, Duration::from_secs(3)).await;
+    let records = sink.records();
+    assert_eq!(records.len(), 1, "one attempt, then held: {records:?}");
+    assert_eq!(records[0].outcome, "rate_limited");
+    let attempt = Duration::from_secs_f64(records[0].latency_ms / 1000.0);
+    // Ended when the 429 came back (paused clock: exactly), not at the 3 s deadline.
+    assert_eq!(took, attempt, "{err}");
+    assert!(took < Duration::from_secs(1), "{took:?}: {err}");
+    let Some(Reason::WaitTooLong { wait, limit }) = reason else {
+        panic!("not a wait too long: {err}");
+    };
+    assert_eq!(wait, Duration::from_secs(10), "the Retry-After: {err}");
+    assert_eq!(limit, Duration::from_secs(3) - took, "what was left: {err}");
     assert!(
-        matches!(
-            reason,
-            Some(Reason::DeadlineExceeded | Reason::WaitTooLong { .. })
-        ),
-        "{err}"
+        err.contains("hold"),
+        "names the hold it would have waited for: {err}"
     );
-    assert!(took <= Duration::from_secs(3), "{took:?}: {err}");
-    assert_eq!(pool.stats().sources["s"].received, 1, "one attempt, then held");
+    assert_eq!(pool.stats().sources["s"].received, 1);
     let held = gw.sources()[0].limiter.held().await.unwrap();
     assert!(held.source.hold_ends_in.is_some(), "the source is held: {held:?}");
 }

@@ -7,7 +7,8 @@ use pgw_core::BoxError;
 use pgw_core::openai::ChatRequest;
 use pgw_sim::{PoolConfig, SimPool};
 use pgw_stack::retry::Reason;
-use pgw_stack::{Gateway, GatewayConfig, GatewayError};
+use pgw_stack::{Gateway, GatewayConfig, GatewayError, MemorySink, SecretKey, SourceConfig};
+use tokio::time::Instant;
 
 /// A pool of one source that answers every request with a 5xx.
 fn failing_pool() -> SimPool {
@@ -120,5 +121,90 @@ fn budget_and_throttle_errors_name_the_field() {
             }
         };
         assert_eq!(err.field(), field, "{extra}: {err}");
+    }
+}
+
+/// `retry.max_pushback_wait_s` bounds the primary group's wait on persistent 429s
+/// (every answer a 429 without Retry-After, the source held for each backoff): after
+/// about 10 s of them the group gives up with `pushback_exhausted` and the call goes
+/// down the fallback chain, where the backup answers.
+#[tokio::test(start_paused = true)]
+async fn the_pushback_bound_from_config_moves_persistent_429s_down_the_chain() {
+    let storm = pgw_sim::AccountConfig {
+        name: "acct".into(),
+        rate_limit: pgw_sim::RateLimitCurve {
+            base: 1.0,
+            max: 1.0,
+            ..pgw_sim::RateLimitCurve::default()
+        }
+        .into(),
+        retry_after: pgw_sim::RetryAfterConfig {
+            rate: 0.0,
+            ..pgw_sim::RetryAfterConfig::default()
+        }
+        .into(),
+        ..pgw_sim::AccountConfig::default()
+    };
+    let pool = SimPool::new(
+        PoolConfig {
+            accounts: vec![storm],
+            ..PoolConfig::of(vec![
+                pgw_sim::SourceConfig::quick("p").in_account("acct"),
+                pgw_sim::SourceConfig::quick("b"),
+            ])
+        },
+        3,
+    )
+    .unwrap();
+    let mut cfg = GatewayConfig::default();
+    cfg.cache.enabled = false;
+    cfg.retry.max_pushback_wait_s = Some(10.0);
+    for (name, group) in [("p", "primary"), ("b", "backup")] {
+        let s = SourceConfig::new(
+            name,
+            format!("http://sim.invalid/{name}/v1"),
+            SecretKey::new("sk-x"),
+        );
+        cfg.sources.push(s.group(group));
+    }
+    let sink = MemorySink::default();
+    let gw = support::sim_gateway(&pool, cfg, &sink).await;
+    let t0 = Instant::now();
+    let answer = gw.chat(ChatRequest::user("m", "pushed back")).await.unwrap();
+    let took = t0.elapsed();
+    assert_eq!(answer.group, "backup");
+    let records = sink.records();
+    let primary: Vec<_> = records.iter().filter(|r| r.group == "primary").collect();
+    assert!(primary.len() >= 4, "{primary:?}");
+    assert!(primary.iter().all(|r| r.outcome == "rate_limited"), "{primary:?}");
+    // About the bound: at least 10 s of backoffs, at most one more backoff (20 s) and
+    // the backup's answer.
+    let backup = records.iter().find(|r| r.group == "backup").unwrap();
+    let answer_time = std::time::Duration::from_secs_f64(backup.latency_ms / 1000.0);
+    assert!(took >= std::time::Duration::from_secs(10), "{took:?}");
+    assert!(
+        took <= std::time::Duration::from_secs(30) + answer_time,
+        "{took:?}"
+    );
+    assert_eq!(pool.stats().sources["b"].received, 1);
+}
+
+#[test]
+fn a_bad_pushback_bound_names_its_field() {
+    let base = "[[sources]]\nname = \"s\"\nbase_url = \"http://127.0.0.1:9/v1\"\nkey = \"sk-x\"\n";
+    for value in ["0", "-1"] {
+        let cfg = GatewayConfig::from_toml_str(&format!("{base}[retry]\nmax_pushback_wait_s = {value}"));
+        let err = match cfg {
+            Err(e) => e,
+            Ok(cfg) => {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                let err = rt.block_on(Gateway::from_config(cfg)).unwrap_err();
+                err.downcast::<pgw_stack::ConfigError>().map(|e| *e).unwrap()
+            }
+        };
+        assert_eq!(err.field(), "retry.max_pushback_wait_s", "{value}: {err}");
     }
 }

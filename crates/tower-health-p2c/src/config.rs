@@ -124,7 +124,8 @@ pub struct BalanceConfig {
     /// Ordering policy (default [`Policy::HealthAware`]).
     pub policy: Policy,
     /// Longest wait of one call when no source is admitted (default
-    /// [`DEFAULT_MAX_WAIT`]); zero fails at once.
+    /// [`DEFAULT_MAX_WAIT`]); zero fails at once. A call whose history carries a
+    /// sooner deadline ([`pgw_core::CallHistory::deadline`]) waits only until then.
     pub max_wait: Duration,
     /// Re-check interval while sources are paced (default [`DEFAULT_PACED_POLL`]).
     pub paced_poll: Duration,

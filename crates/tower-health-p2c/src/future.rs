@@ -120,6 +120,7 @@ impl Round {
 /// The slow path: waiting for a wake-up when no source admitted (H7).
 struct Wait {
     started: Instant,
+    /// `max_wait` from `started`, or the call's deadline when sooner.
     deadline: Instant,
     /// Enabled before the round it guards, so a release during that round wakes us.
     armed: Option<Pin<Box<OwnedNotified>>>,
@@ -233,11 +234,14 @@ impl<S, Req, C> Ctx<S, Req, C> {
             // Every source is breaker-open: fail fast with the earliest (H7).
             return Poll::Ready(Err(self.round.earliest_open()));
         }
+        let call_deadline = self.history.as_ref().and_then(CallHistory::deadline);
         let wait = self.wait.get_or_insert_with(|| {
             let now = Instant::now();
+            let max_wait = later(now, self.config.max_wait);
             Box::new(Wait {
                 started: now,
-                deadline: later(now, self.config.max_wait),
+                // The call's own deadline, when sooner: a wake-up past it is hopeless.
+                deadline: call_deadline.map_or(max_wait, |d| d.min(max_wait)),
                 armed: None,
                 sleep: None,
                 rounds: 0,
@@ -247,7 +251,8 @@ impl<S, Req, C> Ctx<S, Req, C> {
             let now = Instant::now();
             let paced = self.round.paced.is_some();
             // With nothing paced, no source can admit before the earliest `retry_after`:
-            // when that is past the deadline, fail now instead of sleeping until it.
+            // when that is past the deadline (`max_wait`, or the call's own), fail now
+            // instead of sleeping until it.
             let wake_at = self.round.wake_after.map(|d| later(now, d));
             let hopeless = !paced && wake_at.is_some_and(|at| at > wait.deadline);
             if now >= wait.deadline || hopeless {

@@ -19,9 +19,10 @@
 //! When no source admits: if all are breaker-open, the earliest `CircuitOpen` comes
 //! back at once; otherwise the call waits for the [wake signal](Sources::wake_signal)
 //! (fired by `tower-aimd` on release) or the earliest `retry_after`, at most
-//! [`BalanceConfig::max_wait`], then fails with [`NoneAdmitted`]. When no source is
-//! paced and the earliest `retry_after` is past `max_wait`, it fails at once instead
-//! of sleeping until `max_wait` for nothing.
+//! [`BalanceConfig::max_wait`] (or until the call's deadline, when its history
+//! carries a sooner one: [`pgw_core::CallHistory::deadline`]), then fails with
+//! [`NoneAdmitted`]. When no source is paced and the earliest `retry_after` is past
+//! that, it fails at once instead of sleeping until then for nothing.
 //!
 //! Health is process-local; the hot path is atomics only and never reads the clock.
 //! The source set may change at runtime through [`Sources`] without losing the health

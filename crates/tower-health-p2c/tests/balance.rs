@@ -650,6 +650,62 @@ async fn quota_past_max_wait_fails_at_once_with_the_earliest_quota() {
     }
 }
 
+/// The call's deadline, carried in its history, bounds the wait like `max_wait`: a
+/// source over quota for 10 s fails a call due in 3 s at once (no source can admit in
+/// time), is waited for by a call due in 20 s, and a paced source is waited for until
+/// the deadline, not `max_wait`.
+#[tokio::test(start_paused = true)]
+async fn the_calls_deadline_in_its_history_bounds_the_wait() {
+    let t0 = Instant::now();
+    let sources: Sources<Svc> = Sources::new();
+    let hits = Arc::new(AtomicUsize::new(0));
+    sources.insert(
+        "s1".into(),
+        over_quota_until("s1", t0 + Duration::from_secs(10), hits.clone()),
+    );
+    let mut lb = balancer(&sources, Policy::HealthAware);
+
+    let (req, history) = with_history();
+    history.set_deadline(t0 + Duration::from_secs(3));
+    let err = lb.ready().await.unwrap().call(req).await.unwrap_err();
+    assert_eq!(t0.elapsed(), Duration::ZERO, "no sleep until the deadline: {err}");
+    assert!(err.is::<NoneAdmitted>(), "{err}");
+    assert_eq!(
+        NotAdmitted::of(&*err),
+        Some(NotAdmitted::QuotaExceeded(Duration::from_secs(10))),
+        "says when a source admits again"
+    );
+
+    let (req, history) = with_history();
+    history.set_deadline(t0 + Duration::from_secs(20));
+    assert_eq!(lb.ready().await.unwrap().call(req).await.unwrap(), "s1");
+    assert_eq!(
+        t0.elapsed(),
+        Duration::from_secs(10),
+        "admitted once the quota freed"
+    );
+    assert_eq!(hits.load(Ordering::SeqCst), 1);
+
+    let paced: Sources<Svc> = Sources::new();
+    paced.insert(
+        "p".into(),
+        BoxCloneSyncService::new(service_fn(|_: Req| async {
+            Err::<&str, BoxError>(Box::new(Paced::new()))
+        })),
+    );
+    let mut lb = balancer(&paced, Policy::HealthAware);
+    let (req, history) = with_history();
+    let t1 = Instant::now();
+    history.set_deadline(t1 + Duration::from_secs(2));
+    let err = lb.ready().await.unwrap().call(req).await.unwrap_err();
+    assert!(err.is::<NoneAdmitted>(), "{err}");
+    assert_eq!(
+        t1.elapsed(),
+        Duration::from_secs(2),
+        "paced: waited until the deadline"
+    );
+}
+
 /// Huge durations (a `max_wait` meaning "forever", a garbage `retry_after`) do not
 /// overflow the clock.
 #[tokio::test(start_paused = true)]

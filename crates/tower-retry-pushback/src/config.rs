@@ -29,6 +29,20 @@ pub const DEFAULT_MAX_BACKOFF: Duration = Duration::from_secs(20);
 /// process succeeded meanwhile).
 pub const DEFAULT_STALL_WINDOW: Duration = Duration::from_secs(120);
 
+/// The most a call waits on pushback in all (R3): 60 s, half the stall window.
+///
+/// Counted per 429 from its answer on: the wait it asks for, `max(Retry-After,
+/// backoff)`, slept by the layer or held on its source (a call's overlapping waits
+/// count once); waits for pacing, quota windows and breakers are not pushback and do
+/// not count. Why 60 s: on the pgw soak's scenario library (virtual time), 30 s and
+/// 45 s ended calls of the account-wide 429 storm that waiting out the account's
+/// honest pushback would have served (97.5% and 98.5% success against its 99% bar);
+/// 60 s keeps it at its bar and changes nothing on P6 or any other scenario. A pool
+/// answering nothing but 429s then ends a call (or, in a gateway, moves it down the
+/// fallback chain) after a minute, not at the stall guard (which fires only when
+/// nothing in the process succeeds) or never.
+pub const DEFAULT_MAX_PUSHBACK_WAIT: Duration = Duration::from_secs(60);
+
 /// The shortest wait after a gate refused (not admitted): 10 ms, so a gate answering
 /// `retry_after = 0` cannot make the loop spin.
 pub const MIN_NOT_ADMITTED_WAIT: Duration = Duration::from_millis(10);
@@ -81,6 +95,13 @@ pub struct RetryConfig {
     pub max_backoff: Duration,
     /// Stall window (R4); also the longest single wait a call accepts (R3). Non-zero.
     pub stall_window: Duration,
+    /// The most a call waits on pushback in all (R3; default
+    /// [`DEFAULT_MAX_PUSHBACK_WAIT`]): the time covered by the waits its 429s asked for
+    /// (`max(Retry-After, backoff)` from each 429's answer on, slept or held; overlaps
+    /// count once). A pushback sleep that would pass it is not slept, and a 429 after
+    /// it was reached ends the call (its source still held), both with
+    /// [`Reason::PushbackExhausted`](crate::Reason::PushbackExhausted). Non-zero.
+    pub max_pushback_wait: Duration,
     /// Optional per-call deadline, from the call's start. Non-zero when set.
     pub max_call_duration: Option<Duration>,
     /// Optional shared retry budget (R5). Off by default.
@@ -97,6 +118,7 @@ impl Default for RetryConfig {
             base_backoff: DEFAULT_BASE_BACKOFF,
             max_backoff: DEFAULT_MAX_BACKOFF,
             stall_window: DEFAULT_STALL_WINDOW,
+            max_pushback_wait: DEFAULT_MAX_PUSHBACK_WAIT,
             max_call_duration: None,
             retry_budget: None,
             throttle: None,
@@ -131,6 +153,12 @@ impl RetryConfig {
         if self.stall_window.is_zero() {
             return Err(crate::error::config_error(
                 "stall_window",
+                "must be greater than zero",
+            ));
+        }
+        if self.max_pushback_wait.is_zero() {
+            return Err(crate::error::config_error(
+                "max_pushback_wait",
                 "must be greater than zero",
             ));
         }
@@ -275,6 +303,13 @@ mod tests {
             ),
             (
                 RetryConfig {
+                    max_pushback_wait: Duration::ZERO,
+                    ..RetryConfig::default()
+                },
+                "max_pushback_wait",
+            ),
+            (
+                RetryConfig {
                     max_call_duration: Some(Duration::ZERO),
                     ..RetryConfig::default()
                 },
@@ -327,6 +362,17 @@ mod tests {
             assert!(err.to_string().contains(field));
         }
         assert!(RetryConfig::default().validate().is_ok());
+    }
+
+    #[test]
+    fn the_pushback_bound_is_under_the_stall_window_and_outlasts_a_few_backoffs() {
+        assert!(DEFAULT_MAX_PUSHBACK_WAIT * 2 <= DEFAULT_STALL_WINDOW);
+        // Six 429s without Retry-After in a row never reach it: their backoffs are at
+        // most 0.5 + 1 + 2 + 4 + 8 + 16 = 31.5 s.
+        let six: Duration = (0..6)
+            .map(|n| DEFAULT_MAX_BACKOFF.min(DEFAULT_BASE_BACKOFF * 2u32.pow(n)))
+            .sum();
+        assert!(six < DEFAULT_MAX_PUSHBACK_WAIT, "{six:?}");
     }
 
     #[test]

@@ -54,6 +54,19 @@ pub enum Reason {
         /// The longest this call could still wait.
         limit: Duration,
     },
+    /// The call's waits on pushback reached `max_pushback_wait` (R3): the 429s it met
+    /// had it wait `waited` (the time covered by the waits they asked for, each its
+    /// `Retry-After`, else the backoff, slept or held on its source; overlaps once),
+    /// and another `wait` would pass `limit`. Waits for pacing, quotas and breakers
+    /// do not count.
+    PushbackExhausted {
+        /// What the call's 429s had it wait so far.
+        waited: Duration,
+        /// The wait the last 429 asked for.
+        wait: Duration,
+        /// `max_pushback_wait`.
+        limit: Duration,
+    },
     /// The call's deadline (`max_call_duration` or the request's own) passed; the
     /// attempt in flight, if any, was dropped.
     DeadlineExceeded,
@@ -68,8 +81,9 @@ pub enum Reason {
 
 impl Reason {
     /// A short stable name for telemetry: `budget_exhausted`, `reasks_exhausted`,
-    /// `rejected`, `stalled`, `all_circuits_open`, `wait_too_long`, `deadline_exceeded`,
-    /// `retry_budget_exhausted`, `throttled`, `not_resendable`.
+    /// `rejected`, `stalled`, `all_circuits_open`, `wait_too_long`,
+    /// `pushback_exhausted`, `deadline_exceeded`, `retry_budget_exhausted`, `throttled`,
+    /// `not_resendable`.
     #[must_use]
     pub const fn as_str(self) -> &'static str {
         match self {
@@ -79,6 +93,7 @@ impl Reason {
             Self::Stalled { .. } => "stalled",
             Self::AllCircuitsOpen { .. } => "all_circuits_open",
             Self::WaitTooLong { .. } => "wait_too_long",
+            Self::PushbackExhausted { .. } => "pushback_exhausted",
             Self::DeadlineExceeded => "deadline_exceeded",
             Self::RetryBudgetExhausted => "retry_budget_exhausted",
             Self::Throttled => "throttled",
@@ -106,6 +121,14 @@ impl fmt::Display for Reason {
             Self::WaitTooLong { wait, limit } => write!(
                 f,
                 "next attempt only in {:.3}s, longer than the call may wait ({:.3}s)",
+                wait.as_secs_f64(),
+                limit.as_secs_f64()
+            ),
+            Self::PushbackExhausted { waited, wait, limit } => write!(
+                f,
+                "pushback wait exhausted: 429s had the call wait {:.3}s (Retry-After or \
+                 backoff); another {:.3}s would pass its limit of {:.3}s",
+                waited.as_secs_f64(),
                 wait.as_secs_f64(),
                 limit.as_secs_f64()
             ),

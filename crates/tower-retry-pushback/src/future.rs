@@ -27,7 +27,9 @@ pin_project! {
         // An attempt is in flight.
         Attempt { #[pin] fut: F },
         // Holding the source of a 429 (R3); `wait` is slept instead if the hold fails.
-        Holding { fut: HoldFuture, wait: Duration, waiting: WaitGuard },
+        // With `then_fail`, the call ends once the hold is placed (its pushback is
+        // exhausted; the hold still spares the source the other calls' attempts).
+        Holding { fut: HoldFuture, wait: Duration, then_fail: Option<Reason>, waiting: WaitGuard },
         // Sleeping through a backoff, a Retry-After or a gate's retry_after (boxed:
         // the fast path never sleeps, so its future stays small).
         Waiting { sleep: Pin<Box<Sleep>>, waiting: WaitGuard },
@@ -97,9 +99,49 @@ struct Slow {
     reasks: u32,
     /// Backoffs drawn so far: the exponent of the next one.
     backoffs: u32,
+    /// The call's pushback so far (R3): the time covered by the waits its 429s asked
+    /// for, each from its answer on (slept or held), overlaps counted once.
+    pushback: Pushback,
     last_error: Option<BoxError>,
     /// Whether the call still counts as retrying (and watches the progress signal).
     counted: bool,
+}
+
+/// The time a call's 429s asked it to wait, bounded by `max_pushback_wait` (R3).
+///
+/// Each 429 asks for `[answer, answer + wait]`; the call's pushback is the length of
+/// the union of those spans. A call that moves on at once from one source's 429 to
+/// another source's (two sources of one account, held together) waits for both holds
+/// at once, not one after the other: overlapping spans count once. The answers come
+/// in time order, so the union is kept as its length and its end.
+#[derive(Clone, Copy, Debug, Default)]
+struct Pushback {
+    covered: Duration,
+    until: Option<Instant>,
+}
+
+impl Pushback {
+    /// The part of it already behind the call at `now` (a hold's span may reach past
+    /// `now`).
+    fn waited(self, now: Instant) -> Duration {
+        let ahead = self
+            .until
+            .map_or(Duration::ZERO, |u| u.saturating_duration_since(now));
+        self.covered.saturating_sub(ahead)
+    }
+
+    /// The pushback once a 429 answered `now` asks for `wait` more.
+    fn with(self, now: Instant, wait: Duration) -> Self {
+        let end = now.checked_add(wait);
+        let added = match (self.until, end) {
+            (Some(until), Some(end)) if until > now => end.saturating_duration_since(until),
+            _ => wait,
+        };
+        Self {
+            covered: self.covered.saturating_add(added),
+            until: self.until.max(end),
+        }
+    }
 }
 
 impl<Req, C, R> Call<Req, C, R> {
@@ -123,8 +165,13 @@ enum Next<T> {
     Dispatch,
     Sleep(Duration),
     /// Hold the source (and its account when the provider said the limit is the
-    /// account's) for the wait, then dispatch.
-    Hold(SourceId, Duration, bool),
+    /// account's) for the wait, then dispatch, or end the call with `then_fail`.
+    Hold {
+        source: SourceId,
+        wait: Duration,
+        account_wide: bool,
+        then_fail: Option<Reason>,
+    },
     Finish(Result<T, BoxError>),
 }
 
@@ -146,6 +193,9 @@ impl<Req: CarriesHistory, C, R> Call<Req, C, R> {
             let carried = self.next.as_ref().and_then(CarriesHistory::call_history).cloned();
             let history = carried.unwrap_or_else(|| {
                 let h = CallHistory::new();
+                if let Some(at) = self.deadline_at {
+                    h.set_deadline(at);
+                }
                 if let Some(next) = &mut self.next {
                     next.set_call_history(h.clone());
                 }
@@ -193,6 +243,7 @@ impl<Req: CarriesHistory, C, R> Call<Req, C, R> {
                 spent: 0,
                 reasks: 0,
                 backoffs: 0,
+                pushback: Pushback::default(),
                 last_error: None,
                 counted: true,
             })
@@ -334,9 +385,34 @@ impl<Req: CarriesHistory, C, R> Call<Req, C, R> {
             }
             Outcome::RateLimited { retry_after } => {
                 let wait = retry_after.unwrap_or_default().max(self.next_backoff());
-                match (&self.shared.hold, source) {
-                    (Some(_), Some(source)) => Next::Hold(source, wait, account_wide),
-                    _ => self.sleep_or_fail(wait, now),
+                let limit = self.shared.config.max_pushback_wait;
+                let held = self.shared.hold.is_some();
+                let wait_limit = self.wait_limit(now);
+                let slow = self.start_waiting(now);
+                let waited = slow.pushback.waited(now);
+                let after = slow.pushback.with(now, wait);
+                let exhausted = Reason::PushbackExhausted { waited, wait, limit };
+                match (held, source) {
+                    // The call goes on at once and waits for the hold only if no other
+                    // source admits it: counted whole all the same (an upper bound of
+                    // its wait), and the call ends at its first 429 once it has waited
+                    // the bound.
+                    (true, Some(source)) => {
+                        slow.pushback = after;
+                        Next::Hold {
+                            source,
+                            wait,
+                            account_wide,
+                            then_fail: (waited >= limit).then_some(exhausted),
+                        }
+                    }
+                    // A sleep that would take the call's pushback past the bound is not
+                    // slept (one longer than the call may wait at all is WaitTooLong).
+                    _ if wait <= wait_limit && after.covered > limit => Next::Finish(self.fail(exhausted)),
+                    _ => {
+                        slow.pushback = after;
+                        self.sleep_or_fail(wait, now)
+                    }
                 }
             }
             // Handled above; kept for exhaustiveness.
@@ -434,12 +510,16 @@ where
                     let result = ready!(fut.poll(cx)).map_err(Into::into);
                     this.call.after_attempt(result)
                 }
-                StateProj::Holding { fut, wait, .. } => {
+                StateProj::Holding {
+                    fut, wait, then_fail, ..
+                } => {
                     let wait = *wait;
-                    match ready!(fut.as_mut().poll(cx)) {
+                    let held = ready!(fut.as_mut().poll(cx));
+                    match (held, then_fail.take()) {
+                        (_, Some(reason)) => Next::Finish(this.call.fail(reason)),
                         // The gates below keep the source not admitted: go on at once.
-                        Ok(()) => Next::Dispatch,
-                        Err(e) => {
+                        (Ok(()), None) => Next::Dispatch,
+                        (Err(e), None) => {
                             tracing::warn!(error = %e, "hold failed; sleeping through the pushback instead");
                             this.call.sleep_or_fail(wait, Instant::now())
                         }
@@ -484,7 +564,12 @@ where
                         waiting,
                     });
                 }
-                Next::Hold(source, wait, account_wide) => {
+                Next::Hold {
+                    source,
+                    wait,
+                    account_wide,
+                    then_fail,
+                } => {
                     let waiting = WaitGuard::new(&this.call.shared.counters);
                     let fut = match &this.call.shared.hold {
                         Some(hold) if account_wide => hold.hold(&source, wait),
@@ -492,7 +577,12 @@ where
                         None => Box::pin(std::future::ready(Err("no hold hook".into()))),
                     };
                     tracing::debug!(%source, wait_s = wait.as_secs_f64(), "holding source after pushback");
-                    this.state.set(State::Holding { fut, wait, waiting });
+                    this.state.set(State::Holding {
+                        fut,
+                        wait,
+                        then_fail,
+                        waiting,
+                    });
                 }
                 Next::Finish(result) => {
                     this.state.set(State::Done);

@@ -15,7 +15,16 @@
 //! | not admitted | not an attempt: `CircuitOpen` fails at once ([`Reason::AllCircuitsOpen`]); `QuotaExceeded`/`Paced` waits for the gate, then tries again |
 //!
 //! - A wait longer than the call may still wait (the stall window, the deadline) fails
-//!   at once with [`Reason::WaitTooLong`] instead of sleeping past it (R3).
+//!   at once with [`Reason::WaitTooLong`] instead of sleeping past it (R3). The
+//!   deadline is set on the call's history too, so a balancer below does not wait
+//!   past it for an admission either: a call whose every source is held beyond its
+//!   deadline fails at once, not when the deadline comes.
+//! - Pushback is bounded (R3): the waits a call's 429s ask for (`max(Retry-After,
+//!   backoff)`, slept or held) add up to at most `max_pushback_wait` (default
+//!   [`DEFAULT_MAX_PUSHBACK_WAIT`], 60 s); then the call ends with
+//!   [`Reason::PushbackExhausted`], so persistent 429s end it (or, in a gateway, move
+//!   it down the fallback chain) in seconds. Waits for pacing, quotas and breakers are
+//!   not pushback and do not count.
 //! - Stall guard (R4): before each retry, a call that has waited longer than
 //!   `stall_window` fails with [`Reason::Stalled`] **if** nothing in the process
 //!   succeeded within `stall_window` ([`Progress`], one atomic shared by every call).
@@ -99,8 +108,9 @@ mod service;
 pub use budget::{AdaptiveThrottle, RetryBudget};
 pub use config::{
     DEFAULT_BASE_BACKOFF, DEFAULT_BUDGET_MIN_PER_SEC, DEFAULT_BUDGET_RATIO, DEFAULT_BUDGET_TTL,
-    DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_BACKOFF, DEFAULT_MAX_REASKS, DEFAULT_STALL_WINDOW, DEFAULT_THROTTLE_K,
-    DEFAULT_THROTTLE_WINDOW, MIN_NOT_ADMITTED_WAIT, RetryBudgetConfig, RetryConfig, ThrottleConfig,
+    DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_BACKOFF, DEFAULT_MAX_PUSHBACK_WAIT, DEFAULT_MAX_REASKS,
+    DEFAULT_STALL_WINDOW, DEFAULT_THROTTLE_K, DEFAULT_THROTTLE_WINDOW, MIN_NOT_ADMITTED_WAIT,
+    RetryBudgetConfig, RetryConfig, ThrottleConfig,
 };
 pub use error::{ConfigError, Reason, RetryError};
 pub use future::ResponseFuture;

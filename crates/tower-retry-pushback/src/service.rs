@@ -217,6 +217,11 @@ where
                 from_config.into_iter().chain(own).min()
             }
         };
+        if let (Some(at), Some(history)) = (deadline_at, req.call_history()) {
+            // The balancer below then waits for an admission no longer than the call
+            // may: a wait that must end past the deadline fails at once (R3).
+            history.set_deadline(at);
+        }
         if let Some(budget) = &shared.budget {
             budget.deposit(Instant::now());
         }

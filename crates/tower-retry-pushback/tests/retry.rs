@@ -10,7 +10,7 @@ use support::{Ans, FailingHold, Req, Router, StuckHold, TestClassifier, TestHold
 use tokio::time::Instant;
 use tower::{Layer, Service, ServiceExt};
 use tower_retry_pushback::{
-    CallDeadline, HttpResend, Reason, Retry, RetryConfig, RetryError, RetryLayer, RetryStats,
+    CallDeadline, HistoryMode, HttpResend, Reason, Retry, RetryConfig, RetryError, RetryLayer, RetryStats,
 };
 
 fn layer(config: RetryConfig) -> RetryLayer<TestClassifier> {
@@ -48,9 +48,14 @@ async fn ten_429s_then_success_with_the_default_budget() {
         let mut script: Vec<Result<Ans, BoxError>> = (0..10).map(|_| Ok(Ans::RateLimited(None))).collect();
         script.push(Ok(Ans::Ok));
         let upstream = Upstream::with(script);
-        let mut svc = layer(RetryConfig::default())
-            .rng_seed(seed)
-            .layer(upstream.clone());
+        // Ten backoffs draw up to 111.5 s: past the default pushback bound (R3, tested
+        // on its own below), which is lifted here to see the attempt budget alone.
+        let mut svc = layer(RetryConfig {
+            max_pushback_wait: Duration::from_secs(120),
+            ..RetryConfig::default()
+        })
+        .rng_seed(seed)
+        .layer(upstream.clone());
         let history = CallHistory::new();
         let req = Req {
             id: 1,
@@ -379,6 +384,174 @@ async fn one_source_with_a_hold_beyond_the_stall_window_fails_at_once() {
     assert_eq!(router.times_of("s1").len(), 1);
 }
 
+// ---------------------------------------------------------------- R3, the pushback bound
+
+/// An upstream answering 429 without `Retry-After` to every attempt, no hold hook: the
+/// layer sleeps a backoff after each (no attempt budget spent), and ends the call when
+/// the next backoff would take its pushback past `max_pushback_wait` (60 s by
+/// default), with the clear reason, instead of going on until the stall guard.
+#[tokio::test(start_paused = true)]
+async fn persistent_429s_without_retry_after_end_the_call_at_the_pushback_bound() {
+    let limit = tower_retry_pushback::DEFAULT_MAX_PUSHBACK_WAIT;
+    assert_eq!(limit, Duration::from_secs(60));
+    for seed in 0..20 {
+        let upstream = Upstream::always(Ans::RateLimited(None));
+        let mut svc = layer(RetryConfig::default())
+            .rng_seed(seed)
+            .layer(upstream.clone());
+        let start = Instant::now();
+        let err = call(&mut svc, Req::new(1)).await.unwrap_err();
+        let took = start.elapsed();
+        let err = retry_error(&err);
+        let Reason::PushbackExhausted {
+            waited,
+            wait,
+            limit: l,
+        } = err.reason()
+        else {
+            panic!("seed {seed}: {err}");
+        };
+        assert_eq!(l, limit);
+        // Every instant of the call was a backoff slept after a 429 (the upstream
+        // answers at once): the time is the pushback (the timer rounds each sleep up
+        // to its millisecond), within one backoff (<= 20 s) under the bound, and the
+        // backoff not slept would have passed it.
+        let sent = upstream.sent_count();
+        let rounding = Duration::from_millis(sent as u64);
+        assert!(
+            took >= waited && took - waited <= rounding,
+            "seed {seed}: {took:?}"
+        );
+        assert!(waited <= limit && waited + wait > limit, "seed {seed}: {err}");
+        assert!(waited > limit - Duration::from_secs(20), "seed {seed}: {err}");
+        // The backoffs of the first six 429s add up to at most 31.5 s, of seven 51.5 s:
+        // at least seven were slept, so at least eight attempts, all 429s.
+        assert!(sent >= 8, "seed {seed}: {sent} attempts");
+        assert_eq!(err.attempts().len(), sent);
+        assert!(err.attempts().iter().all(|a| a.outcome.is_rate_limited()));
+        assert!(err.to_string().contains("pushback wait exhausted"), "{err}");
+        assert!(err.to_string().contains("Retry-After or backoff"), "{err}");
+        assert_eq!(svc.stats(), RetryStats::default());
+    }
+}
+
+/// With `Retry-After: 10` on every 429 the waits are exact: five or six 429s (50 s,
+/// 60 s of pushback) still end in an answer; a seventh 429 would need 70 s, so the
+/// call ends after the sixth wait, at 60 s, before sleeping it.
+#[tokio::test(start_paused = true)]
+async fn the_pushback_bound_counts_the_retry_after_waits_and_no_more() {
+    for (n429, answered) in [(5, true), (6, true), (7, false)] {
+        let upstream = Upstream::with((0..n429).map(|_| rl(10)).collect());
+        let mut svc = layer(RetryConfig::default()).layer(upstream.clone());
+        let start = Instant::now();
+        let result = call(&mut svc, Req::new(1)).await;
+        assert_eq!(result.is_ok(), answered, "{n429} 429s: {result:?}");
+        if answered {
+            assert_eq!(start.elapsed(), Duration::from_secs(10 * n429), "{n429}");
+            assert_eq!(upstream.sent_count(), n429 as usize + 1);
+        } else {
+            let err = result.unwrap_err();
+            assert_eq!(
+                retry_error(&err).reason(),
+                Reason::PushbackExhausted {
+                    waited: Duration::from_secs(60),
+                    wait: Duration::from_secs(10),
+                    limit: Duration::from_secs(60),
+                }
+            );
+            assert_eq!(start.elapsed(), Duration::from_secs(60));
+            assert_eq!(upstream.sent_count(), 7);
+        }
+    }
+    // The bound is configurable: 25 s lets two 10 s waits through, not a third.
+    let upstream = Upstream::always(Ans::RateLimited(Some(Duration::from_secs(10))));
+    let mut svc = layer(RetryConfig {
+        max_pushback_wait: Duration::from_secs(25),
+        ..RetryConfig::default()
+    })
+    .layer(upstream.clone());
+    let start = Instant::now();
+    let err = call(&mut svc, Req::new(1)).await.unwrap_err();
+    assert!(matches!(
+        retry_error(&err).reason(),
+        Reason::PushbackExhausted { waited, .. } if waited == Duration::from_secs(20)
+    ));
+    assert_eq!(start.elapsed(), Duration::from_secs(20));
+    assert_eq!(upstream.sent_count(), 3);
+}
+
+/// Waits that are not pushback do not count: a call that waited minutes for quota
+/// windows and pacing, with one 429 among them, is still answered.
+#[tokio::test(start_paused = true)]
+async fn quota_and_pacing_waits_do_not_count_as_pushback() {
+    let quota =
+        || -> Result<Ans, BoxError> { Err(QuotaExceeded::new("rpm", Duration::from_secs(50)).into()) };
+    let upstream = Upstream::with(vec![
+        quota(),
+        rl(10),
+        quota(),
+        Err(Paced::new().into()),
+        quota(),
+        rl(10),
+    ]);
+    let mut svc = layer(RetryConfig {
+        max_pushback_wait: Duration::from_secs(25),
+        // (Nothing else in the test process succeeds: keep the stall guard out of it.)
+        stall_window: Duration::from_secs(600),
+        ..RetryConfig::default()
+    })
+    .layer(upstream.clone());
+    let start = Instant::now();
+    assert_eq!(call(&mut svc, Req::new(1)).await.unwrap(), Ans::Ok);
+    assert!(
+        start.elapsed() > Duration::from_secs(170),
+        "{:?}",
+        start.elapsed()
+    );
+    assert_eq!(upstream.sent_count(), 7);
+}
+
+/// With holds (the gateway's way), a 429's wait is counted from its answer; a call
+/// that goes on at once from one held source to another (both 429, as two sources of
+/// one account) waits for both holds together, so they count once. Two sources
+/// answering 429 with `Retry-After: 20` (never shorter than the backoff) to
+/// everything: each round of two 429s adds 20 s; at 60 s the next 429 ends the call,
+/// its source still held.
+#[tokio::test(start_paused = true)]
+async fn held_429s_count_their_overlapping_waits_once() {
+    let holds = TestHold::default();
+    let always = || Upstream::always(Ans::RateLimited(Some(Duration::from_secs(20))));
+    let router = Router::new(vec![("s1", always()), ("s2", always())], holds.clone());
+    let mut svc = layer(RetryConfig::default())
+        .hold(Arc::new(holds.clone()))
+        .layer(router.clone());
+    let start = Instant::now();
+    let err = call(&mut svc, Req::new(1)).await.unwrap_err();
+    let err = retry_error(&err);
+    assert_eq!(
+        err.reason(),
+        Reason::PushbackExhausted {
+            waited: Duration::from_secs(60),
+            wait: Duration::from_secs(20),
+            limit: Duration::from_secs(60),
+        },
+        "{err}"
+    );
+    assert_eq!(start.elapsed(), Duration::from_secs(60));
+    // Three rounds of two (0 s, 20 s, 40 s), then s1 at 60 s.
+    let secs = |s: &str| -> Vec<u64> {
+        router
+            .times_of(s)
+            .iter()
+            .map(|t| (*t - start).as_secs())
+            .collect()
+    };
+    assert_eq!(secs("s1"), vec![0, 20, 40, 60]);
+    assert_eq!(secs("s2"), vec![0, 20, 40]);
+    assert_eq!(holds.calls.lock().unwrap().len(), 7, "the last 429 still held s1");
+    assert_eq!(err.attempts().len(), 7);
+}
+
 // ---------------------------------------------------------------- not admitted
 
 #[tokio::test(start_paused = true)]
@@ -463,9 +636,12 @@ async fn quota_and_pacing_are_waited_out_without_spending_the_budget() {
 
 // ---------------------------------------------------------------- R4
 
+/// A 60 s stall window. These calls wait through 429s: the pushback bound (R3) is
+/// lifted so that the stall guard is what ends them.
 fn stall_config() -> RetryConfig {
     RetryConfig {
         stall_window: Duration::from_secs(60),
+        max_pushback_wait: Duration::from_secs(3600),
         ..RetryConfig::default()
     }
 }
@@ -702,6 +878,68 @@ async fn the_deadline_cuts_the_attempt_in_flight() {
     assert_eq!(svc.stats(), RetryStats::default());
 }
 
+/// The call's deadline is set on its history, on every attempt, so a balancer below
+/// (which waits for an admission) knows how long the call may wait: the config's
+/// `max_call_duration` on a history the layer creates, the sooner of it and the
+/// request's own on a history the caller passed, nothing without a deadline.
+#[tokio::test(start_paused = true)]
+async fn the_deadline_reaches_the_service_below_in_the_history() {
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let upstream = {
+        let seen = seen.clone();
+        Upstream::from_fn(move |req: &Req| {
+            let deadline = req.history.as_ref().and_then(CallHistory::deadline);
+            let mut seen = seen.lock().unwrap();
+            seen.push(deadline);
+            if seen.len() % 2 == 1 {
+                Ok(Ans::Transient)
+            } else {
+                Ok(Ans::Ok)
+            }
+        })
+    };
+    let t0 = Instant::now();
+    let due = t0 + Duration::from_secs(5);
+    let mut svc = layer(RetryConfig {
+        max_call_duration: Some(Duration::from_secs(5)),
+        ..RetryConfig::default()
+    })
+    .layer(upstream.clone());
+    assert_eq!(call(&mut svc, Req::new(1)).await.unwrap(), Ans::Ok);
+    assert_eq!(*seen.lock().unwrap(), vec![Some(due); 2], "both attempts");
+
+    seen.lock().unwrap().clear();
+    let history = CallHistory::new();
+    history.set_deadline(t0 + Duration::from_secs(2));
+    let req = Req {
+        id: 2,
+        history: Some(history.clone()),
+    };
+    assert_eq!(call(&mut svc, req).await.unwrap(), Ans::Ok);
+    assert_eq!(
+        *seen.lock().unwrap(),
+        vec![Some(t0 + Duration::from_secs(2)); 2],
+        "the caller's sooner deadline stays"
+    );
+
+    // A history made at the first retry carries it from then on.
+    seen.lock().unwrap().clear();
+    let mut svc = layer(RetryConfig {
+        max_call_duration: Some(Duration::from_secs(5)),
+        ..RetryConfig::default()
+    })
+    .history_mode(HistoryMode::FromFirstRetry)
+    .layer(upstream.clone());
+    let due = Instant::now() + Duration::from_secs(5);
+    assert_eq!(call(&mut svc, Req::new(3)).await.unwrap(), Ans::Ok);
+    assert_eq!(*seen.lock().unwrap(), vec![None, Some(due)]);
+
+    seen.lock().unwrap().clear();
+    let mut svc = layer(RetryConfig::default()).layer(upstream);
+    assert_eq!(call(&mut svc, Req::new(4)).await.unwrap(), Ans::Ok);
+    assert_eq!(*seen.lock().unwrap(), vec![None; 2], "no deadline, none set");
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_request_deadline_is_read_from_http_extensions() {
     let sent = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -791,7 +1029,6 @@ async fn readiness_is_asked_again_before_a_retry() {
 
 #[tokio::test(start_paused = true)]
 async fn history_from_the_first_retry_records_the_first_attempt_without_source() {
-    use tower_retry_pushback::HistoryMode;
     let holds = TestHold::default();
     let s1 = Upstream::with(vec![rl(5), Ok(Ans::Transient)]);
     let router = Router::new(vec![("s1", s1.clone())], holds.clone());

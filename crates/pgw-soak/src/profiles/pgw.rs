@@ -262,9 +262,9 @@ pub struct RedisWorker {
 /// The gateway configuration of a real-time worker: [`gateway_config`]'s sources,
 /// keys, accounts and quotas over HTTP on loopback, the Redis backend, and every
 /// duration (the scenario's timeouts, and the pgw defaults that are durations: rate
-/// window, breaker cooldowns, windows and closed view, backoffs, stall window, balancer wait, cache
-/// TTL) times the time scale. The lease TTL stays unscaled: it is a safety net for a
-/// crashed process, not a scenario duration.
+/// window, breaker cooldowns, windows and closed view, backoffs, stall window,
+/// pushback wait, balancer wait, cache TTL) times the time scale. The lease TTL stays
+/// unscaled: it is a safety net for a crashed process, not a scenario duration.
 #[must_use]
 pub fn redis_gateway_config(sc: &Scenario, w: &RedisWorker) -> GatewayConfig {
     let s = w.time_scale;
@@ -290,6 +290,7 @@ pub fn redis_gateway_config(sc: &Scenario, w: &RedisWorker) -> GatewayConfig {
     cfg.retry.base_backoff_s = Some(0.5 * s);
     cfg.retry.max_backoff_s = Some(20.0 * s);
     cfg.retry.stall_window_s = Some(120.0 * s);
+    cfg.retry.max_pushback_wait_s = Some(pgw_stack::retry::DEFAULT_MAX_PUSHBACK_WAIT.as_secs_f64() * s);
     cfg.balance.max_wait_s = Some(30.0 * s);
     cfg.cache.ttl_s = Some(SOAK_CACHE_TTL_S * s);
     cfg
