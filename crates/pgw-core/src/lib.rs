@@ -15,7 +15,7 @@
 //! - [`SourceId`], the name of a source, and [`CallHistory`], the in-call record the
 //!   retry layer and the balancer share;
 //! - [`openai`] chat types and [`sse`] framing, shared by the simulator and the gateway;
-//! - with feature `redis`, [`redis_conn`]: one connection type for standalone and
+//! - with feature `redis`, `redis_conn`: one connection type for standalone and
 //!   cluster servers, used by every Redis backend.
 //!
 //! ```
