@@ -492,6 +492,69 @@ async fn shutdown_cuts_what_is_left_after_the_grace_period() {
     }
 }
 
+/// The names of this process's threads (Linux; empty elsewhere).
+fn thread_names() -> Vec<String> {
+    std::fs::read_dir("/proc/self/task")
+        .map(|tasks| {
+            tasks
+                .flatten()
+                .filter_map(|t| std::fs::read_to_string(t.path().join("comm")).ok())
+                .map(|n| n.trim().to_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+// On the real clock: the second event loop has a runtime of its own, out of a paused
+// clock's reach. The simulated source takes 0.5 s to its first token, so both streams
+// are in flight when the cap is tested and when the shutdown comes.
+#[tokio::test]
+async fn event_loops_on_threads_share_the_connection_cap_and_all_drain_on_shutdown() {
+    let mut h = start(
+        "threads = 2\nmax_connections = 2\nshutdown_grace_s = 60\n",
+        vec![slow("s1", 0.5)],
+    )
+    .await;
+    let streams: Vec<_> = (0..2)
+        .map(|_| {
+            let addr = h.addr;
+            tokio::spawn(async move {
+                let (status, _, body) = call(addr, chat(None), chat_body("m", true)).await;
+                (status, events(&body))
+            })
+        })
+        .collect();
+    while upstream_requests(&h) < 2 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let linux = cfg!(target_os = "linux");
+    if linux {
+        assert!(
+            thread_names().iter().any(|n| n == "pgw-loop-1"),
+            "{:?}",
+            thread_names()
+        );
+    }
+    // Whichever loops accepted the two, the cap is the server's, not a loop's.
+    let (status, _, body) = call(h.addr, chat(None), chat_body("m", false)).await;
+    assert_eq!(status, 503);
+    openai_error(&body, "overloaded");
+    h.shutdown();
+    for s in streams {
+        let (status, ev) = s.await.unwrap();
+        assert_eq!(status, 200);
+        assert_eq!(ev.last().map(String::as_str), Some("[DONE]"), "{ev:?}");
+    }
+    h.stopped().await.unwrap();
+    if linux {
+        assert!(
+            !thread_names().iter().any(|n| n.starts_with("pgw-loop")),
+            "run returned before its loops ended: {:?}",
+            thread_names()
+        );
+    }
+}
+
 fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
     text.lines()
         .filter(|l| !l.starts_with('#'))

@@ -76,14 +76,22 @@ impl Harness {
     }
 }
 
-/// The config text of a server over `sim`: `[server]` listening on any loopback port,
-/// then `server` (more `[server]` lines, then any `[[server.keys]]`), then the gateway.
+/// The config text of a server over `sim`: `[server]` listening on any loopback port
+/// with one event loop, then `server` (more `[server]` lines, then any
+/// `[[server.keys]]`), then the gateway.
 /// The watchdogs are long: on the paused clock, time jumps to the next timer whenever
 /// every task waits, including while bytes are on their way through a loopback socket;
 /// a short watchdog would then cut a healthy stream between two chunks.
 pub fn config_text(server: &str, sim: &ServerHandle, sources: &[pgw_sim::SourceConfig]) -> String {
+    // One event loop, the test's runtime, unless the test asks for more: further loops
+    // have runtimes (and clocks) of their own, out of a paused clock's reach.
+    let threads = if server.contains("threads") {
+        ""
+    } else {
+        "threads = 1\n"
+    };
     let mut text = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\n{server}\n\n[cache]\nenabled = false\n\n[balance]\nmax_wait_s = 0.5\nseed = 1\n\n[retry]\nbase_backoff_s = 0.01\nmax_backoff_s = 0.02\n\n"
+        "[server]\nlisten = \"127.0.0.1:0\"\n{threads}{server}\n\n[cache]\nenabled = false\n\n[balance]\nmax_wait_s = 0.5\nseed = 1\n\n[retry]\nbase_backoff_s = 0.01\nmax_backoff_s = 0.02\n\n"
     );
     for s in sources {
         text.push_str(&format!(

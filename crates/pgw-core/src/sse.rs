@@ -164,7 +164,7 @@ impl SseDecoder {
 
     /// Where the first CR or LF of `bytes` is.
     fn find_line_end(&mut self, bytes: &[u8]) -> Option<usize> {
-        let found = bytes.iter().position(|&b| b == b'\n' || b == b'\r');
+        let found = memchr::memchr2(b'\n', b'\r', bytes);
         #[cfg(test)]
         {
             self.scanned += found.map_or(bytes.len(), |i| i + 1);

@@ -12,6 +12,7 @@
 //! max_in_flight = 512
 //! shutdown_grace_s = 30
 //! sse_keep_alive_s = 15
+//! threads = 4                  # absent: one per core
 //!
 //! [[server.keys]]
 //! label = "team-a"
@@ -61,6 +62,16 @@ pub const DEFAULT_SHED_RETRY_AFTER_S: f64 = 1.0;
 pub const DEFAULT_SHUTDOWN_GRACE_S: f64 = 30.0;
 /// Default interval of SSE keep-alive comments while a stream is silent: 15 s.
 pub const DEFAULT_SSE_KEEP_ALIVE_S: f64 = 15.0;
+/// Most event-loop threads `server.threads` may ask for: 1024 (far past any core count;
+/// a typo like `threads = 40000` is refused rather than spawned).
+pub const MAX_THREADS: usize = 1024;
+
+/// Default number of event-loop threads: one per core the process may run on
+/// (`std::thread::available_parallelism`), 1 when that is unknown.
+#[must_use]
+pub fn default_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, std::num::NonZero::get)
+}
 
 /// Log output format.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
@@ -160,6 +171,13 @@ pub struct ServerSection {
     /// [`DEFAULT_SSE_KEEP_ALIVE_S`]).
     #[serde(default)]
     pub sse_keep_alive_s: Option<f64>,
+    /// Event-loop threads (default [`default_threads`]: one per core). Each runs its
+    /// own single-threaded tokio runtime, accepts on the shared listener and keeps its
+    /// own upstream connection pools, so a call and its upstream request stay on one
+    /// thread; the gateway's state (limits, breakers, health) is shared by all. At
+    /// most [`MAX_THREADS`].
+    #[serde(default)]
+    pub threads: Option<usize>,
     /// `text` (default) or `json`; `--log-format` overrides it.
     #[serde(default)]
     pub log_format: LogFormat,
@@ -192,6 +210,7 @@ impl Default for ServerSection {
             shed_retry_after_s: None,
             shutdown_grace_s: None,
             sse_keep_alive_s: None,
+            threads: None,
             log_format: LogFormat::Text,
             keys: Vec::new(),
         }
@@ -225,6 +244,8 @@ pub struct Settings {
     pub shutdown_grace: Duration,
     /// See [`ServerSection::sse_keep_alive_s`].
     pub sse_keep_alive: Duration,
+    /// See [`ServerSection::threads`].
+    pub threads: usize,
     /// See [`ServerSection::log_format`].
     pub log_format: LogFormat,
     /// See [`ServerSection::keys`].
@@ -259,6 +280,18 @@ fn positive(field: &str, v: Option<usize>, default: usize) -> Result<usize, Conf
     match v.unwrap_or(default) {
         0 => Err(config_error(field, "must be at least 1")),
         n => Ok(n),
+    }
+}
+
+fn threads(v: Option<usize>) -> Result<usize, ConfigError> {
+    match v {
+        None => Ok(default_threads()),
+        Some(0) => Err(config_error("server.threads", "must be at least 1")),
+        Some(n) if n > MAX_THREADS => Err(config_error(
+            "server.threads",
+            format!("must be at most {MAX_THREADS} (got {n})"),
+        )),
+        Some(n) => Ok(n),
     }
 }
 
@@ -350,6 +383,7 @@ impl ServerSection {
                 self.sse_keep_alive_s,
                 DEFAULT_SSE_KEEP_ALIVE_S,
             )?,
+            threads: threads(self.threads)?,
             log_format: self.log_format,
             keys: self.keys.clone(),
         })
@@ -443,6 +477,7 @@ mod tests {
         let cfg = ServerConfig::from_toml_str(SOURCES).unwrap();
         assert_eq!(cfg.server.listen, DEFAULT_LISTEN.parse().unwrap());
         assert_eq!(cfg.server.max_connections, DEFAULT_MAX_CONNECTIONS);
+        assert_eq!(cfg.server.threads, default_threads());
         assert!(cfg.server.keys.is_empty());
     }
 
@@ -452,6 +487,8 @@ mod tests {
             ("[server]\nmax_connections = 0\n", "server.max_connections"),
             ("[server]\nlisten = \"nowhere\"\n", "server.listen"),
             ("[server]\nbogus = 1\n", "server.bogus"),
+            ("[server]\nthreads = 0\n", "server.threads"),
+            ("[server]\nthreads = 4096\n", "server.threads"),
             (
                 "[server]\nheader_read_timeout_s = -1\n",
                 "server.header_read_timeout_s",

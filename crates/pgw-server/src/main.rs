@@ -12,6 +12,8 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use pgw_server::{LogFormat, Server, ServerConfig};
+use pgw_stack::SourceConfig;
+use pgw_stack::client::{BoxTransport, HyperTransport, box_transport};
 
 #[derive(Parser)]
 #[command(name = "pgw", version, about = "Resilient OpenAI-compatible gateway")]
@@ -108,7 +110,8 @@ fn main() -> ExitCode {
             }
             cfg.server.allow_unauthenticated |= allow_unauthenticated;
             pgw_server::init_logging(log_format.unwrap_or(cfg.server.log_format));
-            let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+            // The first event loop; `Server::run` starts the other `server.threads - 1`.
+            let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
                 Ok(r) => r,
                 Err(e) => {
                     eprintln!("cannot start the runtime: {e}");
@@ -129,7 +132,19 @@ fn main() -> ExitCode {
 
 async fn serve(cfg: ServerConfig) -> Result<(), pgw_core::BoxError> {
     let metrics = pgw_server::install_metrics();
-    let gateway = pgw_stack::Gateway::from_config(cfg.gateway.clone()).await?;
+    let gateway = pgw_stack::Gateway::builder(cfg.gateway.clone())
+        .transport(per_thread_transport)
+        .build()
+        .await?;
     let server = Server::bind(&cfg, gateway, metrics).await?;
     server.run(pgw_server::shutdown_signal()).await
+}
+
+/// Each event loop's calls take upstream connections from a pool of that loop's thread,
+/// driven by that loop (see `Server::run`).
+fn per_thread_transport(source: &SourceConfig) -> Result<BoxTransport, pgw_core::BoxError> {
+    let settings = source.settings(&format!("sources ({})", source.name))?;
+    Ok(box_transport(HyperTransport::per_thread(
+        settings.timeouts.connect,
+    )?))
 }
