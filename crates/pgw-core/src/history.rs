@@ -5,6 +5,8 @@
 //! (it is a handle), so a request cloned for the next attempt carries what the earlier
 //! attempts recorded.
 
+use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use crate::{Outcome, SourceId};
@@ -26,9 +28,53 @@ pub struct AttemptRecord {
 
 /// A call-local record of attempts, shared by handle between the retry layer and the
 /// balancer of one call.
-#[derive(Clone, Debug, Default)]
+///
+/// Cheap where every call pays: its count is read without a lock, and the first
+/// attempt's record is kept inline (a call that ends at its first attempt allocates
+/// only the handle).
+#[derive(Clone, Default)]
 pub struct CallHistory {
-    attempts: Arc<Mutex<Vec<AttemptRecord>>>,
+    inner: Arc<Records>,
+}
+
+#[derive(Default)]
+struct Records {
+    /// How many attempts are recorded: written under the lock, read without it.
+    len: AtomicUsize,
+    list: Mutex<List>,
+}
+
+/// The attempts, oldest first: the first inline, the others after it.
+#[derive(Default)]
+struct List {
+    first: Option<AttemptRecord>,
+    rest: Vec<AttemptRecord>,
+}
+
+impl List {
+    fn iter(&self) -> impl DoubleEndedIterator<Item = &AttemptRecord> {
+        self.first.iter().chain(&self.rest)
+    }
+
+    fn len(&self) -> usize {
+        usize::from(self.first.is_some()) + self.rest.len()
+    }
+
+    fn push(&mut self, attempt: AttemptRecord) {
+        if self.first.is_none() {
+            self.first = Some(attempt);
+        } else {
+            self.rest.push(attempt);
+        }
+    }
+}
+
+impl fmt::Debug for CallHistory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CallHistory")
+            .field("attempts", &self.lock().iter().collect::<Vec<_>>())
+            .finish()
+    }
 }
 
 impl CallHistory {
@@ -38,11 +84,11 @@ impl CallHistory {
         Self::default()
     }
 
-    fn lock(&self) -> MutexGuard<'_, Vec<AttemptRecord>> {
+    fn lock(&self) -> MutexGuard<'_, List> {
         // The lock is never held across an await or a user callback; a poisoned lock can
         // only come from a panic inside one of these short methods, and the data is
-        // still a valid Vec.
-        self.attempts.lock().unwrap_or_else(PoisonError::into_inner)
+        // still a valid list.
+        self.inner.list.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Records one attempt that neither timed out nor was too large for its source.
@@ -57,13 +103,19 @@ impl CallHistory {
 
     /// Records one attempt as it ended.
     pub fn push(&self, attempt: AttemptRecord) {
-        self.lock().push(attempt);
+        let mut list = self.lock();
+        list.push(attempt);
+        // Written under the lock only: a plain store, no read-modify-write.
+        self.inner.len.store(list.len(), Ordering::Release);
     }
 
     /// How many attempts of this call failed on `source` (outcomes whose health sample
     /// is a failure: 429, transient, source dead).
     #[must_use]
     pub fn failures(&self, source: &SourceId) -> u32 {
+        if self.is_empty() {
+            return 0;
+        }
         let n = self
             .lock()
             .iter()
@@ -75,25 +127,31 @@ impl CallHistory {
     /// The most recent attempt.
     #[must_use]
     pub fn last(&self) -> Option<AttemptRecord> {
-        self.lock().last().cloned()
+        if self.is_empty() {
+            return None;
+        }
+        self.lock().iter().next_back().cloned()
     }
 
     /// Every attempt so far, oldest first.
     #[must_use]
     pub fn attempts(&self) -> Vec<AttemptRecord> {
-        self.lock().clone()
+        if self.is_empty() {
+            return Vec::new();
+        }
+        self.lock().iter().cloned().collect()
     }
 
     /// The number of attempts so far.
     #[must_use]
     pub fn len(&self) -> usize {
-        self.lock().len()
+        self.inner.len.load(Ordering::Acquire)
     }
 
     /// Whether no attempt was recorded yet.
     #[must_use]
     pub fn is_empty(&self) -> bool {
-        self.lock().is_empty()
+        self.len() == 0
     }
 }
 
