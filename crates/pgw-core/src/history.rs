@@ -8,6 +8,8 @@
 //! It also carries the call's deadline, when it has one, so every wait below the
 //! retry layer (the balancer's wait for an admission) honours it.
 
+use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use tokio::time::Instant;
@@ -31,15 +33,57 @@ pub struct AttemptRecord {
 
 /// A call-local record of attempts, shared by handle between the retry layer and the
 /// balancer of one call, with the call's deadline.
-#[derive(Clone, Debug, Default)]
+///
+/// Cheap where every call pays: its count is read without a lock, and the first
+/// attempt's record is kept inline (a call that ends at its first attempt allocates
+/// only the handle).
+#[derive(Clone, Default)]
 pub struct CallHistory {
-    state: Arc<Mutex<State>>,
+    inner: Arc<Records>,
 }
 
-#[derive(Debug, Default)]
-struct State {
-    attempts: Vec<AttemptRecord>,
+#[derive(Default)]
+struct Records {
+    /// How many attempts are recorded: written under the lock, read without it.
+    len: AtomicUsize,
+    list: Mutex<List>,
+}
+
+/// The attempts, oldest first: the first inline, the others after it; and the call's
+/// deadline.
+#[derive(Default)]
+struct List {
+    first: Option<AttemptRecord>,
+    rest: Vec<AttemptRecord>,
     deadline: Option<Instant>,
+}
+
+impl List {
+    fn iter(&self) -> impl DoubleEndedIterator<Item = &AttemptRecord> {
+        self.first.iter().chain(&self.rest)
+    }
+
+    fn len(&self) -> usize {
+        usize::from(self.first.is_some()) + self.rest.len()
+    }
+
+    fn push(&mut self, attempt: AttemptRecord) {
+        if self.first.is_none() {
+            self.first = Some(attempt);
+        } else {
+            self.rest.push(attempt);
+        }
+    }
+}
+
+impl fmt::Debug for CallHistory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let list = self.lock();
+        f.debug_struct("CallHistory")
+            .field("attempts", &list.iter().collect::<Vec<_>>())
+            .field("deadline", &list.deadline)
+            .finish()
+    }
 }
 
 impl CallHistory {
@@ -49,19 +93,19 @@ impl CallHistory {
         Self::default()
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
+    fn lock(&self) -> MutexGuard<'_, List> {
         // The lock is never held across an await or a user callback; a poisoned lock can
         // only come from a panic inside one of these short methods, and the data is
-        // still valid.
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+        // still a valid list.
+        self.inner.list.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Sets the call's deadline: the instant after which it may not wait (the retry
     /// layer sets it; the balancer does not wait for an admission past it). An earlier
     /// deadline set before stays.
     pub fn set_deadline(&self, at: Instant) {
-        let mut state = self.lock();
-        state.deadline = Some(state.deadline.map_or(at, |d| d.min(at)));
+        let mut list = self.lock();
+        list.deadline = Some(list.deadline.map_or(at, |d| d.min(at)));
     }
 
     /// The call's deadline, if it has one.
@@ -82,16 +126,21 @@ impl CallHistory {
 
     /// Records one attempt as it ended.
     pub fn push(&self, attempt: AttemptRecord) {
-        self.lock().attempts.push(attempt);
+        let mut list = self.lock();
+        list.push(attempt);
+        // Written under the lock only: a plain store, no read-modify-write.
+        self.inner.len.store(list.len(), Ordering::Release);
     }
 
     /// How many attempts of this call failed on `source` (outcomes whose health sample
     /// is a failure: 429, transient, source dead).
     #[must_use]
     pub fn failures(&self, source: &SourceId) -> u32 {
+        if self.is_empty() {
+            return 0;
+        }
         let n = self
             .lock()
-            .attempts
             .iter()
             .filter(|a| a.source.as_ref() == Some(source) && a.outcome.health_sample() == Some(false))
             .count();
@@ -101,25 +150,31 @@ impl CallHistory {
     /// The most recent attempt.
     #[must_use]
     pub fn last(&self) -> Option<AttemptRecord> {
-        self.lock().attempts.last().cloned()
+        if self.is_empty() {
+            return None;
+        }
+        self.lock().iter().next_back().cloned()
     }
 
     /// Every attempt so far, oldest first.
     #[must_use]
     pub fn attempts(&self) -> Vec<AttemptRecord> {
-        self.lock().attempts.clone()
+        if self.is_empty() {
+            return Vec::new();
+        }
+        self.lock().iter().cloned().collect()
     }
 
     /// The number of attempts so far.
     #[must_use]
     pub fn len(&self) -> usize {
-        self.lock().attempts.len()
+        self.inner.len.load(Ordering::Acquire)
     }
 
     /// Whether no attempt was recorded yet.
     #[must_use]
     pub fn is_empty(&self) -> bool {
-        self.lock().attempts.is_empty()
+        self.len() == 0
     }
 }
 

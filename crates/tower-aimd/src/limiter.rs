@@ -182,11 +182,24 @@ impl Limiter {
             let old = f64::from_bits(b);
             old + crate::config::PUSHBACK_ALPHA * (sample - old)
         };
-        let prev = self
-            .pushback_bits
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| Some(step(b).to_bits()))
-            .unwrap_or_else(|b| b);
-        step(prev)
+        let mut cur = self.pushback_bits.load(Ordering::Relaxed);
+        loop {
+            let next = step(cur);
+            // A share the sample does not move (a run of successes decays it to 0.0
+            // and it stays there) is left unwritten: no read-modify-write per call.
+            if next.to_bits() == cur {
+                return next;
+            }
+            match self.pushback_bits.compare_exchange_weak(
+                cur,
+                next.to_bits(),
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return next,
+                Err(actual) => cur = actual,
+            }
+        }
     }
 
     fn update(&self, f: impl Fn(f64) -> f64) {

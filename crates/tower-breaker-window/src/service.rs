@@ -114,6 +114,24 @@ impl BreakerHandle {
     }
 }
 
+/// What every service of one [`BreakerLayer`](crate::BreakerLayer) shares: one
+/// reference count per clone (a balancer clones a source's service for every attempt).
+pub(crate) struct Shared<G, C> {
+    pub(crate) gate: G,
+    pub(crate) source: SourceId,
+    pub(crate) classifier: C,
+}
+
+impl<G: fmt::Debug, C: fmt::Debug> fmt::Debug for Shared<G, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Shared")
+            .field("gate", &self.gate)
+            .field("source", &self.source)
+            .field("classifier", &self.classifier)
+            .finish()
+    }
+}
+
 /// A circuit breaker in front of one source's service `S`.
 ///
 /// Built by [`BreakerLayer`](crate::BreakerLayer). Admission happens in `poll_ready`
@@ -121,9 +139,7 @@ impl BreakerHandle {
 /// half-open) and records the classified outcome against its epoch.
 pub struct Breaker<S, G: Gate = MemoryGate, C = OkIsSuccess> {
     inner: S,
-    gate: G,
-    source: SourceId,
-    classifier: C,
+    shared: Arc<Shared<G, C>>,
     mode: Mode,
     readiness: Readiness<G>,
 }
@@ -132,22 +148,20 @@ impl<S: fmt::Debug, G: Gate + fmt::Debug, C: fmt::Debug> fmt::Debug for Breaker<
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Breaker")
             .field("inner", &self.inner)
-            .field("gate", &self.gate)
-            .field("source", &self.source)
-            .field("classifier", &self.classifier)
+            .field("gate", &self.shared.gate)
+            .field("source", &self.shared.source)
+            .field("classifier", &self.shared.classifier)
             .field("mode", &self.mode)
             .finish_non_exhaustive()
     }
 }
 
-impl<S: Clone, G: Gate, C: Clone> Clone for Breaker<S, G, C> {
+impl<S: Clone, G: Gate, C> Clone for Breaker<S, G, C> {
     fn clone(&self) -> Self {
         // Readiness is per service instance: a clone starts unadmitted.
         Self {
             inner: self.inner.clone(),
-            gate: self.gate.clone(),
-            source: self.source.clone(),
-            classifier: self.classifier.clone(),
+            shared: Arc::clone(&self.shared),
             mode: self.mode,
             readiness: Readiness::Idle,
         }
@@ -157,11 +171,21 @@ impl<S: Clone, G: Gate, C: Clone> Clone for Breaker<S, G, C> {
 impl<S, G: Gate, C> Breaker<S, G, C> {
     /// A breaker for `source` on `gate`, classifying outcomes with `classifier`.
     pub fn new(inner: S, gate: G, source: SourceId, classifier: C, mode: Mode) -> Self {
+        Self::from_shared(
+            inner,
+            Arc::new(Shared {
+                gate,
+                source,
+                classifier,
+            }),
+            mode,
+        )
+    }
+
+    pub(crate) const fn from_shared(inner: S, shared: Arc<Shared<G, C>>, mode: Mode) -> Self {
         Self {
             inner,
-            gate,
-            source,
-            classifier,
+            shared,
             mode,
             readiness: Readiness::Idle,
         }
@@ -185,7 +209,7 @@ impl<S, G: Gate, C> Breaker<S, G, C> {
     /// A handle on this breaker's state.
     #[must_use]
     pub fn handle(&self) -> BreakerHandle {
-        BreakerHandle::new(self.source.clone(), self.gate.clone())
+        BreakerHandle::new(self.shared.source.clone(), self.shared.gate.clone())
     }
 }
 
@@ -204,15 +228,15 @@ where
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
         loop {
             match &mut self.readiness {
-                Readiness::Idle => self.readiness = Readiness::Admitting(self.gate.admit()),
+                Readiness::Idle => self.readiness = Readiness::Admitting(self.shared.gate.admit()),
                 Readiness::Admitting(admit) => {
                     self.readiness = match ready!(Pin::new(admit).poll(cx)) {
                         Ok(Admission::Admitted(ticket)) => {
-                            Readiness::Admitted(Lease::new(self.gate.clone(), ticket))
+                            Readiness::Admitted(Lease::new(self.shared.gate.clone(), ticket))
                         }
                         Ok(Admission::Refused { retry_after }) => match self.mode {
                             Mode::Shed => Readiness::Refused(Box::new(
-                                CircuitOpen::new(retry_after).with_source(self.source.clone()),
+                                CircuitOpen::new(retry_after).with_source(self.shared.source.clone()),
                             )),
                             Mode::Wait => Readiness::Waiting(Box::pin(tokio::time::sleep(retry_after))),
                         },
@@ -233,7 +257,7 @@ where
     fn call(&mut self, req: Req) -> Self::Future {
         match std::mem::replace(&mut self.readiness, Readiness::Idle) {
             Readiness::Admitted(lease) => {
-                ResponseFuture::called(self.inner.call(req), lease, self.classifier.clone())
+                ResponseFuture::called(self.inner.call(req), lease, self.shared.classifier.clone())
             }
             Readiness::Refused(error) => ResponseFuture::refused(error),
             _ => panic!("Breaker::call without poll_ready returning Ready first"),

@@ -18,11 +18,19 @@ use crate::service::Hooks;
 
 pin_project! {
     #[project = StateProj]
-    enum State<F> {
-        Admitting,
-        Waiting,
-        Calling { #[pin] fut: F },
-        Failed,
+    enum State<F, U, Slow> {
+        // The admission round trip (Redis) or a wait: everything boxed, allocated only
+        // on those paths.
+        Slow { slow: Box<Slow> },
+        // Admitted: the inner call, with the permit (and the lease's renewal) it holds.
+        Calling {
+            #[pin]
+            fut: F,
+            permit: Option<Permit>,
+            renew: Option<Pin<Box<Sleep>>>,
+            usage: U,
+        },
+        Failed { error: Option<BoxError> },
         Done,
     }
 }
@@ -36,24 +44,28 @@ pin_project! {
     /// settle (reconcile and release) that follows never delays it; a settle round trip
     /// finishes in the background.
     ///
-    /// Small on the path answered at once (memory): the state of the admission round
-    /// trip or of a wait is boxed, allocated only on those paths.
+    /// Small on the path answered at once (memory): one state, the inner future and
+    /// the permit; the state of the admission round trip or of a wait is boxed,
+    /// allocated only on those paths.
     pub struct ResponseFuture<S, Req, E, U, O>
     where
         S: Service<Req>,
     {
         #[pin]
-        state: State<S::Future>,
-        permit: Option<Permit>,
-        renew: Option<Pin<Box<Sleep>>>,
-        usage: U,
-        error: Option<BoxError>,
-        slow: Option<Box<Slow<S, Req, E, U, O>>>,
+        state: State<S::Future, U, Slow<S, Req, E, U, O>>,
     }
+}
+
+/// Whether a [`Slow`] future waits for an admission's answer or for another try.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    Admitting,
+    Waiting,
 }
 
 /// What only the admission round trip or a wait needs.
 struct Slow<S: Service<Req>, Req, E, U, O> {
+    phase: Phase,
     shared: Arc<Hooks<E, U, O>>,
     inner: Option<S>,
     req: Option<Req>,
@@ -72,8 +84,12 @@ where
     S: Service<Req>,
 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let permit = match &self.state {
+            State::Calling { permit, .. } => permit.as_ref(),
+            _ => None,
+        };
         f.debug_struct("ResponseFuture")
-            .field("permit", &self.permit)
+            .field("permit", &permit)
             .finish_non_exhaustive()
     }
 }
@@ -82,20 +98,15 @@ impl<S, Req, E, U: Clone, O> ResponseFuture<S, Req, E, U, O>
 where
     S: Service<Req>,
 {
-    #[inline(always)]
-    fn new(shared: &Hooks<E, U, O>, state: State<S::Future>) -> Self {
-        Self {
-            state,
-            permit: None,
-            renew: None,
-            usage: shared.usage.clone(),
-            error: None,
-            slow: None,
-        }
-    }
-
-    fn slow(shared: &Arc<Hooks<E, U, O>>, inner: S, req: Req, tokens: u64) -> Box<Slow<S, Req, E, U, O>> {
+    fn slow(
+        phase: Phase,
+        shared: &Arc<Hooks<E, U, O>>,
+        inner: S,
+        req: Req,
+        tokens: u64,
+    ) -> Box<Slow<S, Req, E, U, O>> {
         Box::new(Slow {
+            phase,
             shared: shared.clone(),
             inner: Some(inner),
             req: Some(req),
@@ -108,32 +119,39 @@ where
         })
     }
 
-    pub(crate) fn failed(shared: &Arc<Hooks<E, U, O>>, err: BoxError) -> Self {
-        let mut f = Self::new(shared, State::Failed);
-        f.error = Some(err);
-        f
+    #[cold]
+    pub(crate) fn failed(err: BoxError) -> Self {
+        Self {
+            state: State::Failed { error: Some(err) },
+        }
     }
 
     #[inline(always)]
-    pub(crate) fn calling(shared: &Arc<Hooks<E, U, O>>, fut: S::Future, permit: Permit) -> Self {
-        let mut f = Self::new(shared, State::Calling { fut });
-        if permit.has_lease() {
-            f.renew = renewal(&permit);
+    pub(crate) fn calling(shared: &Hooks<E, U, O>, fut: S::Future, permit: Permit) -> Self {
+        Self {
+            state: State::Calling {
+                fut,
+                renew: if permit.has_lease() {
+                    renewal(&permit)
+                } else {
+                    None
+                },
+                permit: Some(permit),
+                usage: shared.usage.clone(),
+            },
         }
-        f.permit = Some(permit);
-        f
     }
 
     pub(crate) fn admitting(shared: &Arc<Hooks<E, U, O>>, inner: S, req: Req, pending: Pending) -> Self {
-        let mut f = Self::new(shared, State::Admitting);
-        let mut slow = Self::slow(shared, inner, req, pending.ticket.tokens);
+        let mut slow = Self::slow(Phase::Admitting, shared, inner, req, pending.ticket.tokens);
         slow.deadline = match shared.limiter.config().mode {
             crate::Mode::Wait { max_wait: Some(w) } => Instant::now().checked_add(w),
             _ => None,
         };
         slow.pending = Some(InFlight::new(shared.limiter.clone(), pending.fut, pending.ticket));
-        f.slow = Some(slow);
-        f
+        Self {
+            state: State::Slow { slow },
+        }
     }
 
     pub(crate) fn waiting(
@@ -148,7 +166,7 @@ where
         let now = Instant::now();
         let deadline = max_wait.and_then(|w| now.checked_add(w));
         if deadline.is_some_and(|d| now.checked_add(refused.retry_after()).is_none_or(|t| t > d)) {
-            return Self::failed(shared, Box::new(refused));
+            return Self::failed(Box::new(refused));
         }
         let wait = shared.limiter.wait(&refused, 0, None);
         Self::queued(shared, inner, req, tokens, deadline, wait)
@@ -176,13 +194,13 @@ where
         deadline: Option<Instant>,
         wait: Wait,
     ) -> Self {
-        let mut f = Self::new(shared, State::Waiting);
-        let mut slow = Self::slow(shared, inner, req, tokens);
+        let mut slow = Self::slow(Phase::Waiting, shared, inner, req, tokens);
         slow.deadline = deadline;
         slow.wait = Some(wait);
         slow.refusals = 1;
-        f.slow = Some(slow);
-        f
+        Self {
+            state: State::Slow { slow },
+        }
     }
 }
 
@@ -211,11 +229,16 @@ where
     type Output = Result<S::Response, BoxError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let mut this = self.project();
+        let mut state = self.project().state;
         loop {
-            match this.state.as_mut().project() {
-                StateProj::Calling { fut } => {
-                    if let (Some(sleep), Some(permit)) = (this.renew.as_mut(), this.permit.as_ref()) {
+            let slow = match state.as_mut().project() {
+                StateProj::Calling {
+                    fut,
+                    permit,
+                    renew,
+                    usage,
+                } => {
+                    if let (Some(sleep), Some(permit)) = (renew.as_mut(), permit.as_ref()) {
                         while sleep.as_mut().poll(cx).is_ready() {
                             detach_renewal(permit);
                             let every = permit.limiter().renew_every().unwrap_or(Duration::from_secs(1));
@@ -223,27 +246,31 @@ where
                             sleep.as_mut().reset(Instant::now() + every);
                         }
                     }
-                    let out = ready!(fut.poll(cx)).map_err(Into::into);
-                    *this.renew = None;
-                    let Some(permit) = this.permit.take() else {
-                        this.state.set(State::Done);
-                        return Poll::Ready(out);
-                    };
-                    let mut out = out;
-                    if matches!(&out, Ok(res) if this.usage.in_progress(res)) {
-                        defer_settle(this.usage, permit, &mut out);
-                        this.state.set(State::Done);
-                        return Poll::Ready(out);
+                    let mut out = ready!(fut.poll(cx)).map_err(Into::into);
+                    if let Some(permit) = permit.take() {
+                        if matches!(&out, Ok(res) if usage.in_progress(res)) {
+                            defer_settle(usage, permit, &mut out);
+                        } else {
+                            // The answer never waits for the settle (reconcile,
+                            // release): a round trip still in flight finishes in the
+                            // background, its command already on the connection (see
+                            // `detach`).
+                            permit.end_detached(ending(usage, &out));
+                        }
                     }
-                    // The answer never waits for the settle (reconcile, release): a
-                    // round trip still in flight finishes in the background, its
-                    // command already on the connection (see `detach`).
-                    permit.end_detached(ending(this.usage, &out));
-                    this.state.set(State::Done);
+                    state.set(State::Done);
                     return Poll::Ready(out);
                 }
-                StateProj::Admitting => {
-                    let slow = this.slow.as_mut().expect("admitting without its state");
+                StateProj::Slow { slow } => slow,
+                StateProj::Failed { error } => {
+                    let error = error.take().expect("error taken twice");
+                    state.set(State::Done);
+                    return Poll::Ready(Err(error));
+                }
+                StateProj::Done => panic!("ResponseFuture polled after completion"),
+            };
+            match slow.phase {
+                Phase::Admitting => {
                     let pending = slow.pending.as_mut().expect("admitting without an admission");
                     let verdict = ready!(Pin::new(&mut *pending).poll(cx));
                     let ticket = pending.ticket();
@@ -258,9 +285,13 @@ where
                             shared.observer.on_admission(&req, permit.admission());
                             let mut svc = slow.inner.take().expect("service taken twice");
                             let fut = svc.call(req);
-                            *this.renew = renewal(&permit);
-                            *this.permit = Some(permit);
-                            this.state.set(State::Calling { fut });
+                            let next = State::Calling {
+                                fut,
+                                renew: renewal(&permit),
+                                permit: Some(permit),
+                                usage: shared.usage.clone(),
+                            };
+                            state.set(next);
                         }
                         Err(e) => match (waits(&shared.limiter), e.downcast::<QuotaExceeded>()) {
                             (true, Ok(q)) => {
@@ -269,28 +300,27 @@ where
                                     now >= d || now.checked_add(q.retry_after()).is_none_or(|t| t > d)
                                 }) {
                                     slow.wait = None;
-                                    this.state.set(State::Done);
+                                    state.set(State::Done);
                                     return Poll::Ready(Err(q));
                                 }
                                 let wait = shared.limiter.wait(&q, slow.refusals, slow.wait.take());
                                 slow.wait = Some(wait);
                                 slow.refusals = slow.refusals.saturating_add(1);
-                                this.state.set(State::Waiting);
+                                slow.phase = Phase::Waiting;
                             }
                             (_, Ok(q)) => {
-                                this.state.set(State::Done);
+                                state.set(State::Done);
                                 return Poll::Ready(Err(q));
                             }
                             (_, Err(e)) => {
                                 slow.wait = None;
-                                this.state.set(State::Done);
+                                state.set(State::Done);
                                 return Poll::Ready(Err(e));
                             }
                         },
                     }
                 }
-                StateProj::Waiting => {
-                    let slow = this.slow.as_mut().expect("waiting without its state");
+                Phase::Waiting => {
                     let limiter = &slow.shared.limiter;
                     let wait = slow.wait.as_mut().expect("waiting without a wait");
                     if limiter.poll_wait(wait, slow.tokens, cx).is_pending() {
@@ -308,17 +338,12 @@ where
                         Ok(p) => slow.pending = Some(InFlight::new(limiter.clone(), p.fut, p.ticket)),
                         Err(e) => {
                             slow.wait = None;
-                            this.state.set(State::Done);
+                            state.set(State::Done);
                             return Poll::Ready(Err(Box::new(e)));
                         }
                     }
-                    this.state.set(State::Admitting);
+                    slow.phase = Phase::Admitting;
                 }
-                StateProj::Failed => {
-                    this.state.set(State::Done);
-                    return Poll::Ready(Err(this.error.take().expect("error taken twice")));
-                }
-                StateProj::Done => panic!("ResponseFuture polled after completion"),
             }
         }
     }

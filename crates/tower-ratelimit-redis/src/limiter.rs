@@ -60,6 +60,9 @@ struct Inner {
     counts_requests: bool,
     counts_tokens: bool,
     max_tokens: Option<(u64, String)>,
+    /// The window in nanoseconds (whole milliseconds, validated): an admission's
+    /// window id is its instant divided by it, as the Redis script divides.
+    window_ns: u64,
     /// The state of the wait jitter's generator (splitmix64).
     jitter: AtomicU64,
 }
@@ -131,6 +134,7 @@ impl RateLimiter {
             (t, scope)
         });
         let jitter = AtomicU64::new(config.jitter_seed.unwrap_or_else(random_seed));
+        let window_ns = crate::config::window_ms(config.window).saturating_mul(1_000_000);
         Ok(Self {
             inner: Arc::new(Inner {
                 config,
@@ -140,6 +144,7 @@ impl RateLimiter {
                 counts_requests,
                 counts_tokens,
                 max_tokens,
+                window_ns,
                 jitter,
             }),
         })
@@ -222,14 +227,14 @@ impl RateLimiter {
         verdict: Result<Verdict, BackendUnavailable>,
     ) -> Result<Permit, BoxError> {
         match verdict {
-            Ok(Verdict::Admitted { at, window }) => Ok(self.admitted(&ticket, at, window)),
+            Ok(Verdict::Admitted { at }) => Ok(self.admitted(&ticket, at)),
             other => Err(self.not_admitted(other)),
         }
     }
 
     /// The permit of an admitted ticket (counted in the stats).
     #[inline(always)]
-    fn admitted(&self, ticket: &Ticket, at: u64, window: u64) -> Permit {
+    fn admitted(&self, ticket: &Ticket, at: u64) -> Permit {
         let admitted = self.inner.stats.admitted.get_or_default();
         // Only this thread writes its counter (a thread's id is reused only after it
         // exited).
@@ -238,7 +243,6 @@ impl RateLimiter {
             admission: Admission {
                 limiter: self.clone(),
                 at,
-                window,
                 tokens: ticket.tokens,
             },
             lease: ticket.lease,
@@ -250,7 +254,7 @@ impl RateLimiter {
     #[inline(always)]
     pub(crate) fn conclude_now(&self, ticket: Ticket, verdict: Verdict) -> Result<Permit, BoxError> {
         match verdict {
-            Verdict::Admitted { at, window } => Ok(self.admitted(&ticket, at, window)),
+            Verdict::Admitted { at } => Ok(self.admitted(&ticket, at)),
             refused @ Verdict::Refused(_) => Err(self.not_admitted(Ok(refused))),
         }
     }
@@ -639,10 +643,9 @@ pub struct Admission {
     /// The limiter that admitted: source, account, window length and clock come from
     /// it (one reference count per admission, not three).
     limiter: RateLimiter,
-    /// Nanoseconds on the limiter's clock (a `Duration` when asked: no division
-    /// per admission).
+    /// Nanoseconds on the limiter's clock (a `Duration`, and the window's id, when
+    /// asked: no division per admission).
     at: u64,
-    window: u64,
     tokens: u64,
 }
 
@@ -652,7 +655,7 @@ impl fmt::Debug for Admission {
             .field("source", self.source())
             .field("account", &self.account())
             .field("at", &self.at())
-            .field("window", &self.window)
+            .field("window", &self.window())
             .field("tokens", &self.tokens)
             .field("clock", &self.clock())
             .finish()
@@ -663,8 +666,7 @@ impl PartialEq for Admission {
     fn eq(&self, other: &Self) -> bool {
         self.source() == other.source()
             && self.account() == other.account()
-            && (self.at, self.window, self.tokens, self.window_len())
-                == (other.at, other.window, other.tokens, other.window_len())
+            && (self.at, self.tokens, self.window_len()) == (other.at, other.tokens, other.window_len())
     }
 }
 
@@ -682,8 +684,8 @@ impl Admission {
     /// label for reports: quotas hold over every span of the window's length, whether
     /// aligned or not.
     #[must_use]
-    pub const fn window(&self) -> u64 {
-        self.window
+    pub fn window(&self) -> u64 {
+        self.at / self.limiter.inner.window_ns
     }
 
     /// The window length.
@@ -695,7 +697,7 @@ impl Admission {
     /// The end of the aligned window [`window`](Self::window), on the limiter's clock.
     #[must_use]
     pub fn window_end(&self) -> Duration {
-        let nanos = (u128::from(self.window) + 1) * self.window_len().as_nanos();
+        let nanos = (u128::from(self.window()) + 1) * self.window_len().as_nanos();
         Duration::from_nanos(u64::try_from(nanos).unwrap_or(u64::MAX))
     }
 

@@ -118,13 +118,13 @@ where
         {
             // Others wait already: behind them, first come first served.
             if let Err(e) = limiter.check_size(tokens) {
-                return ResponseFuture::failed(shared, Box::new(e));
+                return ResponseFuture::failed(Box::new(e));
             }
             let inner = take_ready(&mut self.inner);
             return ResponseFuture::behind(shared, inner, req, tokens, max_wait, wait);
         }
         match limiter.start_now(tokens) {
-            Err(e) => ResponseFuture::failed(shared, Box::new(e)),
+            Err(e) => ResponseFuture::failed(Box::new(e)),
             // The memory backend answers at once: dispatch on the service made ready
             // by `poll_ready`, no clone.
             Ok(Started::Now(ticket, verdict)) => match limiter.conclude_now(ticket, verdict) {
@@ -170,8 +170,8 @@ where
                 let inner = take_ready(&mut self.inner);
                 ResponseFuture::waiting(shared, inner, req, tokens, max_wait, *q)
             }
-            (_, Ok(q)) => ResponseFuture::failed(shared, q),
-            (_, Err(e)) => ResponseFuture::failed(shared, e),
+            (_, Ok(q)) => ResponseFuture::failed(q),
+            (_, Err(e)) => ResponseFuture::failed(e),
         }
     }
 }

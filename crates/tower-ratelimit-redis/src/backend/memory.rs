@@ -216,9 +216,6 @@ impl MemoryBackend {
             second,
             limits,
             has_account: config.account.is_some(),
-            // Whole milliseconds, at least one (validated).
-            window_ns: window_ms.saturating_mul(1_000_000),
-            win_hint: AtomicU64::new(0),
             sub_ns: sub_ms.saturating_mul(1_000_000),
             subs: window_ms / sub_ms,
             sub_hint: AtomicU64::new(0),
@@ -276,14 +273,11 @@ pub(crate) struct MemoryGate {
     /// The counts limited, in the lock order of their scopes.
     limits: Box<[Limit]>,
     has_account: bool,
-    window_ns: u64,
-    /// The last window id computed: a hint, checked against the clock on every use.
-    win_hint: AtomicU64,
     /// The sub-window's length and how many make a window (`subs * sub_ns` is the
     /// window).
     sub_ns: u64,
     subs: u64,
-    /// The last sub-window id computed: a hint, as `win_hint`.
+    /// The last sub-window id computed: a hint, checked against the clock on every use.
     sub_hint: AtomicU64,
     lease_ttl_ns: u64,
     slot_hint: Duration,
@@ -375,10 +369,7 @@ impl MemoryGate {
             self.put_back(&generations, sub, tokens);
             return self.refusal(now, sub, tokens, (i, "concurrency"));
         }
-        Verdict::Admitted {
-            at: now,
-            window: period_of(&self.win_hint, self.window_ns, now),
-        }
+        Verdict::Admitted { at: now }
     }
 
     /// Whether a hold of either scope lasts past `now`.
@@ -441,10 +432,7 @@ impl MemoryGate {
             w.publish(sub);
         }
         match verdict {
-            Ok(()) => Verdict::Admitted {
-                at: now,
-                window: period_of(&self.win_hint, self.window_ns, now),
-            },
+            Ok(()) => Verdict::Admitted { at: now },
             Err(failed) => self.refusal(now, sub, tokens, failed),
         }
     }

@@ -188,8 +188,9 @@ pub(crate) type LeaseId = u64;
 /// The backend's answer to an admission.
 #[derive(Debug)]
 pub(crate) enum Verdict {
-    /// Admitted at `at` (nanoseconds on the backend's clock), in window `window`.
-    Admitted { at: u64, window: u64 },
+    /// Admitted at `at` (nanoseconds on the backend's clock; the aligned window's id
+    /// follows from it, computed when asked: [`Admission::window`](crate::Admission::window)).
+    Admitted { at: u64 },
     /// Not admitted (boxed: the error it becomes is, and the verdict stays small).
     Refused(Box<QuotaExceeded>),
 }

@@ -403,7 +403,6 @@ impl RedisGate {
             )),
             None => Verdict::Admitted {
                 at: nanos(millis(now)),
-                window: u64::try_from(now / k.window_ms).unwrap_or(0),
             },
         }
     }
@@ -536,9 +535,9 @@ impl Gate for RedisGate {
         BackendFuture::Pending(Box::pin(async move {
             let reply: Vec<i64> = run("admit", inner.timeout, inv.invoke_async(&mut conn)).await?;
             match reply.as_slice() {
-                [1, now, win] => Ok(Verdict::Admitted {
+                // The script's window id is `now / window_ms`: the admission's own.
+                [1, now, _win] => Ok(Verdict::Admitted {
                     at: nanos(millis(*now)),
-                    window: u64::try_from(*win).unwrap_or(0),
                 }),
                 [0, server_now, scope, dim_no, wait] => {
                     let dim = dim_name(*dim_no).ok_or_else(|| garbage("admit", &reply))?;
