@@ -380,6 +380,20 @@ async fn an_idle_kept_alive_connection_is_closed_after_the_header_timeout() {
         .ok();
 }
 
+/// `n` streamed chat calls on `n` connections, each answering its status and events.
+fn streamed_calls(
+    addr: std::net::SocketAddr,
+    n: usize,
+) -> Vec<tokio::task::JoinHandle<(http::StatusCode, Vec<String>)>> {
+    (0..n)
+        .map(|_| {
+            tokio::spawn(async move {
+                let (status, _, body) = call(addr, chat(None), chat_body("m", true)).await;
+                (status, events(&body))
+            })
+        })
+        .collect()
+}
 #[tokio::test(start_paused = true)]
 async fn a_connection_flood_past_the_cap_gets_503_while_calls_in_flight_finish() {
     let h = start(
@@ -387,15 +401,7 @@ async fn a_connection_flood_past_the_cap_gets_503_while_calls_in_flight_finish()
         vec![slow("s1", 30.0)],
     )
     .await;
-    let in_flight: Vec<_> = (0..2)
-        .map(|_| {
-            let addr = h.addr;
-            tokio::spawn(async move {
-                let (status, _, body) = call(addr, chat(None), chat_body("m", true)).await;
-                (status, events(&body))
-            })
-        })
-        .collect();
+    let in_flight = streamed_calls(h.addr, 2);
     // Both calls are waiting for their first token (30 s away) on the two connections.
     while upstream_requests(&h) < 2 {
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -515,15 +521,7 @@ async fn event_loops_on_threads_share_the_connection_cap_and_all_drain_on_shutdo
         vec![slow("s1", 0.5)],
     )
     .await;
-    let streams: Vec<_> = (0..2)
-        .map(|_| {
-            let addr = h.addr;
-            tokio::spawn(async move {
-                let (status, _, body) = call(addr, chat(None), chat_body("m", true)).await;
-                (status, events(&body))
-            })
-        })
-        .collect();
+    let streams = streamed_calls(h.addr, 2);
     while upstream_requests(&h) < 2 {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
