@@ -107,19 +107,7 @@ fn budget_and_throttle_errors_name_the_field() {
         ("[retry.throttle]\nwindow_s = 1e9", "retry.throttle.window_s"),
         ("[retry.throttle]\nkk = 2", "kk"),
     ] {
-        let cfg = GatewayConfig::from_toml_str(&format!("{base}{extra}"));
-        let err = match cfg {
-            Err(e) => e,
-            // Caught when the layers are configured (the crate's own ranges).
-            Ok(cfg) => {
-                let rt = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .unwrap();
-                let err = rt.block_on(Gateway::from_config(cfg)).unwrap_err();
-                err.downcast::<pgw_stack::ConfigError>().map(|e| *e).unwrap()
-            }
-        };
+        let err = config_error_of(&format!("{base}{extra}"));
         assert_eq!(err.field(), field, "{extra}: {err}");
     }
 }
@@ -193,18 +181,23 @@ async fn the_pushback_bound_from_config_moves_persistent_429s_down_the_chain() {
 fn a_bad_pushback_bound_names_its_field() {
     let base = "[[sources]]\nname = \"s\"\nbase_url = \"http://127.0.0.1:9/v1\"\nkey = \"sk-x\"\n";
     for value in ["0", "-1"] {
-        let cfg = GatewayConfig::from_toml_str(&format!("{base}[retry]\nmax_pushback_wait_s = {value}"));
-        let err = match cfg {
-            Err(e) => e,
-            Ok(cfg) => {
-                let rt = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .unwrap();
-                let err = rt.block_on(Gateway::from_config(cfg)).unwrap_err();
-                err.downcast::<pgw_stack::ConfigError>().map(|e| *e).unwrap()
-            }
-        };
+        let err = config_error_of(&format!("{base}[retry]\nmax_pushback_wait_s = {value}"));
         assert_eq!(err.field(), "retry.max_pushback_wait_s", "{value}: {err}");
+    }
+}
+
+/// The configuration error of `text`: from parsing, or else from building the gateway
+/// (caught when the layers are configured: the crates' own ranges).
+fn config_error_of(text: &str) -> pgw_stack::ConfigError {
+    match GatewayConfig::from_toml_str(text) {
+        Err(e) => e,
+        Ok(cfg) => {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            let err = rt.block_on(Gateway::from_config(cfg)).unwrap_err();
+            err.downcast::<pgw_stack::ConfigError>().map(|e| *e).unwrap()
+        }
     }
 }
