@@ -15,7 +15,7 @@ pub const HEALTH_ALPHA: f64 = 0.2;
 /// Starting health of a new source: optimistic (DESIGN.md H1; seed 000 section 3.2).
 pub const HEALTH_INITIAL: f64 = 1.0;
 
-/// Floor of the health in the score `max(ewma, 0.05) / (1 + inflight)`: keeps a little
+/// Floor of the health in the score `max(ewma, 0.05) / ((1 + inflight) x latency)`: keeps a little
 /// exploration traffic on a bad source so it can recover (DESIGN.md H2; seed 000
 /// section 3.2).
 pub const HEALTH_FLOOR: f64 = 0.05;
@@ -32,6 +32,14 @@ pub const HEALTH_CLASSES: usize = 4;
 /// In-call failures after which a source goes to the tail of the order (DESIGN.md H5;
 /// seed 000 section 3.3: "failed >= 2 times in this call").
 pub const DEPRIORITIZE_AFTER_FAILURES: u32 = 2;
+
+/// What an unmeasured source (no successful answer yet) counts as answering in, in the
+/// score's latency term: 1 s. LLM calls take seconds, so a new source is tried early
+/// without drawing a whole burst of calls on no evidence.
+pub const UNMEASURED_LATENCY_S: f64 = 1.0;
+
+/// The least latency the score counts: 1 ms (a measured 0 must not divide by zero).
+pub const MIN_LATENCY_S: f64 = 0.001;
 
 /// A source not yet failed in this call is a credible alternative when its health is
 /// at least this share of the failed source's (DESIGN.md H5; seed 000 section 3.36).
@@ -67,7 +75,7 @@ pub const MIN_WAKE_WAIT: Duration = Duration::from_millis(10);
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Policy {
-    /// Power of two choices on `max(ewma, 0.05) / (1 + inflight)`, then the rest by
+    /// Power of two choices on `max(ewma, 0.05) / ((1 + inflight) x latency)`, then the rest by
     /// descending score (H2, H3). The default.
     #[default]
     HealthAware,

@@ -140,6 +140,7 @@ struct Ctx<S, Req, C> {
     seed: u64,
     /// The source holding one of our inflight counts.
     dispatched: Option<usize>,
+    dispatched_at: Option<Instant>,
     /// The wait for a credible source ended without one admitting: the sources
     /// deprioritized in this call may be dispatched.
     release_deferred: bool,
@@ -317,6 +318,7 @@ impl<S, Req, C> Ctx<S, Req, C> {
             return Some(result);
         };
         let inflight = Inflight(Arc::clone(&self.snapshot.entries[i].state));
+        let dispatched_at = self.dispatched_at.take();
         let mut result = match result {
             Err(e) => match NotAdmitted::of(&*e) {
                 Some(na) => {
@@ -335,8 +337,13 @@ impl<S, Req, C> Ctx<S, Req, C> {
         if result.as_ref().err().is_some_and(|e| pgw_core::is_timeout(&**e)) {
             inflight.0.timed_out();
         } else {
-            // Any answer (a committed stream's first chunk included) says it is alive.
-            inflight.0.heard();
+            // Any answer (a committed stream's first chunk included) says it is alive;
+            // a success also says how fast it answers.
+            let now = Instant::now();
+            inflight.0.heard(now);
+            if let (Ok(_), Some(at)) = (&result, dispatched_at) {
+                inflight.0.sample_latency(now.saturating_duration_since(at));
+            }
         }
         let (class, history, classifier) = (self.class, self.history.clone(), self.classifier.clone());
         pgw_core::settle(&self.classifier, &mut result, move |r| {
@@ -443,6 +450,7 @@ impl<S, F, Req, C> ResponseFuture<S, F, Req, C> {
                 classifier,
                 seed,
                 dispatched: None,
+                dispatched_at: None,
                 release_deferred: false,
                 round: Round::new(),
                 wait: None,
@@ -493,8 +501,10 @@ where
                                 .refuse(NotAdmitted::CircuitOpen(after), Box::new(open));
                             continue;
                         }
-                        entry.state.inc();
+                        let now = Instant::now();
+                        entry.state.inc(now);
                         this.ctx.dispatched = Some(i);
+                        this.ctx.dispatched_at = Some(now);
                         let svc = entry.service.clone();
                         this.state.set(State::Ready { svc });
                     }

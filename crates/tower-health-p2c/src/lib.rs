@@ -4,7 +4,9 @@
 //! AIMD, breaker, rate limit) and below the retry layer. Per call it:
 //!
 //! 1. orders the sources ([`Policy`], H3/H6): by default power of two choices on the
-//!    score `max(ewma, 0.05) / (1 + inflight)` (H2), the rest by descending score,
+//!    score `max(ewma, 0.05) / ((1 + inflight) x latency)` (H2 with a latency term:
+//!    the EWMA of the time to a successful answer, [`UNMEASURED_LATENCY_S`] before
+//!    the first), the rest by descending score,
 //!    credible sources (health `>=` [`CREDIBLE_HEALTH_RATIO`] x the best one's) always
 //!    before the others: the load term never puts a failing idle source first;
 //! 2. moves a source that failed `>= 2` times *in this call* to the tail when a
@@ -78,8 +80,8 @@ mod sources;
 
 pub use config::{
     BalanceConfig, CREDIBLE_HEALTH_RATIO, DEFAULT_MAX_WAIT, DEFAULT_PACED_POLL, DEFAULT_SILENT_AFTER,
-    DEPRIORITIZE_AFTER_FAILURES, HEALTH_ALPHA, HEALTH_CLASSES, HEALTH_FLOOR, HEALTH_INITIAL, MIN_WAKE_WAIT,
-    Policy,
+    DEPRIORITIZE_AFTER_FAILURES, HEALTH_ALPHA, HEALTH_CLASSES, HEALTH_FLOOR, HEALTH_INITIAL, MIN_LATENCY_S,
+    MIN_WAKE_WAIT, Policy, UNMEASURED_LATENCY_S,
 };
 pub use error::{ConfigError, NoSources, NoneAdmitted};
 pub use future::ResponseFuture;

@@ -216,8 +216,8 @@ mod tests {
     fn a_failing_idle_source_never_goes_before_a_healthy_busy_one() {
         let es = entries(&[0.9, 0.1, 0.8]);
         for _ in 0..10 {
-            es[0].state.inc();
-            es[2].state.inc();
+            es[0].state.inc(tokio::time::Instant::now());
+            es[2].state.inc(tokio::time::Instant::now());
         }
         assert!(
             es[1].state.score(0) > es[0].state.score(0),
@@ -240,15 +240,46 @@ mod tests {
         );
     }
 
+    /// H2's latency term: with equal health and load, the source that answers faster
+    /// ranks first, by the ratio of the latencies against the load: one answering in
+    /// half the time may carry one more call in flight and still go first. Only
+    /// successes are timed: a source answering errors fast gains nothing.
+    #[test]
+    fn the_faster_source_ranks_first_at_equal_health_and_load() {
+        use std::time::Duration;
+        let es = entries(&[1.0, 1.0, 1.0]);
+        es[0].state.sample_latency(Duration::from_secs(4));
+        es[1].state.sample_latency(Duration::from_secs(2));
+        es[2].state.sample_latency(Duration::from_secs(4));
+        assert_eq!(full(Policy::HealthAware, &es, 0, 0), vec![0, 1, 2]);
+        assert_eq!(full(Policy::HealthAware, &es, 0, 2), vec![2, 1, 0]);
+        // s1 wins every p2c pair it is in (two in three); at equal scores a pair's
+        // first draw would win, s1 one time in three.
+        let mut rng = SmallRng::seed_from_u64(3);
+        let wins = (0..300)
+            .filter(|_| first(Policy::HealthAware, &es, 0, &mut rng, || 0) == 1)
+            .count();
+        assert!(wins > 170, "s1 first {wins} times of 300");
+        // Twice as fast, one more in flight: 1 / (2 x 2 s) = 1 / (1 x 4 s), a tie kept
+        // in ring order; two more: the slow idle one goes first.
+        es[1].state.inc(tokio::time::Instant::now());
+        assert!((es[1].state.score(0) - es[0].state.score(0)).abs() < 1e-12);
+        es[1].state.inc(tokio::time::Instant::now());
+        assert!(es[1].state.score(0) < es[0].state.score(0));
+        // A failure is not timed: the latency stays what the successes said.
+        es[0].state.record(0, false);
+        assert!((es[0].state.latency() - 4.0).abs() < 1e-9);
+    }
+
     #[test]
     fn round_robin_and_least_inflight_orders() {
         let es = entries(&[1.0, 1.0, 1.0]);
         let mut rng = SmallRng::seed_from_u64(1);
         assert_eq!(first(Policy::RoundRobin, &es, 0, &mut rng, || 4), 1);
         assert_eq!(full(Policy::RoundRobin, &es, 0, 1), vec![1, 2, 0]);
-        es[0].state.inc();
-        es[0].state.inc();
-        es[2].state.inc();
+        es[0].state.inc(tokio::time::Instant::now());
+        es[0].state.inc(tokio::time::Instant::now());
+        es[2].state.inc(tokio::time::Instant::now());
         for _ in 0..20 {
             assert_eq!(first(Policy::LeastInflight, &es, 0, &mut rng, || 0), 1);
         }

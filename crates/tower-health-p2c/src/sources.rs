@@ -10,7 +10,9 @@ use pgw_core::SourceId;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use crate::{HEALTH_ALPHA, HEALTH_CLASSES, HEALTH_FLOOR, HEALTH_INITIAL};
+use crate::{
+    HEALTH_ALPHA, HEALTH_CLASSES, HEALTH_FLOOR, HEALTH_INITIAL, MIN_LATENCY_S, UNMEASURED_LATENCY_S,
+};
 
 /// Process-local health of one source (H1): a success EWMA per call class and the
 /// balancer's inflight count, all atomics.
@@ -23,6 +25,8 @@ pub(crate) struct SourceState {
     heard_ns: AtomicU64,
     /// Attempts timed out since the source last answered.
     timeouts: AtomicU32,
+    /// EWMA of the time to a successful answer, seconds, as f64 bits (0: none yet).
+    latency_bits: AtomicU64,
     epoch: Instant,
 }
 
@@ -34,17 +38,22 @@ impl SourceState {
             inflight: AtomicUsize::new(0),
             heard_ns: AtomicU64::new(0),
             timeouts: AtomicU32::new(0),
+            latency_bits: AtomicU64::new(0),
             epoch: Instant::now(),
         }
     }
 
     fn now_ns(&self) -> u64 {
-        u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
+        self.ns_at(Instant::now())
     }
 
-    /// The source answered something (it is alive, whatever the answer).
-    pub(crate) fn heard(&self) {
-        self.heard_ns.fetch_max(self.now_ns(), Ordering::Relaxed);
+    fn ns_at(&self, at: Instant) -> u64 {
+        u64::try_from(at.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// The source answered something at `at` (it is alive, whatever the answer).
+    pub(crate) fn heard(&self, at: Instant) {
+        self.heard_ns.fetch_max(self.ns_at(at), Ordering::Relaxed);
         self.timeouts.store(0, Ordering::Relaxed);
     }
 
@@ -83,11 +92,41 @@ impl SourceState {
         self.inflight.load(Ordering::Relaxed)
     }
 
-    /// `max(ewma, floor) / (1 + inflight)` (H2), with the EWMA of `class`.
+    /// `max(ewma, floor) / ((1 + inflight) * latency)` (H2 with a latency term), with
+    /// the EWMA of `class` and the source's [`latency`](Self::latency).
     pub(crate) fn score(&self, class: usize) -> f64 {
         #[allow(clippy::cast_precision_loss)]
         let load = 1.0 + self.inflight() as f64;
-        self.health(class).max(HEALTH_FLOOR) / load
+        self.health(class).max(HEALTH_FLOOR) / (load * self.latency())
+    }
+
+    /// The EWMA of the time to a successful answer, seconds, at least
+    /// [`MIN_LATENCY_S`]; [`UNMEASURED_LATENCY_S`] before the first one.
+    pub(crate) fn latency(&self) -> f64 {
+        let lat = f64::from_bits(self.latency_bits.load(Ordering::Relaxed));
+        if lat > 0.0 {
+            lat.max(MIN_LATENCY_S)
+        } else {
+            UNMEASURED_LATENCY_S
+        }
+    }
+
+    /// Feeds the time one successful attempt took to answer (to its first chunk when
+    /// it streams), with the health weight [`HEALTH_ALPHA`]. Failures feed none: a
+    /// source answering errors fast must not look fast.
+    pub(crate) fn sample_latency(&self, took: Duration) {
+        let secs = took.as_secs_f64();
+        let _ = self
+            .latency_bits
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+                let old = f64::from_bits(bits);
+                let next = if old > 0.0 {
+                    old + HEALTH_ALPHA * (secs - old)
+                } else {
+                    secs
+                };
+                Some(next.to_bits())
+            });
     }
 
     /// Feeds one health sample of call class `class` (H4).
@@ -105,11 +144,12 @@ impl SourceState {
         }
     }
 
-    pub(crate) fn inc(&self) {
+    /// An attempt dispatched at `at`.
+    pub(crate) fn inc(&self, at: Instant) {
         if self.inflight.fetch_add(1, Ordering::Relaxed) == 0 && !self.timed_out_since_heard(1) {
             // Idle until now: the silence starts with this attempt. After a timeout it
             // goes on: this attempt is a probe, and the others wait for its answer.
-            self.heard_ns.fetch_max(self.now_ns(), Ordering::Relaxed);
+            self.heard_ns.fetch_max(self.ns_at(at), Ordering::Relaxed);
         }
     }
 
@@ -151,7 +191,8 @@ impl SourceHealth {
         self.state.inflight()
     }
 
-    /// The ordering score `max(health, 0.05) / (1 + inflight)` (H2) of call class 0.
+    /// The ordering score `max(health, 0.05) / ((1 + inflight) x latency)` (H2 with a
+    /// latency term) of call class 0.
     #[must_use]
     pub fn score(&self) -> f64 {
         self.state.score(0)
@@ -384,7 +425,7 @@ mod tests {
         }
         assert!(s.health(0) < 1e-5, "converges to 0: {}", s.health(0));
         assert!((s.score(0) - HEALTH_FLOOR).abs() < 1e-12, "floored at 0.05");
-        s.inc();
+        s.inc(tokio::time::Instant::now());
         assert!(
             (s.score(0) - HEALTH_FLOOR / 2.0).abs() < 1e-12,
             "divided by 1 + inflight"
