@@ -612,6 +612,17 @@ impl Lerp for RateLimitCurve {
 }
 
 impl RateLimitCurve {
+    /// Every answer a 429 (probability 1 at rest and at the cap): an account that
+    /// never admits, for tests of what a client does under nothing but pushback.
+    #[must_use]
+    pub fn always() -> Self {
+        Self {
+            base: 1.0,
+            max: 1.0,
+            ..Self::default()
+        }
+    }
+
     fn validate(&self, field: &str) -> Result<(), ConfigError> {
         for (n, v) in [
             ("base", self.base),

@@ -229,12 +229,7 @@ async fn a_call_deadline_shorter_than_the_quota_wait_fails_at_once() {
 #[tokio::test(start_paused = true)]
 async fn a_retry_after_longer_than_the_deadline_ends_the_call_at_once() {
     let storm = pgw_sim::AccountConfig {
-        rate_limit: pgw_sim::RateLimitCurve {
-            base: 1.0,
-            max: 1.0,
-            ..pgw_sim::RateLimitCurve::default()
-        }
-        .into(),
+        rate_limit: pgw_sim::RateLimitCurve::always().into(),
         retry_after: pgw_sim::RetryAfterConfig {
             rate: 1.0,
             min_s: 10,

@@ -86,12 +86,7 @@ async fn a_sources_own_limit_holds_that_source_only() {
 async fn an_account_limit_holds_every_source_of_the_account() {
     // Every request is 429 "for account acct" with a Retry-After.
     let storm = AccountConfig {
-        rate_limit: RateLimitCurve {
-            base: 1.0,
-            max: 1.0,
-            ..RateLimitCurve::default()
-        }
-        .into(),
+        rate_limit: RateLimitCurve::always().into(),
         retry_after: pgw_sim::RetryAfterConfig {
             rate: 1.0,
             min_s: 5,

@@ -120,12 +120,7 @@ fn budget_and_throttle_errors_name_the_field() {
 async fn the_pushback_bound_from_config_moves_persistent_429s_down_the_chain() {
     let storm = pgw_sim::AccountConfig {
         name: "acct".into(),
-        rate_limit: pgw_sim::RateLimitCurve {
-            base: 1.0,
-            max: 1.0,
-            ..pgw_sim::RateLimitCurve::default()
-        }
-        .into(),
+        rate_limit: pgw_sim::RateLimitCurve::always().into(),
         retry_after: pgw_sim::RetryAfterConfig {
             rate: 0.0,
             ..pgw_sim::RetryAfterConfig::default()
