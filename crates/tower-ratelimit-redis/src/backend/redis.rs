@@ -299,6 +299,25 @@ struct GateKeys {
     refunds: AtomicU64,
 }
 
+impl GateKeys {
+    /// Each scope's count of leases this process gave back, account first (a limiter
+    /// has at most two scopes: its account's and its source's).
+    fn release_counts(&self) -> [u64; 2] {
+        let mut counts = [0; 2];
+        for (c, r) in counts.iter_mut().zip(&self.released) {
+            *c = r.load(Ordering::Acquire);
+        }
+        counts
+    }
+
+    /// One lease given back: a slot of each scope.
+    fn count_release(&self) {
+        for r in &self.released {
+            r.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+}
+
 /// A refusal this process remembers, and answers again without a round trip while it
 /// [`holds`](Refusal::holds).
 ///
@@ -513,7 +532,7 @@ impl Gate for RedisGate {
         if let Some(q) = self.known_at(now, tokens) {
             return BackendFuture::ready(Ok(Verdict::Refused(q)));
         }
-        let released: Vec<u64> = k.released.iter().map(|r| r.load(Ordering::Acquire)).collect();
+        let released = k.release_counts();
         let mut inv = ADMIT.prepare_invoke();
         for key in &k.admit_keys {
             inv.key(key);
@@ -587,12 +606,10 @@ impl Gate for RedisGate {
         // A lease given back frees a slot of each scope it holds: counted now and when
         // the settle lands, so a concurrency refusal answered before it lands is not
         // kept past it.
-        let released = s.lease.is_some().then(|| k.released.clone());
-        if let Some(r) = &released {
-            for c in r {
-                c.fetch_add(1, Ordering::AcqRel);
-            }
-        }
+        let released = s.lease.is_some().then(|| {
+            k.count_release();
+            Arc::clone(&self.inner)
+        });
         let mut inv = SETTLE.prepare_invoke();
         for key in &k.settle_keys {
             inv.key(key);
@@ -611,8 +628,8 @@ impl Gate for RedisGate {
         let timeout = k.timeout;
         BackendFuture::Pending(Box::pin(async move {
             let _: i64 = run("settle", timeout, inv.invoke_async(&mut conn)).await?;
-            for c in released.iter().flatten() {
-                c.fetch_add(1, Ordering::AcqRel);
+            if let Some(k) = released {
+                k.count_release();
             }
             Ok(())
         }))
