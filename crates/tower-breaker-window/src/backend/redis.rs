@@ -248,10 +248,9 @@ impl Gate for RedisGate {
     type Record = RecordFuture;
 
     fn admit(&self) -> Self::Admit {
-        let inner = self.0.clone();
         let sent = Instant::now();
-        let opens = inner.opens.load(Ordering::Acquire);
-        let known = *inner.known.lock().unwrap_or_else(PoisonError::into_inner);
+        let opens = self.0.opens.load(Ordering::Acquire);
+        let known = *self.0.known.lock().unwrap_or_else(PoisonError::into_inner);
         match known {
             Known::Open(until) if sent < until => {
                 return Box::pin(std::future::ready(Ok(Admission::Refused {
@@ -263,6 +262,7 @@ impl Gate for RedisGate {
             }
             _ => {}
         }
+        let inner = self.0.clone();
         Box::pin(async move {
             let mut conn = inner.conn.clone();
             let p = &inner.params;
@@ -273,16 +273,15 @@ impl Gate for RedisGate {
                 .arg(p.key_ttl);
             let (admitted, epoch, probe, retry_ms, open): (i64, i64, i64, i64, i64) =
                 run("admit", inner.timeout, call.invoke_async(&mut conn)).await?;
-            let mut known = inner.known.lock().unwrap_or_else(PoisonError::into_inner);
             Ok(if admitted == 1 {
                 let (epoch, probe) = (non_negative(epoch), non_negative(probe));
                 if probe == 0 {
-                    drop(known);
                     inner.saw_closed(sent, epoch, opens);
                 }
                 Admission::Admitted(Ticket::new(epoch, probe))
             } else {
                 let retry_after = Duration::from_millis(non_negative(retry_ms));
+                let mut known = inner.known.lock().unwrap_or_else(PoisonError::into_inner);
                 *known = if open == 1 {
                     let until = sent + retry_after;
                     Known::Open(match *known {
