@@ -4,13 +4,14 @@
 -- Returns {admitted (1|0), epoch, probe lease id (0: not a probe), retry_after_ms,
 --          open (1: refused because open until retry_after, 0 otherwise)}.
 local key = KEYS[1]
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local g = redis.call('HMGET', key, 'open', 'epoch', 'open_until', 'probe_id', 'probe_until')
 local epoch = tonumber(g[2]) or 0
 if g[1] ~= '1' then
+  -- Closed: admitted whatever the time (the clock is read only when open).
   return {1, epoch, 0, 0, 0}
 end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local open_until = tonumber(g[3]) or 0
 if now < open_until then
   return {0, epoch, 0, open_until - now, 1}

@@ -12,8 +12,9 @@
 //! which a Lua script requires. The cost: all sources of one account share that
 //! account's slot (one shard carries the account's whole traffic).
 //!
-//! Every key has a TTL: the window hash a window and two sub-windows past its newest
-//! write, the lease zset two lease TTLs
+//! Every key has a TTL: the window hash at least a window and two sub-windows past its
+//! newest write (set for two windows and two sub-windows, renewed only when less than
+//! one window and two sub-windows of it is left), the lease zset two lease TTLs
 //! (refreshed on renewal), the hold exactly its duration.
 //!
 //! Scripts: `admit`, `settle`, `renew`, `hold`, `held` (reads the lease zsets and

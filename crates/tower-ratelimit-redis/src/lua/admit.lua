@@ -1,6 +1,6 @@
 -- Checks and reserves every dimension of every scope of one admission, atomically
 -- (all or nothing), on the server clock. One call = one round trip (L3). Prepended
--- with window.lua (roll, add, wait_for).
+-- with window.lua (read, add, write, wait_for).
 --
 -- KEYS, three per scope (account first, then source; all share one hash tag):
 --   w  the scope's sliding window (hash, see window.lua)
@@ -14,6 +14,8 @@
 --
 -- Only what a scope limits is read or written: a scope without rpm and tpm has no
 -- window hash; expired leases are purged only when the slots look full (ZCARD is O(1)).
+-- The holds of every scope are read with one MGET (one hash tag: one slot), each
+-- window with one HMGET, and an admission writes each window with one HSET.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local n = tonumber(ARGV[1])
@@ -33,24 +35,30 @@ local function refuse(i, dim, wait)
   end
 end
 
-local newest = {}
+local holds = {}
 for i = 0, n - 1 do
-  local w, c, h = KEYS[3 * i + 1], KEYS[3 * i + 2], KEYS[3 * i + 3]
+  holds[#holds + 1] = KEYS[3 * i + 3]
+end
+holds = redis.call('MGET', unpack(holds))
+
+local windows = {}
+for i = 0, n - 1 do
+  local w, c = KEYS[3 * i + 1], KEYS[3 * i + 2]
   local rpm = tonumber(ARGV[9 + 3 * i])
   local tpm = tonumber(ARGV[10 + 3 * i])
   local conc = tonumber(ARGV[11 + 3 * i])
-  local hold = tonumber(redis.call('GET', h) or '0')
+  local hold = tonumber(holds[i + 1] or '0') or 0
   if hold > now then
     refuse(i, 4, hold - now)
   end
   if rpm >= 0 or tpm >= 0 then
-    local r, tk, l = roll(w, cur, k)
-    newest[i] = l
-    if rpm >= 0 and r + 1 > rpm then
-      refuse(i, 1, wait_for(w, 'r', r, 1, rpm, cur, k, g, now))
+    local st = read(w, cur, k)
+    windows[i] = st
+    if rpm >= 0 and st.r + 1 > rpm then
+      refuse(i, 1, wait_for(w, 'r', st.r, 1, rpm, cur, k, g, now))
     end
-    if tpm >= 0 and tk + tokens > tpm then
-      refuse(i, 2, wait_for(w, 't', tk, tokens, tpm, cur, k, g, now))
+    if tpm >= 0 and st.t + tokens > tpm then
+      refuse(i, 2, wait_for(w, 't', st.t, tokens, tpm, cur, k, g, now))
     end
   end
   if conc >= 0 then
@@ -77,11 +85,11 @@ for i = 0, n - 1 do
   local w, c = KEYS[3 * i + 1], KEYS[3 * i + 2]
   local rpm = tonumber(ARGV[9 + 3 * i])
   local tpm = tonumber(ARGV[10 + 3 * i])
-  if rpm >= 0 or tpm >= 0 then
-    local dr, dt = 0, 0
-    if rpm >= 0 then dr = 1 end
-    if tpm >= 0 then dt = tokens end
-    add(w, cur, k, g, dr, dt, newest[i])
+  local st = windows[i]
+  if st then
+    if rpm >= 0 then add(st, 'r', cur, 1) end
+    if tpm >= 0 then add(st, 't', cur, tokens) end
+    write(w, st, cur, k, g)
   end
   if lease ~= '' and tonumber(ARGV[11 + 3 * i]) >= 0 then
     redis.call('ZADD', c, now + ttl, lease)

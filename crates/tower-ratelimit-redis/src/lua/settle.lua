@@ -16,17 +16,6 @@ local dr = tonumber(ARGV[5])
 local dt = tonumber(ARGV[6])
 local lease = ARGV[7]
 local cur
--- Gives back up to -d of count c at sub-window at (never below zero).
-local function back(w, c, d)
-  local left = redis.call('HINCRBY', w, c .. at, d)
-  if left < 0 then
-    redis.call('HINCRBY', w, c .. at, -left)
-    d = d - left
-  end
-  if d ~= 0 then
-    redis.call('HINCRBY', w, c, d)
-  end
-end
 for i = 0, n - 1 do
   local w, c = KEYS[2 * i + 1], KEYS[2 * i + 2]
   local r = 0
@@ -38,17 +27,12 @@ for i = 0, n - 1 do
       local t = redis.call('TIME')
       cur = math.floor((tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)) / g)
     end
-    local _, _, newest, oldest = roll(w, cur, k)
-    if newest and at >= oldest and at <= newest then
-      if r < 0 then back(w, 'r', r) end
-      if tk < 0 then back(w, 't', tk) end
-    end
-    local cr, ct = 0, 0
-    if r > 0 then cr = r end
-    if tk > 0 then ct = tk end
-    if cr ~= 0 or ct ~= 0 then
-      add(w, cur, k, g, cr, ct, newest)
-    end
+    local st = read(w, cur, k, at)
+    if r < 0 then back(st, 'r', at, r) end
+    if tk < 0 then back(st, 't', at, tk) end
+    if r > 0 then add(st, 'r', cur, r) end
+    if tk > 0 then add(st, 't', cur, tk) end
+    write(w, st, cur, k, g)
   end
   if lease ~= '' and tonumber(ARGV[10 + 3 * i]) >= 0 then
     redis.call('ZREM', c, lease)

@@ -10,75 +10,118 @@
 -- A scope's window hash:
 --   o      the oldest sub-window kept (older ones are out of the totals)
 --   r, t   requests and tokens over the sub-windows kept
---   l      the newest sub-window written (the hash's TTL was set then)
+--   l      the newest sub-window written
+--   e      a sub-window before which the hash's TTL does not end
 --   r<b>, t<b>  sub-window b's counts
--- Sub-windows are written only at the current one, after a roll: everything kept lies
--- in o .. l, at most k + 1 sub-windows.
+-- Sub-windows are written only at the current one, after a roll (and given back at the
+-- one of their admission): everything kept lies in o .. l, at most k + 1 sub-windows.
+--
+-- Redis commands are what a script costs (each counts in INFO commandstats), so a
+-- scope is read with one HMGET and written with one HSET: read() gathers the state and
+-- the cells an admission or a settle touches, the caller changes them in Lua, write()
+-- stores what changed. The TTL is set for two windows and renewed only once less than
+-- one window and two sub-windows of it are left, not at every write.
 
--- Drops from hash q what is no longer live at sub-window cur. Returns requests,
--- tokens, the newest sub-window written (false: no hash) and the oldest kept.
-local function roll(q, cur, k)
-  local st = redis.call('HMGET', q, 'o', 'r', 't', 'l')
-  local o = tonumber(st[1])
-  if not o then
-    return 0, 0, false, cur - k
-  end
-  local r, tk = tonumber(st[2]) or 0, tonumber(st[3]) or 0
-  local l = tonumber(st[4]) or o
-  local oldest = cur - k
-  if o >= oldest then
-    return r, tk, l, o
-  end
-  if l < oldest then
-    -- Nothing kept is live any more.
-    redis.call('DEL', q)
-    return 0, 0, false, oldest
-  end
-  local f = {}
-  for b = o, oldest - 1 do
-    f[#f + 1] = 'r' .. b
-    f[#f + 1] = 't' .. b
+-- Reads hash q at sub-window cur, with the cells of sub-windows cur and, when given,
+-- at. Drops, in the state it answers (written by write()), the sub-windows no longer
+-- live. The state: r, t (totals), l (newest written; false: no live hash), o (oldest
+-- kept), e, cell (field -> count), dirty (fields changed), drop (fields to delete),
+-- dead (a hash whose every sub-window left: deleted by write()).
+local function read(q, cur, k, at)
+  local f = {'o', 'r', 't', 'l', 'e', 'r' .. cur, 't' .. cur}
+  if at and at ~= cur then
+    f[#f + 1] = 'r' .. at
+    f[#f + 1] = 't' .. at
   end
   local v = redis.call('HMGET', q, unpack(f))
-  for i = 1, #v, 2 do
-    r = r - (tonumber(v[i]) or 0)
-    tk = tk - (tonumber(v[i + 1]) or 0)
+  local oldest = cur - k
+  local st = {r = 0, t = 0, l = false, o = oldest, e = 0, cell = {}, dirty = {}}
+  local o = tonumber(v[1])
+  if not o then
+    return st
   end
-  if r < 0 then r = 0 end
-  if tk < 0 then tk = 0 end
-  redis.call('HDEL', q, unpack(f))
-  redis.call('HSET', q, 'o', oldest, 'r', r, 't', tk)
-  return r, tk, l, oldest
+  local l = tonumber(v[4]) or o
+  if l < oldest then
+    -- Nothing kept is live any more.
+    st.dead = true
+    return st
+  end
+  st.r, st.t, st.l, st.o = tonumber(v[2]) or 0, tonumber(v[3]) or 0, l, o
+  st.e = tonumber(v[5]) or 0
+  for i = 6, #f do
+    st.cell[f[i]] = tonumber(v[i]) or 0
+  end
+  if o < oldest then
+    local d = {}
+    for b = o, oldest - 1 do
+      d[#d + 1] = 'r' .. b
+      d[#d + 1] = 't' .. b
+    end
+    local old = redis.call('HMGET', q, unpack(d))
+    for i = 1, #old, 2 do
+      st.r = st.r - (tonumber(old[i]) or 0)
+      st.t = st.t - (tonumber(old[i + 1]) or 0)
+    end
+    if st.r < 0 then st.r = 0 end
+    if st.t < 0 then st.t = 0 end
+    st.o = oldest
+    st.drop = d
+    -- A given-back cell of a sub-window just dropped is out of the totals already.
+    for i = 1, #d do
+      st.cell[d[i]] = nil
+    end
+  end
+  return st
 end
 
--- Adds dr requests and dt tokens at sub-window cur of hash q, after roll (newest is
--- what it answered). The TTL covers the newest sub-window's life: (k + 2) * g.
-local function add(q, cur, k, g, dr, dt, newest)
-  if not newest then
-    local f = {'o', cur - k, 'r', dr, 't', dt, 'l', cur}
-    if dr ~= 0 then
-      f[#f + 1] = 'r' .. cur
-      f[#f + 1] = dr
-    end
-    if dt ~= 0 then
-      f[#f + 1] = 't' .. cur
-      f[#f + 1] = dt
-    end
-    redis.call('HSET', q, unpack(f))
-    redis.call('PEXPIRE', q, (k + 2) * g)
-    return
+-- Adds d to count c ('r' or 't') at sub-window cur.
+local function add(st, c, cur, d)
+  if d == 0 then return end
+  local f = c .. cur
+  st.cell[f] = (st.cell[f] or 0) + d
+  st.dirty[f] = true
+  st[c] = st[c] + d
+  if not st.l or cur > st.l then st.l = cur end
+end
+
+-- Gives back up to -d (d < 0) of count c at sub-window at, while it is still kept
+-- (never below zero).
+local function back(st, c, at, d)
+  if d >= 0 or not st.l or at < st.o or at > st.l then return end
+  local f = c .. at
+  local v = st.cell[f]
+  if not v then return end
+  local nv = v + d
+  if nv < 0 then nv = 0 end
+  st.cell[f] = nv
+  st.dirty[f] = true
+  st[c] = st[c] + (nv - v)
+end
+
+-- Writes what read() dropped and the cells add() and back() changed, in one HSET, and
+-- the TTL when less than (k + 2) sub-windows of it would be left: it is then set to
+-- (2k + 2) sub-windows, so a hash outlives its newest sub-window's life.
+local function write(q, st, cur, k, g)
+  if not next(st.dirty) and not st.drop then return end
+  if st.dead then
+    redis.call('DEL', q)
   end
-  if dr ~= 0 then
-    redis.call('HINCRBY', q, 'r' .. cur, dr)
-    redis.call('HINCRBY', q, 'r', dr)
+  if st.drop then
+    redis.call('HDEL', q, unpack(st.drop))
   end
-  if dt ~= 0 then
-    redis.call('HINCRBY', q, 't' .. cur, dt)
-    redis.call('HINCRBY', q, 't', dt)
+  local f = {'o', st.o, 'r', st.r, 't', st.t, 'l', st.l or cur}
+  for field in pairs(st.dirty) do
+    f[#f + 1] = field
+    f[#f + 1] = st.cell[field]
   end
-  if cur > newest then
-    redis.call('HSET', q, 'l', cur)
-    redis.call('PEXPIRE', q, (k + 2) * g)
+  local renew = st.e < cur + k + 2
+  if renew then
+    f[#f + 1] = 'e'
+    f[#f + 1] = cur + 2 * k + 2
+  end
+  redis.call('HSET', q, unpack(f))
+  if renew then
+    redis.call('PEXPIRE', q, (2 * k + 2) * g)
   end
 end
 
@@ -102,4 +145,3 @@ local function wait_for(q, c, total, need, limit, cur, k, g, now)
   end
   return (cur + k + 1) * g - now
 end
-
