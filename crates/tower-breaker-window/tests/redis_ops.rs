@@ -438,3 +438,61 @@ proptest::proptest! {
         });
     }
 }
+
+/// A refusal because another process's probe is out is remembered for the closed
+/// view: the calls waiting on a source whose probe hangs do not each ask Redis. The
+/// probe's close reaches this process when the view ends; this process's own probe
+/// forgets the memory as soon as its verdict lands. Real time (the server's clock);
+/// the view is 2 s, the steps inside it take milliseconds.
+#[tokio::test]
+async fn a_probe_out_refusal_is_remembered_for_the_view_and_forgotten_by_its_own_probe() {
+    let server = PrivateRedis::start();
+    let target = RedisTarget::Standalone(server.url());
+    let view = Duration::from_secs(2);
+    let backend = |conn| RedisBackend::new(conn).with_prefix("po").with_closed_view(view);
+    let a = backend(RedisConn::connect(&target).await.unwrap()).gate(&"s".into(), &config(1));
+    let b = backend(RedisConn::connect(&target).await.unwrap()).gate(&"s".into(), &config(1));
+    let client = redis::Client::open(server.url()).unwrap();
+    let stats = client.get_multiplexed_async_connection().await.unwrap();
+    let evalsha = || {
+        let mut c = stats.clone();
+        async move {
+            let info: String = redis::cmd("INFO")
+                .arg("commandstats")
+                .query_async(&mut c)
+                .await
+                .unwrap();
+            commandstats(&info)
+                .into_iter()
+                .find(|(n, _)| n == "evalsha")
+                .map_or(0, |c| c.1)
+        }
+    };
+    // Opened by a failure; after the cooldown the other process takes the probe.
+    call(&a, F).await;
+    tokio::time::sleep(REDIS_UNIT + REDIS_UNIT / 6).await;
+    let probe = admit(&b).await;
+    assert!(probe.is_probe());
+    let start = evalsha().await;
+    for _ in 0..5 {
+        refused(&a).await;
+    }
+    assert_eq!(evalsha().await - start, 1, "one round trip learnt the probe is out");
+    // The probe closes the breaker: this process still refuses within its view...
+    b.record(probe, BreakerVerdict::Success).await;
+    refused(&a).await;
+    // ...and asks once the view is over.
+    tokio::time::sleep(view).await;
+    assert!(!admit(&a).await.is_probe(), "closed");
+
+    // This process's own probe: its verdict forgets the memory at once.
+    call(&a, F).await;
+    tokio::time::sleep(REDIS_UNIT + REDIS_UNIT / 6).await;
+    let own = admit(&a).await;
+    assert!(own.is_probe());
+    refused(&a).await;
+    a.record(own, BreakerVerdict::Success).await;
+    let start = evalsha().await;
+    assert!(!admit(&a).await.is_probe(), "admitted by the closed breaker");
+    assert_eq!(evalsha().await - start, 1, "asked Redis");
+}

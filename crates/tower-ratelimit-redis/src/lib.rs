@@ -73,7 +73,7 @@ mod layer;
 mod limiter;
 mod service;
 
-pub use backend::{Backend, Clock, Held, HoldScope, MemoryBackend, RedisBackend, ScopeHeld};
+pub use backend::{Backend, Clock, Held, HoldScope, MemoryBackend, PROBE_RETRY, RedisBackend, ScopeHeld};
 pub use config::{
     DEFAULT_HOLD_REFRESH, DEFAULT_KEY_PREFIX, DEFAULT_LEASE_TTL, DEFAULT_SLOT_RETRY_AFTER,
     DEFAULT_SUB_WINDOWS, DEFAULT_WINDOW, MAX_SUB_WINDOWS, MAX_WAIT_JITTER, Mode, Quota, RENEW_FRACTION,

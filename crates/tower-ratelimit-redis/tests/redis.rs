@@ -755,3 +755,76 @@ async fn concurrency_token_and_hold_refusals_are_remembered_until_something_free
     let (after, _) = commands(&conn).await;
     assert_eq!(after - before, 1, "the sibling knew the hold");
 }
+
+/// When a remembered refusal ends, the calls waiting on the limiter do not all ask at
+/// once: one asks Redis, the others are refused here (asked again after
+/// `PROBE_RETRY`) until its answer is in. Once one is admitted the limiter asks
+/// freely again. An asking admission dropped before its answer lets the next one ask.
+#[tokio::test]
+async fn after_a_refusal_one_admission_at_a_time_asks_until_one_is_admitted() {
+    use futures_util::future::join_all;
+    let server = PrivateRedis::start();
+    let conn = RedisConn::connect(&RedisTarget::Standalone(server.url()))
+        .await
+        .unwrap();
+    let l = RateLimiter::new(
+        RateLimitConfig::new("s1", Quota::unlimited().requests(2)).window(Duration::from_secs(1)),
+        RedisBackend::new(conn.clone()),
+    )
+    .unwrap();
+    l.acquire(0).await.unwrap().finish(None).await.unwrap();
+    l.acquire(0).await.unwrap().finish(None).await.unwrap();
+    let e = l.acquire(0).await.unwrap_err();
+    let Some(pgw_core::NotAdmitted::QuotaExceeded(wait)) = pgw_core::NotAdmitted::of(&*e) else {
+        panic!("{e}")
+    };
+    tokio::time::sleep(wait + Duration::from_millis(50)).await;
+
+    // Eight calls come back at once: one round trip, one admitted.
+    let (before, _) = commands(&conn).await;
+    let results = join_all((0..8).map(|_| l.acquire(0))).await;
+    let (after, _) = commands(&conn).await;
+    assert_eq!(after - before, 1, "one admission asked");
+    let mut admitted = 0;
+    for r in results {
+        match r {
+            Ok(p) => {
+                admitted += 1;
+                p.finish(None).await.unwrap();
+            }
+            Err(e) => match pgw_core::NotAdmitted::of(&*e) {
+                Some(pgw_core::NotAdmitted::QuotaExceeded(d)) => {
+                    assert_eq!(d, tower_ratelimit_redis::PROBE_RETRY, "{e}");
+                }
+                other => panic!("{other:?}: {e}"),
+            },
+        }
+    }
+    assert_eq!(admitted, 1);
+    // Admitted: no longer suspect, so two calls ask at once (one fits, one is refused).
+    let (before, _) = commands(&conn).await;
+    let results = join_all((0..2).map(|_| l.acquire(0))).await;
+    let (after, _) = commands(&conn).await;
+    assert_eq!(after - before, 2, "both asked");
+    assert_eq!(results.iter().filter(|r| r.is_ok()).count(), 1);
+    for p in results.into_iter().flatten() {
+        p.finish(None).await.unwrap();
+    }
+
+    // Suspect again (the second was refused): an asking admission dropped before its
+    // answer does not keep the others from asking.
+    let e = l.acquire(0).await.unwrap_err();
+    let Some(pgw_core::NotAdmitted::QuotaExceeded(wait)) = pgw_core::NotAdmitted::of(&*e) else {
+        panic!("{e}")
+    };
+    tokio::time::sleep(wait + Duration::from_millis(50)).await;
+    {
+        let mut asking = Box::pin(l.acquire(0));
+        let first_poll = futures_util::FutureExt::now_or_never(asking.as_mut());
+        assert!(first_poll.is_none(), "sent to Redis");
+    }
+    let (before, _) = commands(&conn).await;
+    l.acquire(0).await.expect("asked Redis, and the window has room").finish(None).await.unwrap();
+    let (after, _) = commands(&conn).await;
+    assert!(after - before >= 1, "asked Redis");
+}

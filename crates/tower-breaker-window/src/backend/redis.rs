@@ -166,9 +166,15 @@ impl Inner {
 enum Known {
     Nothing,
     /// Seen open: refused until then. Nothing closes an open breaker before its
-    /// `open_until` (a probe is admitted only after it), so this loses nothing. A
-    /// refusal because a probe is out is not kept (the probe may close it any moment).
+    /// `open_until` (a probe is admitted only after it), so this loses nothing.
     Open(Instant),
+    /// Refused because a probe is out: refused until then, at most the closed view
+    /// after the question was sent. The probe may close the breaker any moment; this
+    /// process learns it within the view, as it learns another process's open within
+    /// the view of a closed breaker, and at once when the probe is its own (its record
+    /// forgets this). Without it, every waiting call's round asked Redis while a probe
+    /// hung on a black hole (P6's Redis mode: 3.3 admissions per call).
+    ProbeOut(Instant),
     /// Admitted by the closed breaker of `epoch`: admitted until then (the closed
     /// view, [`DEFAULT_CLOSED_VIEW`]). Forgotten by any refusal, and by a record of
     /// this process that opens the breaker or finds its epoch over (another process
@@ -222,6 +228,15 @@ impl RedisGate {
         match run("record", inner.timeout, call.invoke_async::<i64>(&mut conn)).await {
             Ok(code) => {
                 let effect = Effect::from_code(code);
+                if ticket.is_probe() {
+                    // This process's probe is over (closed, reopened, or released
+                    // without a verdict): the next admission asks, and learns what
+                    // it left.
+                    let mut known = inner.known.lock().unwrap_or_else(PoisonError::into_inner);
+                    if matches!(*known, Known::ProbeOut(_)) {
+                        *known = Known::Nothing;
+                    }
+                }
                 if matches!(effect, Effect::Opened | Effect::Stale) {
                     // Opened by this process, or by another since this ticket (its epoch
                     // is over): the next admission asks, and learns until when.
@@ -252,7 +267,7 @@ impl Gate for RedisGate {
         let opens = self.0.opens.load(Ordering::Acquire);
         let known = *self.0.known.lock().unwrap_or_else(PoisonError::into_inner);
         match known {
-            Known::Open(until) if sent < until => {
+            Known::Open(until) | Known::ProbeOut(until) if sent < until => {
                 return Box::pin(std::future::ready(Ok(Admission::Refused {
                     retry_after: until - sent,
                 })));
@@ -288,8 +303,14 @@ impl Gate for RedisGate {
                         Known::Open(k) => k.max(until),
                         _ => until,
                     })
-                } else {
+                } else if inner.closed_view.is_zero() || retry_after.is_zero() {
                     Known::Nothing
+                } else {
+                    match *known {
+                        // Never over a newer fact: an open seen meanwhile stands.
+                        k @ Known::Open(u) if u > sent => k,
+                        _ => Known::ProbeOut(sent + retry_after.min(inner.closed_view)),
+                    }
                 };
                 Admission::Refused { retry_after }
             })

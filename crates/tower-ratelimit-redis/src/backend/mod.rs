@@ -20,7 +20,7 @@ mod sliding;
 mod window;
 
 pub use memory::MemoryBackend;
-pub use redis::RedisBackend;
+pub use redis::{PROBE_RETRY, RedisBackend};
 
 /// The shared state of the limiter: memory or Redis.
 #[derive(Clone, Debug)]
