@@ -279,8 +279,9 @@ impl RateLimiter {
 
     /// A refusal this limiter already knows, for any admission (of 0 tokens), without
     /// a round trip and without reserving anything: on the Redis backend, a hold it
-    /// learnt or a request-count or concurrency refusal it remembers (see the crate's
-    /// README); `None` otherwise, and always on the memory backend (whose admission
+    /// learnt, a request-count or concurrency refusal it remembers, or, after a
+    /// refusal, another admission asking Redis (see the crate's README and
+    /// [`PROBE_RETRY`](crate::PROBE_RETRY)); `None` otherwise, and always on the memory backend (whose admission
     /// costs no more). Counted as a refusal in [`stats`](Self::stats).
     ///
     /// For a gate asked before this one, to skip its own round trip for a call this

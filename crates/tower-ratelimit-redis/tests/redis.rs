@@ -822,6 +822,9 @@ async fn after_a_refusal_one_admission_at_a_time_asks_until_one_is_admitted() {
         let mut asking = Box::pin(l.acquire(0));
         let first_poll = futures_util::FutureExt::now_or_never(asking.as_mut());
         assert!(first_poll.is_none(), "sent to Redis");
+        // A gate asked before this limiter learns it would be refused, and why.
+        let known = l.known_refusal().expect("refused here while another one asks");
+        assert!(known.to_string().contains("rpm"), "{known}");
     }
     let (before, _) = commands(&conn).await;
     l.acquire(0).await.expect("asked Redis, and the window has room").finish(None).await.unwrap();

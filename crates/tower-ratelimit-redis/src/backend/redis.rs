@@ -544,7 +544,11 @@ impl RedisGate {
     /// A refusal this process knows for an admission of `tokens` (see
     /// [`AnyGate::known_refusal`](super::AnyGate::known_refusal)).
     pub(crate) fn known_refusal(&self, tokens: u64) -> Option<Box<QuotaExceeded>> {
-        self.known_at(Instant::now(), tokens)
+        let k = &*self.inner;
+        self.known_at(Instant::now(), tokens).or_else(|| {
+            // Suspect, and another admission is asking: this one would be refused here.
+            (k.suspect.load(Ordering::Acquire) && k.asking.load(Ordering::Acquire)).then(|| Self::while_asking(k))
+        })
     }
 
     fn known_at(&self, now: Instant, tokens: u64) -> Option<Box<QuotaExceeded>> {
