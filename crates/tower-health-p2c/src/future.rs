@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
-use pgw_core::{AttemptRecord, BoxError, CallHistory, CarriesHistory, CircuitOpen, Classify, NotAdmitted};
+use pgw_core::{
+    AttemptRecord, BoxError, CallHistory, CarriesHistory, CircuitOpen, Classify, NotAdmitted, clock,
+};
 use pin_project_lite::pin_project;
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
@@ -507,8 +509,9 @@ where
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
         // An attempt dispatched in this poll: one that answers before the poll ends
-        // answered at its dispatch's instant.
-        let mut dispatched_here = false;
+        // answered at its dispatch's instant, and the gates it passes read that
+        // instant (`pgw_core::clock`) until the poll ends.
+        let mut dispatched_here: Option<clock::Dispatched> = None;
         loop {
             match this.state.as_mut().project() {
                 StateProj::Next => match this.ctx.next_candidate() {
@@ -531,7 +534,10 @@ where
                         entry.state.inc(now);
                         this.ctx.dispatched = Some(i);
                         this.ctx.dispatched_at = Some(now);
-                        dispatched_here = true;
+                        match &dispatched_here {
+                            Some(scope) => scope.update(now),
+                            None => dispatched_here = Some(clock::Dispatched::enter(now)),
+                        }
                         let svc = entry.service.clone();
                         this.state.set(State::Ready { svc });
                     }
@@ -549,7 +555,7 @@ where
                         this.state.set(State::Calling { fut });
                     }
                     Poll::Ready(Err(e)) => {
-                        if let Some(r) = this.ctx.finish(Err(e.into()), dispatched_here) {
+                        if let Some(r) = this.ctx.finish(Err(e.into()), dispatched_here.is_some()) {
                             this.state.set(State::Done);
                             return Poll::Ready(r);
                         }
@@ -558,7 +564,7 @@ where
                 },
                 StateProj::Calling { fut } => {
                     let result = ready!(fut.poll(cx)).map_err(Into::into);
-                    if let Some(r) = this.ctx.finish(result, dispatched_here) {
+                    if let Some(r) = this.ctx.finish(result, dispatched_here.is_some()) {
                         this.state.set(State::Done);
                         return Poll::Ready(r);
                     }
