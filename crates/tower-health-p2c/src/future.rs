@@ -365,8 +365,7 @@ impl<S, Req: CarriesHistory, C> Ctx<S, Req, C> {
         if self.classifier.in_progress(&result) {
             // Judged at its end: the closure owns what it needs, the inflight count too.
             let inflight = Inflight(Arc::clone(state));
-            let (class, history, classifier) =
-                (self.class, self.history().cloned(), self.classifier.clone());
+            let (class, history, classifier) = (self.class, self.history().cloned(), self.classifier.clone());
             self.dispatched = None;
             self.classifier.defer(
                 &mut result,
