@@ -14,6 +14,7 @@
 //! - [`retry_after`] parsing, defensive against garbage;
 //! - [`SourceId`], the name of a source, and [`CallHistory`], the in-call record the
 //!   retry layer and the balancer share;
+//! - [`clock::now`]: one clock read per dispatch, shared by the gates it passes through;
 //! - [`openai`] chat types and [`sse`] framing, shared by the simulator and the gateway;
 //! - with feature `redis`, `redis_conn`: one connection type for standalone and
 //!   cluster servers, used by every Redis backend.
@@ -34,6 +35,7 @@
 //! ```
 
 mod classify;
+pub mod clock;
 pub mod error;
 mod history;
 mod hold;

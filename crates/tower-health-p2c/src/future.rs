@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
-use pgw_core::{AttemptRecord, BoxError, CallHistory, CircuitOpen, Classify, NotAdmitted};
+use pgw_core::{
+    AttemptRecord, BoxError, CallHistory, CarriesHistory, CircuitOpen, Classify, NotAdmitted, clock,
+};
 use pin_project_lite::pin_project;
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
@@ -17,7 +19,7 @@ use tower_service::Service;
 
 use crate::error::{NoSources, NoneAdmitted};
 use crate::order;
-use crate::sources::Snapshot;
+use crate::sources::{Snapshot, SourceState};
 use crate::{BalanceConfig, CREDIBLE_HEALTH_RATIO, MIN_WAKE_WAIT};
 
 /// Timeouts in a row, with no answer between them, after which only a fresh call
@@ -129,8 +131,9 @@ struct Wait {
 }
 
 struct Ctx<S, Req, C> {
+    /// The request, with the call's history when it carries one (read through it: no
+    /// handle of our own to take and give back).
     req: Req,
-    history: Option<CallHistory>,
     snapshot: Arc<Snapshot<S>>,
     /// The request's health class (see `HealthP2c::with_class`).
     class: usize,
@@ -157,13 +160,18 @@ impl<S, Req, C> Drop for Ctx<S, Req, C> {
     }
 }
 
-impl<S, Req, C> Ctx<S, Req, C> {
+impl<S, Req: CarriesHistory, C> Ctx<S, Req, C> {
+    /// The call's history, when the request carries one.
+    fn history(&self) -> Option<&CallHistory> {
+        self.req.call_history()
+    }
+
     /// An attempt of this call already failed: it is not the one to probe a source
     /// that has said nothing since [`SILENT_TIMEOUTS`] timeouts (a call must not spend what
     /// is left of its attempts, nor two attempt timeouts, on silence). Fresh calls
     /// probe.
     fn failed_before(&self) -> bool {
-        self.history.as_ref().is_some_and(|h| {
+        self.history().is_some_and(|h| {
             h.attempts()
                 .iter()
                 .any(|a| a.outcome.health_sample() == Some(false))
@@ -215,7 +223,7 @@ impl<S, Req, C> Ctx<S, Req, C> {
         let cursor = self.seed.wrapping_add(rounds) as usize;
         let class = self.class;
         let first = order::first(policy, entries, class, &mut rng, || cursor);
-        self.plan = match self.history.as_ref().filter(|h| !h.is_empty()) {
+        self.plan = match self.history().filter(|h| !h.is_empty()) {
             None => Plan::First(first),
             Some(h) => {
                 let mut full = order::full(policy, entries, class, first);
@@ -235,7 +243,7 @@ impl<S, Req, C> Ctx<S, Req, C> {
             // Every source is breaker-open: fail fast with the earliest (H7).
             return Poll::Ready(Err(self.round.earliest_open()));
         }
-        let call_deadline = self.history.as_ref().and_then(CallHistory::deadline);
+        let call_deadline = self.history().and_then(CallHistory::deadline);
         let wait = self.wait.get_or_insert_with(|| {
             let now = Instant::now();
             let max_wait = later(now, self.config.max_wait);
@@ -309,24 +317,30 @@ impl<S, Req, C> Ctx<S, Req, C> {
     /// Accounts for one dispatched attempt's result. `None` means the source did not
     /// admit the call: nothing recorded, try the next one. An attempt still running
     /// (a stream passed through) keeps its inflight count and is judged at its end.
-    fn finish<T>(&mut self, result: Result<T, BoxError>) -> Option<Result<T, BoxError>>
+    ///
+    /// `answered_now`: the attempt answered in the poll that dispatched it, without
+    /// waiting for anything; its answer's instant is then its dispatch's (no second
+    /// clock read: nothing can have been waited for in between, and a latency that
+    /// small counts as [`MIN_LATENCY_S`](crate::MIN_LATENCY_S) either way).
+    fn finish<T>(&mut self, result: Result<T, BoxError>, answered_now: bool) -> Option<Result<T, BoxError>>
     where
         T: 'static,
         C: Classify<T, BoxError> + Clone + Send + 'static,
     {
-        let Some(i) = self.dispatched.take() else {
+        let Some(i) = self.dispatched else {
             return Some(result);
         };
-        let inflight = Inflight(Arc::clone(&self.snapshot.entries[i].state));
+        let state = &self.snapshot.entries[i].state;
         let dispatched_at = self.dispatched_at.take();
         let mut result = match result {
             Err(e) => match NotAdmitted::of(&*e) {
                 Some(na) => {
-                    let state = &inflight.0;
                     if !matches!(na, NotAdmitted::CircuitOpen(_) | NotAdmitted::Never) {
                         let h = state.health(self.class);
                         self.round.soon_best = self.round.soon_best.max(h);
                     }
+                    self.dispatched = None;
+                    state.dec();
                     self.round.refuse(na, e);
                     return None;
                 }
@@ -335,56 +349,68 @@ impl<S, Req, C> Ctx<S, Req, C> {
             ok => ok,
         };
         if result.as_ref().err().is_some_and(|e| pgw_core::is_timeout(&**e)) {
-            inflight.0.timed_out();
+            state.timed_out();
         } else {
             // Any answer (a committed stream's first chunk included) says it is alive;
             // a success also says how fast it answers.
-            let now = Instant::now();
-            inflight.0.heard(now);
+            let now = match dispatched_at {
+                Some(at) if answered_now => at,
+                _ => Instant::now(),
+            };
+            state.heard(now);
             if let (Ok(_), Some(at)) = (&result, dispatched_at) {
-                inflight.0.sample_latency(now.saturating_duration_since(at));
+                state.sample_latency(now.saturating_duration_since(at));
             }
         }
-        let (class, history, classifier) = (self.class, self.history.clone(), self.classifier.clone());
-        pgw_core::settle(&self.classifier, &mut result, move |r| {
-            inflight.judge(class, history.as_ref(), &classifier, r);
-        });
+        if self.classifier.in_progress(&result) {
+            // Judged at its end: the closure owns what it needs, the inflight count too.
+            let inflight = Inflight(Arc::clone(state));
+            let (class, history, classifier) = (self.class, self.history().cloned(), self.classifier.clone());
+            self.dispatched = None;
+            self.classifier.defer(
+                &mut result,
+                Box::new(move |r| judge(&inflight.0, class, history.as_ref(), &classifier, r)),
+            );
+        } else {
+            // Judged now, borrowing: no reference to take and give back. The count is
+            // given back after (by `Ctx`'s drop if judging panicked).
+            judge(state, self.class, self.history(), &self.classifier, &result);
+            self.dispatched = None;
+            state.dec();
+        }
         Some(result)
     }
 }
 
-/// One dispatched attempt's inflight count, given back when it is judged or dropped
-/// (the caller dropped the call, or a stream passed through, mid-attempt: A4).
-struct Inflight(Arc<crate::sources::SourceState>);
-
-impl Inflight {
-    /// Records the attempt's outcome: the health sample of its class and the call's
-    /// history.
-    fn judge<T, C>(
-        self,
-        class: usize,
-        history: Option<&CallHistory>,
-        classifier: &C,
-        result: &Result<T, BoxError>,
-    ) where
-        C: Classify<T, BoxError>,
-    {
-        let state = &self.0;
-        let outcome = classifier.classify(result);
-        if let Some(ok) = outcome.health_sample() {
-            state.record(class, ok);
-        }
-        if let Some(h) = history {
-            let err = result.as_ref().err();
-            h.push(AttemptRecord {
-                source: Some(state.id().clone()),
-                outcome,
-                timed_out: err.is_some_and(|e| pgw_core::is_timeout(&**e)),
-                too_large: err.is_some_and(|e| pgw_core::exceeds_source(&**e)),
-            });
-        }
+/// Records an attempt's outcome: the health sample of its class and the call's
+/// history.
+fn judge<T, C>(
+    state: &SourceState,
+    class: usize,
+    history: Option<&CallHistory>,
+    classifier: &C,
+    result: &Result<T, BoxError>,
+) where
+    C: Classify<T, BoxError>,
+{
+    let outcome = classifier.classify(result);
+    if let Some(ok) = outcome.health_sample() {
+        state.record(class, ok);
+    }
+    if let Some(h) = history {
+        let err = result.as_ref().err();
+        h.push(AttemptRecord {
+            source: Some(state.id().clone()),
+            outcome,
+            timed_out: err.is_some_and(|e| pgw_core::is_timeout(&**e)),
+            too_large: err.is_some_and(|e| pgw_core::exceeds_source(&**e)),
+        });
     }
 }
+
+/// One dispatched attempt's inflight count, owned by an attempt judged at its end (a
+/// stream passed through): given back when judged or dropped (A4).
+struct Inflight(Arc<SourceState>);
 
 impl Drop for Inflight {
     fn drop(&mut self) {
@@ -430,7 +456,6 @@ impl<S, F, Req, C> ResponseFuture<S, F, Req, C> {
     #[allow(clippy::too_many_arguments)]
     pub(crate) const fn new(
         req: Req,
-        history: Option<CallHistory>,
         snapshot: Arc<Snapshot<S>>,
         class: usize,
         plan: Plan,
@@ -442,7 +467,6 @@ impl<S, F, Req, C> ResponseFuture<S, F, Req, C> {
             state: State::Next,
             ctx: Ctx {
                 req,
-                history,
                 snapshot,
                 class,
                 plan,
@@ -477,12 +501,16 @@ where
     S::Error: Into<BoxError>,
     C: Classify<S::Response, BoxError> + Clone + Send + 'static,
     S::Response: 'static,
-    Req: Clone,
+    Req: Clone + CarriesHistory,
 {
     type Output = Result<S::Response, BoxError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
+        // An attempt dispatched in this poll: one that answers before the poll ends
+        // answered at its dispatch's instant, and the gates it passes read that
+        // instant (`pgw_core::clock`) until the poll ends.
+        let mut dispatched_here: Option<clock::Dispatched> = None;
         loop {
             match this.state.as_mut().project() {
                 StateProj::Next => match this.ctx.next_candidate() {
@@ -505,6 +533,10 @@ where
                         entry.state.inc(now);
                         this.ctx.dispatched = Some(i);
                         this.ctx.dispatched_at = Some(now);
+                        match &dispatched_here {
+                            Some(scope) => scope.update(now),
+                            None => dispatched_here = Some(clock::Dispatched::enter(now)),
+                        }
                         let svc = entry.service.clone();
                         this.state.set(State::Ready { svc });
                     }
@@ -522,7 +554,7 @@ where
                         this.state.set(State::Calling { fut });
                     }
                     Poll::Ready(Err(e)) => {
-                        if let Some(r) = this.ctx.finish(Err(e.into())) {
+                        if let Some(r) = this.ctx.finish(Err(e.into()), dispatched_here.is_some()) {
                             this.state.set(State::Done);
                             return Poll::Ready(r);
                         }
@@ -531,7 +563,7 @@ where
                 },
                 StateProj::Calling { fut } => {
                     let result = ready!(fut.poll(cx)).map_err(Into::into);
-                    if let Some(r) = this.ctx.finish(result) {
+                    if let Some(r) = this.ctx.finish(result, dispatched_here.is_some()) {
                         this.state.set(State::Done);
                         return Poll::Ready(r);
                     }

@@ -207,7 +207,6 @@ where
             (self.snapshot, self.version) = self.sources.snapshot();
         }
         let snapshot = Arc::clone(&self.snapshot);
-        let history = req.call_history().cloned();
         let policy = self.config.policy;
         let class = self.class_of.class_of(&req).min(HEALTH_CLASSES - 1);
         let plan = if snapshot.entries.is_empty() {
@@ -216,7 +215,7 @@ where
             let sources = &self.sources;
             let entries = &snapshot.entries;
             let first = order::first(policy, entries, class, &mut self.rng, || sources.cursor());
-            match history.as_ref().filter(|h| !h.is_empty()) {
+            match req.call_history().filter(|h| !h.is_empty()) {
                 None => Plan::First(first),
                 Some(h) => {
                     let mut full = order::full(policy, entries, class, first);
@@ -227,7 +226,6 @@ where
         };
         ResponseFuture::new(
             req,
-            history,
             snapshot,
             class,
             plan,

@@ -56,8 +56,19 @@ impl SourceState {
 
     /// The source answered something at `at` (it is alive, whatever the answer).
     pub(crate) fn heard(&self, at: Instant) {
-        self.heard_ns.fetch_max(self.ns_at(at), Ordering::Relaxed);
-        self.timeouts.store(0, Ordering::Relaxed);
+        self.hear_at(self.ns_at(at));
+        if self.timeouts.load(Ordering::Relaxed) != 0 {
+            self.timeouts.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// Moves `heard_ns` to `ns` when that is later: a load, and a read-modify-write
+    /// only when it moves (an answer at its dispatch's instant, already heard, writes
+    /// nothing).
+    fn hear_at(&self, ns: u64) {
+        if self.heard_ns.load(Ordering::Relaxed) < ns {
+            self.heard_ns.fetch_max(ns, Ordering::Relaxed);
+        }
     }
 
     /// An attempt ran out of time: the source said nothing.
@@ -146,6 +157,11 @@ impl SourceState {
         loop {
             let old = f64::from_bits(cur);
             let next = (old + HEALTH_ALPHA * (sample - old)).to_bits();
+            if next == cur {
+                // At its fixed point (a healthy source's 1.0): nothing to write, and
+                // the line every ordering reads stays clean.
+                return;
+            }
             match ewma.compare_exchange_weak(cur, next, Ordering::Relaxed, Ordering::Relaxed) {
                 Ok(_) => return,
                 Err(actual) => cur = actual,
@@ -159,7 +175,7 @@ impl SourceState {
         if self.inflight.fetch_add(1, Ordering::Relaxed) == 0 && !self.timed_out_since_heard(1) {
             // Idle until now: the silence starts with this attempt. After a timeout it
             // goes on: this attempt is a probe, and the others wait for its answer.
-            self.heard_ns.fetch_max(self.ns_at(at), Ordering::Relaxed);
+            self.hear_at(self.ns_at(at));
         }
     }
 

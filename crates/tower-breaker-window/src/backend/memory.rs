@@ -91,7 +91,10 @@ impl fmt::Debug for MemoryGate {
 
 impl MemoryGate {
     fn now(&self) -> Ms {
-        u64::try_from(self.0.base.elapsed().as_millis()).unwrap_or(u64::MAX)
+        // Inside a balancer's dispatching poll, its dispatch's instant (an answer that
+        // came at once is recorded at it): no second clock read.
+        let elapsed = pgw_core::clock::now().saturating_duration_since(self.0.base);
+        u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX)
     }
 
     fn lock(&self) -> MutexGuard<'_, GateState> {

@@ -348,7 +348,10 @@ impl MemoryGate {
     /// [`admit_locked`](Self::admit_locked) decides.
     #[inline]
     pub(crate) fn admit_now(&self, tokens: u64, lease: Option<LeaseId>) -> Verdict {
-        let now = self.since_base(Instant::now());
+        // Under a balancer, the instant of its dispatch (this admission runs inside that
+        // poll): no second clock read. An admission the words cannot decide reads the
+        // clock itself, after locking (`admit_locked`).
+        let now = self.since_base(pgw_core::clock::now());
         let sub = period_of(&self.sub_hint, self.sub_ns, now);
         if self.held_at(now) {
             return self.refusal(now, sub, tokens, (0, "hold"));
