@@ -477,7 +477,11 @@ async fn a_probe_out_refusal_is_remembered_for_the_view_and_forgotten_by_its_own
     for _ in 0..5 {
         refused(&a).await;
     }
-    assert_eq!(evalsha().await - start, 1, "one round trip learnt the probe is out");
+    assert_eq!(
+        evalsha().await - start,
+        1,
+        "one round trip learnt the probe is out"
+    );
     // The probe closes the breaker: this process still refuses within its view...
     b.record(probe, BreakerVerdict::Success).await;
     refused(&a).await;

@@ -827,7 +827,12 @@ async fn after_a_refusal_one_admission_at_a_time_asks_until_one_is_admitted() {
         assert!(known.to_string().contains("rpm"), "{known}");
     }
     let (before, _) = commands(&conn).await;
-    l.acquire(0).await.expect("asked Redis, and the window has room").finish(None).await.unwrap();
+    l.acquire(0)
+        .await
+        .expect("asked Redis, and the window has room")
+        .finish(None)
+        .await
+        .unwrap();
     let (after, _) = commands(&conn).await;
     assert!(after - before >= 1, "asked Redis");
 }

@@ -547,7 +547,8 @@ impl RedisGate {
         let k = &*self.inner;
         self.known_at(Instant::now(), tokens).or_else(|| {
             // Suspect, and another admission is asking: this one would be refused here.
-            (k.suspect.load(Ordering::Acquire) && k.asking.load(Ordering::Acquire)).then(|| Self::while_asking(k))
+            (k.suspect.load(Ordering::Acquire) && k.asking.load(Ordering::Acquire))
+                .then(|| Self::while_asking(k))
         })
     }
 
@@ -630,9 +631,10 @@ impl Gate for RedisGate {
                         .filter(|i| *i < inner.labels.len())
                         .ok_or_else(|| garbage("admit", &reply))?;
                     let label = &inner.labels[i];
-                    inner
-                        .last_refusal
-                        .store(u64::try_from(*dim_no << 8).unwrap_or(0) | i as u64, Ordering::Relaxed);
+                    inner.last_refusal.store(
+                        u64::try_from(*dim_no << 8).unwrap_or(0) | i as u64,
+                        Ordering::Relaxed,
+                    );
                     inner.suspect.store(true, Ordering::Release);
                     if *dim_no == 4 {
                         // A hold: every limiter of the backend honours it from now on.
