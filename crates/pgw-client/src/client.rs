@@ -335,7 +335,7 @@ where
         source: Some(prepared.settings.id.clone()),
         ..AttemptStats::default()
     };
-    let (response, chunks) = if stream && is_event_stream(&parts.headers) {
+    let (response, chunks, body) = if stream && is_event_stream(&parts.headers) {
         let mut s = ChunkStream::new(body, start, t);
         let mut acc = ChunkAccumulator::default();
         let mut chunks = Vec::new();
@@ -357,12 +357,13 @@ where
                     chunks,
                     stats,
                     tail: Some(tail),
+                    body: None,
                 });
             }
         }
         stats.ttft = s.ttft();
         stats.streamed = true;
-        (acc.finish(), chunks)
+        (acc.finish(), chunks, None)
     } else {
         let bytes = read_body(body, after(start, t.total), t, MAX_ANSWER_BODY).await?;
         let resp: ChatResponse = serde_json::from_slice(&bytes).map_err(|e| {
@@ -373,7 +374,7 @@ where
         {
             return Err(MalformedResponse::new(format!("provider error in a 2xx answer: {msg}")).into());
         }
-        (resp, Vec::new())
+        (resp, Vec::new(), Some(bytes))
     };
     stats.latency = start.elapsed();
     stats.usage.clone_from(&response.usage);
@@ -385,6 +386,7 @@ where
         chunks,
         stats,
         tail: None,
+        body,
     })
 }
 

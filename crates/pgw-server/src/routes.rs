@@ -422,7 +422,7 @@ async fn chat(
     let result = tower::ServiceExt::oneshot(state.gateway.clone(), chat_call).await;
     drop(slot);
     match result {
-        Ok(answer) => {
+        Ok(mut answer) => {
             let usage = answer.answer.response.usage.clone();
             if let Some(u) = &usage {
                 call.tokens(u);
@@ -431,7 +431,16 @@ async fn chat(
                 let _ = p.finish(usage.map(|u| u.total_tokens)).await;
             }
             call.finish(None);
-            let mut response = Json(&answer.answer.response).into_response();
+            // The provider's body as it came, when there is one: byte for byte, and no
+            // second serialization (a cache hit is serialized from the stored answer).
+            let mut response = match answer.answer.body.take() {
+                Some(body) => (
+                    [(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))],
+                    body,
+                )
+                    .into_response(),
+                None => Json(&answer.answer.response).into_response(),
+            };
             let h = response.headers_mut();
             h.insert(
                 CACHE_HEADER,
