@@ -7,12 +7,13 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::rejection::JsonRejection;
-use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::extract::{DefaultBodyLimit, FromRequest, MatchedPath, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use bytes::Bytes;
 use http_body_util::BodyExt;
 use metrics::{Counter, Histogram};
 use metrics_exporter_prometheus::PrometheusHandle;
@@ -353,17 +354,34 @@ impl CallMetrics {
     }
 }
 
-async fn chat(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-    body: Result<Json<ChatRequest>, JsonRejection>,
-) -> Response {
+/// The chat request in `body`, as axum's `Json` extractor reads it.
+///
+/// A body sent as plain `application/json` is parsed with serde_json alone; only
+/// when that fails, or the content type is another one, does `Json` read it, for its
+/// rejection (its path-tracking deserializer names the field at fault, and costs
+/// about a third more on every request).
+async fn chat_request(headers: &HeaderMap, body: Bytes) -> Result<ChatRequest, JsonRejection> {
+    let content_type = headers.get(header::CONTENT_TYPE);
+    if content_type.is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"application/json"))
+        && let Ok(request) = serde_json::from_slice(&body)
+    {
+        return Ok(request);
+    }
+    // `Json` looks at the content type and the body only.
+    let mut request = Request::new(Body::from(body));
+    if let Some(v) = content_type {
+        request.headers_mut().insert(header::CONTENT_TYPE, v.clone());
+    }
+    Json::<ChatRequest>::from_request(request, &()).await.map(|Json(r)| r)
+}
+
+async fn chat(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
     let tenant = match authenticate(&state, &headers) {
         Ok(t) => t,
         Err(e) => return e.into_response(),
     };
-    let request = match body {
-        Ok(Json(r)) => r,
+    let request = match chat_request(&headers, body).await {
+        Ok(r) => r,
         Err(r) => return rejection(&r).into_response(),
     };
     if let Some(t) = &tenant
