@@ -35,6 +35,7 @@ mod handles;
 mod routes;
 mod serve;
 mod sse;
+mod track;
 
 use std::sync::OnceLock;
 

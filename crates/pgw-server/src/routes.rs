@@ -7,9 +7,8 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::rejection::JsonRejection;
-use axum::extract::{DefaultBodyLimit, FromRequest, MatchedPath, Request, State};
+use axum::extract::{DefaultBodyLimit, FromRequest, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
-use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -31,6 +30,7 @@ use crate::config::Settings;
 use crate::error::ApiError;
 use crate::handles::Handles;
 use crate::sse;
+use crate::track::TrackLayer;
 
 /// Everything a request handler needs. Cheap to clone.
 #[derive(Clone)]
@@ -53,7 +53,7 @@ pub struct AppState {
 #[derive(Default)]
 pub(crate) struct CallHandles {
     /// `http_server_request_duration_seconds` by route, method and status.
-    requests: Handles<Histogram, 3>,
+    pub(crate) requests: Handles<Histogram, 3>,
     /// `gen_ai_client_operation_duration_seconds` by model and error type.
     duration: Handles<Histogram, 2>,
     /// `pgw_server_calls_total` by tenant and status.
@@ -160,6 +160,9 @@ pub fn model_names(config: &GatewayConfig) -> Vec<String> {
 /// Each group of layers is applied as one `ServiceBuilder` stack: every
 /// `Router::layer` call boxes each route once more, and a request clones every box
 /// below the one it enters, so one call per group saves most of that per request.
+/// The layers are tower's kind, which call their inner service from `call`: axum's
+/// `middleware::from_fn` and `map_response` clone it (boxes and all) on every request
+/// instead, to hand it to an `async fn`.
 pub fn router(state: AppState, max_body_bytes: usize) -> Router {
     let api = Router::new()
         .route("/v1/chat/completions", post(chat))
@@ -169,8 +172,7 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
                 .layer(RequestBodyLimitLayer::new(max_body_bytes))
                 // The limited body back to axum's own (what a `Route` between them did).
                 .map_request(|r: Request<_>| r.map(Body::new))
-                .layer(DefaultBodyLimit::disable())
-                .layer(middleware::from_fn_with_state(state.clone(), read_body)),
+                .layer(DefaultBodyLimit::disable()),
         );
     Router::new()
         .merge(api)
@@ -189,24 +191,21 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
                 .layer(CatchPanicLayer::custom(|_| {
                     ApiError::of_status(StatusCode::INTERNAL_SERVER_ERROR).into_response()
                 }))
-                .layer(middleware::map_response(as_openai_error))
-                .layer(middleware::from_fn_with_state(Arc::clone(&state.handles), track)),
+                .map_response(as_openai_error)
+                .layer(TrackLayer(Arc::clone(&state.handles))),
         )
         .with_state(state)
 }
 
-/// Reads the whole request body within `body_read_timeout` of its headers: a client
-/// trickling its body is answered 408 and its connection closed then, before the call
-/// costs an attempt (hyper's header read timeout only covers the head). A body over
-/// the limit (tower-http's `Limited` below) is a 413.
-async fn read_body(State(state): State<AppState>, request: Request, next: Next) -> Response {
-    let (parts, body) = request.into_parts();
+/// Reads the whole request body within `body_read_timeout` of its headers, before
+/// anything else is done with the request: a client trickling its body is answered
+/// 408 and its connection closed then, before the call costs an attempt (hyper's
+/// header read timeout only covers the head). A body over the limit (tower-http's
+/// `Limited` in the router) is a 413.
+async fn read_body(state: &AppState, body: Body) -> Result<Bytes, Response> {
     match tokio::time::timeout(state.body_read_timeout, body.collect()).await {
-        Ok(Ok(collected)) => {
-            next.run(Request::from_parts(parts, Body::from(collected.to_bytes())))
-                .await
-        }
-        Ok(Err(e)) => {
+        Ok(Ok(collected)) => Ok(collected.to_bytes()),
+        Ok(Err(e)) => Err({
             let too_large = crate::error::find::<http_body_util::LengthLimitError>(&e).is_some();
             if too_large {
                 ApiError::of_status(StatusCode::PAYLOAD_TOO_LARGE).into_response()
@@ -214,20 +213,20 @@ async fn read_body(State(state): State<AppState>, request: Request, next: Next) 
                 ApiError::invalid_request("invalid_body", "the request body could not be read")
                     .into_response()
             }
-        }
+        }),
         Err(_) => {
             let mut response = ApiError::of_status(StatusCode::REQUEST_TIMEOUT).into_response();
             response
                 .headers_mut()
                 .insert(header::CONNECTION, HeaderValue::from_static("close"));
-            response
+            Err(response)
         }
     }
 }
 
 /// Any error answer that is not JSON yet (a layer's 413, the framework's 405) becomes
 /// the OpenAI shape for its status; its headers (`Retry-After`, `Allow`) stay.
-async fn as_openai_error(response: Response) -> Response {
+fn as_openai_error(response: Response) -> Response {
     let status = response.status();
     let is_json = response
         .headers()
@@ -249,32 +248,6 @@ async fn as_openai_error(response: Response) -> Response {
             .unwrap_or(HeaderValue::from_static("application/json")),
     );
     Response::from_parts(parts, body)
-}
-
-/// `http_server_request_duration_seconds` (OpenTelemetry's `http.server.request.duration`).
-async fn track(State(handles): State<Arc<CallHandles>>, request: Request, next: Next) -> Response {
-    let route = request.extensions().get::<MatchedPath>().cloned();
-    let method = request.method().clone();
-    let started = Instant::now();
-    let response = next.run(request).await;
-    let status = response.status();
-    let labels = [
-        route.as_ref().map_or("unmatched", MatchedPath::as_str),
-        method.as_str(),
-        status.as_str(),
-    ];
-    handles
-        .requests
-        .get(labels, |[route, method, status]| {
-            metrics::histogram!(
-                "http_server_request_duration_seconds",
-                "http_route" => route.to_owned(),
-                "http_request_method" => method.to_owned(),
-                "http_response_status_code" => status.to_owned(),
-            )
-        })
-        .record(started.elapsed().as_secs_f64());
-    response
 }
 
 /// The tenant of the request: `Ok(None)` when no keys are configured.
@@ -375,12 +348,18 @@ async fn chat_request(headers: &HeaderMap, body: Bytes) -> Result<ChatRequest, J
     Json::<ChatRequest>::from_request(request, &()).await.map(|Json(r)| r)
 }
 
-async fn chat(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
-    let tenant = match authenticate(&state, &headers) {
+async fn chat(State(state): State<AppState>, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    let body = match read_body(&state, body).await {
+        Ok(b) => b,
+        Err(refused) => return refused,
+    };
+    let headers = &parts.headers;
+    let tenant = match authenticate(&state, headers) {
         Ok(t) => t,
         Err(e) => return e.into_response(),
     };
-    let request = match chat_request(&headers, body).await {
+    let request = match chat_request(headers, body).await {
         Ok(r) => r,
         Err(r) => return rejection(&r).into_response(),
     };
@@ -431,7 +410,7 @@ async fn chat(State(state): State<AppState>, headers: HeaderMap, body: Bytes) ->
         None => None,
     };
     let mut chat_call = pgw_stack::ChatCall::new(request);
-    if skips_cache(&headers) {
+    if skips_cache(headers) {
         chat_call.extensions_mut().insert(pgw_stack::NoCache);
     }
     if chat_call.is_stream() {
@@ -488,8 +467,12 @@ async fn chat(State(state): State<AppState>, headers: HeaderMap, body: Bytes) ->
     }
 }
 
-async fn models(State(state): State<AppState>, headers: HeaderMap) -> Response {
-    let tenant = match authenticate(&state, &headers) {
+async fn models(State(state): State<AppState>, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    if let Err(refused) = read_body(&state, body).await {
+        return refused;
+    }
+    let tenant = match authenticate(&state, &parts.headers) {
         Ok(t) => t,
         Err(e) => return e.into_response(),
     };
