@@ -38,6 +38,7 @@ pub mod error;
 mod history;
 mod hold;
 mod http_classify;
+mod metric_handles;
 pub mod openai;
 mod outcome;
 #[cfg(feature = "redis")]
@@ -58,5 +59,6 @@ pub use http_classify::{
     HttpClassifier, OpenAiClassifier, classify_error, classify_response, classify_status, classify_upstream,
     is_quota_exhausted,
 };
+pub use metric_handles::MetricHandles;
 pub use outcome::{BreakerVerdict, Outcome};
 pub use source::SourceId;

@@ -31,7 +31,6 @@
 mod auth;
 pub mod config;
 mod error;
-mod handles;
 mod routes;
 mod serve;
 mod sse;

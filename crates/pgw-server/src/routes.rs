@@ -16,6 +16,7 @@ use bytes::Bytes;
 use http_body_util::BodyExt;
 use metrics::{Counter, Histogram};
 use metrics_exporter_prometheus::PrometheusHandle;
+use pgw_core::MetricHandles;
 use pgw_core::openai::ChatRequest;
 use pgw_stack::{BackendKind, Gateway, GatewayConfig};
 use tokio::sync::Semaphore;
@@ -28,7 +29,6 @@ use tower_http::trace::{DefaultMakeSpan, DefaultOnResponse, TraceLayer};
 use crate::auth::{KeyRing, Tenant};
 use crate::config::Settings;
 use crate::error::ApiError;
-use crate::handles::Handles;
 use crate::sse;
 use crate::track::TrackLayer;
 
@@ -49,19 +49,19 @@ pub struct AppState {
     pub(crate) handles: Arc<CallHandles>,
 }
 
-/// The handles of the series every call updates (see [`Handles`]).
+/// The handles of the series every call updates (see [`MetricHandles`]).
 #[derive(Default)]
 pub(crate) struct CallHandles {
     /// `http_server_request_duration_seconds` by route, method and status.
-    pub(crate) requests: Handles<Histogram, 3>,
+    pub(crate) requests: MetricHandles<Histogram, 3>,
     /// `gen_ai_client_operation_duration_seconds` by model and error type.
-    duration: Handles<Histogram, 2>,
+    duration: MetricHandles<Histogram, 2>,
     /// `pgw_server_calls_total` by tenant and status.
-    calls: Handles<Counter, 2>,
+    calls: MetricHandles<Counter, 2>,
     /// `gen_ai_client_token_usage` by token type and model.
-    tokens: Handles<Histogram, 2>,
+    tokens: MetricHandles<Histogram, 2>,
     /// `gen_ai_server_time_to_first_token_seconds` by model.
-    pub(crate) first_token: Handles<Histogram, 1>,
+    pub(crate) first_token: MetricHandles<Histogram, 1>,
 }
 
 impl std::fmt::Debug for AppState {
