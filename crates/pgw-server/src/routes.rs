@@ -345,7 +345,9 @@ async fn chat_request(headers: &HeaderMap, body: Bytes) -> Result<ChatRequest, J
     if let Some(v) = content_type {
         request.headers_mut().insert(header::CONTENT_TYPE, v.clone());
     }
-    Json::<ChatRequest>::from_request(request, &()).await.map(|Json(r)| r)
+    Json::<ChatRequest>::from_request(request, &())
+        .await
+        .map(|Json(r)| r)
 }
 
 async fn chat(State(state): State<AppState>, request: Request) -> Response {

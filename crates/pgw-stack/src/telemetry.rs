@@ -9,8 +9,8 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use metrics::Counter;
-use pgw_core::{MetricHandles, SourceId};
 use pgw_core::openai::Usage;
+use pgw_core::{MetricHandles, SourceId};
 use serde::Serialize;
 
 use crate::config::Price;
@@ -201,14 +201,17 @@ impl Telemetry {
         let source = record.source.as_ref().map_or("", SourceId::as_str);
         let cache_hit = if record.cache_hit { "true" } else { "false" };
         self.attempts
-            .get([source, record.outcome, cache_hit], |[source, outcome, cache_hit]| {
-                metrics::counter!(
-                    "pgw_attempts_total",
-                    "source" => source.to_owned(),
-                    "outcome" => outcome.to_owned(),
-                    "cache_hit" => cache_hit.to_owned(),
-                )
-            })
+            .get(
+                [source, record.outcome, cache_hit],
+                |[source, outcome, cache_hit]| {
+                    metrics::counter!(
+                        "pgw_attempts_total",
+                        "source" => source.to_owned(),
+                        "outcome" => outcome.to_owned(),
+                        "cache_hit" => cache_hit.to_owned(),
+                    )
+                },
+            )
             .increment(1);
         for s in self.sinks.iter() {
             s.record(record);
