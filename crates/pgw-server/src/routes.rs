@@ -194,7 +194,8 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
                 .map_response(as_openai_error)
                 .layer(TrackLayer(Arc::clone(&state.handles))),
         )
-        .with_state(state)
+        // Behind one Arc: a handler's `State` is a clone of it on every request.
+        .with_state(Arc::new(state))
 }
 
 /// Reads the whole request body within `body_read_timeout` of its headers, before
@@ -350,7 +351,7 @@ async fn chat_request(headers: &HeaderMap, body: Bytes) -> Result<ChatRequest, J
         .map(|Json(r)| r)
 }
 
-async fn chat(State(state): State<AppState>, request: Request) -> Response {
+async fn chat(State(state): State<Arc<AppState>>, request: Request) -> Response {
     let (parts, body) = request.into_parts();
     let body = match read_body(&state, body).await {
         Ok(b) => b,
@@ -469,7 +470,7 @@ async fn chat(State(state): State<AppState>, request: Request) -> Response {
     }
 }
 
-async fn models(State(state): State<AppState>, request: Request) -> Response {
+async fn models(State(state): State<Arc<AppState>>, request: Request) -> Response {
     let (parts, body) = request.into_parts();
     if let Err(refused) = read_body(&state, body).await {
         return refused;
@@ -495,7 +496,7 @@ async fn healthz() -> Response {
 
 /// Ready when not draining and, on the Redis backend, the backend answers (one read of
 /// the first source's limiter state, at most 2 s).
-async fn readyz(State(state): State<AppState>) -> Response {
+async fn readyz(State(state): State<Arc<AppState>>) -> Response {
     if state.draining.load(Ordering::Relaxed) {
         return ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -524,7 +525,7 @@ async fn readyz(State(state): State<AppState>) -> Response {
 
 /// Prometheus text; the gateway's gauges (breaker state, AIMD limit, health, inflight,
 /// quota) are refreshed first.
-async fn metrics_text(State(state): State<AppState>) -> Response {
+async fn metrics_text(State(state): State<Arc<AppState>>) -> Response {
     let Some(handle) = &state.metrics else {
         return ApiError::of_status(StatusCode::NOT_FOUND).into_response();
     };
