@@ -170,6 +170,12 @@ pub struct ChatAnswer {
     /// The rest of a stream still running, passed through (`None`: the answer is
     /// complete).
     pub tail: Option<Tail>,
+    /// The provider's JSON body exactly as it arrived, when `response` is that body
+    /// parsed (a non-streamed answer from a provider); `None` for a streamed, cached
+    /// or assembled answer. A server can send it as is: byte for byte what the
+    /// provider wrote, and no second serialization. Whoever changes `response` clears
+    /// it.
+    pub body: Option<bytes::Bytes>,
 }
 
 impl ChatAnswer {

@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime};
 use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
 use futures_util::future::BoxFuture;
-use http::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE, HeaderValue};
+use http::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE, HOST, HeaderValue};
 use http_body_util::BodyExt;
 use pgw_core::openai::{ChatMessage, ChatResponse, ChunkAccumulator};
 use pgw_core::{BoxError, EmptyCompletion, ProviderError, SourceId, UpstreamStatus};
@@ -36,6 +36,24 @@ struct Prepared {
     settings: SourceSettings,
     endpoint: http::Uri,
     authorization: Option<HeaderValue>,
+    /// The `Host` header of a plain `http://` endpoint (always HTTP/1.1), as hyper-util's
+    /// client would write it: made once here rather than formatted on every request.
+    /// `None` for `https://`, where HTTP/2 may be negotiated and hyper-util decides.
+    host: Option<HeaderValue>,
+}
+
+/// What hyper-util's client puts in `Host` for `uri`: the host, and the port unless it
+/// is the scheme's default; `None` unless `uri` is plain `http://`.
+fn http1_host(uri: &http::Uri) -> Option<HeaderValue> {
+    if uri.scheme() != Some(&http::uri::Scheme::HTTP) {
+        return None;
+    }
+    let host = uri.host()?;
+    let value = match uri.port_u16() {
+        Some(port) if port != 80 => format!("{host}:{port}"),
+        _ => host.to_owned(),
+    };
+    HeaderValue::try_from(value).ok()
 }
 
 /// One attempt of an OpenAI-compatible chat completion against one source, as a
@@ -126,6 +144,7 @@ impl<T> UpstreamClient<T> {
             transport,
             prepared: Arc::new(Prepared {
                 settings,
+                host: http1_host(&endpoint),
                 endpoint,
                 authorization,
             }),
@@ -270,20 +289,28 @@ impl Prepared {
             stream_options,
             extra: rest.as_ref().unwrap_or(&req.extra),
         })?;
-        let mut b = http::Request::post(self.endpoint.clone())
-            .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
-            .header(
-                ACCEPT,
-                HeaderValue::from_static(if stream {
-                    "text/event-stream"
-                } else {
-                    "application/json"
-                }),
-            );
+        // Built in place: `http::request::Builder` moves the request through a closure
+        // per header.
+        let mut r = http::Request::new(Bytes::from(body));
+        *r.method_mut() = http::Method::POST;
+        *r.uri_mut() = self.endpoint.clone();
+        let h = r.headers_mut();
+        h.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        h.insert(
+            ACCEPT,
+            HeaderValue::from_static(if stream {
+                "text/event-stream"
+            } else {
+                "application/json"
+            }),
+        );
         if let Some(auth) = &self.authorization {
-            b = b.header(AUTHORIZATION, auth.clone());
+            h.insert(AUTHORIZATION, auth.clone());
         }
-        Ok(b.body(Bytes::from(body))?)
+        if let Some(host) = &self.host {
+            h.insert(HOST, host.clone());
+        }
+        Ok(r)
     }
 }
 
@@ -335,7 +362,7 @@ where
         source: Some(prepared.settings.id.clone()),
         ..AttemptStats::default()
     };
-    let (response, chunks) = if stream && is_event_stream(&parts.headers) {
+    let (response, chunks, body) = if stream && is_event_stream(&parts.headers) {
         let mut s = ChunkStream::new(body, start, t);
         let mut acc = ChunkAccumulator::default();
         let mut chunks = Vec::new();
@@ -357,12 +384,13 @@ where
                     chunks,
                     stats,
                     tail: Some(tail),
+                    body: None,
                 });
             }
         }
         stats.ttft = s.ttft();
         stats.streamed = true;
-        (acc.finish(), chunks)
+        (acc.finish(), chunks, None)
     } else {
         let bytes = read_body(body, after(start, t.total), t, MAX_ANSWER_BODY).await?;
         let resp: ChatResponse = serde_json::from_slice(&bytes).map_err(|e| {
@@ -373,7 +401,7 @@ where
         {
             return Err(MalformedResponse::new(format!("provider error in a 2xx answer: {msg}")).into());
         }
-        (resp, Vec::new())
+        (resp, Vec::new(), Some(bytes))
     };
     stats.latency = start.elapsed();
     stats.usage.clone_from(&response.usage);
@@ -385,6 +413,7 @@ where
         chunks,
         stats,
         tail: None,
+        body,
     })
 }
 
@@ -489,4 +518,20 @@ fn truncate(mut s: String) -> String {
         s.push_str("...");
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_host_header_of_a_plain_http_endpoint_is_made_as_hyper_util_makes_it() {
+        let host = |u: &str| http1_host(&u.parse().unwrap()).map(|v| v.to_str().unwrap().to_owned());
+        assert_eq!(host("http://127.0.0.1:9/v1").as_deref(), Some("127.0.0.1:9"));
+        assert_eq!(host("http://llm.internal/v1").as_deref(), Some("llm.internal"));
+        assert_eq!(host("http://llm.internal:80/v1").as_deref(), Some("llm.internal"));
+        assert_eq!(host("http://[::1]:8000/v1").as_deref(), Some("[::1]:8000"));
+        // HTTP/2 may be negotiated: hyper-util decides.
+        assert_eq!(host("https://api.openai.com/v1"), None);
+    }
 }

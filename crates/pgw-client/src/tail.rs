@@ -144,6 +144,7 @@ impl Stream for TailStream {
                     chunks: Vec::new(),
                     stats,
                     tail: None,
+                    body: None,
                 };
                 Ok(answer)
             }

@@ -40,6 +40,7 @@ pub mod error;
 mod history;
 mod hold;
 mod http_classify;
+mod metric_handles;
 pub mod openai;
 mod outcome;
 #[cfg(feature = "redis")]
@@ -60,5 +61,6 @@ pub use http_classify::{
     HttpClassifier, OpenAiClassifier, classify_error, classify_response, classify_status, classify_upstream,
     is_quota_exhausted,
 };
+pub use metric_handles::MetricHandles;
 pub use outcome::{BreakerVerdict, Outcome};
 pub use source::SourceId;

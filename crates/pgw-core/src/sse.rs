@@ -204,6 +204,9 @@ fn on_line(data: &mut Vec<u8>, events: &mut VecDeque<SseEvent>, line: &[u8]) -> 
         if data.len() + value.len() + 1 > MAX_EVENT_BYTES {
             return Err(EventTooLarge);
         }
+        // One allocation for the value and its line end: `push` after an exact-size
+        // `extend` grew (reallocated) the buffer on every event.
+        data.reserve(value.len() + 1);
         data.extend_from_slice(value);
         data.push(b'\n');
     }

@@ -2,7 +2,7 @@
 //! loopback, at concurrency 1. Run through `cargo xtask bench-proxy` (release build).
 //!
 //! ```text
-//! bench_proxy PGW_BINARY [--requests N] [--litellm]
+//! bench_proxy PGW_BINARY [--requests N] [--litellm] [--placement both|same|other|none]
 //! ```
 //!
 //! A minimal upstream in this process answers at once (a fixed completion, or five SSE
@@ -10,8 +10,17 @@
 //! cache off, one source; with `REDIS_URL` set, a second one on the Redis backend).
 //! One keep-alive connection each, requests interleaved in blocks (direct, then
 //! through pgw) so drift hits both alike. CPU per request is the pgw process's own
-//! user + system time (`/proc/PID/stat`) over the measured requests. With `--litellm`,
-//! LiteLLM's proxy (`litellm --config`) on the same upstream, when it is installed.
+//! run time over the measured requests, summed over its threads in nanoseconds
+//! (`/proc/PID/task/*/schedstat`; `/proc/PID/stat` counts in 10 ms ticks, a third of
+//! the whole budget of 1000 calls). With `--litellm`, LiteLLM's proxy
+//! (`litellm --config`) on the same upstream, when it is installed.
+//!
+//! On a VM the CPU figure depends mostly on whether the scheduler puts pgw on the
+//! bench client's core (a wake-up across cores is dear), so the concurrency-1 table
+//! is measured with the placement fixed by `taskset`: this process on the first CPU,
+//! every proxy's threads on the same CPU (`same`), on the second (`other`), or each in
+//! turn (`both`, the default when there are two CPUs and `taskset`); `none` leaves it
+//! to the scheduler. The rest runs unpinned.
 //!
 //! Then, for each path: the most requests/s whose p99 stays <= 20 ms (closed loops of
 //! 1, 2, 4, ... keep-alive connections); the first-chunk latency and the gaps between
@@ -219,21 +228,63 @@ impl Client {
     }
 }
 
-fn cpu_ticks(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let after = &stat[stat.rfind(')')? + 2..];
-    let f: Vec<&str> = after.split_whitespace().collect();
-    Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
+/// The CPU time (ns) the threads of `pid` have run so far.
+fn cpu_ns(pid: u32) -> Option<u64> {
+    let mut total = 0;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).ok()? {
+        let stat = std::fs::read_to_string(task.ok()?.path().join("schedstat")).ok()?;
+        total += stat.split_whitespace().next()?.parse::<u64>().ok()?;
+    }
+    Some(total)
 }
 
-fn clk_tck() -> f64 {
-    Command::new("getconf")
-        .arg("CLK_TCK")
-        .output()
-        .ok()
-        .and_then(|o| String::from_utf8(o.stdout).ok())
-        .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(100.0)
+/// Where the concurrency-1 table runs pgw (see the crate docs).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Placement {
+    /// Left to the scheduler.
+    Unpinned,
+    /// The proxy's threads on the bench client's CPU.
+    Same,
+    /// The proxy's threads on another CPU.
+    Other,
+}
+
+impl Placement {
+    fn label(self) -> &'static str {
+        match self {
+            Self::Unpinned => "",
+            Self::Same => ", same core",
+            Self::Other => ", other core",
+        }
+    }
+}
+
+/// Restricts every thread of `pid` to `cpus` (a `taskset` list such as `0` or `0-1`).
+fn pin(pid: u32, cpus: &str) -> Result<(), BoxError> {
+    let out = Command::new("taskset")
+        .args(["-a", "-p", "-c", cpus, &pid.to_string()])
+        .stdout(Stdio::null())
+        .status()?;
+    if !out.success() {
+        return Err(format!("taskset -a -p -c {cpus} {pid} failed").into());
+    }
+    Ok(())
+}
+
+/// Pins this process and every proxy for `placement` (all CPUs `0-{cpus - 1}` when
+/// unpinned).
+fn place(placement: Placement, proxies: &[Proxy], cpus: usize) -> Result<(), BoxError> {
+    let all = format!("0-{}", cpus - 1);
+    let (me, them) = match placement {
+        Placement::Unpinned => (all.as_str(), all.as_str()),
+        Placement::Same => ("0", "0"),
+        Placement::Other => ("0", "1"),
+    };
+    pin(std::process::id(), me)?;
+    for p in proxies {
+        pin(p.child.id(), them)?;
+    }
+    Ok(())
 }
 
 fn pct(sorted: &[Duration], p: f64) -> f64 {
@@ -370,7 +421,6 @@ async fn measure(
             c.call(body).await?;
         }
     }
-    let tck = clk_tck();
     let mut d = Vec::with_capacity(requests);
     let mut through: Vec<(Vec<Duration>, u64)> = proxies.iter().map(|_| (Vec::new(), 0)).collect();
     let block = 250;
@@ -381,11 +431,11 @@ async fn measure(
             d.push(direct.call(body).await?);
         }
         for ((c, p), (lat, ticks)) in clients.iter_mut().zip(proxies).zip(&mut through) {
-            let before = cpu_ticks(p.child.id());
+            let before = cpu_ns(p.child.id());
             for _ in 0..n {
                 lat.push(c.call(body).await?);
             }
-            if let (Some(b), Some(a)) = (before, cpu_ticks(p.child.id())) {
+            if let (Some(b), Some(a)) = (before, cpu_ns(p.child.id())) {
                 *ticks += a - b;
             }
         }
@@ -393,8 +443,8 @@ async fn measure(
     }
     let out = through
         .into_iter()
-        .map(|(lat, ticks)| {
-            let cpu = (ticks > 0).then(|| ticks as f64 / tck / lat.len() as f64 * 1e6);
+        .map(|(lat, ns)| {
+            let cpu = (ns > 0).then(|| ns as f64 / lat.len() as f64 / 1e3);
             (lat, cpu)
         })
         .collect();
@@ -549,17 +599,45 @@ async fn huge_stream_rss(p: &Proxy) -> Result<(u64, u64, u64, usize), BoxError> 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), BoxError> {
     let mut args = std::env::args().skip(1);
-    let bin = args
-        .next()
-        .ok_or("usage: bench_proxy PGW_BINARY [--requests N] [--litellm]")?;
+    const USAGE: &str =
+        "usage: bench_proxy PGW_BINARY [--requests N] [--litellm] [--placement both|same|other|none]";
+    let bin = args.next().ok_or(USAGE)?;
+    if bin == "--help" || bin == "-h" {
+        println!("{USAGE}");
+        return Ok(());
+    }
+    let cpus = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    let can_pin = cpus >= 2 && Command::new("taskset").arg("-V").output().is_ok();
     let mut requests = 3000;
     let mut litellm = false;
+    let mut placements = if can_pin {
+        vec![Placement::Same, Placement::Other]
+    } else {
+        vec![Placement::Unpinned]
+    };
     while let Some(a) = args.next() {
         match a.as_str() {
             "--requests" => requests = args.next().ok_or("--requests N")?.parse()?,
             "--litellm" => litellm = true,
-            other => return Err(format!("unknown argument {other}").into()),
+            "--placement" => {
+                placements = match args.next().as_deref() {
+                    Some("both") => vec![Placement::Same, Placement::Other],
+                    Some("same") => vec![Placement::Same],
+                    Some("other") => vec![Placement::Other],
+                    Some("none") => vec![Placement::Unpinned],
+                    _ => return Err(USAGE.into()),
+                };
+            }
+            "--help" | "-h" => {
+                println!("{USAGE}");
+                return Ok(());
+            }
+            other => return Err(format!("unknown argument {other}\n{USAGE}").into()),
         }
+    }
+    if !can_pin && placements != [Placement::Unpinned] {
+        eprintln!("no taskset or a single CPU: the placement is left to the scheduler");
+        placements = vec![Placement::Unpinned];
     }
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let up = listener.local_addr()?;
@@ -595,12 +673,25 @@ async fn main() -> Result<(), BoxError> {
         br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":16,"stream":true}"#,
     );
     let mut table = Vec::new();
-    let (mut d, t) = measure(up, &proxies, &json, requests).await?;
-    table.extend(rows("json", &mut d, t, &proxies));
-    let (mut d, t) = measure(up, &proxies, &stream, requests).await?;
-    table.extend(rows("stream", &mut d, t, &proxies));
+    for &placement in &placements {
+        if placement != Placement::Unpinned {
+            place(placement, &proxies, cpus)?;
+        }
+        let (mut d, t) = measure(up, &proxies, &json, requests).await?;
+        table.extend(rows(&format!("json{}", placement.label()), &mut d, t, &proxies));
+        let (mut d, t) = measure(up, &proxies, &stream, requests).await?;
+        table.extend(rows(&format!("stream{}", placement.label()), &mut d, t, &proxies));
+    }
+    if placements != [Placement::Unpinned] {
+        place(Placement::Unpinned, &proxies, cpus)?;
+    }
 
     println!("concurrency 1, {requests} requests each, loopback, release build");
+    if placements != [Placement::Unpinned] {
+        println!(
+            "(same core: this bench and pgw pinned to CPU 0; other core: pgw on CPU 1; the rest unpinned)"
+        );
+    }
     println!();
     println!("| path | p50 ms | p99 ms | added p50 ms | added p99 ms | CPU/request us |");
     println!("|---|---:|---:|---:|---:|---:|");

@@ -31,10 +31,10 @@
 mod auth;
 pub mod config;
 mod error;
-mod handles;
 mod routes;
 mod serve;
 mod sse;
+mod track;
 
 use std::sync::OnceLock;
 

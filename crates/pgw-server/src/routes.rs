@@ -7,15 +7,16 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::rejection::JsonRejection;
-use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::extract::{DefaultBodyLimit, FromRequest, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
-use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use bytes::Bytes;
 use http_body_util::BodyExt;
 use metrics::{Counter, Histogram};
 use metrics_exporter_prometheus::PrometheusHandle;
+use pgw_core::MetricHandles;
 use pgw_core::openai::ChatRequest;
 use pgw_stack::{BackendKind, Gateway, GatewayConfig};
 use tokio::sync::Semaphore;
@@ -28,8 +29,8 @@ use tower_http::trace::{DefaultMakeSpan, DefaultOnResponse, TraceLayer};
 use crate::auth::{KeyRing, Tenant};
 use crate::config::Settings;
 use crate::error::ApiError;
-use crate::handles::Handles;
 use crate::sse;
+use crate::track::TrackLayer;
 
 /// Everything a request handler needs. Cheap to clone.
 #[derive(Clone)]
@@ -48,19 +49,19 @@ pub struct AppState {
     pub(crate) handles: Arc<CallHandles>,
 }
 
-/// The handles of the series every call updates (see [`Handles`]).
+/// The handles of the series every call updates (see [`MetricHandles`]).
 #[derive(Default)]
 pub(crate) struct CallHandles {
     /// `http_server_request_duration_seconds` by route, method and status.
-    requests: Handles<Histogram, 3>,
+    pub(crate) requests: MetricHandles<Histogram, 3>,
     /// `gen_ai_client_operation_duration_seconds` by model and error type.
-    duration: Handles<Histogram, 2>,
+    duration: MetricHandles<Histogram, 2>,
     /// `pgw_server_calls_total` by tenant and status.
-    calls: Handles<Counter, 2>,
+    calls: MetricHandles<Counter, 2>,
     /// `gen_ai_client_token_usage` by token type and model.
-    tokens: Handles<Histogram, 2>,
+    tokens: MetricHandles<Histogram, 2>,
     /// `gen_ai_server_time_to_first_token_seconds` by model.
-    pub(crate) first_token: Handles<Histogram, 1>,
+    pub(crate) first_token: MetricHandles<Histogram, 1>,
 }
 
 impl std::fmt::Debug for AppState {
@@ -159,6 +160,9 @@ pub fn model_names(config: &GatewayConfig) -> Vec<String> {
 /// Each group of layers is applied as one `ServiceBuilder` stack: every
 /// `Router::layer` call boxes each route once more, and a request clones every box
 /// below the one it enters, so one call per group saves most of that per request.
+/// The layers are tower's kind, which call their inner service from `call`: axum's
+/// `middleware::from_fn` and `map_response` clone it (boxes and all) on every request
+/// instead, to hand it to an `async fn`.
 pub fn router(state: AppState, max_body_bytes: usize) -> Router {
     let api = Router::new()
         .route("/v1/chat/completions", post(chat))
@@ -168,8 +172,7 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
                 .layer(RequestBodyLimitLayer::new(max_body_bytes))
                 // The limited body back to axum's own (what a `Route` between them did).
                 .map_request(|r: Request<_>| r.map(Body::new))
-                .layer(DefaultBodyLimit::disable())
-                .layer(middleware::from_fn_with_state(state.clone(), read_body)),
+                .layer(DefaultBodyLimit::disable()),
         );
     Router::new()
         .merge(api)
@@ -188,24 +191,22 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
                 .layer(CatchPanicLayer::custom(|_| {
                     ApiError::of_status(StatusCode::INTERNAL_SERVER_ERROR).into_response()
                 }))
-                .layer(middleware::map_response(as_openai_error))
-                .layer(middleware::from_fn_with_state(Arc::clone(&state.handles), track)),
+                .map_response(as_openai_error)
+                .layer(TrackLayer(Arc::clone(&state.handles))),
         )
-        .with_state(state)
+        // Behind one Arc: a handler's `State` is a clone of it on every request.
+        .with_state(Arc::new(state))
 }
 
-/// Reads the whole request body within `body_read_timeout` of its headers: a client
-/// trickling its body is answered 408 and its connection closed then, before the call
-/// costs an attempt (hyper's header read timeout only covers the head). A body over
-/// the limit (tower-http's `Limited` below) is a 413.
-async fn read_body(State(state): State<AppState>, request: Request, next: Next) -> Response {
-    let (parts, body) = request.into_parts();
+/// Reads the whole request body within `body_read_timeout` of its headers, before
+/// anything else is done with the request: a client trickling its body is answered
+/// 408 and its connection closed then, before the call costs an attempt (hyper's
+/// header read timeout only covers the head). A body over the limit (tower-http's
+/// `Limited` in the router) is a 413.
+async fn read_body(state: &AppState, body: Body) -> Result<Bytes, Response> {
     match tokio::time::timeout(state.body_read_timeout, body.collect()).await {
-        Ok(Ok(collected)) => {
-            next.run(Request::from_parts(parts, Body::from(collected.to_bytes())))
-                .await
-        }
-        Ok(Err(e)) => {
+        Ok(Ok(collected)) => Ok(collected.to_bytes()),
+        Ok(Err(e)) => Err({
             let too_large = crate::error::find::<http_body_util::LengthLimitError>(&e).is_some();
             if too_large {
                 ApiError::of_status(StatusCode::PAYLOAD_TOO_LARGE).into_response()
@@ -213,20 +214,20 @@ async fn read_body(State(state): State<AppState>, request: Request, next: Next) 
                 ApiError::invalid_request("invalid_body", "the request body could not be read")
                     .into_response()
             }
-        }
+        }),
         Err(_) => {
             let mut response = ApiError::of_status(StatusCode::REQUEST_TIMEOUT).into_response();
             response
                 .headers_mut()
                 .insert(header::CONNECTION, HeaderValue::from_static("close"));
-            response
+            Err(response)
         }
     }
 }
 
 /// Any error answer that is not JSON yet (a layer's 413, the framework's 405) becomes
 /// the OpenAI shape for its status; its headers (`Retry-After`, `Allow`) stay.
-async fn as_openai_error(response: Response) -> Response {
+fn as_openai_error(response: Response) -> Response {
     let status = response.status();
     let is_json = response
         .headers()
@@ -248,32 +249,6 @@ async fn as_openai_error(response: Response) -> Response {
             .unwrap_or(HeaderValue::from_static("application/json")),
     );
     Response::from_parts(parts, body)
-}
-
-/// `http_server_request_duration_seconds` (OpenTelemetry's `http.server.request.duration`).
-async fn track(State(handles): State<Arc<CallHandles>>, request: Request, next: Next) -> Response {
-    let route = request.extensions().get::<MatchedPath>().cloned();
-    let method = request.method().clone();
-    let started = Instant::now();
-    let response = next.run(request).await;
-    let status = response.status();
-    let labels = [
-        route.as_ref().map_or("unmatched", MatchedPath::as_str),
-        method.as_str(),
-        status.as_str(),
-    ];
-    handles
-        .requests
-        .get(labels, |[route, method, status]| {
-            metrics::histogram!(
-                "http_server_request_duration_seconds",
-                "http_route" => route.to_owned(),
-                "http_request_method" => method.to_owned(),
-                "http_response_status_code" => status.to_owned(),
-            )
-        })
-        .record(started.elapsed().as_secs_f64());
-    response
 }
 
 /// The tenant of the request: `Ok(None)` when no keys are configured.
@@ -353,17 +328,42 @@ impl CallMetrics {
     }
 }
 
-async fn chat(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-    body: Result<Json<ChatRequest>, JsonRejection>,
-) -> Response {
-    let tenant = match authenticate(&state, &headers) {
+/// The chat request in `body`, as axum's `Json` extractor reads it.
+///
+/// A body sent as plain `application/json` is parsed with serde_json alone; only
+/// when that fails, or the content type is another one, does `Json` read it, for its
+/// rejection (its path-tracking deserializer names the field at fault, and costs
+/// about a third more on every request).
+async fn chat_request(headers: &HeaderMap, body: Bytes) -> Result<ChatRequest, JsonRejection> {
+    let content_type = headers.get(header::CONTENT_TYPE);
+    if content_type.is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"application/json"))
+        && let Ok(request) = serde_json::from_slice(&body)
+    {
+        return Ok(request);
+    }
+    // `Json` looks at the content type and the body only.
+    let mut request = Request::new(Body::from(body));
+    if let Some(v) = content_type {
+        request.headers_mut().insert(header::CONTENT_TYPE, v.clone());
+    }
+    Json::<ChatRequest>::from_request(request, &())
+        .await
+        .map(|Json(r)| r)
+}
+
+async fn chat(State(state): State<Arc<AppState>>, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    let body = match read_body(&state, body).await {
+        Ok(b) => b,
+        Err(refused) => return refused,
+    };
+    let headers = &parts.headers;
+    let tenant = match authenticate(&state, headers) {
         Ok(t) => t,
         Err(e) => return e.into_response(),
     };
-    let request = match body {
-        Ok(Json(r)) => r,
+    let request = match chat_request(headers, body).await {
+        Ok(r) => r,
         Err(r) => return rejection(&r).into_response(),
     };
     if let Some(t) = &tenant
@@ -413,7 +413,7 @@ async fn chat(
         None => None,
     };
     let mut chat_call = pgw_stack::ChatCall::new(request);
-    if skips_cache(&headers) {
+    if skips_cache(headers) {
         chat_call.extensions_mut().insert(pgw_stack::NoCache);
     }
     if chat_call.is_stream() {
@@ -422,7 +422,7 @@ async fn chat(
     let result = tower::ServiceExt::oneshot(state.gateway.clone(), chat_call).await;
     drop(slot);
     match result {
-        Ok(answer) => {
+        Ok(mut answer) => {
             let usage = answer.answer.response.usage.clone();
             if let Some(u) = &usage {
                 call.tokens(u);
@@ -431,7 +431,16 @@ async fn chat(
                 let _ = p.finish(usage.map(|u| u.total_tokens)).await;
             }
             call.finish(None);
-            let mut response = Json(&answer.answer.response).into_response();
+            // The provider's body as it came, when there is one: byte for byte, and no
+            // second serialization (a cache hit is serialized from the stored answer).
+            let mut response = match answer.answer.body.take() {
+                Some(body) => (
+                    [(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))],
+                    body,
+                )
+                    .into_response(),
+                None => Json(&answer.answer.response).into_response(),
+            };
             let h = response.headers_mut();
             h.insert(
                 CACHE_HEADER,
@@ -461,8 +470,12 @@ async fn chat(
     }
 }
 
-async fn models(State(state): State<AppState>, headers: HeaderMap) -> Response {
-    let tenant = match authenticate(&state, &headers) {
+async fn models(State(state): State<Arc<AppState>>, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    if let Err(refused) = read_body(&state, body).await {
+        return refused;
+    }
+    let tenant = match authenticate(&state, &parts.headers) {
         Ok(t) => t,
         Err(e) => return e.into_response(),
     };
@@ -483,7 +496,7 @@ async fn healthz() -> Response {
 
 /// Ready when not draining and, on the Redis backend, the backend answers (one read of
 /// the first source's limiter state, at most 2 s).
-async fn readyz(State(state): State<AppState>) -> Response {
+async fn readyz(State(state): State<Arc<AppState>>) -> Response {
     if state.draining.load(Ordering::Relaxed) {
         return ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -512,7 +525,7 @@ async fn readyz(State(state): State<AppState>) -> Response {
 
 /// Prometheus text; the gateway's gauges (breaker state, AIMD limit, health, inflight,
 /// quota) are refreshed first.
-async fn metrics_text(State(state): State<AppState>) -> Response {
+async fn metrics_text(State(state): State<Arc<AppState>>) -> Response {
     let Some(handle) = &state.metrics else {
         return ApiError::of_status(StatusCode::NOT_FOUND).into_response();
     };

@@ -298,17 +298,33 @@ async fn spawn_loop(
     }
 }
 
+/// How often an event loop's timer wakes while it serves: 1 s, shorter than every
+/// timer a call starts (header and body read timeouts, the upstream watchdogs, the SSE
+/// keep-alive, all seconds or more).
+///
+/// Why at all: tokio's time driver sleeps until the earliest timer it had when it
+/// went to sleep, and a timer registered earlier than that wakes it with an eventfd
+/// write, even from the driver's own thread, where nothing sleeps. Without a timer
+/// this close, the first watchdog a call arms (a stream's first-token timeout, then
+/// its inter-token one) was earlier than any other, and each streamed call paid one or
+/// two `write` syscalls and as many extra `epoll_wait` returns for it. One wake-up per
+/// second per loop costs far less.
+const TIMER_HEARTBEAT: Duration = Duration::from_secs(1);
+
 /// Accepts and serves connections until `stop` completes, then drains them for up to
 /// the grace period and closes what is left.
 async fn event_loop(shared: &Shared, listener: TcpListener, stop: impl Future<Output = ()>) {
     let graceful = GracefulShutdown::new();
     let mut tasks = JoinSet::new();
+    let mut heartbeat = tokio::time::interval(TIMER_HEARTBEAT);
+    heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tokio::pin!(stop);
     loop {
         tokio::select! {
             biased;
             () = &mut stop => break,
             Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+            _ = heartbeat.tick() => {}
             accepted = listener.accept() => {
                 let (stream, peer) = match accepted {
                     Ok(a) => a,

@@ -238,6 +238,7 @@ fn telemetry(cfg: &GatewayConfig, mut sinks: Vec<Arc<dyn TelemetrySink>>) -> Res
     Ok(Telemetry {
         sinks: Arc::new(sinks),
         prices: Arc::new(PriceTable::new(cfg.prices.clone())),
+        attempts: Arc::default(),
     })
 }
 

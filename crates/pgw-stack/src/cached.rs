@@ -255,6 +255,7 @@ pub(crate) fn replay(telemetry: &Telemetry, call_id: u64, hit: &CachedAnswer) ->
                 ..pgw_client::AttemptStats::default()
             },
             tail: None,
+            body: None,
         },
         group: hit.group.clone(),
         source: hit.source.clone(),

@@ -110,10 +110,16 @@ impl ChatStream {
     ) -> Self {
         let head = Head::of(&answer);
         let tail = answer.answer.tail.take().and_then(|t| t.take());
+        // The provider's chunks are moved, not cloned: the answer ends here.
+        let queue = if answer.answer.chunks.is_empty() {
+            answer.chunks()
+        } else {
+            std::mem::take(&mut answer.answer.chunks)
+        };
         let relay = Relay {
             gateway,
             call,
-            queue: answer.chunks().into(),
+            queue: queue.into(),
             tail,
             text: String::new(),
             include_usage,

@@ -8,8 +8,9 @@ use std::io::{self, LineWriter, Write};
 use std::path::Path;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use pgw_core::SourceId;
+use metrics::Counter;
 use pgw_core::openai::Usage;
+use pgw_core::{MetricHandles, SourceId};
 use serde::Serialize;
 
 use crate::config::Price;
@@ -191,15 +192,27 @@ impl PriceTable {
 pub(crate) struct Telemetry {
     pub(crate) sinks: Arc<Vec<Arc<dyn TelemetrySink>>>,
     pub(crate) prices: Arc<PriceTable>,
+    /// `pgw_attempts_total` by source, outcome and cache hit (every attempt updates it).
+    pub(crate) attempts: Arc<MetricHandles<Counter, 3>>,
 }
 
 impl Telemetry {
     pub(crate) fn emit(&self, record: &AttemptTelemetry) {
-        let source = record
-            .source
-            .as_ref()
-            .map_or_else(String::new, ToString::to_string);
-        metrics::counter!("pgw_attempts_total", "source" => source, "outcome" => record.outcome, "cache_hit" => if record.cache_hit { "true" } else { "false" }).increment(1);
+        let source = record.source.as_ref().map_or("", SourceId::as_str);
+        let cache_hit = if record.cache_hit { "true" } else { "false" };
+        self.attempts
+            .get(
+                [source, record.outcome, cache_hit],
+                |[source, outcome, cache_hit]| {
+                    metrics::counter!(
+                        "pgw_attempts_total",
+                        "source" => source.to_owned(),
+                        "outcome" => outcome.to_owned(),
+                        "cache_hit" => cache_hit.to_owned(),
+                    )
+                },
+            )
+            .increment(1);
         for s in self.sinks.iter() {
             s.record(record);
         }
