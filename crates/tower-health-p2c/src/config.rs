@@ -139,8 +139,7 @@ pub struct BalanceConfig {
     pub paced_poll: Duration,
     /// A source with attempts in flight that has answered nothing for this long is
     /// silent: it is not dispatched to (refused as open, with this as `retry_after`)
-    /// until its attempts end, but for one call (a probe) per this period while they
-    /// still hang (default [`DEFAULT_SILENT_AFTER`]); `None` turns it off.
+    /// until its attempts end (default [`DEFAULT_SILENT_AFTER`]); `None` turns it off.
     pub silent_after: Option<Duration>,
 }
 

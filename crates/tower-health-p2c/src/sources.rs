@@ -25,8 +25,6 @@ pub(crate) struct SourceState {
     heard_ns: AtomicU64,
     /// Attempts timed out since the source last answered.
     timeouts: AtomicU32,
-    /// Nanoseconds after `epoch` of the last dispatch.
-    dispatched_ns: AtomicU64,
     /// EWMA of the time to a successful answer, seconds, as f64 bits (0: none yet).
     latency_bits: AtomicU64,
     epoch: Instant,
@@ -40,7 +38,6 @@ impl SourceState {
             inflight: AtomicUsize::new(0),
             heard_ns: AtomicU64::new(0),
             timeouts: AtomicU32::new(0),
-            dispatched_ns: AtomicU64::new(0),
             latency_bits: AtomicU64::new(0),
             epoch: Instant::now(),
         }
@@ -82,21 +79,15 @@ impl SourceState {
     }
 
     /// Attempts in flight and nothing heard from the source for `after` or longer (a
-    /// slot freed by a timeout at exactly `after` does not admit a fresh call to it),
-    /// and a call dispatched to it less than `after` ago: once a period of `after`
-    /// a silent source gets one call (a probe), while the earlier ones still hang.
-    /// A black hole that recovers is found within `after` of it, not when the last
-    /// call sent before its silence times out (flapping: 180 s late with a 180 s
-    /// attempt timeout).
+    /// slot freed by a timeout at exactly `after` does not admit a fresh call to it).
     pub(crate) fn silent(&self, after: Duration) -> bool {
         if self.inflight() == 0 {
             return false;
         }
-        let now = self.now_ns();
-        let after = u64::try_from(after.as_nanos()).unwrap_or(u64::MAX);
-        let quiet = now.saturating_sub(self.heard_ns.load(Ordering::Relaxed));
-        let since_dispatch = now.saturating_sub(self.dispatched_ns.load(Ordering::Relaxed));
-        quiet >= after && since_dispatch < after
+        let quiet = self
+            .now_ns()
+            .saturating_sub(self.heard_ns.load(Ordering::Relaxed));
+        quiet >= u64::try_from(after.as_nanos()).unwrap_or(u64::MAX)
     }
 
     pub(crate) const fn id(&self) -> &SourceId {
@@ -171,7 +162,6 @@ impl SourceState {
 
     /// An attempt dispatched at `at`.
     pub(crate) fn inc(&self, at: Instant) {
-        self.dispatched_ns.fetch_max(self.ns_at(at), Ordering::Relaxed);
         if self.inflight.fetch_add(1, Ordering::Relaxed) == 0 && !self.timed_out_since_heard(1) {
             // Idle until now: the silence starts with this attempt. After a timeout it
             // goes on: this attempt is a probe, and the others wait for its answer.
