@@ -456,3 +456,96 @@ async fn a_rich_answer_and_a_content_parts_request_cross_the_proxy_byte_for_byte
         assert!(upstream.contains(bytes), "{bytes} not sent upstream: {upstream}");
     }
 }
+
+/// A streamed answer's chunks as a provider may write them: keys in its own order,
+/// spaces, a `"usage": null`, fields missing (`created`, `model`) and unknown ones, one
+/// payload over two `data:` lines, usage on the last chunk with a choice and in a
+/// usage chunk.
+const PROVIDER_CHUNKS: [&str; 6] = [
+    r#"{"object":"chat.completion.chunk","id":"c-1","created":7,"model":"up-model","system_fingerprint":"fp_1","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],"usage":null}"#,
+    r#"{"id": "c-1", "choices": [{"delta": {"content": "Hel"}, "index": 0}], "model": "up-model", "object": "chat.completion.chunk", "created": 7, "x_trace": 1.50}"#,
+    r#"{"choices":[{"index":0,"delta":{"content":"lo"}}],"id":"c-1"}"#,
+    "{\"id\":\"c-1\",\n \"choices\":[{\"index\":0,\"delta\":{\"content\":\"!\"}}]}",
+    r#"{"id":"c-1","choices":[{"index":0,"delta":{},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":3,"total_tokens":6}}"#,
+    r#"{"id":"c-1","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":3,"total_tokens":6}}"#,
+];
+
+/// Each chunk the gateway leaves as it came reaches the caller byte for byte as the
+/// provider wrote it (not serialized again, which would reorder its keys, fill in
+/// `created` and `model`, drop the null usage and rewrite `1.50`); a chunk it changes
+/// (usage the caller did not ask for taken off) or cannot send as one line is
+/// serialized from its fields.
+#[tokio::test(start_paused = true)]
+async fn a_streamed_chunk_left_unchanged_crosses_the_proxy_byte_for_byte() {
+    use bytes::Bytes;
+
+    let mut sse = String::new();
+    for c in PROVIDER_CHUNKS {
+        for line in c.split('\n') {
+            sse.push_str(&format!("data: {line}\n"));
+        }
+        sse.push('\n');
+    }
+    sse.push_str("data: [DONE]\n\n");
+    let sse = Bytes::from(sse);
+    let upstream = tower::service_fn(move |_: http::Request<Bytes>| {
+        let body = sse.clone();
+        async move {
+            Ok::<_, BoxError>(
+                http::Response::builder()
+                    .status(200)
+                    .header("content-type", "text/event-stream")
+                    .body(http_body_util::Full::new(body))
+                    .unwrap(),
+            )
+        }
+    });
+    let mut cfg = GatewayConfig::default();
+    cfg.cache.enabled = false;
+    cfg.sources.push(SourceConfig::new(
+        "a",
+        "http://upstream.invalid/v1",
+        SecretKey::new(KEY),
+    ));
+    let gw = Gateway::builder(cfg.clone())
+        .transport(move |_: &SourceConfig| -> Result<_, BoxError> { Ok(box_transport(upstream.clone())) })
+        .build()
+        .await
+        .unwrap();
+    let app = router(gw, &cfg);
+
+    for include_usage in [false, true] {
+        let request = format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}],"stream":true,"stream_options":{{"include_usage":{include_usage}}}}}"#
+        );
+        let resp = app.clone().oneshot(post(&request)).await.unwrap();
+        assert_eq!(resp.status(), 200);
+        let out = String::from_utf8(resp.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap();
+        let events: Vec<&str> = out
+            .split_terminator("\n\n")
+            .map(|e| e.strip_prefix("data: ").expect("one data line per event"))
+            .collect();
+        assert!(events.iter().all(|e| !e.contains('\n')), "{out:?}");
+        let want = if include_usage { 7 } else { 6 };
+        assert_eq!(events.len(), want, "{out:?}");
+        assert_eq!(events[want - 1], "[DONE]");
+        for (i, provider) in PROVIDER_CHUNKS[..3].iter().enumerate() {
+            assert_eq!(events[i], *provider, "chunk {i} left unchanged: byte for byte");
+        }
+        // Two lines, one event: the chunk's fields, serialized on one line.
+        let joined: serde_json::Value = serde_json::from_str(events[3]).unwrap();
+        assert_eq!(joined["id"], "c-1");
+        assert_eq!(joined["choices"][0]["delta"]["content"], "!");
+        if include_usage {
+            assert_eq!(events[4], PROVIDER_CHUNKS[4]);
+            assert_eq!(events[5], PROVIDER_CHUNKS[5]);
+        } else {
+            // The usage the caller did not ask for is taken off: the chunk is changed,
+            // so written from its fields, not the provider's payload.
+            assert_ne!(events[4], PROVIDER_CHUNKS[4]);
+            let last: serde_json::Value = serde_json::from_str(events[4]).unwrap();
+            assert_eq!(last["choices"][0]["finish_reason"], "stop");
+            assert!(last.get("usage").is_none(), "{last}");
+        }
+    }
+}

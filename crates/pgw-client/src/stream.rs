@@ -30,6 +30,7 @@ use crate::{Timeouts, UpstreamBody};
 /// a chunk among chunks that are is skipped and counted ([`ChunkStream::skipped`],
 /// metric `pgw_stream_chunks_skipped_total`): the answer goes on. After the first
 /// error or the end the stream yields `None`; dropping it closes the connection.
+/// Each chunk keeps its event's payload as [`ChatChunk::raw`].
 ///
 /// A "token" for the first-token watchdog is a chunk carrying text or a finish reason:
 /// a provider that sends the role chunk at once and then nothing is still cut at
@@ -144,9 +145,10 @@ impl ChunkStream {
         self.fail(MalformedResponse::new(why).into())
     }
 
-    /// `Ok(None)`: an event that is not a chunk, skipped.
-    fn on_data(&mut self, data: &str) -> Result<Option<ChatChunk>, BoxError> {
-        let chunk: ChatChunk = match serde_json::from_str(data) {
+    /// `Ok(None)`: an event that is not a chunk, skipped. A chunk keeps `data` as its
+    /// [`ChatChunk::raw`] (moved, not copied).
+    fn on_data(&mut self, data: String) -> Result<Option<ChatChunk>, BoxError> {
+        let mut chunk: ChatChunk = match serde_json::from_str(&data) {
             Ok(c) => c,
             Err(e) => {
                 if let Some(msg) = crate::client::provider_error(data.as_bytes()) {
@@ -183,6 +185,7 @@ impl ChunkStream {
             let limit = self.timeouts.inter_token;
             self.arm(after(now, limit), Watchdog::InterToken, limit);
         }
+        chunk.raw = Some(data.into());
         Ok(Some(chunk))
     }
 }
@@ -198,7 +201,7 @@ impl Stream for ChunkStream {
         loop {
             match this.decoder.next_event() {
                 Some(SseEvent::Done) => return this.end("[DONE]"),
-                Some(SseEvent::Data(data)) => match this.on_data(&data) {
+                Some(SseEvent::Data(data)) => match this.on_data(data) {
                     Ok(Some(chunk)) => return Poll::Ready(Some(Ok(chunk))),
                     Ok(None) => continue,
                     Err(e) => return this.fail(e),

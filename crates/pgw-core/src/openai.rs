@@ -325,7 +325,10 @@ pub struct ChunkChoice {
 }
 
 /// One server-sent event of a streamed answer (`chat.completion.chunk`).
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+///
+/// Two chunks are equal when their values are: [`ChatChunk::raw`], how one of them
+/// was written, is not compared.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct ChatChunk {
     /// Provider's completion id (the same on every chunk).
     #[serde(default)]
@@ -348,6 +351,35 @@ pub struct ChatChunk {
     /// Fields this crate does not interpret (`system_fingerprint`, `service_tier`, ...).
     #[serde(flatten)]
     pub extra: Map<String, Value>,
+    /// The provider's `data:` payload exactly as it arrived, when the other fields are
+    /// that payload parsed and left unchanged; `None` for a chunk built or changed here.
+    /// A server can send it as is: byte for byte what the provider wrote (the fields
+    /// this type fills with defaults stay absent, a `"usage": null` stays), and no
+    /// second serialization. Whoever changes a field clears it. Never serialized.
+    #[serde(skip)]
+    pub raw: Option<bytes::Bytes>,
+}
+
+impl PartialEq for ChatChunk {
+    fn eq(&self, other: &Self) -> bool {
+        let Self {
+            id,
+            object,
+            created,
+            model,
+            choices,
+            usage,
+            extra,
+            raw: _,
+        } = self;
+        *id == other.id
+            && *object == other.object
+            && *created == other.created
+            && *model == other.model
+            && *choices == other.choices
+            && *usage == other.usage
+            && *extra == other.extra
+    }
 }
 
 /// Folds streamed chunks into the equivalent non-streaming answer.
@@ -542,6 +574,7 @@ pub fn chunks_of(r: &ChatResponse) -> Vec<ChatChunk> {
         choices,
         usage: None,
         extra: r.extra.clone(),
+        raw: None,
     };
     let mut out: Vec<ChatChunk> = r
         .choices

@@ -8,7 +8,8 @@
 //! When the interval passes first, the `200` goes out without those headers, and a
 //! `: keep-alive` comment follows every `sse_keep_alive` of silence (proxies and
 //! clients with idle timeouts keep the connection). Then each chunk as
-//! `data: {json}\n\n`, and `data: [DONE]\n\n` at the end. A call that fails after the
+//! `data: {json}\n\n` (the provider's own JSON, byte for byte, for every chunk pgw
+//! left as it came), and `data: [DONE]\n\n` at the end. A call that fails after the
 //! head went out, before or after its first chunk, ends with one OpenAI-style error
 //! event `data: {"error": {...}}` and no `[DONE]`, so a client never takes a
 //! truncated answer for a complete one.
@@ -63,7 +64,20 @@ fn event(json: &serde_json::Value) -> Bytes {
     out.into()
 }
 
+/// The event of one chunk: the provider's own payload when the chunk is as it came
+/// ([`ChatChunk::raw`]) and fits one `data:` line, else the chunk serialized.
 fn chunk_event(chunk: &ChatChunk) -> Option<Bytes> {
+    // A payload the provider wrote over several `data:` lines was joined with `\n`:
+    // sent as one line, its rest would be lost. Rare, so it is serialized again.
+    if let Some(raw) = chunk.raw.as_deref()
+        && !raw.contains(&b'\n')
+    {
+        let mut out = Vec::with_capacity(raw.len() + 8);
+        out.extend_from_slice(b"data: ");
+        out.extend_from_slice(raw);
+        out.extend_from_slice(b"\n\n");
+        return Some(out.into());
+    }
     let mut out = Vec::with_capacity(256);
     out.extend_from_slice(b"data: ");
     serde_json::to_writer(&mut out, chunk).ok()?;

@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use pgw_client::{ChatAnswer, ChatCall};
+use pgw_core::openai::ChatChunk;
 use tokio::sync::watch;
 use tokio::time::Instant;
 use tower_retry_pushback::Progress;
@@ -210,7 +211,18 @@ impl CacheFlow {
             None => {
                 let cached = Arc::new(CachedAnswer {
                     response: answer.response.clone(),
-                    chunks: answer.chunks.clone(),
+                    // Without the provider's payloads (`ChatChunk::raw`): the Redis
+                    // backend cannot keep them (a hit is serialized from the chunks on
+                    // either backend), and in memory they would double what a cached
+                    // stream holds.
+                    chunks: answer
+                        .chunks
+                        .iter()
+                        .map(|c| ChatChunk {
+                            raw: None,
+                            ..c.clone()
+                        })
+                        .collect(),
                     group,
                     source,
                 });

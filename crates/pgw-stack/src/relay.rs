@@ -171,17 +171,22 @@ impl Head {
 }
 
 /// A chunk as the caller gets it: the usage chunk only when asked; a continuation's
-/// chunks without the role its provider restates.
+/// chunks without the role its provider restates. A chunk this changes loses its
+/// provider's payload ([`ChatChunk::raw`]), so it is serialized again; one it leaves
+/// as it was (the usual case) keeps it.
 fn for_caller(mut c: ChatChunk, include_usage: bool, continued: bool) -> Option<ChatChunk> {
-    if !include_usage {
-        if c.choices.is_empty() && c.usage.is_some() {
+    if !include_usage && c.usage.is_some() {
+        if c.choices.is_empty() {
             return None;
         }
         c.usage = None;
+        c.raw = None;
     }
     if continued {
         for choice in &mut c.choices {
-            choice.delta.role = None;
+            if choice.delta.role.take().is_some() {
+                c.raw = None;
+            }
         }
     }
     Some(c)
@@ -264,5 +269,64 @@ impl Relay {
                 None
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use pgw_core::openai::{ChunkChoice, Delta, Usage};
+
+    use super::*;
+
+    /// A chunk as the client parses it: its fields and the payload they came from.
+    fn parsed(data: &str) -> ChatChunk {
+        let mut c: ChatChunk = serde_json::from_str(data).unwrap();
+        c.raw = Some(data.to_owned().into());
+        c
+    }
+
+    fn raw(c: &ChatChunk) -> Option<&[u8]> {
+        c.raw.as_deref()
+    }
+
+    #[test]
+    fn an_unchanged_chunk_keeps_the_providers_payload_a_changed_one_loses_it() {
+        let text = r#"{"id":"c","choices":[{"index":0,"delta":{"content":"hi"}}],"usage":null}"#;
+        let role = r#"{"id":"c","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}"#;
+        let last = r#"{"id":"c","choices":[{"index":0,"delta":{},"finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}"#;
+        let usage =
+            r#"{"id":"c","choices":[],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}"#;
+        for (include_usage, continued) in [(true, false), (false, false), (true, true), (false, true)] {
+            let c = for_caller(parsed(text), include_usage, continued).unwrap();
+            assert_eq!(raw(&c), Some(text.as_bytes()), "a null usage is no usage");
+        }
+        // A role restated by a continuation is dropped: the chunk is no longer the
+        // provider's.
+        let c = for_caller(parsed(role), true, false).unwrap();
+        assert_eq!(raw(&c), Some(role.as_bytes()));
+        let c = for_caller(parsed(role), true, true).unwrap();
+        assert_eq!((c.choices[0].delta.role.as_deref(), raw(&c)), (None, None));
+        // Usage the caller did not ask for is taken off the chunk that carries it.
+        let c = for_caller(parsed(last), true, false).unwrap();
+        assert_eq!(raw(&c), Some(last.as_bytes()));
+        let c = for_caller(parsed(last), false, false).unwrap();
+        assert_eq!((c.usage.as_ref(), raw(&c)), (None, None));
+        assert_eq!(c.choices[0].finish_reason.as_deref(), Some("stop"));
+        assert!(for_caller(parsed(usage), false, false).is_none());
+        let c = for_caller(parsed(usage), true, true).unwrap();
+        assert_eq!(raw(&c), Some(usage.as_bytes()));
+        // A chunk built here has no payload to keep.
+        let built = ChatChunk {
+            choices: vec![ChunkChoice {
+                delta: Delta {
+                    content: Some("x".into()),
+                    ..Delta::default()
+                },
+                ..ChunkChoice::default()
+            }],
+            usage: Some(Usage::default()),
+            ..ChatChunk::default()
+        };
+        assert_eq!(raw(&for_caller(built, true, false).unwrap()), None);
     }
 }
