@@ -87,6 +87,32 @@ async fn gateway(pool: &SimPool, cfg: GatewayConfig) -> Gateway {
 }
 
 /// pgw-server's router over `gateway`, default `[server]` settings, no keys.
+/// The router over one source `a`, cache off, whose every request `upstream` answers.
+async fn router_over(upstream: pgw_stack::client::BoxTransport) -> Router {
+    let mut cfg = GatewayConfig::default();
+    cfg.cache.enabled = false;
+    cfg.sources.push(SourceConfig::new(
+        "a",
+        "http://upstream.invalid/v1",
+        SecretKey::new(KEY),
+    ));
+    let gw = Gateway::builder(cfg.clone())
+        .transport(move |_: &SourceConfig| -> Result<_, BoxError> { Ok(upstream.clone()) })
+        .build()
+        .await
+        .unwrap();
+    router(gw, &cfg)
+}
+
+/// A 200 with `body` as `content_type`.
+fn answer_200(content_type: &str, body: bytes::Bytes) -> http::Response<http_body_util::Full<bytes::Bytes>> {
+    http::Response::builder()
+        .status(200)
+        .header("content-type", content_type)
+        .body(http_body_util::Full::new(body))
+        .unwrap()
+}
+
 fn router(gateway: Gateway, cfg: &GatewayConfig) -> Router {
     let settings = ServerSection::default().settings().unwrap();
     let state = AppState::new(gateway, cfg, &settings, KeyRing::default(), None);
@@ -366,29 +392,9 @@ async fn a_rich_answer_and_a_content_parts_request_cross_the_proxy_byte_for_byte
     let upstream = tower::service_fn(move |req: http::Request<Bytes>| {
         seen.lock().unwrap().push(req.into_body());
         let body = answered.clone();
-        async move {
-            Ok::<_, BoxError>(
-                http::Response::builder()
-                    .status(200)
-                    .header("content-type", "application/json")
-                    .body(http_body_util::Full::new(body))
-                    .unwrap(),
-            )
-        }
+        async move { Ok::<_, BoxError>(answer_200("application/json", body)) }
     });
-    let mut cfg = GatewayConfig::default();
-    cfg.cache.enabled = false;
-    cfg.sources.push(SourceConfig::new(
-        "a",
-        "http://upstream.invalid/v1",
-        SecretKey::new(KEY),
-    ));
-    let gw = Gateway::builder(cfg.clone())
-        .transport(move |_: &SourceConfig| -> Result<_, BoxError> { Ok(box_transport(upstream.clone())) })
-        .build()
-        .await
-        .unwrap();
-    let app = router(gw, &cfg);
+    let app = router_over(box_transport(upstream)).await;
 
     // As the OpenAI SDKs write them: `type` first in a part, `role` first in a message.
     let messages = r#"[{"role":"user","content":[{"type":"text","text":"what is this?"},{"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA","detail":"low"}}],"name":"ann"},{"role":"assistant","content":null,"tool_calls":[{"id":"call_1","type":"function","function":{"name":"look","arguments":"{\"q\":1}"}}]},{"role":"tool","content":"{\"seen\":true}","tool_call_id":"call_1"}]"#;
@@ -490,29 +496,9 @@ async fn a_streamed_chunk_left_unchanged_crosses_the_proxy_byte_for_byte() {
     let sse = Bytes::from(sse);
     let upstream = tower::service_fn(move |_: http::Request<Bytes>| {
         let body = sse.clone();
-        async move {
-            Ok::<_, BoxError>(
-                http::Response::builder()
-                    .status(200)
-                    .header("content-type", "text/event-stream")
-                    .body(http_body_util::Full::new(body))
-                    .unwrap(),
-            )
-        }
+        async move { Ok::<_, BoxError>(answer_200("text/event-stream", body)) }
     });
-    let mut cfg = GatewayConfig::default();
-    cfg.cache.enabled = false;
-    cfg.sources.push(SourceConfig::new(
-        "a",
-        "http://upstream.invalid/v1",
-        SecretKey::new(KEY),
-    ));
-    let gw = Gateway::builder(cfg.clone())
-        .transport(move |_: &SourceConfig| -> Result<_, BoxError> { Ok(box_transport(upstream.clone())) })
-        .build()
-        .await
-        .unwrap();
-    let app = router(gw, &cfg);
+    let app = router_over(box_transport(upstream)).await;
 
     for include_usage in [false, true] {
         let request = format!(
