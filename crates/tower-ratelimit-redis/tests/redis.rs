@@ -615,21 +615,28 @@ async fn a_release_lost_in_an_outage_is_held_until_its_ttl() {
     assert_eq!(l.stats().settle_failures, 1);
 }
 
+/// A private Redis, a connection to it, and source `s1`'s limiter on it: `requests`
+/// per 1 s window, nothing else limited.
+async fn rpm_on_private_redis(requests: u64) -> (PrivateRedis, RedisConn, RateLimiter) {
+    let server = PrivateRedis::start();
+    let conn = RedisConn::connect(&RedisTarget::Standalone(server.url()))
+        .await
+        .unwrap();
+    let l = RateLimiter::new(
+        RateLimitConfig::new("s1", Quota::unlimited().requests(requests)).window(Duration::from_secs(1)),
+        RedisBackend::new(conn.clone()),
+    )
+    .unwrap();
+    (server, conn, l)
+}
+
 /// A refused request quota is remembered until its `retry_after`: the waiting calls'
 /// rounds ask this process, not Redis (nothing can free a request count before the
 /// oldest sub-window leaves); a refund forgets it; and once the wait is over the next
 /// admission asks Redis again and is admitted.
 #[tokio::test]
 async fn a_refused_request_quota_is_not_asked_again_before_its_retry_after() {
-    let server = PrivateRedis::start();
-    let conn = RedisConn::connect(&RedisTarget::Standalone(server.url()))
-        .await
-        .unwrap();
-    let l = RateLimiter::new(
-        RateLimitConfig::new("s1", Quota::unlimited().requests(1)).window(Duration::from_secs(1)),
-        RedisBackend::new(conn.clone()),
-    )
-    .unwrap();
+    let (_server, conn, l) = rpm_on_private_redis(1).await;
     l.acquire(0).await.unwrap().finish(None).await.unwrap();
     let (before, _) = commands(&conn).await;
     let mut waits = Vec::new();
@@ -763,15 +770,7 @@ async fn concurrency_token_and_hold_refusals_are_remembered_until_something_free
 #[tokio::test]
 async fn after_a_refusal_one_admission_at_a_time_asks_until_one_is_admitted() {
     use futures_util::future::join_all;
-    let server = PrivateRedis::start();
-    let conn = RedisConn::connect(&RedisTarget::Standalone(server.url()))
-        .await
-        .unwrap();
-    let l = RateLimiter::new(
-        RateLimitConfig::new("s1", Quota::unlimited().requests(2)).window(Duration::from_secs(1)),
-        RedisBackend::new(conn.clone()),
-    )
-    .unwrap();
+    let (_server, conn, l) = rpm_on_private_redis(2).await;
     l.acquire(0).await.unwrap().finish(None).await.unwrap();
     l.acquire(0).await.unwrap().finish(None).await.unwrap();
     let e = l.acquire(0).await.unwrap_err();
