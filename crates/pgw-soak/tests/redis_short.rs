@@ -1,8 +1,14 @@
 //! The short form of the real-time Redis mode (CI): 2 worker processes of the
 //! `pgw-soak` binary sharing the standalone test Redis, the simulator over HTTP on
-//! loopback, 2000 calls at a time scale of 1/60 (a scenario minute lasts one second;
-//! about 1.5 minutes in a debug build). Every invariant of the scoreboard must hold;
-//! the success rate is reported and held to [`SUCCESS_FLOOR`].
+//! loopback, 1000 calls at a time scale of 1/30 (a scenario minute lasts two seconds;
+//! about a minute in a debug build). Every invariant of the scoreboard must hold; the
+//! success rate is reported and held to [`SUCCESS_FLOOR`].
+//!
+//! Why 1/30 and not the full run's 1/60: at 1/60 the 8 s inter-token watchdog is
+//! 133 ms of real time, and the debug build's executor stalls (serializing and hashing
+//! P6's 100k-token prompts: p99 80 ms, max 300-400 ms per 5 ms timer measured in a
+//! worker) cut healthy streams: 96.3-97.3% on a quiet machine with 39-48 such cuts in
+//! 2000 calls, where virtual time has none.
 //!
 //! Needs `REDIS_URL` (`cargo xtask test` starts one): without it the test fails.
 
@@ -12,16 +18,18 @@ use pgw_soak::realtime::{RedisOptions, run_redis};
 use pgw_soak::run::rescore;
 use pgw_soak::scenario::Scenario;
 
-const CALLS: u64 = 2000;
+const CALLS: u64 = 1000;
 const SEED: u64 = 42;
-const TIME_SCALE: f64 = 1.0 / 60.0;
-/// The success floor of this short real-time run. Measured (debug build, 2 shared
-/// cores, S = 1/60, 2000 calls): 99.15%, 99.45%, 99.20% at the default seed; 98.95%,
-/// 99.00%, 98.95% at seed 42 (9 of its prompts are provider-rejected 400s). Real time
-/// is not deterministic: the floor sits about a point under the lowest measured rate,
-/// so a loaded machine (watchdogs of 133 ms at this scale) does not fail it, while a
-/// regression toward the naive profile's ~58% or tower's ~11% would.
-const SUCCESS_FLOOR: f64 = 0.98;
+const TIME_SCALE: f64 = 1.0 / 30.0;
+/// One scenario minute at [`TIME_SCALE`], ms: the quota windows.
+const WINDOW_MS: u64 = 2000;
+/// The success floor of this short real-time run. Measured (debug build, 2 cores,
+/// S = 1/30, 1000 calls, seed 42): 99.00% and 98.60%. The same traffic in virtual time
+/// makes 99.10% (4 provider-rejected 400s, 4 retry budgets spent, 1 stream cut). Real
+/// time is not deterministic: the floor sits about a point under the lowest measured
+/// rate, so a loaded machine does not fail it, while a regression toward the naive
+/// profile's ~58% or tower's ~11% would.
+const SUCCESS_FLOOR: f64 = 0.975;
 
 #[test]
 fn redis_mode_two_worker_processes_keep_every_invariant() {
@@ -62,7 +70,7 @@ fn redis_mode_two_worker_processes_keep_every_invariant() {
     );
     assert!(
         s.success_rate >= SUCCESS_FLOOR,
-        "success {:.2}% < {:.0}%: {:?}",
+        "success {:.2}% < {:.1}%: {:?}",
         s.success_rate * 100.0,
         SUCCESS_FLOOR * 100.0,
         s.failed_by_cause
@@ -72,7 +80,7 @@ fn redis_mode_two_worker_processes_keep_every_invariant() {
     for w in 0..2 {
         assert_eq!(
             run.calls.iter().filter(|c| c.worker == w).count(),
-            1000,
+            CALLS as usize / 2,
             "worker {w}"
         );
         assert!(
@@ -82,12 +90,12 @@ fn redis_mode_two_worker_processes_keep_every_invariant() {
     }
     // The quota windows are one scaled minute, and the s4 gate (RPM 5) was exercised
     // over many of them, on the Redis server clock.
-    assert!(run.quotas.iter().all(|q| q.window_ms == 1000));
+    assert!(run.quotas.iter().all(|q| q.window_ms == WINDOW_MS));
     let s4_windows: std::collections::BTreeSet<u64> = run
         .attempts
         .iter()
         .filter(|a| a.source == "s4" && !a.cache_hit)
-        .map(|a| a.admitted_ms / 1000)
+        .map(|a| a.admitted_ms / WINDOW_MS)
         .collect();
     assert!(s4_windows.len() >= 10, "{s4_windows:?}");
     // Offline re-judging of the merged rows gives the same verdict.

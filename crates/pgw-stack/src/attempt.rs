@@ -4,6 +4,7 @@
 //! It sits below every gate, so only admitted attempts reach it: not-admitted
 //! refusals cost nothing and leave no record.
 
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -52,43 +53,107 @@ pub(crate) struct Attempt<S> {
     pub(crate) quota_hold: QuotaHold,
 }
 
-/// The EWMA weight of one stream in [`StreamCuts`]: 0.2, the balancer's health weight.
+/// The EWMA weight of one stream in [`StreamCuts`] once it has seen a few: 0.2, the
+/// balancer's health weight. The first streams weigh `1/n` (the n-th stream of a
+/// source), so the first verdict is the rate, not a fifth of it.
 const CUT_ALPHA: f64 = 0.2;
 
 /// Above this share of recent streams cut after their first token, a source is not
-/// trusted with the caller's stream: 0.3. A source starts trusted (0); two cuts in a
-/// row (0.2, then 0.36) make it untrusted; a run of complete streams brings it back.
+/// trusted with the caller's stream: 0.3. The first stream's verdict sets the rate
+/// (a cut: 1.0, untrusted at once); later ones weigh `max(1/n, 0.2)`, so after a cut
+/// three complete streams bring a source back, and on a proven source two cuts in a
+/// row (0.2, then 0.36) make it untrusted.
 /// Tried: 0.1 with unproven sources starting untrusted (99.08% on the 4000-call P6,
 /// seed 42) and 0.1 from a trusted start (98.92%); 0.3 makes 99.20%.
 pub(crate) const UNTRUSTED_CUT_RATE: f64 = 0.3;
 
 /// Whether a source's streams get cut after they started, per source (an EWMA of
-/// 1 for a cut, 0 for a complete stream).
+/// 1 for a cut, 0 for a complete stream, weighted `1/n` over the first streams).
 ///
 /// A stream passed through and cut cannot be redone unseen: without a source that
 /// continues a prefill, the caller gets an error. So a source whose streams are often
 /// cut gets its streams buffered instead (consumed whole, then replayed): a cut there
 /// is retried elsewhere like any failed attempt. The caller's first chunk waits for
 /// that source's last; never a truncated answer.
+///
+/// A source with no verdict yet is trusted with one stream at a time: the first
+/// stream a process sends it passes through, and the streams asked for while that one
+/// runs are buffered. Trusting every stream of an unproven source lost as many
+/// callers' streams as were in flight when its first stall came (the P6 slow-stream
+/// source, right after a start: up to 5 per process in the real-time soak).
 #[derive(Clone, Debug, Default)]
-pub(crate) struct StreamCuts(Arc<std::sync::atomic::AtomicU64>);
+pub(crate) struct StreamCuts(Arc<CutsState>);
+
+#[derive(Debug, Default)]
+struct CutsState {
+    /// The rate's `f64` bits.
+    rate: AtomicU64,
+    /// Verdicts recorded.
+    seen: AtomicU64,
+    /// An unproven source's one passed-through stream is running.
+    probing: AtomicBool,
+}
+
+/// The claim on an unproven source's one passed-through stream; released on drop
+/// (the stream's verdict, or the attempt dropped unfinished).
+#[derive(Debug)]
+pub(crate) struct UnprovenStream(Arc<CutsState>);
+
+impl Drop for UnprovenStream {
+    fn drop(&mut self) {
+        self.0.probing.store(false, Ordering::Release);
+    }
+}
+
+/// Whether a stream may pass through to the caller, and the claim that lets it.
+#[derive(Debug)]
+pub(crate) enum Trust {
+    /// The source's cut rate is at most [`UNTRUSTED_CUT_RATE`].
+    Proven,
+    /// The source has no verdict yet, and this stream is its one pass-through.
+    Unproven(UnprovenStream),
+    /// Buffer the stream.
+    No,
+}
 
 impl StreamCuts {
     fn rate(&self) -> f64 {
-        f64::from_bits(self.0.load(std::sync::atomic::Ordering::Relaxed))
+        f64::from_bits(self.0.rate.load(Ordering::Relaxed))
     }
 
-    pub(crate) fn trusted(&self) -> bool {
-        self.rate() <= UNTRUSTED_CUT_RATE
+    /// May a stream of this source pass through now? An unproven source's answer
+    /// holds its claim: keep it until the stream's verdict.
+    pub(crate) fn trust(&self) -> Trust {
+        if self.0.seen.load(Ordering::Acquire) > 0 {
+            return if self.rate() <= UNTRUSTED_CUT_RATE {
+                Trust::Proven
+            } else {
+                Trust::No
+            };
+        }
+        match self
+            .0
+            .probing
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed)
+        {
+            Ok(_) => Trust::Unproven(UnprovenStream(Arc::clone(&self.0))),
+            Err(_) => Trust::No,
+        }
     }
 
     fn record(&self, cut: bool) {
-        use std::sync::atomic::Ordering;
         let sample = if cut { 1.0 } else { 0.0 };
-        let _ = self.0.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
-            let old = f64::from_bits(bits);
-            Some((old + CUT_ALPHA * (sample - old)).to_bits())
-        });
+        #[allow(clippy::cast_precision_loss)]
+        let n = (self.0.seen.load(Ordering::Relaxed) + 1) as f64;
+        let alpha = (1.0 / n).max(CUT_ALPHA);
+        let _ = self
+            .0
+            .rate
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+                let old = f64::from_bits(bits);
+                Some((old + alpha * (sample - old)).to_bits())
+            });
+        self.0.seen.fetch_add(1, Ordering::Release);
     }
 }
 
@@ -152,8 +217,15 @@ where
             return Box::pin(std::future::ready(Err(NoPrefill.into())));
         }
         let streamed = call.is_stream();
-        if streamed && !self.cuts.trusted() {
-            call.extensions_mut().remove::<pgw_client::PassThrough>();
+        let mut unproven = None;
+        if streamed && call.extensions().get::<pgw_client::PassThrough>().is_some() {
+            match self.cuts.trust() {
+                Trust::Proven => {}
+                Trust::Unproven(claim) => unproven = Some(claim),
+                Trust::No => {
+                    call.extensions_mut().remove::<pgw_client::PassThrough>();
+                }
+            }
         }
         let cuts = self.cuts.clone();
         let pushback = self.pushback.clone();
@@ -213,6 +285,7 @@ where
                 if streamed && let Some(cut) = cut_after_start(committed, r) {
                     cuts.record(cut);
                 }
+                drop(unproven);
                 let (ttft, usage) = match r {
                     Ok(a) => (a.stats.ttft, a.stats.usage.as_ref()),
                     Err(_) => (None, None),

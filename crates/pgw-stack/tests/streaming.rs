@@ -312,10 +312,64 @@ async fn a_source_whose_streams_get_cut_is_no_longer_trusted_with_the_callers_st
             }
         }
     }
-    // Two cuts passed through (0.2, then 0.36 > 0.3); after that `a`'s streams are
-    // consumed whole first, so its cuts are retried on `b`, unseen.
-    assert_eq!(cut, 2, "{whole} whole");
+    // One cut passed through (the first verdict is the rate: 1.0 > 0.3); after that
+    // `a`'s streams are consumed whole first, so its cuts are retried on `b`, unseen.
+    assert_eq!(cut, 1, "{whole} whole");
     let a = records(&sink, "a");
     assert!(a.len() > 2, "a is still tried: {a:?}");
+    all_released(&gw, &pool).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_unproven_source_passes_one_stream_through_at_a_time() {
+    let pool = pool(vec![stalling("a"), slow("b")]);
+    let sink = MemorySink::default();
+    let gw = gateway(&pool, &sink, &[]).await;
+    let reference = clean_text(&pool, "b").await;
+    // Four streams at once, round robin: two start on `a`, which has no verdict yet.
+    // Only the first of them reaches its caller as it arrives; the other is consumed
+    // whole first, so its cut is retried on `b` unseen. Trusting both lost two streams.
+    let runs = (0..4).map(|_| async {
+        let stream = gw.chat_stream(request()).await.unwrap();
+        drain(stream, Instant::now()).await
+    });
+    let done = futures_util::future::join_all(runs).await;
+    let cut = done.iter().filter(|(_, _, err, _)| err.is_some()).count();
+    assert_eq!(
+        cut, 1,
+        "one stream of the unproven source passed through and was cut"
+    );
+    for (content, _, err, _) in &done {
+        if err.is_none() {
+            assert_eq!(content, &reference);
+        }
+    }
+    assert_eq!(records(&sink, "a").len(), 2, "both of a's streams were attempts");
+    all_released(&gw, &pool).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_dropped_stream_gives_back_the_unproven_sources_pass_through() {
+    let pool = pool(vec![slow("a")]);
+    let sink = MemorySink::default();
+    let gw = gateway(&pool, &sink, &[]).await;
+    // Passed through: the stream is handed over at its first token (2 s), not at its
+    // last (about 32 s). The caller reads one chunk and walks away.
+    let t0 = Instant::now();
+    let mut first = gw.chat_stream(request()).await.unwrap();
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    first.next().await.unwrap().unwrap();
+    drop(first);
+    // The next stream of the still unproven source passes through too: the claim went
+    // back with the dropped stream.
+    let t1 = Instant::now();
+    let second = gw.chat_stream(request()).await.unwrap();
+    assert!(
+        t1.elapsed() < Duration::from_secs(10),
+        "buffered: {:?}",
+        t1.elapsed()
+    );
+    let (_, _, err, _) = drain(second, t1).await;
+    assert!(err.is_none(), "{err:?}");
     all_released(&gw, &pool).await;
 }
