@@ -355,10 +355,79 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// The codes an error's metric label keeps: every code the server writes itself, and
+/// the providers' codes pgw reads (OpenAI's; the compatible APIs use the same words).
+const LABELLED_CODES: &[&str] = &[
+    // The server's own.
+    "all_circuits_open",
+    "backend_unavailable",
+    "deadline_exceeded",
+    "draining",
+    "internal_error",
+    "invalid_api_key",
+    "invalid_body",
+    "invalid_json",
+    "invalid_request",
+    "method_not_allowed",
+    "model_not_found",
+    "not_found",
+    "overloaded",
+    "rate_limit_exceeded",
+    "rejected",
+    "request_timeout",
+    "request_too_large",
+    "tokens_exceed_quota",
+    "unsupported_media_type",
+    "upstream_failed",
+    "upstream_timeout",
+    // The providers' (passed through with their answer).
+    "content_filter",
+    "content_policy_violation",
+    "context_length_exceeded",
+    "insufficient_quota",
+    "invalid_value",
+    "model_not_available",
+    "server_error",
+    "unsupported_parameter",
+];
+
+/// The `error_type` label of a call that ended with `code`: the code when the server
+/// wrote it or it is a provider code pgw knows ([`LABELLED_CODES`]), `other` for any
+/// other provider code, `none` without one. A provider's code is its own string; a
+/// series per string it invents would grow the metrics without bound.
+pub(crate) fn code_label(code: Option<&str>) -> &'static str {
+    match code {
+        None => "none",
+        Some(c) => LABELLED_CODES
+            .iter()
+            .find(|k| **k == c)
+            .copied()
+            .unwrap_or("other"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use pgw_core::ProviderError;
+
+    #[test]
+    fn a_code_label_is_one_of_a_known_few() {
+        assert_eq!(code_label(None), "none");
+        assert_eq!(code_label(Some("all_circuits_open")), "all_circuits_open");
+        assert_eq!(
+            code_label(Some("context_length_exceeded")),
+            "context_length_exceeded"
+        );
+        assert_eq!(code_label(Some("acme_quota_9f2c")), "other");
+        assert_eq!(code_label(Some("")), "other");
+        // Every code the server writes itself is kept as it is.
+        for status in [400, 401, 404, 405, 408, 413, 415, 429, 500, 502, 503, 504] {
+            let e = ApiError::of_status(StatusCode::from_u16(status).unwrap());
+            let code = e.code.as_deref();
+            assert_eq!(code_label(code), code.unwrap_or("none"), "{status}");
+        }
+    }
 
     #[test]
     fn retry_after_rounds_up() {

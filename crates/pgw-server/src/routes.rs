@@ -286,7 +286,7 @@ impl CallMetrics {
     /// Records the end of the call: `gen_ai_client_operation_duration_seconds` and
     /// `pgw_server_calls_total`.
     pub(crate) fn finish(&self, error: Option<&ApiError>) {
-        let error_type = error.and_then(|e| e.code.as_deref()).unwrap_or("none");
+        let error_type = crate::error::code_label(error.and_then(|e| e.code.as_deref()));
         let status = error.map_or(StatusCode::OK, |e| e.status);
         self.handles
             .duration
