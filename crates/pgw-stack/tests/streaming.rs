@@ -312,9 +312,9 @@ async fn a_source_whose_streams_get_cut_is_no_longer_trusted_with_the_callers_st
             }
         }
     }
-    // One cut passed through (the first verdict is the rate: 1.0 > 0.3); after that
-    // `a`'s streams are consumed whole first, so its cuts are retried on `b`, unseen.
-    assert_eq!(cut, 1, "{whole} whole");
+    // Two cuts passed through (0.2, then 0.36 > 0.3); after that `a`'s streams are
+    // consumed whole first, so its cuts are retried on `b`, unseen.
+    assert_eq!(cut, 2, "{whole} whole");
     let a = records(&sink, "a");
     assert!(a.len() > 2, "a is still tried: {a:?}");
     all_released(&gw, &pool).await;
