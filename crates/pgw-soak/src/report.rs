@@ -617,6 +617,7 @@ mod tests {
                 success_bar: None,
                 success_band: None,
                 request_errors_gate: false,
+                fail_fast_after_ms: None,
             },
         )
     }

@@ -49,6 +49,15 @@ pub fn expectations(profile: &str, scenario: &Scenario) -> Expectations {
             .filter(|_| profile == ProfileKind::Naive.as_str())
             .map(|[lo, hi]| (lo, hi)),
         request_errors_gate: scenario.request_errors_gate && profile == ProfileKind::Pgw.as_str(),
+        fail_fast_after_ms: scenario
+            .fail_fast_after_s
+            .filter(|_| profile == ProfileKind::Pgw.as_str())
+            .map(|s| {
+                Duration::from_secs_f64(s)
+                    .as_millis()
+                    .try_into()
+                    .unwrap_or(u64::MAX)
+            }),
     }
 }
 

@@ -300,6 +300,10 @@ pub struct Scenario {
     /// Whether "0 breakers opened by request errors" gates the pgw profile's verdict
     /// (default false: shown, not judged).
     pub request_errors_gate: bool,
+    /// On a pool where nothing can answer: from this many scenario seconds on, every
+    /// call must fail in under a second as `all_circuits_open` (gating for pgw; default
+    /// none). `all-dead` sets 60: the first minute is for learning that the pool is dead.
+    pub fail_fast_after_s: Option<f64>,
     /// The naive profile's own knobs.
     pub naive: NaiveSettings,
     /// The tower-stock profile's own knobs.
@@ -363,6 +367,7 @@ impl Scenario {
             success_bar: DEFAULT_SUCCESS_BAR,
             naive_band: Some(P6_NAIVE_BAND),
             request_errors_gate: false,
+            fail_fast_after_s: None,
             naive: NaiveSettings::default(),
             tower_stock: TowerStockSettings::default(),
         }
@@ -477,6 +482,11 @@ impl Scenario {
                     "client.quotas[{i}]: rpm, tpm and max_concurrency must be >= 1"
                 ));
             }
+        }
+        if let Some(s) = self.fail_fast_after_s
+            && !(s.is_finite() && s >= 0.0)
+        {
+            return Err(format!("fail_fast_after_s: must be >= 0, got {s}"));
         }
         if let Arrival::Open { per_min } = self.arrival
             && !(per_min.is_finite() && per_min > 0.0)

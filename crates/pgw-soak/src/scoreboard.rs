@@ -9,10 +9,11 @@
 //! burst across a window edge (up to twice the quota in one span).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::telemetry::{ProfileRun, QuotaRule};
+use crate::telemetry::{CallRow, ProfileRun, QuotaRule};
 use crate::timing::{Timing, timing};
 
 /// Failure causes no client can avoid: the provider rejects the prompt itself (about
@@ -105,6 +106,8 @@ pub struct Score {
     pub rss_end_kib: u64,
     /// What the run cost in time: goodput, latency percentiles, time to first token.
     pub timing: Timing,
+    /// How the calls after the pool was known dead ended, when the scenario asks.
+    pub fail_fast: Option<FailFast>,
 }
 
 impl Score {
@@ -133,7 +136,19 @@ pub struct Expectations {
     /// Whether "0 breakers opened by request errors" gates the verdict (pgw on a
     /// scenario that asks for it, `provider-quirks`); informational otherwise.
     pub request_errors_gate: bool,
+    /// Gating when `Some` (pgw on a pool where nothing can answer, `all-dead`): every
+    /// call arriving this many ms into the run or later fails in under
+    /// [`FAIL_FAST_WITHIN_MS`] as `all_circuits_open` (every source known dead, with
+    /// the time until one may be tried again).
+    pub fail_fast_after_ms: Option<u64>,
 }
+
+/// How fast a call to a pool known to be dead must fail (issue 12: "under 1 s").
+pub const FAIL_FAST_WITHIN_MS: u64 = 1_000;
+/// The cause of a call refused because every source's circuit is open
+/// (`tower_retry_pushback::Reason::AllCircuitsOpen`, which always carries a
+/// `retry_after`).
+const ALL_CIRCUITS_OPEN: &str = "all_circuits_open";
 
 /// Judges one run.
 #[must_use]
@@ -189,6 +204,11 @@ pub fn judge(run: &ProfileRun, expect: &Expectations) -> Score {
     checks.push(ids_check(run, expect.calls));
     checks.push(accounting_check(run));
     checks.push(rss_check(run));
+    let fail_fast = expect.fail_fast_after_ms.map(|after| {
+        let f = FailFast::of(run, after);
+        checks.push(f.check(after));
+        f
+    });
 
     Score {
         profile: run.profile.clone(),
@@ -212,6 +232,7 @@ pub fn judge(run: &ProfileRun, expect: &Expectations) -> Score {
         wall_ms: run.wall_ms,
         rss_end_kib: run.rss.last().map_or(0, |s| s.rss_kib),
         timing: timing(run),
+        fail_fast,
     }
 }
 
@@ -235,6 +256,52 @@ fn success_check(rate: f64, ok: u64, calls: u64, expect: &Expectations) -> Check
             gating: false,
             detail,
         },
+    }
+}
+
+/// How the calls after a pool is known dead ended: [`Expectations::fail_fast_after_ms`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct FailFast {
+    /// Calls that arrived at `after_ms` or later.
+    pub calls: u64,
+    /// Of those, the calls that failed within [`FAIL_FAST_WITHIN_MS`] as
+    /// `all_circuits_open`.
+    pub fast: u64,
+    /// The longest of those calls, ms.
+    pub longest_ms: u64,
+}
+
+impl FailFast {
+    fn of(run: &ProfileRun, after_ms: u64) -> Self {
+        let late = || run.calls.iter().filter(|c| c.started_ms >= after_ms);
+        let took = |c: &CallRow| c.ended_ms.saturating_sub(c.started_ms);
+        Self {
+            calls: late().count() as u64,
+            fast: late()
+                .filter(|c| !c.ok && c.cause == ALL_CIRCUITS_OPEN && took(c) < FAIL_FAST_WITHIN_MS)
+                .count() as u64,
+            longest_ms: late().map(took).max().unwrap_or(0),
+        }
+    }
+
+    /// Shown, not gating: a call that takes a dead source's half-open probe, or the
+    /// first call to a black hole whose earlier attempts all timed out, waits for that
+    /// attempt's answer (a revoked key's 401, a black hole's timeout). The report says
+    /// how many did.
+    fn check(self, after_ms: u64) -> Check {
+        Check {
+            name: "fails fast once all are dead",
+            pass: self.calls > 0 && self.fast == self.calls,
+            gating: false,
+            detail: format!(
+                "{} of {} calls from {:.0} s on failed in < {FAIL_FAST_WITHIN_MS} ms as \
+                 {ALL_CIRCUITS_OPEN} (longest {} ms)",
+                self.fast,
+                self.calls,
+                Duration::from_millis(after_ms).as_secs_f64(),
+                self.longest_ms
+            ),
+        }
     }
 }
 
@@ -526,6 +593,7 @@ mod tests {
                 success_bar: None,
                 success_band: None,
                 request_errors_gate: false,
+                fail_fast_after_ms: None,
             },
         )
     }
@@ -657,6 +725,7 @@ mod tests {
                     success_bar: None,
                     success_band: None,
                     request_errors_gate: true,
+                    fail_fast_after_ms: None,
                 },
             )
         };
@@ -734,6 +803,7 @@ mod tests {
                 success_bar: Some(0.99),
                 success_band: Some((0.5, 0.65)),
                 request_errors_gate: false,
+                fail_fast_after_ms: None,
             },
         );
         for name in [
@@ -748,5 +818,54 @@ mod tests {
         assert!(!s.check("calibration band").unwrap().gating);
         assert_eq!(s.success_by_minute, vec![(0, 1, 1), (1, 1, 0)]);
         assert_eq!(s.failed_by_cause.get("transient"), Some(&1));
+    }
+
+    #[test]
+    fn fail_fast_judges_only_the_calls_after_the_first_minute() {
+        let failed = |id: &str, start: u64, end: u64, cause: &str| CallRow {
+            started_ms: start,
+            cause: cause.into(),
+            ..call(id, false, end)
+        };
+        let judged = |calls: Vec<CallRow>| {
+            let mut r = run();
+            r.calls = calls;
+            let n = r.calls.len() as u64;
+            judge(
+                &r,
+                &Expectations {
+                    calls: n,
+                    success_bar: Some(0.0),
+                    success_band: None,
+                    request_errors_gate: false,
+                    fail_fast_after_ms: Some(60_000),
+                },
+            )
+        };
+        // A slow failure in the first minute is the learning; after it, fast refusals.
+        let s = judged(vec![
+            failed("a", 0, 180_000, "transient"),
+            failed("b", 60_000, 60_999, ALL_CIRCUITS_OPEN),
+        ]);
+        let c = s.check("fails fast once all are dead").unwrap();
+        assert!(c.pass && !c.gating, "{c:?}");
+        assert_eq!(
+            s.fail_fast,
+            Some(FailFast {
+                calls: 1,
+                fast: 1,
+                longest_ms: 999
+            })
+        );
+        // One second or more, another cause, or no call after the minute: not fast.
+        for (calls, fast) in [
+            (vec![failed("b", 60_000, 61_000, ALL_CIRCUITS_OPEN)], 0),
+            (vec![failed("b", 90_000, 90_001, "transient")], 0),
+            (vec![failed("a", 0, 10, ALL_CIRCUITS_OPEN)], 0),
+        ] {
+            let s = judged(calls);
+            assert!(!s.check("fails fast once all are dead").unwrap().pass);
+            assert_eq!(s.fail_fast.unwrap().fast, fast);
+        }
     }
 }
