@@ -9,7 +9,7 @@
 //! retry layer (the balancer's wait for an admission) honours it.
 
 use std::fmt;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use tokio::time::Instant;
@@ -46,6 +46,8 @@ pub struct CallHistory {
 struct Records {
     /// How many attempts are recorded: written under the lock, read without it.
     len: AtomicUsize,
+    /// How many attempts were numbered ([`CallHistory::next_attempt`]).
+    numbered: AtomicU32,
     list: Mutex<List>,
 }
 
@@ -98,6 +100,16 @@ impl CallHistory {
         // only come from a panic inside one of these short methods, and the data is
         // still a valid list.
         self.inner.list.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Numbers one attempt as it is sent: 1, 2, ... in the order they are sent,
+    /// whatever order they end in (the balancer's detached probe of a silent source,
+    /// sent with a copy of this call's request, runs beside the call's own attempts).
+    pub fn next_attempt(&self) -> u32 {
+        self.inner
+            .numbered
+            .fetch_add(1, Ordering::Relaxed)
+            .saturating_add(1)
     }
 
     /// Sets the call's deadline: the instant after which it may not wait (the retry
@@ -231,5 +243,16 @@ mod tests {
         assert_eq!(h.deadline(), Some(t + std::time::Duration::from_secs(5)));
         carried.set_deadline(t + std::time::Duration::from_secs(2));
         assert_eq!(h.deadline(), Some(t + std::time::Duration::from_secs(2)));
+    }
+
+    #[test]
+    fn attempts_are_numbered_as_sent_by_every_handle_whatever_is_recorded() {
+        let h = CallHistory::new();
+        let probe = h.clone();
+        assert_eq!(h.next_attempt(), 1);
+        // A probe sent beside the call's second attempt, before either is recorded.
+        assert_eq!(probe.next_attempt(), 2);
+        assert_eq!(h.next_attempt(), 3);
+        assert_eq!(h.len(), 0);
     }
 }

@@ -325,7 +325,7 @@ pub fn run_worker(dir: &Path, index: u32) -> Result<(), BoxError> {
             origin_ms: real.origin_ms,
             index,
         };
-        let built = build_redis(&scenario, &w, &recorder)
+        let mut built = build_redis(&scenario, &w, &recorder)
             .await
             .map_err(|e| BuildError(e.to_string()))?;
         let n = u64::from(real.workers);
@@ -336,13 +336,23 @@ pub fn run_worker(dir: &Path, index: u32) -> Result<(), BoxError> {
             rss_samples: RSS_SAMPLES,
             calls,
         };
-        let rss = drive(built.clients, mine, &recorder, opts, &ProgressBar::hidden()).await;
+        let rss = drive(
+            std::mem::take(&mut built.clients),
+            mine,
+            &recorder,
+            opts,
+            &ProgressBar::hidden(),
+        )
+        .await;
         let real_ms = clock.now_ms();
         // The breaker's probe and the limiter's leases live in the shared Redis: read
         // the books only once every worker has run its last call.
         barrier(dir, index, real.workers).await?;
         tokio::time::sleep(SETTLE.mul_f64(real.time_scale).max(MIN_SETTLE)).await;
-        let accounting = (built.accounting)().await;
+        let patience = Duration::from_secs_f64(scenario.client.total_s).mul_f64(real.time_scale);
+        let accounting = built
+            .settled_books(patience, Duration::from_millis(100), |_| {})
+            .await;
         let (attempts, mut calls) = recorder.finish()?;
         for c in &mut calls {
             c.worker = index;

@@ -23,7 +23,8 @@ pub const PGW_SUCCESS_BAR: f64 = crate::scenario::DEFAULT_SUCCESS_BAR;
 /// RSS samples per profile run.
 pub const RSS_SAMPLES: u64 = 100;
 /// Scenario time given to the books to settle after the last call (spawned releases,
-/// hold expiries) before they are read.
+/// hold expiries) before they are read; then they are read until they are back to zero,
+/// for at most one attempt timeout (a detached probe still out).
 const SETTLE: Duration = Duration::from_secs(5);
 
 /// How to run.
@@ -139,7 +140,7 @@ pub fn run_profile_virtual(
             upstream: Upstream::sim(pool),
             recorder: recorder.clone(),
         };
-        let built = profiles::build(kind, &env)
+        let mut built = profiles::build(kind, &env)
             .await
             .map_err(|e| profiles::BuildError(e.to_string()))?;
         let opts = DriveOptions {
@@ -147,15 +148,25 @@ pub fn run_profile_virtual(
             rss_samples: RSS_SAMPLES,
             calls: scenario.calls,
         };
-        let rss = drive(built.clients, traffic(scenario, 1.0), &recorder, opts, progress).await;
+        let rss = drive(
+            std::mem::take(&mut built.clients),
+            traffic(scenario, 1.0),
+            &recorder,
+            opts,
+            progress,
+        )
+        .await;
         let scenario_ms = clock.now_ms();
         tokio::time::sleep(SETTLE).await;
-        let mut accounting = (built.accounting)().await;
-        for (name, st) in env.upstream.pool().stats().sources {
-            accounting
-                .counters
-                .insert(format!("provider in flight {name}"), st.in_flight);
-        }
+        let patience = Duration::from_secs_f64(scenario.client.total_s);
+        let accounting = built
+            .settled_books(patience, Duration::from_secs(1), |acc| {
+                for (name, st) in env.upstream.pool().stats().sources {
+                    acc.counters
+                        .insert(format!("provider in flight {name}"), st.in_flight);
+                }
+            })
+            .await;
         let (attempts, calls) = recorder.finish()?;
         Ok::<_, BoxError>(ProfileRun {
             profile: kind.as_str().to_owned(),

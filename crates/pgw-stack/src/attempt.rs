@@ -166,8 +166,7 @@ where
         let cuts = self.cuts.clone();
         let pushback = self.pushback.clone();
         let quota_hold = self.quota_hold.clone();
-        let attempt =
-            u32::try_from(call.call_history().map_or(0, pgw_core::CallHistory::len) + 1).unwrap_or(u32::MAX);
+        let attempt = call.call_history().map_or(1, pgw_core::CallHistory::next_attempt);
         let admission = call
             .extensions()
             .get::<AdmissionCell>()

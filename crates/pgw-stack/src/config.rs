@@ -505,6 +505,11 @@ pub struct BalanceSection {
     /// this long is not dispatched to until they end, seconds (default 60,
     /// `tower_health_p2c::DEFAULT_SILENT_AFTER`; 0 turns it off).
     pub silent_after_s: Option<f64>,
+    /// How often a silent source (its last 3 attempts timed out, nothing heard) is
+    /// probed off the caller's path with a copy of one call's request, seconds
+    /// (default 10, `tower_health_p2c::DEFAULT_PROBE_EVERY`; 0: the next fresh call
+    /// probes it itself and waits for the answer).
+    pub probe_every_s: Option<f64>,
     /// Seed of the balancer's random choices and the retry jitter (default: from the OS).
     pub seed: Option<u64>,
 }
@@ -831,6 +836,7 @@ impl GatewayConfig {
         for (k, v) in [
             ("breaker.closed_view_s", self.breaker.closed_view_s),
             ("balance.silent_after_s", self.balance.silent_after_s),
+            ("balance.probe_every_s", self.balance.probe_every_s),
         ] {
             secs_or_off(k, v)?;
         }

@@ -67,6 +67,15 @@ fn retry_field(field: &str) -> String {
     }
 }
 
+/// A duration where 0 turns the feature off: the configured one, else the default.
+fn off_or(configured: Option<Duration>, default: Option<Duration>) -> Option<Duration> {
+    match configured {
+        Some(d) if d.is_zero() => None,
+        Some(d) => Some(d),
+        None => default,
+    }
+}
+
 pub(crate) fn balance_config(cfg: &GatewayConfig) -> Result<BalanceConfig, ConfigError> {
     let b = &cfg.balance;
     let d = BalanceConfig::default();
@@ -84,11 +93,14 @@ pub(crate) fn balance_config(cfg: &GatewayConfig) -> Result<BalanceConfig, Confi
     let c = BalanceConfig {
         policy,
         max_wait: secs("balance.max_wait_s", b.max_wait_s)?.unwrap_or(d.max_wait),
-        silent_after: match secs_or_off("balance.silent_after_s", b.silent_after_s)? {
-            Some(d) if d.is_zero() => None,
-            Some(d) => Some(d),
-            None => d.silent_after,
-        },
+        silent_after: off_or(
+            secs_or_off("balance.silent_after_s", b.silent_after_s)?,
+            d.silent_after,
+        ),
+        probe_every: off_or(
+            secs_or_off("balance.probe_every_s", b.probe_every_s)?,
+            d.probe_every,
+        ),
         ..d
     };
     c.validate().map_err(|e| config_error("balance", e.to_string()))?;

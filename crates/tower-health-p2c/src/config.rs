@@ -66,6 +66,21 @@ pub const DEFAULT_PACED_POLL: Duration = Duration::from_millis(1000);
 /// few seconds). A streamed attempt counts as an answer at its first chunk.
 pub const DEFAULT_SILENT_AFTER: Duration = Duration::from_secs(60);
 
+/// How often a silent source is probed off the caller's path
+/// ([`BalanceConfig::probe_every`]): 10 s, so traffic returns to a black hole that
+/// heals within about 10 s plus its time to answer (issue 12's recovery goal). A probe
+/// into the silence hangs until its attempt timeout; the gates below (AIMD's limit)
+/// bound how many hang at once.
+pub const DEFAULT_PROBE_EVERY: Duration = Duration::from_secs(10);
+
+/// Timeouts in a row, with no answer between them, after which a source is silent
+/// even with nothing in flight: 3, a call's default attempts. A timeout may be a slow
+/// answer (a long generation past the attempt timeout), and one call alone on a slow
+/// source may retry it to its last attempt; more timeouts than one call makes, with
+/// nothing heard, is silence (a black hole's concurrent attempts time out together).
+/// Such a source is probed (see [`BalanceConfig::detached_probes`]) until it answers.
+pub const SILENT_TIMEOUTS: u32 = 3;
+
 /// The shortest wait after a round in which no source admitted, whatever `retry_after`
 /// the gates said: 10 ms, so a gate answering `retry_after = 0` cannot make a call spin
 /// (the same floor as tower-retry-pushback's `MIN_NOT_ADMITTED_WAIT`).
@@ -141,6 +156,17 @@ pub struct BalanceConfig {
     /// silent: it is not dispatched to (refused as open, with this as `retry_after`)
     /// until its attempts end (default [`DEFAULT_SILENT_AFTER`]); `None` turns it off.
     pub silent_after: Option<Duration>,
+    /// How often a silent source is probed off the caller's path (default
+    /// [`DEFAULT_PROBE_EVERY`]). A source whose last [`SILENT_TIMEOUTS`] attempts timed
+    /// out with nothing heard is refused to every call (as open, `silent_after` as
+    /// `retry_after`); a call that finds it so starts a detached probe there, a copy of
+    /// its request on a spawned task, when the last one started this long ago or more.
+    /// The probe's answer feeds the source's health and silence and is then dropped:
+    /// no caller waits an attempt timeout on a black hole, and the first answer after
+    /// it heals ends the silence. `None`: such a source is probed by the next fresh
+    /// call itself (one that has not failed yet), which waits for its answer. Needs a
+    /// tokio runtime (the balancer already runs on tokio's clock).
+    pub probe_every: Option<Duration>,
 }
 
 impl Default for BalanceConfig {
@@ -150,6 +176,7 @@ impl Default for BalanceConfig {
             max_wait: DEFAULT_MAX_WAIT,
             paced_poll: DEFAULT_PACED_POLL,
             silent_after: Some(DEFAULT_SILENT_AFTER),
+            probe_every: Some(DEFAULT_PROBE_EVERY),
         }
     }
 }
@@ -160,6 +187,12 @@ impl BalanceConfig {
     /// # Errors
     /// A [`ConfigError`] naming the bad field.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.probe_every.is_some_and(|d| d.is_zero()) {
+            return Err(crate::error::config_error(
+                "probe_every",
+                "must be greater than zero (or None to probe with a caller's call)",
+            ));
+        }
         if self.silent_after.is_some_and(|d| d.is_zero()) {
             return Err(crate::error::config_error(
                 "silent_after",

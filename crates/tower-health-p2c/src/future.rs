@@ -19,15 +19,9 @@ use tower_service::Service;
 
 use crate::error::{NoSources, NoneAdmitted};
 use crate::order;
+use crate::probe;
 use crate::sources::{Snapshot, SourceState};
-use crate::{BalanceConfig, CREDIBLE_HEALTH_RATIO, MIN_WAKE_WAIT};
-
-/// Timeouts in a row, with no answer between them, after which only a fresh call
-/// probes a source: 3, a call's default attempts. A timeout may be a slow answer (a
-/// long generation past the attempt timeout), and one call alone on a slow source may
-/// retry it to its last attempt; more timeouts than one call makes, with nothing heard,
-/// is silence (a black hole's concurrent attempts time out together).
-const SILENT_TIMEOUTS: u32 = 3;
+use crate::{BalanceConfig, CREDIBLE_HEALTH_RATIO, MIN_WAKE_WAIT, SILENT_TIMEOUTS};
 
 /// Which sources this round still has to try.
 pub(crate) enum Plan {
@@ -176,6 +170,39 @@ impl<S, Req: CarriesHistory, C> Ctx<S, Req, C> {
                 .iter()
                 .any(|a| a.outcome.health_sample() == Some(false))
         })
+    }
+
+    /// Whether source `i` is silent for this call: attempts in flight and nothing
+    /// heard for `after`, or [`SILENT_TIMEOUTS`] timeouts since it last answered. In
+    /// the second case it is probed: without
+    /// [`probe_every`](BalanceConfig::probe_every) by a fresh call, which goes there
+    /// itself; with it, by a detached probe (a copy of this call's request, at most one
+    /// per `probe_every`), and every call is refused.
+    fn refuses_silent(&self, i: usize, after: Duration) -> bool
+    where
+        S: Service<Req> + Clone + Send + 'static,
+        S::Future: Send + 'static,
+        S::Error: Into<BoxError>,
+        S::Response: Send + 'static,
+        Req: Clone + Send + 'static,
+        C: Classify<S::Response, BoxError> + Clone + Send + 'static,
+    {
+        let entry = &self.snapshot.entries[i];
+        if !entry.state.timed_out_since_heard(SILENT_TIMEOUTS) {
+            return entry.state.silent(after);
+        }
+        let Some(every) = self.config.probe_every else {
+            return entry.state.silent(after) || self.failed_before();
+        };
+        probe::spawn(
+            &entry.state,
+            every,
+            entry.service.clone(),
+            self.req.clone(),
+            self.class,
+            self.classifier.clone(),
+        );
+        true
     }
 
     fn next_candidate(&mut self) -> Option<usize> {
@@ -348,20 +375,11 @@ impl<S, Req: CarriesHistory, C> Ctx<S, Req, C> {
             },
             ok => ok,
         };
-        if result.as_ref().err().is_some_and(|e| pgw_core::is_timeout(&**e)) {
-            state.timed_out();
-        } else {
-            // Any answer (a committed stream's first chunk included) says it is alive;
-            // a success also says how fast it answers.
-            let now = match dispatched_at {
-                Some(at) if answered_now => at,
-                _ => Instant::now(),
-            };
-            state.heard(now);
-            if let (Ok(_), Some(at)) = (&result, dispatched_at) {
-                state.sample_latency(now.saturating_duration_since(at));
-            }
-        }
+        let now = match dispatched_at {
+            Some(at) if answered_now => at,
+            _ => Instant::now(),
+        };
+        heard_from(state, &result, dispatched_at.unwrap_or(now), now);
         if self.classifier.in_progress(&result) {
             // Judged at its end: the closure owns what it needs, the inflight count too.
             let inflight = Inflight(Arc::clone(state));
@@ -382,9 +400,23 @@ impl<S, Req: CarriesHistory, C> Ctx<S, Req, C> {
     }
 }
 
+/// What an attempt dispatched at `at` that ended `now` says of its source's silence:
+/// a timeout is one more; any answer (a committed stream's first chunk included) says
+/// it is alive, and a success also how fast it answers.
+pub(crate) fn heard_from<T>(state: &SourceState, result: &Result<T, BoxError>, at: Instant, now: Instant) {
+    if result.as_ref().err().is_some_and(|e| pgw_core::is_timeout(&**e)) {
+        state.timed_out();
+    } else {
+        state.heard(now);
+        if result.is_ok() {
+            state.sample_latency(now.saturating_duration_since(at));
+        }
+    }
+}
+
 /// Records an attempt's outcome: the health sample of its class and the call's
 /// history.
-fn judge<T, C>(
+pub(crate) fn judge<T, C>(
     state: &SourceState,
     class: usize,
     history: Option<&CallHistory>,
@@ -410,7 +442,7 @@ fn judge<T, C>(
 
 /// One dispatched attempt's inflight count, owned by an attempt judged at its end (a
 /// stream passed through): given back when judged or dropped (A4).
-struct Inflight(Arc<SourceState>);
+pub(crate) struct Inflight(pub(crate) Arc<SourceState>);
 
 impl Drop for Inflight {
     fn drop(&mut self) {
@@ -497,11 +529,12 @@ impl std::error::Error for PolledAfterCompletion {}
 
 impl<S, Req, C> Future for ResponseFuture<S, S::Future, Req, C>
 where
-    S: Service<Req> + Clone,
+    S: Service<Req> + Clone + Send + 'static,
+    S::Future: Send + 'static,
     S::Error: Into<BoxError>,
     C: Classify<S::Response, BoxError> + Clone + Send + 'static,
-    S::Response: 'static,
-    Req: Clone + CarriesHistory,
+    S::Response: Send + 'static,
+    Req: Clone + CarriesHistory + Send + 'static,
 {
     type Output = Result<S::Response, BoxError>;
 
@@ -517,12 +550,10 @@ where
                     Some(i) => {
                         let entry = &this.ctx.snapshot.entries[i];
                         if let Some(after) = this.ctx.config.silent_after
-                            && (entry.state.silent(after)
-                                || (entry.state.timed_out_since_heard(SILENT_TIMEOUTS)
-                                    && this.ctx.failed_before()))
+                            && this.ctx.refuses_silent(i, after)
                         {
                             // Slow-call detection: calls hang there; refused like an
-                            // open circuit until they end.
+                            // open circuit until they end, or until a probe hears it.
                             let open = CircuitOpen::new(after);
                             this.ctx
                                 .round

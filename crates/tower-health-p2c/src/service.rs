@@ -187,12 +187,13 @@ impl<S, C: Clone, K: Clone> Clone for HealthP2c<S, C, K> {
 
 impl<S, C, K, Req> Service<Req> for HealthP2c<S, C, K>
 where
-    S: Service<Req> + Clone,
+    S: Service<Req> + Clone + Send + 'static,
+    S::Future: Send + 'static,
     S::Error: Into<BoxError>,
     C: Classify<S::Response, BoxError> + Clone + Send + 'static,
-    S::Response: 'static,
+    S::Response: Send + 'static,
     K: ClassOf<Req>,
-    Req: Clone + CarriesHistory,
+    Req: Clone + CarriesHistory + Send + 'static,
 {
     type Response = S::Response;
     type Error = BoxError;

@@ -25,6 +25,8 @@ pub(crate) struct SourceState {
     heard_ns: AtomicU64,
     /// Attempts timed out since the source last answered.
     timeouts: AtomicU32,
+    /// Nanoseconds after `epoch` when the last detached probe started (0: none yet).
+    probed_ns: AtomicU64,
     /// EWMA of the time to a successful answer, seconds, as f64 bits (0: none yet).
     latency_bits: AtomicU64,
     epoch: Instant,
@@ -38,6 +40,7 @@ impl SourceState {
             inflight: AtomicUsize::new(0),
             heard_ns: AtomicU64::new(0),
             timeouts: AtomicU32::new(0),
+            probed_ns: AtomicU64::new(0),
             latency_bits: AtomicU64::new(0),
             epoch: Instant::now(),
         }
@@ -171,6 +174,20 @@ impl SourceState {
 
     pub(crate) fn dec(&self) {
         self.inflight.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// Takes the turn of a detached probe at `at`: `false` when the last one started
+    /// less than `every` before (one caller wins a turn, whatever the race).
+    pub(crate) fn probe_turn(&self, at: Instant, every: Duration) -> bool {
+        let now = self.ns_at(at).max(1);
+        let every = u64::try_from(every.as_nanos()).unwrap_or(u64::MAX);
+        let last = self.probed_ns.load(Ordering::Relaxed);
+        if last != 0 && now.saturating_sub(last) < every {
+            return false;
+        }
+        self.probed_ns
+            .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
     }
 }
 

@@ -837,6 +837,22 @@ fn hole(hits: Arc<AtomicUsize>) -> Svc {
     }))
 }
 
+/// A black hole until `alive` is set, then a source answering `ok` after 1 s.
+fn hole_until(alive: Arc<AtomicBool>, hits: Arc<AtomicUsize>) -> Svc {
+    BoxCloneSyncService::new(service_fn(move |_: Req| {
+        hits.fetch_add(1, Ordering::SeqCst);
+        let alive = alive.load(Ordering::SeqCst);
+        async move {
+            if alive {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                return Ok("revived");
+            }
+            tokio::time::sleep(Duration::from_secs(180)).await;
+            Err::<&'static str, BoxError>(Box::new(pgw_core::TimedOut))
+        }
+    }))
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_silent_source_stops_receiving_calls_and_gets_one_probe_after_its_timeouts() {
     let (hole_hits, good_hits) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
@@ -846,7 +862,17 @@ async fn a_silent_source_stops_receiving_calls_and_gets_one_probe_after_its_time
         SourceId::from("good"),
         fixed(Ok("ok"), Duration::from_secs(1), Arc::clone(&good_hits)),
     );
-    let lb = balancer(&sources, Policy::RoundRobin);
+    // The fresh call probes it itself (the behaviour without detached probes).
+    let lb = HealthP2c::new(
+        sources.clone(),
+        BalanceConfig {
+            policy: Policy::RoundRobin,
+            probe_every: None,
+            ..BalanceConfig::default()
+        },
+    )
+    .unwrap()
+    .with_seed(7);
     let spawn = |n: usize| {
         (0..n)
             .map(|_| tokio::spawn(lb.clone().oneshot(Req::default())))
@@ -888,4 +914,70 @@ fn a_zero_silence_threshold_is_a_config_error() {
         ..BalanceConfig::default()
     };
     assert!(bad.validate().unwrap_err().to_string().contains("silent_after"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_silent_source_is_probed_off_the_callers_path_until_it_answers() {
+    let (hole_hits, good_hits) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let alive = Arc::new(AtomicBool::new(false));
+    let sources = Sources::new();
+    sources.insert(
+        SourceId::from("hole"),
+        hole_until(Arc::clone(&alive), Arc::clone(&hole_hits)),
+    );
+    sources.insert(
+        SourceId::from("good"),
+        fixed(Ok("ok"), Duration::from_secs(1), Arc::clone(&good_hits)),
+    );
+    let lb = balancer(&sources, Policy::RoundRobin);
+    let spawn = |n: usize| {
+        (0..n)
+            .map(|_| tokio::spawn(lb.clone().oneshot(Req::default())))
+            .collect::<Vec<_>>()
+    };
+    // Round robin while nothing is known: three calls go into the hole and time out.
+    let first = spawn(6);
+    for h in first {
+        let _ = h.await.unwrap();
+    }
+    assert_eq!(hole_hits.load(Ordering::SeqCst), 3);
+    // Silent now: fresh calls are all served by `good` at once (no caller waits on the
+    // hole), and the hole gets one detached probe, not one per call.
+    let start = Instant::now();
+    for h in spawn(10) {
+        assert_eq!(h.await.unwrap().unwrap(), "ok");
+    }
+    assert_eq!(start.elapsed(), Duration::from_secs(1), "served without a wait");
+    assert_eq!(hole_hits.load(Ordering::SeqCst), 4, "one probe");
+    // At most one probe per `probe_every` (10 s), however many calls find it silent
+    // (round robin: every other call finds it first).
+    let calls = |n: usize| async move {
+        for h in spawn(n) {
+            assert_eq!(h.await.unwrap().unwrap(), "ok");
+        }
+    };
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    calls(4).await;
+    assert_eq!(hole_hits.load(Ordering::SeqCst), 4, "not before 10 s");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    calls(4).await;
+    assert_eq!(hole_hits.load(Ordering::SeqCst), 5, "a second probe after 10 s");
+    // The hole comes back; the next turn's probe hears it.
+    alive.store(true, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    calls(4).await;
+    assert_eq!(hole_hits.load(Ordering::SeqCst), 6, "a third probe");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Heard: it takes calls again (round robin alternates).
+    let mut served = Vec::new();
+    for _ in 0..4 {
+        served.push(lb.clone().oneshot(Req::default()).await.unwrap());
+    }
+    assert!(served.contains(&"revived"), "{served:?}");
+    // Every hold went back once the probes into the silence timed out: nothing in
+    // flight on either source.
+    tokio::time::sleep(Duration::from_secs(180)).await;
+    for h in sources.views() {
+        assert_eq!(h.inflight(), 0, "{}", h.id());
+    }
 }

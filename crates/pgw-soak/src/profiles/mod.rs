@@ -178,6 +178,29 @@ pub struct Built {
     pub accounting: Box<dyn Fn() -> BoxFuture<'static, Accounting> + Send + Sync>,
 }
 
+impl Built {
+    /// The books once they are back to zero, read every `step`, or as they are after
+    /// `patience`: what a client still has in flight after its last call (pgw's
+    /// detached probe of a silent source lasts up to one attempt timeout) ends within
+    /// it. `extra` adds what the books do not hold (the provider's own in-flight count).
+    pub async fn settled_books(
+        &self,
+        patience: std::time::Duration,
+        step: std::time::Duration,
+        extra: impl Fn(&mut Accounting),
+    ) -> Accounting {
+        let until = tokio::time::Instant::now() + patience;
+        loop {
+            let mut acc = (self.accounting)().await;
+            extra(&mut acc);
+            if acc.counters.values().all(|v| *v == 0) || tokio::time::Instant::now() >= until {
+                return acc;
+            }
+            tokio::time::sleep(step).await;
+        }
+    }
+}
+
 impl fmt::Debug for Built {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Built")

@@ -1,0 +1,72 @@
+//! Detached probes: a silent source is asked again off the caller's path
+//! ([`BalanceConfig::detached_probes`](crate::BalanceConfig::detached_probes)).
+//!
+//! A source whose last attempts all timed out with nothing heard (a black hole) is
+//! refused to every call, so no caller waits an attempt timeout on it; a copy of one
+//! call's request goes there on a spawned task instead, at most once per
+//! `probe_every`. Its answer is judged like any attempt's (health, latency, silence)
+//! and then dropped: an answer, of any kind, ends the silence, and the next call may be
+//! dispatched there.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use pgw_core::{BoxError, Classify, NotAdmitted, settle};
+use tokio::time::Instant;
+use tower_service::Service;
+
+use crate::future::{Inflight, heard_from, judge};
+use crate::sources::SourceState;
+
+/// Sends `req` to `svc` (source `state`) on a spawned task, when the source's last
+/// probe started `every` or longer ago. Returns whether one was started.
+pub(crate) fn spawn<S, Req, C>(
+    state: &Arc<SourceState>,
+    every: Duration,
+    mut svc: S,
+    req: Req,
+    class: usize,
+    classifier: C,
+) -> bool
+where
+    S: Service<Req> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<BoxError>,
+    S::Response: Send + 'static,
+    Req: Send + 'static,
+    C: Classify<S::Response, BoxError> + Clone + Send + 'static,
+{
+    let at = Instant::now();
+    if !state.probe_turn(at, every) {
+        return false;
+    }
+    state.inc(at);
+    // Its inflight count, given back when it is judged or dropped (A4).
+    let probing = Inflight(Arc::clone(state));
+    tokio::spawn(async move {
+        let ready = std::future::poll_fn(|cx| svc.poll_ready(cx))
+            .await
+            .map_err(Into::into);
+        let mut result = match ready {
+            Ok(()) => svc.call(req).await.map_err(Into::into),
+            Err(e) => Err(e),
+        };
+        if result
+            .as_ref()
+            .err()
+            .is_some_and(|e| NotAdmitted::of(&**e).is_some())
+        {
+            // A gate below refused it: not an attempt, nothing learnt.
+            return;
+        }
+        heard_from(&probing.0, &result, at, Instant::now());
+        // A stream is judged at its end; dropping it (below) ends it unjudged, and the
+        // hold goes back with the dropped judgement.
+        let judging = classifier.clone();
+        settle(&classifier, &mut result, move |r| {
+            judge(&probing.0, class, None, &judging, r);
+            drop(probing);
+        });
+    });
+    true
+}
