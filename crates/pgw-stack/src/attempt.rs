@@ -20,9 +20,18 @@ use crate::telemetry::{AttemptTelemetry, Telemetry};
 use crate::validate::Validator;
 
 /// Where the rate limiter's admission observer leaves the admission of the attempt
-/// about to be dispatched (one call has one attempt in flight at a time).
-#[derive(Clone, Debug, Default)]
-pub(crate) struct AdmissionCell(Arc<Mutex<Option<(Duration, u64)>>>);
+/// about to be dispatched, for the attempt's record below it. Each copy of a call has
+/// a cell of its own (a clone is empty): the balancer dispatches a copy per attempt,
+/// and the limiter hands that copy down to this layer, so a copy's cell holds its own
+/// attempt's admission, even with a detached probe of the call's running beside it.
+#[derive(Debug, Default)]
+pub(crate) struct AdmissionCell(Mutex<Option<(Duration, u64)>>);
+
+impl Clone for AdmissionCell {
+    fn clone(&self) -> Self {
+        Self::default()
+    }
+}
 
 impl AdmissionCell {
     pub(crate) fn set(&self, at: Duration, window: u64) {
