@@ -263,7 +263,8 @@ pub struct RedisWorker {
 /// keys, accounts and quotas over HTTP on loopback, the Redis backend, and every
 /// duration (the scenario's timeouts, and the pgw defaults that are durations: rate
 /// window, breaker cooldowns, windows and closed view, backoffs, stall window,
-/// pushback wait, balancer wait, cache TTL) times the time scale. The lease TTL stays
+/// pushback wait, balancer wait, slow-call detection and probe interval, cache TTL)
+/// times the time scale. The lease TTL stays
 /// unscaled: it is a safety net for a crashed process, not a scenario duration.
 #[must_use]
 pub fn redis_gateway_config(sc: &Scenario, w: &RedisWorker) -> GatewayConfig {
@@ -292,6 +293,8 @@ pub fn redis_gateway_config(sc: &Scenario, w: &RedisWorker) -> GatewayConfig {
     cfg.retry.stall_window_s = Some(120.0 * s);
     cfg.retry.max_pushback_wait_s = Some(pgw_stack::retry::DEFAULT_MAX_PUSHBACK_WAIT.as_secs_f64() * s);
     cfg.balance.max_wait_s = Some(30.0 * s);
+    cfg.balance.silent_after_s = Some(pgw_stack::balance::DEFAULT_SILENT_AFTER.as_secs_f64() * s);
+    cfg.balance.probe_every_s = Some(pgw_stack::balance::DEFAULT_PROBE_EVERY.as_secs_f64() * s);
     cfg.cache.ttl_s = Some(SOAK_CACHE_TTL_S * s);
     cfg
 }
