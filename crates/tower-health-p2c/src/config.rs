@@ -78,7 +78,7 @@ pub const DEFAULT_PROBE_EVERY: Duration = Duration::from_secs(10);
 /// answer (a long generation past the attempt timeout), and one call alone on a slow
 /// source may retry it to its last attempt; more timeouts than one call makes, with
 /// nothing heard, is silence (a black hole's concurrent attempts time out together).
-/// Such a source is probed (see [`BalanceConfig::detached_probes`]) until it answers.
+/// Such a source is probed (see [`BalanceConfig::probe_every`]) until it answers.
 pub const SILENT_TIMEOUTS: u32 = 3;
 
 /// The shortest wait after a round in which no source admitted, whatever `retry_after`
