@@ -1,5 +1,5 @@
 //! Detached probes: a silent source is asked again off the caller's path
-//! ([`BalanceConfig::detached_probes`](crate::BalanceConfig::detached_probes)).
+//! ([`BalanceConfig::probe_every`](crate::BalanceConfig::probe_every)).
 //!
 //! A source whose last attempts all timed out with nothing heard (a black hole) is
 //! refused to every call, so no caller waits an attempt timeout on it; a copy of one
