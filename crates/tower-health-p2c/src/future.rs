@@ -194,14 +194,19 @@ impl<S, Req: CarriesHistory, C> Ctx<S, Req, C> {
         let Some(every) = self.config.probe_every else {
             return entry.state.silent(after) || self.failed_before();
         };
-        probe::spawn(
-            &entry.state,
-            every,
-            entry.service.clone(),
-            self.req.clone(),
-            self.class,
-            self.classifier.clone(),
-        );
+        // The turn first: a call that finds the source silent between two probes pays
+        // no copy of anything.
+        let at = Instant::now();
+        if entry.state.probe_turn(at, every) {
+            probe::send(
+                &entry.state,
+                at,
+                entry.service.clone(),
+                self.req.clone(),
+                self.class,
+                self.classifier.clone(),
+            );
+        }
         true
     }
 

@@ -9,7 +9,6 @@
 //! dispatched there.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use pgw_core::{BoxError, Classify, NotAdmitted, settle};
 use tokio::time::Instant;
@@ -18,17 +17,16 @@ use tower_service::Service;
 use crate::future::{Inflight, heard_from, judge};
 use crate::sources::SourceState;
 
-/// Sends `req` to `svc` (source `state`) on a spawned task, when the source's last
-/// probe started `every` or longer ago. Returns whether one was started.
-pub(crate) fn spawn<S, Req, C>(
+/// Sends `req` to `svc` (source `state`) on a spawned task, started at `at`; the
+/// caller took the source's probe turn ([`SourceState::probe_turn`]).
+pub(crate) fn send<S, Req, C>(
     state: &Arc<SourceState>,
-    every: Duration,
+    at: Instant,
     mut svc: S,
     req: Req,
     class: usize,
     classifier: C,
-) -> bool
-where
+) where
     S: Service<Req> + Send + 'static,
     S::Future: Send + 'static,
     S::Error: Into<BoxError>,
@@ -36,10 +34,6 @@ where
     Req: Send + 'static,
     C: Classify<S::Response, BoxError> + Clone + Send + 'static,
 {
-    let at = Instant::now();
-    if !state.probe_turn(at, every) {
-        return false;
-    }
     state.inc(at);
     // Its inflight count, given back when it is judged or dropped (A4).
     let probing = Inflight(Arc::clone(state));
@@ -68,5 +62,4 @@ where
             drop(probing);
         });
     });
-    true
 }
