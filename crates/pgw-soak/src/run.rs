@@ -54,10 +54,8 @@ pub fn expectations(profile: &str, scenario: &Scenario) -> Expectations {
             .fail_fast_after_s
             .filter(|_| profile == ProfileKind::Pgw.as_str())
             .map(|s| {
-                Duration::from_secs_f64(s)
-                    .as_millis()
-                    .try_into()
-                    .unwrap_or(u64::MAX)
+                Duration::try_from_secs_f64(s)
+                    .map_or(u64::MAX, |d| d.as_millis().try_into().unwrap_or(u64::MAX))
             }),
     }
 }
