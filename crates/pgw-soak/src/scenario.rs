@@ -300,9 +300,11 @@ pub struct Scenario {
     /// Whether "0 breakers opened by request errors" gates the pgw profile's verdict
     /// (default false: shown, not judged).
     pub request_errors_gate: bool,
-    /// On a pool where nothing can answer: from this many scenario seconds on, every
-    /// call must fail in under a second as `all_circuits_open` (gating for pgw; default
-    /// none). `all-dead` sets 60: the first minute is for learning that the pool is dead.
+    /// On a pool where nothing can answer: the calls arriving this many scenario
+    /// seconds into the run or later are judged by "fails fast once all are dead" (each
+    /// should fail in under a second as `all_circuits_open`; shown for pgw, not gating;
+    /// default none). `all-dead` sets 60: the first minute is for learning that the pool
+    /// is dead.
     pub fail_fast_after_s: Option<f64>,
     /// The naive profile's own knobs.
     pub naive: NaiveSettings,

@@ -136,8 +136,9 @@ pub struct Expectations {
     /// Whether "0 breakers opened by request errors" gates the verdict (pgw on a
     /// scenario that asks for it, `provider-quirks`); informational otherwise.
     pub request_errors_gate: bool,
-    /// Gating when `Some` (pgw on a pool where nothing can answer, `all-dead`): every
-    /// call arriving this many ms into the run or later fails in under
+    /// When `Some` (pgw on a pool where nothing can answer, `all-dead`): the calls
+    /// arriving this many ms into the run or later are counted by [`FailFast`], and a
+    /// check (shown, not gating) says whether each failed in under
     /// [`FAIL_FAST_WITHIN_MS`] as `all_circuits_open` (every source known dead, with
     /// the time until one may be tried again).
     pub fail_fast_after_ms: Option<u64>,
@@ -284,10 +285,9 @@ impl FailFast {
         }
     }
 
-    /// Shown, not gating: a call that takes a dead source's half-open probe, or the
-    /// first call to a black hole whose earlier attempts all timed out, waits for that
-    /// attempt's answer (a revoked key's 401, a black hole's timeout). The report says
-    /// how many did.
+    /// Shown, not gating: a call that takes a dead source's half-open breaker probe
+    /// waits for that attempt's answer (a revoked key's 401, up to seconds in the
+    /// simulator). The report says how many did.
     fn check(self, after_ms: u64) -> Check {
         Check {
             name: "fails fast once all are dead",

@@ -14,15 +14,20 @@ const CALLS: u64 = 120;
 /// minute 1 on: 300 calls give it about 180 of them.
 const ALL_DEAD_CALLS: u64 = 300;
 
+/// The calls each scenario runs here.
+fn calls_of(scenario: &str) -> u64 {
+    if scenario == "all-dead" {
+        ALL_DEAD_CALLS
+    } else {
+        CALLS
+    }
+}
+
 #[test]
 fn every_scenario_with_every_profile() {
     let mut scenarios = library().unwrap();
     for s in &mut scenarios {
-        s.calls = if s.name == "all-dead" {
-            ALL_DEAD_CALLS
-        } else {
-            CALLS
-        };
+        s.calls = calls_of(&s.name);
     }
     let dir = std::env::temp_dir().join(format!("pgw-soak-matrix-{}", std::process::id()));
     let opts = MatrixOptions {
@@ -35,12 +40,13 @@ fn every_scenario_with_every_profile() {
     println!("{}", matrix_table(&cells));
     assert_eq!(cells.len(), LIBRARY.len() * ProfileKind::ALL.len());
     for c in &cells {
-        let calls = if c.scenario == "all-dead" {
-            ALL_DEAD_CALLS
-        } else {
-            CALLS
-        };
-        assert_eq!(c.score.calls, calls, "{} {}", c.scenario, c.score.profile);
+        assert_eq!(
+            c.score.calls,
+            calls_of(&c.scenario),
+            "{} {}",
+            c.scenario,
+            c.score.profile
+        );
         for check in ["call ids unique", "accounting back to zero"] {
             let k = c.score.check(check).unwrap();
             assert!(
@@ -68,9 +74,8 @@ fn every_scenario_with_every_profile() {
         .unwrap();
     assert_eq!((dead.score.ok, dead.score.attempts), (0, 0));
     // pgw learns it within the first minute; after it, calls are refused at once but
-    // for the few that carry a dead source's probe: a revoked key's half-open probe, a
-    // black hole's first attempt once its earlier ones timed out (about one per black
-    // hole per attempt timeout; 4-6 of ~480 calls in the full run). At most 1 in 20.
+    // for the few that carry a revoked key's half-open breaker probe (a black hole is
+    // probed off the caller's path; 1-3 of ~480 calls in the full run). At most 1 in 20.
     let dead = cells
         .iter()
         .find(|c| c.scenario == "all-dead" && c.score.profile == "pgw")
