@@ -334,6 +334,7 @@ impl<Req: CarriesHistory, C, R> Call<Req, C, R> {
             .as_ref()
             .err()
             .is_some_and(|e| pgw_core::pushback_is_account_wide(&**e));
+        let timed_out = result.as_ref().err().is_some_and(|e| pgw_core::is_timeout(&**e));
         let now = Instant::now();
         self.start_waiting(now).last_error = result.err();
         tracing::debug!(outcome = outcome.as_str(), source = ?source, "attempt failed");
@@ -375,8 +376,12 @@ impl<Req: CarriesHistory, C, R> Call<Req, C, R> {
                 {
                     return Next::Finish(self.fail(Reason::RetryBudgetExhausted));
                 }
-                if outcome == Outcome::SourceDead {
-                    // Nothing to wait for: that source's breaker is open now.
+                if outcome == Outcome::SourceDead || timed_out {
+                    // Nothing to wait for: a dead source's breaker is open now, and a
+                    // timed-out attempt already gave its source the whole timeout (the
+                    // balancer sends the next attempt elsewhere, R1). A backoff on top
+                    // only delayed the call: on a pool of black holes, past one attempt
+                    // timeout.
                     Next::Dispatch
                 } else {
                     let wait = self.next_backoff();

@@ -1129,6 +1129,33 @@ async fn no_two_attempts_to_one_source_go_back_to_back() {
     }
 }
 
+/// A timed-out attempt is followed by the next one at once: the source already had the
+/// whole timeout, and the balancer sends the next attempt elsewhere (R1). Any other
+/// transient failure of the same length is followed by a backoff of at least the floor.
+#[tokio::test(start_paused = true)]
+async fn a_timed_out_attempt_is_retried_without_a_backoff() {
+    let took = Duration::from_secs(10);
+    let timed_out = || -> Result<Ans, BoxError> { Err(Box::new(pgw_core::TimedOut)) };
+    let upstream = Upstream::with(vec![timed_out(), timed_out()]).delayed(took);
+    let mut svc = layer(RetryConfig::default()).layer(upstream.clone());
+    assert_eq!(call(&mut svc, Req::new(1)).await.unwrap(), Ans::Ok);
+    let gaps: Vec<_> = upstream.sent_times().windows(2).map(|w| w[1] - w[0]).collect();
+    assert_eq!(gaps, vec![took, took], "each retry starts when the timeout ends");
+
+    let reset = || -> Result<Ans, BoxError> {
+        Err(Box::new(std::io::Error::from(std::io::ErrorKind::ConnectionReset)))
+    };
+    let upstream = Upstream::with(vec![reset(), reset()]).delayed(took);
+    let mut svc = layer(RetryConfig::default()).layer(upstream.clone());
+    assert_eq!(call(&mut svc, Req::new(1)).await.unwrap(), Ans::Ok);
+    let gaps: Vec<_> = upstream.sent_times().windows(2).map(|w| w[1] - w[0]).collect();
+    assert_eq!(gaps.len(), 2);
+    assert!(
+        gaps.iter().all(|g| *g >= took + Duration::from_millis(250)),
+        "other transient failures back off: {gaps:?}"
+    );
+}
+
 /// Every wait of the loop honours the call's deadline: a backoff after a transient
 /// failure, a `Retry-After` slept, a hold the service below then answers as over quota,
 /// a gate's `Paced`, `QuotaExceeded` and `Unavailable`. Each asks for more than the
