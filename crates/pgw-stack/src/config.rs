@@ -539,7 +539,7 @@ pub struct BreakerSection {
     pub quota_hold_s: Option<f64>,
     /// Redis backend: how long a process trusts a closed breaker that admitted it,
     /// seconds, admitting without a round trip meanwhile; another process's open
-    /// reaches it at its next recorded outcome, or when this ends (default 1,
+    /// reaches it at its next recorded outcome, or when this ends (default 5,
     /// `tower_breaker_window::DEFAULT_CLOSED_VIEW`; 0 asks Redis every time).
     pub closed_view_s: Option<f64>,
 }

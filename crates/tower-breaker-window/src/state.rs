@@ -25,7 +25,8 @@ pub(crate) struct Params {
     pub(crate) cooldown: Ms,
     pub(crate) max_cooldown: Ms,
     pub(crate) probe_ttl: Ms,
-    /// TTL of the Redis hash, refreshed on every write.
+    /// TTL of the Redis hash, set on every state change and renewed by a record once
+    /// less than half of it is left.
     pub(crate) key_ttl: Ms,
 }
 

@@ -346,6 +346,51 @@ async fn oversized_counts_in_the_hash_are_clamped() {
     assert_eq!((v.state, v.window_calls), (BreakerState::Closed, u32::MAX));
 }
 
+/// A record renews the hash's TTL only once less than half of it is left, not every
+/// time (a PEXPIRE per record was a fifth of its commands), and the hash never ends
+/// before the end it noted.
+#[tokio::test]
+async fn a_record_renews_the_ttl_only_when_half_of_it_is_gone() {
+    let env = RedisEnv::standalone("ttl").await;
+    let config = cfg(&env, 3).build().unwrap();
+    let gate = env.gate("s", &config);
+    let key = env.backend.gate_key(&"s".into());
+    let client = redis::Client::open(pgw_test_support::redis_url().unwrap()).unwrap();
+    let mut raw = client.get_multiplexed_async_connection().await.unwrap();
+    let pttl = |raw: &mut redis::aio::MultiplexedConnection| {
+        let mut raw = raw.clone();
+        let key = key.clone();
+        async move { redis::cmd("PTTL").arg(&key).query_async::<i64>(&mut raw).await.unwrap() }
+    };
+    call(&gate, S).await;
+    let full = pttl(&mut raw).await;
+    assert!(full > 0, "a counted record leaves a TTL: {full}");
+    // Shortened by hand to three quarters, with its noted end still ahead by more
+    // than half: the next records leave it alone.
+    let shorter = full * 3 / 4;
+    redis::cmd("PEXPIRE")
+        .arg(&key)
+        .arg(shorter)
+        .query_async::<()>(&mut raw)
+        .await
+        .unwrap();
+    call(&gate, S).await;
+    call(&gate, F).await;
+    let after = pttl(&mut raw).await;
+    assert!(after <= shorter, "not renewed by every record: {after} > {shorter}");
+    // Its noted end near (as after half a TTL): the next record renews it.
+    redis::cmd("HSET")
+        .arg(&key)
+        .arg("ttl_end")
+        .arg(0)
+        .query_async::<()>(&mut raw)
+        .await
+        .unwrap();
+    call(&gate, S).await;
+    let renewed = pttl(&mut raw).await;
+    assert!(renewed > shorter, "renewed once its end is near: {renewed} <= {shorter}");
+}
+
 /// One step of a differential sequence.
 #[derive(Clone, Debug)]
 enum Step {

@@ -3,7 +3,9 @@
 //! Each source's gate is one HASH, `{prefix}:{source}:gate` (hash-tagged by
 //! [`scope_key`], so a cluster keeps every key of a source in one slot), with the fixed
 //! fields `open, epoch, open_until, probe_id, probe_until, failures, win_id, a0, f0, a1,
-//! f1, streak, closed_since` and a TTL refreshed on every write. Time is the server's
+//! f1, streak, closed_since, ttl_end` and a TTL of four times the longest of the
+//! window, the longest cooldown and the probe TTL, set on every state change and by a
+//! record once less than half of it is left (`ttl_end`). Time is the server's
 //! `TIME`, never the local clock. Admission is one `EVALSHA`, and so is a record.
 
 use std::fmt;
@@ -31,17 +33,21 @@ static VIEW: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lu
 /// The default key prefix: `pgw:brk`.
 pub const DEFAULT_PREFIX: &str = "pgw:brk";
 
-/// How long a process trusts a closed breaker it was admitted by, by default: 1 s.
+/// How long a process trusts a closed breaker it was admitted by, by default: 5 s.
 ///
 /// Within it, this process admits to the source without a round trip. Its own
-/// outcomes take effect at once (a record that opens the breaker forgets the view);
-/// only another process's open reaches it up to this late. A waiting call's rounds
-/// ask every source's gate each time a slot frees: without this, each such question
-/// was a round trip (P6 in the Redis mode: 32 breaker admissions per call, for 1.26
-/// attempts). 1 s is a tenth of pgw-stack's 10 s cooldown and shorter than any LLM
-/// call: an open learnt that late costs a process at most the attempts it starts in
-/// one second. `Duration::ZERO` asks Redis every time.
-pub const DEFAULT_CLOSED_VIEW: Duration = Duration::from_secs(1);
+/// outcomes take effect at once (a record that opens the breaker forgets the view),
+/// and another process's open reaches it at the first outcome it records after that
+/// open (the ticket's epoch is over: the record answers "stale" and the view is
+/// forgotten), or when the view ends. So the view bounds the attempts this process
+/// starts on an opened source before one of its outcomes lands: at most one view's
+/// worth. A waiting call's rounds ask every source's gate each time a slot frees:
+/// without a view, each such question was a round trip (P6 in the Redis mode: 32
+/// breaker admissions per call, for 1.26 attempts). 5 s is half of pgw-stack's 10 s
+/// cooldown and shorter than most LLM calls; Redis-mode P6 (2000 calls, 2 workers,
+/// 2026-12-02): 43.2 Redis commands per call with 1 s, 38.0 with 5 s, 38.2 with 10 s,
+/// success unchanged. `Duration::ZERO` asks Redis every time.
+pub const DEFAULT_CLOSED_VIEW: Duration = Duration::from_secs(5);
 
 /// State in Redis (standalone or cluster), shared by every process using the same
 /// prefix.

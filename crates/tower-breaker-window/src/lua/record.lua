@@ -8,7 +8,7 @@ local key = KEYS[1]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local g = redis.call('HMGET', key, 'open', 'epoch', 'open_until', 'probe_id', 'probe_until',
-  'failures', 'win_id', 'a0', 'f0', 'a1', 'f1', 'streak', 'closed_since')
+  'failures', 'win_id', 'a0', 'f0', 'a1', 'f1', 'streak', 'closed_since', 'ttl_end')
 local open = g[1] == '1'
 local epoch = tonumber(g[2]) or 0
 local ticket_epoch = tonumber(ARGV[1])
@@ -94,9 +94,21 @@ else
   f[b] = f[b] + 1
   failures = failures + 1
 end
-redis.call('HSET', key, 'failures', failures, 'win_id', win, 'a0', a[1], 'f0', f[1],
-  'a1', a[2], 'f1', f[2], 'streak', streak)
-redis.call('PEXPIRE', key, ttl)
+-- A count renews the TTL only once less than half of it is left (a PEXPIRE per record
+-- was a fifth of the script's commands); 'ttl_end' is when it was last set to end.
+-- Every PEXPIRE of this hash sets it to end a key TTL from then, so the hash never
+-- ends before its 'ttl_end'; a hash that ended is read without one, and renewed.
+local renew = (tonumber(g[14]) or 0) - now < tonumber(ttl) / 2
+local fields = {'failures', failures, 'win_id', win, 'a0', a[1], 'f0', f[1],
+  'a1', a[2], 'f1', f[2], 'streak', streak}
+if renew then
+  fields[#fields + 1] = 'ttl_end'
+  fields[#fields + 1] = now + tonumber(ttl)
+end
+redis.call('HSET', key, unpack(fields))
+if renew then
+  redis.call('PEXPIRE', key, ttl)
+end
 if verdict == 's' then
   return 1
 end
