@@ -763,6 +763,50 @@ async fn concurrency_token_and_hold_refusals_are_remembered_until_something_free
     assert_eq!(after - before, 1, "the sibling knew the hold");
 }
 
+/// An account's refusal learnt through one of its sources refuses its other sources'
+/// limiters in this process without a round trip (they share the account's memory),
+/// as long as they ask for the same quota of it: a limiter with another quota for the
+/// account asks. A refund through any of them forgets it for all.
+#[tokio::test]
+async fn an_accounts_refusal_is_shared_by_the_limiters_of_its_sources() {
+    let server = PrivateRedis::start();
+    let conn = RedisConn::connect(&RedisTarget::Standalone(server.url()))
+        .await
+        .unwrap();
+    let backend = RedisBackend::new(conn.clone());
+    let limiter = |source: &str, rpm: u64| {
+        RateLimiter::new(
+            RateLimitConfig::new(source, Quota::unlimited())
+                .account("acct", Quota::unlimited().requests(rpm))
+                .window(Duration::from_secs(60)),
+            backend.clone(),
+        )
+        .unwrap()
+    };
+    let (a, b, c) = (limiter("s1", 1), limiter("s2", 1), limiter("s3", 2));
+    a.acquire(0).await.unwrap().finish(None).await.unwrap();
+    let (before, _) = commands(&conn).await;
+    let e = a.acquire(0).await.unwrap_err();
+    assert!(e.to_string().contains("rpm"), "{e}");
+    for _ in 0..3 {
+        let e = b.acquire(0).await.unwrap_err();
+        assert!(e.to_string().contains("rpm") && e.to_string().contains("acct"), "{e}");
+    }
+    let (after, _) = commands(&conn).await;
+    assert_eq!(after - before, 1, "one round trip learnt the account's refusal for both");
+    // Another quota of the account (2 a window) asks Redis, and fits.
+    let p = c.acquire(0).await.expect("another quota of the account asks");
+    let (again, _) = commands(&conn).await;
+    assert_eq!(again - after, 1, "the other quota asked");
+    // Its refund gives its request back: a and b ask again (and are refused: the
+    // first request still counts).
+    p.refund().await.unwrap();
+    let (before, _) = commands(&conn).await;
+    assert!(b.acquire(0).await.is_err());
+    let (after, _) = commands(&conn).await;
+    assert_eq!(after - before, 1, "the refund forgot the account's refusal");
+}
+
 /// When a remembered refusal ends, the calls waiting on the limiter do not all ask at
 /// once: one asks Redis, the others are refused here (asked again after
 /// `PROBE_RETRY`) until its answer is in. Once one is admitted the limiter asks

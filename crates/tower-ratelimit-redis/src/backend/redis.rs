@@ -110,6 +110,10 @@ struct HoldBook {
     /// gave back, counted when a settle is sent and when it lands. A concurrency
     /// refusal is remembered only while the count stays what it was.
     releases: Mutex<HashMap<String, Arc<AtomicU64>>>,
+    /// Per scope (its window key): the last refusal this process learnt of it, shared
+    /// by every limiter of the backend with that scope (the sources of one account
+    /// share the account's).
+    memos: Mutex<HashMap<String, Arc<ScopeMemo>>>,
 }
 
 impl HoldBook {
@@ -127,6 +131,11 @@ impl HoldBook {
     fn end_of(&self, key: &str) -> Arc<AtomicI64> {
         let mut ends = self.ends.lock().unwrap_or_else(PoisonError::into_inner);
         ends.entry(key.to_owned()).or_default().clone()
+    }
+
+    fn memo_of(&self, key: &str) -> Arc<ScopeMemo> {
+        let mut memos = self.memos.lock().unwrap_or_else(PoisonError::into_inner);
+        memos.entry(key.to_owned()).or_default().clone()
     }
 
     fn releases_of(&self, key: &str) -> Arc<AtomicU64> {
@@ -158,6 +167,7 @@ impl RedisBackend {
                 offset_ms: AtomicI64::new(0),
                 ends: Mutex::new(HashMap::new()),
                 releases: Mutex::new(HashMap::new()),
+                memos: Mutex::new(HashMap::new()),
             }),
         }
     }
@@ -213,6 +223,7 @@ impl RedisBackend {
         let unlimited = scopes.iter().all(|s| s.quota == crate::Quota::unlimited());
         let ends: Vec<_> = keys.iter().map(|k| self.book.end_of(&k[2])).collect();
         let released: Vec<_> = keys.iter().map(|k| self.book.releases_of(&k[1])).collect();
+        let memos: Vec<_> = keys.iter().map(|k| self.book.memo_of(&k[0])).collect();
         RedisGate {
             conn: self.conn.clone(),
             book: self.book.clone(),
@@ -226,6 +237,7 @@ impl RedisBackend {
             inner: Arc::new(GateKeys {
                 ends,
                 released,
+                memos,
                 admit_keys: keys.iter().flat_map(|k| k.iter().cloned()).collect(),
                 settle_keys: keys.iter().flat_map(|k| [k[0].clone(), k[1].clone()]).collect(),
                 lease_keys: keys
@@ -250,8 +262,6 @@ impl RedisBackend {
                 limits,
                 timeout: config.response_timeout,
                 has_account,
-                refused: Mutex::new(None),
-                refunds: AtomicU64::new(0),
                 suspect: AtomicBool::new(false),
                 asking: AtomicBool::new(false),
                 last_refusal: AtomicU64::new(0),
@@ -279,6 +289,9 @@ struct GateKeys {
     ends: Vec<Arc<AtomicI64>>,
     /// Per scope: the shared count of its leases this process gave back.
     released: Vec<Arc<AtomicU64>>,
+    /// Per scope: this process's memory of its last refusal, shared by every limiter
+    /// of the backend with the scope.
+    memos: Vec<Arc<ScopeMemo>>,
     admit_keys: Vec<String>,
     settle_keys: Vec<String>,
     lease_keys: Vec<String>,
@@ -295,12 +308,6 @@ struct GateKeys {
     limits: Vec<i64>,
     timeout: Duration,
     has_account: bool,
-    /// This process's memory of the last refusal: asked again only after it, not by
-    /// every waiting call's round (see [`Refusal`]).
-    refused: Mutex<Option<Refusal>>,
-    /// Refunds this process sent: a refusal answered across one is not remembered (it
-    /// may have been judged before the refund landed).
-    refunds: AtomicU64,
     /// Since the last refusal Redis answered (any dimension, holds too), until an
     /// admission is granted: the limiter is *suspect*, and one admission at a time asks
     /// (see [`PROBE_RETRY`]).
@@ -343,6 +350,15 @@ impl GateKeys {
         counts
     }
 
+    /// Each scope's count of refunds this process sent, account first.
+    fn refund_counts(&self) -> [u64; 2] {
+        let mut counts = [0; 2];
+        for (c, m) in counts.iter_mut().zip(&self.memos) {
+            *c = m.refunds.load(Ordering::Acquire);
+        }
+        counts
+    }
+
     /// One lease given back: a slot of each scope.
     fn count_release(&self) {
         for r in &self.released {
@@ -368,33 +384,54 @@ impl GateKeys {
 ///
 /// A refund from this process forgets it at once, and a refusal answered across one
 /// is not kept.
+///
+/// It is kept per scope ([`ScopeMemo`]), so every limiter of the backend with that
+/// scope answers it: a refusal by an account's quota, learnt through one of its
+/// sources, refuses the account's other sources too (P6's Redis mode: the rounds of a
+/// waiting call asked s1, s4 and s5 in turn, each a refused round trip), as long as
+/// they ask for the same quota of it.
 #[derive(Clone, Copy, Debug)]
 struct Refusal {
     /// Until when (local ms since the book's base), counted from when it was asked.
     until_ms: i64,
     /// The dimension, as the script numbers it.
     dim: i64,
-    /// The scope's index.
-    scope: usize,
     /// `tpm`: the tokens asked.
     tokens: u64,
     /// Concurrency: the scope's count of releases when it was asked.
     released: u64,
+    /// The scope's quota as the refused limiter asked for it (rpm, tpm, concurrency;
+    /// -1 unlimited): another limiter with a different quota for the scope asks.
+    limits: [i64; 3],
 }
 
 impl Refusal {
-    fn holds(&self, k: &GateKeys, at_ms: i64, tokens: u64) -> bool {
+    /// Whether it still refuses an admission of `tokens` at `at_ms` through limiter `k`,
+    /// whose scope `i` it is.
+    fn holds(&self, k: &GateKeys, i: usize, at_ms: i64, tokens: u64) -> bool {
         at_ms < self.until_ms
+            && k.limits.get(3 * i..3 * i + 3) == Some(&self.limits[..])
             && match self.dim {
                 1 => true,
                 2 => tokens >= self.tokens,
                 3 => k
                     .released
-                    .get(self.scope)
+                    .get(i)
                     .is_some_and(|r| r.load(Ordering::Acquire) == self.released),
                 _ => false,
             }
     }
+}
+
+/// One scope's memory in this process, shared by every limiter of the backend with
+/// the scope: its last refusal, and the refunds sent for it.
+#[derive(Debug, Default)]
+struct ScopeMemo {
+    /// The last refusal learnt (see [`Refusal`]).
+    refused: Mutex<Option<Refusal>>,
+    /// Refunds this process sent that touch the scope: a refusal answered across one
+    /// is not remembered (it may have been judged before the refund landed).
+    refunds: AtomicU64,
 }
 
 /// The script's dimension number, as [`QuotaExceeded`] names it.
@@ -560,10 +597,19 @@ impl RedisGate {
             return Some(q);
         }
         let sent = self.book.local_ms(now);
-        let known = *k.refused.lock().unwrap_or_else(PoisonError::into_inner);
-        // Refused a moment ago and nothing can have freed since: no round trip.
-        let r = known.filter(|r| r.holds(k, sent, tokens))?;
-        let (dim, label) = (dim_name(r.dim)?, k.labels.get(r.scope)?);
+        // Refused a moment ago and nothing can have freed since: no round trip. The
+        // longest wait wins, as in the script.
+        let mut worst: Option<(usize, Refusal)> = None;
+        for (i, memo) in k.memos.iter().enumerate() {
+            let known = *memo.refused.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some(r) = known.filter(|r| r.holds(k, i, sent, tokens))
+                && worst.is_none_or(|(_, w)| r.until_ms > w.until_ms)
+            {
+                worst = Some((i, r));
+            }
+        }
+        let (i, r) = worst?;
+        let (dim, label) = (dim_name(r.dim)?, k.labels.get(i)?);
         Some(Box::new(
             QuotaExceeded::new(dim, millis(r.until_ms - sent)).with_scope(&**label),
         ))
@@ -582,7 +628,7 @@ impl Gate for RedisGate {
         let k = &*self.inner;
         let now = Instant::now();
         let sent = self.book.local_ms(now);
-        let refunds = k.refunds.load(Ordering::Acquire);
+        let refunds = k.refund_counts();
         if let Some(q) = self.known_at(now, tokens) {
             return BackendFuture::ready(Ok(Verdict::Refused(q)));
         }
@@ -640,20 +686,26 @@ impl Gate for RedisGate {
                         // A hold: every limiter of the backend honours it from now on.
                         book.saw_server(*server_now, Instant::now());
                         inner.ends[i].fetch_max(server_now.saturating_add(*wait), Ordering::Relaxed);
-                    } else if *wait > 0 && inner.refunds.load(Ordering::Acquire) == refunds {
-                        let mut known = inner.refused.lock().unwrap_or_else(PoisonError::into_inner);
-                        // Checked again under the lock a refund takes: a refund sent
-                        // meanwhile may have freed what refused.
-                        if inner.refunds.load(Ordering::Acquire) == refunds {
-                            // Counted from when the question was sent: never past
-                            // the server's answer.
-                            *known = Some(Refusal {
-                                until_ms: sent.saturating_add(*wait),
-                                dim: *dim_no,
-                                scope: i,
-                                tokens,
-                                released: released.get(i).copied().unwrap_or(0),
-                            });
+                    } else if *wait > 0
+                        && let Some(memo) = inner.memos.get(i)
+                        && let Some(limits) = inner.limits.get(3 * i..3 * i + 3)
+                    {
+                        let before = refunds.get(i).copied().unwrap_or(0);
+                        if memo.refunds.load(Ordering::Acquire) == before {
+                            let mut known = memo.refused.lock().unwrap_or_else(PoisonError::into_inner);
+                            // Checked again under the lock a refund takes: a refund
+                            // sent meanwhile may have freed what refused.
+                            if memo.refunds.load(Ordering::Acquire) == before {
+                                // Counted from when the question was sent: never
+                                // past the server's answer.
+                                *known = Some(Refusal {
+                                    until_ms: sent.saturating_add(*wait),
+                                    dim: *dim_no,
+                                    tokens,
+                                    released: released.get(i).copied().unwrap_or(0),
+                                    limits: [limits[0], limits[1], limits[2]],
+                                });
+                            }
                         }
                     }
                     Ok(Verdict::Refused(Box::new(
@@ -668,11 +720,13 @@ impl Gate for RedisGate {
     fn settle(&self, s: Settle) -> BackendFuture<Result<(), BackendUnavailable>> {
         let k = &*self.inner;
         if s.requests < 0 || s.tokens < 0 {
-            // Something given back: a remembered refusal may no longer hold, nor one
-            // answered before this settle lands.
-            let mut known = k.refused.lock().unwrap_or_else(PoisonError::into_inner);
-            k.refunds.fetch_add(1, Ordering::AcqRel);
-            *known = None;
+            // Something given back: a remembered refusal of its scopes may no longer
+            // hold, nor one answered before this settle lands.
+            for memo in &k.memos {
+                let mut known = memo.refused.lock().unwrap_or_else(PoisonError::into_inner);
+                memo.refunds.fetch_add(1, Ordering::AcqRel);
+                *known = None;
+            }
         }
         // A lease given back frees a slot of each scope it holds: counted now and when
         // the settle lands, so a concurrency refusal answered before it lands is not
