@@ -195,6 +195,63 @@ async fn a_counted_record_renews_the_closed_view() {
     gate.record(t, BreakerVerdict::Success).await;
 }
 
+/// Admissions that find the view unknown while one is asking Redis wait for its
+/// answer instead of asking too: a round of waiting calls asks a gate once, not once
+/// per call. A question dropped before its answer sends its waiters to ask on their
+/// own; with the view off, every admission asks.
+#[tokio::test]
+async fn concurrent_admissions_share_one_question() {
+    let server = PrivateRedis::start();
+    let target = RedisTarget::Standalone(server.url());
+    let conn = RedisConn::connect(&target).await.unwrap();
+    let backend = RedisBackend::new(conn.clone()).with_prefix("flight");
+    let client = redis::Client::open(server.url()).unwrap();
+    let stats = client.get_multiplexed_async_connection().await.unwrap();
+    let evalsha = || {
+        let mut c = stats.clone();
+        async move {
+            let info: String = redis::cmd("INFO")
+                .arg("commandstats")
+                .query_async(&mut c)
+                .await
+                .unwrap();
+            commandstats(&info)
+                .into_iter()
+                .find(|(n, _)| n == "evalsha")
+                .map_or(0, |c| c.1)
+        }
+    };
+    // Load the admission script on a gate of its own.
+    let _ = admit(&backend.gate(&"warm".into(), &config(3))).await;
+
+    let gate = backend.gate(&"s".into(), &config(3));
+    let before = evalsha().await;
+    let answers = join_all((0..10).map(|_| gate.admit())).await;
+    assert_eq!(evalsha().await - before, 1, "ten admissions, one question");
+    for a in answers {
+        assert!(matches!(a.unwrap(), Admission::Admitted(t) if !t.is_probe()));
+    }
+
+    // The asker is dropped before it is polled: the waiter asks on its own.
+    let gate = backend.gate(&"t".into(), &config(3));
+    let before = evalsha().await;
+    let asker = gate.admit();
+    let waiter = gate.admit();
+    drop(asker);
+    assert!(matches!(waiter.await.unwrap(), Admission::Admitted(_)));
+    assert_eq!(evalsha().await - before, 1, "the waiter asked");
+
+    // No view: no sharing either.
+    let gate = backend
+        .clone()
+        .with_closed_view(Duration::ZERO)
+        .gate(&"u".into(), &config(3));
+    let before = evalsha().await;
+    let answers = join_all((0..4).map(|_| gate.admit())).await;
+    assert!(answers.into_iter().all(|a| a.is_ok()));
+    assert_eq!(evalsha().await - before, 4, "each asked");
+}
+
 /// Two processes (two connections) racing in half-open: exactly one probe.
 async fn two_processes_one_probe(env: RedisEnv) {
     let other = env.other_process().await;

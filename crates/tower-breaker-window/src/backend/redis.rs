@@ -19,6 +19,7 @@ use std::time::Duration;
 use pgw_core::redis_conn::{DEFAULT_RESPONSE_TIMEOUT, RedisConn, run, scope_key};
 use pgw_core::{BoxError, BreakerVerdict, SourceId};
 use redis::Script;
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
@@ -126,6 +127,7 @@ impl Backend for RedisBackend {
             closed_view: self.closed_view,
             known: std::sync::Mutex::new(Known::Nothing),
             opens: AtomicU64::new(0),
+            flight: std::sync::Mutex::new(None),
         }))
     }
 }
@@ -142,6 +144,18 @@ struct Inner {
     /// Opens recorded by this process: an admission answered across one is not kept
     /// as a closed view (it may have been judged before the open landed).
     opens: AtomicU64,
+    /// The admission this process is asking Redis, if any: admissions that find the
+    /// view unknown meanwhile wait for its answer instead of asking too.
+    flight: std::sync::Mutex<Option<Flight>>,
+}
+
+/// One admission question in flight, as the admissions that wait for it see it.
+struct Flight {
+    /// This process's count of opens when it was sent.
+    opens: u64,
+    /// Its answer once in; a sender dropped without one (the question failed or its
+    /// caller dropped it) sends every waiter to ask on its own.
+    answer: watch::Receiver<Option<Admission>>,
 }
 
 impl Inner {
@@ -214,6 +228,45 @@ fn non_negative(v: i64) -> u64 {
 }
 
 impl RedisGate {
+    /// One admission's round trip, and what it teaches this process's view.
+    async fn ask(inner: &Inner, sent: Instant, opens: u64) -> Result<Admission, BoxError> {
+        let mut conn = inner.conn.clone();
+        let p = &inner.params;
+        let mut call = ADMIT.prepare_invoke();
+        call.key(&inner.key)
+            .arg(p.probe_ttl)
+            .arg(p.cooldown)
+            .arg(p.key_ttl);
+        let (admitted, epoch, probe, retry_ms, open): (i64, i64, i64, i64, i64) =
+            run("admit", inner.timeout, call.invoke_async(&mut conn)).await?;
+        Ok(if admitted == 1 {
+            let (epoch, probe) = (non_negative(epoch), non_negative(probe));
+            if probe == 0 {
+                inner.saw_closed(sent, epoch, opens);
+            }
+            Admission::Admitted(Ticket::new(epoch, probe))
+        } else {
+            let retry_after = Duration::from_millis(non_negative(retry_ms));
+            let mut known = inner.known.lock().unwrap_or_else(PoisonError::into_inner);
+            *known = if open == 1 {
+                let until = sent + retry_after;
+                Known::Open(match *known {
+                    Known::Open(k) => k.max(until),
+                    _ => until,
+                })
+            } else if inner.closed_view.is_zero() || retry_after.is_zero() {
+                Known::Nothing
+            } else {
+                match *known {
+                    // Never over a newer fact: an open seen meanwhile stands.
+                    k @ Known::Open(u) if u > sent => k,
+                    _ => Known::ProbeOut(sent + retry_after.min(inner.closed_view)),
+                }
+            };
+            Admission::Refused { retry_after }
+        })
+    }
+
     async fn record_once(inner: &Inner, ticket: Ticket, verdict: BreakerVerdict) {
         let sent = Instant::now();
         let opens = inner.opens.load(Ordering::Acquire);
@@ -284,42 +337,46 @@ impl Gate for RedisGate {
             _ => {}
         }
         let inner = self.0.clone();
-        Box::pin(async move {
-            let mut conn = inner.conn.clone();
-            let p = &inner.params;
-            let mut call = ADMIT.prepare_invoke();
-            call.key(&inner.key)
-                .arg(p.probe_ttl)
-                .arg(p.cooldown)
-                .arg(p.key_ttl);
-            let (admitted, epoch, probe, retry_ms, open): (i64, i64, i64, i64, i64) =
-                run("admit", inner.timeout, call.invoke_async(&mut conn)).await?;
-            Ok(if admitted == 1 {
-                let (epoch, probe) = (non_negative(epoch), non_negative(probe));
-                if probe == 0 {
-                    inner.saw_closed(sent, epoch, opens);
+        if inner.closed_view.is_zero() {
+            // No view: every admission asks.
+            return Box::pin(async move { Self::ask(&inner, sent, opens).await });
+        }
+        let mut flight = inner.flight.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(f) = flight.as_ref()
+            && f.opens == opens
+            && f.answer.has_changed().is_ok()
+        {
+            // A question is in flight, sent since this process's last open: its
+            // answer is this admission's too (a round of waiting calls asked one
+            // gate as many times as there were calls, all at once: P6's Redis mode,
+            // 1.7 breaker admissions per attempt on the tight source).
+            let mut answer = f.answer.clone();
+            drop(flight);
+            return Box::pin(async move {
+                let got = answer.wait_for(Option::is_some).await.ok().and_then(|a| *a);
+                match got {
+                    Some(a @ Admission::Refused { .. }) => Ok(a),
+                    Some(a @ Admission::Admitted(t)) if !t.is_probe() => Ok(a),
+                    // The probe is the asker's alone; a failed or dropped question
+                    // answers nothing: ask.
+                    _ => Self::ask(&inner, Instant::now(), inner.opens.load(Ordering::Acquire)).await,
                 }
-                Admission::Admitted(Ticket::new(epoch, probe))
-            } else {
-                let retry_after = Duration::from_millis(non_negative(retry_ms));
-                let mut known = inner.known.lock().unwrap_or_else(PoisonError::into_inner);
-                *known = if open == 1 {
-                    let until = sent + retry_after;
-                    Known::Open(match *known {
-                        Known::Open(k) => k.max(until),
-                        _ => until,
-                    })
-                } else if inner.closed_view.is_zero() || retry_after.is_zero() {
-                    Known::Nothing
-                } else {
-                    match *known {
-                        // Never over a newer fact: an open seen meanwhile stands.
-                        k @ Known::Open(u) if u > sent => k,
-                        _ => Known::ProbeOut(sent + retry_after.min(inner.closed_view)),
-                    }
-                };
-                Admission::Refused { retry_after }
-            })
+            });
+        }
+        let (tx, rx) = watch::channel(None);
+        let mine = rx.clone();
+        *flight = Some(Flight { opens, answer: rx });
+        drop(flight);
+        Box::pin(async move {
+            let answer = Self::ask(&inner, sent, opens).await;
+            if let Ok(a) = &answer {
+                tx.send_replace(Some(*a));
+            }
+            let mut flight = inner.flight.lock().unwrap_or_else(PoisonError::into_inner);
+            if flight.as_ref().is_some_and(|f| f.answer.same_channel(&mine)) {
+                *flight = None;
+            }
+            answer
         })
     }
 
