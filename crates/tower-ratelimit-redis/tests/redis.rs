@@ -318,7 +318,9 @@ async fn waiting_on_redis_tries_by_retry_after_not_by_poll() {
     let (before, _) = commands(&conn).await;
     svc.ready().await.unwrap().call(()).await.unwrap();
     let (after, _) = commands(&conn).await;
-    assert_eq!(after - before, 2, "refused once, admitted at the window's end");
+    // The first admission said it filled the window: refused here (counted), then
+    // admitted at the window's end, one round trip.
+    assert_eq!(after - before, 1, "refused here, admitted at the window's end");
     assert_eq!((l.stats().admitted, l.stats().refused), (2, 1));
 
     let l = RateLimiter::new(
@@ -406,7 +408,9 @@ async fn redis_down_fails_closed() {
         .await
         .unwrap();
     let l = RateLimiter::new(
-        RateLimitConfig::new("s1", Quota::unlimited().concurrency(2))
+        // Three slots: the two leases below do not fill it (a full scope would refuse
+        // here, from the memory the filling admission left).
+        RateLimitConfig::new("s1", Quota::unlimited().concurrency(3))
             .response_timeout(Duration::from_millis(200)),
         RedisBackend::new(conn),
     )
@@ -637,6 +641,8 @@ async fn rpm_on_private_redis(requests: u64) -> (PrivateRedis, RedisConn, RateLi
 #[tokio::test]
 async fn a_refused_request_quota_is_not_asked_again_before_its_retry_after() {
     let (_server, conn, l) = rpm_on_private_redis(1).await;
+    // The admission that takes the window's last request says so, and until when:
+    // the next ones are refused here, without asking.
     l.acquire(0).await.unwrap().finish(None).await.unwrap();
     let (before, _) = commands(&conn).await;
     let mut waits = Vec::new();
@@ -648,7 +654,7 @@ async fn a_refused_request_quota_is_not_asked_again_before_its_retry_after() {
         }
     }
     let (after, _) = commands(&conn).await;
-    assert_eq!(after - before, 1, "one round trip learned the refusal");
+    assert_eq!(after - before, 0, "the filling admission told the refusal");
     assert!(waits.windows(2).all(|w| w[1] <= w[0]), "{waits:?}");
     // At most a window and a sub-window of slack (the server's clock, 60 sub-windows).
     assert!(
@@ -677,9 +683,10 @@ async fn a_refused_request_quota_is_not_asked_again_before_its_retry_after() {
 
 /// Concurrency, token and hold refusals are remembered too, each only while nothing
 /// this process can see frees them:
-/// - a full account (concurrency 1, shared by two sources' limiters) refuses the
-///   sibling once over the wire, then here, until a lease of that account is given
-///   back by either limiter: then the next admission asks and is admitted;
+/// - a full account (concurrency 1, shared by two sources' limiters): the admission
+///   that took its last slot says so, and the sibling is refused here until a lease of
+///   that account is given back by either limiter: then the next admission asks and
+///   is admitted;
 /// - a token refusal holds for requests at least as large; a smaller one asks;
 /// - a hold one limiter was refused by refuses its sibling without a round trip.
 #[tokio::test]
@@ -717,7 +724,7 @@ async fn concurrency_token_and_hold_refusals_are_remembered_until_something_free
         );
     }
     let (after, _) = commands(&conn).await;
-    assert_eq!(after - before, 1, "one round trip learned the full account");
+    assert_eq!(after - before, 0, "a's admission told it took the account's last slot");
     // The sibling's lease ends: the account's slot is free, and b asks again.
     held.finish(None).await.unwrap();
     let (before, _) = commands(&conn).await;
@@ -784,7 +791,19 @@ async fn an_accounts_refusal_is_shared_by_the_limiters_of_its_sources() {
         .unwrap()
     };
     let (a, b, c) = (limiter("s1", 1), limiter("s2", 1), limiter("s3", 2));
-    a.acquire(0).await.unwrap().finish(None).await.unwrap();
+    // Another process takes the account's one request.
+    let other = RateLimiter::new(
+        RateLimitConfig::new("s9", Quota::unlimited())
+            .account("acct", Quota::unlimited().requests(1))
+            .window(Duration::from_secs(60)),
+        RedisBackend::new(
+            RedisConn::connect(&RedisTarget::Standalone(server.url()))
+                .await
+                .unwrap(),
+        ),
+    )
+    .unwrap();
+    other.acquire(0).await.unwrap().finish(None).await.unwrap();
     let (before, _) = commands(&conn).await;
     let e = a.acquire(0).await.unwrap_err();
     assert!(e.to_string().contains("rpm"), "{e}");

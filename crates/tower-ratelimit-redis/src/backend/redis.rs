@@ -359,6 +359,42 @@ impl GateKeys {
         counts
     }
 
+    /// Remembers that scope `i` refuses dimension `dim` (the script's number) for
+    /// `wait` ms from `sent` (local ms, when the question was sent: never past the
+    /// server's answer), as answered to a question of `tokens` sent when the scopes'
+    /// refund and release counts were `refunds` and `released`. Not when a refund of
+    /// the scope was sent since: it may have freed what refused.
+    #[allow(clippy::too_many_arguments)]
+    fn remember(
+        &self,
+        i: usize,
+        dim: i64,
+        sent: i64,
+        wait: i64,
+        tokens: u64,
+        refunds: [u64; 2],
+        released: [u64; 2],
+    ) {
+        let (Some(memo), Some(limits)) = (self.memos.get(i), self.limits.get(3 * i..3 * i + 3)) else {
+            return;
+        };
+        let before = refunds.get(i).copied().unwrap_or(0);
+        if wait <= 0 || memo.refunds.load(Ordering::Acquire) != before {
+            return;
+        }
+        let mut known = memo.refused.lock().unwrap_or_else(PoisonError::into_inner);
+        // Checked again under the lock a refund takes.
+        if memo.refunds.load(Ordering::Acquire) == before {
+            *known = Some(Refusal {
+                until_ms: sent.saturating_add(wait),
+                dim,
+                tokens,
+                released: released.get(i).copied().unwrap_or(0),
+                limits: [limits[0], limits[1], limits[2]],
+            });
+        }
+    }
+
     /// One lease given back: a slot of each scope.
     fn count_release(&self) {
         for r in &self.released {
@@ -664,8 +700,25 @@ impl Gate for RedisGate {
             let reply: Vec<i64> = run("admit", inner.timeout, inv.invoke_async(&mut conn)).await?;
             match reply.as_slice() {
                 // The script's window id is `now / window_ms`: the admission's own.
-                [1, now, _win] => {
-                    inner.suspect.store(false, Ordering::Release);
+                [1, now, _win, scope, dim_no, wait] => {
+                    if *dim_no == 0 {
+                        inner.suspect.store(false, Ordering::Release);
+                    } else {
+                        // This admission took the last request or slot of a scope:
+                        // remembered as the refusal the next admission would get, so
+                        // the calls waiting here do not ask first (and, once it ends,
+                        // one asks at a time).
+                        let i = usize::try_from(*scope)
+                            .ok()
+                            .filter(|i| *i < inner.labels.len() && dim_name(*dim_no).is_some())
+                            .ok_or_else(|| garbage("admit", &reply))?;
+                        inner.last_refusal.store(
+                            u64::try_from(*dim_no << 8).unwrap_or(0) | i as u64,
+                            Ordering::Relaxed,
+                        );
+                        inner.suspect.store(true, Ordering::Release);
+                        inner.remember(i, *dim_no, sent, *wait, tokens, refunds, released);
+                    }
                     Ok(Verdict::Admitted {
                         at: nanos(millis(*now)),
                     })
@@ -686,27 +739,8 @@ impl Gate for RedisGate {
                         // A hold: every limiter of the backend honours it from now on.
                         book.saw_server(*server_now, Instant::now());
                         inner.ends[i].fetch_max(server_now.saturating_add(*wait), Ordering::Relaxed);
-                    } else if *wait > 0
-                        && let Some(memo) = inner.memos.get(i)
-                        && let Some(limits) = inner.limits.get(3 * i..3 * i + 3)
-                    {
-                        let before = refunds.get(i).copied().unwrap_or(0);
-                        if memo.refunds.load(Ordering::Acquire) == before {
-                            let mut known = memo.refused.lock().unwrap_or_else(PoisonError::into_inner);
-                            // Checked again under the lock a refund takes: a refund
-                            // sent meanwhile may have freed what refused.
-                            if memo.refunds.load(Ordering::Acquire) == before {
-                                // Counted from when the question was sent: never
-                                // past the server's answer.
-                                *known = Some(Refusal {
-                                    until_ms: sent.saturating_add(*wait),
-                                    dim: *dim_no,
-                                    tokens,
-                                    released: released.get(i).copied().unwrap_or(0),
-                                    limits: [limits[0], limits[1], limits[2]],
-                                });
-                            }
-                        }
+                    } else {
+                        inner.remember(i, *dim_no, sent, *wait, tokens, refunds, released);
                     }
                     Ok(Verdict::Refused(Box::new(
                         QuotaExceeded::new(dim, millis(*wait)).with_scope(&**label),

@@ -8,7 +8,10 @@
 --   h  hold: the instant (ms) until which the scope is not admitted
 -- ARGV: nscopes, window_ms, sub_ms, subs, tokens, lease_id ('' = no lease),
 --       lease_ttl_ms, slot_hint_ms, then per scope: rpm, tpm, concurrency (-1 = unlimited)
--- Returns {1, now_ms, window} when admitted (window: the aligned window's id, a label),
+-- Returns {1, now_ms, window, scope_index, dimension, wait_ms} when admitted (window:
+--         the aligned window's id, a label; dimension 0, or what this admission
+--         filled: 1 its last request, 3 its last slot, and how long until it frees,
+--         the longest wait winning, so the process does not ask before),
 --         {0, now_ms, scope_index, dimension, retry_after_ms} when not
 --         (dimension: 1 rpm, 2 tpm, 3 concurrency, 4 hold; the longest wait wins).
 --
@@ -42,6 +45,7 @@ end
 holds = redis.call('MGET', unpack(holds))
 
 local windows = {}
+local lives = {}
 for i = 0, n - 1 do
   local w, c = KEYS[3 * i + 1], KEYS[3 * i + 2]
   local rpm = tonumber(ARGV[9 + 3 * i])
@@ -64,9 +68,9 @@ for i = 0, n - 1 do
   if conc >= 0 then
     local live = redis.call('ZCARD', c)
     if live >= conc then
-      redis.call('ZREMRANGEBYSCORE', c, '-inf', now)
-      live = redis.call('ZCARD', c)
+      live = live - redis.call('ZREMRANGEBYSCORE', c, '-inf', now)
     end
+    lives[i] = live
     if live >= conc then
       local first = redis.call('ZRANGE', c, 0, 0, 'WITHSCORES')
       local wait = hint
@@ -96,4 +100,30 @@ for i = 0, n - 1 do
     redis.call('PEXPIRE', c, 2 * ttl)
   end
 end
-return {1, now, math.floor(now / wms)}
+
+-- What this admission filled (read only then): the next admission would be refused
+-- until the wait, unless something this process sees frees it first.
+local full_dim, full_scope, full_wait = 0, 0, -1
+for i = 0, n - 1 do
+  local w, c = KEYS[3 * i + 1], KEYS[3 * i + 2]
+  local rpm = tonumber(ARGV[9 + 3 * i])
+  local conc = tonumber(ARGV[11 + 3 * i])
+  local st = windows[i]
+  if st and rpm >= 0 and st.r >= rpm then
+    local wait = wait_for(w, 'r', st.r, 1, rpm, cur, k, g, now)
+    if wait > full_wait then
+      full_dim, full_scope, full_wait = 1, i, wait
+    end
+  end
+  if lease ~= '' and conc >= 0 and lives[i] + 1 >= conc then
+    local first = redis.call('ZRANGE', c, 0, 0, 'WITHSCORES')
+    local wait = hint
+    if first[2] and tonumber(first[2]) - now < wait then
+      wait = tonumber(first[2]) - now
+    end
+    if wait > full_wait then
+      full_dim, full_scope, full_wait = 3, i, wait
+    end
+  end
+end
+return {1, now, math.floor(now / wms), full_scope, full_dim, full_wait}
