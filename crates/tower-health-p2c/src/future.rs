@@ -20,7 +20,7 @@ use tower_service::Service;
 use crate::error::{NoSources, NoneAdmitted};
 use crate::order;
 use crate::probe;
-use crate::sources::{Snapshot, SourceState};
+use crate::sources::{Dispatch, Snapshot, SourceState};
 use crate::{BalanceConfig, CREDIBLE_HEALTH_RATIO, MIN_WAKE_WAIT, SILENT_TIMEOUTS};
 
 /// Which sources this round still has to try.
@@ -573,8 +573,17 @@ where
                             Some(scope) => scope.update(now),
                             None => dispatched_here = Some(clock::Dispatched::enter(now)),
                         }
-                        let svc = entry.service.clone();
-                        this.state.set(State::Ready { svc });
+                        let req = &this.ctx.req;
+                        match entry.dispatch(cx, || req.clone()) {
+                            Dispatch::Called(fut) => this.state.set(State::Calling { fut }),
+                            Dispatch::Own(svc) => this.state.set(State::Ready { svc }),
+                            Dispatch::Refused(e) => {
+                                if let Some(r) = this.ctx.finish(Err(e.into()), true) {
+                                    this.state.set(State::Done);
+                                    return Poll::Ready(r);
+                                }
+                            }
+                        }
                     }
                     None => {
                         if let Err(e) = ready!(this.ctx.poll_round_end(cx)) {

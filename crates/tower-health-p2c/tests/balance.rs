@@ -981,3 +981,38 @@ async fn a_silent_source_is_probed_off_the_callers_path_until_it_answers() {
         assert_eq!(h.inflight(), 0, "{}", h.id());
     }
 }
+
+/// Sources are called on one instance each, without a copy per call; a source not
+/// ready leaves its instance to the call that polled it (the next call gets a fresh
+/// one), and each waiting call is woken when its instance gets ready.
+#[tokio::test(start_paused = true)]
+async fn a_source_not_ready_keeps_each_waiting_call_on_its_own_instance() {
+    let (mock, mut handle) = tower_test::mock::pair::<Req, &'static str>();
+    let sources: Sources<tower_test::mock::Mock<Req, &'static str>> = Sources::new();
+    sources.insert("s1".into(), mock);
+    let lb = HealthP2c::new(sources.clone(), BalanceConfig::default())
+        .unwrap()
+        .with_seed(7);
+    handle.allow(0);
+    let a = tokio::spawn(lb.clone().oneshot(Req::default()));
+    let b = tokio::spawn(lb.clone().oneshot(Req::default()));
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    assert!(!a.is_finished() && !b.is_finished(), "not ready: both wait");
+    assert_eq!(sources.view("s1").unwrap().inflight(), 2);
+    handle.allow(2);
+    for _ in 0..2 {
+        let (_, send) = handle.next_request().await.unwrap();
+        send.send_response("ok");
+    }
+    assert_eq!(a.await.unwrap().unwrap(), "ok");
+    assert_eq!(b.await.unwrap().unwrap(), "ok");
+    assert_eq!(sources.view("s1").unwrap().inflight(), 0);
+    // Ready now: later calls go through the source's own instance.
+    handle.allow(3);
+    for _ in 0..3 {
+        let call = tokio::spawn(lb.clone().oneshot(Req::default()));
+        let (_, send) = handle.next_request().await.unwrap();
+        send.send_response("again");
+        assert_eq!(call.await.unwrap().unwrap(), "again");
+    }
+}
