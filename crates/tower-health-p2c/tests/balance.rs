@@ -5,7 +5,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use pgw_core::{
-    BoxError, CallHistory, CarriesHistory, CircuitOpen, NotAdmitted, Outcome, Paced, QuotaExceeded, SourceId,
+    BoxError, CallHistory, CarriesHistory, CircuitOpen, NotAdmitted, Outcome, Paced, QuotaExceeded,
+    Recording, SourceId,
 };
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -980,6 +981,49 @@ async fn a_silent_source_is_probed_off_the_callers_path_until_it_answers() {
     for h in sources.views() {
         assert_eq!(h.inflight(), 0, "{}", h.id());
     }
+}
+
+/// A request without a history, its attempt polled inside the retry layer's
+/// `Recording` scope (`HistoryMode::OnDemand`): a failure is recorded, with its source,
+/// into the history made in the scope; a success makes none.
+#[tokio::test(start_paused = true)]
+async fn a_request_without_a_history_records_a_failure_in_the_recording_in_scope() {
+    async fn through_scope(
+        lb: &mut HealthP2c<Svc>,
+        recording: &mut Recording,
+    ) -> Result<&'static str, BoxError> {
+        let mut fut = {
+            let _scope = recording.enter();
+            lb.ready().await.unwrap().call(Req::default())
+        };
+        std::future::poll_fn(|cx| {
+            let _scope = recording.enter();
+            std::pin::Pin::new(&mut fut).poll(cx)
+        })
+        .await
+    }
+    let sources = Sources::new();
+    let failing = fixed(
+        Err(|| Box::new(std::io::Error::other("reset"))),
+        Duration::from_millis(10),
+        Arc::default(),
+    );
+    sources.insert("s1".into(), failing);
+    let mut lb = balancer(&sources, Policy::HealthAware);
+    let mut recording = Recording::of::<Req>();
+    through_scope(&mut lb, &mut recording).await.unwrap_err();
+    let history = recording.into_history();
+    assert_eq!(history.len(), 1);
+    assert_eq!(history.last().unwrap().source.unwrap().as_str(), "s1");
+    assert_eq!(history.last().unwrap().outcome, Outcome::Transient);
+
+    sources.insert(
+        "s1".into(),
+        fixed(Ok("ok"), Duration::from_millis(10), Arc::default()),
+    );
+    let mut recording = Recording::of::<Req>();
+    assert_eq!(through_scope(&mut lb, &mut recording).await.unwrap(), "ok");
+    assert!(recording.into_history().is_empty(), "a success is not recorded");
 }
 
 /// Sources are called on one instance each, without a copy per call; a source not
