@@ -7,8 +7,18 @@
 //!
 //! It also carries the call's deadline, when it has one, so every wait below the
 //! retry layer (the balancer's wait for an admission) honours it.
+//!
+//! A call whose first attempt succeeds needs no history at all, and a history costs an
+//! allocation and a counted reference in every copy of the request. So the retry layer
+//! sends the first attempt without one, inside a [`Recording`] scope: a layer below
+//! numbers the attempt in the scope, on this thread, while the retry layer polls it,
+//! and the history is made there only when something has to be written into it (an
+//! attempt that did not succeed).
 
+use std::any::TypeId;
+use std::cell::{Cell, RefCell};
 use std::fmt;
+use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -187,6 +197,206 @@ impl CallHistory {
     #[must_use]
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+thread_local! {
+    /// The recording in scope on this thread, if any (its history, when it has one, is
+    /// in `MADE`).
+    static FRAME: Cell<Option<Frame>> = const { Cell::new(None) };
+    /// The history made for the recording in scope.
+    static MADE: RefCell<Option<CallHistory>> = const { RefCell::new(None) };
+}
+
+/// The part of a [`Recording`] in scope on this thread: small and `Copy`, so entering
+/// and leaving a scope in which nothing failed costs a few moves.
+#[derive(Clone, Copy)]
+struct Frame {
+    req: TypeId,
+    numbered: u32,
+    /// `MADE` holds this scope's history.
+    made: bool,
+}
+
+/// A call's attempts while its request carries no [`CallHistory`]: their numbering,
+/// and the history made for them once a layer below had something to record.
+///
+/// The retry layer keeps one per call, [`enter`](Self::enter)s it around every poll of
+/// the call's first attempt (the attempt's layers run inside that poll, synchronously),
+/// and makes it the call's history ([`into_history`](Self::into_history)) when the
+/// attempt failed. Below it, a layer that finds no history on the request numbers
+/// its attempt through [`Recording::next_attempt`] and, when it has to record one (an
+/// attempt that did not succeed) or to hand the history on (a copy of the request that
+/// outlives the poll), takes it from [`Recording::adopt`]: it is made then, and only
+/// then. A call whose first attempt succeeds allocates none.
+///
+/// Each names the type of its request: a scope serves only requests of the type it
+/// was made for (a layer below that sends requests of another type, an HTTP client's,
+/// is not the call's attempt). Outside a scope of that type these do what they would
+/// without a history: number 1, `None`.
+///
+/// ```
+/// use pgw_core::{Outcome, Recording};
+///
+/// type Req = http::Request<()>;
+/// let mut recording = Recording::of::<Req>();
+/// {
+///     let _scope = recording.enter();
+///     // A layer below, its request without a history:
+///     assert_eq!(Recording::next_attempt::<Req>(None), 1);
+///     let history = Recording::adopt::<Req>().expect("in scope");
+///     history.record(Some("s1".into()), Outcome::Transient);
+/// }
+/// assert_eq!(Recording::next_attempt::<Req>(None), 1); // outside the scope
+/// assert!(Recording::adopt::<Req>().is_none());
+/// let history = recording.into_history();
+/// assert_eq!(history.last().unwrap().source, Some("s1".into()));
+/// assert_eq!(history.next_attempt(), 2);
+/// ```
+pub struct Recording {
+    /// The type of the requests it serves.
+    req: TypeId,
+    numbered: u32,
+    history: Option<CallHistory>,
+}
+
+impl fmt::Debug for Recording {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Recording")
+            .field("numbered", &self.numbered)
+            .field("history", &self.history)
+            .finish_non_exhaustive()
+    }
+}
+
+/// While alive, the [`Recording`] it was entered from is the one in scope on this
+/// thread; dropping it puts back what was in scope before (scopes nest: a retry layer
+/// under a retry layer). Not `Send`: a scope belongs to the thread, and to the poll,
+/// that entered it.
+#[must_use = "the scope ends when the guard is dropped"]
+pub struct RecordingScope<'a> {
+    recording: &'a mut Recording,
+    prev: Option<Frame>,
+    /// The history of the scope entered over, given back when this one ends.
+    prev_made: Option<CallHistory>,
+    _thread: PhantomData<*const ()>,
+}
+
+impl fmt::Debug for RecordingScope<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RecordingScope").finish_non_exhaustive()
+    }
+}
+
+impl Drop for RecordingScope<'_> {
+    fn drop(&mut self) {
+        let Some(frame) = FRAME.with(|f| f.replace(self.prev)) else {
+            return;
+        };
+        self.recording.numbered = frame.numbered;
+        if frame.made {
+            self.recording.history = MADE.with(|m| m.borrow_mut().take());
+        }
+        if let Some(prev) = self.prev_made.take() {
+            MADE.with(|m| *m.borrow_mut() = Some(prev));
+        }
+    }
+}
+
+impl Recording {
+    /// An empty recording of the attempts of one call sent as `Req`.
+    #[must_use]
+    pub fn of<Req: 'static>() -> Self {
+        Self {
+            req: TypeId::of::<Req>(),
+            numbered: 0,
+            history: None,
+        }
+    }
+
+    /// Makes this recording the one in scope on this thread until the guard drops.
+    pub fn enter(&mut self) -> RecordingScope<'_> {
+        let frame = Frame {
+            req: self.req,
+            numbered: self.numbered,
+            made: self.history.is_some(),
+        };
+        let prev = FRAME.with(|f| f.replace(Some(frame)));
+        // Rare: a scope inside another that has a history (kept aside), or a history
+        // made in an earlier scope of this recording.
+        let prev_made = if prev.is_some_and(|p| p.made) {
+            MADE.with(|m| m.borrow_mut().take())
+        } else {
+            None
+        };
+        if frame.made {
+            MADE.with(|m| *m.borrow_mut() = self.history.take());
+        }
+        RecordingScope {
+            recording: self,
+            prev,
+            prev_made,
+            _thread: PhantomData,
+        }
+    }
+
+    /// The call's history: the one made for it already, else a new one holding its
+    /// numbering so far.
+    #[must_use]
+    pub fn into_history(self) -> CallHistory {
+        self.history.unwrap_or_else(|| {
+            let history = CallHistory::new();
+            history.inner.numbered.store(self.numbered, Ordering::Relaxed);
+            history
+        })
+    }
+
+    /// The frame in scope, when it serves `Req`s.
+    fn frame<Req: 'static>() -> Option<Frame> {
+        FRAME
+            .with(Cell::get)
+            .filter(|frame| frame.req == TypeId::of::<Req>())
+    }
+
+    /// Numbers an attempt as it is sent ([`CallHistory::next_attempt`]): through
+    /// `history` when the request carries one, else through the recording in scope;
+    /// 1 without either.
+    #[must_use]
+    pub fn next_attempt<Req: 'static>(history: Option<&CallHistory>) -> u32 {
+        if let Some(h) = history {
+            return h.next_attempt();
+        }
+        let Some(frame) = Self::frame::<Req>() else {
+            return 1;
+        };
+        if frame.made
+            && let Some(h) = MADE.with(|m| m.borrow().clone())
+        {
+            return h.next_attempt();
+        }
+        let numbered = frame.numbered.saturating_add(1);
+        FRAME.with(|f| f.set(Some(Frame { numbered, ..frame })));
+        numbered
+    }
+
+    /// The call's history for a `Req` that carries none, made now if needed: to record
+    /// an attempt into, or for a copy of the request that outlives the scope (sent on
+    /// another task, or to a layer that keeps its own history). `None` outside a
+    /// scope.
+    #[must_use]
+    pub fn adopt<Req: 'static>() -> Option<CallHistory> {
+        let frame = Self::frame::<Req>()?;
+        MADE.with(|m| {
+            let mut made = m.borrow_mut();
+            if let Some(h) = made.as_ref() {
+                return Some(h.clone());
+            }
+            let history = CallHistory::new();
+            history.inner.numbered.store(frame.numbered, Ordering::Relaxed);
+            *made = Some(history.clone());
+            FRAME.with(|f| f.set(Some(Frame { made: true, ..frame })));
+            Some(history)
+        })
     }
 }
 

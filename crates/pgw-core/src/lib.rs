@@ -55,7 +55,7 @@ pub use error::{
     NotAdmitted, Paced, ProviderError, QuotaExceeded, TimedOut, UNAVAILABLE_RETRY_AFTER, UpstreamStatus,
     exceeds_source, is_timeout, pushback_is_account_wide,
 };
-pub use history::{AttemptRecord, CallHistory, CarriesHistory};
+pub use history::{AttemptRecord, CallHistory, CarriesHistory, Recording, RecordingScope};
 pub use hold::{Hold, HoldFuture, NoHold};
 pub use http_classify::{
     HttpClassifier, OpenAiClassifier, classify_error, classify_response, classify_status, classify_upstream,

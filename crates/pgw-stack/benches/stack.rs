@@ -7,6 +7,9 @@
 //! endpoints against tower's `p2c::Balance` alone, and the retry layer over that bare
 //! balancer (the retry layer's cost, the call's history included, is the difference).
 //!
+//! The retry layer is configured as the gateway configures it
+//! (`HistoryMode::OnDemand`: the call's history is made when an attempt fails).
+//!
 //! tower's `p2c::Balance` is not `Clone` and `Retry` needs a `Clone` inner service, so
 //! the tower stack shares its balancer through an uncontended `Arc<Mutex<_>>` (a few
 //! ns) rather than a `Buffer` (hundreds of ns), to keep the comparison fair to tower.
@@ -27,7 +30,7 @@ use pgw_stack::aimd::{AimdConfig, AimdLayer};
 use pgw_stack::balance::{BalanceConfig, HealthP2c, Sources};
 use pgw_stack::breaker::{BreakerConfig, BreakerLayer};
 use pgw_stack::ratelimit::{MemoryBackend, NoTokens, Quota, RateLimitConfig, RateLimitLayer, RateLimiter};
-use pgw_stack::retry::{RetryConfig, RetryLayer};
+use pgw_stack::retry::{HistoryMode, RetryConfig, RetryLayer};
 use tower::balance::p2c::Balance;
 use tower::discover::ServiceList;
 use tower::load::{CompleteOnResponse, PendingRequests};
@@ -88,7 +91,10 @@ fn pgw_stack() -> impl Service<ChatCall, Response = u32, Error = BoxError> {
     let lb = HealthP2c::new(sources, BalanceConfig::default())
         .unwrap()
         .with_seed(1);
-    RetryLayer::new(RetryConfig::default()).unwrap().layer(lb)
+    RetryLayer::new(RetryConfig::default())
+        .unwrap()
+        .history_mode(HistoryMode::OnDemand)
+        .layer(lb)
 }
 
 fn pgw_stack_unboxed() -> impl Service<ChatCall, Response = u32, Error = BoxError> {
@@ -123,7 +129,10 @@ fn pgw_stack_unboxed() -> impl Service<ChatCall, Response = u32, Error = BoxErro
     let lb = HealthP2c::new(sources, BalanceConfig::default())
         .unwrap()
         .with_seed(1);
-    RetryLayer::new(RetryConfig::default()).unwrap().layer(lb)
+    RetryLayer::new(RetryConfig::default())
+        .unwrap()
+        .history_mode(HistoryMode::OnDemand)
+        .layer(lb)
 }
 
 #[derive(Clone)]
@@ -233,6 +242,7 @@ fn pgw_balancer_only() -> impl Service<ChatCall, Response = u32, Error = BoxErro
 fn pgw_retry_balancer() -> impl Service<ChatCall, Response = u32, Error = BoxError> {
     RetryLayer::new(RetryConfig::default())
         .unwrap()
+        .history_mode(HistoryMode::OnDemand)
         .layer(pgw_balancer_only())
 }
 

@@ -175,7 +175,9 @@ where
         let cuts = self.cuts.clone();
         let pushback = self.pushback.clone();
         let quota_hold = self.quota_hold.clone();
-        let attempt = call.call_history().map_or(1, pgw_core::CallHistory::next_attempt);
+        // A first attempt sent without a history is numbered by the retry layer's
+        // recording of it (`pgw_core::Recording`).
+        let attempt = pgw_core::Recording::next_attempt::<ChatCall>(call.call_history());
         let admission = call
             .extensions()
             .get::<AdmissionCell>()

@@ -16,7 +16,7 @@ use tower_breaker_window::BreakerLayer;
 use tower_health_p2c::{HealthP2c, Sources};
 use tower_layer::Layer;
 use tower_ratelimit_redis::{Quota, RateLimitConfig, RateLimiter};
-use tower_retry_pushback::{Progress, RetryLayer};
+use tower_retry_pushback::{HistoryMode, Progress, RetryLayer};
 
 use crate::attempt::{Attempt, StreamCuts};
 use crate::cache::{MemoryCache, RedisCache, ResponseCache};
@@ -185,10 +185,13 @@ impl GatewayBuilder {
 
         // One layer cloned per group: the retry budget and the throttle are shared by
         // every group, as the process's view of upstream overload.
+        // The balancer below records through the call's `Recording`, and the attempt
+        // layer numbers through it: a call whose first attempt succeeds needs no history.
         let retry = RetryLayer::new(retry_cfg)
             .map_err(|e| config_error(format!("retry.{}", e.field()), e.to_string()))?
             .classifier(AnswerClassifier)
             .resend(ChatResend)
+            .history_mode(HistoryMode::OnDemand)
             .hold(holds)
             .progress(progress.clone());
         let mut groups = Vec::new();

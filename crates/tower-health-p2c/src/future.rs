@@ -8,7 +8,8 @@ use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use pgw_core::{
-    AttemptRecord, BoxError, CallHistory, CarriesHistory, CircuitOpen, Classify, NotAdmitted, clock,
+    AttemptRecord, BoxError, CallHistory, CarriesHistory, CircuitOpen, Classify, NotAdmitted, Recording,
+    clock,
 };
 use pin_project_lite::pin_project;
 use rand::SeedableRng;
@@ -20,7 +21,7 @@ use tower_service::Service;
 use crate::error::{NoSources, NoneAdmitted};
 use crate::order;
 use crate::probe;
-use crate::sources::{Snapshot, SourceState};
+use crate::sources::{Dispatch, Snapshot, SourceState};
 use crate::{BalanceConfig, CREDIBLE_HEALTH_RATIO, MIN_WAKE_WAIT, SILENT_TIMEOUTS};
 
 /// Which sources this round still has to try.
@@ -178,7 +179,7 @@ impl<S, Req: CarriesHistory, C> Ctx<S, Req, C> {
     /// [`probe_every`](BalanceConfig::probe_every) by a fresh call, which goes there
     /// itself; with it, by a detached probe (a copy of this call's request, at most one
     /// per `probe_every`), and every call is refused.
-    fn refuses_silent(&self, i: usize, after: Duration) -> bool
+    fn refuses_silent(&mut self, i: usize, after: Duration) -> bool
     where
         S: Service<Req> + Clone + Send + 'static,
         S::Future: Send + 'static,
@@ -198,6 +199,14 @@ impl<S, Req: CarriesHistory, C> Ctx<S, Req, C> {
         // no copy of anything.
         let at = Instant::now();
         if entry.state.probe_turn(at, every) {
+            if self.req.call_history().is_none()
+                && let Some(history) = Recording::adopt::<Req>()
+            {
+                // The probe numbers its attempt in the call's history, like the call's
+                // own attempts: the copy carries it past this poll.
+                self.req.set_call_history(history);
+            }
+            let entry = &self.snapshot.entries[i];
             probe::send(
                 &entry.state,
                 at,
@@ -357,6 +366,7 @@ impl<S, Req: CarriesHistory, C> Ctx<S, Req, C> {
     fn finish<T>(&mut self, result: Result<T, BoxError>, answered_now: bool) -> Option<Result<T, BoxError>>
     where
         T: 'static,
+        Req: 'static,
         C: Classify<T, BoxError> + Clone + Send + 'static,
     {
         let Some(i) = self.dispatched else {
@@ -390,14 +400,17 @@ impl<S, Req: CarriesHistory, C> Ctx<S, Req, C> {
             let inflight = Inflight(Arc::clone(state));
             let (class, history, classifier) = (self.class, self.history().cloned(), self.classifier.clone());
             self.dispatched = None;
+            // Judged after this poll: the recording in scope then is not this call's.
             self.classifier.defer(
                 &mut result,
-                Box::new(move |r| judge(&inflight.0, class, history.as_ref(), &classifier, r)),
+                Box::new(move |r| {
+                    judge::<Req, _, _>(&inflight.0, class, history.as_ref(), false, &classifier, r)
+                }),
             );
         } else {
             // Judged now, borrowing: no reference to take and give back. The count is
             // given back after (by `Ctx`'s drop if judging panicked).
-            judge(state, self.class, self.history(), &self.classifier, &result);
+            judge::<Req, _, _>(state, self.class, self.history(), true, &self.classifier, &result);
             self.dispatched = None;
             state.dec();
         }
@@ -420,11 +433,13 @@ pub(crate) fn heard_from<T>(state: &SourceState, result: &Result<T, BoxError>, a
 }
 
 /// Records an attempt's outcome: the health sample of its class and the call's
-/// history.
-pub(crate) fn judge<T, C>(
+/// history; when the request carries none and `offer` (an attempt judged in the poll
+/// that runs it), the history of the call's [`Recording`] in scope.
+pub(crate) fn judge<Req: 'static, T, C>(
     state: &SourceState,
     class: usize,
     history: Option<&CallHistory>,
+    offer: bool,
     classifier: &C,
     result: &Result<T, BoxError>,
 ) where
@@ -434,14 +449,26 @@ pub(crate) fn judge<T, C>(
     if let Some(ok) = outcome.health_sample() {
         state.record(class, ok);
     }
-    if let Some(h) = history {
+    let record = || {
         let err = result.as_ref().err();
-        h.push(AttemptRecord {
+        AttemptRecord {
             source: Some(state.id().clone()),
             outcome,
             timed_out: err.is_some_and(|e| pgw_core::is_timeout(&**e)),
             too_large: err.is_some_and(|e| pgw_core::exceeds_source(&**e)),
-        });
+        }
+    };
+    match history {
+        Some(h) => h.push(record()),
+        // A success recorded nowhere yet is left so: a call whose first attempt
+        // succeeds needs no history, and the retry layer above records it, without its
+        // source, should its classifier disagree.
+        None if offer && !outcome.is_success() => {
+            if let Some(h) = Recording::adopt::<Req>() {
+                h.push(record());
+            }
+        }
+        None => {}
     }
 }
 
@@ -553,7 +580,6 @@ where
             match this.state.as_mut().project() {
                 StateProj::Next => match this.ctx.next_candidate() {
                     Some(i) => {
-                        let entry = &this.ctx.snapshot.entries[i];
                         if let Some(after) = this.ctx.config.silent_after
                             && this.ctx.refuses_silent(i, after)
                         {
@@ -565,6 +591,7 @@ where
                                 .refuse(NotAdmitted::CircuitOpen(after), Box::new(open));
                             continue;
                         }
+                        let entry = &this.ctx.snapshot.entries[i];
                         let now = Instant::now();
                         entry.state.inc(now);
                         this.ctx.dispatched = Some(i);
@@ -573,8 +600,17 @@ where
                             Some(scope) => scope.update(now),
                             None => dispatched_here = Some(clock::Dispatched::enter(now)),
                         }
-                        let svc = entry.service.clone();
-                        this.state.set(State::Ready { svc });
+                        let req = &this.ctx.req;
+                        match entry.dispatch(cx, || req.clone()) {
+                            Dispatch::Called(fut) => this.state.set(State::Calling { fut }),
+                            Dispatch::Own(svc) => this.state.set(State::Ready { svc }),
+                            Dispatch::Refused(e) => {
+                                if let Some(r) = this.ctx.finish(Err(e.into()), true) {
+                                    this.state.set(State::Done);
+                                    return Poll::Ready(r);
+                                }
+                            }
+                        }
                     }
                     None => {
                         if let Err(e) = ready!(this.ctx.poll_round_end(cx)) {

@@ -175,7 +175,7 @@ mod tests {
                 while state.health(0) > h {
                     state.record(0, false);
                 }
-                Entry { state, service: () }
+                Entry::new(state, ())
             })
             .collect()
     }

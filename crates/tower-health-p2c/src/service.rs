@@ -25,9 +25,12 @@ use crate::{BalanceConfig, ConfigError, HEALTH_CLASSES};
 /// otherwise the call waits for a release signal or the earliest `retry_after`, at
 /// most `max_wait` (then [`NoneAdmitted`](crate::NoneAdmitted)).
 ///
-/// Always ready: readiness is asked of a clone of the chosen source's service inside
-/// the response future. Requests are cloned once per dispatch (they are cheap in the
-/// pgw stack: `Arc` inside).
+/// Always ready: readiness is asked of the chosen source's service inside the response
+/// future. Each source keeps one instance that dispatches use in turn (readiness and
+/// call under a lock, no copy of the service); a call that finds it busy, or not
+/// ready, goes on with a clone of its own, as a `Clone` service is meant to be used.
+/// Requests are cloned once per dispatch (they are cheap in the pgw stack: `Arc`
+/// inside).
 pub struct HealthP2c<S, C = OkIsSuccess, K = SingleClass> {
     sources: Sources<S>,
     snapshot: Arc<Snapshot<S>>,

@@ -2,13 +2,15 @@
 
 use std::fmt;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, PoisonError, RwLock, TryLockError};
+use std::task::{Context, Poll};
 
 use std::time::Duration;
 
 use pgw_core::SourceId;
 use tokio::sync::Notify;
 use tokio::time::Instant;
+use tower_service::Service;
 
 use crate::{
     HEALTH_ALPHA, HEALTH_CLASSES, HEALTH_FLOOR, HEALTH_INITIAL, MIN_LATENCY_S, UNMEASURED_LATENCY_S,
@@ -244,7 +246,68 @@ impl fmt::Debug for SourceHealth {
 
 pub(crate) struct Entry<S> {
     pub(crate) state: Arc<SourceState>,
+    /// The service as inserted, never polled: what a dispatch that cannot take
+    /// [`live`](Self::live) sends on (a clone of it), and what a probe sends on.
     pub(crate) service: S,
+    /// The instance dispatches call in turn, readiness and call under the lock, so a
+    /// dispatch copies no service (tower's p2c owns its services the same way). An
+    /// instance left not ready, or failed, goes to the call that polled it and a fresh
+    /// clone of [`service`](Self::service) takes its place.
+    live: Mutex<S>,
+}
+
+/// What [`Entry::dispatch`] did with a request.
+pub(crate) enum Dispatch<S, F, E> {
+    /// Sent on the live instance.
+    Called(F),
+    /// The live instance refused in `poll_ready`.
+    Refused(E),
+    /// An instance of this call's own to poll until ready: the live one, left not
+    /// ready (its readiness in progress is this call's), or a clone when another call
+    /// held the live one.
+    Own(S),
+}
+
+impl<S: Clone> Entry<S> {
+    pub(crate) fn new(state: Arc<SourceState>, service: S) -> Self {
+        Self {
+            state,
+            live: Mutex::new(service.clone()),
+            service,
+        }
+    }
+
+    /// Asks the live instance to take `req` now, without copying it.
+    pub(crate) fn dispatch<Req>(
+        &self,
+        cx: &mut Context<'_>,
+        req: impl FnOnce() -> Req,
+    ) -> Dispatch<S, S::Future, S::Error>
+    where
+        S: Service<Req>,
+    {
+        let mut live = match self.live.try_lock() {
+            Ok(live) => live,
+            Err(TryLockError::WouldBlock) => {
+                return Dispatch::Own(self.service.clone());
+            }
+            Err(TryLockError::Poisoned(p)) => {
+                // A panic in a call below: its instance is not trusted again.
+                let mut live = p.into_inner();
+                *live = self.service.clone();
+                self.live.clear_poison();
+                live
+            }
+        };
+        match live.poll_ready(cx) {
+            Poll::Ready(Ok(())) => Dispatch::Called(live.call(req())),
+            Poll::Ready(Err(e)) => {
+                *live = self.service.clone();
+                Dispatch::Refused(e)
+            }
+            Poll::Pending => Dispatch::Own(std::mem::replace(&mut *live, self.service.clone())),
+        }
+    }
 }
 
 /// An immutable view of the set, shared by the calls that started under it.
@@ -382,10 +445,7 @@ impl<S: Clone> Sources<S> {
         let mut entries: Vec<Entry<S>> = guard
             .entries
             .iter()
-            .map(|e| Entry {
-                state: Arc::clone(&e.state),
-                service: e.service.clone(),
-            })
+            .map(|e| Entry::new(Arc::clone(&e.state), e.service.clone()))
             .collect();
         let changed = f(&mut entries);
         if changed {
@@ -404,13 +464,10 @@ impl<S: Clone> Sources<S> {
         let mut new = false;
         self.update(|entries| {
             if let Some(e) = entries.iter_mut().find(|e| e.state.id() == &id) {
-                e.service = service;
+                *e = Entry::new(Arc::clone(&e.state), service);
             } else {
                 new = true;
-                entries.push(Entry {
-                    state: Arc::new(SourceState::new(id)),
-                    service,
-                });
+                entries.push(Entry::new(Arc::new(SourceState::new(id)), service));
             }
             true
         });

@@ -5,7 +5,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use pgw_core::{
-    BoxError, CallHistory, CarriesHistory, CircuitOpen, NotAdmitted, Outcome, Paced, QuotaExceeded, SourceId,
+    BoxError, CallHistory, CarriesHistory, CircuitOpen, NotAdmitted, Outcome, Paced, QuotaExceeded,
+    Recording, SourceId,
 };
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -979,5 +980,83 @@ async fn a_silent_source_is_probed_off_the_callers_path_until_it_answers() {
     tokio::time::sleep(Duration::from_secs(180)).await;
     for h in sources.views() {
         assert_eq!(h.inflight(), 0, "{}", h.id());
+    }
+}
+
+/// A request without a history, its attempt polled inside the retry layer's
+/// `Recording` scope (`HistoryMode::OnDemand`): a failure is recorded, with its source,
+/// into the history made in the scope; a success makes none.
+#[tokio::test(start_paused = true)]
+async fn a_request_without_a_history_records_a_failure_in_the_recording_in_scope() {
+    async fn through_scope(
+        lb: &mut HealthP2c<Svc>,
+        recording: &mut Recording,
+    ) -> Result<&'static str, BoxError> {
+        let mut fut = {
+            let _scope = recording.enter();
+            lb.ready().await.unwrap().call(Req::default())
+        };
+        std::future::poll_fn(|cx| {
+            let _scope = recording.enter();
+            std::pin::Pin::new(&mut fut).poll(cx)
+        })
+        .await
+    }
+    let sources = Sources::new();
+    let failing = fixed(
+        Err(|| Box::new(std::io::Error::other("reset"))),
+        Duration::from_millis(10),
+        Arc::default(),
+    );
+    sources.insert("s1".into(), failing);
+    let mut lb = balancer(&sources, Policy::HealthAware);
+    let mut recording = Recording::of::<Req>();
+    through_scope(&mut lb, &mut recording).await.unwrap_err();
+    let history = recording.into_history();
+    assert_eq!(history.len(), 1);
+    assert_eq!(history.last().unwrap().source.unwrap().as_str(), "s1");
+    assert_eq!(history.last().unwrap().outcome, Outcome::Transient);
+
+    sources.insert(
+        "s1".into(),
+        fixed(Ok("ok"), Duration::from_millis(10), Arc::default()),
+    );
+    let mut recording = Recording::of::<Req>();
+    assert_eq!(through_scope(&mut lb, &mut recording).await.unwrap(), "ok");
+    assert!(recording.into_history().is_empty(), "a success is not recorded");
+}
+
+/// Sources are called on one instance each, without a copy per call; a source not
+/// ready leaves its instance to the call that polled it (the next call gets a fresh
+/// one), and each waiting call is woken when its instance gets ready.
+#[tokio::test(start_paused = true)]
+async fn a_source_not_ready_keeps_each_waiting_call_on_its_own_instance() {
+    let (mock, mut handle) = tower_test::mock::pair::<Req, &'static str>();
+    let sources: Sources<tower_test::mock::Mock<Req, &'static str>> = Sources::new();
+    sources.insert("s1".into(), mock);
+    let lb = HealthP2c::new(sources.clone(), BalanceConfig::default())
+        .unwrap()
+        .with_seed(7);
+    handle.allow(0);
+    let a = tokio::spawn(lb.clone().oneshot(Req::default()));
+    let b = tokio::spawn(lb.clone().oneshot(Req::default()));
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    assert!(!a.is_finished() && !b.is_finished(), "not ready: both wait");
+    assert_eq!(sources.view("s1").unwrap().inflight(), 2);
+    handle.allow(2);
+    for _ in 0..2 {
+        let (_, send) = handle.next_request().await.unwrap();
+        send.send_response("ok");
+    }
+    assert_eq!(a.await.unwrap().unwrap(), "ok");
+    assert_eq!(b.await.unwrap().unwrap(), "ok");
+    assert_eq!(sources.view("s1").unwrap().inflight(), 0);
+    // Ready now: later calls go through the source's own instance.
+    handle.allow(3);
+    for _ in 0..3 {
+        let call = tokio::spawn(lb.clone().oneshot(Req::default()));
+        let (_, send) = handle.next_request().await.unwrap();
+        send.send_response("again");
+        assert_eq!(call.await.unwrap().unwrap(), "again");
     }
 }

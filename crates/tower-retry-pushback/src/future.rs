@@ -11,7 +11,9 @@ use std::sync::atomic::Ordering;
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
-use pgw_core::{BoxError, CallHistory, CarriesHistory, Classify, HoldFuture, NotAdmitted, Outcome, SourceId};
+use pgw_core::{
+    BoxError, CallHistory, CarriesHistory, Classify, HoldFuture, NotAdmitted, Outcome, Recording, SourceId,
+};
 use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
 use tower_service::Service;
@@ -79,6 +81,9 @@ struct Call<Req, C, R> {
     /// Our own handle on the call's history, when the request copies do not carry it
     /// (see [`Call::history`]).
     history: Option<CallHistory>,
+    /// What the attempts sent without a history recorded, until the call needs one
+    /// (see `pgw_core::Recording`).
+    recording: Option<Recording>,
     /// Whether this layer created the history (nobody else reads it then).
     own_history: bool,
     /// History records known so far: more after an attempt means the service below
@@ -182,17 +187,22 @@ pub(crate) struct CallStart<Req> {
     pub(crate) own_history: bool,
     pub(crate) known_len: usize,
     pub(crate) deadline_at: Option<Instant>,
+    pub(crate) recording: Option<Recording>,
 }
 
 impl<Req: CarriesHistory, C, R> Call<Req, C, R> {
     /// The call's history: our own handle, else the one the next request carries, else
     /// (history from the first retry on, or a request that cannot carry one) a new one,
-    /// attached to the next request so the service below sees it from now on.
+    /// holding what the attempts sent without one recorded, attached to the next
+    /// request so the service below sees it from now on.
     fn history(&mut self) -> &CallHistory {
         if self.history.is_none() {
             let carried = self.next.as_ref().and_then(CarriesHistory::call_history).cloned();
+            let recording = &mut self.recording;
             let history = carried.unwrap_or_else(|| {
-                let h = CallHistory::new();
+                let h = recording
+                    .take()
+                    .map_or_else(CallHistory::new, Recording::into_history);
                 if let Some(at) = self.deadline_at {
                     h.set_deadline(at);
                 }
@@ -211,6 +221,7 @@ impl<Req: CarriesHistory, C, R> Call<Req, C, R> {
             shared,
             next: start.next,
             history: start.history,
+            recording: start.recording,
             own_history: start.own_history,
             known_len: start.known_len,
             deadline_at: start.deadline_at,
@@ -512,7 +523,11 @@ where
         loop {
             let next = match this.state.as_mut().project() {
                 StateProj::Attempt { fut } => {
-                    let result = ready!(fut.poll(cx)).map_err(Into::into);
+                    let polled = {
+                        let _scope = this.call.recording.as_mut().map(Recording::enter);
+                        fut.poll(cx)
+                    };
+                    let result = ready!(polled).map_err(Into::into);
                     this.call.after_attempt(result)
                 }
                 StateProj::Holding {

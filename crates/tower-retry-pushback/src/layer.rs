@@ -29,6 +29,17 @@ pub enum HistoryMode {
     /// nothing; the first attempt is recorded without its source, so a 429 on it is slept
     /// through rather than held. For services with no balancer below.
     FromFirstRetry,
+    /// When something is written into it: the first attempt is sent without one,
+    /// inside a [`Recording`](pgw_core::Recording) scope, and a service below that
+    /// records through it (tower-health-p2c's balancer does) makes the history when an
+    /// attempt does not succeed; this layer makes it at the first failure otherwise. As
+    /// [`EveryAttempt`](Self::EveryAttempt) for such services (the source of every
+    /// failed attempt is recorded), with no allocation and no counted reference in the
+    /// request's copies when the first attempt succeeds. A request with a deadline
+    /// gets its history before the first attempt (the balancer reads the deadline
+    /// there). A service below that reads or writes the request's history directly
+    /// sees none on the first attempt: use `EveryAttempt` for those.
+    OnDemand,
 }
 
 /// Wraps a service in the retry loop. Every service it makes shares its

@@ -40,7 +40,8 @@
 //! records the source of each attempt: that is where a 429's hold applies. A service
 //! that records nothing is fine: the layer records the outcomes itself. With no
 //! balancer below, [`HistoryMode::FromFirstRetry`] saves the history's allocation on
-//! calls that succeed at once.
+//! calls that succeed at once; over tower-health-p2c, [`HistoryMode::OnDemand`] saves
+//! it too and still records the source of every failed attempt.
 //!
 //! # Example
 //!

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use pgw_core::{BoxError, CallHistory, CarriesHistory, Classify, Hold, OkIsSuccess};
+use pgw_core::{BoxError, CallHistory, CarriesHistory, Classify, Hold, OkIsSuccess, Recording};
 use rand::Rng;
 use rand::rngs::SmallRng;
 use tokio::time::Instant;
@@ -185,7 +185,7 @@ impl<S, Req, C, R> Service<Req> for Retry<S, C, R>
 where
     S: Service<Req> + Clone,
     S::Error: Into<BoxError>,
-    Req: CarriesHistory,
+    Req: CarriesHistory + 'static,
     C: Classify<S::Response, BoxError>,
     R: Resend<Req>,
 {
@@ -199,15 +199,6 @@ where
 
     fn call(&mut self, mut req: Req) -> Self::Future {
         let shared = Arc::clone(&self.shared);
-        let own_history = req.call_history().is_none();
-        let known_len = if own_history {
-            if shared.history_mode == HistoryMode::EveryAttempt {
-                req.set_call_history(CallHistory::new());
-            }
-            0
-        } else {
-            req.call_history().map_or(0, CallHistory::len)
-        };
         let deadline_at = match (shared.config.max_call_duration, shared.resend.deadline(&req)) {
             (None, None) => None,
             (max, own) => {
@@ -217,6 +208,31 @@ where
                 from_config.into_iter().chain(own).min()
             }
         };
+        let mut own_history = req.call_history().is_none();
+        let mut recording = None;
+        if own_history {
+            if let Some(outer) = Recording::adopt::<Req>() {
+                // Sent inside the first attempt of an outer call that has no history
+                // yet (`HistoryMode::OnDemand`): that call's history, as if the request
+                // had carried it.
+                req.set_call_history(outer);
+                own_history = false;
+            } else {
+                match shared.history_mode {
+                    HistoryMode::EveryAttempt => req.set_call_history(CallHistory::new()),
+                    // The balancer below reads the deadline from the history.
+                    HistoryMode::OnDemand if deadline_at.is_some() => {
+                        req.set_call_history(CallHistory::new())
+                    }
+                    // The first attempt goes without one (no allocation, no counted
+                    // reference in each copy of the request); the service below makes
+                    // it in the recording's scope if it has something to write.
+                    HistoryMode::OnDemand => recording = Some(Recording::of::<Req>()),
+                    HistoryMode::FromFirstRetry => {}
+                }
+            }
+        }
+        let known_len = req.call_history().map_or(0, CallHistory::len);
         if let (Some(at), Some(history)) = (deadline_at, req.call_history()) {
             // The balancer below then waits for an admission no longer than the call
             // may: a wait that must end past the deadline fails at once (R3).
@@ -237,19 +253,23 @@ where
         } else {
             None
         };
-        let start = CallStart {
+        let mut start = CallStart {
             next,
             history,
             own_history,
             known_len,
             deadline_at,
+            recording,
         };
         if !shared.throttle_admits() {
             let attempts = req.call_history().map(CallHistory::attempts).unwrap_or_default();
             let err = RetryError::new(Reason::Throttled, attempts, None);
             return ResponseFuture::failed(service, shared, start, Box::new(err));
         }
-        let attempt = service.call(req);
+        let attempt = {
+            let _scope = start.recording.as_mut().map(Recording::enter);
+            service.call(req)
+        };
         ResponseFuture::new(attempt, service, shared, start)
     }
 }

@@ -1067,6 +1067,117 @@ async fn the_history_reaches_the_service_below_on_every_attempt() {
     assert_eq!(*seen.lock().unwrap(), vec![0, 1, 2]);
 }
 
+/// The history each request of an upstream carried, with its length when sent.
+type Seen = Arc<std::sync::Mutex<Vec<(Option<usize>, Option<CallHistory>)>>>;
+
+/// An upstream answering `answers` in order, then `Ok`, that keeps what each request
+/// carried.
+fn watched(answers: Vec<Result<Ans, BoxError>>) -> (Upstream, Seen) {
+    let seen: Seen = Arc::default();
+    let mut queue: std::collections::VecDeque<_> = answers.into();
+    let upstream = {
+        let seen = seen.clone();
+        Upstream::from_fn(move |req: &Req| {
+            let len = req.history.as_ref().map(CallHistory::len);
+            seen.lock().unwrap().push((len, req.history.clone()));
+            queue.pop_front().unwrap_or(Ok(Ans::Ok))
+        })
+    };
+    (upstream, seen)
+}
+
+fn lens(seen: &Seen) -> Vec<Option<usize>> {
+    seen.lock().unwrap().iter().map(|(len, _)| *len).collect()
+}
+
+/// `OnDemand`: the first attempt goes without a history; a balancer below that records
+/// through the recording keeps the source of a failed first attempt (held, like
+/// `EveryAttempt`), and the next attempts carry the history.
+#[tokio::test(start_paused = true)]
+async fn on_demand_makes_the_history_at_the_first_failure_with_its_source() {
+    let holds = TestHold::default();
+    let (s1, seen1) = watched(vec![rl(30)]);
+    let (s2, seen2) = watched(vec![]);
+    let router = Router::new(vec![("s1", s1), ("s2", s2)], holds.clone());
+    let mut svc = layer(RetryConfig::default())
+        .hold(Arc::new(holds.clone()))
+        .history_mode(HistoryMode::OnDemand)
+        .layer(router.clone());
+    let start = Instant::now();
+    assert_eq!(call(&mut svc, Req::new(1)).await.unwrap(), Ans::Ok);
+    assert_eq!(router.times_of("s2"), vec![start], "moved on at once");
+    assert_eq!(
+        *holds.calls.lock().unwrap(),
+        vec![(SourceId::from("s1"), Duration::from_secs(30))],
+        "the first attempt's source is known: held"
+    );
+    assert_eq!(lens(&seen1), vec![None], "the first attempt carries none");
+    assert_eq!(lens(&seen2), vec![Some(1)], "the second carries the history");
+    let sources: Vec<_> = seen2.lock().unwrap()[0]
+        .1
+        .as_ref()
+        .unwrap()
+        .attempts()
+        .into_iter()
+        .map(|a| a.source)
+        .collect();
+    assert_eq!(
+        sources,
+        vec![Some(SourceId::from("s1")), Some(SourceId::from("s2"))]
+    );
+
+    // Every attempt failing: the error lists each attempt with its source.
+    let (s3, _) = watched(vec![Ok(Ans::Transient), Ok(Ans::Transient), Ok(Ans::Transient)]);
+    let mut svc = layer(RetryConfig::default())
+        .history_mode(HistoryMode::OnDemand)
+        .layer(Router::new(vec![("s3", s3)], TestHold::default()));
+    let err = call(&mut svc, Req::new(2)).await.unwrap_err();
+    let sources: Vec<_> = retry_error(&err)
+        .attempts()
+        .iter()
+        .map(|a| a.source.clone())
+        .collect();
+    assert_eq!(sources, vec![Some(SourceId::from("s3")); 3]);
+}
+
+/// `OnDemand` over a service that records nothing: the layer records the attempts
+/// itself, as with the other modes; a call that succeeds at once never has a history,
+/// and one with a deadline has it from the first attempt (the service below reads the
+/// deadline there).
+#[tokio::test(start_paused = true)]
+async fn on_demand_over_a_service_that_records_nothing() {
+    let (upstream, seen) = watched(vec![Ok(Ans::Transient), Ok(Ans::Transient)]);
+    let mut svc = layer(RetryConfig::default())
+        .history_mode(HistoryMode::OnDemand)
+        .layer(upstream);
+    assert_eq!(call(&mut svc, Req::new(1)).await.unwrap(), Ans::Ok);
+    assert_eq!(lens(&seen), vec![None, Some(1), Some(2)]);
+
+    let (ok, seen) = watched(vec![]);
+    let mut svc = layer(RetryConfig::default())
+        .history_mode(HistoryMode::OnDemand)
+        .layer(ok);
+    assert_eq!(call(&mut svc, Req::new(2)).await.unwrap(), Ans::Ok);
+    assert_eq!(lens(&seen), vec![None]);
+
+    let (upstream, seen) = watched(vec![Ok(Ans::Transient)]);
+    let mut svc = layer(RetryConfig {
+        max_call_duration: Some(Duration::from_secs(5)),
+        ..RetryConfig::default()
+    })
+    .history_mode(HistoryMode::OnDemand)
+    .layer(upstream);
+    let due = Instant::now() + Duration::from_secs(5);
+    assert_eq!(call(&mut svc, Req::new(3)).await.unwrap(), Ans::Ok);
+    let deadlines: Vec<_> = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(_, h)| h.as_ref().and_then(CallHistory::deadline))
+        .collect();
+    assert_eq!(deadlines, vec![Some(due); 2]);
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_failed_hold_falls_back_to_sleeping_through_the_pushback() {
     let s1 = Upstream::with(vec![rl(9)]);

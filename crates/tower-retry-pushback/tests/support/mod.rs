@@ -11,7 +11,9 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use pgw_core::{BoxError, CallHistory, CarriesHistory, Hold, HoldFuture, Outcome, QuotaExceeded, SourceId};
+use pgw_core::{
+    BoxError, CallHistory, CarriesHistory, Hold, HoldFuture, Outcome, QuotaExceeded, Recording, SourceId,
+};
 use tokio::time::Instant;
 use tower::Service;
 
@@ -268,8 +270,12 @@ impl Service<Req> for Router {
         let fut = upstream.call(req);
         Box::pin(async move {
             let result = fut.await;
+            let outcome = classify(&result);
+            // Like tower-health-p2c: a request without a history records a failure
+            // into the history of the retry layer's recording (`HistoryMode::OnDemand`).
+            let history = history.or_else(|| (!outcome.is_success()).then(Recording::adopt::<Req>).flatten());
             if let Some(h) = history {
-                h.record(Some(source), classify(&result));
+                h.record(Some(source), outcome);
             }
             result
         })
