@@ -262,8 +262,6 @@ impl RedisBackend {
                 limits,
                 timeout: config.response_timeout,
                 has_account,
-                suspect: AtomicBool::new(false),
-                asking: AtomicBool::new(false),
                 last_refusal: AtomicU64::new(0),
             }),
         }
@@ -308,34 +306,49 @@ struct GateKeys {
     limits: Vec<i64>,
     timeout: Duration,
     has_account: bool,
-    /// Since the last refusal Redis answered (any dimension, holds too), until an
-    /// admission is granted: the limiter is *suspect*, and one admission at a time asks
-    /// (see [`PROBE_RETRY`]).
-    suspect: AtomicBool,
-    /// A suspect limiter's admission is asking.
-    asking: AtomicBool,
     /// The last refusal's dimension (the script's number) and scope index, `dim << 8 |
-    /// scope`: what a local refusal of a suspect limiter names.
+    /// scope`: what a local refusal while others ask names.
     last_refusal: AtomicU64,
 }
 
-/// How soon an admission refused because another one of its limiter is asking Redis
-/// after a refusal asks again: 5 ms, a few loopback or LAN round trips.
+/// How soon an admission refused because others are asking Redis for the room its
+/// scopes have left asks again: 5 ms, a few loopback or LAN round trips.
 ///
-/// When a remembered refusal or a hold ends, every call waiting on that limiter would
-/// otherwise ask at once, and all but the first few be refused again (P6's Redis
-/// mode: 2.3 refused admissions per call, about 16 Redis commands). Now one asks: if it
-/// is admitted the limiter is no longer suspect and the others ask (and are admitted
-/// while there is room) when they retry.
+/// Each scope lets as many admissions ask at once, through every limiter of the
+/// backend, as the last answer said it has room for (requests or slots left; one
+/// after a refusal, unbounded before any answer). When a remembered refusal or a hold
+/// ends, or a slot frees, every call waiting on that scope would otherwise ask at
+/// once, and all but the first few be refused again (P6's Redis mode: 2.3 refused
+/// admissions per call, about 16 Redis commands; later, bursts of ten refusals in a
+/// row after the account's slots filled). The others ask when they retry, after this.
 pub const PROBE_RETRY: Duration = Duration::from_millis(5);
 
-/// Clears a suspect limiter's `asking` when its admission's answer is in, or when the
-/// admission is dropped before.
+/// One admission asking Redis, counted in each of its scopes' `asking` until its
+/// answer is in or it is dropped.
 struct Asking(Arc<GateKeys>);
+
+impl Asking {
+    /// Counts an admission through `k` as asking, unless one of its scopes already has
+    /// as many asking as it has room for: then the index of that scope.
+    fn take(k: &Arc<GateKeys>) -> Result<Self, usize> {
+        for (i, memo) in k.memos.iter().enumerate() {
+            let room = memo.room.load(Ordering::Acquire).max(1);
+            if memo.asking.fetch_add(1, Ordering::AcqRel) >= room {
+                for m in &k.memos[..=i] {
+                    m.asking.fetch_sub(1, Ordering::AcqRel);
+                }
+                return Err(i);
+            }
+        }
+        Ok(Self(Arc::clone(k)))
+    }
+}
 
 impl Drop for Asking {
     fn drop(&mut self) {
-        self.0.asking.store(false, Ordering::Release);
+        for m in &self.0.memos {
+            m.asking.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 }
 
@@ -460,14 +473,31 @@ impl Refusal {
 }
 
 /// One scope's memory in this process, shared by every limiter of the backend with
-/// the scope: its last refusal, and the refunds sent for it.
-#[derive(Debug, Default)]
+/// the scope: its last refusal, the refunds sent for it, and how many may ask at once.
+#[derive(Debug)]
 struct ScopeMemo {
     /// The last refusal learnt (see [`Refusal`]).
     refused: Mutex<Option<Refusal>>,
     /// Refunds this process sent that touch the scope: a refusal answered across one
     /// is not remembered (it may have been judged before the refund landed).
     refunds: AtomicU64,
+    /// Requests or slots the scope had left at the last answer (`i64::MAX`: none yet,
+    /// or nothing counted; 0 after a refusal): how many may ask at once (at least one;
+    /// see [`PROBE_RETRY`]).
+    room: AtomicI64,
+    /// Admissions asking Redis now, through any limiter of the backend.
+    asking: AtomicI64,
+}
+
+impl Default for ScopeMemo {
+    fn default() -> Self {
+        Self {
+            refused: Mutex::new(None),
+            refunds: AtomicU64::new(0),
+            room: AtomicI64::new(i64::MAX),
+            asking: AtomicI64::new(0),
+        }
+    }
 }
 
 /// The script's dimension number, as [`QuotaExceeded`] names it.
@@ -598,15 +628,13 @@ impl RedisGate {
 }
 
 impl RedisGate {
-    /// The local refusal of a suspect limiter's admission while another one asks: the
-    /// last refusal's dimension and scope, asked again after [`PROBE_RETRY`].
-    fn while_asking(k: &GateKeys) -> Box<QuotaExceeded> {
+    /// The local refusal of an admission while as many as scope `i` has room for are
+    /// asking: the last refusal's dimension, scope `i`, asked again after
+    /// [`PROBE_RETRY`].
+    fn while_asking(k: &GateKeys, i: usize) -> Box<QuotaExceeded> {
         let last = k.last_refusal.load(Ordering::Relaxed);
-        let dim = i64::try_from(last >> 8).ok().and_then(dim_name).unwrap_or("hold");
-        let label = k
-            .labels
-            .get(usize::try_from(last & 0xff).unwrap_or(0))
-            .or_else(|| k.labels.last());
+        let dim = i64::try_from(last >> 8).ok().and_then(dim_name).unwrap_or("concurrency");
+        let label = k.labels.get(i).or_else(|| k.labels.last());
         let q = QuotaExceeded::new(dim, PROBE_RETRY);
         Box::new(match label {
             Some(l) => q.with_scope(&**l),
@@ -619,9 +647,11 @@ impl RedisGate {
     pub(crate) fn known_refusal(&self, tokens: u64) -> Option<Box<QuotaExceeded>> {
         let k = &*self.inner;
         self.known_at(Instant::now(), tokens).or_else(|| {
-            // Suspect, and another admission is asking: this one would be refused here.
-            (k.suspect.load(Ordering::Acquire) && k.asking.load(Ordering::Acquire))
-                .then(|| Self::while_asking(k))
+            // As many are asking as a scope has room for: this one would be refused here.
+            k.memos
+                .iter()
+                .position(|m| m.asking.load(Ordering::Acquire) >= m.room.load(Ordering::Acquire).max(1))
+                .map(|i| Self::while_asking(k, i))
         })
     }
 
@@ -668,13 +698,9 @@ impl Gate for RedisGate {
         if let Some(q) = self.known_at(now, tokens) {
             return BackendFuture::ready(Ok(Verdict::Refused(q)));
         }
-        let asking = if k.suspect.load(Ordering::Acquire) {
-            if k.asking.swap(true, Ordering::AcqRel) {
-                return BackendFuture::ready(Ok(Verdict::Refused(Self::while_asking(k))));
-            }
-            Some(Asking(Arc::clone(&self.inner)))
-        } else {
-            None
+        let asking = match Asking::take(&self.inner) {
+            Ok(asking) => asking,
+            Err(i) => return BackendFuture::ready(Ok(Verdict::Refused(Self::while_asking(k, i)))),
         };
         let released = k.release_counts();
         let mut inv = ADMIT.prepare_invoke();
@@ -700,10 +726,15 @@ impl Gate for RedisGate {
             let reply: Vec<i64> = run("admit", inner.timeout, inv.invoke_async(&mut conn)).await?;
             match reply.as_slice() {
                 // The script's window id is `now / window_ms`: the admission's own.
-                [1, now, _win, scope, dim_no, wait] => {
-                    if *dim_no == 0 {
-                        inner.suspect.store(false, Ordering::Release);
-                    } else {
+                [1, now, _win, scope, dim_no, wait, rooms @ ..] => {
+                    if rooms.len() != inner.memos.len() {
+                        return Err(garbage("admit", &reply));
+                    }
+                    for (memo, room) in inner.memos.iter().zip(rooms) {
+                        memo.room
+                            .store(if *room < 0 { i64::MAX } else { *room }, Ordering::Release);
+                    }
+                    if *dim_no != 0 {
                         // This admission took the last request or slot of a scope:
                         // remembered as the refusal the next admission would get, so
                         // the calls waiting here do not ask first (and, once it ends,
@@ -716,7 +747,6 @@ impl Gate for RedisGate {
                             u64::try_from(*dim_no << 8).unwrap_or(0) | i as u64,
                             Ordering::Relaxed,
                         );
-                        inner.suspect.store(true, Ordering::Release);
                         inner.remember(i, *dim_no, sent, *wait, tokens, refunds, released);
                     }
                     Ok(Verdict::Admitted {
@@ -734,7 +764,9 @@ impl Gate for RedisGate {
                         u64::try_from(*dim_no << 8).unwrap_or(0) | i as u64,
                         Ordering::Relaxed,
                     );
-                    inner.suspect.store(true, Ordering::Release);
+                    // No room in that scope: one admission at a time asks until one is
+                    // admitted and tells what is left.
+                    inner.memos[i].room.store(0, Ordering::Release);
                     if *dim_no == 4 {
                         // A hold: every limiter of the backend honours it from now on.
                         book.saw_server(*server_now, Instant::now());

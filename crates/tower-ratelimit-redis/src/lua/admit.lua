@@ -8,10 +8,12 @@
 --   h  hold: the instant (ms) until which the scope is not admitted
 -- ARGV: nscopes, window_ms, sub_ms, subs, tokens, lease_id ('' = no lease),
 --       lease_ttl_ms, slot_hint_ms, then per scope: rpm, tpm, concurrency (-1 = unlimited)
--- Returns {1, now_ms, window, scope_index, dimension, wait_ms} when admitted (window:
---         the aligned window's id, a label; dimension 0, or what this admission
---         filled: 1 its last request, 3 its last slot, and how long until it frees,
---         the longest wait winning, so the process does not ask before),
+-- Returns {1, now_ms, window, scope_index, dimension, wait_ms, room...} when admitted
+--         (window: the aligned window's id, a label; dimension 0, or what this
+--         admission filled: 1 its last request, 3 its last slot, and how long until it
+--         frees, the longest wait winning, so the process does not ask before; then
+--         per scope the requests or slots it has left, the fewer, -1 when it counts
+--         neither: how many may ask at once),
 --         {0, now_ms, scope_index, dimension, retry_after_ms} when not
 --         (dimension: 1 rpm, 2 tpm, 3 concurrency, 4 hold; the longest wait wins).
 --
@@ -126,4 +128,23 @@ for i = 0, n - 1 do
     end
   end
 end
-return {1, now, math.floor(now / wms), full_scope, full_dim, full_wait}
+local out = {1, now, math.floor(now / wms), full_scope, full_dim, full_wait}
+for i = 0, n - 1 do
+  local rpm = tonumber(ARGV[9 + 3 * i])
+  local conc = tonumber(ARGV[11 + 3 * i])
+  local room = nil
+  local st = windows[i]
+  if st and rpm >= 0 then
+    room = rpm - st.r
+  end
+  if lease ~= '' and conc >= 0 and (room == nil or conc - lives[i] - 1 < room) then
+    room = conc - lives[i] - 1
+  end
+  if room == nil then
+    room = -1
+  elseif room < 0 then
+    room = 0
+  end
+  out[#out + 1] = room
+end
+return out
