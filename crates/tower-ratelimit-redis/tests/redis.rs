@@ -826,6 +826,99 @@ async fn an_accounts_refusal_is_shared_by_the_limiters_of_its_sources() {
     assert_eq!(after - before, 1, "the refund forgot the account's refusal");
 }
 
+/// The lease zset's TTL is set by the admission that creates it and renewed once less
+/// than one lease TTL of it is left, not by every admission (its end is noted in the
+/// scope's window hash); the zset always has one while leases are out.
+#[tokio::test]
+async fn a_lease_zset_ttl_is_renewed_when_due_not_per_admission() {
+    let server = PrivateRedis::start();
+    let conn = RedisConn::connect(&RedisTarget::Standalone(server.url()))
+        .await
+        .unwrap();
+    let config = RateLimitConfig::new("s1", Quota::unlimited().requests(100).concurrency(10))
+        .window(Duration::from_secs(60));
+    let zset = RedisBackend::keys(&config)[0][1].clone();
+    let l = RateLimiter::new(config, RedisBackend::new(conn.clone())).unwrap();
+    let pexpires = || {
+        let mut c = conn.clone();
+        async move {
+            let info: String = redis::cmd("INFO")
+                .arg("commandstats")
+                .query_async(&mut c)
+                .await
+                .unwrap();
+            calls(&info, "pexpire")
+        }
+    };
+    let pttl = || {
+        let mut c = conn.clone();
+        let zset = zset.clone();
+        async move { redis::cmd("PTTL").arg(&zset).query_async::<i64>(&mut c).await.unwrap() }
+    };
+    let first = l.acquire(0).await.unwrap();
+    assert!(pttl().await > 0, "the zset that holds a lease has a TTL");
+    let before = pexpires().await;
+    let mut held = Vec::new();
+    for _ in 0..5 {
+        held.push(l.acquire(0).await.unwrap());
+    }
+    assert_eq!(pexpires().await - before, 0, "five more leases, no PEXPIRE");
+    assert!(pttl().await > 0);
+    // Every lease given back: the zset is gone, and the next lease makes it again,
+    // with a TTL.
+    first.finish(None).await.unwrap();
+    for p in held {
+        p.finish(None).await.unwrap();
+    }
+    let p = l.acquire(0).await.unwrap();
+    assert!(pttl().await > 0, "a zset made again has a TTL");
+    p.finish(None).await.unwrap();
+}
+
+/// The cells of sub-windows that left are deleted in batches (once a quarter window
+/// of them has gathered), not at every roll, and the window hash stays bounded: its
+/// live sub-windows, at most a quarter window of left ones, and its fixed fields.
+/// Real time (the server's clock): 20 sub-windows of 50 ms, 3 s of admissions.
+#[tokio::test]
+async fn left_sub_windows_are_deleted_in_batches_and_the_hash_stays_bounded() {
+    let server = PrivateRedis::start();
+    let conn = RedisConn::connect(&RedisTarget::Standalone(server.url()))
+        .await
+        .unwrap();
+    let config = RateLimitConfig::new("s1", Quota::unlimited().requests(1_000_000))
+        .window(Duration::from_secs(1))
+        .sub_windows(20);
+    let window = RedisBackend::keys(&config)[0][0].clone();
+    let l = RateLimiter::new(config, RedisBackend::new(conn.clone())).unwrap();
+    let (mut hlen_max, mut admissions) = (0, 0u64);
+    let started = tokio::time::Instant::now();
+    while started.elapsed() < Duration::from_millis(3000) {
+        l.acquire(0).await.unwrap().finish(None).await.unwrap();
+        admissions += 1;
+        let mut c = conn.clone();
+        let hlen: u64 = redis::cmd("HLEN").arg(&window).query_async(&mut c).await.unwrap();
+        hlen_max = hlen_max.max(hlen);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut c = conn.clone();
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let hdel = calls(&info, "hdel");
+    // About 40 sub-windows left over the run (60 went by, 20 are live), each rolled out
+    // by the next admission or settle: deleted about 5 at a time (12 HDELs measured),
+    // not at every roll (60 before).
+    let left = u64::try_from(started.elapsed().as_millis() / 50).unwrap() - 20;
+    assert!(
+        hdel >= 1 && hdel * 2 <= left,
+        "{hdel} HDELs, {left} sub-windows left, {admissions} admissions"
+    );
+    // 21 live sub-windows and at most 4 left, two cells each, and 8 fixed fields.
+    assert!(hlen_max <= 2 * (21 + 4) + 8, "the hash grew to {hlen_max} fields");
+}
+
 /// When a remembered refusal ends, the calls waiting on the limiter do not all ask at
 /// once: one asks Redis, the others are refused here (asked again after
 /// `PROBE_RETRY`) until its answer is in. Once one is admitted, as many ask at once as

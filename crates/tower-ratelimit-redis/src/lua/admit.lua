@@ -92,14 +92,26 @@ for i = 0, n - 1 do
   local rpm = tonumber(ARGV[9 + 3 * i])
   local tpm = tonumber(ARGV[10 + 3 * i])
   local st = windows[i]
+  -- The lease zset's TTL (two lease TTLs) is renewed once less than one is left, as
+  -- noted in the scope's window hash ('ce'; every PEXPIRE of the zset sets it to end
+  -- two lease TTLs from then, so the zset never ends before its noted end); without
+  -- a window hash, or on a zset this admission creates, at every lease.
+  local lease_here = lease ~= '' and tonumber(ARGV[11 + 3 * i]) >= 0
+  local renew_c = lease_here and ((not st) or lives[i] == 0 or st.ce - now < ttl)
   if st then
     if rpm >= 0 then add(st, 'r', cur, 1) end
     if tpm >= 0 then add(st, 't', cur, tokens) end
+    if renew_c then
+      st.cell['ce'] = now + 2 * ttl
+      st.dirty['ce'] = true
+    end
     write(w, st, cur, k, g)
   end
-  if lease ~= '' and tonumber(ARGV[11 + 3 * i]) >= 0 then
+  if lease_here then
     redis.call('ZADD', c, now + ttl, lease)
-    redis.call('PEXPIRE', c, 2 * ttl)
+    if renew_c then
+      redis.call('PEXPIRE', c, 2 * ttl)
+    end
   end
 end
 

@@ -12,9 +12,14 @@
 --   r, t   requests and tokens over the sub-windows kept
 --   l      the newest sub-window written
 --   e      a sub-window before which the hash's TTL does not end
+--   ce     when (server ms) the scope's lease zset's TTL was last set to end (admit.lua)
+--   z      the oldest sub-window whose cells may still be in the hash (absent: o)
 --   r<b>, t<b>  sub-window b's counts
 -- Sub-windows are written only at the current one, after a roll (and given back at the
 -- one of their admission): everything kept lies in o .. l, at most k + 1 sub-windows.
+-- The cells of sub-windows that left (z .. o - 1) are out of the totals and read by
+-- nothing; they are deleted in batches, once a quarter window of them has gathered,
+-- not at every roll (an HDEL was a sixth of a settle's commands).
 --
 -- Redis commands are what a script costs (each counts in INFO commandstats), so a
 -- scope is read with one HMGET and written with one HSET: read() gathers the state and
@@ -25,17 +30,18 @@
 -- Reads hash q at sub-window cur, with the cells of sub-windows cur and, when given,
 -- at. Drops, in the state it answers (written by write()), the sub-windows no longer
 -- live. The state: r, t (totals), l (newest written; false: no live hash), o (oldest
--- kept), e, cell (field -> count), dirty (fields changed), drop (fields to delete),
--- dead (a hash whose every sub-window left: deleted by write()).
+-- kept), e, ce, z, cell (field -> count), dirty (fields changed), moved (o moved on),
+-- drop (fields to delete), dead (a hash whose every sub-window left: deleted by
+-- write()).
 local function read(q, cur, k, at)
-  local f = {'o', 'r', 't', 'l', 'e', 'r' .. cur, 't' .. cur}
+  local f = {'o', 'r', 't', 'l', 'e', 'ce', 'z', 'r' .. cur, 't' .. cur}
   if at and at ~= cur then
     f[#f + 1] = 'r' .. at
     f[#f + 1] = 't' .. at
   end
   local v = redis.call('HMGET', q, unpack(f))
   local oldest = cur - k
-  local st = {r = 0, t = 0, l = false, o = oldest, e = 0, cell = {}, dirty = {}}
+  local st = {r = 0, t = 0, l = false, o = oldest, e = 0, ce = 0, cell = {}, dirty = {}}
   local o = tonumber(v[1])
   if not o then
     return st
@@ -48,7 +54,9 @@ local function read(q, cur, k, at)
   end
   st.r, st.t, st.l, st.o = tonumber(v[2]) or 0, tonumber(v[3]) or 0, l, o
   st.e = tonumber(v[5]) or 0
-  for i = 6, #f do
+  st.ce = tonumber(v[6]) or 0
+  st.z = tonumber(v[7]) or o
+  for i = 8, #f do
     st.cell[f[i]] = tonumber(v[i]) or 0
   end
   if o < oldest then
@@ -65,10 +73,20 @@ local function read(q, cur, k, at)
     if st.r < 0 then st.r = 0 end
     if st.t < 0 then st.t = 0 end
     st.o = oldest
-    st.drop = d
+    st.moved = true
     -- A given-back cell of a sub-window just dropped is out of the totals already.
     for i = 1, #d do
       st.cell[d[i]] = nil
+    end
+    if oldest - st.z >= math.max(1, math.floor(k / 4)) then
+      -- Delete every cell that left, these and those left before.
+      local all = {}
+      for b = st.z, oldest - 1 do
+        all[#all + 1] = 'r' .. b
+        all[#all + 1] = 't' .. b
+      end
+      st.drop = all
+      st.z = oldest
     end
   end
   return st
@@ -98,18 +116,19 @@ local function back(st, c, at, d)
   st[c] = st[c] + (nv - v)
 end
 
--- Writes what read() dropped and the cells add() and back() changed, in one HSET, and
+-- Writes what read() moved (and deletes what it dropped) and the cells add() and back()
+-- changed, in one HSET, and
 -- the TTL when less than (k + 2) sub-windows of it would be left: it is then set to
 -- (2k + 2) sub-windows, so a hash outlives its newest sub-window's life.
 local function write(q, st, cur, k, g)
-  if not next(st.dirty) and not st.drop then return end
+  if not next(st.dirty) and not st.moved then return end
   if st.dead then
     redis.call('DEL', q)
   end
   if st.drop then
     redis.call('HDEL', q, unpack(st.drop))
   end
-  local f = {'o', st.o, 'r', st.r, 't', st.t, 'l', st.l or cur}
+  local f = {'o', st.o, 'r', st.r, 't', st.t, 'l', st.l or cur, 'z', st.z or st.o}
   for field in pairs(st.dirty) do
     f[#f + 1] = field
     f[#f + 1] = st.cell[field]
