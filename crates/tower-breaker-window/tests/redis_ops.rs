@@ -41,6 +41,21 @@ fn commandstats(info: &str) -> Vec<(String, u64)> {
         .collect()
 }
 
+/// How many `EVALSHA` (round trips) the server at `url` has run.
+async fn evalsha_calls(url: &str) -> u64 {
+    let client = redis::Client::open(url).unwrap();
+    let mut c = client.get_multiplexed_async_connection().await.unwrap();
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    commandstats(&info)
+        .into_iter()
+        .find(|(n, _)| n == "evalsha")
+        .map_or(0, |c| c.1)
+}
+
 /// At most one round trip (one EVALSHA) per admission, exactly one per record, on every
 /// path: closed (none within the closed view), open (refused: one, then none until
 /// `open_until`), half-open probe, probe verdict.
@@ -165,32 +180,15 @@ async fn a_counted_record_renews_the_closed_view() {
         .with_prefix("renew")
         .with_closed_view(view);
     let gate = backend.gate(&"s".into(), &config(3));
-    let client = redis::Client::open(server.url()).unwrap();
-    let stats = client.get_multiplexed_async_connection().await.unwrap();
-    let evalsha = |info: String| {
-        commandstats(&info)
-            .into_iter()
-            .find(|(n, _)| n == "evalsha")
-            .map_or(0, |c| c.1)
-    };
-    let info = || {
-        let mut c = stats.clone();
-        async move {
-            redis::cmd("INFO")
-                .arg("commandstats")
-                .query_async::<String>(&mut c)
-                .await
-                .unwrap()
-        }
-    };
+    let url = server.url();
     call(&gate, S).await; // asks (and loads the scripts): the view starts
-    let start = evalsha(info().await);
+    let start = evalsha_calls(&url).await;
     tokio::time::sleep(view * 3 / 5).await;
     call(&gate, S).await; // admitted by the view; its record renews it
     tokio::time::sleep(view * 3 / 5).await;
     // Past the first view's end, within the renewed one.
     let t = admit(&gate).await;
-    let end = evalsha(info().await);
+    let end = evalsha_calls(&url).await;
     assert_eq!(end - start, 1, "only the record went to Redis");
     gate.record(t, BreakerVerdict::Success).await;
 }
@@ -205,22 +203,8 @@ async fn concurrent_admissions_share_one_question() {
     let target = RedisTarget::Standalone(server.url());
     let conn = RedisConn::connect(&target).await.unwrap();
     let backend = RedisBackend::new(conn.clone()).with_prefix("flight");
-    let client = redis::Client::open(server.url()).unwrap();
-    let stats = client.get_multiplexed_async_connection().await.unwrap();
-    let evalsha = || {
-        let mut c = stats.clone();
-        async move {
-            let info: String = redis::cmd("INFO")
-                .arg("commandstats")
-                .query_async(&mut c)
-                .await
-                .unwrap();
-            commandstats(&info)
-                .into_iter()
-                .find(|(n, _)| n == "evalsha")
-                .map_or(0, |c| c.1)
-        }
-    };
+    let url = server.url();
+    let evalsha = || evalsha_calls(&url);
     // Load the admission script on a gate of its own.
     let _ = admit(&backend.gate(&"warm".into(), &config(3))).await;
 
@@ -417,7 +401,13 @@ async fn a_record_renews_the_ttl_only_when_half_of_it_is_gone() {
     let pttl = |raw: &mut redis::aio::MultiplexedConnection| {
         let mut raw = raw.clone();
         let key = key.clone();
-        async move { redis::cmd("PTTL").arg(&key).query_async::<i64>(&mut raw).await.unwrap() }
+        async move {
+            redis::cmd("PTTL")
+                .arg(&key)
+                .query_async::<i64>(&mut raw)
+                .await
+                .unwrap()
+        }
     };
     call(&gate, S).await;
     let full = pttl(&mut raw).await;
@@ -434,7 +424,10 @@ async fn a_record_renews_the_ttl_only_when_half_of_it_is_gone() {
     call(&gate, S).await;
     call(&gate, F).await;
     let after = pttl(&mut raw).await;
-    assert!(after <= shorter, "not renewed by every record: {after} > {shorter}");
+    assert!(
+        after <= shorter,
+        "not renewed by every record: {after} > {shorter}"
+    );
     // Its noted end near (as after half a TTL): the next record renews it.
     redis::cmd("HSET")
         .arg(&key)
@@ -445,7 +438,10 @@ async fn a_record_renews_the_ttl_only_when_half_of_it_is_gone() {
         .unwrap();
     call(&gate, S).await;
     let renewed = pttl(&mut raw).await;
-    assert!(renewed > shorter, "renewed once its end is near: {renewed} <= {shorter}");
+    assert!(
+        renewed > shorter,
+        "renewed once its end is near: {renewed} <= {shorter}"
+    );
 }
 
 /// One step of a differential sequence.
@@ -554,22 +550,8 @@ async fn a_probe_out_refusal_is_remembered_for_the_view_and_forgotten_by_its_own
     let backend = |conn| RedisBackend::new(conn).with_prefix("po").with_closed_view(view);
     let a = backend(RedisConn::connect(&target).await.unwrap()).gate(&"s".into(), &config(1));
     let b = backend(RedisConn::connect(&target).await.unwrap()).gate(&"s".into(), &config(1));
-    let client = redis::Client::open(server.url()).unwrap();
-    let stats = client.get_multiplexed_async_connection().await.unwrap();
-    let evalsha = || {
-        let mut c = stats.clone();
-        async move {
-            let info: String = redis::cmd("INFO")
-                .arg("commandstats")
-                .query_async(&mut c)
-                .await
-                .unwrap();
-            commandstats(&info)
-                .into_iter()
-                .find(|(n, _)| n == "evalsha")
-                .map_or(0, |c| c.1)
-        }
-    };
+    let url = server.url();
+    let evalsha = || evalsha_calls(&url);
     // Opened by a failure; after the cooldown the other process takes the probe.
     call(&a, F).await;
     tokio::time::sleep(REDIS_UNIT + REDIS_UNIT / 6).await;

@@ -105,6 +105,30 @@ fn calls(info: &str, cmd: &str) -> u64 {
         .map_or(0, |v| v.parse().unwrap())
 }
 
+/// A private Redis and a connection to it.
+async fn private_redis() -> (PrivateRedis, RedisConn) {
+    let server = PrivateRedis::start();
+    let conn = RedisConn::connect(&RedisTarget::Standalone(server.url()))
+        .await
+        .unwrap();
+    (server, conn)
+}
+
+/// The server's `INFO commandstats`.
+async fn commandstats(conn: &RedisConn) -> String {
+    let mut c = conn.clone();
+    redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut c)
+        .await
+        .unwrap()
+}
+
+/// How many `cmd` the server has run (scripts' own included), from `INFO commandstats`.
+async fn command_calls(conn: &RedisConn, cmd: &str) -> u64 {
+    calls(&commandstats(conn).await, cmd)
+}
+
 /// Client commands seen by `MONITOR` (script-internal calls are marked `lua` and
 /// left out), collected by a `redis-cli monitor` child.
 struct Monitor {
@@ -210,12 +234,7 @@ async fn one_round_trip_per_operation() {
 /// (scripts' own included) the server has run, from `INFO commandstats`, leaving out
 /// the `INFO`s that read them.
 async fn commands(conn: &RedisConn) -> (u64, u64) {
-    let mut c = conn.clone();
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(&mut c)
-        .await
-        .unwrap();
+    let info = commandstats(conn).await;
     let mut total = 0;
     for l in info.lines() {
         if let Some(rest) = l.trim().strip_prefix("cmdstat_")
@@ -297,10 +316,7 @@ async fn redis_commands_per_call() {
 #[tokio::test]
 async fn waiting_on_redis_tries_by_retry_after_not_by_poll() {
     use tower_ratelimit_redis::Mode;
-    let server = PrivateRedis::start();
-    let conn = RedisConn::connect(&RedisTarget::Standalone(server.url()))
-        .await
-        .unwrap();
+    let (_server, conn) = private_redis().await;
     let wait = Mode::Wait { max_wait: None };
     let l = RateLimiter::new(
         RateLimitConfig::new("s1", Quota::unlimited().requests(1))
@@ -622,10 +638,7 @@ async fn a_release_lost_in_an_outage_is_held_until_its_ttl() {
 /// A private Redis, a connection to it, and source `s1`'s limiter on it: `requests`
 /// per 1 s window, nothing else limited.
 async fn rpm_on_private_redis(requests: u64) -> (PrivateRedis, RedisConn, RateLimiter) {
-    let server = PrivateRedis::start();
-    let conn = RedisConn::connect(&RedisTarget::Standalone(server.url()))
-        .await
-        .unwrap();
+    let (server, conn) = private_redis().await;
     let l = RateLimiter::new(
         RateLimitConfig::new("s1", Quota::unlimited().requests(requests)).window(Duration::from_secs(1)),
         RedisBackend::new(conn.clone()),
@@ -691,10 +704,7 @@ async fn a_refused_request_quota_is_not_asked_again_before_its_retry_after() {
 /// - a hold one limiter was refused by refuses its sibling without a round trip.
 #[tokio::test]
 async fn concurrency_token_and_hold_refusals_are_remembered_until_something_frees_them() {
-    let server = PrivateRedis::start();
-    let conn = RedisConn::connect(&RedisTarget::Standalone(server.url()))
-        .await
-        .unwrap();
+    let (server, conn) = private_redis().await;
     let backend = RedisBackend::new(conn.clone());
     // A long slot hint: only a release can end the concurrency memory here.
     let limiter = |source: &str, account: Quota| {
@@ -724,7 +734,11 @@ async fn concurrency_token_and_hold_refusals_are_remembered_until_something_free
         );
     }
     let (after, _) = commands(&conn).await;
-    assert_eq!(after - before, 0, "a's admission told it took the account's last slot");
+    assert_eq!(
+        after - before,
+        0,
+        "a's admission told it took the account's last slot"
+    );
     // The sibling's lease ends: the account's slot is free, and b asks again.
     held.finish(None).await.unwrap();
     let (before, _) = commands(&conn).await;
@@ -776,10 +790,7 @@ async fn concurrency_token_and_hold_refusals_are_remembered_until_something_free
 /// account asks. A refund through any of them forgets it for all.
 #[tokio::test]
 async fn an_accounts_refusal_is_shared_by_the_limiters_of_its_sources() {
-    let server = PrivateRedis::start();
-    let conn = RedisConn::connect(&RedisTarget::Standalone(server.url()))
-        .await
-        .unwrap();
+    let (server, conn) = private_redis().await;
     let backend = RedisBackend::new(conn.clone());
     let limiter = |source: &str, rpm: u64| {
         RateLimiter::new(
@@ -809,10 +820,17 @@ async fn an_accounts_refusal_is_shared_by_the_limiters_of_its_sources() {
     assert!(e.to_string().contains("rpm"), "{e}");
     for _ in 0..3 {
         let e = b.acquire(0).await.unwrap_err();
-        assert!(e.to_string().contains("rpm") && e.to_string().contains("acct"), "{e}");
+        assert!(
+            e.to_string().contains("rpm") && e.to_string().contains("acct"),
+            "{e}"
+        );
     }
     let (after, _) = commands(&conn).await;
-    assert_eq!(after - before, 1, "one round trip learnt the account's refusal for both");
+    assert_eq!(
+        after - before,
+        1,
+        "one round trip learnt the account's refusal for both"
+    );
     // Another quota of the account (2 a window) asks Redis, and fits.
     let p = c.acquire(0).await.expect("another quota of the account asks");
     let (again, _) = commands(&conn).await;
@@ -831,38 +849,34 @@ async fn an_accounts_refusal_is_shared_by_the_limiters_of_its_sources() {
 /// scope's window hash); the zset always has one while leases are out.
 #[tokio::test]
 async fn a_lease_zset_ttl_is_renewed_when_due_not_per_admission() {
-    let server = PrivateRedis::start();
-    let conn = RedisConn::connect(&RedisTarget::Standalone(server.url()))
-        .await
-        .unwrap();
+    let (_server, conn) = private_redis().await;
     let config = RateLimitConfig::new("s1", Quota::unlimited().requests(100).concurrency(10))
         .window(Duration::from_secs(60));
     let zset = RedisBackend::keys(&config)[0][1].clone();
     let l = RateLimiter::new(config, RedisBackend::new(conn.clone())).unwrap();
-    let pexpires = || {
-        let mut c = conn.clone();
-        async move {
-            let info: String = redis::cmd("INFO")
-                .arg("commandstats")
-                .query_async(&mut c)
-                .await
-                .unwrap();
-            calls(&info, "pexpire")
-        }
-    };
     let pttl = || {
         let mut c = conn.clone();
         let zset = zset.clone();
-        async move { redis::cmd("PTTL").arg(&zset).query_async::<i64>(&mut c).await.unwrap() }
+        async move {
+            redis::cmd("PTTL")
+                .arg(&zset)
+                .query_async::<i64>(&mut c)
+                .await
+                .unwrap()
+        }
     };
     let first = l.acquire(0).await.unwrap();
     assert!(pttl().await > 0, "the zset that holds a lease has a TTL");
-    let before = pexpires().await;
+    let before = command_calls(&conn, "pexpire").await;
     let mut held = Vec::new();
     for _ in 0..5 {
         held.push(l.acquire(0).await.unwrap());
     }
-    assert_eq!(pexpires().await - before, 0, "five more leases, no PEXPIRE");
+    assert_eq!(
+        command_calls(&conn, "pexpire").await - before,
+        0,
+        "five more leases, no PEXPIRE"
+    );
     assert!(pttl().await > 0);
     // Every lease given back: the zset is gone, and the next lease makes it again,
     // with a TTL.
@@ -881,10 +895,7 @@ async fn a_lease_zset_ttl_is_renewed_when_due_not_per_admission() {
 /// Real time (the server's clock): 20 sub-windows of 50 ms, 3 s of admissions.
 #[tokio::test]
 async fn left_sub_windows_are_deleted_in_batches_and_the_hash_stays_bounded() {
-    let server = PrivateRedis::start();
-    let conn = RedisConn::connect(&RedisTarget::Standalone(server.url()))
-        .await
-        .unwrap();
+    let (_server, conn) = private_redis().await;
     let config = RateLimitConfig::new("s1", Quota::unlimited().requests(1_000_000))
         .window(Duration::from_secs(1))
         .sub_windows(20);
@@ -900,13 +911,7 @@ async fn left_sub_windows_are_deleted_in_batches_and_the_hash_stays_bounded() {
         hlen_max = hlen_max.max(hlen);
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let mut c = conn.clone();
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(&mut c)
-        .await
-        .unwrap();
-    let hdel = calls(&info, "hdel");
+    let hdel = command_calls(&conn, "hdel").await;
     // About 40 sub-windows left over the run (60 went by, 20 are live), each rolled out
     // by the next admission or settle: deleted about 5 at a time (12 HDELs measured),
     // not at every roll (60 before).

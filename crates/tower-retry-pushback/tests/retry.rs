@@ -1254,7 +1254,9 @@ async fn a_timed_out_attempt_is_retried_without_a_backoff() {
     assert_eq!(gaps, vec![took, took], "each retry starts when the timeout ends");
 
     let reset = || -> Result<Ans, BoxError> {
-        Err(Box::new(std::io::Error::from(std::io::ErrorKind::ConnectionReset)))
+        Err(Box::new(std::io::Error::from(
+            std::io::ErrorKind::ConnectionReset,
+        )))
     };
     let upstream = Upstream::with(vec![reset(), reset()]).delayed(took);
     let mut svc = layer(RetryConfig::default()).layer(upstream.clone());

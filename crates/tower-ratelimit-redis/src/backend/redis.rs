@@ -633,7 +633,10 @@ impl RedisGate {
     /// [`PROBE_RETRY`].
     fn while_asking(k: &GateKeys, i: usize) -> Box<QuotaExceeded> {
         let last = k.last_refusal.load(Ordering::Relaxed);
-        let dim = i64::try_from(last >> 8).ok().and_then(dim_name).unwrap_or("concurrency");
+        let dim = i64::try_from(last >> 8)
+            .ok()
+            .and_then(dim_name)
+            .unwrap_or("concurrency");
         let label = k.labels.get(i).or_else(|| k.labels.last());
         let q = QuotaExceeded::new(dim, PROBE_RETRY);
         Box::new(match label {
