@@ -404,7 +404,7 @@ impl<S, Req: CarriesHistory, C> Ctx<S, Req, C> {
             self.classifier.defer(
                 &mut result,
                 Box::new(move |r| {
-                    judge::<Req, _, _>(&inflight.0, class, history.as_ref(), false, &classifier, r)
+                    judge::<Req, _, _>(&inflight.0, class, history.as_ref(), false, &classifier, r);
                 }),
             );
         } else {

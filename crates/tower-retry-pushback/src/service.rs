@@ -222,7 +222,7 @@ where
                     HistoryMode::EveryAttempt => req.set_call_history(CallHistory::new()),
                     // The balancer below reads the deadline from the history.
                     HistoryMode::OnDemand if deadline_at.is_some() => {
-                        req.set_call_history(CallHistory::new())
+                        req.set_call_history(CallHistory::new());
                     }
                     // The first attempt goes without one (no allocation, no counted
                     // reference in each copy of the request); the service below makes
