@@ -195,8 +195,9 @@ async fn a_counted_record_renews_the_closed_view() {
 
 /// Admissions that find the view unknown while one is asking Redis wait for its
 /// answer instead of asking too: a round of waiting calls asks a gate once, not once
-/// per call. A question dropped before its answer sends its waiters to ask on their
-/// own; with the view off, every admission asks.
+/// per call. A question dropped before its answer, or held unpolled past the
+/// backend's timeout, sends its waiters to ask on their own; with the view off, every
+/// admission asks.
 #[tokio::test]
 async fn concurrent_admissions_share_one_question() {
     let server = PrivateRedis::start();
@@ -224,6 +225,19 @@ async fn concurrent_admissions_share_one_question() {
     drop(asker);
     assert!(matches!(waiter.await.unwrap(), Admission::Admitted(_)));
     assert_eq!(evalsha().await - before, 1, "the waiter asked");
+
+    // The asker is held, never polled: the waiter waits at most the backend's
+    // timeout, then asks on its own.
+    let gate = backend
+        .clone()
+        .with_timeout(Duration::from_millis(200))
+        .gate(&"v".into(), &config(3));
+    let before = evalsha().await;
+    let asker = gate.admit();
+    let waiter = gate.admit();
+    assert!(matches!(waiter.await.unwrap(), Admission::Admitted(_)));
+    assert_eq!(evalsha().await - before, 1, "the waiter asked");
+    drop(asker);
 
     // No view: no sharing either.
     let gate = backend

@@ -353,12 +353,17 @@ impl Gate for RedisGate {
             let mut answer = f.answer.clone();
             drop(flight);
             return Box::pin(async move {
-                let got = answer.wait_for(Option::is_some).await.ok().and_then(|a| *a);
+                // At most the backend's timeout: an asker whose caller holds its
+                // future without polling it does not hold this one too.
+                let got = tokio::time::timeout(inner.timeout, answer.wait_for(Option::is_some))
+                    .await
+                    .ok()
+                    .and_then(|r| r.ok().and_then(|a| *a));
                 match got {
                     Some(a @ Admission::Refused { .. }) => Ok(a),
                     Some(a @ Admission::Admitted(t)) if !t.is_probe() => Ok(a),
-                    // The probe is the asker's alone; a failed or dropped question
-                    // answers nothing: ask.
+                    // The probe is the asker's alone; a failed, dropped or stalled
+                    // question answers nothing: ask.
                     _ => Self::ask(&inner, Instant::now(), inner.opens.load(Ordering::Acquire)).await,
                 }
             });
