@@ -13,21 +13,6 @@ use pgw_stack::ratelimit::HoldScope;
 use pgw_stack::{BackendKind, GatewayConfig, MemorySink, SecretKey, SourceConfig};
 use pgw_test_support::PrivateRedis;
 
-/// EVALSHA calls so far (the gateway's only round trips but the cache's, which is off).
-async fn evalsha(server: &PrivateRedis) -> u64 {
-    let client = redis::Client::open(server.url()).unwrap();
-    let mut c = client.get_multiplexed_async_connection().await.unwrap();
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(&mut c)
-        .await
-        .unwrap();
-    info.lines()
-        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
-        .and_then(|rest| rest.split(',').next())
-        .map_or(0, |n| n.parse().unwrap())
-}
-
 /// A source held (by this process) is refused before its breaker: the calls that find
 /// it held make no round trip at all, even with the breaker's closed view off (every
 /// breaker admission would otherwise be one).
@@ -61,7 +46,7 @@ async fn a_held_source_is_refused_before_its_breaker_without_a_round_trip() {
         .hold(HoldScope::Source, Duration::from_secs(600))
         .await
         .unwrap();
-    let before = evalsha(&server).await;
+    let before = server.command_calls("evalsha");
     for i in 0..3 {
         let err = gw
             .chat(ChatRequest::user("m", format!("held {i}")))
@@ -70,7 +55,7 @@ async fn a_held_source_is_refused_before_its_breaker_without_a_round_trip() {
         assert!(err.to_string().contains("hold"), "{err}");
     }
     assert_eq!(
-        evalsha(&server).await - before,
+        server.command_calls("evalsha") - before,
         0,
         "no breaker or limiter round trip"
     );

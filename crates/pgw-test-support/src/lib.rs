@@ -156,6 +156,41 @@ impl PrivateRedis {
         panic!("private redis-server on port {} never answered PING", self.port);
     }
 
+    /// How many times the server has run command `cmd` (lowercase, as `INFO
+    /// commandstats` names it: `evalsha`, `pexpire`; commands Lua scripts run
+    /// included), 0 when never. Round trips are counted by the client commands, e.g.
+    /// `evalsha`.
+    ///
+    /// # Panics
+    /// When the server does not answer `INFO commandstats`.
+    #[must_use]
+    pub fn command_calls(&self, cmd: &str) -> u64 {
+        let info = self.query("INFO commandstats");
+        let prefix = format!("cmdstat_{cmd}:calls=");
+        info.lines()
+            .find_map(|l| l.trim().strip_prefix(prefix.as_str()))
+            .and_then(|rest| rest.split(',').next())
+            .map_or(0, |n| n.parse().unwrap_or(0))
+    }
+
+    /// The remaining time to live of `key` in milliseconds (`PTTL`: -1 without one,
+    /// -2 when the key does not exist).
+    ///
+    /// # Panics
+    /// When the server does not answer.
+    #[must_use]
+    pub fn pttl(&self, key: &str) -> i64 {
+        let reply = self.query(&format!("PTTL {key}"));
+        reply
+            .parse()
+            .unwrap_or_else(|_| panic!("PTTL {key}: unexpected reply {reply:?}"))
+    }
+
+    /// One inline command's reply (a bulk string's text, an integer's digits).
+    fn query(&self, line: &str) -> String {
+        query(self.port, line).unwrap_or_else(|e| panic!("{line} on port {}: {e}", self.port))
+    }
+
     /// Kills the server (an outage).
     pub fn stop(&mut self) {
         if let Some(mut c) = self.child.take() {
@@ -179,6 +214,29 @@ fn redis_server_bin() -> std::path::PathBuf {
         }
     }
     "redis-server".into()
+}
+
+/// One inline command (words separated by spaces) over a plain connection, and its
+/// reply: a bulk string's text or an integer's digits; any other reply is an error.
+fn query(port: u16, line: &str) -> std::io::Result<String> {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port))?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))?;
+    s.write_all(format!("{line}\r\n").as_bytes())?;
+    let mut reader = BufReader::new(s);
+    let mut header = String::new();
+    reader.read_line(&mut header)?;
+    let header = header.trim_end();
+    if let Some(n) = header.strip_prefix(':') {
+        return Ok(n.to_owned());
+    }
+    let len: usize = header
+        .strip_prefix('$')
+        .and_then(|n| n.parse().ok())
+        .ok_or_else(|| std::io::Error::other(format!("unexpected reply {header:?}")))?;
+    let mut body = vec![0; len];
+    reader.read_exact(&mut body)?;
+    String::from_utf8(body).map_err(std::io::Error::other)
 }
 
 fn ping(port: u16) -> bool {

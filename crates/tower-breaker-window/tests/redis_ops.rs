@@ -41,21 +41,6 @@ fn commandstats(info: &str) -> Vec<(String, u64)> {
         .collect()
 }
 
-/// How many `EVALSHA` (round trips) the server at `url` has run.
-async fn evalsha_calls(url: &str) -> u64 {
-    let client = redis::Client::open(url).unwrap();
-    let mut c = client.get_multiplexed_async_connection().await.unwrap();
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(&mut c)
-        .await
-        .unwrap();
-    commandstats(&info)
-        .into_iter()
-        .find(|(n, _)| n == "evalsha")
-        .map_or(0, |c| c.1)
-}
-
 /// At most one round trip (one EVALSHA) per admission, exactly one per record, on every
 /// path: closed (none within the closed view), open (refused: one, then none until
 /// `open_until`), half-open probe, probe verdict.
@@ -180,15 +165,14 @@ async fn a_counted_record_renews_the_closed_view() {
         .with_prefix("renew")
         .with_closed_view(view);
     let gate = backend.gate(&"s".into(), &config(3));
-    let url = server.url();
     call(&gate, S).await; // asks (and loads the scripts): the view starts
-    let start = evalsha_calls(&url).await;
+    let start = server.command_calls("evalsha");
     tokio::time::sleep(view * 3 / 5).await;
     call(&gate, S).await; // admitted by the view; its record renews it
     tokio::time::sleep(view * 3 / 5).await;
     // Past the first view's end, within the renewed one.
     let t = admit(&gate).await;
-    let end = evalsha_calls(&url).await;
+    let end = server.command_calls("evalsha");
     assert_eq!(end - start, 1, "only the record went to Redis");
     gate.record(t, BreakerVerdict::Success).await;
 }
@@ -204,27 +188,26 @@ async fn concurrent_admissions_share_one_question() {
     let target = RedisTarget::Standalone(server.url());
     let conn = RedisConn::connect(&target).await.unwrap();
     let backend = RedisBackend::new(conn.clone()).with_prefix("flight");
-    let url = server.url();
-    let evalsha = || evalsha_calls(&url);
+    let evalsha = || server.command_calls("evalsha");
     // Load the admission script on a gate of its own.
     let _ = admit(&backend.gate(&"warm".into(), &config(3))).await;
 
     let gate = backend.gate(&"s".into(), &config(3));
-    let before = evalsha().await;
+    let before = evalsha();
     let answers = join_all((0..10).map(|_| gate.admit())).await;
-    assert_eq!(evalsha().await - before, 1, "ten admissions, one question");
+    assert_eq!(evalsha() - before, 1, "ten admissions, one question");
     for a in answers {
         assert!(matches!(a.unwrap(), Admission::Admitted(t) if !t.is_probe()));
     }
 
     // The asker is dropped before it is polled: the waiter asks on its own.
     let gate = backend.gate(&"t".into(), &config(3));
-    let before = evalsha().await;
+    let before = evalsha();
     let asker = gate.admit();
     let waiter = gate.admit();
     drop(asker);
     assert!(matches!(waiter.await.unwrap(), Admission::Admitted(_)));
-    assert_eq!(evalsha().await - before, 1, "the waiter asked");
+    assert_eq!(evalsha() - before, 1, "the waiter asked");
 
     // The asker is held, never polled: the waiter waits at most the backend's
     // timeout, then asks on its own.
@@ -232,11 +215,11 @@ async fn concurrent_admissions_share_one_question() {
         .clone()
         .with_timeout(Duration::from_millis(200))
         .gate(&"v".into(), &config(3));
-    let before = evalsha().await;
+    let before = evalsha();
     let asker = gate.admit();
     let waiter = gate.admit();
     assert!(matches!(waiter.await.unwrap(), Admission::Admitted(_)));
-    assert_eq!(evalsha().await - before, 1, "the waiter asked");
+    assert_eq!(evalsha() - before, 1, "the waiter asked");
     drop(asker);
 
     // No view: no sharing either.
@@ -244,10 +227,10 @@ async fn concurrent_admissions_share_one_question() {
         .clone()
         .with_closed_view(Duration::ZERO)
         .gate(&"u".into(), &config(3));
-    let before = evalsha().await;
+    let before = evalsha();
     let answers = join_all((0..4).map(|_| gate.admit())).await;
     assert!(answers.into_iter().all(|a| a.is_ok()));
-    assert_eq!(evalsha().await - before, 4, "each asked");
+    assert_eq!(evalsha() - before, 4, "each asked");
 }
 
 /// Two processes (two connections) racing in half-open: exactly one probe.
@@ -406,25 +389,16 @@ async fn oversized_counts_in_the_hash_are_clamped() {
 /// before the end it noted.
 #[tokio::test]
 async fn a_record_renews_the_ttl_only_when_half_of_it_is_gone() {
-    let env = RedisEnv::standalone("ttl").await;
-    let config = cfg(&env, 3).build().unwrap();
-    let gate = env.gate("s", &config);
-    let key = env.backend.gate_key(&"s".into());
-    let client = redis::Client::open(pgw_test_support::redis_url().unwrap()).unwrap();
+    let server = PrivateRedis::start();
+    let target = RedisTarget::Standalone(server.url());
+    let backend = RedisBackend::new(RedisConn::connect(&target).await.unwrap()).with_prefix("ttl");
+    let gate = backend.gate(&"s".into(), &config(3));
+    let key = backend.gate_key(&"s".into());
+    let client = redis::Client::open(server.url()).unwrap();
     let mut raw = client.get_multiplexed_async_connection().await.unwrap();
-    let pttl = |raw: &mut redis::aio::MultiplexedConnection| {
-        let mut raw = raw.clone();
-        let key = key.clone();
-        async move {
-            redis::cmd("PTTL")
-                .arg(&key)
-                .query_async::<i64>(&mut raw)
-                .await
-                .unwrap()
-        }
-    };
+    let pttl = || server.pttl(&key);
     call(&gate, S).await;
-    let full = pttl(&mut raw).await;
+    let full = pttl();
     assert!(full > 0, "a counted record leaves a TTL: {full}");
     // Shortened by hand to three quarters, with its noted end still ahead by more
     // than half: the next records leave it alone.
@@ -437,7 +411,7 @@ async fn a_record_renews_the_ttl_only_when_half_of_it_is_gone() {
         .unwrap();
     call(&gate, S).await;
     call(&gate, F).await;
-    let after = pttl(&mut raw).await;
+    let after = pttl();
     assert!(
         after <= shorter,
         "not renewed by every record: {after} > {shorter}"
@@ -451,7 +425,7 @@ async fn a_record_renews_the_ttl_only_when_half_of_it_is_gone() {
         .await
         .unwrap();
     call(&gate, S).await;
-    let renewed = pttl(&mut raw).await;
+    let renewed = pttl();
     assert!(
         renewed > shorter,
         "renewed once its end is near: {renewed} <= {shorter}"
@@ -564,22 +538,17 @@ async fn a_probe_out_refusal_is_remembered_for_the_view_and_forgotten_by_its_own
     let backend = |conn| RedisBackend::new(conn).with_prefix("po").with_closed_view(view);
     let a = backend(RedisConn::connect(&target).await.unwrap()).gate(&"s".into(), &config(1));
     let b = backend(RedisConn::connect(&target).await.unwrap()).gate(&"s".into(), &config(1));
-    let url = server.url();
-    let evalsha = || evalsha_calls(&url);
+    let evalsha = || server.command_calls("evalsha");
     // Opened by a failure; after the cooldown the other process takes the probe.
     call(&a, F).await;
     tokio::time::sleep(REDIS_UNIT + REDIS_UNIT / 6).await;
     let probe = admit(&b).await;
     assert!(probe.is_probe());
-    let start = evalsha().await;
+    let start = evalsha();
     for _ in 0..5 {
         refused(&a).await;
     }
-    assert_eq!(
-        evalsha().await - start,
-        1,
-        "one round trip learnt the probe is out"
-    );
+    assert_eq!(evalsha() - start, 1, "one round trip learnt the probe is out");
     // The probe closes the breaker: this process still refuses within its view...
     b.record(probe, BreakerVerdict::Success).await;
     refused(&a).await;
@@ -594,7 +563,7 @@ async fn a_probe_out_refusal_is_remembered_for_the_view_and_forgotten_by_its_own
     assert!(own.is_probe());
     refused(&a).await;
     a.record(own, BreakerVerdict::Success).await;
-    let start = evalsha().await;
+    let start = evalsha();
     assert!(!admit(&a).await.is_probe(), "admitted by the closed breaker");
-    assert_eq!(evalsha().await - start, 1, "asked Redis");
+    assert_eq!(evalsha() - start, 1, "asked Redis");
 }

@@ -114,21 +114,6 @@ async fn private_redis() -> (PrivateRedis, RedisConn) {
     (server, conn)
 }
 
-/// The server's `INFO commandstats`.
-async fn commandstats(conn: &RedisConn) -> String {
-    let mut c = conn.clone();
-    redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(&mut c)
-        .await
-        .unwrap()
-}
-
-/// How many `cmd` the server has run (scripts' own included), from `INFO commandstats`.
-async fn command_calls(conn: &RedisConn, cmd: &str) -> u64 {
-    calls(&commandstats(conn).await, cmd)
-}
-
 /// Client commands seen by `MONITOR` (script-internal calls are marked `lua` and
 /// left out), collected by a `redis-cli monitor` child.
 struct Monitor {
@@ -234,7 +219,12 @@ async fn one_round_trip_per_operation() {
 /// (scripts' own included) the server has run, from `INFO commandstats`, leaving out
 /// the `INFO`s that read them.
 async fn commands(conn: &RedisConn) -> (u64, u64) {
-    let info = commandstats(conn).await;
+    let mut c = conn.clone();
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut c)
+        .await
+        .unwrap();
     let mut total = 0;
     for l in info.lines() {
         if let Some(rest) = l.trim().strip_prefix("cmdstat_")
@@ -849,35 +839,25 @@ async fn an_accounts_refusal_is_shared_by_the_limiters_of_its_sources() {
 /// scope's window hash); the zset always has one while leases are out.
 #[tokio::test]
 async fn a_lease_zset_ttl_is_renewed_when_due_not_per_admission() {
-    let (_server, conn) = private_redis().await;
+    let (server, conn) = private_redis().await;
     let config = RateLimitConfig::new("s1", Quota::unlimited().requests(100).concurrency(10))
         .window(Duration::from_secs(60));
     let zset = RedisBackend::keys(&config)[0][1].clone();
     let l = RateLimiter::new(config, RedisBackend::new(conn.clone())).unwrap();
-    let pttl = || {
-        let mut c = conn.clone();
-        let zset = zset.clone();
-        async move {
-            redis::cmd("PTTL")
-                .arg(&zset)
-                .query_async::<i64>(&mut c)
-                .await
-                .unwrap()
-        }
-    };
+    let pttl = || server.pttl(&zset);
     let first = l.acquire(0).await.unwrap();
-    assert!(pttl().await > 0, "the zset that holds a lease has a TTL");
-    let before = command_calls(&conn, "pexpire").await;
+    assert!(pttl() > 0, "the zset that holds a lease has a TTL");
+    let before = server.command_calls("pexpire");
     let mut held = Vec::new();
     for _ in 0..5 {
         held.push(l.acquire(0).await.unwrap());
     }
     assert_eq!(
-        command_calls(&conn, "pexpire").await - before,
+        server.command_calls("pexpire") - before,
         0,
         "five more leases, no PEXPIRE"
     );
-    assert!(pttl().await > 0);
+    assert!(pttl() > 0);
     // Every lease given back: the zset is gone, and the next lease makes it again,
     // with a TTL.
     first.finish(None).await.unwrap();
@@ -885,7 +865,7 @@ async fn a_lease_zset_ttl_is_renewed_when_due_not_per_admission() {
         p.finish(None).await.unwrap();
     }
     let p = l.acquire(0).await.unwrap();
-    assert!(pttl().await > 0, "a zset made again has a TTL");
+    assert!(pttl() > 0, "a zset made again has a TTL");
     p.finish(None).await.unwrap();
 }
 
@@ -895,7 +875,7 @@ async fn a_lease_zset_ttl_is_renewed_when_due_not_per_admission() {
 /// Real time (the server's clock): 20 sub-windows of 50 ms, 3 s of admissions.
 #[tokio::test]
 async fn left_sub_windows_are_deleted_in_batches_and_the_hash_stays_bounded() {
-    let (_server, conn) = private_redis().await;
+    let (server, conn) = private_redis().await;
     let config = RateLimitConfig::new("s1", Quota::unlimited().requests(1_000_000))
         .window(Duration::from_secs(1))
         .sub_windows(20);
@@ -911,7 +891,7 @@ async fn left_sub_windows_are_deleted_in_batches_and_the_hash_stays_bounded() {
         hlen_max = hlen_max.max(hlen);
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let hdel = command_calls(&conn, "hdel").await;
+    let hdel = server.command_calls("hdel");
     // About 40 sub-windows left over the run (60 went by, 20 are live), each rolled out
     // by the next admission or settle: deleted about 5 at a time (12 HDELs measured),
     // not at every roll (60 before).
