@@ -510,6 +510,12 @@ pub struct BalanceSection {
     /// (default 10, `tower_health_p2c::DEFAULT_PROBE_EVERY`; 0: the next fresh call
     /// probes it itself and waits for the answer).
     pub probe_every_s: Option<f64>,
+    /// Slow-call detection also cuts attempts in flight (default true,
+    /// `tower_health_p2c::BalanceConfig::cut_silent`): an attempt to a source silent
+    /// for `silent_after_s` that has run that long and 4x the source's latency ends as
+    /// a timeout and the call's next attempt goes elsewhere; a source that never
+    /// answered a success, and a stream whose first chunk came, are never cut.
+    pub cut_silent: Option<bool>,
     /// Seed of the balancer's random choices and the retry jitter (default: from the OS).
     pub seed: Option<u64>,
 }

@@ -101,6 +101,7 @@ pub(crate) fn balance_config(cfg: &GatewayConfig) -> Result<BalanceConfig, Confi
             secs_or_off("balance.probe_every_s", b.probe_every_s)?,
             d.probe_every,
         ),
+        cut_silent: b.cut_silent.unwrap_or(d.cut_silent),
         ..d
     };
     c.validate().map_err(|e| config_error("balance", e.to_string()))?;
@@ -237,5 +238,16 @@ mod tests {
         set.breaker.probe_ttl_s = Some(5.0);
         let set = breaker_config(&set, None, Duration::from_secs(180)).unwrap();
         assert_eq!(set.probe_ttl(), Duration::from_secs(5), "configured wins");
+    }
+
+    #[test]
+    fn slow_call_cuts_are_on_by_default_and_can_be_turned_off() {
+        let on = balance_config(&GatewayConfig::default()).unwrap();
+        assert!(on.cut_silent);
+        let off = GatewayConfig::from_toml_str(
+            "[balance]\ncut_silent = false\n[[sources]]\nname = \"a\"\nbase_url = \"http://127.0.0.1:1/v1\"\nkey = \"sk-a\"\n",
+        )
+        .unwrap();
+        assert!(!balance_config(&off).unwrap().cut_silent);
     }
 }

@@ -66,6 +66,12 @@ pub const DEFAULT_PACED_POLL: Duration = Duration::from_millis(1000);
 /// few seconds). A streamed attempt counts as an answer at its first chunk.
 pub const DEFAULT_SILENT_AFTER: Duration = Duration::from_secs(60);
 
+/// An attempt in flight to a silent source is cut ([`BalanceConfig::cut_silent`]) only
+/// once it has run for at least this many times the source's latency EWMA (and for
+/// `silent_after`): 4. A source whose answers take long is given as long before its
+/// silence ends an attempt; one that answers in seconds, `silent_after`.
+pub const CUT_LATENCY_FACTOR: f64 = 4.0;
+
 /// How often a silent source is probed off the caller's path
 /// ([`BalanceConfig::probe_every`]): 10 s, so traffic returns to a black hole that
 /// heals within about 10 s plus its time to answer (issue 12's recovery goal). A probe
@@ -167,6 +173,23 @@ pub struct BalanceConfig {
     /// call itself (one that has not failed yet), which waits for its answer. Needs a
     /// tokio runtime (the balancer already runs on tokio's clock).
     pub probe_every: Option<Duration>,
+    /// Slow-call detection also ends attempts already in flight (default `true`): an
+    /// attempt to a silent source (nothing heard for `silent_after` while attempts
+    /// were in flight) that has itself run for `silent_after` and for
+    /// [`CUT_LATENCY_FACTOR`] times the source's latency EWMA is cut with
+    /// [`SilentCut`](crate::SilentCut), a timeout, so the call's next attempt goes
+    /// elsewhere instead of waiting out the attempt timeout on a black hole. An attempt
+    /// whose answer has begun (a stream's first chunk) is never cut, nor one to a
+    /// source that has not answered a success yet (nothing says how long its answers
+    /// take: a first long generation is not a black hole). Needs `silent_after`;
+    /// `false` leaves attempts to their own timeouts.
+    ///
+    /// The trade: a source that is not silent but answers one call far slower than
+    /// usual, with nothing else of its traffic answered meanwhile, may have that call
+    /// cut (and retried elsewhere) after `silent_after`. On the soak's flapping pool
+    /// (a black hole 30% of every five minutes) goodput over seeds 0-9 went from
+    /// x0.72-0.86 to x0.83-0.88 of the oracle's, with success as before.
+    pub cut_silent: bool,
 }
 
 impl Default for BalanceConfig {
@@ -177,6 +200,7 @@ impl Default for BalanceConfig {
             paced_poll: DEFAULT_PACED_POLL,
             silent_after: Some(DEFAULT_SILENT_AFTER),
             probe_every: Some(DEFAULT_PROBE_EVERY),
+            cut_silent: true,
         }
     }
 }

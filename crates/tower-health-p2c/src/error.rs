@@ -72,3 +72,52 @@ impl Error for NoneAdmitted {
         Some(&*self.last)
     }
 }
+
+/// An attempt cut by slow-call detection: its source answered nothing for `quiet`
+/// while it was in flight, and it had run for `age`
+/// ([`BalanceConfig::cut_silent`](crate::BalanceConfig::cut_silent)).
+///
+/// Its [`source`](Error::source) is [`pgw_core::TimedOut`]: a retry layer above treats
+/// it as a timed-out attempt and sends the next one elsewhere at once (R1), and the
+/// source counts it as one more timeout with nothing heard.
+#[derive(Clone, Debug)]
+pub struct SilentCut {
+    quiet: Duration,
+    age: Duration,
+}
+
+impl SilentCut {
+    pub(crate) const fn new(quiet: Duration, age: Duration) -> Self {
+        Self { quiet, age }
+    }
+
+    /// How long the source had answered nothing when the attempt was cut.
+    #[must_use]
+    pub const fn quiet(&self) -> Duration {
+        self.quiet
+    }
+
+    /// How long the attempt had been in flight.
+    #[must_use]
+    pub const fn age(&self) -> Duration {
+        self.age
+    }
+}
+
+impl fmt::Display for SilentCut {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "attempt cut after {:.1}s in flight: its source answered nothing for {:.1}s \
+             (slow-call detection)",
+            self.age.as_secs_f64(),
+            self.quiet.as_secs_f64()
+        )
+    }
+}
+
+impl Error for SilentCut {
+    fn source(&self) -> Option<&(dyn Error + 'static)> {
+        Some(&pgw_core::TimedOut)
+    }
+}

@@ -18,11 +18,11 @@ use tokio::sync::futures::OwnedNotified;
 use tokio::time::{Instant, Sleep};
 use tower_service::Service;
 
-use crate::error::{NoSources, NoneAdmitted};
+use crate::error::{NoSources, NoneAdmitted, SilentCut};
 use crate::order;
 use crate::probe;
 use crate::sources::{Dispatch, Snapshot, SourceState};
-use crate::{BalanceConfig, CREDIBLE_HEALTH_RATIO, MIN_WAKE_WAIT, SILENT_TIMEOUTS};
+use crate::{BalanceConfig, CREDIBLE_HEALTH_RATIO, CUT_LATENCY_FACTOR, MIN_WAKE_WAIT, SILENT_TIMEOUTS};
 
 /// Which sources this round still has to try.
 pub(crate) enum Plan {
@@ -144,6 +144,10 @@ struct Ctx<S, Req, C> {
     release_deferred: bool,
     round: Round,
     wait: Option<Box<Wait>>,
+    /// Slow-call detection's timer on the attempt in flight: when its source could
+    /// first be silent with the attempt old enough to cut (armed only once the attempt
+    /// waits).
+    cut: Option<Pin<Box<Sleep>>>,
 }
 
 impl<S, Req, C> Drop for Ctx<S, Req, C> {
@@ -355,6 +359,52 @@ impl<S, Req: CarriesHistory, C> Ctx<S, Req, C> {
         Poll::Ready(Ok(()))
     }
 
+    /// Slow-call detection on the attempt in flight ([`BalanceConfig::cut_silent`]):
+    /// `Ready` with the error to end it with once its source is silent (nothing heard
+    /// for `silent_after`) and the attempt has run for `silent_after` and
+    /// [`CUT_LATENCY_FACTOR`] times the source's latency; else `Pending`, with a timer
+    /// for when that could first hold (an answer heard meanwhile moves it on).
+    fn poll_cut(&mut self, cx: &mut Context<'_>) -> Poll<BoxError> {
+        let (Some(after), true, Some(i), Some(at)) = (
+            self.config.silent_after,
+            self.config.cut_silent,
+            self.dispatched,
+            self.dispatched_at,
+        ) else {
+            return Poll::Pending;
+        };
+        let state = &self.snapshot.entries[i].state;
+        loop {
+            // A source never measured gives no measure of a slow answer: its attempts
+            // are left to their own timeouts (its first may be a long generation).
+            let Some(latency) = state.measured_latency() else {
+                return Poll::Pending;
+            };
+            let expected = Duration::try_from_secs_f64(CUT_LATENCY_FACTOR * latency).unwrap_or(Duration::MAX);
+            let heard = state.heard_at();
+            let due = later(at, after.max(expected)).max(later(heard, after));
+            let now = Instant::now();
+            if now >= due {
+                return Poll::Ready(Box::new(SilentCut::new(
+                    now.saturating_duration_since(heard),
+                    now.saturating_duration_since(at),
+                )));
+            }
+            let sleep = match &mut self.cut {
+                Some(s) => {
+                    if s.deadline() != due {
+                        s.as_mut().reset(due);
+                    }
+                    s
+                }
+                None => self.cut.insert(Box::pin(tokio::time::sleep_until(due))),
+            };
+            if sleep.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+        }
+    }
+
     /// Accounts for one dispatched attempt's result. `None` means the source did not
     /// admit the call: nothing recorded, try the next one. An attempt still running
     /// (a stream passed through) keeps its inflight count and is judged at its end.
@@ -542,6 +592,7 @@ impl<S, F, Req, C> ResponseFuture<S, F, Req, C> {
                 release_deferred: false,
                 round: Round::new(),
                 wait: None,
+                cut: None,
             },
         }
     }
@@ -634,7 +685,15 @@ where
                     }
                 },
                 StateProj::Calling { fut } => {
-                    let result = ready!(fut.poll(cx)).map_err(Into::into);
+                    let result = match fut.poll(cx) {
+                        Poll::Ready(r) => r.map_err(Into::into),
+                        Poll::Pending => {
+                            let cut = ready!(this.ctx.poll_cut(cx));
+                            // Dropping the attempt gives back what its gates hold (A4).
+                            this.state.set(State::Next);
+                            Err(cut)
+                        }
+                    };
                     if let Some(r) = this.ctx.finish(result, dispatched_here.is_some()) {
                         this.state.set(State::Done);
                         return Poll::Ready(r);

@@ -95,6 +95,12 @@ impl SourceState {
         quiet >= u64::try_from(after.as_nanos()).unwrap_or(u64::MAX)
     }
 
+    /// When the source was last heard from (or went from idle to busy).
+    pub(crate) fn heard_at(&self) -> Instant {
+        let heard = Duration::from_nanos(self.heard_ns.load(Ordering::Relaxed));
+        self.epoch + heard
+    }
+
     pub(crate) const fn id(&self) -> &SourceId {
         &self.id
     }
@@ -119,12 +125,14 @@ impl SourceState {
     /// The EWMA of the time to a successful answer, seconds, at least
     /// [`MIN_LATENCY_S`]; [`UNMEASURED_LATENCY_S`] before the first one.
     pub(crate) fn latency(&self) -> f64 {
+        self.measured_latency().unwrap_or(UNMEASURED_LATENCY_S)
+    }
+
+    /// The EWMA of the time to a successful answer, seconds, at least
+    /// [`MIN_LATENCY_S`]; `None` before the first one.
+    pub(crate) fn measured_latency(&self) -> Option<f64> {
         let lat = f64::from_bits(self.latency_bits.load(Ordering::Relaxed));
-        if lat > 0.0 {
-            lat.max(MIN_LATENCY_S)
-        } else {
-            UNMEASURED_LATENCY_S
-        }
+        (lat > 0.0).then(|| lat.max(MIN_LATENCY_S))
     }
 
     /// Feeds the time one successful attempt took to answer (to its first chunk when

@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use tower::util::BoxCloneSyncService;
 use tower::{Service, ServiceExt, service_fn};
 use tower_aimd::{AimdConfig, AimdLayer};
-use tower_health_p2c::{BalanceConfig, HealthP2c, NoSources, NoneAdmitted, Policy, Sources};
+use tower_health_p2c::{BalanceConfig, HealthP2c, NoSources, NoneAdmitted, Policy, SilentCut, Sources};
 use tower_layer::Layer;
 
 #[derive(Clone, Default)]
@@ -863,12 +863,15 @@ async fn a_silent_source_stops_receiving_calls_and_gets_one_probe_after_its_time
         SourceId::from("good"),
         fixed(Ok("ok"), Duration::from_secs(1), Arc::clone(&good_hits)),
     );
-    // The fresh call probes it itself (the behaviour without detached probes).
+    // The fresh call probes it itself (the behaviour without detached probes), and
+    // the attempts in flight run to their own timeouts (without cuts; the hole never
+    // answered, so it would not be cut either).
     let lb = HealthP2c::new(
         sources.clone(),
         BalanceConfig {
             policy: Policy::RoundRobin,
             probe_every: None,
+            cut_silent: false,
             ..BalanceConfig::default()
         },
     )
@@ -906,6 +909,113 @@ async fn a_silent_source_stops_receiving_calls_and_gets_one_probe_after_its_time
     for h in later {
         let _ = h.await;
     }
+}
+
+/// A source answering `ok` after `latency` until `dark` is set, then a black hole
+/// (accepts, says nothing for 180 s, times out).
+fn goes_dark(latency: Duration, dark: Arc<AtomicBool>) -> Svc {
+    BoxCloneSyncService::new(service_fn(move |_: Req| {
+        let dark = dark.load(Ordering::SeqCst);
+        async move {
+            if dark {
+                tokio::time::sleep(Duration::from_secs(180)).await;
+                return Err::<&'static str, BoxError>(Box::new(pgw_core::TimedOut));
+            }
+            tokio::time::sleep(latency).await;
+            Ok("ok")
+        }
+    }))
+}
+
+type Timed = (Duration, Result<&'static str, Option<(Duration, Duration)>>);
+
+/// Starts a call on `lb` on its own task; its join says when it ended and how (a
+/// `SilentCut`'s quiet and age, `None` for another timeout).
+fn spawn_timed(lb: &HealthP2c<Svc>) -> impl Future<Output = Timed> {
+    let start = Instant::now();
+    let h = tokio::spawn(lb.clone().oneshot(Req::default()));
+    async move {
+        let r = h.await.unwrap();
+        let took = start.elapsed();
+        let r = match r {
+            Ok(v) => Ok(v),
+            Err(e) => {
+                assert!(pgw_core::is_timeout(&*e), "a cut or a timeout: {e}");
+                Err(e.downcast_ref::<SilentCut>().map(|c| (c.quiet(), c.age())))
+            }
+        };
+        (took, r)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_silent_sources_attempts_in_flight_are_cut_once_silent_and_old_enough() {
+    let dark = Arc::new(AtomicBool::new(false));
+    let sources = Sources::new();
+    sources.insert(
+        SourceId::from("s"),
+        goes_dark(Duration::from_secs(1), Arc::clone(&dark)),
+    );
+    let lb = balancer(&sources, Policy::HealthAware);
+    // It answers in 1 s: measured.
+    assert_eq!(spawn_timed(&lb).await, (Duration::from_secs(1), Ok("ok")));
+    dark.store(true, Ordering::SeqCst);
+    // Two attempts at t = 1 s (heard then, as it went busy), one at t = 31 s.
+    let early = [spawn_timed(&lb), spawn_timed(&lb)];
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    let late = spawn_timed(&lb);
+    let sixty = Duration::from_secs(60);
+    // Silent at t = 61 s: the early ones are cut then, 60 s old, not at their 180 s.
+    for h in early {
+        assert_eq!(h.await, (sixty, Err(Some((sixty, sixty)))));
+    }
+    // The late one is cut once it too has run for `silent_after` (t = 91 s).
+    assert_eq!(late.await, (sixty, Err(Some((Duration::from_secs(90), sixty)))));
+    // Every count given back; the cuts count as timeouts with nothing heard.
+    assert_eq!(sources.views()[0].inflight(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_slow_or_never_measured_source_is_not_cut_before_its_time() {
+    // Answers in 30 s: an attempt is cut only once 4 x 30 s old, though silent at 60 s.
+    let dark = Arc::new(AtomicBool::new(false));
+    let sources = Sources::new();
+    sources.insert(
+        SourceId::from("slow"),
+        goes_dark(Duration::from_secs(30), Arc::clone(&dark)),
+    );
+    let lb = balancer(&sources, Policy::HealthAware);
+    assert_eq!(spawn_timed(&lb).await.1, Ok("ok"));
+    dark.store(true, Ordering::SeqCst);
+    let (took, r) = spawn_timed(&lb).await;
+    assert_eq!(took, Duration::from_secs(120));
+    assert_eq!(r, Err(Some((Duration::from_secs(120), Duration::from_secs(120)))));
+
+    // A source that never answered a success: no measure of its answers, no cut; the
+    // attempt ends at its own timeout.
+    let sources = Sources::new();
+    sources.insert(SourceId::from("hole"), hole(Arc::new(AtomicUsize::new(0))));
+    let lb = balancer(&sources, Policy::HealthAware);
+    assert_eq!(spawn_timed(&lb).await, (Duration::from_secs(180), Err(None)));
+
+    // And with `cut_silent: false` a measured source's attempt runs to its timeout.
+    let dark = Arc::new(AtomicBool::new(false));
+    let sources = Sources::new();
+    sources.insert(
+        SourceId::from("s"),
+        goes_dark(Duration::from_secs(1), Arc::clone(&dark)),
+    );
+    let lb = HealthP2c::new(
+        sources.clone(),
+        BalanceConfig {
+            cut_silent: false,
+            ..BalanceConfig::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(spawn_timed(&lb).await.1, Ok("ok"));
+    dark.store(true, Ordering::SeqCst);
+    assert_eq!(spawn_timed(&lb).await, (Duration::from_secs(180), Err(None)));
 }
 
 #[test]
