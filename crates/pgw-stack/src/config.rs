@@ -546,7 +546,10 @@ pub struct BreakerSection {
     /// Redis backend: how long a process trusts a closed breaker that admitted it,
     /// seconds, admitting without a round trip meanwhile; another process's open
     /// reaches it at its next recorded outcome, or when this ends (default 5,
-    /// `tower_breaker_window::DEFAULT_CLOSED_VIEW`; 0 asks Redis every time).
+    /// `tower_breaker_window::DEFAULT_CLOSED_VIEW`; 0 asks Redis every time). Within
+    /// it, successes are counted in the process and sent with its next failure or its
+    /// first success after the view (`RedisBackend::with_deferred_successes`); 0 sends
+    /// each.
     pub closed_view_s: Option<f64>,
 }
 

@@ -49,9 +49,11 @@ async fn one_round_trip_per_admission_and_per_record() {
     let server = PrivateRedis::start();
     let target = RedisTarget::Standalone(server.url());
     // A closed view longer than the test: its closed admissions are answered here.
+    // Every outcome sent (deferred successes: see the next test).
     let backend = RedisBackend::new(RedisConn::connect(&target).await.unwrap())
         .with_prefix("rt")
-        .with_closed_view(Duration::from_secs(3600));
+        .with_closed_view(Duration::from_secs(3600))
+        .with_deferred_successes(false);
     let gate = backend.gate(&"s".into(), &config(3));
     // Load the scripts (the first EVALSHA of each falls back to loading it).
     call(&gate, S).await;
@@ -111,6 +113,67 @@ async fn one_round_trip_per_admission_and_per_record() {
     assert!(others.is_empty(), "unexpected commands: {others:?}");
 }
 
+/// Successes admitted under the closed view are counted in the process and sent with
+/// its next failure, before it: one round trip for the lot, and the state Redis ends
+/// in is the one of every outcome sent in order. A failure whose ticket is of another
+/// epoch leaves them; one of theirs that finds the epoch over drops them (their own
+/// records would have counted nowhere).
+#[tokio::test]
+async fn successes_under_the_closed_view_travel_with_the_next_failure() {
+    let server = PrivateRedis::start();
+    let target = RedisTarget::Standalone(server.url());
+    let conn = RedisConn::connect(&target).await.unwrap();
+    let backend = RedisBackend::new(conn.clone())
+        .with_prefix("defer")
+        .with_closed_view(Duration::from_secs(3600));
+    let sent = RedisBackend::new(conn)
+        .with_prefix("sent")
+        .with_closed_view(Duration::from_secs(3600))
+        .with_deferred_successes(false);
+    let config = config(3);
+    let gate = backend.gate(&"s".into(), &config);
+    let twin = sent.gate(&"s".into(), &config);
+    let evalsha = || server.command_calls("evalsha");
+    // The first admission asks (and loads the script); its success is kept.
+    call(&gate, S).await;
+    call(&twin, S).await;
+    let before = evalsha();
+    for _ in 0..4 {
+        call(&gate, S).await;
+    }
+    assert_eq!(gate.deferred_successes(), 5);
+    assert_eq!(evalsha(), before, "no round trip for a success under the view");
+    assert_eq!(still(&gate).await.window_calls, 0, "not in Redis yet");
+    for outcome in [S, S, S, S, F] {
+        call(&twin, outcome).await;
+    }
+    let before = evalsha();
+    call(&gate, F).await;
+    assert_eq!(evalsha(), before + 1, "one record for the five and the failure");
+    assert_eq!(gate.deferred_successes(), 0);
+    assert_eq!(
+        still(&gate).await,
+        still(&twin).await,
+        "the state of every outcome sent"
+    );
+    assert_eq!(still(&gate).await.window_calls, 6);
+
+    // Another process opens the breaker; this one's kept successes die with the epoch.
+    call(&gate, S).await;
+    assert_eq!(gate.deferred_successes(), 1);
+    let other = backend.clone().gate(&"s".into(), &config);
+    let t = admit(&other).await;
+    other.record(t, BreakerVerdict::ForceOpen).await;
+    let stale = admit(&gate).await; // still the closed view
+    gate.record(stale, BreakerVerdict::Failure).await;
+    assert_eq!(
+        gate.deferred_successes(),
+        0,
+        "sent with the failure, counted nowhere"
+    );
+    assert_eq!(still(&gate).await.state, BreakerState::Open);
+}
+
 /// The closed view: another process's open reaches this one at the first outcome it
 /// records after it (its ticket's epoch is over), not only when the view ends.
 async fn another_process_open_is_learnt_from_the_next_record(env: RedisEnv) {
@@ -163,7 +226,9 @@ async fn a_counted_record_renews_the_closed_view() {
     let view = Duration::from_secs(2);
     let backend = RedisBackend::new(RedisConn::connect(&target).await.unwrap())
         .with_prefix("renew")
-        .with_closed_view(view);
+        .with_closed_view(view)
+        // Each success sent: this is the view a sent record renews.
+        .with_deferred_successes(false);
     let gate = backend.gate(&"s".into(), &config(3));
     call(&gate, S).await; // asks (and loads the scripts): the view starts
     let start = server.command_calls("evalsha");
@@ -391,7 +456,10 @@ async fn oversized_counts_in_the_hash_are_clamped() {
 async fn a_record_renews_the_ttl_only_when_half_of_it_is_gone() {
     let server = PrivateRedis::start();
     let target = RedisTarget::Standalone(server.url());
-    let backend = RedisBackend::new(RedisConn::connect(&target).await.unwrap()).with_prefix("ttl");
+    // Each success sent: the TTL is what each record renews.
+    let backend = RedisBackend::new(RedisConn::connect(&target).await.unwrap())
+        .with_prefix("ttl")
+        .with_deferred_successes(false);
     let gate = backend.gate(&"s".into(), &config(3));
     let key = backend.gate_key(&"s".into());
     let client = redis::Client::open(server.url()).unwrap();
@@ -493,6 +561,13 @@ proptest::proptest! {
         rt.block_on(async {
             let env = RedisEnv::standalone("diff").await;
             let redis = env.gate("s", &config);
+            // The same, keeping successes under its closed view: it must agree
+            // whenever it has sent them all.
+            let deferring = env
+                .backend
+                .clone()
+                .with_deferred_successes(true)
+                .gate(&"d".into(), &config);
             let memory = tower_breaker_window::MemoryBackend::new().gate(&"s".into(), &config);
             let mut held: Vec<tower_breaker_window::Ticket> = vec![];
             for (i, s) in steps.iter().enumerate() {
@@ -500,6 +575,14 @@ proptest::proptest! {
                     Step::Admit => {
                         let m = memory.admit().await.unwrap();
                         let r = redis.admit().await.unwrap();
+                        let d = deferring.admit().await.unwrap();
+                        match (m, d) {
+                            (Admission::Admitted(a), Admission::Admitted(b)) => {
+                                assert_eq!(a, b, "step {i}: tickets (deferring)");
+                            }
+                            (Admission::Refused { .. }, Admission::Refused { .. }) => {}
+                            other => panic!("step {i}: admissions differ (deferring): {other:?}"),
+                        }
                         match (m, r) {
                             (Admission::Admitted(a), Admission::Admitted(b)) => {
                                 assert_eq!(a, b, "step {i}: tickets");
@@ -517,9 +600,14 @@ proptest::proptest! {
                         let ticket = if keep { held[at] } else { held.swap_remove(at) };
                         memory.record(ticket, verdict).await;
                         redis.record(ticket, verdict).await;
+                        deferring.record(ticket, verdict).await;
                     }
                 }
-                assert_eq!(still(&memory).await, still(&redis).await, "step {i}: {s:?} in {steps:?}");
+                let m = still(&memory).await;
+                assert_eq!(m, still(&redis).await, "step {i}: {s:?} in {steps:?}");
+                if deferring.deferred_successes() == 0 {
+                    assert_eq!(m, still(&deferring).await, "step {i} (deferring): {s:?} in {steps:?}");
+                }
             }
         });
     }

@@ -2,7 +2,9 @@
 -- KEYS[1]: the source's gate hash.
 -- ARGV: epoch, probe, verdict ('s' success | 'f' failure | 'o' force open | 'i' ignore),
 --       threshold, min_calls, fail_rate, half_window_ms, cooldown_ms, max_cooldown_ms,
---       key_ttl_ms.
+--       key_ttl_ms, oks: successes of the same epoch the process counted before this
+--       verdict and did not send (deferred within its closed view), counted first, in
+--       the same order as if each had been recorded (a non-probe ticket only).
 -- Returns 0 nothing changed, 1 counted, 2 opened, 3 closed, 4 stale epoch (nothing changed).
 local key = KEYS[1]
 local t = redis.call('TIME')
@@ -82,15 +84,17 @@ if w > win then
   win = w
 end
 local b = (win % 2) + 1
-a[b] = a[b] + 1
+local oks = tonumber(ARGV[11]) or 0
+a[b] = a[b] + 1 + oks
 local failures = tonumber(g[6]) or 0
-if verdict == 's' then
+if verdict == 's' or oks > 0 then
   failures = 0
   local closed_since = tonumber(g[13]) or 0
   if streak > 0 and closed_since ~= 0 and now - closed_since >= 2 * open_for(streak) then
     streak = 0
   end
-else
+end
+if verdict ~= 's' then
   f[b] = f[b] + 1
   failures = failures + 1
 end

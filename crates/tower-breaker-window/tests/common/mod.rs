@@ -93,7 +93,11 @@ impl RedisEnv {
             .expect("connect to the test redis");
         let prefix = pgw_test_support::unique_prefix(test);
         Self {
-            backend: RedisBackend::new(conn).with_prefix(prefix.clone()),
+            // Every outcome sent as it is recorded: the cases read the state after each
+            // one (deferred successes have tests of their own in redis_ops.rs).
+            backend: RedisBackend::new(conn)
+                .with_prefix(prefix.clone())
+                .with_deferred_successes(false),
             target,
             prefix,
         }
@@ -102,7 +106,9 @@ impl RedisEnv {
     /// A second, independent connection on the same state: another process.
     pub async fn other_process(&self) -> RedisBackend {
         let conn = RedisConn::connect(&self.target).await.expect("second connection");
-        RedisBackend::new(conn).with_prefix(self.prefix.clone())
+        RedisBackend::new(conn)
+            .with_prefix(self.prefix.clone())
+            .with_deferred_successes(false)
     }
 }
 
