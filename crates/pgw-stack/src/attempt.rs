@@ -4,6 +4,7 @@
 //! It sits below every gate, so only admitted attempts reach it: not-admitted
 //! refusals cost nothing and leave no record.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -11,7 +12,7 @@ use std::time::Duration;
 use futures_util::future::BoxFuture;
 use pgw_client::{AnswerClassifier, ChatAnswer, ChatCall};
 use pgw_core::openai::Usage;
-use pgw_core::{BoxError, CarriesHistory, Classify, InvalidResponse, SourceId, UpstreamStatus};
+use pgw_core::{BoxError, CarriesHistory, Classify, InvalidResponse, Outcome, SourceId, UpstreamStatus};
 use tokio::time::Instant;
 use tower_service::Service;
 
@@ -43,6 +44,50 @@ impl AdmissionCell {
     }
 }
 
+/// The time a call's attempts spent being refused by upstreams at the head (an error
+/// status: a revoked key's 401, a 5xx), since its last attempt that ended otherwise;
+/// shared by every copy of the call (the gateway puts one in each call).
+///
+/// It is taken from the next attempt's total timeout: a call refused by one source
+/// after another and then sent to a silent one waits one attempt timeout in all, not
+/// one plus its refusals (on a pool of revoked keys and black holes, 180 s plus the
+/// 401s). Only time spent in attempts counts, never a wait between them (backoff,
+/// admission), and an attempt that ended any other way (an answer, a timeout, a 429)
+/// starts the count afresh, so a call that moves on after a timeout or waits for a
+/// quota still gives its next source a whole attempt timeout.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct RefusedTime(Arc<AtomicU64>);
+
+impl RefusedTime {
+    fn get(&self) -> Duration {
+        Duration::from_nanos(self.0.load(Ordering::Relaxed))
+    }
+
+    /// An attempt that took `took` ended: refused at the head (`refused`), or not.
+    fn after(&self, refused: bool, took: Duration) {
+        if refused {
+            let ns = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
+            let _ = self.0.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                Some(n.saturating_add(ns))
+            });
+        } else if self.0.load(Ordering::Relaxed) != 0 {
+            self.0.store(0, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Whether an attempt's result is a refusal at the head that [`RefusedTime`] counts: an
+/// error status classified transient or dead (not a 429, not a timeout).
+fn refused_at_head(result: &Result<ChatAnswer, BoxError>) -> bool {
+    match result {
+        Err(e) if UpstreamStatus::find(&**e).is_some() && !pgw_core::is_timeout(&**e) => matches!(
+            AnswerClassifier.classify(result),
+            Outcome::Transient | Outcome::SourceDead
+        ),
+        _ => false,
+    }
+}
+
 #[derive(Clone)]
 pub(crate) struct Attempt<S> {
     pub(crate) inner: S,
@@ -59,6 +104,8 @@ pub(crate) struct Attempt<S> {
     pub(crate) pushback: Pushback,
     /// Holds the source long when its account has no credit left.
     pub(crate) quota_hold: QuotaHold,
+    /// The source's total timeout: what an attempt may last, [`RefusedTime`] included.
+    pub(crate) attempt_timeout: Duration,
 }
 
 /// The EWMA weight of one stream in [`StreamCuts`]: 0.2, the balancer's health weight.
@@ -202,9 +249,25 @@ where
             start: Instant::now(),
             done: false,
         };
+        let refused = call.extensions().get::<RefusedTime>().cloned();
+        let cut_at = refused
+            .as_ref()
+            .map(RefusedTime::get)
+            .filter(|spent| !spent.is_zero())
+            .map(|spent| record.start + self.attempt_timeout.saturating_sub(spent));
+        let attempt_timeout = self.attempt_timeout;
         let fut = self.inner.call(call);
         Box::pin(async move {
-            let mut result = fut.await;
+            let mut result = match cut_at {
+                None => fut.await,
+                // The client's own watchdogs still run; this one is the sooner.
+                Some(at) => tokio::time::timeout_at(at, fut).await.unwrap_or_else(|_| {
+                    Err(pgw_client::WatchdogCut::new(pgw_client::Watchdog::Total, attempt_timeout).into())
+                }),
+            };
+            if let Some(refused) = &refused {
+                refused.after(refused_at_head(&result), record.start.elapsed());
+            }
             // A decline (content filter, refusal) is final: re-asking cannot turn it
             // into the shape a validator wants, and would spend a re-ask per source.
             if let (Ok(answer), Some(v)) = (&result, &validator)
@@ -347,5 +410,44 @@ impl tower_ratelimit_redis::UsageReport<ChatAnswer> for AnswerUsage {
 
     fn defer(&self, result: &mut Result<ChatAnswer, BoxError>, then: pgw_core::Settle<ChatAnswer, BoxError>) {
         AnswerClassifier.defer(result, then);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(code: u16) -> Result<ChatAnswer, BoxError> {
+        let code = http::StatusCode::from_u16(code).unwrap();
+        Err(UpstreamStatus::new(code, None, "no".to_owned()).into())
+    }
+
+    #[test]
+    fn refusals_add_up_and_any_other_ending_starts_afresh() {
+        assert!(refused_at_head(&status(401)));
+        assert!(refused_at_head(&status(503)));
+        assert!(
+            !refused_at_head(&status(429)),
+            "a 429 is pushback, waited for apart"
+        );
+        assert!(!refused_at_head(&status(400)), "rejected: the call ends anyway");
+        let cut: BoxError =
+            pgw_client::WatchdogCut::new(pgw_client::Watchdog::Total, Duration::from_secs(1)).into();
+        assert!(
+            !refused_at_head(&Err(cut)),
+            "a timeout gave its source the whole timeout"
+        );
+
+        let t = RefusedTime::default();
+        let copy = t.clone();
+        t.after(true, Duration::from_secs(2));
+        copy.after(true, Duration::from_millis(300));
+        assert_eq!(
+            t.get(),
+            Duration::from_millis(2300),
+            "shared by the copies of a call"
+        );
+        t.after(false, Duration::from_secs(5));
+        assert_eq!(copy.get(), Duration::ZERO);
     }
 }

@@ -352,6 +352,7 @@ impl Wiring<'_> {
                 limiter: limiter.clone(),
                 duration: quota_hold(cfg, &breaker_cfg)?,
             },
+            attempt_timeout,
         };
         // A route that is not the whole source has a hold scope of its own, so a 429 of
         // one model leaves the source's other models admitted.
@@ -399,6 +400,7 @@ impl Wiring<'_> {
             breaker,
             hold: route_hold.map(hold_layer),
             limit: limit_layer(limiter),
+            probe_retry_after: breaker_cfg.probe_ttl().min(breaker_cfg.cooldown()),
         };
         Ok((layer.layer(attempt), handle, hold))
     }

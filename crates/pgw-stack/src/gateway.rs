@@ -21,7 +21,7 @@ use tower_ratelimit_redis::RateLimiter;
 use tower_retry_pushback::{CallDeadline, Progress, Reason, RetryError};
 use tower_service::Service;
 
-use crate::attempt::AdmissionCell;
+use crate::attempt::{AdmissionCell, RefusedTime};
 use crate::cache::{CacheKey, CachedAnswer};
 use crate::cached::{CacheFlow, Follow, Lookup, replay};
 use crate::relay::ChatStream;
@@ -401,6 +401,7 @@ impl Service<ChatCall> for Gateway {
                 }
             }
             call.extensions_mut().insert(AdmissionCell::default());
+            call.extensions_mut().insert(RefusedTime::default());
             let mut failures = Vec::new();
             let mut chain = route.chain.as_slice();
             let mut context = false;

@@ -2,11 +2,14 @@
 //! AIMD (local, cheapest) -> what the limiters already know (no round trip) ->
 //! breaker -> the route's holds -> the source's rate limit, over the attempt service.
 
+use std::future::Ready;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
-use pgw_client::{AnswerClassifier, ChatAnswer, ChatCall};
-use pgw_core::BoxError;
+use futures_util::future::Either;
+use pgw_client::{AnswerClassifier, ChatAnswer, ChatCall, PassThrough};
+use pgw_core::{BoxError, CarriesHistory, CircuitOpen, Recording, SourceId};
 use sync_wrapper::SyncWrapper;
 use tower::util::BoxCloneSyncService;
 use tower_aimd::{Aimd, AimdLayer};
@@ -15,7 +18,7 @@ use tower_layer::Layer;
 use tower_ratelimit_redis::{Admission, NoTokens, RateLimitLayer, RateLimiter};
 use tower_service::Service;
 
-use crate::attempt::{AdmissionCell, AnswerUsage};
+use crate::attempt::{AdmissionCell, AnswerUsage, RefusedTime};
 
 /// One source's stack as the balancer holds it: AIMD -> breaker -> rate limit ->
 /// attempt (validator, telemetry) -> client.
@@ -80,6 +83,9 @@ pub(crate) struct SourceLayer {
     /// The route's own hold scope, when the route is not the whole source.
     pub(crate) hold: Option<RateLimitLayer<NoTokens, NoTokens>>,
     pub(crate) limit: RateLimitLayer<Estimate, AnswerUsage, Observe>,
+    /// What a caller whose admission was the half-open probe is told to wait
+    /// ([`ProbeOffPath`]): the breaker's `min(probe_ttl, cooldown)`.
+    pub(crate) probe_retry_after: Duration,
 }
 
 impl<S> Layer<S> for SourceLayer
@@ -99,22 +105,24 @@ where
             .map(|h| h.limiter().clone())
             .chain([self.limit.limiter().clone()])
             .collect();
+        let after = self.probe_retry_after;
         match (&self.breaker, &self.hold) {
-            (SourceBreaker::Memory(b), None) => lazy(aimd, known, b.clone(), inner),
-            (SourceBreaker::Redis(b), None) => lazy(aimd, known, b.clone(), inner),
-            (SourceBreaker::Memory(b), Some(h)) => lazy(aimd, known, b.clone(), h.layer(inner)),
-            (SourceBreaker::Redis(b), Some(h)) => lazy(aimd, known, b.clone(), h.layer(inner)),
+            (SourceBreaker::Memory(b), None) => lazy(aimd, known, b.clone(), after, inner),
+            (SourceBreaker::Redis(b), None) => lazy(aimd, known, b.clone(), after, inner),
+            (SourceBreaker::Memory(b), Some(h)) => lazy(aimd, known, b.clone(), after, h.layer(inner)),
+            (SourceBreaker::Redis(b), Some(h)) => lazy(aimd, known, b.clone(), after, h.layer(inner)),
         }
     }
 }
 
 /// The gated stack of one source over `R`.
-type Gated<R, G> = Aimd<Known<Breaker<R, G, AnswerClassifier>>, AnswerClassifier>;
+type Gated<R, G> = Aimd<Known<ProbeOffPath<Breaker<R, G, AnswerClassifier>>>, AnswerClassifier>;
 
 fn lazy<G, R>(
     aimd: AimdLayer<AnswerClassifier>,
     known: Arc<[RateLimiter]>,
     breaker: BreakerLayer<G, AnswerClassifier>,
+    probe_retry_after: Duration,
     inner: R,
 ) -> SourceService
 where
@@ -123,10 +131,12 @@ where
     Gated<R, G>: Service<ChatCall, Response = ChatAnswer, Error = BoxError> + Send + 'static,
     <Gated<R, G> as Service<ChatCall>>::Future: Send + 'static,
 {
+    let probe = (breaker.source().clone(), probe_retry_after);
     let proto = Arc::new(SourceProto {
         aimd,
         known,
         breaker,
+        probe,
         inner,
     });
     BoxCloneSyncService::new(LazySource::new(proto))
@@ -164,11 +174,86 @@ where
     }
 }
 
+/// Right over the breaker: a call admitted as the half-open probe is not made to wait
+/// for it. The probe goes out on a task of its own (a copy of the call, its answer
+/// dropped once judged), and the caller is refused as by an open circuit, with the
+/// `retry_after` every other caller gets while a probe is out, so it goes on at once
+/// to another source or group, or fails fast with `CircuitOpen` when none is left.
+///
+/// Without it, the first call after a cooldown waited for the probe's verdict: on a
+/// revoked key, a 401 that took 2.3 s; on a source still silent, a whole attempt
+/// timeout. The probe's verdict closes or reopens the breaker exactly as before (the
+/// breaker's response future records it wherever it is polled), so a recovered source
+/// is back as soon as its probe answers.
+#[derive(Clone)]
+pub(crate) struct ProbeOffPath<S> {
+    inner: S,
+    source: SourceId,
+    /// What a caller refused because a probe is out hears: the breaker's own
+    /// `min(probe_ttl, cooldown)`.
+    retry_after: Duration,
+}
+
+impl<S> ProbeOffPath<S> {
+    pub(crate) const fn new(inner: S, source: SourceId, retry_after: Duration) -> Self {
+        Self {
+            inner,
+            source,
+            retry_after,
+        }
+    }
+}
+
+impl<R, G> Service<ChatCall> for ProbeOffPath<Breaker<R, G, AnswerClassifier>>
+where
+    G: Gate,
+    Breaker<R, G, AnswerClassifier>: Service<ChatCall, Response = ChatAnswer, Error = BoxError>,
+    <Breaker<R, G, AnswerClassifier> as Service<ChatCall>>::Future: Send + 'static,
+{
+    type Response = ChatAnswer;
+    type Error = BoxError;
+    type Future = Either<
+        <Breaker<R, G, AnswerClassifier> as Service<ChatCall>>::Future,
+        Ready<Result<ChatAnswer, BoxError>>,
+    >;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: ChatCall) -> Self::Future {
+        if !self.inner.admitted_probe() {
+            return Either::Left(self.inner.call(req));
+        }
+        // Judged whole: a stream passed through would be dropped here at its first
+        // chunk, unjudged, and its lease given back without a verdict.
+        req.extensions_mut().remove::<PassThrough>();
+        // Its time is its own, not the caller's run of refusals.
+        req.extensions_mut().remove::<RefusedTime>();
+        if req.call_history().is_none()
+            && let Some(history) = Recording::adopt::<ChatCall>()
+        {
+            // Numbered in the caller's history like its own attempts (its telemetry
+            // record carries the caller's call id): the copy carries it off this poll.
+            req.set_call_history(history);
+        }
+        let probe = self.inner.call(req);
+        tokio::spawn(async move {
+            drop(probe.await);
+        });
+        let open = CircuitOpen::new(self.retry_after).with_source(self.source.clone());
+        Either::Right(std::future::ready(Err(Box::new(open))))
+    }
+}
+
 /// What a source's service is built from: the layers and the inner service, all `Sync`.
 struct SourceProto<G: Gate, R> {
     aimd: AimdLayer<AnswerClassifier>,
     known: Arc<[RateLimiter]>,
     breaker: BreakerLayer<G, AnswerClassifier>,
+    /// The breaker's source and the `retry_after` of a caller whose admission was the
+    /// probe ([`ProbeOffPath`]).
+    probe: (SourceId, Duration),
     inner: R,
 }
 
@@ -208,7 +293,7 @@ impl<G: Gate, R: Clone> LazySource<G, R> {
         self.svc.get_mut().get_or_insert_with(|| {
             p.aimd.layer(Known {
                 limiters: Arc::clone(&p.known),
-                inner: p.breaker.layer(p.inner.clone()),
+                inner: ProbeOffPath::new(p.breaker.layer(p.inner.clone()), p.probe.0.clone(), p.probe.1),
             })
         })
     }

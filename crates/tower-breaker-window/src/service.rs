@@ -206,6 +206,19 @@ impl<S, G: Gate, C> Breaker<S, G, C> {
         self.inner
     }
 
+    /// Whether the admission this instance holds (once `poll_ready` returned
+    /// `Ready(Ok)`) is the half-open probe: the one call whose verdict closes the
+    /// breaker or opens it again.
+    ///
+    /// A caller that must not wait for a probe (a balancer with other sources to try)
+    /// can send it off its own path: the response future of `call` records the
+    /// verdict and ends the lease wherever it is polled, on a spawned task included,
+    /// and dropping it unfinished releases the lease.
+    #[must_use]
+    pub const fn admitted_probe(&self) -> bool {
+        matches!(&self.readiness, Readiness::Admitted(lease) if lease.ticket.is_probe())
+    }
+
     /// A handle on this breaker's state.
     #[must_use]
     pub fn handle(&self) -> BreakerHandle {

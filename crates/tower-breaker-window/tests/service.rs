@@ -295,3 +295,30 @@ fn response_future_is_send() {
     let fut = svc.call(Act::Ok);
     send(&fut);
 }
+
+/// `admitted_probe` tells the half-open probe from any other admission, and the probe's
+/// response future records its verdict wherever it is polled: sent on a task of its own
+/// while its caller moves on, it closes the breaker.
+#[tokio::test(start_paused = true)]
+async fn a_probe_sent_off_the_callers_path_still_decides() {
+    let env = MemEnv::new();
+    let layer = BreakerLayer::new(env.backend(), "s", &cfg(&env, 1).build().unwrap());
+    let mut svc = layer.layer(service_fn(act));
+    svc.ready().await.unwrap();
+    assert!(!svc.admitted_probe(), "a closed breaker's admission is no probe");
+    assert!(svc.call(Act::Ok).await.is_ok());
+
+    open_then_half_open(&env, &layer).await;
+    svc.ready().await.unwrap();
+    assert!(svc.admitted_probe());
+    let probe = svc.call(Act::Ok);
+    assert!(!svc.admitted_probe(), "spent by call");
+    // Another caller is refused while it is out.
+    let mut other = svc.clone();
+    other.ready().await.unwrap();
+    assert!(!other.admitted_probe());
+    assert!(is_open(&other.call(Act::Ok).await.unwrap_err()));
+
+    tokio::spawn(probe).await.unwrap().unwrap();
+    assert_eq!(layer.handle().view().await.unwrap().state, BreakerState::Closed);
+}
