@@ -258,6 +258,42 @@ impl<S, Req: CarriesHistory, C> Ctx<S, Req, C> {
         }
     }
 
+    /// The wait for a credible source is over without one admitting: what is left of
+    /// the round, the sources held back as not credible and those deprioritized for
+    /// failing in this call alike, goes healthiest first (of the call's class), but a
+    /// source the request did not fit stays last. A source that failed twice in this
+    /// call but answers most calls of its class is a better last attempt than one that
+    /// fails most (P6: streams' third attempts went to the source whose watchdog cuts
+    /// nine streams in ten, while the one with a few empty answers waited at the tail).
+    fn order_released(&mut self) {
+        if !self.config.policy.has_health_view() {
+            return;
+        }
+        let too_large: Vec<pgw_core::SourceId> = self.history().map_or_else(Vec::new, |h| {
+            h.attempts()
+                .iter()
+                .filter(|a| a.too_large)
+                .filter_map(|a| a.source.clone())
+                .collect()
+        });
+        let Plan::Full(order, pos, _) = &mut self.plan else {
+            return;
+        };
+        let entries = &self.snapshot.entries;
+        let class = self.class;
+        let key = |i: usize| {
+            let state = &entries[i].state;
+            (too_large.contains(state.id()), state.health(class))
+        };
+        if let Some(rest) = order.get_mut(*pos..) {
+            rest.sort_by(|&a, &b| {
+                let (la, ha) = key(a);
+                let (lb, hb) = key(b);
+                la.cmp(&lb).then(hb.total_cmp(&ha))
+            });
+        }
+    }
+
     /// Orders the sources afresh for the next round.
     fn new_round(&mut self, rounds: u64) {
         self.round = Round::new();
@@ -315,6 +351,7 @@ impl<S, Req: CarriesHistory, C> Ctx<S, Req, C> {
                     // back, in the same round.
                     self.round.held_back = false;
                     self.release_deferred = true;
+                    self.order_released();
                     return Poll::Ready(Ok(()));
                 }
                 let waited = now - wait.started;

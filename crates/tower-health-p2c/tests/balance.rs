@@ -827,6 +827,64 @@ async fn a_poor_source_waits_behind_a_briefly_refused_healthy_one() {
     assert_eq!(served[0].1, Duration::from_secs(3), "{served:?}");
 }
 
+/// When no credible source will admit in time, the sources held back go healthiest
+/// first: one that failed twice in this call but answers most calls before one that
+/// fails most (which it used to take, being earlier in the order).
+#[tokio::test(start_paused = true)]
+async fn released_sources_go_healthiest_first() {
+    let poor_fails = Arc::new(AtomicBool::new(true));
+    let sources = Sources::new();
+    sources.insert(
+        "a".into(),
+        fixed(Ok("a"), Duration::ZERO, Arc::new(AtomicUsize::new(0))),
+    );
+    // Over quota far past `max_wait`: credible, but it will not admit in time.
+    sources.insert(
+        "b".into(),
+        over_quota_until(
+            "b",
+            Instant::now() + Duration::from_secs(3600),
+            Arc::new(AtomicUsize::new(0)),
+        ),
+    );
+    let f = Arc::clone(&poor_fails);
+    sources.insert(
+        "p".into(),
+        BoxCloneSyncService::new(service_fn(move |_: Req| {
+            let failing = f.load(Ordering::SeqCst);
+            async move {
+                if failing {
+                    Err::<&str, BoxError>("fail".into())
+                } else {
+                    Ok("p")
+                }
+            }
+        })),
+    );
+    // `p` fails its calls (round robin visits it): its health falls far below `a`'s.
+    let mut rr = balancer(&sources, Policy::RoundRobin);
+    for _ in 0..60 {
+        let _ = rr.ready().await.unwrap().call(Req::default()).await;
+    }
+    poor_fails.store(false, Ordering::SeqCst);
+    let views = sources.views();
+    let health = |id: &str| views.iter().find(|v| v.id().as_str() == id).unwrap().health();
+    assert!(
+        health("p") < 0.5 * health("a"),
+        "p {} a {}",
+        health("p"),
+        health("a")
+    );
+    for seed in 0..8 {
+        let mut lb = balancer(&sources, Policy::HealthAware).with_seed(seed);
+        let (req, h) = with_history();
+        h.record(Some("a".into()), Outcome::Transient);
+        h.record(Some("a".into()), Outcome::Transient);
+        let got = lb.ready().await.unwrap().call(req).await.unwrap();
+        assert_eq!(got, "a", "seed {seed}");
+    }
+}
+
 /// A black hole: accepts, says nothing for 180 s, then times out.
 fn hole(hits: Arc<AtomicUsize>) -> Svc {
     BoxCloneSyncService::new(service_fn(move |_: Req| {
