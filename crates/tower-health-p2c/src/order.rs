@@ -148,6 +148,25 @@ pub(crate) fn deprioritize<S>(
         (0..entries.len()).any(|s| fails[s] == 0 && entries[s].state.health(class) >= bar)
     };
     let (tail, mut head): (Vec<usize>, Vec<usize>) = order.iter().partition(|&&i| to_tail(i));
+    if policy.has_health_view() {
+        // A source that only failed twice in this call goes behind the credible
+        // sources, not behind those failing most calls of the class: it answers most
+        // calls, a better next attempt than one that fails most (P6: a stream's third
+        // attempt went to the source whose watchdog cuts nine streams in ten, while the
+        // credible alternative was over quota and the twice-failed source waited). One
+        // that timed out (R1) or that the request did not fit stays last.
+        let bar = credible_bar(entries, class);
+        let (credible, poor): (Vec<usize>, Vec<usize>) =
+            head.iter().partition(|&&i| entries[i].state.health(class) >= bar);
+        let (last, failed): (Vec<usize>, Vec<usize>) =
+            tail.iter().partition(|&&i| timed_out[i] || too_large[i]);
+        let defer_at = credible.len();
+        *order = credible;
+        order.extend(failed);
+        order.extend(poor);
+        order.extend(last);
+        return defer_at;
+    }
     let defer_at = head.len();
     head.extend(tail);
     *order = head;
@@ -344,7 +363,24 @@ mod tests {
         let es = entries(&[0.83, 0.1, 0.9]);
         let mut order = vec![0, 2, 1];
         deprioritize(Policy::HealthAware, &es, 0, &failed("s1", 2), &mut order);
-        assert_eq!(order, vec![2, 1, 0], "credible s3: s1 to the tail");
+        assert_eq!(
+            order,
+            vec![2, 0, 1],
+            "credible s3: s1 behind it, but before the 10% s2"
+        );
+        // Behind every credible source, and a timed-out source behind the poor ones.
+        let es = entries(&[0.83, 0.1, 0.9, 0.7, 0.2]);
+        let mut order = vec![0, 1, 2, 3, 4];
+        let mut hist = failed("s1", 2);
+        hist.push(AttemptRecord {
+            source: Some("s4".into()),
+            outcome: Outcome::Transient,
+            timed_out: true,
+            too_large: false,
+        });
+        let defer_at = deprioritize(Policy::HealthAware, &es, 0, &hist, &mut order);
+        assert_eq!(order, vec![2, 0, 1, 4, 3]);
+        assert_eq!(defer_at, 1, "only the credible s3 goes before the deferred");
 
         // One failure is not enough; Invalid and Rejected are not failures.
         let mut order = vec![0, 2, 1];
