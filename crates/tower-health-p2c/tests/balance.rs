@@ -158,26 +158,27 @@ async fn outcomes_feed_health_and_history_and_errors_pass_up_unchanged() {
     assert!((sources.view("s1").unwrap().health() - 0.8).abs() < 1e-12);
 }
 
+/// A source answering `name`, or failing while `fail` is set.
+fn fails_while(name: &'static str, fail: Arc<AtomicBool>) -> Svc {
+    BoxCloneSyncService::new(service_fn(move |_: Req| {
+        let failing = fail.load(Ordering::SeqCst);
+        async move {
+            if failing {
+                Err::<&str, BoxError>("fail".into())
+            } else {
+                Ok(name)
+            }
+        }
+    }))
+}
+
 /// Sources named `ids` answering their own name, or failing while their flag is set.
 fn named(ids: &[&'static str]) -> (Sources<Svc>, Vec<Arc<AtomicBool>>) {
     let sources: Sources<Svc> = Sources::new();
     let mut flags = Vec::new();
     for &id in ids {
         let fail = Arc::new(AtomicBool::new(false));
-        let f = Arc::clone(&fail);
-        sources.insert(
-            id.into(),
-            BoxCloneSyncService::new(service_fn(move |_: Req| {
-                let failing = f.load(Ordering::SeqCst);
-                async move {
-                    if failing {
-                        Err::<&str, BoxError>("fail".into())
-                    } else {
-                        Ok(id)
-                    }
-                }
-            })),
-        );
+        sources.insert(id.into(), fails_while(id, Arc::clone(&fail)));
         flags.push(fail);
     }
     (sources, flags)
@@ -466,20 +467,7 @@ async fn sources_change_at_runtime_and_keep_health() {
     // A source that stays keeps its health across changes, and the balancer keeps
     // feeding the same state after it picked up the new set.
     let s2_fails = Arc::new(AtomicBool::new(true));
-    let flag = Arc::clone(&s2_fails);
-    sources.insert(
-        "s2".into(),
-        BoxCloneSyncService::new(service_fn(move |_: Req| {
-            let fail = flag.load(Ordering::SeqCst);
-            async move {
-                if fail {
-                    Err::<&str, BoxError>("fail".into())
-                } else {
-                    Ok("s2")
-                }
-            }
-        })),
-    );
+    sources.insert("s2".into(), fails_while("s2", Arc::clone(&s2_fails)));
     sources.remove("s3");
     let _ = lb.ready().await.unwrap().call(Req::default()).await;
     assert!(
@@ -847,20 +835,7 @@ async fn released_sources_go_healthiest_first() {
             Arc::new(AtomicUsize::new(0)),
         ),
     );
-    let f = Arc::clone(&poor_fails);
-    sources.insert(
-        "p".into(),
-        BoxCloneSyncService::new(service_fn(move |_: Req| {
-            let failing = f.load(Ordering::SeqCst);
-            async move {
-                if failing {
-                    Err::<&str, BoxError>("fail".into())
-                } else {
-                    Ok("p")
-                }
-            }
-        })),
-    );
+    sources.insert("p".into(), fails_while("p", Arc::clone(&poor_fails)));
     // `p` fails its calls (round robin visits it): its health falls far below `a`'s.
     let mut rr = balancer(&sources, Policy::RoundRobin);
     for _ in 0..60 {
