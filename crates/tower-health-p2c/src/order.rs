@@ -100,12 +100,15 @@ pub(crate) fn full<S>(policy: Policy, entries: &[Entry<S>], class: usize, first:
     order
 }
 
-/// In-call deprioritization (H5): a source that failed `>= 2` times in this call goes to
-/// the tail, with a health view only when a credible alternative exists (a source not
-/// yet failed in this call whose health is `>= 0.5 x` the failed one's).
+/// In-call deprioritization (H5): a source that failed `>= 2` times in this call (or
+/// timed out once, or did not fit the request) goes to the tail, with a health view
+/// only when a credible alternative exists (a source not yet failed in this call whose
+/// health is `>= 0.5 x` the failed one's). With a health view the order becomes: the
+/// sources credible for the class, then those that only failed twice, then the poor
+/// ones, then those that timed out or did not fit.
 ///
-/// Returns the position where the deprioritized tail starts (`order.len()` when no
-/// source was moved).
+/// Returns the position where the deferred part starts: `order.len()` when no source
+/// was tried enough; with a health view, the end of the credible sources.
 pub(crate) fn deprioritize<S>(
     policy: Policy,
     entries: &[Entry<S>],
