@@ -105,6 +105,14 @@ impl CallHistory {
         Self::default()
     }
 
+    /// An empty history whose attempts `1..=numbered` were already numbered (by a
+    /// [`Recording`] before the history was made).
+    fn numbered(numbered: u32) -> Self {
+        let history = Self::new();
+        history.inner.numbered.store(numbered, Ordering::Relaxed);
+        history
+    }
+
     fn lock(&self) -> MutexGuard<'_, List> {
         // The lock is never held across an await or a user callback; a poisoned lock can
         // only come from a panic inside one of these short methods, and the data is
@@ -344,11 +352,8 @@ impl Recording {
     /// numbering so far.
     #[must_use]
     pub fn into_history(self) -> CallHistory {
-        self.history.unwrap_or_else(|| {
-            let history = CallHistory::new();
-            history.inner.numbered.store(self.numbered, Ordering::Relaxed);
-            history
-        })
+        self.history
+            .unwrap_or_else(|| CallHistory::numbered(self.numbered))
     }
 
     /// The frame in scope, when it serves `Req`s.
@@ -391,8 +396,7 @@ impl Recording {
             if let Some(h) = made.as_ref() {
                 return Some(h.clone());
             }
-            let history = CallHistory::new();
-            history.inner.numbered.store(frame.numbered, Ordering::Relaxed);
+            let history = CallHistory::numbered(frame.numbered);
             *made = Some(history.clone());
             FRAME.with(|f| f.set(Some(Frame { made: true, ..frame })));
             Some(history)

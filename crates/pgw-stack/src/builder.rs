@@ -400,7 +400,7 @@ impl Wiring<'_> {
             breaker,
             hold: route_hold.map(hold_layer),
             limit: limit_layer(limiter),
-            probe_retry_after: breaker_cfg.probe_ttl().min(breaker_cfg.cooldown()),
+            probe_retry_after: breaker_cfg.probe_out_retry_after(),
         };
         Ok((layer.layer(attempt), handle, hold))
     }

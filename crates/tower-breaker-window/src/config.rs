@@ -133,6 +133,15 @@ impl BreakerConfig {
     pub const fn probe_ttl(&self) -> Duration {
         self.probe_ttl
     }
+
+    /// The `retry_after` an admission refused because a probe just went out hears:
+    /// `min(probe_ttl, cooldown)` (later refusals hear what is left of the probe's
+    /// lease, at most `cooldown`). What a caller that sends the probe off its own path
+    /// tells itself.
+    #[must_use]
+    pub fn probe_out_retry_after(&self) -> Duration {
+        self.probe_ttl.min(self.cooldown)
+    }
 }
 
 /// Builds a [`BreakerConfig`]; also deserializable from config files, with durations

@@ -302,7 +302,8 @@ fn response_future_is_send() {
 #[tokio::test(start_paused = true)]
 async fn a_probe_sent_off_the_callers_path_still_decides() {
     let env = MemEnv::new();
-    let layer = BreakerLayer::new(env.backend(), "s", &cfg(&env, 1).build().unwrap());
+    let config = cfg(&env, 1).build().unwrap();
+    let layer = BreakerLayer::new(env.backend(), "s", &config);
     let mut svc = layer.layer(service_fn(act));
     svc.ready().await.unwrap();
     assert!(!svc.admitted_probe(), "a closed breaker's admission is no probe");
@@ -317,7 +318,13 @@ async fn a_probe_sent_off_the_callers_path_still_decides() {
     let mut other = svc.clone();
     other.ready().await.unwrap();
     assert!(!other.admitted_probe());
-    assert!(is_open(&other.call(Act::Ok).await.unwrap_err()));
+    let refused = other.call(Act::Ok).await.unwrap_err();
+    assert!(is_open(&refused));
+    // What the probe's own caller tells itself is what the others hear.
+    assert_eq!(
+        refused.downcast_ref::<CircuitOpen>().unwrap().retry_after(),
+        config.probe_out_retry_after()
+    );
 
     tokio::spawn(probe).await.unwrap().unwrap();
     assert_eq!(layer.handle().view().await.unwrap().state, BreakerState::Closed);
