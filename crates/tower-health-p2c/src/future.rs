@@ -514,7 +514,13 @@ pub(crate) fn heard_from<T>(state: &SourceState, result: &Result<T, BoxError>, a
     } else {
         state.heard(now);
         if result.is_ok() {
-            state.sample_latency(now.saturating_duration_since(at));
+            // An answer in the poll that dispatched it took no time: no subtraction.
+            let latency = if now == at {
+                Duration::ZERO
+            } else {
+                now.saturating_duration_since(at)
+            };
+            state.sample_latency(latency);
         }
     }
 }
@@ -681,13 +687,15 @@ where
                         }
                         let entry = &this.ctx.snapshot.entries[i];
                         let now = Instant::now();
-                        entry.state.inc(now);
-                        this.ctx.dispatched = Some(i);
-                        this.ctx.dispatched_at = Some(now);
+                        // The scope first: it turns `now` into nanoseconds once, for
+                        // the count below and the gates the dispatch passes.
                         match &dispatched_here {
                             Some(scope) => scope.update(now),
                             None => dispatched_here = Some(clock::Dispatched::enter(now)),
                         }
+                        entry.state.inc(now);
+                        this.ctx.dispatched = Some(i);
+                        this.ctx.dispatched_at = Some(now);
                         let req = &this.ctx.req;
                         match entry.dispatch(cx, || req.clone()) {
                             Dispatch::Called(fut) => this.state.set(State::Calling { fut }),

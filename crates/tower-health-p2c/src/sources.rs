@@ -32,10 +32,13 @@ pub(crate) struct SourceState {
     /// EWMA of the time to a successful answer, seconds, as f64 bits (0: none yet).
     latency_bits: AtomicU64,
     epoch: Instant,
+    /// `epoch` in `pgw_core::clock::nanos`.
+    epoch_ns: u64,
 }
 
 impl SourceState {
     pub(crate) fn new(id: SourceId) -> Self {
+        let epoch = Instant::now();
         Self {
             id,
             ewma_bits: std::array::from_fn(|_| AtomicU64::new(HEALTH_INITIAL.to_bits())),
@@ -44,7 +47,8 @@ impl SourceState {
             timeouts: AtomicU32::new(0),
             probed_ns: AtomicU64::new(0),
             latency_bits: AtomicU64::new(0),
-            epoch: Instant::now(),
+            epoch,
+            epoch_ns: pgw_core::clock::nanos(epoch),
         }
     }
 
@@ -52,8 +56,10 @@ impl SourceState {
         self.ns_at(Instant::now())
     }
 
+    /// Nanoseconds from `epoch` to `at` (0 before it); the instant of the dispatching
+    /// poll costs no conversion (`pgw_core::clock`).
     fn ns_at(&self, at: Instant) -> u64 {
-        u64::try_from(at.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(u64::MAX)
+        pgw_core::clock::nanos(at).saturating_sub(self.epoch_ns)
     }
 
     /// The source answered something at `at` (it is alive, whatever the answer).

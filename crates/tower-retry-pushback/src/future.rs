@@ -216,6 +216,7 @@ impl<Req: CarriesHistory, C, R> Call<Req, C, R> {
         self.history.get_or_insert_with(CallHistory::new)
     }
 
+    #[inline(always)]
     fn new(shared: Arc<Shared<C, R>>, start: CallStart<Req>) -> Self {
         Self {
             shared,
@@ -470,6 +471,7 @@ where
     S: Service<Req>,
     Req: CarriesHistory,
 {
+    #[inline(always)]
     pub(crate) fn new(
         attempt: S::Future,
         service: S,

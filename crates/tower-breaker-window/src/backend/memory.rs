@@ -59,7 +59,7 @@ impl Backend for MemoryBackend {
         MemoryGate(Arc::new(Inner {
             state,
             params: Params::of(config),
-            base: self.base,
+            base_ns: pgw_core::clock::nanos(self.base),
         }))
     }
 }
@@ -76,7 +76,8 @@ struct Shared {
 struct Inner {
     state: Arc<Shared>,
     params: Params,
-    base: Instant,
+    /// The backend's creation, in `pgw_core::clock::nanos`.
+    base_ns: u64,
 }
 
 /// One source's gate in memory.
@@ -92,9 +93,8 @@ impl fmt::Debug for MemoryGate {
 impl MemoryGate {
     fn now(&self) -> Ms {
         // Inside a balancer's dispatching poll, its dispatch's instant (an answer that
-        // came at once is recorded at it): no second clock read.
-        let elapsed = pgw_core::clock::now().saturating_duration_since(self.0.base);
-        u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX)
+        // came at once is recorded at it): no second clock read, no conversion.
+        pgw_core::clock::now_nanos().saturating_sub(self.0.base_ns) / 1_000_000
     }
 
     fn lock(&self) -> MutexGuard<'_, GateState> {

@@ -212,6 +212,7 @@ impl MemoryBackend {
         let sub_ms = config::sub_window_ms(window_ms, config.sub_windows);
         MemoryGate {
             base: self.inner.base,
+            base_ns: pgw_core::clock::nanos(self.inner.base),
             first,
             second,
             limits,
@@ -265,6 +266,8 @@ const MAX_LIMITS: usize = 4;
 /// scope with a concurrency quota, no allocation, and no reference count.
 pub(crate) struct MemoryGate {
     base: Instant,
+    /// `base` in `pgw_core::clock::nanos`: times are nanoseconds since it.
+    base_ns: u64,
     /// The account when there is one, else the source: the lock order, the same for
     /// every limiter.
     first: Scope,
@@ -320,7 +323,7 @@ impl MemoryGate {
 
     #[inline]
     fn since_base(&self, t: Instant) -> u64 {
-        nanos(t.saturating_duration_since(self.base))
+        pgw_core::clock::nanos(t).saturating_sub(self.base_ns)
     }
 
     /// The oldest sub-window still live in sub-window `sub`: the `subs + 1` from it to
@@ -351,7 +354,7 @@ impl MemoryGate {
         // Under a balancer, the instant of its dispatch (this admission runs inside that
         // poll): no second clock read. An admission the words cannot decide reads the
         // clock itself, after locking (`admit_locked`).
-        let now = self.since_base(pgw_core::clock::now());
+        let now = pgw_core::clock::now_nanos().saturating_sub(self.base_ns);
         let sub = period_of(&self.sub_hint, self.sub_ns, now);
         if self.held_at(now) {
             return self.refusal(now, sub, tokens, (0, "hold"));
