@@ -69,6 +69,11 @@ impl Round {
         }
     }
 
+    /// The round in `slot`, allocated at its first use (its first refusal).
+    fn at(slot: &mut Option<Box<Self>>) -> &mut Self {
+        slot.get_or_insert_with(|| Box::new(Self::new()))
+    }
+
     fn refuse(&mut self, na: NotAdmitted, err: BoxError) {
         if let Some(d) = na.retry_after() {
             self.wake_after = Some(self.wake_after.map_or(d, |w| w.min(d)));
@@ -142,7 +147,9 @@ struct Ctx<S, Req, C> {
     /// The wait for a credible source ended without one admitting: the sources
     /// deprioritized in this call may be dispatched.
     release_deferred: bool,
-    round: Round,
+    /// Allocated at the first refusal (see [`Ctx::round`]): a call admitted at once
+    /// carries none, and its future stays small (it is moved several times).
+    round: Option<Box<Round>>,
     wait: Option<Box<Wait>>,
     /// Slow-call detection's timer on the attempt in flight: when its source could
     /// first be silent with the attempt old enough to cut (armed only once the attempt
@@ -244,7 +251,7 @@ impl<S, Req: CarriesHistory, C> Ctx<S, Req, C> {
                 // wait for it instead of spending an attempt on a source that failed
                 // twice in this call (H5) or whose health is below half of the waiting
                 // source's (H5's credible-alternative rule, applied to every attempt).
-                let round = &mut self.round;
+                let round = Round::at(&mut self.round);
                 let soon = round.paced.is_some() || round.quota.is_some();
                 let not_credible = *pos >= *defer_at
                     || entries[next].state.health(self.class) < CREDIBLE_HEALTH_RATIO * round.soon_best;
@@ -296,7 +303,9 @@ impl<S, Req: CarriesHistory, C> Ctx<S, Req, C> {
 
     /// Orders the sources afresh for the next round.
     fn new_round(&mut self, rounds: u64) {
-        self.round = Round::new();
+        if let Some(round) = &mut self.round {
+            **round = Round::new();
+        }
         let entries = &self.snapshot.entries;
         let policy = self.config.policy;
         let mut rng = SmallRng::seed_from_u64(self.seed.wrapping_add(rounds));
@@ -320,9 +329,9 @@ impl<S, Req: CarriesHistory, C> Ctx<S, Req, C> {
         if self.snapshot.entries.is_empty() {
             return Poll::Ready(Err(Box::new(NoSources)));
         }
-        if self.round.all_open {
+        if Round::at(&mut self.round).all_open {
             // Every source is breaker-open: fail fast with the earliest (H7).
-            return Poll::Ready(Err(self.round.earliest_open()));
+            return Poll::Ready(Err(Round::at(&mut self.round).earliest_open()));
         }
         let call_deadline = self.history().and_then(CallHistory::deadline);
         let wait = self.wait.get_or_insert_with(|| {
@@ -339,23 +348,24 @@ impl<S, Req: CarriesHistory, C> Ctx<S, Req, C> {
         });
         if wait.sleep.is_none() {
             let now = Instant::now();
-            let paced = self.round.paced.is_some();
+            let round = Round::at(&mut self.round);
+            let paced = round.paced.is_some();
             // With nothing paced, no source can admit before the earliest `retry_after`:
             // when that is past the deadline (`max_wait`, or the call's own), fail now
             // instead of sleeping until it.
-            let wake_at = self.round.wake_after.map(|d| later(now, d));
+            let wake_at = round.wake_after.map(|d| later(now, d));
             let hopeless = !paced && wake_at.is_some_and(|at| at > wait.deadline);
             if now >= wait.deadline || hopeless {
-                if self.round.held_back {
+                if round.held_back {
                     // No credible source will admit in time: go on to the sources held
                     // back, in the same round.
-                    self.round.held_back = false;
+                    round.held_back = false;
                     self.release_deferred = true;
                     self.order_released();
                     return Poll::Ready(Ok(()));
                 }
                 let waited = now - wait.started;
-                let last = self.round.last_error();
+                let last = round.last_error();
                 return Poll::Ready(Err(Box::new(NoneAdmitted::new(waited, last))));
             }
             if paced && wait.armed.is_none() {
@@ -466,11 +476,12 @@ impl<S, Req: CarriesHistory, C> Ctx<S, Req, C> {
                 Some(na) => {
                     if !matches!(na, NotAdmitted::CircuitOpen(_) | NotAdmitted::Never) {
                         let h = state.health(self.class);
-                        self.round.soon_best = self.round.soon_best.max(h);
+                        let round = Round::at(&mut self.round);
+                        round.soon_best = round.soon_best.max(h);
                     }
                     self.dispatched = None;
                     state.dec();
-                    self.round.refuse(na, e);
+                    Round::at(&mut self.round).refuse(na, e);
                     return None;
                 }
                 None => Err(e),
@@ -633,7 +644,7 @@ impl<S, F, Req, C> ResponseFuture<S, F, Req, C> {
                 dispatched: None,
                 dispatched_at: None,
                 release_deferred: false,
-                round: Round::new(),
+                round: None,
                 wait: None,
                 cut: None,
             },
@@ -680,8 +691,7 @@ where
                             // Slow-call detection: calls hang there; refused like an
                             // open circuit until they end, or until a probe hears it.
                             let open = CircuitOpen::new(after);
-                            this.ctx
-                                .round
+                            Round::at(&mut this.ctx.round)
                                 .refuse(NotAdmitted::CircuitOpen(after), Box::new(open));
                             continue;
                         }
