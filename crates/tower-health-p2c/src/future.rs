@@ -147,7 +147,7 @@ struct Ctx<S, Req, C> {
     /// The wait for a credible source ended without one admitting: the sources
     /// deprioritized in this call may be dispatched.
     release_deferred: bool,
-    /// Allocated at the first refusal (see [`Ctx::round`]): a call admitted at once
+    /// Allocated at the first refusal ([`Round::at`]): a call admitted at once
     /// carries none, and its future stays small (it is moved several times).
     round: Option<Box<Round>>,
     wait: Option<Box<Wait>>,
