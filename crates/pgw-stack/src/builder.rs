@@ -30,7 +30,7 @@ use crate::route::{Plan, Pushback, QuotaHold, RouteHold, RouteHolds, RouteSpec};
 use crate::settings::{
     aimd_config, balance_config, breaker_config, quota_hold, rate_limit_config, retry_config,
 };
-use crate::source::{SourceBreaker, SourceLayer, SourceService, hold_layer, limit_layer};
+use crate::source::{HealthViews, SourceBreaker, SourceLayer, SourceService, hold_layer, limit_layer};
 use crate::telemetry::{JsonlSink, PriceTable, Telemetry, TelemetrySink, TracingSink};
 use crate::validate::{Validate, Validator};
 
@@ -172,10 +172,17 @@ impl GatewayBuilder {
                 continue;
             };
             let group = Arc::from(plan.groups[first].name.as_str());
-            let (service, handle, hold) = wiring.route(route, &mut sources, &group, &group_sources[first])?;
+            let (service, handle, hold, health) =
+                wiring.route(route, &mut sources, &group, &group_sources[first])?;
             for &g in &in_groups {
                 group_sources[g].insert(route.id.clone(), service.clone());
             }
+            health.set(
+                in_groups
+                    .iter()
+                    .filter_map(|&g| group_sources[g].view(route.id.as_str()))
+                    .collect(),
+            );
             holds.insert(route.id.clone(), hold);
             handles.push(handle);
         }
@@ -309,7 +316,7 @@ impl Wiring<'_> {
         parts: &mut SourceParts,
         group: &Arc<str>,
         sources: &Sources<SourceService>,
-    ) -> Result<(SourceService, SourceHandles, RouteHold), BoxError> {
+    ) -> Result<(SourceService, SourceHandles, RouteHold, HealthViews), BoxError> {
         let cfg = self.cfg;
         let sc = &cfg.sources[route.source];
         let at = format!("sources[{}]", route.source);
@@ -401,8 +408,9 @@ impl Wiring<'_> {
             hold: route_hold.map(hold_layer),
             limit: limit_layer(limiter),
             probe_retry_after: breaker_cfg.probe_out_retry_after(),
+            health: HealthViews::default(),
         };
-        Ok((layer.layer(attempt), handle, hold))
+        Ok((layer.layer(attempt), handle, hold, layer.health))
     }
 }
 

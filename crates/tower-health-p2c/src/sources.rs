@@ -173,6 +173,16 @@ impl SourceState {
         }
     }
 
+    /// The source recovered at `at`, as a gate below judged it (see
+    /// [`SourceHealth::recovered`]): every class's health back to [`HEALTH_INITIAL`],
+    /// and heard from (its silence, if any, is over).
+    pub(crate) fn restore(&self, at: Instant) {
+        for ewma in &self.ewma_bits {
+            ewma.store(HEALTH_INITIAL.to_bits(), Ordering::Relaxed);
+        }
+        self.heard(at);
+    }
+
     /// An attempt dispatched at `at`.
     pub(crate) fn inc(&self, at: Instant) {
         if self.inflight.fetch_add(1, Ordering::Relaxed) == 0 && !self.timed_out_since_heard(1) {
@@ -201,7 +211,9 @@ impl SourceState {
     }
 }
 
-/// A read-only live view of one source's health and inflight count, for metrics (S6).
+/// A live view of one source's health and inflight count, for metrics (S6), and the
+/// one thing a gate below may tell the balancer about it: that it
+/// [recovered](Self::recovered).
 #[derive(Clone)]
 pub struct SourceHealth {
     state: Arc<SourceState>,
@@ -239,6 +251,22 @@ impl SourceHealth {
     #[must_use]
     pub fn score(&self) -> f64 {
         self.state.score(0)
+    }
+
+    /// Says that the source recovered: a gate below that had put it out after failures
+    /// saw it answer again (a circuit breaker whose half-open probe succeeded, the probe
+    /// sent off the balancer's path). Its health starts afresh, every class back to
+    /// [`HEALTH_INITIAL`](crate::HEALTH_INITIAL) as for a new source, and it counts as
+    /// heard from now (not silent).
+    ///
+    /// Without it the balancer keeps the health the failures left (near the floor after
+    /// a failing minute) until calls go there, and calls do not go to a source below
+    /// half the health of one that is merely busy ([`CREDIBLE_HEALTH_RATIO`](crate::CREDIBLE_HEALTH_RATIO)):
+    /// a source back from an outage stayed out while callers waited for busy ones, up
+    /// to [`BalanceConfig::max_wait`](crate::BalanceConfig::max_wait). If it fails
+    /// again, its failures bring the health down as fast as before.
+    pub fn recovered(&self) {
+        self.state.restore(Instant::now());
     }
 }
 

@@ -14,7 +14,9 @@ use tokio::time::Instant;
 use tower::util::BoxCloneSyncService;
 use tower::{Service, ServiceExt, service_fn};
 use tower_aimd::{AimdConfig, AimdLayer};
-use tower_health_p2c::{BalanceConfig, HealthP2c, NoSources, NoneAdmitted, Policy, SilentCut, Sources};
+use tower_health_p2c::{
+    BalanceConfig, HEALTH_CLASSES, HealthP2c, NoSources, NoneAdmitted, Policy, SilentCut, Sources,
+};
 use tower_layer::Layer;
 
 #[derive(Clone, Default)]
@@ -813,6 +815,32 @@ async fn a_poor_source_waits_behind_a_briefly_refused_healthy_one() {
     // briefly refused: the first waited for the quota, the rest found it open.
     assert!(served.iter().all(|(s, _)| *s == "good"), "{served:?}");
     assert_eq!(served[0].1, Duration::from_secs(3), "{served:?}");
+}
+
+/// A source a gate below saw recover (`SourceHealth::recovered`) is healthy again at
+/// once: it no longer waits behind a healthier source that is only briefly refused
+/// (the call before `recovered` waited, see the test above).
+#[tokio::test(start_paused = true)]
+async fn a_recovered_source_is_dispatched_at_once() {
+    let (sources, flags) = named(&["good", "back"]);
+    degrade(&sources, &flags, 1, 8).await; // back: 0.8^8 = 0.17
+    let back = sources.view("back").unwrap();
+    assert!(back.health() < 0.5 * sources.view("good").unwrap().health());
+    back.recovered();
+    assert_eq!(back.health(), 1.0);
+    assert!((1..HEALTH_CLASSES).all(|c| back.health_of(c) == 1.0));
+    // `good` over quota for 3 s: the calls go to `back` without waiting for it.
+    let until = Instant::now() + Duration::from_secs(3);
+    sources.insert(
+        "good".into(),
+        over_quota_until("good", until, Arc::new(AtomicUsize::new(0))),
+    );
+    for seed in 0..6 {
+        let mut lb = balancer(&sources, Policy::HealthAware).with_seed(seed);
+        let t0 = Instant::now();
+        let got = lb.ready().await.unwrap().call(Req::default()).await.unwrap();
+        assert_eq!((got, t0.elapsed()), ("back", Duration::ZERO), "seed {seed}");
+    }
 }
 
 /// When no credible source will admit in time, the sources held back go healthiest
