@@ -27,6 +27,11 @@ pub(crate) struct SourceState {
     heard_ns: AtomicU64,
     /// Attempts timed out since the source last answered.
     timeouts: AtomicU32,
+    /// Nanoseconds after `epoch` when the latest-dispatched attempt that was answered
+    /// (anything but a timeout) was dispatched (0: none yet).
+    answered_sent_ns: AtomicU64,
+    /// Nanoseconds after `epoch` when an attempt last timed out (0: none yet).
+    timed_out_ns: AtomicU64,
     /// Nanoseconds after `epoch` when the last detached probe started (0: none yet).
     probed_ns: AtomicU64,
     /// EWMA of the time to a successful answer, seconds, as f64 bits (0: none yet).
@@ -42,6 +47,8 @@ impl SourceState {
             inflight: AtomicUsize::new(0),
             heard_ns: AtomicU64::new(0),
             timeouts: AtomicU32::new(0),
+            answered_sent_ns: AtomicU64::new(0),
+            timed_out_ns: AtomicU64::new(0),
             probed_ns: AtomicU64::new(0),
             latency_bits: AtomicU64::new(0),
             epoch: Instant::now(),
@@ -73,9 +80,29 @@ impl SourceState {
         }
     }
 
-    /// An attempt ran out of time: the source said nothing.
-    pub(crate) fn timed_out(&self) {
+    /// An attempt dispatched at `sent` was answered (anything but a timeout).
+    pub(crate) fn answered_sent_at(&self, sent: Instant) {
+        let ns = self.ns_at(sent).max(1);
+        if self.answered_sent_ns.load(Ordering::Relaxed) < ns {
+            self.answered_sent_ns.fetch_max(ns, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether an attempt sent at `at` and still unanswered looks swallowed: attempts
+    /// timed out since it was sent (the source was dropping requests around then), and
+    /// an attempt sent after it has been answered (it overtook this one).
+    pub(crate) fn swallowed(&self, at: Instant) -> bool {
+        // At least 1, as stored: 0 means "none yet".
+        let sent = self.ns_at(at).max(1);
+        self.timed_out_ns.load(Ordering::Relaxed) >= sent
+            && self.answered_sent_ns.load(Ordering::Relaxed) > sent
+    }
+
+    /// An attempt ran out of time at `now`: the source said nothing.
+    pub(crate) fn timed_out(&self, now: Instant) {
         self.timeouts.fetch_add(1, Ordering::Relaxed);
+        self.timed_out_ns
+            .fetch_max(self.ns_at(now).max(1), Ordering::Relaxed);
     }
 
     /// Whether attempts timed out since the source last answered: at least `n`.

@@ -1079,6 +1079,73 @@ async fn a_slow_or_never_measured_source_is_not_cut_before_its_time() {
     assert_eq!(spawn_timed(&lb).await, (Duration::from_secs(180), Err(None)));
 }
 
+/// A source whose `n`-th request waits `script[n].0` and then answers `ok` (`true`) or
+/// times out (`false`).
+fn scripted(script: Vec<(u64, bool)>) -> Svc {
+    let script = Arc::new(Mutex::new(script.into_iter()));
+    BoxCloneSyncService::new(service_fn(move |_: Req| {
+        let (secs, ok) = script.lock().unwrap().next().expect("a scripted answer");
+        async move {
+            tokio::time::sleep(Duration::from_secs(secs)).await;
+            if ok {
+                Ok("ok")
+            } else {
+                Err::<&'static str, BoxError>(Box::new(pgw_core::TimedOut))
+            }
+        }
+    }))
+}
+
+/// A black hole that heals: an attempt it swallowed (attempts timed out since it was
+/// sent, and the source then answered one sent after it) is cut once `silent_after`
+/// old, though the source is not silent any more. Before, it was cut only once the
+/// source had been quiet for `silent_after` again, and with traffic answered, never
+/// before its own timeout.
+#[tokio::test(start_paused = true)]
+async fn an_attempt_a_healed_black_hole_swallowed_is_cut_once_old_enough() {
+    // Measured at 1 s; then `swallowed` (t = 1 s) and `dropped` (t = 2 s, timing out
+    // at t = 32 s) go into the hole; it heals and answers `after` (t = 35 s) in 1 s.
+    let sources = Sources::new();
+    sources.insert(
+        SourceId::from("s"),
+        scripted(vec![(1, true), (180, false), (30, false), (1, true)]),
+    );
+    let lb = balancer(&sources, Policy::HealthAware);
+    assert_eq!(spawn_timed(&lb).await, (Duration::from_secs(1), Ok("ok")));
+    let swallowed = spawn_timed(&lb);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let dropped = spawn_timed(&lb);
+    assert_eq!(dropped.await, (Duration::from_secs(30), Err(None)));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(spawn_timed(&lb).await, (Duration::from_secs(1), Ok("ok")));
+    // Cut at t = 61 s, 60 s old (heard from 25 s before), not at its 180 s.
+    let sixty = Duration::from_secs(60);
+    assert_eq!(
+        swallowed.await,
+        (sixty, Err(Some((Duration::from_secs(25), sixty))))
+    );
+    assert_eq!(sources.views()[0].inflight(), 0);
+}
+
+/// An attempt overtaken by later answers, with no timeout since it was sent, is a long
+/// answer, not a swallowed request: it runs to its end while the source answers others.
+#[tokio::test(start_paused = true)]
+async fn an_overtaken_attempt_without_timeouts_is_left_to_answer() {
+    let sources = Sources::new();
+    sources.insert(
+        SourceId::from("s"),
+        scripted(vec![(1, true), (100, true), (1, true), (1, true), (1, true)]),
+    );
+    let lb = balancer(&sources, Policy::HealthAware);
+    assert_eq!(spawn_timed(&lb).await.1, Ok("ok"));
+    let long = spawn_timed(&lb);
+    for _ in 0..3 {
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        assert_eq!(spawn_timed(&lb).await.1, Ok("ok"));
+    }
+    assert_eq!(long.await, (Duration::from_secs(100), Ok("ok")));
+}
+
 #[test]
 fn a_zero_silence_threshold_is_a_config_error() {
     let bad = BalanceConfig {
