@@ -147,6 +147,8 @@ impl GatewayBuilder {
         let closed_view = secs_or_off("breaker.closed_view_s", cfg.breaker.closed_view_s)?
             .unwrap_or(tower_breaker_window::DEFAULT_CLOSED_VIEW);
         let backends = Backends::new(redis.as_ref(), &prefix, closed_view);
+        let retry_cfg = retry_config(&cfg)?;
+        let balance_cfg = balance_config(&cfg)?;
         let wiring = Wiring {
             cfg: &cfg,
             prefix: &prefix,
@@ -154,9 +156,8 @@ impl GatewayBuilder {
             telemetry: &telemetry,
             validator: self.validator.as_ref(),
             transport: self.transport.as_deref(),
+            cut_after: balance_cfg.silent_after.filter(|_| balance_cfg.cut_silent),
         };
-        let retry_cfg = retry_config(&cfg)?;
-        let balance_cfg = balance_config(&cfg)?;
         let progress = Progress::new();
 
         let plan = Plan::of(&cfg);
@@ -299,6 +300,8 @@ struct Wiring<'a> {
     telemetry: &'a Telemetry,
     validator: Option<&'a Validator>,
     transport: Option<&'a TransportFactory>,
+    /// The balancer's `silent_after` when it cuts attempts in flight.
+    cut_after: Option<Duration>,
 }
 
 /// What the routes of one source share: its transport (one connection pool) and its
@@ -408,7 +411,7 @@ impl Wiring<'_> {
             hold: route_hold.map(hold_layer),
             limit: limit_layer(limiter),
             probe_retry_after: breaker_cfg.probe_out_retry_after(),
-            health: HealthViews::default(),
+            health: HealthViews::new(self.cut_after),
         };
         Ok((layer.layer(attempt), handle, hold, layer.health))
     }

@@ -14,7 +14,7 @@ use sync_wrapper::SyncWrapper;
 use tower::util::BoxCloneSyncService;
 use tower_aimd::{Aimd, AimdLayer};
 use tower_breaker_window::{Breaker, BreakerHandle, BreakerLayer, Gate, MemoryGate, RedisGate};
-use tower_health_p2c::SourceHealth;
+use tower_health_p2c::{CUT_LATENCY_FACTOR, SourceHealth};
 use tower_layer::Layer;
 use tower_ratelimit_redis::{Admission, NoTokens, RateLimitLayer, RateLimiter};
 use tower_service::Service;
@@ -95,16 +95,37 @@ pub(crate) struct SourceLayer {
 /// service is in its groups. A half-open probe that succeeds tells them the source
 /// [recovered](SourceHealth::recovered) ([`ProbeOffPath`]).
 #[derive(Clone, Default)]
-pub(crate) struct HealthViews(Arc<OnceLock<Vec<SourceHealth>>>);
+pub(crate) struct HealthViews {
+    views: Arc<OnceLock<Vec<SourceHealth>>>,
+    /// The balancer's `silent_after` when it cuts attempts (`cut_silent`): a probe is
+    /// given up as such an attempt would be cut.
+    cut_after: Option<Duration>,
+}
 
 impl HealthViews {
+    pub(crate) fn new(cut_after: Option<Duration>) -> Self {
+        Self {
+            views: Arc::default(),
+            cut_after,
+        }
+    }
+
     /// Sets the views (once; a second call changes nothing).
     pub(crate) fn set(&self, views: Vec<SourceHealth>) {
-        let _ = self.0.set(views);
+        let _ = self.views.set(views);
+    }
+
+    /// How long a probe may go unanswered before it is given up: the balancer's
+    /// `silent_after`, or [`CUT_LATENCY_FACTOR`] times the source's latency when longer
+    /// (`None`: no cut configured, or the source never answered a success).
+    fn probe_limit(&self) -> Option<Duration> {
+        let after = self.cut_after?;
+        let latency = self.views.get()?.iter().find_map(SourceHealth::latency)?;
+        Some(after.max(latency.mul_f64(CUT_LATENCY_FACTOR)))
     }
 
     fn recovered(&self) {
-        for view in self.0.get().into_iter().flatten() {
+        for view in self.views.get().into_iter().flatten() {
             view.recovered();
         }
     }
@@ -214,6 +235,12 @@ where
 /// Without that, on the flapping soak (a source failing one minute in two) the source
 /// took 20-55 s after its breaker closed to carry 8 calls again, while callers waited
 /// for busy healthier ones.
+///
+/// A probe unanswered for as long as the balancer lets an attempt run unanswered
+/// before it cuts it ([`HealthViews`]' limit) is given up without a verdict: the lease
+/// goes back and the next admission probes again. A probe a black hole swallowed used
+/// to hold the lease for its whole attempt timeout, the source out that long after it
+/// healed.
 #[derive(Clone)]
 pub(crate) struct ProbeOffPath<S> {
     inner: S,
@@ -270,8 +297,20 @@ where
         }
         let probe = self.inner.call(req);
         let health = self.health.clone();
+        let limit = health.probe_limit();
         tokio::spawn(async move {
-            if AnswerClassifier.classify(&probe.await).is_success() {
+            let result = match limit {
+                // A probe the source swallowed (a black hole) would hold the breaker's
+                // lease for a whole attempt timeout, the source kept out that long after
+                // it heals: given up as the balancer would cut such an attempt, it ends
+                // without a verdict and the next admission probes again at once.
+                Some(limit) => match tokio::time::timeout(limit, probe).await {
+                    Ok(result) => result,
+                    Err(_) => return,
+                },
+                None => probe.await,
+            };
+            if AnswerClassifier.classify(&result).is_success() {
                 // The breaker closed on it (its future recorded the verdict).
                 health.recovered();
             }

@@ -147,3 +147,58 @@ async fn a_successful_probe_gives_the_recovered_source_its_traffic_back() {
     assert!(took < Duration::from_millis(1500), "waited {took:?}");
     callers.iter().for_each(JoinHandle::abort);
 }
+
+/// A phased `f64` schedule: `(from_s, value)` pairs.
+fn phases(p: &[(f64, f64)]) -> Schedule<f64> {
+    Schedule::Phases {
+        phases: p.iter().map(|&(from_s, value)| Phase { from_s, value }).collect(),
+    }
+}
+
+/// A half-open probe that a black hole swallows is given up once the balancer would
+/// cut such an attempt (its `silent_after`, 60 s, here longer than 4 x the source's
+/// latency), without a verdict, so the next call probes again and a source that healed
+/// meanwhile is back. Before, the probe held the breaker's lease for its whole attempt
+/// timeout (180 s): the source stayed out more than two minutes after it healed.
+#[tokio::test(start_paused = true)]
+async fn a_probe_a_black_hole_swallowed_is_given_up() {
+    // Answers until 5 s (its latency measured), 503s until 20 s (the breaker opens),
+    // swallows requests until 40 s (a probe goes in), answers after.
+    let hole = pgw_sim::SourceConfig {
+        server_error_rate: phases(&[(0.0, 0.0), (5.0, 1.0), (20.0, 0.0)]),
+        black_hole_rate: phases(&[(0.0, 0.0), (20.0, 1.0), (40.0, 0.0)]),
+        ..pgw_sim::SourceConfig::quick("hole")
+    };
+    let pool = SimPool::new(PoolConfig::of(vec![hole]), 5).unwrap();
+    let mut cfg = GatewayConfig::default();
+    cfg.cache.enabled = false;
+    cfg.breaker.cooldown_s = Some(COOLDOWN_S);
+    cfg.sources.push(SourceConfig::new(
+        "hole",
+        "http://sim.invalid/hole/v1",
+        SecretKey::new("sk-x"),
+    ));
+    let gw = support::sim_gateway(&pool, cfg, &MemorySink::default()).await;
+    let state = || async { gw.sources()[0].breaker.view().await.unwrap() };
+
+    gw.clone().oneshot(ChatCall::new(ask("measured"))).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    // A call a second: 503s open the breaker, probes go out after each open period,
+    // one into the hole (from 20 s) and, once given up, one that finds it healed.
+    let start = Instant::now();
+    let mut closed_at = None;
+    for i in 0..150 {
+        let _ = gw.clone().oneshot(ChatCall::new(ask(&format!("call {i}")))).await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        if i > 20 && state().await.state == BreakerState::Closed {
+            closed_at = Some(start.elapsed());
+            break;
+        }
+    }
+    // Healed at 40 s; the probe that went in at 20-30 s is given up at 80-90 s.
+    let closed_at = closed_at.expect("the breaker never closed");
+    assert!(
+        closed_at < Duration::from_secs(95),
+        "closed {closed_at:?} after the first 503"
+    );
+}

@@ -280,6 +280,15 @@ impl SourceHealth {
         self.state.score(0)
     }
 
+    /// The EWMA of the time to a successful answer (to its first chunk when it
+    /// streams); `None` before the first.
+    #[must_use]
+    pub fn latency(&self) -> Option<Duration> {
+        self.state
+            .measured_latency()
+            .and_then(|s| Duration::try_from_secs_f64(s).ok())
+    }
+
     /// Says that the source recovered: a gate below that had put it out after failures
     /// saw it answer again (a circuit breaker whose half-open probe succeeded, the probe
     /// sent off the balancer's path). Its health starts afresh, every class back to
