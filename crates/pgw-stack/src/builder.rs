@@ -30,7 +30,7 @@ use crate::route::{Plan, Pushback, QuotaHold, RouteHold, RouteHolds, RouteSpec};
 use crate::settings::{
     aimd_config, balance_config, breaker_config, quota_hold, rate_limit_config, retry_config,
 };
-use crate::source::{SourceBreaker, SourceLayer, SourceService, hold_layer, limit_layer};
+use crate::source::{HealthViews, SourceBreaker, SourceLayer, SourceService, hold_layer, limit_layer};
 use crate::telemetry::{JsonlSink, PriceTable, Telemetry, TelemetrySink, TracingSink};
 use crate::validate::{Validate, Validator};
 
@@ -147,6 +147,8 @@ impl GatewayBuilder {
         let closed_view = secs_or_off("breaker.closed_view_s", cfg.breaker.closed_view_s)?
             .unwrap_or(tower_breaker_window::DEFAULT_CLOSED_VIEW);
         let backends = Backends::new(redis.as_ref(), &prefix, closed_view);
+        let retry_cfg = retry_config(&cfg)?;
+        let balance_cfg = balance_config(&cfg)?;
         let wiring = Wiring {
             cfg: &cfg,
             prefix: &prefix,
@@ -154,9 +156,8 @@ impl GatewayBuilder {
             telemetry: &telemetry,
             validator: self.validator.as_ref(),
             transport: self.transport.as_deref(),
+            cut_after: balance_cfg.silent_after.filter(|_| balance_cfg.cut_silent),
         };
-        let retry_cfg = retry_config(&cfg)?;
-        let balance_cfg = balance_config(&cfg)?;
         let progress = Progress::new();
 
         let plan = Plan::of(&cfg);
@@ -172,10 +173,17 @@ impl GatewayBuilder {
                 continue;
             };
             let group = Arc::from(plan.groups[first].name.as_str());
-            let (service, handle, hold) = wiring.route(route, &mut sources, &group, &group_sources[first])?;
+            let (service, handle, hold, health) =
+                wiring.route(route, &mut sources, &group, &group_sources[first])?;
             for &g in &in_groups {
                 group_sources[g].insert(route.id.clone(), service.clone());
             }
+            health.set(
+                in_groups
+                    .iter()
+                    .filter_map(|&g| group_sources[g].view(route.id.as_str()))
+                    .collect(),
+            );
             holds.insert(route.id.clone(), hold);
             handles.push(handle);
         }
@@ -292,6 +300,8 @@ struct Wiring<'a> {
     telemetry: &'a Telemetry,
     validator: Option<&'a Validator>,
     transport: Option<&'a TransportFactory>,
+    /// The balancer's `silent_after` when it cuts attempts in flight.
+    cut_after: Option<Duration>,
 }
 
 /// What the routes of one source share: its transport (one connection pool) and its
@@ -309,7 +319,7 @@ impl Wiring<'_> {
         parts: &mut SourceParts,
         group: &Arc<str>,
         sources: &Sources<SourceService>,
-    ) -> Result<(SourceService, SourceHandles, RouteHold), BoxError> {
+    ) -> Result<(SourceService, SourceHandles, RouteHold, HealthViews), BoxError> {
         let cfg = self.cfg;
         let sc = &cfg.sources[route.source];
         let at = format!("sources[{}]", route.source);
@@ -401,8 +411,9 @@ impl Wiring<'_> {
             hold: route_hold.map(hold_layer),
             limit: limit_layer(limiter),
             probe_retry_after: breaker_cfg.probe_out_retry_after(),
+            health: HealthViews::new(self.cut_after),
         };
-        Ok((layer.layer(attempt), handle, hold))
+        Ok((layer.layer(attempt), handle, hold, layer.health))
     }
 }
 

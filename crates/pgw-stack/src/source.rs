@@ -3,17 +3,18 @@
 //! breaker -> the route's holds -> the source's rate limit, over the attempt service.
 
 use std::future::Ready;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use futures_util::future::Either;
 use pgw_client::{AnswerClassifier, ChatAnswer, ChatCall, PassThrough};
-use pgw_core::{BoxError, CarriesHistory, CircuitOpen, Recording, SourceId};
+use pgw_core::{BoxError, CarriesHistory, CircuitOpen, Classify, Recording, SourceId};
 use sync_wrapper::SyncWrapper;
 use tower::util::BoxCloneSyncService;
 use tower_aimd::{Aimd, AimdLayer};
 use tower_breaker_window::{Breaker, BreakerHandle, BreakerLayer, Gate, MemoryGate, RedisGate};
+use tower_health_p2c::{CUT_LATENCY_FACTOR, SourceHealth};
 use tower_layer::Layer;
 use tower_ratelimit_redis::{Admission, NoTokens, RateLimitLayer, RateLimiter};
 use tower_service::Service;
@@ -86,6 +87,48 @@ pub(crate) struct SourceLayer {
     /// What a caller whose admission was the half-open probe is told to wait
     /// ([`ProbeOffPath`]): the breaker's `min(probe_ttl, cooldown)`.
     pub(crate) probe_retry_after: Duration,
+    /// The balancers' views of the route, told when a probe succeeds ([`ProbeOffPath`]).
+    pub(crate) health: HealthViews,
+}
+
+/// The balancers' views of one route (one per group it is in), filled once the route's
+/// service is in its groups. A half-open probe that succeeds tells them the source
+/// [recovered](SourceHealth::recovered) ([`ProbeOffPath`]).
+#[derive(Clone, Default)]
+pub(crate) struct HealthViews {
+    views: Arc<OnceLock<Vec<SourceHealth>>>,
+    /// The balancer's `silent_after` when it cuts attempts (`cut_silent`): a probe is
+    /// given up as such an attempt would be cut.
+    cut_after: Option<Duration>,
+}
+
+impl HealthViews {
+    pub(crate) fn new(cut_after: Option<Duration>) -> Self {
+        Self {
+            views: Arc::default(),
+            cut_after,
+        }
+    }
+
+    /// Sets the views (once; a second call changes nothing).
+    pub(crate) fn set(&self, views: Vec<SourceHealth>) {
+        let _ = self.views.set(views);
+    }
+
+    /// How long a probe may go unanswered before it is given up: the balancer's
+    /// `silent_after`, or [`CUT_LATENCY_FACTOR`] times the source's latency when longer
+    /// (`None`: no cut configured, or the source never answered a success).
+    fn probe_limit(&self) -> Option<Duration> {
+        let after = self.cut_after?;
+        let latency = self.views.get()?.iter().find_map(SourceHealth::latency)?;
+        Some(after.max(latency.mul_f64(CUT_LATENCY_FACTOR)))
+    }
+
+    fn recovered(&self) {
+        for view in self.views.get().into_iter().flatten() {
+            view.recovered();
+        }
+    }
 }
 
 impl<S> Layer<S> for SourceLayer
@@ -105,12 +148,12 @@ where
             .map(|h| h.limiter().clone())
             .chain([self.limit.limiter().clone()])
             .collect();
-        let after = self.probe_retry_after;
+        let probe = (self.probe_retry_after, self.health.clone());
         match (&self.breaker, &self.hold) {
-            (SourceBreaker::Memory(b), None) => lazy(aimd, known, b.clone(), after, inner),
-            (SourceBreaker::Redis(b), None) => lazy(aimd, known, b.clone(), after, inner),
-            (SourceBreaker::Memory(b), Some(h)) => lazy(aimd, known, b.clone(), after, h.layer(inner)),
-            (SourceBreaker::Redis(b), Some(h)) => lazy(aimd, known, b.clone(), after, h.layer(inner)),
+            (SourceBreaker::Memory(b), None) => lazy(aimd, known, b.clone(), probe, inner),
+            (SourceBreaker::Redis(b), None) => lazy(aimd, known, b.clone(), probe, inner),
+            (SourceBreaker::Memory(b), Some(h)) => lazy(aimd, known, b.clone(), probe, h.layer(inner)),
+            (SourceBreaker::Redis(b), Some(h)) => lazy(aimd, known, b.clone(), probe, h.layer(inner)),
         }
     }
 }
@@ -122,7 +165,7 @@ fn lazy<G, R>(
     aimd: AimdLayer<AnswerClassifier>,
     known: Arc<[RateLimiter]>,
     breaker: BreakerLayer<G, AnswerClassifier>,
-    probe_retry_after: Duration,
+    (probe_retry_after, health): (Duration, HealthViews),
     inner: R,
 ) -> SourceService
 where
@@ -131,7 +174,7 @@ where
     Gated<R, G>: Service<ChatCall, Response = ChatAnswer, Error = BoxError> + Send + 'static,
     <Gated<R, G> as Service<ChatCall>>::Future: Send + 'static,
 {
-    let probe = (breaker.source().clone(), probe_retry_after);
+    let probe = (breaker.source().clone(), probe_retry_after, health);
     let proto = Arc::new(SourceProto {
         aimd,
         known,
@@ -185,6 +228,19 @@ where
 /// timeout. The probe's verdict closes or reopens the breaker exactly as before (the
 /// breaker's response future records it wherever it is polled), so a recovered source
 /// is back as soon as its probe answers.
+///
+/// A probe that succeeds also tells the balancers the source
+/// [recovered](SourceHealth::recovered): the balancer saw only refusals while the
+/// breaker was open, and its health of the source is still what the failures left.
+/// Without that, on the flapping soak (a source failing one minute in two) the source
+/// took 20-55 s after its breaker closed to carry 8 calls again, while callers waited
+/// for busy healthier ones.
+///
+/// A probe unanswered for as long as the balancer lets an attempt run unanswered
+/// before it cuts it ([`HealthViews`]' limit) is given up without a verdict: the lease
+/// goes back and the next admission probes again. A probe a black hole swallowed used
+/// to hold the lease for its whole attempt timeout, the source out that long after it
+/// healed.
 #[derive(Clone)]
 pub(crate) struct ProbeOffPath<S> {
     inner: S,
@@ -192,14 +248,16 @@ pub(crate) struct ProbeOffPath<S> {
     /// What a caller refused because a probe is out hears: the breaker's own
     /// `min(probe_ttl, cooldown)`.
     retry_after: Duration,
+    health: HealthViews,
 }
 
 impl<S> ProbeOffPath<S> {
-    pub(crate) const fn new(inner: S, source: SourceId, retry_after: Duration) -> Self {
+    pub(crate) const fn new(inner: S, source: SourceId, retry_after: Duration, health: HealthViews) -> Self {
         Self {
             inner,
             source,
             retry_after,
+            health,
         }
     }
 }
@@ -238,8 +296,24 @@ where
             req.set_call_history(history);
         }
         let probe = self.inner.call(req);
+        let health = self.health.clone();
+        let limit = health.probe_limit();
         tokio::spawn(async move {
-            drop(probe.await);
+            let result = match limit {
+                // A probe the source swallowed (a black hole) would hold the breaker's
+                // lease for a whole attempt timeout, the source kept out that long after
+                // it heals: given up as the balancer would cut such an attempt, it ends
+                // without a verdict and the next admission probes again at once.
+                Some(limit) => match tokio::time::timeout(limit, probe).await {
+                    Ok(result) => result,
+                    Err(_) => return,
+                },
+                None => probe.await,
+            };
+            if AnswerClassifier.classify(&result).is_success() {
+                // The breaker closed on it (its future recorded the verdict).
+                health.recovered();
+            }
         });
         let open = CircuitOpen::new(self.retry_after).with_source(self.source.clone());
         Either::Right(std::future::ready(Err(Box::new(open))))
@@ -251,9 +325,9 @@ struct SourceProto<G: Gate, R> {
     aimd: AimdLayer<AnswerClassifier>,
     known: Arc<[RateLimiter]>,
     breaker: BreakerLayer<G, AnswerClassifier>,
-    /// The breaker's source and the `retry_after` of a caller whose admission was the
-    /// probe ([`ProbeOffPath`]).
-    probe: (SourceId, Duration),
+    /// The breaker's source, the `retry_after` of a caller whose admission was the
+    /// probe, and the balancers' views a successful probe tells ([`ProbeOffPath`]).
+    probe: (SourceId, Duration, HealthViews),
     inner: R,
 }
 
@@ -293,7 +367,12 @@ impl<G: Gate, R: Clone> LazySource<G, R> {
         self.svc.get_mut().get_or_insert_with(|| {
             p.aimd.layer(Known {
                 limiters: Arc::clone(&p.known),
-                inner: ProbeOffPath::new(p.breaker.layer(p.inner.clone()), p.probe.0.clone(), p.probe.1),
+                inner: ProbeOffPath::new(
+                    p.breaker.layer(p.inner.clone()),
+                    p.probe.0.clone(),
+                    p.probe.1,
+                    p.probe.2.clone(),
+                ),
             })
         })
     }

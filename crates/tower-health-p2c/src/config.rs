@@ -184,6 +184,15 @@ pub struct BalanceConfig {
     /// take: a first long generation is not a black hole). Needs `silent_after`;
     /// `false` leaves attempts to their own timeouts.
     ///
+    /// An attempt the source looks to have swallowed is cut at the same age
+    /// (`silent_after` and [`CUT_LATENCY_FACTOR`] times the latency EWMA) even though the
+    /// source is no longer silent: attempts to the source timed out after it was sent,
+    /// and the source then answered one sent after it. That is a black hole that took
+    /// the request and healed; once the source answers again it is not silent, and the
+    /// attempt used to wait out its whole attempt timeout (180 s on the soak's flapping
+    /// pool, often the last call of the run). An attempt merely overtaken by shorter
+    /// ones, with no timeout since it was sent, is a long answer and is left alone.
+    ///
     /// The trade: a source that is not silent but answers one call far slower than
     /// usual, with nothing else of its traffic answered meanwhile, may have that call
     /// cut (and retried elsewhere) after `silent_after`. On the soak's flapping pool

@@ -429,7 +429,15 @@ impl<S, Req: CarriesHistory, C> Ctx<S, Req, C> {
             };
             let expected = Duration::try_from_secs_f64(CUT_LATENCY_FACTOR * latency).unwrap_or(Duration::MAX);
             let heard = state.heard_at();
-            let due = later(at, after.max(expected)).max(later(heard, after));
+            let old_enough = later(at, after.max(expected));
+            // Swallowed: the source timed out attempts since this one was sent and then
+            // answered one sent after it, so it is not silent, but this attempt's
+            // request is likely lost (a black hole that healed after taking it).
+            let due = if state.swallowed(at) {
+                old_enough
+            } else {
+                old_enough.max(later(heard, after))
+            };
             let now = Instant::now();
             if now >= due {
                 return Poll::Ready(Box::new(SilentCut::new(
@@ -521,9 +529,10 @@ impl<S, Req: CarriesHistory, C> Ctx<S, Req, C> {
 /// it is alive, and a success also how fast it answers.
 pub(crate) fn heard_from<T>(state: &SourceState, result: &Result<T, BoxError>, at: Instant, now: Instant) {
     if result.as_ref().err().is_some_and(|e| pgw_core::is_timeout(&**e)) {
-        state.timed_out();
+        state.timed_out(now);
     } else {
         state.heard(now);
+        state.answered_sent_at(at);
         if result.is_ok() {
             // An answer in the poll that dispatched it took no time: no subtraction.
             let latency = if now == at {

@@ -27,6 +27,11 @@ pub(crate) struct SourceState {
     heard_ns: AtomicU64,
     /// Attempts timed out since the source last answered.
     timeouts: AtomicU32,
+    /// Nanoseconds after `epoch` when the latest-dispatched attempt that was answered
+    /// (anything but a timeout) was dispatched (0: none yet).
+    answered_sent_ns: AtomicU64,
+    /// Nanoseconds after `epoch` when an attempt last timed out (0: none yet).
+    timed_out_ns: AtomicU64,
     /// Nanoseconds after `epoch` when the last detached probe started (0: none yet).
     probed_ns: AtomicU64,
     /// EWMA of the time to a successful answer, seconds, as f64 bits (0: none yet).
@@ -45,6 +50,8 @@ impl SourceState {
             inflight: AtomicUsize::new(0),
             heard_ns: AtomicU64::new(0),
             timeouts: AtomicU32::new(0),
+            answered_sent_ns: AtomicU64::new(0),
+            timed_out_ns: AtomicU64::new(0),
             probed_ns: AtomicU64::new(0),
             latency_bits: AtomicU64::new(0),
             epoch,
@@ -79,9 +86,36 @@ impl SourceState {
         }
     }
 
-    /// An attempt ran out of time: the source said nothing.
-    pub(crate) fn timed_out(&self) {
+    /// An attempt dispatched at `sent` was answered (anything but a timeout).
+    ///
+    /// A plain store after the load, not a read-modify-write: every answered call
+    /// writes here (each is sent later than the last), and a locked operation per call
+    /// was a measurable share of the in-memory path. Two answers racing may leave the
+    /// earlier send time; the next answer moves it on, and [`swallowed`](Self::swallowed)
+    /// only decides a cut sooner or later, never a wrong one (a send time kept is always
+    /// one that was answered).
+    pub(crate) fn answered_sent_at(&self, sent: Instant) {
+        let ns = self.ns_at(sent).max(1);
+        if self.answered_sent_ns.load(Ordering::Relaxed) < ns {
+            self.answered_sent_ns.store(ns, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether an attempt sent at `at` and still unanswered looks swallowed: attempts
+    /// timed out since it was sent (the source was dropping requests around then), and
+    /// an attempt sent after it has been answered (it overtook this one).
+    pub(crate) fn swallowed(&self, at: Instant) -> bool {
+        // At least 1, as stored: 0 means "none yet".
+        let sent = self.ns_at(at).max(1);
+        self.timed_out_ns.load(Ordering::Relaxed) >= sent
+            && self.answered_sent_ns.load(Ordering::Relaxed) > sent
+    }
+
+    /// An attempt ran out of time at `now`: the source said nothing.
+    pub(crate) fn timed_out(&self, now: Instant) {
         self.timeouts.fetch_add(1, Ordering::Relaxed);
+        self.timed_out_ns
+            .fetch_max(self.ns_at(now).max(1), Ordering::Relaxed);
     }
 
     /// Whether attempts timed out since the source last answered: at least `n`.
@@ -179,6 +213,16 @@ impl SourceState {
         }
     }
 
+    /// The source recovered at `at`, as a gate below judged it (see
+    /// [`SourceHealth::recovered`]): every class's health back to [`HEALTH_INITIAL`],
+    /// and heard from (its silence, if any, is over).
+    pub(crate) fn restore(&self, at: Instant) {
+        for ewma in &self.ewma_bits {
+            ewma.store(HEALTH_INITIAL.to_bits(), Ordering::Relaxed);
+        }
+        self.heard(at);
+    }
+
     /// An attempt dispatched at `at`.
     pub(crate) fn inc(&self, at: Instant) {
         if self.inflight.fetch_add(1, Ordering::Relaxed) == 0 && !self.timed_out_since_heard(1) {
@@ -207,7 +251,9 @@ impl SourceState {
     }
 }
 
-/// A read-only live view of one source's health and inflight count, for metrics (S6).
+/// A live view of one source's health and inflight count, for metrics (S6), and the
+/// one thing a gate below may tell the balancer about it: that it
+/// [recovered](Self::recovered).
 #[derive(Clone)]
 pub struct SourceHealth {
     state: Arc<SourceState>,
@@ -245,6 +291,31 @@ impl SourceHealth {
     #[must_use]
     pub fn score(&self) -> f64 {
         self.state.score(0)
+    }
+
+    /// The EWMA of the time to a successful answer (to its first chunk when it
+    /// streams); `None` before the first.
+    #[must_use]
+    pub fn latency(&self) -> Option<Duration> {
+        self.state
+            .measured_latency()
+            .and_then(|s| Duration::try_from_secs_f64(s).ok())
+    }
+
+    /// Says that the source recovered: a gate below that had put it out after failures
+    /// saw it answer again (a circuit breaker whose half-open probe succeeded, the probe
+    /// sent off the balancer's path). Its health starts afresh, every class back to
+    /// [`HEALTH_INITIAL`](crate::HEALTH_INITIAL) as for a new source, and it counts as
+    /// heard from now (not silent).
+    ///
+    /// Without it the balancer keeps the health the failures left (near the floor after
+    /// a failing minute) until calls go there, and calls do not go to a source below
+    /// half the health of one that is merely busy ([`CREDIBLE_HEALTH_RATIO`](crate::CREDIBLE_HEALTH_RATIO)):
+    /// a source back from an outage stayed out while callers waited for busy ones, up
+    /// to [`BalanceConfig::max_wait`](crate::BalanceConfig::max_wait). If it fails
+    /// again, its failures bring the health down as fast as before.
+    pub fn recovered(&self) {
+        self.state.restore(Instant::now());
     }
 }
 

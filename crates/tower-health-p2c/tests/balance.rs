@@ -14,7 +14,9 @@ use tokio::time::Instant;
 use tower::util::BoxCloneSyncService;
 use tower::{Service, ServiceExt, service_fn};
 use tower_aimd::{AimdConfig, AimdLayer};
-use tower_health_p2c::{BalanceConfig, HealthP2c, NoSources, NoneAdmitted, Policy, SilentCut, Sources};
+use tower_health_p2c::{
+    BalanceConfig, HEALTH_CLASSES, HealthP2c, NoSources, NoneAdmitted, Policy, SilentCut, Sources,
+};
 use tower_layer::Layer;
 
 #[derive(Clone, Default)]
@@ -815,6 +817,32 @@ async fn a_poor_source_waits_behind_a_briefly_refused_healthy_one() {
     assert_eq!(served[0].1, Duration::from_secs(3), "{served:?}");
 }
 
+/// A source a gate below saw recover (`SourceHealth::recovered`) is healthy again at
+/// once: it no longer waits behind a healthier source that is only briefly refused
+/// (the call before `recovered` waited, see the test above).
+#[tokio::test(start_paused = true)]
+async fn a_recovered_source_is_dispatched_at_once() {
+    let (sources, flags) = named(&["good", "back"]);
+    degrade(&sources, &flags, 1, 8).await; // back: 0.8^8 = 0.17
+    let back = sources.view("back").unwrap();
+    assert!(back.health() < 0.5 * sources.view("good").unwrap().health());
+    back.recovered();
+    assert_eq!(back.health(), 1.0);
+    assert!((1..HEALTH_CLASSES).all(|c| back.health_of(c) == 1.0));
+    // `good` over quota for 3 s: the calls go to `back` without waiting for it.
+    let until = Instant::now() + Duration::from_secs(3);
+    sources.insert(
+        "good".into(),
+        over_quota_until("good", until, Arc::new(AtomicUsize::new(0))),
+    );
+    for seed in 0..6 {
+        let mut lb = balancer(&sources, Policy::HealthAware).with_seed(seed);
+        let t0 = Instant::now();
+        let got = lb.ready().await.unwrap().call(Req::default()).await.unwrap();
+        assert_eq!((got, t0.elapsed()), ("back", Duration::ZERO), "seed {seed}");
+    }
+}
+
 /// When no credible source will admit in time, the sources held back go healthiest
 /// first: one that failed twice in this call but answers most calls before one that
 /// fails most (which it used to take, being earlier in the order).
@@ -1049,6 +1077,73 @@ async fn a_slow_or_never_measured_source_is_not_cut_before_its_time() {
     assert_eq!(spawn_timed(&lb).await.1, Ok("ok"));
     dark.store(true, Ordering::SeqCst);
     assert_eq!(spawn_timed(&lb).await, (Duration::from_secs(180), Err(None)));
+}
+
+/// A source whose `n`-th request waits `script[n].0` and then answers `ok` (`true`) or
+/// times out (`false`).
+fn scripted(script: Vec<(u64, bool)>) -> Svc {
+    let script = Arc::new(Mutex::new(script.into_iter()));
+    BoxCloneSyncService::new(service_fn(move |_: Req| {
+        let (secs, ok) = script.lock().unwrap().next().expect("a scripted answer");
+        async move {
+            tokio::time::sleep(Duration::from_secs(secs)).await;
+            if ok {
+                Ok("ok")
+            } else {
+                Err::<&'static str, BoxError>(Box::new(pgw_core::TimedOut))
+            }
+        }
+    }))
+}
+
+/// A black hole that heals: an attempt it swallowed (attempts timed out since it was
+/// sent, and the source then answered one sent after it) is cut once `silent_after`
+/// old, though the source is not silent any more. Before, it was cut only once the
+/// source had been quiet for `silent_after` again, and with traffic answered, never
+/// before its own timeout.
+#[tokio::test(start_paused = true)]
+async fn an_attempt_a_healed_black_hole_swallowed_is_cut_once_old_enough() {
+    // Measured at 1 s; then `swallowed` (t = 1 s) and `dropped` (t = 2 s, timing out
+    // at t = 32 s) go into the hole; it heals and answers `after` (t = 35 s) in 1 s.
+    let sources = Sources::new();
+    sources.insert(
+        SourceId::from("s"),
+        scripted(vec![(1, true), (180, false), (30, false), (1, true)]),
+    );
+    let lb = balancer(&sources, Policy::HealthAware);
+    assert_eq!(spawn_timed(&lb).await, (Duration::from_secs(1), Ok("ok")));
+    let swallowed = spawn_timed(&lb);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let dropped = spawn_timed(&lb);
+    assert_eq!(dropped.await, (Duration::from_secs(30), Err(None)));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(spawn_timed(&lb).await, (Duration::from_secs(1), Ok("ok")));
+    // Cut at t = 61 s, 60 s old (heard from 25 s before), not at its 180 s.
+    let sixty = Duration::from_secs(60);
+    assert_eq!(
+        swallowed.await,
+        (sixty, Err(Some((Duration::from_secs(25), sixty))))
+    );
+    assert_eq!(sources.views()[0].inflight(), 0);
+}
+
+/// An attempt overtaken by later answers, with no timeout since it was sent, is a long
+/// answer, not a swallowed request: it runs to its end while the source answers others.
+#[tokio::test(start_paused = true)]
+async fn an_overtaken_attempt_without_timeouts_is_left_to_answer() {
+    let sources = Sources::new();
+    sources.insert(
+        SourceId::from("s"),
+        scripted(vec![(1, true), (100, true), (1, true), (1, true), (1, true)]),
+    );
+    let lb = balancer(&sources, Policy::HealthAware);
+    assert_eq!(spawn_timed(&lb).await.1, Ok("ok"));
+    let long = spawn_timed(&lb);
+    for _ in 0..3 {
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        assert_eq!(spawn_timed(&lb).await.1, Ok("ok"));
+    }
+    assert_eq!(long.await, (Duration::from_secs(100), Ok("ok")));
 }
 
 #[test]
