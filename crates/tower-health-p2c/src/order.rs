@@ -308,14 +308,19 @@ mod tests {
         assert_eq!(full(Policy::LeastInflight, &es, 0, 1), vec![1, 2, 0]);
     }
 
+    /// One attempt's record: `src` answered `outcome` (`timed_out`, `too_large` as said).
+    fn record(src: &str, outcome: Outcome, timed_out: bool, too_large: bool) -> AttemptRecord {
+        AttemptRecord {
+            source: Some(src.into()),
+            outcome,
+            timed_out,
+            too_large,
+        }
+    }
+
     fn failed(src: &str, times: usize) -> Vec<AttemptRecord> {
         (0..times)
-            .map(|_| AttemptRecord {
-                source: Some(src.into()),
-                outcome: Outcome::Transient,
-                timed_out: false,
-                too_large: false,
-            })
+            .map(|_| record(src, Outcome::Transient, false, false))
             .collect()
     }
 
@@ -324,12 +329,7 @@ mod tests {
     #[test]
     fn a_timeout_moves_the_next_attempt_elsewhere() {
         let es = entries(&[0.83, 0.1, 0.9]);
-        let timeout = vec![AttemptRecord {
-            source: Some("s1".into()),
-            outcome: Outcome::Transient,
-            timed_out: true,
-            too_large: false,
-        }];
+        let timeout = vec![record("s1", Outcome::Transient, true, false)];
         let mut order = vec![0, 2, 1];
         deprioritize(Policy::HealthAware, &es, 0, &timeout, &mut order);
         assert_eq!(order, vec![2, 1, 0], "s1 timed out: the credible s3 goes first");
@@ -342,12 +342,7 @@ mod tests {
         deprioritize(Policy::HealthAware, &es, 0, &timeout, &mut order);
         assert_eq!(order, vec![0, 1]);
         // A request too large for s1 sends it to the tail even so: it cannot serve it.
-        let too_large = vec![AttemptRecord {
-            source: Some("s1".into()),
-            outcome: Outcome::Rejected,
-            timed_out: false,
-            too_large: true,
-        }];
+        let too_large = vec![record("s1", Outcome::Rejected, false, true)];
         let mut order = vec![0, 1];
         deprioritize(Policy::HealthAware, &es, 0, &too_large, &mut order);
         assert_eq!(order, vec![1, 0]);
@@ -375,12 +370,7 @@ mod tests {
         let es = entries(&[0.83, 0.1, 0.9, 0.7, 0.2]);
         let mut order = vec![0, 1, 2, 3, 4];
         let mut hist = failed("s1", 2);
-        hist.push(AttemptRecord {
-            source: Some("s4".into()),
-            outcome: Outcome::Transient,
-            timed_out: true,
-            too_large: false,
-        });
+        hist.push(record("s4", Outcome::Transient, true, false));
         let defer_at = deprioritize(Policy::HealthAware, &es, 0, &hist, &mut order);
         assert_eq!(order, vec![2, 0, 1, 4, 3]);
         assert_eq!(defer_at, 1, "only the credible s3 goes before the deferred");
@@ -388,12 +378,7 @@ mod tests {
         // One failure is not enough; Invalid and Rejected are not failures.
         let mut order = vec![0, 2, 1];
         let mut hist = failed("s1", 1);
-        hist.push(AttemptRecord {
-            source: Some("s1".into()),
-            outcome: Outcome::Invalid,
-            timed_out: false,
-            too_large: false,
-        });
+        hist.push(record("s1", Outcome::Invalid, false, false));
         deprioritize(Policy::HealthAware, &es, 0, &hist, &mut order);
         assert_eq!(order, vec![0, 2, 1]);
 
