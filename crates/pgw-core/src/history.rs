@@ -297,6 +297,7 @@ impl fmt::Debug for RecordingScope<'_> {
 }
 
 impl Drop for RecordingScope<'_> {
+    #[inline]
     fn drop(&mut self) {
         let Some(frame) = FRAME.with(|f| f.replace(self.prev)) else {
             return;
@@ -323,6 +324,7 @@ impl Recording {
     }
 
     /// Makes this recording the one in scope on this thread until the guard drops.
+    #[inline]
     pub fn enter(&mut self) -> RecordingScope<'_> {
         let frame = Frame {
             req: self.req,

@@ -5,7 +5,7 @@ use rand::Rng;
 use rand::rngs::SmallRng;
 
 use crate::sources::Entry;
-use crate::{CREDIBLE_HEALTH_RATIO, DEPRIORITIZE_AFTER_FAILURES, Policy};
+use crate::{CREDIBLE_HEALTH_RATIO, DEPRIORITIZE_AFTER_FAILURES, HEALTH_INITIAL, Policy};
 
 /// Two distinct random indices in `0..n` (n >= 2).
 pub(crate) fn p2c_pair(rng: &mut SmallRng, n: usize) -> (usize, usize) {
@@ -48,7 +48,15 @@ pub(crate) fn first<S>(
     match policy {
         Policy::HealthAware => {
             let (a, b) = p2c_pair(rng, n);
-            let bar = credible_bar(entries, class);
+            // Health never exceeds HEALTH_INITIAL (an EWMA of 0s and 1s from 1.0), so
+            // the bar never exceeds CREDIBLE_HEALTH_RATIO x that: two candidates at or
+            // above it are both credible, and the best source need not be looked for.
+            let least = entries[a].state.health(class).min(entries[b].state.health(class));
+            let bar = if least >= CREDIBLE_HEALTH_RATIO * HEALTH_INITIAL {
+                least
+            } else {
+                credible_bar(entries, class)
+            };
             if rank(entries, class, bar, b) > rank(entries, class, bar, a) {
                 b
             } else {
