@@ -19,12 +19,8 @@ pub const DEFAULT_INTER_TOKEN_TIMEOUT: Duration = Duration::from_secs(30);
 /// DESIGN.md section 1; 64k-token answers take minutes).
 pub const DEFAULT_TOTAL_TIMEOUT: Duration = Duration::from_secs(600);
 
-/// `at + d`, saturating about thirty years ahead: a `Duration::MAX` timeout means
-/// "never" and must not overflow the clock (`Instant + Duration` panics on overflow).
-pub(crate) fn after(at: tokio::time::Instant, d: Duration) -> tokio::time::Instant {
-    const FAR: Duration = Duration::from_secs(30 * 365 * 86_400);
-    at.checked_add(d.min(FAR)).unwrap_or(at)
-}
+/// `at + d`, saturating: a `Duration::MAX` timeout means "never".
+pub(crate) use pgw_core::clock::saturating_after as after;
 
 /// The four timeouts of one attempt (S2, S3).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -79,6 +79,24 @@ fn nanos_since_epoch(at: Instant) -> u64 {
         .unwrap_or(u64::MAX)
 }
 
+/// `at + d`, saturating about thirty years ahead: a huge `d` (a `Duration::MAX`
+/// timeout meaning "never", a gate's garbage `retry_after`, a bad `max_wait`) must not
+/// overflow the clock, where `Instant + Duration` panics.
+///
+/// ```
+/// use std::time::Duration;
+/// use tokio::time::Instant;
+///
+/// let now = Instant::now();
+/// assert_eq!(pgw_core::clock::saturating_after(now, Duration::from_secs(1)), now + Duration::from_secs(1));
+/// assert!(pgw_core::clock::saturating_after(now, Duration::MAX) > now + Duration::from_secs(365 * 86_400));
+/// ```
+#[must_use]
+pub fn saturating_after(at: Instant, d: Duration) -> Instant {
+    const FAR: Duration = Duration::from_secs(30 * 365 * 86_400);
+    at.checked_add(d.min(FAR)).unwrap_or(at)
+}
+
 /// The current instant: the dispatch's when inside a [`Dispatched`] scope on this
 /// thread, else [`Instant::now`].
 #[inline]

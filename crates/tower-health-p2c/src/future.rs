@@ -336,7 +336,7 @@ impl<S, Req: CarriesHistory, C> Ctx<S, Req, C> {
         let call_deadline = self.history().and_then(CallHistory::deadline);
         let wait = self.wait.get_or_insert_with(|| {
             let now = Instant::now();
-            let max_wait = later(now, self.config.max_wait);
+            let max_wait = clock::saturating_after(now, self.config.max_wait);
             Box::new(Wait {
                 started: now,
                 // The call's own deadline, when sooner: a wake-up past it is hopeless.
@@ -353,7 +353,7 @@ impl<S, Req: CarriesHistory, C> Ctx<S, Req, C> {
             // With nothing paced, no source can admit before the earliest `retry_after`:
             // when that is past the deadline (`max_wait`, or the call's own), fail now
             // instead of sleeping until it.
-            let wake_at = round.wake_after.map(|d| later(now, d));
+            let wake_at = round.wake_after.map(|d| clock::saturating_after(now, d));
             let hopeless = !paced && wake_at.is_some_and(|at| at > wait.deadline);
             if now >= wait.deadline || hopeless {
                 if round.held_back {
@@ -383,7 +383,7 @@ impl<S, Req: CarriesHistory, C> Ctx<S, Req, C> {
                 until = until.min(at.max(now + MIN_WAKE_WAIT));
             }
             if paced {
-                until = until.min(later(now, self.config.paced_poll));
+                until = until.min(clock::saturating_after(now, self.config.paced_poll));
             }
             wait.sleep = Some(Box::pin(tokio::time::sleep_until(until)));
         }
@@ -429,14 +429,14 @@ impl<S, Req: CarriesHistory, C> Ctx<S, Req, C> {
             };
             let expected = Duration::try_from_secs_f64(CUT_LATENCY_FACTOR * latency).unwrap_or(Duration::MAX);
             let heard = state.heard_at();
-            let old_enough = later(at, after.max(expected));
+            let old_enough = clock::saturating_after(at, after.max(expected));
             // Swallowed: the source timed out attempts since this one was sent and then
             // answered one sent after it, so it is not silent, but this attempt's
             // request is likely lost (a black hole that healed after taking it).
             let due = if state.swallowed(at) {
                 old_enough
             } else {
-                old_enough.max(later(heard, after))
+                old_enough.max(clock::saturating_after(heard, after))
             };
             let now = Instant::now();
             if now >= due {
@@ -593,13 +593,6 @@ impl Drop for Inflight {
     fn drop(&mut self) {
         self.0.dec();
     }
-}
-
-/// `now + d`, saturating far in the future instead of panicking on a huge `d` (a bad
-/// `max_wait` or a gate's garbage `retry_after` must not panic the call).
-fn later(now: Instant, d: Duration) -> Instant {
-    now.checked_add(d)
-        .unwrap_or_else(|| now + Duration::from_secs(30 * 365 * 24 * 3600))
 }
 
 fn armed<S>(snapshot: &Snapshot<S>) -> Pin<Box<OwnedNotified>> {

@@ -23,6 +23,12 @@ use crate::driver::{Client, SoakCall};
 use crate::scenario::Scenario;
 use crate::telemetry::{Accounting, AttemptRow, Recorder};
 
+/// Locks, ignoring poison: every critical section of the profiles is a few
+/// assignments, so the state stays valid if a panic unwound through a holder.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
 pub mod naive;
 pub mod oracle;
 pub mod pgw;
@@ -307,7 +313,7 @@ impl ResponseCache {
     }
 
     fn map(&self) -> MutexGuard<'_, HashMap<u64, ChatResponse>> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+        lock(&self.0)
     }
 
     /// The cached answer to `call`, recording the hit for `worker`.

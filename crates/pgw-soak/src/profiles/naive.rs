@@ -18,8 +18,9 @@
 //!
 //! Profile-local code on purpose: it is the baseline, not library code.
 
+use super::lock;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
@@ -84,11 +85,6 @@ struct Shared {
     origin: Instant,
     inflight: Inflight,
     recorder: Recorder,
-}
-
-/// Locks, ignoring poison (every critical section here is a few assignments).
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Admission of one source: `Some(probe)` when admitted (`probe` when half-open).

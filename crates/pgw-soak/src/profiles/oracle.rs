@@ -35,8 +35,9 @@
 //!
 //! It is a measuring stick, not a design: it reads what no real client can.
 
+use super::lock;
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
@@ -363,10 +364,6 @@ struct Shared {
     global_concurrency: u32,
     inflight: Inflight,
     recorder: Recorder,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// The standard normal CDF (Abramowitz and Stegun 7.1.26, error below 1.5e-7).
