@@ -16,6 +16,7 @@
 
 use std::convert::Infallible;
 use std::pin::Pin;
+use std::task::Poll;
 use std::time::Duration;
 
 use axum::body::Body;
@@ -49,6 +50,9 @@ struct Call {
     first_chunk: bool,
     expose_sources: bool,
     metrics: CallMetrics,
+    /// How the stream ended (`Some(None)`: its end, `Some(Some(e))`: its error), when
+    /// that was seen right after chunks that go out first.
+    ended: Option<Option<BoxError>>,
     _slot: OwnedSemaphorePermit,
 }
 
@@ -64,25 +68,33 @@ fn event(json: &serde_json::Value) -> Bytes {
     out.into()
 }
 
-/// The event of one chunk: the provider's own payload when the chunk is as it came
-/// ([`ChatChunk::raw`]) and fits one `data:` line, else the chunk serialized.
-fn chunk_event(chunk: &ChatChunk) -> Option<Bytes> {
+/// The most bytes of events that already arrived sent in one body frame: 16 KiB, so a
+/// provider's burst is not held whole.
+const MAX_FRAME: usize = 16 << 10;
+
+/// Appends the event of one chunk to `out`: the provider's own payload when the chunk
+/// is as it came ([`ChatChunk::raw`]) and fits one `data:` line, else the chunk
+/// serialized. A chunk that does not serialize appends nothing, never an empty event.
+fn chunk_event(chunk: &ChatChunk, out: &mut Vec<u8>) {
     // A payload the provider wrote over several `data:` lines was joined with `\n`:
     // sent as one line, its rest would be lost. Rare, so it is serialized again.
     if let Some(raw) = chunk.raw.as_deref()
         && !raw.contains(&b'\n')
     {
-        let mut out = Vec::with_capacity(raw.len() + 8);
+        out.reserve(raw.len() + 8);
         out.extend_from_slice(b"data: ");
         out.extend_from_slice(raw);
         out.extend_from_slice(b"\n\n");
-        return Some(out.into());
+        return;
     }
-    let mut out = Vec::with_capacity(256);
+    let start = out.len();
+    out.reserve(256);
     out.extend_from_slice(b"data: ");
-    serde_json::to_writer(&mut out, chunk).ok()?;
+    if serde_json::to_writer(&mut *out, chunk).is_err() {
+        out.truncate(start);
+        return;
+    }
     out.extend_from_slice(b"\n\n");
-    Some(out.into())
 }
 
 impl Call {
@@ -110,9 +122,56 @@ impl Call {
         Bytes::from_static(DONE)
     }
 
+    /// A chunk is going out: its usage, the first-token metric, its event into `out`.
+    fn on_chunk(&mut self, chunk: &ChatChunk, out: &mut Vec<u8>) {
+        if chunk.usage.is_some() {
+            self.usage.clone_from(&chunk.usage);
+        }
+        if self.first_chunk {
+            self.first_chunk = false;
+            self.metrics
+                .handles
+                .first_token
+                .get([&self.metrics.model], |[model]| {
+                    metrics::histogram!(
+                        "gen_ai_server_time_to_first_token_seconds",
+                        "gen_ai_request_model" => model.to_owned(),
+                    )
+                })
+                .record(self.metrics.started.elapsed().as_secs_f64());
+        }
+        chunk_event(chunk, out);
+    }
+
+    /// The next chunk if it already arrived (polled once, never waited for). The
+    /// stream's end or error, when that is what arrived, is kept for the next call.
+    async fn ready_chunk(&mut self) -> Option<ChatChunk> {
+        let Phase::Streaming(chunks) = &mut self.phase else {
+            return None;
+        };
+        match std::future::poll_fn(|cx| Poll::Ready(chunks.poll_next_unpin(cx))).await {
+            Poll::Ready(Some(Ok(chunk))) => Some(chunk),
+            Poll::Ready(Some(Err(e))) => {
+                self.ended = Some(Some(e));
+                None
+            }
+            Poll::Ready(None) => {
+                self.ended = Some(None);
+                None
+            }
+            Poll::Pending => None,
+        }
+    }
+
     /// The next bytes of the body, `None` at the end.
     async fn next(&mut self) -> Option<Bytes> {
         loop {
+            if let Some(ended) = self.ended.take() {
+                return Some(match ended {
+                    Some(e) => self.fail(&e).await,
+                    None => self.done().await,
+                });
+            }
             match &mut self.phase {
                 Phase::Done => return None,
                 Phase::Opening(opening) => {
@@ -131,25 +190,17 @@ impl Call {
                         item = chunks.next() => match item {
                             Some(Ok(chunk)) => {
                                 self.keep_alive.reset();
-                                if chunk.usage.is_some() {
-                                    self.usage.clone_from(&chunk.usage);
+                                // The chunks that arrived with it (a provider's write
+                                // often holds several) go out in the same frame: each
+                                // frame costs the body's layers and hyper a pass.
+                                let mut out = Vec::new();
+                                let mut next = Some(chunk);
+                                while let Some(chunk) = next {
+                                    self.on_chunk(&chunk, &mut out);
+                                    next = if out.len() < MAX_FRAME { self.ready_chunk().await } else { None };
                                 }
-                                if self.first_chunk {
-                                    self.first_chunk = false;
-                                    self.metrics
-                                        .handles
-                                        .first_token
-                                        .get([&self.metrics.model], |[model]| {
-                                            metrics::histogram!(
-                                                "gen_ai_server_time_to_first_token_seconds",
-                                                "gen_ai_request_model" => model.to_owned(),
-                                            )
-                                        })
-                                        .record(self.metrics.started.elapsed().as_secs_f64());
-                                }
-                                // A chunk that does not serialize is dropped, never sent empty.
-                                if let Some(bytes) = chunk_event(&chunk) {
-                                    return Some(bytes);
+                                if !out.is_empty() {
+                                    return Some(out.into());
                                 }
                             }
                             Some(Err(e)) => return Some(self.fail(&e).await),
@@ -213,6 +264,7 @@ pub(crate) async fn respond(
         first_chunk: true,
         expose_sources: state.expose_sources,
         metrics,
+        ended: None,
         _slot: slot,
     };
     // Boxed: `unfold` moves its state into each step's future and back out, and a
