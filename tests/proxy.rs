@@ -535,3 +535,49 @@ async fn a_streamed_chunk_left_unchanged_crosses_the_proxy_byte_for_byte() {
         }
     }
 }
+
+/// The chunks that arrived together (here the provider's whole answer, in one write)
+/// go out in one body frame, not one frame per event; an error event that arrived with
+/// them still goes out after them, as the stream's last event, with no `[DONE]`.
+#[tokio::test(start_paused = true)]
+async fn chunks_that_arrived_together_share_a_frame_and_an_error_still_comes_last() {
+    use bytes::Bytes;
+
+    let mut sse = String::new();
+    for c in &PROVIDER_CHUNKS[..3] {
+        sse.push_str(&format!("data: {c}\n\n"));
+    }
+    sse.push_str("data: {\"error\":{\"message\":\"upstream broke\",\"type\":\"server_error\"}}\n\n");
+    let sse = Bytes::from(sse);
+    let upstream = tower::service_fn(move |_: http::Request<Bytes>| {
+        let body = sse.clone();
+        async move { Ok::<_, BoxError>(answer_200("text/event-stream", body)) }
+    });
+    let app = router_over(box_transport(upstream)).await;
+    let request = r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}"#;
+    let resp = app.oneshot(post(request)).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.into_body();
+    let mut frames = Vec::new();
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame.unwrap().into_data() {
+            frames.push(String::from_utf8(data.to_vec()).unwrap());
+        }
+    }
+    let all = frames.concat();
+    let events: Vec<&str> = all.split_terminator("\n\n").collect();
+    assert_eq!(events.len(), 4, "three chunks and the error: {all:?}");
+    for (event, provider) in events.iter().zip(&PROVIDER_CHUNKS[..3]) {
+        assert_eq!(*event, format!("data: {provider}"));
+    }
+    assert!(events[3].starts_with("data: {\"error\""), "{all:?}");
+    assert!(!all.contains("[DONE]"));
+    assert!(
+        frames.len() < events.len(),
+        "events that arrived together share frames: {frames:?}"
+    );
+    assert!(
+        frames[0].matches("data: ").count() >= 2,
+        "the first frame carries the chunks that arrived with it: {frames:?}"
+    );
+}
