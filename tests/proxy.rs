@@ -104,6 +104,17 @@ async fn router_over(upstream: pgw_stack::client::BoxTransport) -> Router {
     router(gw, &cfg)
 }
 
+/// The router over one source `a` whose every request is answered 200 with `sse` as
+/// its whole event stream, in one write.
+async fn router_over_sse(sse: String) -> Router {
+    let sse = bytes::Bytes::from(sse);
+    let upstream = tower::service_fn(move |_: http::Request<bytes::Bytes>| {
+        let body = sse.clone();
+        async move { Ok::<_, BoxError>(answer_200("text/event-stream", body)) }
+    });
+    router_over(box_transport(upstream)).await
+}
+
 /// A 200 with `body` as `content_type`.
 fn answer_200(content_type: &str, body: bytes::Bytes) -> http::Response<http_body_util::Full<bytes::Bytes>> {
     http::Response::builder()
@@ -483,8 +494,6 @@ const PROVIDER_CHUNKS: [&str; 6] = [
 /// serialized from its fields.
 #[tokio::test(start_paused = true)]
 async fn a_streamed_chunk_left_unchanged_crosses_the_proxy_byte_for_byte() {
-    use bytes::Bytes;
-
     let mut sse = String::new();
     for c in PROVIDER_CHUNKS {
         for line in c.split('\n') {
@@ -493,12 +502,7 @@ async fn a_streamed_chunk_left_unchanged_crosses_the_proxy_byte_for_byte() {
         sse.push('\n');
     }
     sse.push_str("data: [DONE]\n\n");
-    let sse = Bytes::from(sse);
-    let upstream = tower::service_fn(move |_: http::Request<Bytes>| {
-        let body = sse.clone();
-        async move { Ok::<_, BoxError>(answer_200("text/event-stream", body)) }
-    });
-    let app = router_over(box_transport(upstream)).await;
+    let app = router_over_sse(sse).await;
 
     for include_usage in [false, true] {
         let request = format!(
@@ -541,19 +545,12 @@ async fn a_streamed_chunk_left_unchanged_crosses_the_proxy_byte_for_byte() {
 /// them still goes out after them, as the stream's last event, with no `[DONE]`.
 #[tokio::test(start_paused = true)]
 async fn chunks_that_arrived_together_share_a_frame_and_an_error_still_comes_last() {
-    use bytes::Bytes;
-
     let mut sse = String::new();
     for c in &PROVIDER_CHUNKS[..3] {
         sse.push_str(&format!("data: {c}\n\n"));
     }
     sse.push_str("data: {\"error\":{\"message\":\"upstream broke\",\"type\":\"server_error\"}}\n\n");
-    let sse = Bytes::from(sse);
-    let upstream = tower::service_fn(move |_: http::Request<Bytes>| {
-        let body = sse.clone();
-        async move { Ok::<_, BoxError>(answer_200("text/event-stream", body)) }
-    });
-    let app = router_over(box_transport(upstream)).await;
+    let app = router_over_sse(sse).await;
     let request = r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}"#;
     let resp = app.oneshot(post(request)).await.unwrap();
     assert_eq!(resp.status(), 200);
