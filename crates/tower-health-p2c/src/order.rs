@@ -7,6 +7,14 @@ use rand::rngs::SmallRng;
 use crate::sources::Entry;
 use crate::{CREDIBLE_HEALTH_RATIO, DEPRIORITIZE_AFTER_FAILURES, HEALTH_INITIAL, Policy};
 
+/// The most health a source can have: a success's sample. The EWMA of 0s and 1s stays
+/// at or under it as long as it starts there.
+const MAX_HEALTH: f64 = 1.0;
+const _: () = assert!(
+    HEALTH_INITIAL <= MAX_HEALTH,
+    "health starts at or under a success's sample"
+);
+
 /// Two distinct random indices in `0..n` (n >= 2).
 pub(crate) fn p2c_pair(rng: &mut SmallRng, n: usize) -> (usize, usize) {
     debug_assert!(n >= 2);
@@ -48,11 +56,12 @@ pub(crate) fn first<S>(
     match policy {
         Policy::HealthAware => {
             let (a, b) = p2c_pair(rng, n);
-            // Health never exceeds HEALTH_INITIAL (an EWMA of 0s and 1s from 1.0), so
-            // the bar never exceeds CREDIBLE_HEALTH_RATIO x that: two candidates at or
-            // above it are both credible, and the best source need not be looked for.
+            // Health never exceeds MAX_HEALTH (an EWMA of 0s and 1s that starts at or
+            // under 1), so the bar never exceeds CREDIBLE_HEALTH_RATIO x that: two
+            // candidates at or above it are both credible, and the best source need not
+            // be looked for.
             let least = entries[a].state.health(class).min(entries[b].state.health(class));
-            let bar = if least >= CREDIBLE_HEALTH_RATIO * HEALTH_INITIAL {
+            let bar = if least >= CREDIBLE_HEALTH_RATIO * MAX_HEALTH {
                 least
             } else {
                 credible_bar(entries, class)
@@ -237,6 +246,49 @@ mod tests {
         // The full order continues by descending score.
         let order = full(Policy::HealthAware, &es, 0, 2);
         assert_eq!(order, vec![2, 0, 1, 3, 4]);
+    }
+
+    /// The pick that skips the best-health scan when both candidates are credible is
+    /// the pick of the full rule (the bar from the best source), over pools of mixed
+    /// health and load where either rule could decide.
+    #[test]
+    fn the_shortcut_picks_as_the_full_bar_does() {
+        let mut draws = SmallRng::seed_from_u64(11);
+        let mut shortcut = 0;
+        for _ in 0..300 {
+            let healths: Vec<f64> = (0..draws.random_range(2..7usize))
+                .map(|_| draws.random_range(0.0..=1.0))
+                .collect();
+            let es = entries(&healths);
+            for e in &es {
+                for _ in 0..draws.random_range(0..6u32) {
+                    e.state.inc(tokio::time::Instant::now());
+                }
+            }
+            let seed = draws.random::<u64>();
+            let picked = first(
+                Policy::HealthAware,
+                &es,
+                0,
+                &mut SmallRng::seed_from_u64(seed),
+                || 0,
+            );
+            let (a, b) = p2c_pair(&mut SmallRng::seed_from_u64(seed), es.len());
+            let bar = credible_bar(&es, 0);
+            let full_rule = if rank(&es, 0, bar, b) > rank(&es, 0, bar, a) {
+                b
+            } else {
+                a
+            };
+            assert_eq!(picked, full_rule, "healths {healths:?}, pair ({a}, {b})");
+            if es[a].state.health(0).min(es[b].state.health(0)) >= CREDIBLE_HEALTH_RATIO {
+                shortcut += 1;
+            }
+        }
+        assert!(
+            shortcut > 30 && shortcut < 270,
+            "both rules ran: {shortcut} shortcuts"
+        );
     }
 
     /// H2 with credibility: the load term ranks credible sources among themselves; an
