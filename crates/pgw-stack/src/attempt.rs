@@ -113,7 +113,8 @@ const CUT_ALPHA: f64 = 0.2;
 
 /// Above this share of recent streams cut after their first token, a source is not
 /// trusted with the caller's stream: 0.3. A source starts trusted (0); two cuts in a
-/// row (0.2, then 0.36) make it untrusted; a run of complete streams brings it back.
+/// row (0.2, then 0.36) make it untrusted; a run of complete streams brings it back
+/// ([`RETRUST_CUT_RATE`]).
 /// Tried: 0.1 with unproven sources starting untrusted (99.08% on the 4000-call P6,
 /// seed 42) and 0.1 from a trusted start (98.92%); 0.3 makes 99.20%.
 /// Tried and reverted (2026-12-02, release, virtual time):
@@ -135,24 +136,42 @@ pub(crate) const UNTRUSTED_CUT_RATE: f64 = 0.3;
 /// is retried elsewhere like any failed attempt. The caller's first chunk waits for
 /// that source's last; never a truncated answer.
 #[derive(Clone, Debug, Default)]
-pub(crate) struct StreamCuts(Arc<std::sync::atomic::AtomicU64>);
+pub(crate) struct StreamCuts(Arc<CutsState>);
+
+#[derive(Debug, Default)]
+struct CutsState {
+    rate_bits: std::sync::atomic::AtomicU64,
+    untrusted: std::sync::atomic::AtomicBool,
+}
+
+/// At or below this share of recent streams cut, an untrusted source is trusted again:
+/// 0.1, a run of about six complete streams after it was found out (hysteresis: at
+/// 0.3 one complete stream gave it back the caller's streams, and the cuts that followed
+/// failed calls).
+pub(crate) const RETRUST_CUT_RATE: f64 = 0.1;
 
 impl StreamCuts {
-    fn rate(&self) -> f64 {
-        f64::from_bits(self.0.load(std::sync::atomic::Ordering::Relaxed))
-    }
-
     pub(crate) fn trusted(&self) -> bool {
-        self.rate() <= UNTRUSTED_CUT_RATE
+        !self.0.untrusted.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     fn record(&self, cut: bool) {
         use std::sync::atomic::Ordering;
         let sample = if cut { 1.0 } else { 0.0 };
-        let _ = self.0.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
-            let old = f64::from_bits(bits);
-            Some((old + CUT_ALPHA * (sample - old)).to_bits())
-        });
+        let mut rate = 0.0;
+        let _ = self
+            .0
+            .rate_bits
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+                let old = f64::from_bits(bits);
+                rate = old + CUT_ALPHA * (sample - old);
+                Some(rate.to_bits())
+            });
+        if rate > UNTRUSTED_CUT_RATE {
+            self.0.untrusted.store(true, Ordering::Relaxed);
+        } else if rate <= RETRUST_CUT_RATE {
+            self.0.untrusted.store(false, Ordering::Relaxed);
+        }
     }
 }
 
@@ -420,6 +439,30 @@ mod tests {
     fn status(code: u16) -> Result<ChatAnswer, BoxError> {
         let code = http::StatusCode::from_u16(code).unwrap();
         Err(UpstreamStatus::new(code, None, "no".to_owned()).into())
+    }
+
+    /// Found out by two cuts in a row, a source gets the caller's streams back only
+    /// after a run of complete ones brings its cut share to 0.1, not at the first
+    /// complete stream under 0.3.
+    #[test]
+    fn an_untrusted_source_is_trusted_again_only_after_a_run_of_complete_streams() {
+        let cuts = StreamCuts::default();
+        assert!(cuts.trusted(), "a source starts trusted");
+        cuts.record(true);
+        assert!(cuts.trusted(), "one cut: 0.2");
+        cuts.record(true);
+        assert!(!cuts.trusted(), "two cuts: 0.36");
+        let mut complete = 0;
+        while !cuts.trusted() {
+            cuts.record(false);
+            complete += 1;
+        }
+        assert_eq!(
+            complete, 6,
+            "0.36 x 0.8^6 = 0.094 is the first share at or under 0.1"
+        );
+        cuts.record(true);
+        assert!(cuts.trusted(), "one cut after the run: 0.28, under 0.3");
     }
 
     #[test]
