@@ -30,7 +30,7 @@ pub(crate) enum Plan {
     /// Only the first candidate is known (the fast path: no allocation).
     First(usize),
     /// The first candidate was tried; the rest is computed on demand.
-    Expand(usize),
+    FirstTried(usize),
     /// A full order, the position of the next candidate, and where the sources
     /// deprioritized in this call (H5) start.
     Full(Vec<usize>, usize, usize),
@@ -130,7 +130,9 @@ struct Wait {
     rounds: u64,
 }
 
-struct Ctx<S, Req, C> {
+/// The state of one balanced call: its request, the sources' snapshot, the order of
+/// attempts and what is dispatched or waited for.
+struct CallState<S, Req, C> {
     /// The request, with the call's history when it carries one (read through it: no
     /// handle of our own to take and give back).
     req: Req,
@@ -157,7 +159,7 @@ struct Ctx<S, Req, C> {
     cut: Option<Pin<Box<Sleep>>>,
 }
 
-impl<S, Req, C> Drop for Ctx<S, Req, C> {
+impl<S, Req, C> Drop for CallState<S, Req, C> {
     fn drop(&mut self) {
         // Dropped or panicked mid-attempt: give the inflight count back (A4).
         if let Some(i) = self.dispatched.take() {
@@ -166,7 +168,7 @@ impl<S, Req, C> Drop for Ctx<S, Req, C> {
     }
 }
 
-impl<S, Req: CarriesHistory, C> Ctx<S, Req, C> {
+impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
     /// The call's history, when the request carries one.
     fn history(&self) -> Option<&CallHistory> {
         self.req.call_history()
@@ -232,16 +234,16 @@ impl<S, Req: CarriesHistory, C> Ctx<S, Req, C> {
 
     fn next_candidate(&mut self) -> Option<usize> {
         let entries = &self.snapshot.entries;
-        if let Plan::Expand(i) = self.plan {
+        if let Plan::FirstTried(i) = self.plan {
             let full = order::full(self.config.policy, entries, self.class, i);
             let len = full.len();
             self.plan = Plan::Full(full, 1, len);
         }
         match &mut self.plan {
-            // (`Expand` was made `Full` just above.)
-            Plan::Empty | Plan::Expand(_) => None,
+            // (`FirstTried` was made `Full` just above.)
+            Plan::Empty | Plan::FirstTried(_) => None,
             &mut Plan::First(i) => {
-                self.plan = Plan::Expand(i);
+                self.plan = Plan::FirstTried(i);
                 Some(i)
             }
             Plan::Full(order, pos, defer_at) => {
@@ -515,7 +517,7 @@ impl<S, Req: CarriesHistory, C> Ctx<S, Req, C> {
             );
         } else {
             // Judged now, borrowing: no reference to take and give back. The count is
-            // given back after (by `Ctx`'s drop if judging panicked).
+            // given back after (by `CallState`'s drop if judging panicked).
             judge::<Req, _, _>(state, self.class, self.history(), true, &self.classifier, &result);
             self.dispatched = None;
             state.dec();
@@ -617,7 +619,7 @@ pin_project! {
     pub struct ResponseFuture<S, F, Req, C> {
         #[pin]
         state: State<S, F>,
-        ctx: Ctx<S, Req, C>,
+        ctx: CallState<S, Req, C>,
     }
 }
 
@@ -635,7 +637,7 @@ impl<S, F, Req, C> ResponseFuture<S, F, Req, C> {
     ) -> Self {
         Self {
             state: State::Next,
-            ctx: Ctx {
+            ctx: CallState {
                 req,
                 snapshot,
                 class,

@@ -18,10 +18,10 @@ use crate::service::Hooks;
 
 pin_project! {
     #[project = StateProj]
-    enum State<F, U, Slow> {
+    enum State<F, U, Deferred> {
         // The admission round trip (Redis) or a wait: everything boxed, allocated only
         // on those paths.
-        Slow { slow: Box<Slow> },
+        Deferred { deferred: Box<Deferred> },
         // Admitted: the inner call, with the permit (and the lease's renewal) it holds.
         Calling {
             #[pin]
@@ -52,19 +52,20 @@ pin_project! {
         S: Service<Req>,
     {
         #[pin]
-        state: State<S::Future, U, Slow<S, Req, E, U, O>>,
+        state: State<S::Future, U, Deferred<S, Req, E, U, O>>,
     }
 }
 
-/// Whether a [`Slow`] future waits for an admission's answer or for another try.
+/// Whether a [`Deferred`] future waits for an admission's answer or for another try.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Phase {
     Admitting,
     Waiting,
 }
 
-/// What only the admission round trip or a wait needs.
-struct Slow<S: Service<Req>, Req, E, U, O> {
+/// An admission not answered at once: what only its round trip (Redis) or a wait
+/// needs, boxed.
+struct Deferred<S: Service<Req>, Req, E, U, O> {
     phase: Phase,
     shared: Arc<Hooks<E, U, O>>,
     inner: Option<S>,
@@ -98,14 +99,14 @@ impl<S, Req, E, U: Clone, O> ResponseFuture<S, Req, E, U, O>
 where
     S: Service<Req>,
 {
-    fn slow(
+    fn deferred(
         phase: Phase,
         shared: &Arc<Hooks<E, U, O>>,
         inner: S,
         req: Req,
         tokens: u64,
-    ) -> Box<Slow<S, Req, E, U, O>> {
-        Box::new(Slow {
+    ) -> Box<Deferred<S, Req, E, U, O>> {
+        Box::new(Deferred {
             phase,
             shared: shared.clone(),
             inner: Some(inner),
@@ -143,14 +144,14 @@ where
     }
 
     pub(crate) fn admitting(shared: &Arc<Hooks<E, U, O>>, inner: S, req: Req, pending: Pending) -> Self {
-        let mut slow = Self::slow(Phase::Admitting, shared, inner, req, pending.ticket.tokens);
-        slow.deadline = match shared.limiter.config().mode {
+        let mut deferred = Self::deferred(Phase::Admitting, shared, inner, req, pending.ticket.tokens);
+        deferred.deadline = match shared.limiter.config().mode {
             crate::Mode::Wait { max_wait: Some(w) } => Instant::now().checked_add(w),
             _ => None,
         };
-        slow.pending = Some(InFlight::new(shared.limiter.clone(), pending.fut, pending.ticket));
+        deferred.pending = Some(InFlight::new(shared.limiter.clone(), pending.fut, pending.ticket));
         Self {
-            state: State::Slow { slow },
+            state: State::Deferred { deferred },
         }
     }
 
@@ -194,12 +195,12 @@ where
         deadline: Option<Instant>,
         wait: Wait,
     ) -> Self {
-        let mut slow = Self::slow(Phase::Waiting, shared, inner, req, tokens);
-        slow.deadline = deadline;
-        slow.wait = Some(wait);
-        slow.refusals = 1;
+        let mut deferred = Self::deferred(Phase::Waiting, shared, inner, req, tokens);
+        deferred.deadline = deadline;
+        deferred.wait = Some(wait);
+        deferred.refusals = 1;
         Self {
-            state: State::Slow { slow },
+            state: State::Deferred { deferred },
         }
     }
 }
@@ -231,7 +232,7 @@ where
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut state = self.project().state;
         loop {
-            let slow = match state.as_mut().project() {
+            let deferred = match state.as_mut().project() {
                 StateProj::Calling {
                     fut,
                     permit,
@@ -261,7 +262,7 @@ where
                     state.set(State::Done);
                     return Poll::Ready(out);
                 }
-                StateProj::Slow { slow } => slow,
+                StateProj::Deferred { deferred } => deferred,
                 StateProj::Failed { error } => {
                     let error = error.take().expect("error taken twice");
                     state.set(State::Done);
@@ -269,21 +270,21 @@ where
                 }
                 StateProj::Done => panic!("ResponseFuture polled after completion"),
             };
-            match slow.phase {
+            match deferred.phase {
                 Phase::Admitting => {
-                    let pending = slow.pending.as_mut().expect("admitting without an admission");
+                    let pending = deferred.pending.as_mut().expect("admitting without an admission");
                     let verdict = ready!(Pin::new(&mut *pending).poll(cx));
                     let ticket = pending.ticket();
-                    slow.pending = None;
-                    let shared = &slow.shared;
+                    deferred.pending = None;
+                    let shared = &deferred.shared;
                     match shared.limiter.conclude(ticket, verdict) {
                         Ok(permit) => {
-                            if let Some(w) = slow.wait.take() {
+                            if let Some(w) = deferred.wait.take() {
                                 shared.limiter.waited(w);
                             }
-                            let req = slow.req.take().expect("request taken twice");
+                            let req = deferred.req.take().expect("request taken twice");
                             shared.observer.on_admission(&req, permit.admission());
-                            let mut svc = slow.inner.take().expect("service taken twice");
+                            let mut svc = deferred.inner.take().expect("service taken twice");
                             let fut = svc.call(req);
                             let next = State::Calling {
                                 fut,
@@ -296,24 +297,24 @@ where
                         Err(e) => match (waits(&shared.limiter), e.downcast::<QuotaExceeded>()) {
                             (true, Ok(q)) => {
                                 let now = Instant::now();
-                                if slow.deadline.is_some_and(|d| {
+                                if deferred.deadline.is_some_and(|d| {
                                     now >= d || now.checked_add(q.retry_after()).is_none_or(|t| t > d)
                                 }) {
-                                    slow.wait = None;
+                                    deferred.wait = None;
                                     state.set(State::Done);
                                     return Poll::Ready(Err(q));
                                 }
-                                let wait = shared.limiter.wait(&q, slow.refusals, slow.wait.take());
-                                slow.wait = Some(wait);
-                                slow.refusals = slow.refusals.saturating_add(1);
-                                slow.phase = Phase::Waiting;
+                                let wait = shared.limiter.wait(&q, deferred.refusals, deferred.wait.take());
+                                deferred.wait = Some(wait);
+                                deferred.refusals = deferred.refusals.saturating_add(1);
+                                deferred.phase = Phase::Waiting;
                             }
                             (_, Ok(q)) => {
                                 state.set(State::Done);
                                 return Poll::Ready(Err(q));
                             }
                             (_, Err(e)) => {
-                                slow.wait = None;
+                                deferred.wait = None;
                                 state.set(State::Done);
                                 return Poll::Ready(Err(e));
                             }
@@ -321,28 +322,28 @@ where
                     }
                 }
                 Phase::Waiting => {
-                    let limiter = &slow.shared.limiter;
-                    let wait = slow.wait.as_mut().expect("waiting without a wait");
-                    if limiter.poll_wait(wait, slow.tokens, cx).is_pending() {
-                        let Some(deadline) = slow.deadline else {
+                    let limiter = &deferred.shared.limiter;
+                    let wait = deferred.wait.as_mut().expect("waiting without a wait");
+                    if limiter.poll_wait(wait, deferred.tokens, cx).is_pending() {
+                        let Some(deadline) = deferred.deadline else {
                             return Poll::Pending;
                         };
-                        let timer = slow
+                        let timer = deferred
                             .deadline_timer
                             .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
                         // Out of time: one last try, answered as it comes (a refusal
                         // past the deadline is final).
                         ready!(timer.as_mut().poll(cx));
                     }
-                    match limiter.start(slow.tokens) {
-                        Ok(p) => slow.pending = Some(InFlight::new(limiter.clone(), p.fut, p.ticket)),
+                    match limiter.start(deferred.tokens) {
+                        Ok(p) => deferred.pending = Some(InFlight::new(limiter.clone(), p.fut, p.ticket)),
                         Err(e) => {
-                            slow.wait = None;
+                            deferred.wait = None;
                             state.set(State::Done);
                             return Poll::Ready(Err(Box::new(e)));
                         }
                     }
-                    slow.phase = Phase::Admitting;
+                    deferred.phase = Phase::Admitting;
                 }
             }
         }

@@ -303,7 +303,7 @@ impl RateLimiter {
             Started::Now(ticket, verdict) => return self.conclude_now(ticket, verdict),
             Started::Later(pending) => pending,
         };
-        let verdict = match fut.now_or() {
+        let verdict = match fut.into_ready() {
             Ok(verdict) => verdict,
             Err(fut) => InFlight::new(self.clone(), fut, ticket).await,
         };
@@ -367,7 +367,7 @@ impl RateLimiter {
         if settle.is_noop() {
             return BackendFuture::ready(Ok(()));
         }
-        match self.inner.gate.settle(settle).now_or() {
+        match self.inner.gate.settle(settle).into_ready() {
             Ok(r) => {
                 self.note_settle(r.as_ref().err());
                 BackendFuture::ready(r)
@@ -407,7 +407,7 @@ impl RateLimiter {
                 tracing::warn!(source = %this.inner.config.source, error = %e, "concurrency lease renewal failed");
             }
         };
-        match self.inner.gate.renew(lease).now_or() {
+        match self.inner.gate.renew(lease).into_ready() {
             Ok(r) => {
                 note(&r);
                 BackendFuture::ready(r)
@@ -605,7 +605,7 @@ impl Drop for InFlight {
             }),
             _ => None,
         };
-        match fut.now_or() {
+        match fut.into_ready() {
             Ok(verdict) => {
                 if let Some(settle) = undo(verdict) {
                     detach(self.limiter.settle(settle));

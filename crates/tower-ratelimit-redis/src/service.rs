@@ -135,7 +135,7 @@ where
                 }
                 Err(e) => self.refused(req, ticket.tokens, e),
             },
-            Ok(Started::Later(Pending { fut, ticket })) => match fut.now_or() {
+            Ok(Started::Later(Pending { fut, ticket })) => match fut.into_ready() {
                 Ok(verdict) => match limiter.conclude(ticket, verdict) {
                     Ok(permit) => {
                         shared.observer.on_admission(&req, permit.admission());

@@ -334,9 +334,9 @@ impl<T> BackendFuture<T> {
         Self::Ready(Some(v))
     }
 
-    /// The value, when the operation finished synchronously.
+    /// The value, when the operation finished synchronously; else the operation, to await.
     #[inline]
-    pub(crate) fn now_or(self) -> Result<T, Self> {
+    pub(crate) fn into_ready(self) -> Result<T, Self> {
         match self {
             Self::Ready(Some(v)) => Ok(v),
             other => Err(other),
