@@ -14,7 +14,7 @@ use sync_wrapper::SyncWrapper;
 use tower::util::BoxCloneSyncService;
 use tower_aimd::{Aimd, AimdLayer};
 use tower_breaker_window::{Breaker, BreakerHandle, BreakerLayer, Gate, MemoryGate, RedisGate};
-use tower_health_p2c::{CUT_LATENCY_FACTOR, SourceHealth};
+use tower_health_p2c::SourceHealth;
 use tower_layer::Layer;
 use tower_ratelimit_redis::{Admission, NoTokens, RateLimitLayer, RateLimiter};
 use tower_service::Service;
@@ -115,13 +115,12 @@ impl HealthViews {
         let _ = self.views.set(views);
     }
 
-    /// How long a probe may go unanswered before it is given up: the balancer's
-    /// `silent_after`, or [`CUT_LATENCY_FACTOR`] times the source's latency when longer
-    /// (`None`: no cut configured, or the source never answered a success).
+    /// How long a probe may go unanswered before it is given up: as long as the
+    /// balancer lets an attempt run before it may cut it ([`SourceHealth::cut_age`];
+    /// `None`: no cut configured, or the source never answered a success).
     fn probe_limit(&self) -> Option<Duration> {
         let after = self.cut_after?;
-        let latency = self.views.get()?.iter().find_map(SourceHealth::latency)?;
-        Some(after.max(latency.mul_f64(CUT_LATENCY_FACTOR)))
+        self.views.get()?.iter().find_map(|v| v.cut_age(after))
     }
 
     fn recovered(&self) {

@@ -22,7 +22,7 @@ use crate::error::{NoSources, NoneAdmitted, SilentCut};
 use crate::order;
 use crate::probe;
 use crate::sources::{Dispatch, Snapshot, SourceState};
-use crate::{BalanceConfig, CREDIBLE_HEALTH_RATIO, CUT_LATENCY_FACTOR, MIN_WAKE_WAIT, SILENT_TIMEOUTS};
+use crate::{BalanceConfig, CREDIBLE_HEALTH_RATIO, MIN_WAKE_WAIT, SILENT_TIMEOUTS};
 
 /// Which sources this round still has to try.
 pub(crate) enum Plan {
@@ -411,7 +411,7 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
     /// Slow-call detection on the attempt in flight ([`BalanceConfig::cut_silent`]):
     /// `Ready` with the error to end it with once its source is silent (nothing heard
     /// for `silent_after`) and the attempt has run for `silent_after` and
-    /// [`CUT_LATENCY_FACTOR`] times the source's latency; else `Pending`, with a timer
+    /// [`CUT_LATENCY_FACTOR`](crate::CUT_LATENCY_FACTOR) times the source's latency; else `Pending`, with a timer
     /// for when that could first hold (an answer heard meanwhile moves it on).
     fn poll_cut(&mut self, cx: &mut Context<'_>) -> Poll<BoxError> {
         let (Some(after), true, Some(i), Some(at)) = (
@@ -426,12 +426,11 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
         loop {
             // A source never measured gives no measure of a slow answer: its attempts
             // are left to their own timeouts (its first may be a long generation).
-            let Some(latency) = state.measured_latency() else {
+            let Some(age) = state.cut_age(after) else {
                 return Poll::Pending;
             };
-            let expected = Duration::try_from_secs_f64(CUT_LATENCY_FACTOR * latency).unwrap_or(Duration::MAX);
             let heard = state.heard_at();
-            let old_enough = clock::saturating_after(at, after.max(expected));
+            let old_enough = clock::saturating_after(at, age);
             // Swallowed: the source timed out attempts since this one was sent and then
             // answered one sent after it, so it is not silent, but this attempt's
             // request is likely lost (a black hole that healed after taking it).

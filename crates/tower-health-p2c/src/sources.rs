@@ -13,7 +13,8 @@ use tokio::time::Instant;
 use tower_service::Service;
 
 use crate::{
-    HEALTH_ALPHA, HEALTH_CLASSES, HEALTH_FLOOR, HEALTH_INITIAL, MIN_LATENCY_S, UNMEASURED_LATENCY_S,
+    CUT_LATENCY_FACTOR, HEALTH_ALPHA, HEALTH_CLASSES, HEALTH_FLOOR, HEALTH_INITIAL, MIN_LATENCY_S,
+    UNMEASURED_LATENCY_S,
 };
 
 /// Process-local health of one source (H1): a success EWMA per call class and the
@@ -175,6 +176,16 @@ impl SourceState {
         (lat > 0.0).then(|| lat.max(MIN_LATENCY_S))
     }
 
+    /// How long an attempt to this source may run before slow-call detection may cut
+    /// it: `silent_after`, or [`CUT_LATENCY_FACTOR`] times the source's latency when
+    /// longer. `None` before the source answered a success: it gives no measure of a
+    /// slow answer (its first may be a long generation).
+    pub(crate) fn cut_age(&self, silent_after: Duration) -> Option<Duration> {
+        let latency = self.measured_latency()?;
+        let expected = Duration::try_from_secs_f64(CUT_LATENCY_FACTOR * latency).unwrap_or(Duration::MAX);
+        Some(silent_after.max(expected))
+    }
+
     /// Feeds the time one successful attempt took to answer (to its first chunk when
     /// it streams), with the health weight [`HEALTH_ALPHA`]. Failures feed none: a
     /// source answering errors fast must not look fast.
@@ -293,13 +304,14 @@ impl SourceHealth {
         self.state.score(0)
     }
 
-    /// The EWMA of the time to a successful answer (to its first chunk when it
-    /// streams); `None` before the first.
+    /// How long an attempt to this source may run before the balancer's slow-call
+    /// detection ([`BalanceConfig::cut_silent`](crate::BalanceConfig::cut_silent)) may
+    /// cut it: `silent_after`, or [`CUT_LATENCY_FACTOR`](crate::CUT_LATENCY_FACTOR)
+    /// times the source's latency EWMA when longer; `None` before the source answered a
+    /// success. For a layer below that gives up its own attempts by the same rule.
     #[must_use]
-    pub fn latency(&self) -> Option<Duration> {
-        self.state
-            .measured_latency()
-            .and_then(|s| Duration::try_from_secs_f64(s).ok())
+    pub fn cut_age(&self, silent_after: Duration) -> Option<Duration> {
+        self.state.cut_age(silent_after)
     }
 
     /// Says that the source recovered: a gate below that had put it out after failures
