@@ -56,6 +56,8 @@ pub struct ChatCall {
     id: CallId,
     request: Arc<ChatRequest>,
     history: Option<CallHistory>,
+    /// A copy sent off the call's path ([`CarriesHistory::mark_probe_copy`]).
+    probe_copy: bool,
     extensions: http::Extensions,
 }
 
@@ -73,6 +75,7 @@ impl ChatCall {
             id: CallId::next(),
             request,
             history: None,
+            probe_copy: false,
             extensions: http::Extensions::new(),
         }
     }
@@ -135,6 +138,14 @@ impl CarriesHistory for ChatCall {
 
     fn set_call_history(&mut self, history: CallHistory) {
         self.history = Some(history);
+    }
+
+    fn mark_probe_copy(&mut self) {
+        self.probe_copy = true;
+    }
+
+    fn is_probe_copy(&self) -> bool {
+        self.probe_copy
     }
 }
 

@@ -416,7 +416,27 @@ pub trait CarriesHistory {
     fn call_history(&self) -> Option<&CallHistory>;
     /// Attaches a history to this request.
     fn set_call_history(&mut self, history: CallHistory);
+
+    /// Marks this request as a copy sent off its call's path: a balancer's background
+    /// probe of a silent source. The copy still carries the call's history (its
+    /// attempt is numbered there), but the layers below must not charge what happens
+    /// to it (its time, its refusals) to the call, which has moved on.
+    ///
+    /// The default does nothing, for a request type without per-call state; a type
+    /// that keeps some (time budgets, counters shared by the call's copies) marks the
+    /// copy and answers [`is_probe_copy`](Self::is_probe_copy).
+    fn mark_probe_copy(&mut self) {}
+
+    /// Whether this request is a copy marked by
+    /// [`mark_probe_copy`](Self::mark_probe_copy) (default `false`).
+    fn is_probe_copy(&self) -> bool {
+        false
+    }
 }
+
+/// The mark of a probe copy in an `http::Request`'s extensions.
+#[derive(Clone, Copy, Debug)]
+struct ProbeCopy;
 
 impl<B> CarriesHistory for http::Request<B> {
     fn call_history(&self) -> Option<&CallHistory> {
@@ -426,11 +446,34 @@ impl<B> CarriesHistory for http::Request<B> {
     fn set_call_history(&mut self, history: CallHistory) {
         self.extensions_mut().insert(history);
     }
+
+    fn mark_probe_copy(&mut self) {
+        self.extensions_mut().insert(ProbeCopy);
+    }
+
+    fn is_probe_copy(&self) -> bool {
+        self.extensions().get::<ProbeCopy>().is_some()
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_marked_probe_copy_keeps_the_history_and_leaves_the_original_unmarked() {
+        let mut req = http::Request::new(());
+        req.set_call_history(CallHistory::new());
+        let mut copy = http::Request::new(());
+        copy.set_call_history(req.call_history().unwrap().clone());
+        copy.mark_probe_copy();
+        assert!(copy.is_probe_copy());
+        assert!(!req.is_probe_copy());
+        assert!(
+            copy.call_history().is_some(),
+            "the copy is still the call's attempt"
+        );
+    }
 
     #[test]
     fn clones_share_and_failures_count_health_failures_only() {

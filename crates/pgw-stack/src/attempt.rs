@@ -268,7 +268,12 @@ where
             start: Instant::now(),
             done: false,
         };
-        let refused = call.extensions().get::<RefusedTime>().cloned();
+        // A balancer's probe copy runs on its own time, not the call's.
+        let refused = if call.is_probe_copy() {
+            None
+        } else {
+            call.extensions().get::<RefusedTime>().cloned()
+        };
         let cut_at = refused
             .as_ref()
             .map(RefusedTime::get)
@@ -463,6 +468,66 @@ mod tests {
         );
         cuts.record(true);
         assert!(cuts.trusted(), "one cut after the run: 0.28, under 0.3");
+    }
+
+    /// A balancer's probe copy of a call (sent off the caller's path) is refused at the
+    /// head: its time is not added to the call's refusals, and a call's refusals do not
+    /// shorten the probe; the call's own attempt, refused the same way, adds its time.
+    #[tokio::test(start_paused = true)]
+    async fn a_probe_copy_neither_reads_nor_feeds_the_calls_refused_time() {
+        use tower::ServiceExt;
+        let attempt = Attempt {
+            inner: tower::service_fn(|_: ChatCall| async {
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                status(401)
+            }),
+            source: SourceId::from("s1"),
+            group: Arc::from("g"),
+            model: None,
+            telemetry: crate::telemetry::Telemetry::default(),
+            validator: None,
+            accepts_prefill: false,
+            cuts: StreamCuts::default(),
+            pushback: crate::route::Pushback::default(),
+            quota_hold: crate::route::QuotaHold {
+                limiter: tower_ratelimit_redis::RateLimiter::new(
+                    tower_ratelimit_redis::RateLimitConfig::new(
+                        "s1",
+                        tower_ratelimit_redis::Quota::unlimited(),
+                    ),
+                    tower_ratelimit_redis::MemoryBackend::new(),
+                )
+                .unwrap(),
+                duration: Duration::from_secs(60),
+            },
+            // Shorter than the call's refusals so far: the probe would be cut at once
+            // if it read them.
+            attempt_timeout: Duration::from_secs(4),
+        };
+        let refused = RefusedTime::default();
+        refused.after(true, Duration::from_secs(3));
+        let mut call = ChatCall::new(pgw_core::openai::ChatRequest::user("m", "hi"));
+        call.extensions_mut().insert(refused.clone());
+        let mut probe = call.clone();
+        probe.mark_probe_copy();
+
+        let err = attempt.clone().oneshot(probe).await.unwrap_err();
+        assert_eq!(
+            UpstreamStatus::find(&*err).map(|s| s.status().as_u16()),
+            Some(401),
+            "the probe ran its whole 2 s, not cut at 4 - 3 s: {err}"
+        );
+        assert_eq!(
+            refused.get(),
+            Duration::from_secs(3),
+            "the probe's refusal is its own"
+        );
+
+        let err = attempt.oneshot(call).await.unwrap_err();
+        assert!(
+            pgw_core::is_timeout(&*err),
+            "the call's attempt is cut at 4 - 3 = 1 s: {err}"
+        );
     }
 
     #[test]

@@ -19,7 +19,7 @@ use tower_layer::Layer;
 use tower_ratelimit_redis::{Admission, NoTokens, RateLimitLayer, RateLimiter};
 use tower_service::Service;
 
-use crate::attempt::{AdmissionCell, AnswerUsage, RefusedTime};
+use crate::attempt::{AdmissionCell, AnswerUsage};
 
 /// One source's stack as the balancer holds it: AIMD -> breaker -> rate limit ->
 /// attempt (validator, telemetry) -> client.
@@ -286,7 +286,7 @@ where
         // chunk, unjudged, and its lease given back without a verdict.
         req.extensions_mut().remove::<PassThrough>();
         // Its time is its own, not the caller's run of refusals.
-        req.extensions_mut().remove::<RefusedTime>();
+        req.mark_probe_copy();
         if req.call_history().is_none()
             && let Some(history) = Recording::adopt::<ChatCall>()
         {

@@ -10,7 +10,7 @@
 
 use std::sync::Arc;
 
-use pgw_core::{BoxError, Classify, NotAdmitted, settle};
+use pgw_core::{BoxError, CarriesHistory, Classify, NotAdmitted, settle};
 use tokio::time::Instant;
 use tower_service::Service;
 
@@ -23,7 +23,7 @@ pub(crate) fn send<S, Req, C>(
     state: &Arc<SourceState>,
     at: Instant,
     mut svc: S,
-    req: Req,
+    mut req: Req,
     class: usize,
     classifier: C,
 ) where
@@ -31,9 +31,11 @@ pub(crate) fn send<S, Req, C>(
     S::Future: Send + 'static,
     S::Error: Into<BoxError>,
     S::Response: Send + 'static,
-    Req: Send + 'static,
+    Req: CarriesHistory + Send + 'static,
     C: Classify<S::Response, BoxError> + Clone + Send + 'static,
 {
+    // The caller has moved on: nothing this copy meets is charged to its call.
+    req.mark_probe_copy();
     state.inc(at);
     // Its inflight count, given back when it is judged or dropped (A4).
     let probing = Inflight(Arc::clone(state));

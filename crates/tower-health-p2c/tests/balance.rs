@@ -20,7 +20,7 @@ use tower_health_p2c::{
 use tower_layer::Layer;
 
 #[derive(Clone, Default)]
-struct Req(Option<CallHistory>);
+struct Req(Option<CallHistory>, bool);
 
 impl CarriesHistory for Req {
     fn call_history(&self) -> Option<&CallHistory> {
@@ -28,6 +28,12 @@ impl CarriesHistory for Req {
     }
     fn set_call_history(&mut self, h: CallHistory) {
         self.0 = Some(h);
+    }
+    fn mark_probe_copy(&mut self) {
+        self.1 = true;
+    }
+    fn is_probe_copy(&self) -> bool {
+        self.1
     }
 }
 
@@ -900,9 +906,14 @@ fn hole(hits: Arc<AtomicUsize>) -> Svc {
 }
 
 /// A black hole until `alive` is set, then a source answering `ok` after 1 s.
-fn hole_until(alive: Arc<AtomicBool>, hits: Arc<AtomicUsize>) -> Svc {
-    BoxCloneSyncService::new(service_fn(move |_: Req| {
+/// A black hole until `alive`, counting attempts (`hits`) and, of those, the probe
+/// copies the balancer sent off a caller's path (`probes`).
+fn hole_until(alive: Arc<AtomicBool>, hits: Arc<AtomicUsize>, probes: Arc<AtomicUsize>) -> Svc {
+    BoxCloneSyncService::new(service_fn(move |req: Req| {
         hits.fetch_add(1, Ordering::SeqCst);
+        if req.is_probe_copy() {
+            probes.fetch_add(1, Ordering::SeqCst);
+        }
         let alive = alive.load(Ordering::SeqCst);
         async move {
             if alive {
@@ -1158,11 +1169,12 @@ fn a_zero_silence_threshold_is_a_config_error() {
 #[tokio::test(start_paused = true)]
 async fn a_silent_source_is_probed_off_the_callers_path_until_it_answers() {
     let (hole_hits, good_hits) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let probes = Arc::new(AtomicUsize::new(0));
     let alive = Arc::new(AtomicBool::new(false));
     let sources = Sources::new();
     sources.insert(
         SourceId::from("hole"),
-        hole_until(Arc::clone(&alive), Arc::clone(&hole_hits)),
+        hole_until(Arc::clone(&alive), Arc::clone(&hole_hits), Arc::clone(&probes)),
     );
     sources.insert(
         SourceId::from("good"),
@@ -1180,6 +1192,11 @@ async fn a_silent_source_is_probed_off_the_callers_path_until_it_answers() {
         let _ = h.await.unwrap();
     }
     assert_eq!(hole_hits.load(Ordering::SeqCst), 3);
+    assert_eq!(
+        probes.load(Ordering::SeqCst),
+        0,
+        "callers' own attempts are not probe copies"
+    );
     // Silent now: fresh calls are all served by `good` at once (no caller waits on the
     // hole), and the hole gets one detached probe, not one per call.
     let start = Instant::now();
@@ -1188,6 +1205,11 @@ async fn a_silent_source_is_probed_off_the_callers_path_until_it_answers() {
     }
     assert_eq!(start.elapsed(), Duration::from_secs(1), "served without a wait");
     assert_eq!(hole_hits.load(Ordering::SeqCst), 4, "one probe");
+    assert_eq!(
+        probes.load(Ordering::SeqCst),
+        1,
+        "the probe is marked as a copy off the caller's path"
+    );
     // At most one probe per `probe_every` (10 s), however many calls find it silent
     // (round robin: every other call finds it first).
     let calls = |n: usize| async move {
