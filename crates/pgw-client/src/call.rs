@@ -40,7 +40,8 @@ impl fmt::Display for CallId {
 /// the balancer re-sends it to the next source when one is not admitted and the retry
 /// layer re-sends it on every attempt. Carries its [`CallHistory`]
 /// ([`CarriesHistory`]) and knows its token estimate ([`ChatCall::estimate_tokens`],
-/// L4). Whether the upstream is asked to stream follows `request.stream`.
+/// what a TPM limit reserves before dispatch). Whether the upstream is asked to stream
+/// follows `request.stream`.
 ///
 /// ```
 /// use pgw_client::ChatCall;
@@ -111,7 +112,8 @@ impl ChatCall {
         self.request.stream
     }
 
-    /// The token reservation made before dispatch (L4), see
+    /// The tokens a TPM limit reserves before dispatch (reconciled to real usage
+    /// afterwards), see
     /// [`ChatRequest::estimate_tokens`].
     #[must_use]
     pub fn estimate_tokens(&self) -> u64 {
@@ -149,7 +151,7 @@ impl CarriesHistory for ChatCall {
     }
 }
 
-/// What one attempt measured, for telemetry (S6).
+/// What one attempt measured, for telemetry.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct AttemptStats {
     /// The source that answered.

@@ -5,7 +5,7 @@
 use std::fmt;
 use std::time::Duration;
 
-/// Which watchdog cut the attempt (S3).
+/// Which watchdog cut the attempt.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Watchdog {
     /// No first token within `timeouts.first_token`.

@@ -6,7 +6,7 @@
 //! - [`UpstreamClient`]: a tower `Service<ChatCall>` answering a [`ChatAnswer`] (or an
 //!   error the [`pgw_core::OpenAiClassifier`]-compatible [`AnswerClassifier`] classifies);
 //! - [`ChunkStream`]: a streamed answer under the first-token, inter-token and total
-//!   watchdogs (S3), on tokio's clock;
+//!   watchdogs, on tokio's clock;
 //! - transports: [`HyperTransport`] (hyper-util, HTTP/1.1 + HTTP/2, rustls with `ring`)
 //!   or anything with the same shape (`pgw_sim::SimService`), erased by
 //!   [`box_transport`];

@@ -22,7 +22,7 @@ pub const DEFAULT_TOTAL_TIMEOUT: Duration = Duration::from_secs(600);
 /// `at + d`, saturating: a `Duration::MAX` timeout means "never".
 pub(crate) use pgw_core::clock::saturating_after as after;
 
-/// The four timeouts of one attempt (S2, S3).
+/// The four timeouts of one attempt.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Timeouts {
     /// Connecting (TCP + TLS), enforced by the transport ([`crate::HyperTransport`]).

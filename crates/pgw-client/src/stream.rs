@@ -1,4 +1,4 @@
-//! [`ChunkStream`]: a streamed answer, decoded from SSE, under the watchdogs (S3).
+//! [`ChunkStream`]: a streamed answer, decoded from SSE, under the watchdogs.
 
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};

@@ -44,7 +44,7 @@ impl CircuitOpen {
         self
     }
 
-    /// Time until the breaker admits again (B10).
+    /// Time until the breaker admits again.
     #[must_use]
     pub const fn retry_after(&self) -> Duration {
         self.retry_after
@@ -97,7 +97,7 @@ impl QuotaExceeded {
         self
     }
 
-    /// Time until the quota may admit again (L6).
+    /// Time until the quota may admit again.
     #[must_use]
     pub const fn retry_after(&self) -> Duration {
         self.retry_after
@@ -247,7 +247,7 @@ impl NotAdmitted {
 
 /// A shared-state backend (Redis) could not be reached or answered garbage.
 ///
-/// Admission fails closed with this error (B12); recording degrades to a warning.
+/// Admission fails closed with this error; recording degrades to a warning.
 #[derive(Debug)]
 pub struct BackendUnavailable {
     backend: &'static str,

@@ -1,4 +1,4 @@
-//! The in-call history (H5): which sources this call tried and how each attempt ended.
+//! The in-call history: which sources this call tried and how each attempt ended.
 //!
 //! Created by the retry layer for each call, carried with the request to the balancer
 //! on every attempt, and never shared between calls. Cloning shares the same history

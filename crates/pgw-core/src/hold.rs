@@ -1,4 +1,5 @@
-//! The hold hook (L9, R3): make a source not admitted until a time.
+//! The hold hook: make a source not admitted until a time, so a 429's pushback is
+//! honoured by every process.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -12,9 +13,9 @@ pub type HoldFuture = Pin<Box<dyn Future<Output = Result<(), BoxError>> + Send +
 /// Something that can hold a source (and, if it knows it, the source's account) so no
 /// process admits it for a while.
 ///
-/// The retry layer calls it on 429 pushback (R3); `tower-ratelimit-redis` implements it
-/// with one round trip shared by every process (L9). Defined here so the retry layer
-/// does not depend on the limiter.
+/// The retry layer calls it on 429 pushback; `tower-ratelimit-redis` implements it
+/// with one round trip, shared by every process through its backend. Defined here so
+/// the retry layer does not depend on the limiter.
 pub trait Hold: Send + Sync {
     /// Holds `source` (and its account, when the implementation knows one) for
     /// `duration` from now.

@@ -42,7 +42,7 @@ pub enum Outcome {
     Invalid,
 }
 
-/// What the circuit breaker does with an [`Outcome`] (B6).
+/// What the circuit breaker does with an [`Outcome`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BreakerVerdict {
     /// Counts as a success.
@@ -56,7 +56,8 @@ pub enum BreakerVerdict {
 }
 
 impl Outcome {
-    /// The breaker's view of this outcome (B6).
+    /// The breaker's view of this outcome: `Success` counts as a success, `Transient` as a
+    /// failure, `SourceDead` forces the circuit open, and the rest are ignored.
     #[must_use]
     pub const fn breaker_verdict(self) -> BreakerVerdict {
         match self {
@@ -67,7 +68,7 @@ impl Outcome {
         }
     }
 
-    /// The sample this outcome feeds to the health EWMA (H4): `Some(true)` for a
+    /// The sample this outcome feeds to the health EWMA: `Some(true)` for a
     /// success, `Some(false)` for a failure, `None` when it says nothing about the source.
     #[must_use]
     pub const fn health_sample(self) -> Option<bool> {
@@ -78,7 +79,8 @@ impl Outcome {
         }
     }
 
-    /// Whether this outcome consumes one unit of the attempt budget (R1).
+    /// Whether this outcome consumes one unit of the attempt budget: only `Transient` and
+    /// `SourceDead` do (a 429 never does).
     #[must_use]
     pub const fn consumes_attempt(self) -> bool {
         matches!(self, Self::Transient | Self::SourceDead)

@@ -7,7 +7,7 @@ use std::time::{Duration, SystemTime};
 /// A provider asking for more is either broken or has cut the account off for the
 /// day; holding a source longer than this hides the problem instead of surfacing it.
 /// Larger values are clamped to this cap (never rejected), so a call can still decide
-/// that the wait is longer than it may wait (R3).
+/// that the wait is longer than it may wait, and move on or fail at once.
 pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(3600);
 
 /// Parses a `Retry-After` value relative to `now` (the wall clock, needed only for the

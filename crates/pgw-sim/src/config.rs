@@ -805,7 +805,7 @@ impl PoolConfig {
 
     /// The P6 pool of DESIGN.md section 5: five sources, s1/s4/s5 on one account.
     ///
-    /// The pool is the same for every client profile (K2). The soak calibrates only
+    /// The pool is the same for every client profile. The soak calibrates only
     /// `accounts[0].rate_limit` (the account 429 curve) so the `naive` profile lands near
     /// the seeds' 58.1%; every other value comes from the seeds:
     ///

@@ -1,4 +1,4 @@
-//! A seeded, fault-injecting simulated LLM provider (DESIGN.md K1 and section 5).
+//! A seeded, fault-injecting simulated LLM provider (the pool of DESIGN.md section 5).
 //!
 //! The fault model is a plain tower `Service` ([`SimService`]) over OpenAI-style
 //! chat completion requests (`http::Request<Bytes>` carrying a JSON

@@ -1,4 +1,4 @@
-//! Current resident set size, from `/proc/self/statm` (K4).
+//! Current resident set size, from `/proc/self/statm`.
 //!
 //! The current value, never the peak (`ru_maxrss` only grows: seed 003 section 4 shows
 //! how judging "stability" on the peak produced a false failure).

@@ -2,7 +2,7 @@
 //!
 //! One documented struct ([`Scenario`]) holds everything a run depends on, so a run is
 //! reproducible from it and its seed, and it is stored next to the run's telemetry.
-//! The pool and the traffic are the same for every profile (K2); so are the timeouts,
+//! The pool and the traffic are the same for every profile; so are the timeouts,
 //! watchdogs and quotas ([`ClientSettings`]). What differs between profiles is only
 //! their own machinery ([`NaiveSettings`], [`TowerStockSettings`]; `pgw` runs with
 //! `pgw-stack`'s defaults).
@@ -64,7 +64,7 @@ pub const P6_NAIVE_BAND: [f64; 2] = [0.50, 0.65];
 /// The window every quota is enforced and judged on: one minute.
 pub const QUOTA_WINDOW: Duration = Duration::from_secs(60);
 
-/// One source's quotas as configured in every client (S2).
+/// One source's quotas as configured in every client.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SourceQuota {

@@ -1,4 +1,4 @@
-//! The scoreboard (K4): judges one profile's stored telemetry.
+//! The scoreboard: judges one profile's stored telemetry.
 //!
 //! It reads only the rows ([`ProfileRun`]), never the live client, so `--rescore RUN`
 //! re-judges a stored run with exactly the same code. Quotas are judged the way the

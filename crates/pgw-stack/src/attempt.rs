@@ -1,5 +1,5 @@
-//! The innermost per-source service: the client, the validator (S7) and the
-//! per-attempt telemetry record (S6).
+//! The innermost per-source service: the client, the validator and the
+//! per-attempt telemetry record.
 //!
 //! It sits below every gate, so only admitted attempts reach it: not-admitted
 //! refusals cost nothing and leave no record.
@@ -336,7 +336,7 @@ where
     }
 }
 
-/// The telemetry record of one dispatched attempt (S6: one record per attempt). If
+/// The telemetry record of one dispatched attempt (one record per attempt). If
 /// the attempt's future is dropped before its verdict (the caller gave up, a deadline
 /// fired), the record is still emitted on drop, with outcome [`CANCELLED`].
 struct Record {

@@ -1,4 +1,4 @@
-//! The response cache (S4): asked before every gate, so a hit never reaches the
+//! The response cache: asked before every gate, so a hit never reaches the
 //! limiter or the upstream. Memory (size-bounded, TTL on the tokio clock) or Redis.
 //!
 //! What is cached (the gateway decides, see `[cache]` in the crate's README): by

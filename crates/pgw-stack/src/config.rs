@@ -47,7 +47,7 @@ use pgw_client::{SecretKey, SourceSettings, Timeouts};
 use serde::Deserialize;
 
 /// Default breaker consecutive-failure threshold: 5 (seed 000 section 3.1; raised
-/// per source to `2 x max_concurrency`, B4).
+/// per source to `2 x max_concurrency`).
 pub const DEFAULT_FAIL_THRESHOLD: u32 = 5;
 /// Default breaker cooldown: 10 s, the first open duration and the period at which a
 /// source with transient failures is probed (only a dead source's streak doubles it):
@@ -104,11 +104,11 @@ pub struct GatewayConfig {
     /// Prefix of every Redis key (default [`DEFAULT_KEY_PREFIX`]).
     #[serde(default)]
     pub key_prefix: Option<String>,
-    /// Group order of the fallback chain (S5). Default: groups in order of first
+    /// Group order of the fallback chain. Default: groups in order of first
     /// appearance in `sources`.
     #[serde(default)]
     pub fallback: Vec<String>,
-    /// The sources (S2).
+    /// The sources.
     #[serde(default)]
     pub sources: Vec<SourceConfig>,
     /// Quotas of accounts shared by several sources.
@@ -130,13 +130,13 @@ pub struct GatewayConfig {
     /// Rate limiter (tower-ratelimit-redis).
     #[serde(default)]
     pub ratelimit: RateLimitSection,
-    /// Response cache (S4).
+    /// Response cache.
     #[serde(default)]
     pub cache: CacheSection,
-    /// Telemetry (S6).
+    /// Telemetry.
     #[serde(default)]
     pub telemetry: TelemetrySection,
-    /// Prices per model, for telemetry's cost (S6).
+    /// Prices per model, for telemetry's cost.
     #[serde(default)]
     pub prices: BTreeMap<String, Price>,
     /// Model routing: each public model name the callers may ask for, with its routes
@@ -172,7 +172,7 @@ impl fmt::Debug for GatewayConfig {
     }
 }
 
-/// One source (S2).
+/// One source.
 #[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SourceConfig {
@@ -199,7 +199,7 @@ pub struct SourceConfig {
     #[serde(default)]
     pub tpm: Option<i64>,
     /// Concurrent requests (absent or 0: unlimited); also the AIMD ceiling and the
-    /// breaker's threshold floor (B4).
+    /// breaker's consecutive-failure threshold floor (`2 x max_concurrency`).
     #[serde(default)]
     pub max_concurrency: Option<i64>,
     /// The account this source's key belongs to (quotas in `[accounts.NAME]`).
@@ -438,17 +438,18 @@ impl RouteConfig {
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RetrySection {
-    /// Attempts per group per call (R1).
+    /// Attempts per group per call (a 429 never spends one).
     pub max_attempts: Option<u32>,
-    /// Re-asks after an invalid answer (R2).
+    /// Re-asks after an invalid answer, apart from `max_attempts`.
     pub max_reasks: Option<u32>,
     /// Backoff base, seconds.
     pub base_backoff_s: Option<f64>,
     /// Backoff cap, seconds.
     pub max_backoff_s: Option<f64>,
-    /// Stall window, seconds (R4).
+    /// Stall window, seconds: a call that has waited longer fails as stalled, unless
+    /// something in the process succeeded within it.
     pub stall_window_s: Option<f64>,
-    /// The most one call waits on pushback in one group, seconds (R3; default
+    /// The most one call waits on pushback in one group, seconds (default
     /// `tower_retry_pushback::DEFAULT_MAX_PUSHBACK_WAIT`, 60): the time covered by the
     /// waits its 429s asked for (Retry-After, else the backoff); waits for pacing and
     /// quotas do not count. Past it the group gives up with `pushback_exhausted` and
@@ -567,7 +568,7 @@ pub struct AimdSection {
     /// The share of recent outcomes that may be 429s before a 429 cuts (0.0: every
     /// congestion episode cuts; see `tower_aimd::DEFAULT_TOLERATED_PUSHBACK`).
     pub tolerated_pushback: Option<f64>,
-    /// The caller's concurrency (caps the limit, A1).
+    /// The caller's concurrency (caps the limit).
     pub caller_concurrency: Option<usize>,
 }
 
@@ -593,7 +594,7 @@ pub enum CacheWhen {
     Always,
 }
 
-/// `[cache]` (S4).
+/// `[cache]`: the response cache.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CacheSection {
@@ -632,7 +633,7 @@ impl Default for CacheSection {
     }
 }
 
-/// `[telemetry]` (S6).
+/// `[telemetry]`: one record per attempt to a sink.
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TelemetrySection {

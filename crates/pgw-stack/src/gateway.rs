@@ -37,7 +37,7 @@ pub struct GatewayAnswer {
     pub call_id: u64,
     /// The answer (for a cache hit: as first received; `stats` describe that attempt).
     pub answer: ChatAnswer,
-    /// The model group that answered (S5).
+    /// The model group of the fallback chain that answered.
     pub group: String,
     /// The source that answered.
     pub source: Option<SourceId>,
@@ -174,7 +174,7 @@ pub(crate) struct Inner {
 /// The gateway: a tower `Service<ChatCall>` for OpenAI-compatible chat completions.
 ///
 /// Per call: the cache (a hit returns at once, recorded with `cache_hit`); then each
-/// model group of the fallback chain in turn (S5), each a retry loop
+/// model group of the fallback chain in turn, each a retry loop
 /// (tower-retry-pushback) over a health-aware balancer (tower-health-p2c) over one
 /// stack per source: AIMD (tower-aimd) -> breaker (tower-breaker-window) -> rate limit
 /// (tower-ratelimit-redis) -> validator + telemetry -> client (pgw-client, watchdogs).
@@ -260,7 +260,8 @@ impl Gateway {
             .map(|v| v.health_of(call_shape_of(true)))
     }
 
-    /// The process-wide progress signal of the stall guard (R4).
+    /// The process-wide progress signal of the stall guard (a waiting call fails as
+    /// stalled only when nothing in the process succeeded within the stall window).
     #[must_use]
     pub fn progress(&self) -> &Progress {
         &self.inner.progress
@@ -274,8 +275,9 @@ impl Gateway {
         self.clone().oneshot(ChatCall::new(request)).await
     }
 
-    /// One call whose answer must parse as JSON into `T` (S7): an answer that does not
-    /// is `Invalid` and re-asked (R2).
+    /// One call whose answer must parse as JSON into `T`: an answer that does not
+    /// is `Invalid` and re-asked (up to `max_reasks` times, apart from the attempt
+    /// budget).
     ///
     /// # Errors
     /// A [`GatewayError`]; the last group's reason is `ReasksExhausted` when no answer

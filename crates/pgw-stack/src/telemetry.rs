@@ -1,4 +1,4 @@
-//! Telemetry (S6): one [`AttemptTelemetry`] record per attempt (and per cache hit) to
+//! Telemetry: one [`AttemptTelemetry`] record per attempt (and per cache hit) to
 //! a [`TelemetrySink`], and `metrics` gauges and counters.
 
 use std::collections::BTreeMap;

@@ -1,5 +1,6 @@
-//! Structured output (S7): a validator refuses an answer, the attempt becomes
-//! `Invalid`, and the retry layer re-asks (R2).
+//! Structured output: a validator refuses an answer, the attempt becomes
+//! `Invalid`, and the retry layer re-asks (up to `max_reasks` times, apart from the
+//! attempt budget).
 
 use std::fmt;
 use std::marker::PhantomData;

@@ -1,15 +1,15 @@
-//! Configuration and the named defaults of DESIGN.md A1-A2.
+//! Configuration and the named defaults.
 
 use crate::error::ConfigError;
 
-/// Initial limit of a source (DESIGN.md A1; seed 000 section 3.35: "initial 8").
+/// Initial limit of a source (seed 000 section 3.35: "initial 8").
 pub const DEFAULT_INITIAL_LIMIT: f64 = 8.0;
 
-/// The limit never drops below this floor (DESIGN.md A1; seed 000 section 3.35: "floor 1").
+/// The limit never drops below this floor (seed 000 section 3.35: "floor 1").
 pub const DEFAULT_MIN_LIMIT: f64 = 1.0;
 
-/// Multiplicative cut on a `RateLimited` outcome (DESIGN.md A2; seed 000 section 3.37
-/// moved it from 0.7 to 0.5, the aggressive end of Netflix's 0.5-0.9 advice).
+/// Multiplicative cut on a `RateLimited` outcome, once per congestion episode (seed 000
+/// section 3.37 moved it from 0.7 to 0.5, the aggressive end of Netflix's 0.5-0.9 advice).
 pub const DEFAULT_DECREASE_FACTOR: f64 = 0.5;
 
 /// Ceiling when neither the source's max concurrency nor the caller's concurrency is
@@ -23,8 +23,8 @@ pub const DEFAULT_MAX_LIMIT: usize = 200;
 /// most where `rate x (1 - p)` peaks, which is near `p = 0.5`, not where `p` is zero
 /// (the oracle of the soak paces P6's account at about 50% 429s). Measured on P6 (seed
 /// 20260721, with slow start and the cache as the other profiles have it): 0.3 47.7
-/// ok/min at 99.39%, 0.5 54.8 ok/min at 99.30% (oracle 64.5). Set 0.0 for A2's letter,
-/// "every 429 episode cuts", for a provider that penalises pushback.
+/// ok/min at 99.39%, 0.5 54.8 ok/min at 99.30% (oracle 64.5). Set 0.0 to cut on
+/// every 429 episode, for a provider that penalises pushback.
 pub const DEFAULT_TOLERATED_PUSHBACK: f64 = 0.5;
 
 /// The weight of one outcome in the pushback share (an EWMA): 0.05, about the last 20
@@ -33,7 +33,7 @@ pub const PUSHBACK_ALPHA: f64 = 0.05;
 
 /// AIMD settings of one source.
 ///
-/// The ceiling is `min(max_concurrency, caller_concurrency)` (A1), whichever of the two
+/// The ceiling is `min(max_concurrency, caller_concurrency)`, whichever of the two
 /// are set, or [`DEFAULT_MAX_LIMIT`] when neither is. An `initial_limit` above the
 /// ceiling starts at the ceiling.
 #[derive(Clone, Debug, PartialEq)]
@@ -68,7 +68,8 @@ impl Default for AimdConfig {
 }
 
 impl AimdConfig {
-    /// The ceiling of the limit: `min(max_concurrency, caller_concurrency)` (A1).
+    /// The ceiling of the limit: `min(max_concurrency, caller_concurrency)`, whichever
+    /// of the two are set, or [`DEFAULT_MAX_LIMIT`] when neither is.
     #[must_use]
     pub fn ceiling(&self) -> f64 {
         let c = match (self.max_concurrency, self.caller_concurrency) {

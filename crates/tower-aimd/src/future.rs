@@ -1,4 +1,5 @@
-//! [`ResponseFuture`]: holds the slot until the attempt ends, on every path (A4).
+//! [`ResponseFuture`]: holds the slot until the attempt ends, on every path
+//! (cancellation included).
 
 use std::fmt;
 use std::future::Future;

@@ -18,11 +18,11 @@ pub enum Mode {
     #[default]
     Wait,
     /// Always ready; a call over the limit answers [`pgw_core::Paced`] at once (not
-    /// admitted, A3), so a balancer above can try another source.
+    /// admitted, not an attempt), so a balancer above can try another source.
     Shed,
 }
 
-/// A [`Layer`] adding an adaptive concurrency limit (DESIGN.md A1-A4).
+/// A [`Layer`] adding an adaptive (AIMD) concurrency limit.
 ///
 /// One layer is one source: every service it builds (and their clones) shares the
 /// same limit and inflight count, observable through [`handle`](Self::handle).
@@ -51,7 +51,7 @@ impl AimdLayer {
 }
 
 impl Default for AimdLayer {
-    /// The defaults of DESIGN.md A1-A2 (initial 8, floor 1, cut 0.5).
+    /// The defaults: initial limit 8, floor 1, cut by half on pushback.
     fn default() -> Self {
         Self::new(AimdConfig::default()).expect("the default config is valid")
     }

@@ -1,5 +1,5 @@
 //! An adaptive (AIMD) concurrency limit per source, as a tower [`Layer`](tower_layer::Layer)
-//! (DESIGN.md A1-A4; seed 000 sections 3.35 and 3.37).
+//! (seed 000 sections 3.35 and 3.37).
 //!
 //! Each source has a float limit: initial 8, floor 1, ceiling
 //! `min(source max_concurrency, caller concurrency)`. A `RateLimited` outcome (429)
@@ -21,10 +21,10 @@
 //! - [`Mode::Shed`]: always ready; a call over the limit answers [`pgw_core::Paced`]
 //!   at once (not admitted, not an attempt), so a balancer above tries another
 //!   source and waits on the [release signal](AimdHandle::release_signal) when all
-//!   are paced (DESIGN.md H7).
+//!   are paced.
 //!
 //! The inflight count returns to zero on success, error, panic in the inner future
-//! and drop of the response future (A4). The limit is observable through
+//! and drop of the response future. The limit is observable through
 //! [`AimdHandle`] (for metrics). The hot path is two atomics; each release answers one
 //! counted refusal by waking one waiter of the release signal (first come first served,
 //! `Notify::notify_one`), and fires nothing when nobody was refused.

@@ -17,7 +17,7 @@ const SLOW_START_USE: f64 = 0.5;
 pub(crate) struct Limiter {
     limit_bits: AtomicU64,
     /// The congestion episode: incremented by each cut. A 429 of a request sent in an
-    /// earlier episode (before the last cut) does not cut again (A2, as TCP).
+    /// earlier episode (before the last cut) does not cut again (as in TCP).
     episode: AtomicU64,
     inflight: AtomicUsize,
     /// Refusals not yet answered by a release: counted by whoever was refused (a shed
@@ -70,7 +70,7 @@ impl Limiter {
         &self.signal
     }
 
-    /// Takes a slot if `inflight < floor(limit)` (A3).
+    /// Takes a slot if `inflight < floor(limit)`.
     pub(crate) fn try_acquire(&self) -> bool {
         // The limit is >= 1, so the truncation is the floor and fits.
         #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
@@ -127,7 +127,6 @@ impl Limiter {
         }
     }
 
-    /// Adjusts the limit for one attempt's outcome (A2).
     /// The current congestion episode.
     pub(crate) fn episode(&self) -> u64 {
         self.episode.load(Ordering::SeqCst)
@@ -229,7 +228,7 @@ impl Limiter {
     }
 }
 
-/// One slot of a source's limit; released on drop, on every path (A4).
+/// One slot of a source's limit; released on drop, on every path.
 pub(crate) struct Permit {
     limiter: Arc<Limiter>,
     /// The congestion episode the request is sent in.
@@ -262,7 +261,7 @@ impl fmt::Debug for Permit {
     }
 }
 
-/// A read-only view of one source's limiter, for metrics (S6) and tests.
+/// A read-only view of one source's limiter, for metrics and tests.
 ///
 /// ```
 /// use tower_aimd::{AimdLayer, DEFAULT_INITIAL_LIMIT};
@@ -296,7 +295,7 @@ impl AimdHandle {
     }
 
     /// The signal fired when a slot is released after a refusal (what a balancer
-    /// waits on when every source is paced, H7).
+    /// waits on when every source is paced).
     #[must_use]
     pub fn release_signal(&self) -> Arc<Notify> {
         Arc::clone(self.limiter.signal())

@@ -14,7 +14,7 @@ use crate::future::ResponseFuture;
 use crate::limiter::{Limiter, Permit};
 use crate::{AimdConfig, AimdHandle, ConfigError, Mode};
 
-/// An adaptive concurrency limit in front of one source (DESIGN.md A1-A4).
+/// An adaptive (AIMD) concurrency limit in front of one source.
 ///
 /// In [`Mode::Wait`] a slot is taken in `poll_ready` and spent in `call`, like tower's
 /// `ConcurrencyLimit`. In [`Mode::Shed`] the service is always ready and a call over

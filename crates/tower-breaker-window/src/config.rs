@@ -1,4 +1,4 @@
-//! Per-source configuration with the defaults of DESIGN.md (B4, B5, B7).
+//! Per-source configuration and its defaults.
 
 use std::time::Duration;
 
@@ -6,18 +6,18 @@ use serde::Deserialize;
 
 use crate::error::ConfigError;
 
-/// Default `min_calls` (B5; seed 000 section 3.1, Resilience4j's `minimumNumberOfCalls`):
+/// Default `min_calls` (seed 000 section 3.1, Resilience4j's `minimumNumberOfCalls`):
 /// the rate channel needs 10 samples before it may open.
 pub const DEFAULT_MIN_CALLS: u32 = 10;
 
-/// Default `fail_rate` (B5; seed 000 section 3.1): 0.6, wider than the industry's 0.5 to
+/// Default `fail_rate` (seed 000 section 3.1): 0.6, wider than the industry's 0.5 to
 /// tolerate LLM gateway jitter.
 pub const DEFAULT_FAIL_RATE: f64 = 0.6;
 
-/// Default rate window (B5; seed 000 section 3.1): 60 s, kept as two 30 s buckets.
+/// Default rate window (seed 000 section 3.1): 60 s, kept as two 30 s buckets.
 pub const DEFAULT_WINDOW: Duration = Duration::from_secs(60);
 
-/// Floor of the default `max_cooldown` (B7): `max(300 s, cooldown)`.
+/// Floor of the default `max_cooldown`: `max(300 s, cooldown)`.
 pub const DEFAULT_MAX_COOLDOWN_FLOOR: Duration = Duration::from_secs(300);
 
 /// Floor of the derived probe lease TTL: `max(cooldown, 60 s)`. A probe is a real call
@@ -47,7 +47,7 @@ pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
 ///     .cooldown(Duration::from_secs(30))
 ///     .max_concurrency(8)
 ///     .build()?;
-/// assert_eq!(config.effective_threshold(), 16); // max(5, 8 * 2), B4
+/// assert_eq!(config.effective_threshold(), 16); // max(5, 8 * 2)
 /// assert_eq!(config.min_calls(), 10);
 /// assert_eq!(config.max_cooldown(), Duration::from_secs(300));
 ///
@@ -86,7 +86,7 @@ impl BreakerConfig {
         self.max_concurrency
     }
 
-    /// The threshold the consecutive channel uses (B4):
+    /// The threshold the consecutive channel uses:
     /// `max(fail_threshold, 2 * max_concurrency)`, per source, never global.
     #[must_use]
     pub const fn effective_threshold(&self) -> u32 {
@@ -98,37 +98,38 @@ impl BreakerConfig {
         }
     }
 
-    /// Samples the rate channel needs before it may open (B5).
+    /// Samples the rate channel needs before it may open.
     #[must_use]
     pub const fn min_calls(&self) -> u32 {
         self.min_calls
     }
 
-    /// Failure rate at which the rate channel opens (B5).
+    /// Failure rate at which the rate channel opens.
     #[must_use]
     pub const fn fail_rate(&self) -> f64 {
         self.fail_rate
     }
 
-    /// The rate window (two buckets of half of it, B5).
+    /// The rate window (kept as two buckets of half of it).
     #[must_use]
     pub const fn window(&self) -> Duration {
         self.window
     }
 
-    /// The first open duration (B7).
+    /// The first open duration; each further open caused by `SourceDead` doubles it,
+    /// up to [`max_cooldown`](Self::max_cooldown).
     #[must_use]
     pub const fn cooldown(&self) -> Duration {
         self.cooldown
     }
 
-    /// The cap of the open duration (B7).
+    /// The cap of the open duration.
     #[must_use]
     pub const fn max_cooldown(&self) -> Duration {
         self.max_cooldown
     }
 
-    /// How long a half-open probe's lease lasts before it is re-issued (B1).
+    /// How long a half-open probe's lease lasts before it is re-issued.
     #[must_use]
     pub const fn probe_ttl(&self) -> Duration {
         self.probe_ttl
@@ -195,14 +196,16 @@ fn duration(field: &'static str, secs: Option<f64>) -> Result<Option<Duration>, 
 }
 
 impl BreakerConfigBuilder {
-    /// Consecutive failures that open the breaker (required, at least 1; B4).
+    /// Consecutive failures that open the breaker (required, at least 1; raised to
+    /// `2 * max_concurrency` when that is higher).
     #[must_use]
     pub const fn fail_threshold(mut self, n: u32) -> Self {
         self.fail_threshold = Some(n);
         self
     }
 
-    /// The source's maximum concurrency; raises the threshold to `2 * n` (B4).
+    /// The source's maximum concurrency; raises the threshold to `2 * n` when that is
+    /// higher.
     #[must_use]
     pub const fn max_concurrency(mut self, n: u32) -> Self {
         self.max_concurrency = Some(n);

@@ -1,7 +1,8 @@
 //! The errors this crate creates.
 //!
-//! Refusals are the shared [`pgw_core::CircuitOpen`] (not admitted, B10) and
-//! [`pgw_core::BackendUnavailable`] (admission failed closed, B12), returned as
+//! Refusals are the shared [`pgw_core::CircuitOpen`] (not admitted, with the time until
+//! the breaker admits again) and [`pgw_core::BackendUnavailable`] (the backend is
+//! unreachable, so admission failed closed), returned as
 //! [`BoxError`](pgw_core::BoxError) from the response future; configuration errors are
 //! the shared [`ConfigError`].
 

@@ -26,7 +26,8 @@ pin_project! {
     ///
     /// Holds the admission (and, in half-open, the probe lease): completing records the
     /// classified outcome against the admission's epoch; dropping it early, or a panic
-    /// in the inner future, ends a probe with no verdict (B3). Resolves after the
+    /// in the inner future, ends a probe with no verdict (the lease is released, so the
+    /// next admission may probe at once). Resolves after the
     /// record has landed, so a caller's next admission sees its outcome.
     pub struct ResponseFuture<F, G, C>
     where

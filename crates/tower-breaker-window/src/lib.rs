@@ -2,26 +2,29 @@
 //!
 //! A source that fails often must be isolated quickly, while pushback (429) and the
 //! random failure streaks of a healthy source must never open it. The breaker keeps
-//! two channels (DESIGN.md B1-B12, seed 000 sections 3.1 and 3.39):
+//! two channels (seed 000 sections 3.1 and 3.39):
 //!
 //! - **consecutive**: `failures >= max(fail_threshold, 2 * max_concurrency)` opens
-//!   (B4), unless the window holds enough evidence of health (B8);
+//!   (per source, never global), unless the window holds enough evidence of health
+//!   (`calls >= min_calls` at a failure rate below `fail_rate`);
 //! - **rate**: over a `window` kept as two fixed buckets, `calls >= min_calls` and
-//!   `failures / calls >= fail_rate` opens (B5), so a source with 10% success is
+//!   `failures / calls >= fail_rate` opens, so a source with 10% success is
 //!   isolated at its `min_calls`-th sample.
 //!
-//! An open breaker stays open `cooldown * 2^(streak - 1)`, capped by `max_cooldown`
-//! (B7), where only a dead source's verdicts (`SourceDead`) grow the streak: transient
-//! failures reopen it for one period, so recovery is seen within one cooldown; then one probe at a time is admitted under a lease with a TTL (B1). Every
-//! outcome is recorded against the epoch it was admitted under; stale epochs change
-//! nothing (B2). Outcomes come from a [`pgw_core::Classify`] (B6): `RateLimited`,
-//! `Rejected` and `Invalid` are ignored, `SourceDead` forces the breaker open.
+//! An open breaker stays open `cooldown * 2^(streak - 1)`, capped by `max_cooldown`,
+//! where only a dead source's verdicts (`SourceDead`) grow the streak: transient
+//! failures reopen it for one period, so recovery is seen within one cooldown; then one
+//! probe at a time is admitted under a lease with a TTL (an expired lease is re-issued,
+//! so a lost probe never hangs a source). Every outcome is recorded against the epoch
+//! it was admitted under; stale epochs change nothing. Outcomes come from a
+//! [`pgw_core::Classify`]: `RateLimited`, `Rejected` and `Invalid` are ignored,
+//! `SourceDead` forces the breaker open.
 //!
 //! By default a refused call fails at once with [`pgw_core::CircuitOpen`] (carrying
-//! `retry_after`, B10) without touching the inner service, so a balancer can try the
+//! `retry_after`) without touching the inner service, so a balancer can try the
 //! next source; [`BreakerLayer::waiting`] makes `poll_ready` wait instead. With the
 //! Redis backend, an unreachable server fails admission closed with
-//! [`pgw_core::BackendUnavailable`] and turns records into warnings (B12).
+//! [`pgw_core::BackendUnavailable`] and turns records into warnings.
 //!
 //! ```
 //! use std::time::Duration;

@@ -28,7 +28,7 @@ pub enum Mode {
     Wait,
 }
 
-/// An admission held by a call: ends the probe lease on every path (B3).
+/// An admission held by a call: ends the probe lease on every path.
 ///
 /// Dropped without [`Lease::finish`] (the caller dropped the future, or a panic
 /// unwound it), a probe is released with no verdict so the next admission may probe

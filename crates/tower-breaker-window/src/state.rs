@@ -1,8 +1,9 @@
 //! The breaker's state machine, on plain numbers (milliseconds on the backend's clock).
 //!
 //! The memory backend runs this code under a short-held lock; `lua/*.lua` is the same
-//! machine written for Redis, field for field (B5's `win_id, a0, f0, a1, f1` included), so
-//! the one contract suite holds both to the same behaviour.
+//! machine written for Redis, field for field (the rate window's
+//! `win_id, a0, f0, a1, f1` included), so the one contract suite holds both to the same
+//! behaviour.
 
 use std::time::Duration;
 
@@ -16,11 +17,11 @@ pub(crate) type Ms = u64;
 /// The numbers the state machine needs from a [`BreakerConfig`], in milliseconds.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct Params {
-    /// Effective consecutive threshold (B4): `max(fail_threshold, 2 * max_concurrency)`.
+    /// Effective consecutive threshold: `max(fail_threshold, 2 * max_concurrency)`.
     pub(crate) threshold: u32,
     pub(crate) min_calls: u32,
     pub(crate) fail_rate: f64,
-    /// One bucket: half the window (B5).
+    /// One bucket: half the window.
     pub(crate) half_window: Ms,
     pub(crate) cooldown: Ms,
     pub(crate) max_cooldown: Ms,
@@ -49,7 +50,7 @@ impl Params {
         }
     }
 
-    /// The rate channel's test (B5): `calls >= min_calls` and `fails / calls >= fail_rate`.
+    /// The rate channel's test: `calls >= min_calls` and `fails / calls >= fail_rate`.
     ///
     /// The rate is divided, not `fails >= fail_rate * calls`: a rate exactly at the bar
     /// (7 of 25 against 0.28) must open, and the product rounds above it
@@ -58,7 +59,7 @@ impl Params {
         calls >= self.min_calls && calls > 0 && f64::from(fails) / f64::from(calls) >= self.fail_rate
     }
 
-    /// Open duration for a streak (B7): `cooldown * 2^(streak-1)`, capped; a streak of
+    /// Open duration for a streak: `cooldown * 2^(streak-1)`, capped; a streak of
     /// 0 (a consecutive-channel open on a fresh source) opens for one cooldown.
     pub(crate) fn open_for(&self, streak: u32) -> Ms {
         let exp = streak.max(1) - 1;
@@ -67,7 +68,7 @@ impl Params {
     }
 }
 
-/// What an admission carries to its record (B2): the epoch it was admitted under and,
+/// What an admission carries to its record: the epoch it was admitted under and,
 /// for a half-open probe, the lease id (`0` when it is not a probe).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Ticket {
@@ -140,7 +141,7 @@ pub(crate) struct GateState {
     pub(crate) probe_id: u64,
     /// When the current lease expires; `0` when no lease is held.
     pub(crate) probe_until: Ms,
-    /// Consecutive failures (B4), pinned to the threshold by a rate-channel open (B9).
+    /// Consecutive failures, pinned to the threshold by a rate-channel open.
     pub(crate) failures: u32,
     pub(crate) win_id: u64,
     /// Attempts per bucket (`a0`, `a1`), the bucket being `win_id % 2`.
@@ -153,7 +154,8 @@ pub(crate) struct GateState {
 }
 
 impl GateState {
-    /// Admission (B1): `Ok(ticket)` or `Err(retry_after)`.
+    /// Admission: `Ok(ticket)` or `Err(retry_after)`; when open and due, one probe at a
+    /// time under a lease (an expired lease is re-issued).
     pub(crate) fn admit(&mut self, now: Ms, p: &Params) -> Result<Ticket, Ms> {
         if !self.open {
             return Ok(Ticket::new(self.epoch, 0));
@@ -171,7 +173,7 @@ impl GateState {
         Ok(Ticket::new(self.epoch, self.probe_id))
     }
 
-    /// Records the verdict of a call admitted with `ticket` (B2..B9).
+    /// Records the verdict of a call admitted with `ticket`; a stale epoch changes nothing.
     pub(crate) fn record(&mut self, ticket: Ticket, verdict: BreakerVerdict, now: Ms, p: &Params) -> Effect {
         if ticket.epoch != self.epoch {
             return Effect::Stale;
@@ -362,21 +364,23 @@ impl BreakerState {
 pub struct BreakerView {
     /// Closed, open or half-open.
     pub state: BreakerState,
-    /// Incremented on every open and close transition (B2).
+    /// Incremented on every open and close transition; outcomes admitted under an older
+    /// epoch are ignored.
     pub epoch: u64,
-    /// Time left until `open_until` (zero when closed or half-open) (B10).
+    /// Time left until `open_until` (zero when closed or half-open).
     pub retry_after: Duration,
-    /// The open streak that scales the open duration (B7).
+    /// The open streak that scales the open duration (`cooldown * 2^(streak - 1)`).
     pub streak: u32,
-    /// The consecutive failure count (pinned to the threshold by a rate-channel open, B9).
+    /// The consecutive failure count (pinned to the threshold by a rate-channel open).
     pub failures: u32,
-    /// Attempts in the rate window (B5).
+    /// Attempts in the rate window.
     pub window_calls: u32,
-    /// Failures in the rate window (B5).
+    /// Failures in the rate window.
     pub window_failures: u32,
     /// Whether a half-open probe holds an unexpired lease.
     pub probe_in_flight: bool,
-    /// Records this process could not deliver to the backend (B12); process-local.
+    /// Records this process could not deliver to the backend (logged, never returned);
+    /// process-local.
     pub record_errors: u64,
 }
 

@@ -1,4 +1,4 @@
-//! Configuration and the named defaults of DESIGN.md H1-H7.
+//! Configuration and the named defaults.
 
 use std::fmt;
 use std::str::FromStr;
@@ -8,16 +8,15 @@ use serde::Deserialize;
 
 use crate::error::ConfigError;
 
-/// Smoothing factor of the per-source success EWMA (DESIGN.md H1; seed 000 section 3.2:
+/// Smoothing factor of the per-source success EWMA (seed 000 section 3.2:
 /// "alpha = 0.2": about 10 successes bring a source from 0 back to 0.9).
 pub const HEALTH_ALPHA: f64 = 0.2;
 
-/// Starting health of a new source: optimistic (DESIGN.md H1; seed 000 section 3.2).
+/// Starting health of a new source: optimistic (seed 000 section 3.2).
 pub const HEALTH_INITIAL: f64 = 1.0;
 
 /// Floor of the health in the score `max(ewma, 0.05) / ((1 + inflight) x latency)`: keeps a little
-/// exploration traffic on a bad source so it can recover (DESIGN.md H2; seed 000
-/// section 3.2).
+/// exploration traffic on a bad source so it can recover (seed 000 section 3.2).
 pub const HEALTH_FLOOR: f64 = 0.05;
 
 /// How many call shapes ("classes") a source keeps a separate health EWMA for: 4.
@@ -29,8 +28,8 @@ pub const HEALTH_FLOOR: f64 = 0.05;
 /// the shape). Class 0 is the default; see [`HealthP2c::with_class`](crate::HealthP2c::with_class).
 pub const HEALTH_CLASSES: usize = 4;
 
-/// In-call failures after which a source goes to the tail of the order (DESIGN.md H5;
-/// seed 000 section 3.3: "failed >= 2 times in this call").
+/// In-call failures after which a source goes to the tail of the order, when a credible
+/// alternative exists (seed 000 section 3.3: "failed >= 2 times in this call").
 pub const DEPRIORITIZE_AFTER_FAILURES: u32 = 2;
 
 /// What an unmeasured source (no successful answer yet) counts as answering in, in the
@@ -42,11 +41,11 @@ pub const UNMEASURED_LATENCY_S: f64 = 1.0;
 pub const MIN_LATENCY_S: f64 = 0.001;
 
 /// A source not yet failed in this call is a credible alternative when its health is
-/// at least this share of the failed source's (DESIGN.md H5; seed 000 section 3.36).
+/// at least this share of the failed source's (seed 000 section 3.36).
 pub const CREDIBLE_HEALTH_RATIO: f64 = 0.5;
 
-/// Default bound on how long a call waits when no source is admitted (H7). The retry
-/// layer's stall guard (R4) usually decides earlier; this keeps the balancer alone
+/// Default bound on how long a call waits when no source is admitted. The retry
+/// layer's stall guard usually decides earlier; this keeps the balancer alone
 /// from waiting forever.
 pub const DEFAULT_MAX_WAIT: Duration = Duration::from_secs(30);
 
@@ -92,12 +91,12 @@ pub const SILENT_TIMEOUTS: u32 = 3;
 /// (the same floor as tower-retry-pushback's `MIN_NOT_ADMITTED_WAIT`).
 pub const MIN_WAKE_WAIT: Duration = Duration::from_millis(10);
 
-/// How sources are ordered for each attempt (DESIGN.md H6).
+/// How sources are ordered for each attempt.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Policy {
     /// Power of two choices on `max(ewma, 0.05) / ((1 + inflight) x latency)`, then the rest by
-    /// descending score (H2, H3). The default.
+    /// descending score. The default.
     #[default]
     HealthAware,
     /// A shared cursor: each call starts one source further.
@@ -117,8 +116,8 @@ impl Policy {
         }
     }
 
-    /// Whether the policy has a health view (H5: the others deprioritize
-    /// unconditionally).
+    /// Whether the policy has a health view (the others deprioritize a source that
+    /// failed in this call unconditionally, with no credible-alternative check).
     #[must_use]
     pub const fn has_health_view(self) -> bool {
         matches!(self, Self::HealthAware)

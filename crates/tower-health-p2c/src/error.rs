@@ -30,8 +30,7 @@ impl fmt::Display for NoSources {
 
 impl Error for NoSources {}
 
-/// No source admitted the call within `max_wait`, or none can before `max_wait` ends
-/// (H7).
+/// No source admitted the call within `max_wait`, or none can before `max_wait` ends.
 ///
 /// Its [`source`](Error::source) is the refusal of the last round that says best when
 /// to come back: a [`pgw_core::Paced`] if a source was paced, else the
@@ -78,7 +77,7 @@ impl Error for NoneAdmitted {
 /// ([`BalanceConfig::cut_silent`](crate::BalanceConfig::cut_silent)).
 ///
 /// Its [`source`](Error::source) is [`pgw_core::TimedOut`]: a retry layer above treats
-/// it as a timed-out attempt and sends the next one elsewhere at once (R1), and the
+/// it as a timed-out attempt and sends the next one elsewhere at once, and the
 /// source counts it as one more timeout with nothing heard.
 #[derive(Clone, Debug)]
 pub struct SilentCut {

@@ -1,4 +1,5 @@
-//! [`ResponseFuture`]: one call's walk through the order, with the H7 wait.
+//! [`ResponseFuture`]: one call's walk through the order, with the wait when no source
+//! admits.
 
 use std::fmt;
 use std::future::Future;
@@ -32,11 +33,11 @@ pub(crate) enum Plan {
     /// The first candidate was tried; the rest is computed on demand.
     FirstTried(usize),
     /// A full order, the position of the next candidate, and where the sources
-    /// deprioritized in this call (H5) start.
+    /// deprioritized in this call start.
     Full(Vec<usize>, usize, usize),
 }
 
-/// What the refusals of the current round said (H7).
+/// What the refusals of the current round said.
 struct Round {
     all_open: bool,
     /// The earliest `CircuitOpen`, kept whole to be returned unchanged.
@@ -119,7 +120,7 @@ impl Round {
     }
 }
 
-/// The slow path: waiting for a wake-up when no source admitted (H7).
+/// The slow path: waiting for a wake-up when no source admitted.
 struct Wait {
     started: Instant,
     /// `max_wait` from `started`, or the call's deadline when sooner.
@@ -587,7 +588,7 @@ pub(crate) fn judge<Req: 'static, T, C>(
 }
 
 /// One dispatched attempt's inflight count, owned by an attempt judged at its end (a
-/// stream passed through): given back when judged or dropped (A4).
+/// stream passed through): given back when judged or dropped, on every path.
 pub(crate) struct Inflight(pub(crate) Arc<SourceState>);
 
 impl Drop for Inflight {

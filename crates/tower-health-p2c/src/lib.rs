@@ -1,22 +1,22 @@
-//! A health-aware balancer for tower (DESIGN.md H1-H7; seed 000 sections 3.2, 3.3, 3.36).
+//! A health-aware balancer for tower (seed 000 sections 3.2, 3.3, 3.36).
 //!
 //! [`HealthP2c`] sits above one service per source (each usually a stack of gates:
 //! AIMD, breaker, rate limit) and below the retry layer. Per call it:
 //!
-//! 1. orders the sources ([`Policy`], H3/H6): by default power of two choices on the
-//!    score `max(ewma, 0.05) / ((1 + inflight) x latency)` (H2 with a latency term:
+//! 1. orders the sources ([`Policy`]): by default power of two choices on the
+//!    score `max(ewma, 0.05) / ((1 + inflight) x latency)` (the latency term is
 //!    the EWMA of the time to a successful answer, [`UNMEASURED_LATENCY_S`] before
 //!    the first), the rest by descending score,
 //!    credible sources (health `>=` [`CREDIBLE_HEALTH_RATIO`] x the best one's) always
 //!    before the others: the load term never puts a failing idle source first;
 //! 2. moves a source that failed `>= 2` times *in this call* to the tail when a
-//!    credible alternative exists (H5). The in-call history travels with the request
+//!    credible alternative exists. The in-call history travels with the request
 //!    ([`pgw_core::CallHistory`] via [`pgw_core::CarriesHistory`]);
 //! 3. dispatches to the first source that admits. A source answering *not admitted*
 //!    ([`pgw_core::CircuitOpen`], [`pgw_core::QuotaExceeded`], [`pgw_core::Paced`])
-//!    costs nothing and is skipped (H7);
+//!    costs nothing and is skipped;
 //! 4. feeds the attempt's [`pgw_core::Outcome`] (from a [`pgw_core::Classify`]) to the
-//!    source's success EWMA (H1, H4) and records `(source, outcome)` in the history.
+//!    source's success EWMA and records `(source, outcome)` in the history.
 //!
 //! When no source admits: if all are breaker-open, the earliest `CircuitOpen` comes
 //! back at once; otherwise the call waits for the [wake signal](Sources::wake_signal)

@@ -1,4 +1,4 @@
-//! Ordering of sources per attempt (H3, H5, H6).
+//! Ordering of sources per attempt: the policy's order, then in-call deprioritization.
 
 use pgw_core::AttemptRecord;
 use rand::Rng;
@@ -27,7 +27,7 @@ pub(crate) fn p2c_pair(rng: &mut SmallRng, n: usize) -> (usize, usize) {
 }
 
 /// The health a source needs to be credible for `class`: [`CREDIBLE_HEALTH_RATIO`] x
-/// the best source's (H2: the load term ranks credible sources among themselves, it
+/// the best source's (the load term ranks credible sources among themselves, it
 /// never puts a failing idle source before a healthy busy one).
 fn credible_bar<S>(entries: &[Entry<S>], class: usize) -> f64 {
     let best = entries.iter().map(|e| e.state.health(class)).fold(0.0, f64::max);
@@ -92,7 +92,7 @@ pub(crate) fn first<S>(
 }
 
 /// The full order of an attempt that starts with `first`: the rest by descending score
-/// (health_aware, H3), in ring order (round_robin), or by ascending inflight
+/// (health_aware), in ring order (round_robin), or by ascending inflight
 /// (least_inflight, ties in ring order).
 pub(crate) fn full<S>(policy: Policy, entries: &[Entry<S>], class: usize, first: usize) -> Vec<usize> {
     let n = entries.len();
@@ -117,7 +117,7 @@ pub(crate) fn full<S>(policy: Policy, entries: &[Entry<S>], class: usize, first:
     order
 }
 
-/// In-call deprioritization (H5): a source that failed `>= 2` times in this call (or
+/// In-call deprioritization: a source that failed `>= 2` times in this call (or
 /// timed out once, or did not fit the request) goes to the tail, with a health view
 /// only when a credible alternative exists (a source not yet failed in this call whose
 /// health is `>= 0.5 x` the failed one's). With a health view the order becomes: the
@@ -291,9 +291,9 @@ mod tests {
         );
     }
 
-    /// H2 with credibility: the load term ranks credible sources among themselves; an
-    /// idle source failing most calls never goes before a healthy busy one (by score
-    /// alone, 0.1 / 1 beats 0.9 / 11).
+    /// The score with credibility: the load term ranks credible sources among
+    /// themselves; an idle source failing most calls never goes before a healthy busy
+    /// one (by score alone, 0.1 / 1 beats 0.9 / 11).
     #[test]
     fn a_failing_idle_source_never_goes_before_a_healthy_busy_one() {
         let es = entries(&[0.9, 0.1, 0.8]);
@@ -322,7 +322,7 @@ mod tests {
         );
     }
 
-    /// H2's latency term: with equal health and load, the source that answers faster
+    /// The score's latency term: with equal health and load, the source that answers faster
     /// ranks first, by the ratio of the latencies against the load: one answering in
     /// half the time may carry one more call in flight and still go first. Only
     /// successes are timed: a source answering errors fast gains nothing.
@@ -384,7 +384,7 @@ mod tests {
             .collect()
     }
 
-    /// R1: one timeout is enough to move the next attempt to a credible other source;
+    /// One timeout is enough to move the next attempt to a credible other source;
     /// one other failure is not.
     #[test]
     fn a_timeout_moves_the_next_attempt_elsewhere() {

@@ -14,7 +14,7 @@ use crate::order;
 use crate::sources::{Snapshot, Sources};
 use crate::{BalanceConfig, ConfigError, HEALTH_CLASSES};
 
-/// A balancer over a set of per-source services (DESIGN.md H1-H7).
+/// A health-aware balancer over a set of per-source services.
 ///
 /// Per call it orders the sources ([`Policy`](crate::Policy)), skips those that answer
 /// *not admitted* ([`pgw_core::NotAdmitted`]: no attempt, nothing recorded) and
@@ -51,7 +51,7 @@ pub trait ClassOf<Req> {
     fn class_of(&self, req: &Req) -> usize;
 }
 
-/// Every request in class 0: one health EWMA per source, as DESIGN.md H1 describes.
+/// Every request in class 0: one health EWMA per source.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct SingleClass;
 
@@ -110,11 +110,11 @@ impl<S, C, K> HealthP2c<S, C, K> {
         }
     }
 
-    /// Keeps a separate health EWMA per request class (an extension of H1): `class_of`
-    /// maps a request to `0..HEALTH_CLASSES`. Use it when a source can serve one
+    /// Keeps a separate health EWMA per request class (instead of one per source):
+    /// `class_of` maps a request to `0..HEALTH_CLASSES`. Use it when a source can serve one
     /// shape of call and fail another (streamed vs not: a slow stream cut by a
     /// watchdog says nothing about short answers). Ordering, the in-call credible
-    /// alternative (H5) and the health sample of each attempt use the request's class;
+    /// alternative and the health sample of each attempt use the request's class;
     /// the inflight count stays per source.
     ///
     /// ```
@@ -141,7 +141,7 @@ impl<S, C, K> HealthP2c<S, C, K> {
         }
     }
 
-    /// Makes every random choice reproducible (H3: RNG injectable). Clones of this
+    /// Makes every random choice reproducible. Clones of this
     /// balancer derive their own generators from `seed` and their clone number.
     #[must_use]
     pub fn with_seed(mut self, seed: u64) -> Self {

@@ -1,4 +1,4 @@
-//! The source set: per-source health (H1, H2) and a handle to change the set at runtime.
+//! The source set: per-source health and score, and a handle to change the set at runtime.
 
 use std::fmt;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -17,7 +17,7 @@ use crate::{
     UNMEASURED_LATENCY_S,
 };
 
-/// Process-local health of one source (H1): a success EWMA per call class and the
+/// Process-local health of one source: a success EWMA per call class and the
 /// balancer's inflight count, all atomics.
 pub(crate) struct SourceState {
     id: SourceId,
@@ -155,7 +155,7 @@ impl SourceState {
         self.inflight.load(Ordering::Relaxed)
     }
 
-    /// `max(ewma, floor) / ((1 + inflight) * latency)` (H2 with a latency term), with
+    /// `max(ewma, floor) / ((1 + inflight) * latency)`, with
     /// the EWMA of `class` and the source's [`latency`](Self::latency).
     pub(crate) fn score(&self, class: usize) -> f64 {
         #[allow(clippy::cast_precision_loss)]
@@ -204,7 +204,7 @@ impl SourceState {
             });
     }
 
-    /// Feeds one health sample of call class `class` (H4).
+    /// Feeds one health sample of call class `class`.
     pub(crate) fn record(&self, class: usize, ok: bool) {
         let sample = if ok { 1.0 } else { 0.0 };
         let ewma = &self.ewma_bits[class.min(HEALTH_CLASSES - 1)];
@@ -262,7 +262,7 @@ impl SourceState {
     }
 }
 
-/// A live view of one source's health and inflight count, for metrics (S6), and the
+/// A live view of one source's health and inflight count, for metrics, and the
 /// one thing a gate below may tell the balancer about it: that it
 /// [recovered](Self::recovered).
 #[derive(Clone)]
@@ -277,7 +277,7 @@ impl SourceHealth {
         self.state.id()
     }
 
-    /// The success EWMA in `[0, 1]` of call class 0, the default class (H1).
+    /// The success EWMA in `[0, 1]` of call class 0, the default class.
     #[must_use]
     pub fn health(&self) -> f64 {
         self.state.health(0)
@@ -297,8 +297,8 @@ impl SourceHealth {
         self.state.inflight()
     }
 
-    /// The ordering score `max(health, 0.05) / ((1 + inflight) x latency)` (H2 with a
-    /// latency term) of call class 0.
+    /// The ordering score `max(health, 0.05) / ((1 + inflight) x latency)` of call
+    /// class 0.
     #[must_use]
     pub fn score(&self) -> f64 {
         self.state.score(0)
@@ -497,7 +497,7 @@ impl<S> Sources<S> {
         self.inner.clones.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// The signal a balancer waits on when every source is paced (H7). Give it to each
+    /// The signal a balancer waits on when every source is paced. Give it to each
     /// source's pacing gate, e.g. `tower_aimd::AimdLayer::with_release_signal`.
     #[must_use]
     pub fn wake_signal(&self) -> Arc<Notify> {

@@ -7,7 +7,8 @@ use pgw_core::openai::{ChatRequest, ChatResponse};
 
 use crate::Admission;
 
-/// Estimates a request's tokens before dispatch (the reservation, L4).
+/// Estimates a request's tokens before dispatch: the TPM reservation, reconciled to
+/// real usage afterwards.
 ///
 /// Closures `Fn(&Req) -> u64` implement it.
 pub trait TokenEstimate<Req> {

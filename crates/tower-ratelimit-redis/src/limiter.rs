@@ -923,7 +923,8 @@ fn detach_pending<T: Send + 'static>(mut f: Pin<Box<dyn Future<Output = T> + Sen
 }
 
 /// A cheap, cloneable handle that holds sources (and their accounts) for 429 pushback:
-/// `pgw_core::Hold` for the retry layer (L9, R3).
+/// `pgw_core::Hold` for the retry layer. A held scope answers `QuotaExceeded` like a full
+/// window until the hold ends, in every process sharing the backend.
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {

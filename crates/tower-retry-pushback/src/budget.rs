@@ -1,4 +1,4 @@
-//! The shared retry budget (R5) and client-side adaptive throttling (R6).
+//! The shared retry budget and client-side adaptive throttling.
 //!
 //! Both count two things over a sliding window kept as ten fixed buckets (a bucket is
 //! a tenth of the window, so the window slides in tenths). Both are off by default and
@@ -70,7 +70,7 @@ impl Window {
     }
 }
 
-/// The shared retry budget (R5), after tower's `TpsBudget` and Finagle's `RetryBudget`:
+/// The shared retry budget, after tower's `TpsBudget` and Finagle's `RetryBudget`:
 /// every call deposits one request; every retry withdraws one; a retry is allowed while
 /// `retries + 1 <= ratio * requests + min_retries_per_sec * ttl` over the last `ttl`.
 ///
@@ -128,7 +128,7 @@ impl RetryBudget {
     }
 }
 
-/// Client-side adaptive throttling (R6), from the Google SRE book ("Handling
+/// Client-side adaptive throttling, from the Google SRE book ("Handling
 /// Overload"): each attempt is dropped locally with probability
 /// `max(0, (requests - K * accepts) / (requests + 1))` over the window, where
 /// `requests` counts every attempt the client wanted to send (dropped ones included) and

@@ -4,12 +4,12 @@ use std::time::Duration;
 
 use crate::error::ConfigError;
 
-/// Attempt budget per call (R1): three attempts, spent only by `Transient` and
-/// `SourceDead` outcomes. DESIGN.md R1; the fixed "3 retries" of the measured client
+/// Attempt budget per call: three attempts, spent only by `Transient` and
+/// `SourceDead` outcomes. The fixed "3 retries" of the measured client
 /// (seed 003), now no longer eaten by 429s (seed 000 section 3.38).
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
 
-/// Re-asks after an `Invalid` answer (R2): two, apart from the attempt budget.
+/// Re-asks after an `Invalid` answer: two, apart from the attempt budget.
 /// Seed 000 section 3.37 (a conservative version of the `instructor` library's 3).
 pub const DEFAULT_MAX_REASKS: u32 = 2;
 
@@ -20,16 +20,16 @@ pub const DEFAULT_MAX_REASKS: u32 = 2;
 pub const DEFAULT_BASE_BACKOFF: Duration = Duration::from_millis(500);
 
 /// Cap of the exponential backoff: 20 s, a third of a one-minute RPM window. A server
-/// that needs longer says so with `Retry-After`, which always wins (R3). With the
+/// that needs longer says so with `Retry-After`, which always wins. With the
 /// defaults, ten backoffs in a row add up to at most 111.5 s, inside the stall window.
 pub const DEFAULT_MAX_BACKOFF: Duration = Duration::from_secs(20);
 
-/// Stall window (R4): 120 s, two one-minute provider windows, so a call rides out a full
+/// Stall window: 120 s, two one-minute provider windows, so a call rides out a full
 /// rate window rolling over before the guard may fire (and only if nothing else in the
 /// process succeeded meanwhile).
 pub const DEFAULT_STALL_WINDOW: Duration = Duration::from_secs(120);
 
-/// The most a call waits on pushback in all (R3): 60 s, half the stall window.
+/// The most a call waits on pushback in all: 60 s, half the stall window.
 ///
 /// Counted per 429 from its answer on: the wait it asks for, `max(Retry-After,
 /// backoff)`, slept by the layer or held on its source (a call's overlapping waits
@@ -47,24 +47,24 @@ pub const DEFAULT_MAX_PUSHBACK_WAIT: Duration = Duration::from_secs(60);
 /// `retry_after = 0` cannot make the loop spin.
 pub const MIN_NOT_ADMITTED_WAIT: Duration = Duration::from_millis(10);
 
-/// Retry budget ratio (R5): retries may be at most 10% of requests over the window.
+/// Retry budget ratio: retries may be at most 10% of requests over the window.
 /// Google SRE book, chapter "Handling Overload" ("per-client retry budget ... 10%").
 pub const DEFAULT_BUDGET_RATIO: f64 = 0.1;
 
-/// Retry budget floor (R5): 10 retries per second are always allowed, so a quiet client
+/// Retry budget floor: 10 retries per second are always allowed, so a quiet client
 /// can still retry. tower `TpsBudget` / Finagle `RetryBudget` default `minRetriesPerSec`.
 pub const DEFAULT_BUDGET_MIN_PER_SEC: u32 = 10;
 
-/// Retry budget window (R5): 10 s. tower `TpsBudget` / Finagle `RetryBudget` default `ttl`.
+/// Retry budget window: 10 s. tower `TpsBudget` / Finagle `RetryBudget` default `ttl`.
 pub const DEFAULT_BUDGET_TTL: Duration = Duration::from_secs(10);
 
-/// Adaptive throttling multiplier K (R6): 2. Google SRE book, "Handling Overload",
+/// Adaptive throttling multiplier K: 2. Google SRE book, "Handling Overload",
 /// client-side throttling: reject with probability
 /// `max(0, (requests - K * accepts) / (requests + 1))`; "a value of 2" is the book's
 /// recommendation.
 pub const DEFAULT_THROTTLE_K: f64 = 2.0;
 
-/// Adaptive throttling window (R6): two minutes, as in the SRE book ("we use two
+/// Adaptive throttling window: two minutes, as in the SRE book ("we use two
 /// minutes of request history").
 pub const DEFAULT_THROTTLE_WINDOW: Duration = Duration::from_secs(120);
 
@@ -85,17 +85,20 @@ pub const DEFAULT_THROTTLE_WINDOW: Duration = Duration::from_secs(120);
 /// ```
 #[derive(Clone, Debug, PartialEq)]
 pub struct RetryConfig {
-    /// Attempts per call counted by `Transient`/`SourceDead` outcomes (R1). At least 1.
+    /// Attempts per call counted by `Transient`/`SourceDead` outcomes (a 429 never
+    /// counts). At least 1.
     pub max_attempts: u32,
-    /// Re-asks after an `Invalid` answer (R2), apart from `max_attempts`.
+    /// Re-asks after an `Invalid` answer, apart from `max_attempts`.
     pub max_reasks: u32,
     /// Base of the full-jitter exponential backoff. Non-zero.
     pub base_backoff: Duration,
     /// Cap of the exponential backoff. At least `base_backoff`.
     pub max_backoff: Duration,
-    /// Stall window (R4); also the longest single wait a call accepts (R3). Non-zero.
+    /// Stall window: a call that has waited longer fails with
+    /// [`Reason::Stalled`](crate::Reason::Stalled) if nothing in the process succeeded
+    /// within it. Also the longest single wait a call accepts. Non-zero.
     pub stall_window: Duration,
-    /// The most a call waits on pushback in all (R3; default
+    /// The most a call waits on pushback in all (default
     /// [`DEFAULT_MAX_PUSHBACK_WAIT`]): the time covered by the waits its 429s asked for
     /// (`max(Retry-After, backoff)` from each 429's answer on, slept or held; overlaps
     /// count once). A pushback sleep that would pass it is not slept, and a 429 after
@@ -104,9 +107,11 @@ pub struct RetryConfig {
     pub max_pushback_wait: Duration,
     /// Optional per-call deadline, from the call's start. Non-zero when set.
     pub max_call_duration: Option<Duration>,
-    /// Optional shared retry budget (R5). Off by default.
+    /// Optional shared retry budget (retries at most a share of requests). Off by
+    /// default.
     pub retry_budget: Option<RetryBudgetConfig>,
-    /// Optional client-side adaptive throttling (R6). Off by default.
+    /// Optional client-side adaptive throttling (attempts dropped locally while the
+    /// upstream accepts too few). Off by default.
     pub throttle: Option<ThrottleConfig>,
 }
 
@@ -178,7 +183,7 @@ impl RetryConfig {
     }
 }
 
-/// The shared retry budget (R5): retries at most `ratio` of requests over `ttl`, plus
+/// The shared retry budget: retries at most `ratio` of requests over `ttl`, plus
 /// `min_retries_per_sec * ttl` retries always allowed.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RetryBudgetConfig {
@@ -224,7 +229,8 @@ impl RetryBudgetConfig {
     }
 }
 
-/// Client-side adaptive throttling (R6).
+/// Client-side adaptive throttling (Google SRE book): attempts are dropped locally
+/// with probability `max(0, (requests - K * accepts) / (requests + 1))` over `window`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ThrottleConfig {
     /// The multiplier K: finite, at least 1. Default 2.

@@ -24,37 +24,37 @@ use pgw_core::{AttemptRecord, BoxError};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Reason {
-    /// The attempt budget (`max_attempts`, R1) is spent on `Transient` and
+    /// The attempt budget (`max_attempts`) is spent on `Transient` and
     /// `SourceDead` outcomes.
     BudgetExhausted,
-    /// The answer was refused by the validator `max_reasks + 1` times (R2).
+    /// The answer was refused by the validator `max_reasks + 1` times.
     ReasksExhausted,
     /// The upstream rejected the request itself (400/413/422): another attempt would be
-    /// rejected too (R2).
+    /// rejected too, so the call fails fast.
     Rejected,
     /// The call has waited longer than `stall_window` and nothing in the process
-    /// succeeded within `stall_window` (R4).
+    /// succeeded within `stall_window`.
     Stalled {
         /// How long this call had been waiting (since its first failed or refused
         /// attempt) when the guard fired.
         waited: Duration,
     },
-    /// The service below answered that no source is admitted and all circuits are open
-    /// (H7): fail fast, nothing was spent.
+    /// The service below answered that no source is admitted and all circuits are
+    /// open: fail fast, nothing was spent.
     AllCircuitsOpen {
         /// When the first circuit admits again.
         retry_after: Duration,
     },
     /// The next attempt may only be sent after `wait`, longer than the call may still
     /// wait (`limit`: the stall window or the time left before the deadline), so the call
-    /// fails now instead of sleeping past it (R3).
+    /// fails now instead of sleeping past it.
     WaitTooLong {
         /// The wait asked for (`Retry-After`, backoff or a gate's `retry_after`).
         wait: Duration,
         /// The longest this call could still wait.
         limit: Duration,
     },
-    /// The call's waits on pushback reached `max_pushback_wait` (R3): the 429s it met
+    /// The call's waits on pushback reached `max_pushback_wait`: the 429s it met
     /// had it wait `waited` (the time covered by the waits they asked for, each its
     /// `Retry-After`, else the backoff, slept or held on its source; overlaps once),
     /// and another `wait` would pass `limit`. Waits for pacing, quotas and breakers
@@ -70,9 +70,9 @@ pub enum Reason {
     /// The call's deadline (`max_call_duration` or the request's own) passed; the
     /// attempt in flight, if any, was dropped.
     DeadlineExceeded,
-    /// The shared retry budget (R5) has no balance left for another retry.
+    /// The shared retry budget has no balance left for another retry.
     RetryBudgetExhausted,
-    /// Client-side adaptive throttling (R6) dropped the attempt locally.
+    /// Client-side adaptive throttling dropped the attempt locally.
     Throttled,
     /// Another attempt was needed but the request could not be re-sent (the clone hook
     /// returned `None`).

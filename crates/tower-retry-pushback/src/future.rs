@@ -2,7 +2,7 @@
 //!
 //! Everything a call holds lives in this future (the attempt in flight, a hold round
 //! trip, a backoff timer, the request copy for the next attempt and the counters'
-//! guards), so dropping it stops the call and releases everything (R7).
+//! guards), so dropping it stops the call and releases everything.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -97,14 +97,14 @@ struct Call<Req, C, R> {
 
 /// The bookkeeping of a call that had to wait.
 struct Slow {
-    /// When the call first had to wait: the stall guard's clock (R4).
+    /// When the call first had to wait: the stall guard's clock.
     waiting_since: Instant,
-    /// Attempt budget spent (R1).
+    /// Attempt budget spent.
     spent: u32,
     reasks: u32,
     /// Backoffs drawn so far: the exponent of the next one.
     backoffs: u32,
-    /// The call's pushback so far (R3): the time covered by the waits its 429s asked
+    /// The call's pushback so far: the time covered by the waits its 429s asked
     /// for, each from its answer on (slept or held), overlaps counted once.
     pushback: Pushback,
     last_error: Option<BoxError>,
@@ -112,7 +112,7 @@ struct Slow {
     counted: bool,
 }
 
-/// The time a call's 429s asked it to wait, bounded by `max_pushback_wait` (R3).
+/// The time a call's 429s asked it to wait, bounded by `max_pushback_wait`.
 ///
 /// Each 429 asks for `[answer, answer + wait]`; the call's pushback is the length of
 /// the union of those spans. A call that moves on at once from one source's 429 to
@@ -271,7 +271,7 @@ impl<Req: CarriesHistory, C, R> Call<Req, C, R> {
         d
     }
 
-    /// The longest this call may still wait in one go (R3): the stall window, or less
+    /// The longest this call may still wait in one go: the stall window, or less
     /// when the deadline is nearer.
     fn wait_limit(&self, now: Instant) -> Duration {
         let stall = self.shared.config.stall_window;
@@ -290,7 +290,9 @@ impl<Req: CarriesHistory, C, R> Call<Req, C, R> {
         }
     }
 
-    /// R4, checked before every attempt after the first.
+    /// The stall guard, checked before every attempt after the first: the time this call
+    /// has waited, when it is longer than the stall window and nothing in the process
+    /// succeeded within it.
     fn stalled(&self) -> Option<Duration> {
         let since = self.slow.as_ref()?.waiting_since;
         let now = Instant::now();

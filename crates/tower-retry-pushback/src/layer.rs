@@ -21,8 +21,8 @@ use crate::service::{Retry, RetryStats, Shared};
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum HistoryMode {
     /// Before the first attempt (default): a balancer below records the source of every
-    /// attempt, so a 429 on the first attempt holds its source (R3) and in-call
-    /// deprioritization (H5) sees every failure. Costs one small allocation per call.
+    /// attempt, so a 429 on the first attempt holds its source and in-call
+    /// deprioritization sees every failure. Costs one small allocation per call.
     #[default]
     EveryAttempt,
     /// From the first retry on: the fast path (a first attempt that succeeds) allocates
@@ -114,7 +114,7 @@ impl<C, R> RetryLayer<C, R> {
         }
     }
 
-    /// Holds the source of a 429 through `hold` (R3) and re-dispatches at once: the
+    /// Holds the source of a 429 through `hold` and re-dispatches at once: the
     /// gates below (the limiter's holds) keep the source not admitted, so the balancer
     /// moves on to another source, or answers `QuotaExceeded` when none is admitted and
     /// the layer waits for it. The hook holds the source's account too when it knows it
@@ -137,7 +137,7 @@ impl<C, R> RetryLayer<C, R> {
         self
     }
 
-    /// Shares `progress` (the stall guard's signal, R4) instead of this layer's own.
+    /// Shares `progress` (the stall guard's signal) instead of this layer's own.
     #[must_use]
     pub fn progress(mut self, progress: Progress) -> Self {
         self.shared.progress = progress;
@@ -163,13 +163,13 @@ impl<C, R> RetryLayer<C, R> {
         &self.shared.progress
     }
 
-    /// The shared retry budget, when configured (R5).
+    /// The shared retry budget, when configured.
     #[must_use]
     pub const fn retry_budget(&self) -> Option<&RetryBudget> {
         self.shared.budget.as_ref()
     }
 
-    /// The adaptive throttle, when configured (R6).
+    /// The adaptive throttle, when configured.
     #[must_use]
     pub const fn throttle(&self) -> Option<&AdaptiveThrottle> {
         self.shared.throttle.as_ref()

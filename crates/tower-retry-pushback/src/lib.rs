@@ -2,7 +2,7 @@
 //!
 //! [`RetryLayer`] wraps any [`Service`](tower_service::Service) whose requests can be
 //! re-sent (a [`Resend`] hook, cloning by default) and drives the loop from the shared
-//! outcome classes of [`pgw_core::Classify`] (DESIGN.md R1-R7):
+//! outcome classes of [`pgw_core::Classify`]:
 //!
 //! | outcome | what the loop does |
 //! |---|---|
@@ -15,22 +15,22 @@
 //! | not admitted | not an attempt: `CircuitOpen` fails at once ([`Reason::AllCircuitsOpen`]); `QuotaExceeded`/`Paced` waits for the gate, then tries again |
 //!
 //! - A wait longer than the call may still wait (the stall window, the deadline) fails
-//!   at once with [`Reason::WaitTooLong`] instead of sleeping past it (R3). The
+//!   at once with [`Reason::WaitTooLong`] instead of sleeping past it. The
 //!   deadline is set on the call's history too, so a balancer below does not wait
 //!   past it for an admission either: a call whose every source is held beyond its
 //!   deadline fails at once, not when the deadline comes.
-//! - Pushback is bounded (R3): the waits a call's 429s ask for (`max(Retry-After,
+//! - Pushback is bounded: the waits a call's 429s ask for (`max(Retry-After,
 //!   backoff)`, slept or held) add up to at most `max_pushback_wait` (default
 //!   [`DEFAULT_MAX_PUSHBACK_WAIT`], 60 s); then the call ends with
 //!   [`Reason::PushbackExhausted`], so persistent 429s end it (or, in a gateway, move
 //!   it down the fallback chain) in seconds. Waits for pacing, quotas and breakers are
 //!   not pushback and do not count.
-//! - Stall guard (R4): before each retry, a call that has waited longer than
+//! - Stall guard: before each retry, a call that has waited longer than
 //!   `stall_window` fails with [`Reason::Stalled`] **if** nothing in the process
 //!   succeeded within `stall_window` ([`Progress`], one atomic shared by every call).
-//! - Optional shared retry budget (R5, [`RetryBudget`]) and client-side adaptive
-//!   throttling (R6, [`AdaptiveThrottle`]), both off by default.
-//! - Cancellation safe (R7): dropping the call's future drops the attempt in flight,
+//! - Optional shared retry budget ([`RetryBudget`]) and client-side adaptive
+//!   throttling ([`AdaptiveThrottle`]), both off by default.
+//! - Cancellation safe: dropping the call's future drops the attempt in flight,
 //!   the hold round trip or the timer; nothing is sent after that.
 //! - Every failed call ends with a [`RetryError`] carrying its [`Reason`] and the list of
 //!   attempts (source and outcome).

@@ -1,4 +1,4 @@
-//! The process-wide progress signal of the stall guard (R4).
+//! The process-wide progress signal of the stall guard.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -9,7 +9,7 @@ use tokio::time::Instant;
 /// When something last succeeded, shared by every call of a stack: one atomic holding
 /// the milliseconds since the signal was created.
 ///
-/// The stall guard (R4) fails a call only when the call has waited longer than
+/// The stall guard fails a call only when the call has waited longer than
 /// `stall_window` **and** this signal is older than `stall_window`. Every service made
 /// by one [`RetryLayer`](crate::RetryLayer) shares its signal; hand the same
 /// [`Progress`] to several layers (or record successes from elsewhere, e.g. a fallback

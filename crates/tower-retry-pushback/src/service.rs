@@ -78,7 +78,7 @@ impl<C, R> Shared<C, R> {
         self.rng.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// R6: counts the attempt and decides whether it may go.
+    /// Adaptive throttling: counts the attempt and decides whether it may go.
     pub(crate) fn throttle_admits(&self) -> bool {
         match &self.throttle {
             None => true,
@@ -104,7 +104,7 @@ impl Counters {
 }
 
 /// A snapshot of a layer's live counters. Both return to zero when every call has
-/// ended, however it ended (dropped futures included, R7). Calls on the fast path (a
+/// ended, however it ended (dropped futures included). Calls on the fast path (a
 /// first attempt that succeeds) touch neither.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RetryStats {

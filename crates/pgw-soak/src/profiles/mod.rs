@@ -1,4 +1,4 @@
-//! The client profiles run side by side (K5), and what they share: the upstream
+//! The client profiles run side by side, and what they share: the upstream
 //! attempt (`pgw-client` over the simulator), the attempt recorder and the accounting.
 
 use std::collections::hash_map::DefaultHasher;

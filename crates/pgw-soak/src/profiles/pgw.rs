@@ -1,7 +1,7 @@
 //! `pgw`: `pgw-stack`'s `Gateway` with its defaults, over the simulator.
 //!
 //! Given exactly what every profile gets (timeouts, watchdogs, quotas, attempts per
-//! call) and the accounts the keys belong to (so a 429 holds the account, R3/L9);
+//! call) and the accounts the keys belong to (so a 429 holds the account);
 //! everything else is `pgw-stack`'s default. The balancer's seed is set so the run is
 //! deterministic.
 //!
@@ -40,7 +40,7 @@ enum AdmissionClock {
     Redis { origin_ms: u64, window_ms: u64 },
 }
 
-/// Turns the gateway's telemetry (S6) into the scoreboard's rows.
+/// Turns the gateway's telemetry into the scoreboard's rows.
 struct Sink {
     recorder: Recorder,
     meta: CallMeta,

@@ -4,7 +4,7 @@
 //! - [`redis`](mod@self::redis) (feature `redis`): many processes, one Lua script per
 //!   operation, the server's clock, one hash per source under the source's hash tag.
 //!
-//! Both run the same state machine and pass the same contract suite (B11).
+//! Both run the same state machine and pass the same contract suite.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -58,17 +58,18 @@ pub trait Gate: Clone + Send + Sync + 'static {
     /// and been logged).
     type Record: Future<Output = ()> + Send + 'static;
 
-    /// Asks to admit one call. Errors mean the backend is unreachable (B12).
+    /// Asks to admit one call. Errors mean the backend is unreachable (admission then
+    /// fails closed).
     fn admit(&self) -> Self::Admit;
 
     /// Records the verdict of a call admitted with `ticket`. [`BreakerVerdict::Ignore`]
-    /// ends a probe without a verdict (B3). Failures are logged and counted, never
-    /// returned (B12).
+    /// ends a probe without a verdict: the lease is released and the next admission may
+    /// probe at once. Failures are logged and counted, never returned.
     fn record(&self, ticket: Ticket, verdict: BreakerVerdict) -> Self::Record;
 
     /// A snapshot of the state, for operators and metrics.
     fn view(&self) -> BoxFuture<Result<BreakerView, BoxError>>;
 
-    /// Records this process could not deliver (B12).
+    /// Records this process could not deliver to the backend.
     fn record_errors(&self) -> u64;
 }
