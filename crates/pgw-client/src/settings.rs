@@ -10,13 +10,13 @@ use crate::SecretKey;
 /// Default connect timeout: 10 s. A TCP/TLS handshake to a live provider takes
 /// milliseconds; ten seconds only passes through an overloaded network.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-/// Default time to first token: 60 s. Large prompts (~300 KB, DESIGN.md section 5, P2)
-/// take tens of seconds of prefill before the first token.
+/// Default time to first token: 60 s. Large prompts (~300 KB) take tens of seconds of
+/// prefill before the first token.
 pub const DEFAULT_FIRST_TOKEN_TIMEOUT: Duration = Duration::from_secs(60);
 /// Default inter-token stall: 30 s without a chunk once the answer started.
 pub const DEFAULT_INTER_TOKEN_TIMEOUT: Duration = Duration::from_secs(30);
-/// Default total time of one attempt: 600 s ("calls last seconds to minutes",
-/// DESIGN.md section 1; 64k-token answers take minutes).
+/// Default total time of one attempt: 600 s. Calls last seconds to minutes, and
+/// 64k-token answers take minutes.
 pub const DEFAULT_TOTAL_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// `at + d`, saturating: a `Duration::MAX` timeout means "never".

@@ -4,8 +4,7 @@
 //! (a rate limiter's admission, a breaker's record of an answer that came at once)
 //! run inside that same poll, synchronously: nothing can have been waited for in
 //! between, so they may take that instant as theirs instead of reading the clock
-//! again (on the 2-core VM of DESIGN.md section 6 a read costs about 23 ns, a third of
-//! a whole gate).
+//! again (on a 2-core VM a read costs about 23 ns, a third of a whole gate).
 //!
 //! [`Dispatched::enter`] makes an instant "now" for [`now`] on this thread until the
 //! guard is dropped (the end of the poll that dispatched); outside such a scope [`now`]

@@ -255,7 +255,7 @@ mod tests {
         Box::new(UpstreamStatus::new(StatusCode::from_u16(code).unwrap(), ra, "x"))
     }
 
-    /// One row per line of DESIGN.md section 2, through the OpenAI classifier.
+    /// One row per example of every outcome class, through the OpenAI classifier.
     #[test]
     fn design_table_rows() {
         let c = OpenAiClassifier;
@@ -313,8 +313,8 @@ mod tests {
         assert_eq!(HttpClassifier.classify(&err), Outcome::Transient);
     }
 
-    /// One row per provider answer of DESIGN.md section 2's table, as the providers
-    /// write them (status, body): what `classify_upstream` makes of it.
+    /// One row per provider error answer, as the providers write them (status,
+    /// body): what `classify_upstream` makes of it.
     #[test]
     fn provider_codes_table() {
         let ra = Some(Duration::from_secs(3));

@@ -2,7 +2,7 @@
 //!
 //! Every pgw layer speaks the same small language, defined once here:
 //!
-//! - [`Outcome`]: the class of one attempt (DESIGN.md section 2) and what each class
+//! - [`Outcome`]: the class of one attempt and what each class
 //!   means for the breaker, the health EWMA, AIMD and the retry budget;
 //! - [`Classify`]: how any service's `&Result<Res, E>` becomes an [`Outcome`], with
 //!   ready classifiers for HTTP ([`HttpClassifier`]) and OpenAI-compatible chat

@@ -17,7 +17,7 @@ pub use content::{Content, ContentPart, IMAGE_PART_TOKENS_ESTIMATE};
 
 /// Default completion budget assumed by [`ChatRequest::estimate_tokens`] when a request
 /// sets neither `max_tokens` nor `max_completion_tokens`: 1024, a typical chat
-/// answer's upper bound in the seeds' traffic.
+/// answer's upper bound.
 pub const DEFAULT_MAX_TOKENS_ESTIMATE: u64 = 1024;
 
 /// Bytes per token assumed by [`ChatRequest::estimate_tokens`]: 3, a deliberately
@@ -262,8 +262,8 @@ impl ChatResponse {
     }
 
     /// True when no choice is an answer (no text, no tool call, no decline): the
-    /// "200 with an empty completion" failure the seeds measured at 14-17% on a
-    /// healthy source.
+    /// "200 with an empty completion" failure, measured at 14-17% of the answers of a
+    /// healthy production source.
     #[must_use]
     pub fn is_empty_completion(&self) -> bool {
         !self.choices.iter().any(Choice::has_output)

@@ -1,4 +1,4 @@
-//! The outcome classes of one attempt (DESIGN.md section 2).
+//! The outcome classes of one attempt.
 
 use std::fmt;
 use std::time::Duration;
@@ -137,7 +137,7 @@ impl fmt::Display for Outcome {
 mod tests {
     use super::*;
 
-    /// Every row of the table in DESIGN.md section 2.
+    /// Every class: what it means for the breaker, the health EWMA and the budgets.
     #[test]
     fn accounting_table() {
         let rl = Outcome::RateLimited {

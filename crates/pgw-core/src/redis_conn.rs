@@ -15,8 +15,8 @@ use crate::error::BackendUnavailable;
 
 /// How long one Redis operation may take before it counts as unreachable: 500 ms.
 ///
-/// A loopback round trip is ~70 us (DESIGN.md section 6); a gate that waits longer
-/// than this costs the caller more than refusing and trying another source.
+/// A loopback round trip is ~70 us; a gate that waits longer than this costs the
+/// caller more than refusing and trying another source.
 pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// How long connecting may take: 2 s.

@@ -10,8 +10,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::schedule::{Lerp, Schedule, is_default, lerp_u64};
 
-/// Default fraction of prompts every source rejects with 400: 0.005, DESIGN.md
-/// section 5 ("about 0.5% of prompts are rejected by the provider whatever the client does").
+/// Default fraction of prompts every source rejects with 400: 0.005 (the seeds measured
+/// about 0.5% of prompts rejected by the provider whatever the client does).
 pub const DEFAULT_BAD_PROMPT_RATE: f64 = 0.005;
 
 /// Default bytes of prompt text per reported prompt token: 4.0, the usual English
@@ -803,7 +803,7 @@ impl PoolConfig {
         }
     }
 
-    /// The P6 pool of DESIGN.md section 5: five sources, s1/s4/s5 on one account.
+    /// The P6 pool: five sources, s1/s4/s5 on one account.
     ///
     /// The pool is the same for every client profile. The soak calibrates only
     /// `accounts[0].rate_limit` (the account 429 curve) so the `naive` profile lands near

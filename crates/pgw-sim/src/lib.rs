@@ -1,4 +1,4 @@
-//! A seeded, fault-injecting simulated LLM provider (the pool of DESIGN.md section 5).
+//! A seeded, fault-injecting simulated LLM provider (a half-dead pool of sources).
 //!
 //! The fault model is a plain tower `Service` ([`SimService`]) over OpenAI-style
 //! chat completion requests (`http::Request<Bytes>` carrying a JSON

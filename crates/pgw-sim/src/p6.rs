@@ -1,4 +1,4 @@
-//! The P6 traffic mix (DESIGN.md section 5): 8000 calls, P1 .10 short chat, P2 .20
+//! The P6 traffic mix: 8000 calls, P1 .10 short chat, P2 .20
 //! large prompts (~300 KB, TPM pressure), P3 .35 structured JSON output, P4 .15 repeated
 //! prompts (cache hits), P5 .20 long streamed answers.
 //!
@@ -65,7 +65,7 @@ pub fn is_valid_structured(content: &str) -> bool {
     serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(content).is_ok()
 }
 
-/// The traffic's shape. Defaults are DESIGN.md section 5's.
+/// The traffic's shape. Defaults are P6's.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TrafficConfig {

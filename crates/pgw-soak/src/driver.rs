@@ -1,7 +1,7 @@
 //! The driver: bounded dispatch of the traffic over the workers, the success judgement,
 //! the progress display and the RSS samples.
 //!
-//! Dispatch is bounded (seed 003 section 4): each worker takes the next call only
+//! Dispatch is bounded: each worker takes the next call only
 //! when one of its `concurrency` slots is free, so there are never more call tasks than
 //! calls in flight, and the harness's memory stays flat.
 

@@ -1,4 +1,4 @@
-//! The P6 soak (DESIGN.md section 5): client profiles side by side on the
+//! The P6 soak: client profiles side by side on the
 //! simulated fault pool, a scoreboard of invariants, and a Markdown + SVG report.
 //!
 //! - [`scenario::Scenario`]: the pool, the traffic and what every profile is given

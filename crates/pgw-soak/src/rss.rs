@@ -1,7 +1,7 @@
 //! Current resident set size, from `/proc/self/statm`.
 //!
-//! The current value, never the peak (`ru_maxrss` only grows: seed 003 section 4 shows
-//! how judging "stability" on the peak produced a false failure).
+//! The current value, never the peak (`ru_maxrss` only grows: judging "stability" on
+//! the peak once reported a leak that was only the start-up peak).
 
 use std::sync::OnceLock;
 

@@ -18,7 +18,7 @@ use crate::scenario::{Arrival, Scenario};
 use crate::scoreboard::{self, Expectations, Score};
 use crate::telemetry::{ProfileRun, Recorder, RunClock, stored_profiles};
 
-/// The success bar of the pgw profile on P6 (DESIGN.md section 1: >= 99%).
+/// The success bar of the pgw profile on P6: >= 99%.
 pub const PGW_SUCCESS_BAR: f64 = crate::scenario::DEFAULT_SUCCESS_BAR;
 /// RSS samples per profile run.
 pub const RSS_SAMPLES: u64 = 100;

@@ -56,7 +56,7 @@ pub fn calibrated_p6_pool() -> PoolConfig {
 
 /// Attempts in flight per source when a scenario gives the source no quota: 16 (P6's).
 pub const DEFAULT_MAX_CONCURRENCY: u32 = 16;
-/// The pgw profile's success bar when a scenario sets none (DESIGN.md section 1: 99%).
+/// The pgw profile's success bar when a scenario sets none: 99%.
 pub const DEFAULT_SUCCESS_BAR: f64 = 0.99;
 /// The calibration band of the naive profile on P6 (seed 003 measured 58.1%).
 pub const P6_NAIVE_BAND: [f64; 2] = [0.50, 0.65];
@@ -178,13 +178,13 @@ impl ClientSettings {
     }
 }
 
-/// The seeds' first design (seed 003, seed 000 section 1), the baseline. Defaults
+/// The seeds' first design, the baseline. Defaults
 /// are P6's (threshold 5, cooldown 300 s, backoff 1 s, cache on).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct NaiveSettings {
     /// Configured consecutive-failure threshold; the effective one is
-    /// `max(this, 2 x global concurrency)` (seed 000 section 1, defect 2).
+    /// `max(this, 2 x global concurrency)`, as the seeds' first design had it.
     pub breaker_threshold: u32,
     /// Fixed open duration, s (seed 003: one probe every 5 minutes on the black hole).
     pub cooldown_s: f64,
@@ -329,7 +329,7 @@ impl Default for Scenario {
 impl Scenario {
     /// The P6 scenario with `seed`.
     ///
-    /// Quotas: s4 has RPM 5 (the pool's tight gate, DESIGN.md section 5); every source
+    /// Quotas: s4 has RPM 5 (the pool's tight gate); every source
     /// has RPM 600 (seed 000 section 1: "75/min, far below RPM 600") and TPM 2,000,000;
     /// 16 attempts in flight per source at most. Timeouts: connect 10 s, first token
     /// 60 s (P2's 300 KB prompts prefill for tens of seconds), inter-token 8 s (the P6

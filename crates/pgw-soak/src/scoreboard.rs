@@ -1,8 +1,8 @@
 //! The scoreboard: judges one profile's stored telemetry.
 //!
 //! It reads only the rows ([`ProfileRun`]), never the live client, so `--rescore RUN`
-//! re-judges a stored run with exactly the same code. Quotas are judged the way the
-//! seeds' scoreboard learned to (seed 003 section 3): by **admission instant** on the
+//! re-judges a stored run with exactly the same code. Quotas are judged as the limiter
+//! enforces them (anything else gives false violations): by **admission instant** on the
 //! **limiter's clock** (the run's tokio clock), **excluding cache hits** (they never
 //! pass a gate), over **every span** of a quota's window length, as a provider counts
 //! "N per minute" over any minute: aligned windows alone miss a fixed-window limiter's
@@ -17,7 +17,7 @@ use crate::telemetry::{CallRow, ProfileRun, QuotaRule};
 use crate::timing::{Timing, timing};
 
 /// Failure causes no client can avoid: the provider rejects the prompt itself (about
-/// 0.5% of P6 prompts, DESIGN.md section 5), filters its answer or refuses it. The
+/// 0.5% of P6 prompts), filters its answer or refuses it. The
 /// caller got the provider's verdict; a client that retried it elsewhere and ended
 /// with another cause did not deliver it.
 pub const UNRECOVERABLE_CAUSES: [&str; 4] = ["rejected", "http_400", "content_filter", "refusal"];

@@ -1,4 +1,4 @@
-//! What a profile's success cost in time (DESIGN.md section 7): scenario time, goodput,
+//! What a profile's success cost in time: scenario time, goodput,
 //! latency percentiles of successful and of failed calls, time to first token as the
 //! caller and as the upstream saw it, and the wait before a call's first attempt.
 //!

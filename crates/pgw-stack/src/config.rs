@@ -46,12 +46,12 @@ use std::time::Duration;
 use pgw_client::{SecretKey, SourceSettings, Timeouts};
 use serde::Deserialize;
 
-/// Default breaker consecutive-failure threshold: 5 (seed 000 section 3.1; raised
-/// per source to `2 x max_concurrency`).
+/// Default breaker consecutive-failure threshold: 5, the value of the production
+/// client the design was measured on; raised per source to `2 x max_concurrency`.
 pub const DEFAULT_FAIL_THRESHOLD: u32 = 5;
 /// Default breaker cooldown: 10 s, the first open duration and the period at which a
 /// source with transient failures is probed (only a dead source's streak doubles it):
-/// traffic returns within 10 s of a recovery (issue 12). Seed 000 section 3.1 had 30 s;
+/// traffic returns within 10 s of a recovery. The original design had 30 s;
 /// measured on the flapping soak (a source failing one minute in two), 30 s with the
 /// old doubling 131 ok/min, 10 s without it 174 ok/min; P6 unchanged within noise.
 pub const DEFAULT_COOLDOWN_S: f64 = 10.0;

@@ -1,4 +1,4 @@
-//! [`Gateway`]: the call flow of DESIGN.md section 3 (cache, then the fallback chain
+//! [`Gateway`]: the call flow (cache, then the fallback chain
 //! of model groups), and what it answers.
 
 use std::collections::BTreeMap;

@@ -1,5 +1,5 @@
 //! The pgw gateway: resilient OpenAI-compatible chat completions as one tower
-//! `Service`, composed from the pgw layer crates (DESIGN.md section 3).
+//! `Service`, composed from the pgw layer crates.
 //!
 //! ```text
 //! Gateway ............. cache (hit returns first), fallback chain of model groups

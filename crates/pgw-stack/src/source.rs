@@ -1,4 +1,4 @@
-//! [`SourceLayer`]: one route's gates as one `Layer`, asked in DESIGN.md's order:
+//! [`SourceLayer`]: one route's gates as one `Layer`, asked cheapest first:
 //! AIMD (local, cheapest) -> what the limiters already know (no round trip) ->
 //! breaker -> the route's holds -> the source's rate limit, over the attempt service.
 
@@ -187,7 +187,7 @@ where
 /// Between AIMD and the breaker: a call the limiters below would refuse from what
 /// they already know (a hold, a remembered refusal: [`RateLimiter::known_refusal`])
 /// is refused here, before the breaker's admission (a Redis round trip on the Redis
-/// backend). Cheapest gate first (DESIGN.md section 3): a waiting call's rounds ask
+/// backend). Cheapest gate first: a waiting call's rounds ask
 /// no breaker for a source whose quota is known to be full. On the memory backend the
 /// limiters know nothing this way and it passes through.
 #[derive(Clone)]

@@ -1,5 +1,4 @@
-//! An adaptive (AIMD) concurrency limit per source, as a tower [`Layer`](tower_layer::Layer)
-//! (seed 000 sections 3.35 and 3.37).
+//! An adaptive (AIMD) concurrency limit per source, as a tower [`Layer`](tower_layer::Layer).
 //!
 //! Each source has a float limit: initial 8, floor 1, ceiling
 //! `min(source max_concurrency, caller concurrency)`. A `RateLimited` outcome (429)

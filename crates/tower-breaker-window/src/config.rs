@@ -6,15 +6,16 @@ use serde::Deserialize;
 
 use crate::error::ConfigError;
 
-/// Default `min_calls` (seed 000 section 3.1, Resilience4j's `minimumNumberOfCalls`):
-/// the rate channel needs 10 samples before it may open.
+/// Default `min_calls` (Resilience4j's `minimumNumberOfCalls`): the rate channel needs
+/// 10 samples before it may open, so a source with little traffic is not judged on a
+/// handful of calls.
 pub const DEFAULT_MIN_CALLS: u32 = 10;
 
-/// Default `fail_rate` (seed 000 section 3.1): 0.6, wider than the industry's 0.5 to
+/// Default `fail_rate`: 0.6, wider than the industry's 0.5 to
 /// tolerate LLM gateway jitter.
 pub const DEFAULT_FAIL_RATE: f64 = 0.6;
 
-/// Default rate window (seed 000 section 3.1): 60 s, kept as two 30 s buckets.
+/// Default rate window: 60 s, kept as two 30 s buckets.
 pub const DEFAULT_WINDOW: Duration = Duration::from_secs(60);
 
 /// Floor of the default `max_cooldown`: `max(300 s, cooldown)`.

@@ -2,7 +2,7 @@
 //!
 //! A source that fails often must be isolated quickly, while pushback (429) and the
 //! random failure streaks of a healthy source must never open it. The breaker keeps
-//! two channels (seed 000 sections 3.1 and 3.39):
+//! two channels:
 //!
 //! - **consecutive**: `failures >= max(fail_threshold, 2 * max_concurrency)` opens
 //!   (per source, never global), unless the window holds enough evidence of health

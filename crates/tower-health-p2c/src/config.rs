@@ -8,15 +8,16 @@ use serde::Deserialize;
 
 use crate::error::ConfigError;
 
-/// Smoothing factor of the per-source success EWMA (seed 000 section 3.2:
-/// "alpha = 0.2": about 10 successes bring a source from 0 back to 0.9).
+/// Smoothing factor of the per-source success EWMA: 0.2, so about 10 successes bring a
+/// source from 0 back to 0.9 (the climb is the recovering source's slow start).
 pub const HEALTH_ALPHA: f64 = 0.2;
 
-/// Starting health of a new source: optimistic (seed 000 section 3.2).
+/// Starting health of a new source: 1.0, optimistic: fully healthy until its outcomes
+/// say otherwise.
 pub const HEALTH_INITIAL: f64 = 1.0;
 
 /// Floor of the health in the score `max(ewma, 0.05) / ((1 + inflight) x latency)`: keeps a little
-/// exploration traffic on a bad source so it can recover (seed 000 section 3.2).
+/// exploration traffic on a bad source so it can recover.
 pub const HEALTH_FLOOR: f64 = 0.05;
 
 /// How many call shapes ("classes") a source keeps a separate health EWMA for: 4.
@@ -29,7 +30,8 @@ pub const HEALTH_FLOOR: f64 = 0.05;
 pub const HEALTH_CLASSES: usize = 4;
 
 /// In-call failures after which a source goes to the tail of the order, when a credible
-/// alternative exists (seed 000 section 3.3: "failed >= 2 times in this call").
+/// alternative exists: 2. One failure of a healthy source is usually transient, so one
+/// does not move it.
 pub const DEPRIORITIZE_AFTER_FAILURES: u32 = 2;
 
 /// What an unmeasured source (no successful answer yet) counts as answering in, in the
@@ -41,7 +43,8 @@ pub const UNMEASURED_LATENCY_S: f64 = 1.0;
 pub const MIN_LATENCY_S: f64 = 0.001;
 
 /// A source not yet failed in this call is a credible alternative when its health is
-/// at least this share of the failed source's (seed 000 section 3.36).
+/// at least this share of the failed source's. Without this bar, a healthy source that
+/// failed twice gave the call's next attempt to a source that succeeded 10% of the time.
 pub const CREDIBLE_HEALTH_RATIO: f64 = 0.5;
 
 /// Default bound on how long a call waits when no source is admitted. The retry
@@ -73,7 +76,7 @@ pub const CUT_LATENCY_FACTOR: f64 = 4.0;
 
 /// How often a silent source is probed off the caller's path
 /// ([`BalanceConfig::probe_every`]): 10 s, so traffic returns to a black hole that
-/// heals within about 10 s plus its time to answer (issue 12's recovery goal). A probe
+/// heals within about 10 s plus its time to answer. A probe
 /// into the silence hangs until its attempt timeout; the gates below (AIMD's limit)
 /// bound how many hang at once.
 pub const DEFAULT_PROBE_EVERY: Duration = Duration::from_secs(10);

@@ -1,4 +1,4 @@
-//! A health-aware balancer for tower (seed 000 sections 3.2, 3.3, 3.36).
+//! A health-aware balancer for tower.
 //!
 //! [`HealthP2c`] sits above one service per source (each usually a stack of gates:
 //! AIMD, breaker, rate limit) and below the retry layer. Per call it:

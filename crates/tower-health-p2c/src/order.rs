@@ -408,7 +408,7 @@ mod tests {
         assert_eq!(order, vec![1, 0]);
     }
 
-    /// Seed 000 section 3.36: a healthy source that failed twice stays first when the
+    /// A healthy source that failed twice stays first when the
     /// only alternative is a 10% source, and goes to the tail when a credible one exists.
     #[test]
     fn deprioritization_needs_a_credible_alternative() {

@@ -638,7 +638,8 @@ pub(crate) struct Ticket {
 /// every span of [`Admission::window_len`] (the limiter keeps each of them within the
 /// quota, not only the aligned windows), counting only traffic that passed the gate.
 /// [`Admission::window`] labels the aligned window `at` falls in, for reports.
-/// Completion times and local clocks give false violations (seed 003).
+/// Judged by completion time or by a local clock, a run that kept its quotas shows
+/// violations that never happened.
 #[derive(Clone)]
 pub struct Admission {
     /// The limiter that admitted: source, account, window length and clock come from

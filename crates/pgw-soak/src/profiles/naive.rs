@@ -1,11 +1,10 @@
-//! `naive`: the seeds' first design, the baseline (seed 003, seed 000 section 1).
+//! `naive`: the seeds' first design, the baseline.
 //!
 //! - Round robin over the sources, one cursor step per pick, skipping sources whose
-//!   breaker is open or whose RPM/TPM gate is full: the "hole funnel" (seed 000
-//!   section 1, defect 3) comes with it: the traffic of skipped sources falls to the
-//!   next live one.
+//!   breaker is open or whose RPM/TPM gate is full: the "hole funnel" comes with it:
+//!   the traffic of skipped sources falls to the next live one.
 //! - A consecutive-failure breaker reset by any success, with the effective threshold
-//!   `max(configured, 2 x global concurrency)` (defect 2) and a fixed cooldown; 401
+//!   `max(configured, 2 x global concurrency)` and a fixed cooldown; 401
 //!   forces it open; 429s count as failures (the seeds' first design did); a half-open
 //!   breaker admits one probe.
 //! - 3 attempts per call, consumed by every failure, 429s and invalid answers

@@ -260,7 +260,7 @@ const MAX_LIMITS: usize = 4;
 
 /// One limiter's scopes in a [`MemoryBackend`].
 ///
-/// The hot path (DESIGN.md section 6): one clock read, no division while the
+/// The hot path: one clock read, no division while the
 /// sub-window lasts, one compare-and-swap per limited count of a scope (its window's
 /// word; the window's lock once per sub-window), one lock for the lease list of a
 /// scope with a concurrency quota, no allocation, and no reference count.
