@@ -112,21 +112,26 @@ pub(crate) struct Attempt<S> {
 const CUT_ALPHA: f64 = 0.2;
 
 /// Above this share of recent streams cut after their first token, a source is not
-/// trusted with the caller's stream: 0.3. The first stream that ends sets the share
-/// whole (a first cut makes the source untrusted at once); later ones weigh
-/// [`CUT_ALPHA`]; a run of complete streams brings it back ([`RETRUST_CUT_RATE`]).
-/// Until that first stream ends, one stream at a time is passed through ([`Scout`]).
+/// trusted with the caller's stream: 0.3. A source starts trusted (0); two cuts in a
+/// row (0.2, then 0.36) make it untrusted; a run of complete streams brings it back
+/// ([`RETRUST_CUT_RATE`]).
 /// Tried: 0.1 with unproven sources starting untrusted (99.08% on the 4000-call P6,
 /// seed 42) and 0.1 from a trusted start (98.92%); 0.3 makes 99.20%.
-/// Measured (2026-12-02, release): the one-stream scout with the whole first verdict
-/// took the two-process Redis soak (2000 calls, time scale 1/60) from 4-7 streams cut
-/// in its first seconds and 99.05-99.25% to 1 and 99.25-99.55% (three runs each); the
-/// in-memory matrix over six seeds moved within its noise. Tried before and reverted:
-/// - The first verdicts weighed `1/n` alone: no change on the 8000-call P6, where one
-///   process learns once.
-/// - An unproven source (a share not yet built from several streams) trusted with one
-///   stream at a time: flapping fell x0.80 -> x0.71, a buffered stream answering its
-///   balancer only at its last chunk for longer than the cold start the scout covers.
+/// Tried and reverted (2026-12-02, release, virtual time):
+/// - The first verdicts weighed `1/n` (one cut makes a new source untrusted): P6 at
+///   1000 calls lost 1-2 streams to inter-token cuts instead of 3-4, but the 8000-call
+///   P6 was unchanged (99.29%, x0.87) and mixed-8-sources moved within its seeds'
+///   noise (x0.78-0.94 against x0.78-0.94), so the constant weight stays.
+/// - An unproven source trusted with one stream at a time (the others buffered): one
+///   more stream saved per 1000 calls, but a buffered stream answers its balancer
+///   only at its last chunk, and flapping fell x0.80 -> x0.71 (seed 3: x0.78 -> x0.60).
+/// - Only until a source's first stream ends (a "scout" stream passed through, the
+///   others buffered), with that first stream setting the share whole: the
+///   two-process Redis soak lost 1 stream per run to cuts instead of 4-7 (99.25-99.55%
+///   against 99.05-99.25%, three runs each), but mixed-8-sources' goodput fell on four
+///   seeds of six (default seed x0.813 -> x0.795; mean x0.827 -> x0.804), attempts
+///   moving to a worse source (m3: 96 -> 140), likely because a buffered stream counts
+///   in flight for its whole length. The whole first verdict alone changed neither.
 pub(crate) const UNTRUSTED_CUT_RATE: f64 = 0.3;
 
 /// Whether a source's streams get cut after they started, per source (an EWMA of
@@ -144,25 +149,6 @@ pub(crate) struct StreamCuts(Arc<CutsState>);
 struct CutsState {
     rate_bits: std::sync::atomic::AtomicU64,
     untrusted: std::sync::atomic::AtomicBool,
-    /// Whether a stream of this source has ended, complete or cut, in this process.
-    heard: std::sync::atomic::AtomicBool,
-    /// Whether a stream is passed through before any has ended ([`Scout`]).
-    scouting: std::sync::atomic::AtomicBool,
-}
-
-/// The one stream a source with no ended stream yet passes through to its caller
-/// (the others go buffered); its turn goes back when it ends or is dropped.
-///
-/// A cold process knows nothing of a source's streams: passing every stream through
-/// until the first ones are cut lost a call per stream the slow source had started
-/// (4-7 per run in the two-process Redis soak, where each process learns on its own).
-#[derive(Debug)]
-pub(crate) struct Scout(Arc<CutsState>);
-
-impl Drop for Scout {
-    fn drop(&mut self) {
-        self.0.scouting.store(false, std::sync::atomic::Ordering::Relaxed);
-    }
 }
 
 /// At or below this share of recent streams cut, an untrusted source is trusted again:
@@ -176,42 +162,16 @@ impl StreamCuts {
         !self.0.untrusted.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Whether a stream may be passed through to its caller: `None` (buffer it) when
-    /// the source is not trusted, or when no stream of it has ended yet and another is
-    /// already passed through; `Some(Some(scout))` for that first one, whose turn goes
-    /// back with the [`Scout`]; `Some(None)` otherwise.
-    pub(crate) fn pass_through(&self) -> Option<Option<Scout>> {
-        use std::sync::atomic::Ordering;
-        if !self.trusted() {
-            return None;
-        }
-        if self.0.heard.load(Ordering::Relaxed) {
-            return Some(None);
-        }
-        self.0
-            .scouting
-            .compare_exchange(false, true, Ordering::Relaxed, Ordering::Relaxed)
-            .ok()
-            .map(|_| Some(Scout(Arc::clone(&self.0))))
-    }
-
     fn record(&self, cut: bool) {
         use std::sync::atomic::Ordering;
         let sample = if cut { 1.0 } else { 0.0 };
-        // The first stream heard is all there is to go by: it sets the share whole
-        // (a cut makes the source untrusted at once), later ones weigh `CUT_ALPHA`.
-        let first = !self.0.heard.swap(true, Ordering::Relaxed);
         let mut rate = 0.0;
         let _ = self
             .0
             .rate_bits
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
                 let old = f64::from_bits(bits);
-                rate = if first {
-                    sample
-                } else {
-                    old + CUT_ALPHA * (sample - old)
-                };
+                rate = old + CUT_ALPHA * (sample - old);
                 Some(rate.to_bits())
             });
         if rate > UNTRUSTED_CUT_RATE {
@@ -282,14 +242,8 @@ where
             return Box::pin(std::future::ready(Err(NoPrefill.into())));
         }
         let streamed = call.is_stream();
-        let mut scout = None;
-        if streamed && call.extensions().get::<pgw_client::PassThrough>().is_some() {
-            match self.cuts.pass_through() {
-                Some(turn) => scout = turn,
-                None => {
-                    call.extensions_mut().remove::<pgw_client::PassThrough>();
-                }
-            }
+        if streamed && !self.cuts.trusted() {
+            call.extensions_mut().remove::<pgw_client::PassThrough>();
         }
         let cuts = self.cuts.clone();
         let pushback = self.pushback.clone();
@@ -371,8 +325,6 @@ where
                 if streamed && let Some(cut) = cut_after_start(committed, r) {
                     cuts.record(cut);
                 }
-                // The next stream may go out now: this one was heard, or ended unheard.
-                drop(scout);
                 let (ttft, usage) = match r {
                     Ok(a) => (a.stats.ttft, a.stats.usage.as_ref()),
                     Err(_) => (None, None),
@@ -501,34 +453,28 @@ mod tests {
         Err(UpstreamStatus::new(code, None, "no".to_owned()).into())
     }
 
-    /// Its first stream cut, a source is untrusted at once; it gets the caller's
-    /// streams back only after a run of complete ones brings its cut share to 0.1, not
-    /// at the first complete stream under 0.3; from there one cut weighs 0.2.
+    /// Found out by two cuts in a row, a source gets the caller's streams back only
+    /// after a run of complete ones brings its cut share to 0.1, not at the first
+    /// complete stream under 0.3.
     #[test]
     fn an_untrusted_source_is_trusted_again_only_after_a_run_of_complete_streams() {
         let cuts = StreamCuts::default();
         assert!(cuts.trusted(), "a source starts trusted");
         cuts.record(true);
-        assert!(!cuts.trusted(), "the first stream heard is cut: 1.0");
-        assert!(cuts.pass_through().is_none(), "untrusted: buffered");
+        assert!(cuts.trusted(), "one cut: 0.2");
+        cuts.record(true);
+        assert!(!cuts.trusted(), "two cuts: 0.36");
         let mut complete = 0;
         while !cuts.trusted() {
             cuts.record(false);
             complete += 1;
         }
         assert_eq!(
-            complete, 11,
-            "0.8^11 = 0.086 is the first share at or under 0.1 (0.8^4 = 0.41 is still over 0.3)"
+            complete, 6,
+            "0.36 x 0.8^6 = 0.094 is the first share at or under 0.1"
         );
         cuts.record(true);
-        assert!(cuts.trusted(), "one cut after the run: 0.27, under 0.3");
-        cuts.record(true);
-        assert!(!cuts.trusted(), "two in a row: 0.41");
-
-        let cuts = StreamCuts::default();
-        cuts.record(false);
-        cuts.record(true);
-        assert!(cuts.trusted(), "a first complete stream, then one cut: 0.2");
+        assert!(cuts.trusted(), "one cut after the run: 0.28, under 0.3");
     }
 
     /// A balancer's probe copy of a call (sent off the caller's path) is refused at the
@@ -589,24 +535,6 @@ mod tests {
             pgw_core::is_timeout(&*err),
             "the call's attempt is cut at 4 - 3 = 1 s: {err}"
         );
-    }
-
-    /// A cold source passes one stream through at a time (the others are buffered)
-    /// until a stream of it ends; a scout that ends unheard gives its turn back.
-    #[test]
-    fn a_cold_source_passes_one_stream_through_until_one_ends() {
-        let cuts = StreamCuts::default();
-        let scout = cuts.pass_through().expect("trusted").expect("the scout's turn");
-        assert!(cuts.pass_through().is_none(), "a second stream is buffered");
-        drop(scout);
-        let scout = cuts.pass_through().expect("trusted").expect("the turn came back");
-        cuts.record(false);
-        assert!(
-            matches!(cuts.pass_through(), Some(None)),
-            "heard: every stream is passed through"
-        );
-        drop(scout);
-        assert!(matches!(cuts.pass_through(), Some(None)));
     }
 
     #[test]
