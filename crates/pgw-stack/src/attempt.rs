@@ -131,9 +131,10 @@ const CUT_ALPHA: f64 = 0.2;
 ///   against 99.05-99.25%, three runs each), but mixed-8-sources' goodput fell on four
 ///   seeds of six (default seed x0.813 -> x0.795, under the 0.80 line; mean x0.827 ->
 ///   x0.804), attempts moving to a worse source (m3: 96 -> 140). Why is not
-///   established (a buffered stream is heard from by its balancer only at its end);
-///   a difference of that size is within the seeds' spread. The whole first verdict
-///   alone changed neither.
+///   established: the balancer's latency sample of a buffered stream taken at its
+///   first chunk instead of its last (tried with the scout) left mixed-8 where it was
+///   (mean x0.804, default seed x0.783); a difference of that size is within the
+///   seeds' spread. The whole first verdict alone changed neither.
 pub(crate) const UNTRUSTED_CUT_RATE: f64 = 0.3;
 
 /// Whether a source's streams get cut after they started, per source (an EWMA of
