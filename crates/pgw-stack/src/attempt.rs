@@ -4,7 +4,7 @@
 //! It sits below every gate, so only admitted attempts reach it: not-admitted
 //! refusals cost nothing and leave no record.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -150,8 +150,8 @@ pub(crate) struct StreamCuts(Arc<CutsState>);
 
 #[derive(Debug, Default)]
 struct CutsState {
-    rate_bits: std::sync::atomic::AtomicU64,
-    untrusted: std::sync::atomic::AtomicBool,
+    rate_bits: AtomicU64,
+    untrusted: AtomicBool,
 }
 
 /// At or below this share of recent streams cut, an untrusted source is trusted again:
@@ -162,11 +162,10 @@ pub(crate) const RETRUST_CUT_RATE: f64 = 0.1;
 
 impl StreamCuts {
     pub(crate) fn trusted(&self) -> bool {
-        !self.0.untrusted.load(std::sync::atomic::Ordering::Relaxed)
+        !self.0.untrusted.load(Ordering::Relaxed)
     }
 
     fn record(&self, cut: bool) {
-        use std::sync::atomic::Ordering;
         let sample = if cut { 1.0 } else { 0.0 };
         let mut rate = 0.0;
         let _ = self
