@@ -4,6 +4,7 @@
 //! standalone server or a cluster, behind one type so backends are written once.
 
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
@@ -188,8 +189,33 @@ impl RedisConn {
     }
 }
 
+/// Requests this process has sent to Redis through every [`RedisConn`]: see
+/// [`round_trips`].
+static ROUND_TRIPS: AtomicU64 = AtomicU64::new(0);
+
+/// How many requests this process has sent to Redis through any [`RedisConn`] since it
+/// started: one per command and one per pipeline (a script's `EVALSHA` is one, however
+/// many commands the script runs on the server; a script the server did not know yet
+/// costs the `SCRIPT LOAD` and the second `EVALSHA` too). Commands sent while a
+/// connection reconnects on its own are not counted.
+///
+/// A process-wide counter, for measuring what a workload costs in round trips: read it
+/// before and after.
+///
+/// ```
+/// let before = pgw_core::redis_conn::round_trips();
+/// // ... calls through a gateway on the Redis backend ...
+/// let sent = pgw_core::redis_conn::round_trips() - before;
+/// # assert_eq!(sent, 0);
+/// ```
+#[must_use]
+pub fn round_trips() -> u64 {
+    ROUND_TRIPS.load(Ordering::Relaxed)
+}
+
 impl ConnectionLike for RedisConn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        ROUND_TRIPS.fetch_add(1, Ordering::Relaxed);
         match self {
             Self::Standalone(c) => c.req_packed_command(cmd),
             Self::Cluster(c) => c.req_packed_command(cmd),
@@ -202,6 +228,7 @@ impl ConnectionLike for RedisConn {
         offset: usize,
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
+        ROUND_TRIPS.fetch_add(1, Ordering::Relaxed);
         match self {
             Self::Standalone(c) => c.req_packed_commands(pipeline, offset, count),
             Self::Cluster(c) => c.req_packed_commands(pipeline, offset, count),

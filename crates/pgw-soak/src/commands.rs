@@ -4,9 +4,12 @@
 //!
 //! Redis counts every command it runs, those a Lua script runs included (an `EVALSHA`
 //! of the breaker's admission counts as `EVALSHA`, `TIME` and `HMGET`), so the total
-//! is what the server does, and `EVALSHA` plus the cache's `GET` / `SET` are the
-//! round trips. The counts are the server's: a Redis shared with other clients
-//! during the run counts their commands too (give the run its own server).
+//! is what the server does. The counts are the server's: a Redis shared with other
+//! clients during the run counts their commands too (give the run its own server).
+//!
+//! The round trips are counted on the other side: each worker reads
+//! [`pgw_core::redis_conn::round_trips`] (every request its gateway sent: one per
+//! command, pipeline or script call), and the run sums them.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -29,6 +32,9 @@ pub struct RedisCommands {
     /// Commands per command name (lowercase, as `INFO commandstats` names them, e.g.
     /// `evalsha`, `script|load`), over the run.
     pub per_command: Counts,
+    /// Requests the run's processes sent to Redis (round trips), when they counted them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub round_trips: Option<u64>,
 }
 
 impl RedisCommands {
@@ -46,7 +52,11 @@ impl RedisCommands {
             })
             .filter(|&(_, n)| n > 0)
             .collect();
-        Self { calls, per_command }
+        Self {
+            calls,
+            per_command,
+            round_trips: None,
+        }
     }
 
     /// Every command of the run.
@@ -89,6 +99,14 @@ impl RedisCommands {
             .collect();
         out.push_str(&parts.join(", "));
         out.push_str(")\n");
+        if let Some(n) = self.round_trips {
+            let _ = writeln!(
+                out,
+                "redis round trips: {n} for {} calls = {:.1} per call (requests the gateways sent)",
+                self.calls,
+                self.per_call(n)
+            );
+        }
         out
     }
 
@@ -104,6 +122,14 @@ impl RedisCommands {
             self.calls,
             self.per_call(self.total())
         );
+        if let Some(n) = self.round_trips {
+            let _ = writeln!(
+                md,
+                "Round trips, counted by the gateways (`pgw_core::redis_conn::round_trips`: one \
+                 per command, pipeline or script call they sent): {n}, **{:.1} per call**.\n",
+                self.per_call(n)
+            );
+        }
         md.push_str("| command | calls | per call |\n|---|---:|---:|\n");
         for (k, n) in self.by_count() {
             let _ = writeln!(md, "| `{k}` | {n} | {:.2} |", self.per_call(n));
@@ -191,6 +217,22 @@ mod tests {
             c.terminal()
         );
         assert!(c.markdown().contains("| `evalsha` | 20 | 2.50 |"));
+        assert!(!c.terminal().contains("round trips"), "not counted: not shown");
+    }
+
+    #[test]
+    fn round_trips_are_shown_per_call_when_counted() {
+        let mut c = RedisCommands::between(&Counts::new(), &parse("cmdstat_evalsha:calls=30\n"), 8);
+        c.round_trips = Some(52);
+        assert!(
+            c.terminal()
+                .contains("redis round trips: 52 for 8 calls = 6.5 per call"),
+            "{}",
+            c.terminal()
+        );
+        assert!(c.markdown().contains("52, **6.5 per call**"), "{}", c.markdown());
+        let back: RedisCommands = serde_json::from_str(&serde_json::to_string(&c).unwrap()).unwrap();
+        assert_eq!(back, c);
     }
 
     #[test]

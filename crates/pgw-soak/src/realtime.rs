@@ -217,12 +217,13 @@ pub fn run_redis(scenario: &Scenario, opts: &RedisOptions) -> Result<RunOutcome,
     let settle = SETTLE.mul_f64(opts.time_scale).max(MIN_SETTLE);
     rt.block_on(async { tokio::time::sleep(settle).await });
     let after = rt.block_on(crate::commands::read(&opts.redis_url))?;
-    let commands = RedisCommands::between(&before, &after, scenario.calls);
-    fs::write(dir.join(COMMANDS_FILE), serde_json::to_vec_pretty(&commands)?)?;
+    let mut commands = RedisCommands::between(&before, &after, scenario.calls);
     let stats = pool.stats();
     rt.block_on(server.shutdown());
     drop(rt);
     let mut run = merge(dir, &scenario, &real)?;
+    commands.round_trips = run.redis_round_trips;
+    fs::write(dir.join(COMMANDS_FILE), serde_json::to_vec_pretty(&commands)?)?;
     for (name, st) in stats.sources {
         run.accounting
             .counters
@@ -261,7 +262,8 @@ pub fn describe_redis(s: &Scenario, real: &RealTime) -> String {
 
 /// Merges the workers' stored runs into the `pgw` run (rows of every worker; books
 /// of every worker, judged and expired by TTL, prefixed `wI`; worker 0's RSS samples;
-/// quota windows scaled).
+/// quota windows scaled; the workers' Redis round trips summed, `None` when one did not
+/// count them).
 fn merge(dir: &Path, scenario: &Scenario, real: &RealTime) -> Result<ProfileRun, BoxError> {
     let mut merged = ProfileRun {
         profile: ProfileKind::Pgw.as_str().to_owned(),
@@ -273,8 +275,13 @@ fn merge(dir: &Path, scenario: &Scenario, real: &RealTime) -> Result<ProfileRun,
     for q in &mut merged.quotas {
         q.window_ms = real.window_ms;
     }
+    merged.redis_round_trips = Some(0);
     for i in 0..real.workers {
         let w = ProfileRun::load(dir, &worker_profile(i))?;
+        merged.redis_round_trips = merged
+            .redis_round_trips
+            .zip(w.redis_round_trips)
+            .map(|(a, b)| a + b);
         merged.attempts.extend(w.attempts);
         merged.calls.extend(w.calls);
         if i == 0 {
@@ -349,6 +356,9 @@ pub fn run_worker(dir: &Path, index: u32) -> Result<(), BoxError> {
         // the books only once every worker has run its last call.
         barrier(dir, index, real.workers).await?;
         tokio::time::sleep(SETTLE.mul_f64(real.time_scale).max(MIN_SETTLE)).await;
+        // The calls' round trips, their settles in the background included; not the
+        // reading of the books below.
+        let round_trips = pgw_core::redis_conn::round_trips();
         let patience = Duration::from_secs_f64(scenario.client.total_s).mul_f64(real.time_scale);
         let accounting = built
             .settled_books(patience, Duration::from_millis(100), |_| {})
@@ -377,6 +387,7 @@ pub fn run_worker(dir: &Path, index: u32) -> Result<(), BoxError> {
             scenario_ms,
             sources,
             time_scale: real.time_scale,
+            redis_round_trips: Some(round_trips),
         })
     })?;
     drop(rt);
@@ -404,6 +415,36 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("pgw-soak-noworker-{}", std::process::id()));
         let err = run_worker(&dir, 0).unwrap_err().to_string();
         assert!(err.contains("scenario.json"), "{err}");
+    }
+
+    #[test]
+    fn the_merge_sums_the_workers_round_trips_and_keeps_an_uncounted_one_unknown() {
+        let dir = std::env::temp_dir().join(format!("pgw-soak-merge-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let scenario = Scenario::p6(1);
+        let real = RealTime {
+            redis_url: "redis://127.0.0.1:1".into(),
+            key_prefix: "k".into(),
+            sim_addr: SocketAddr::from(([127, 0, 0, 1], 1)),
+            time_scale: 1.0 / 60.0,
+            workers: 2,
+            window_ms: 1000,
+            origin_ms: 0,
+        };
+        let store = |i: u32, n: Option<u64>| {
+            let w = ProfileRun {
+                profile: worker_profile(i),
+                redis_round_trips: n,
+                ..ProfileRun::default()
+            };
+            w.store(&dir).unwrap();
+        };
+        store(0, Some(30));
+        store(1, Some(12));
+        assert_eq!(merge(&dir, &scenario, &real).unwrap().redis_round_trips, Some(42));
+        store(1, None);
+        assert_eq!(merge(&dir, &scenario, &real).unwrap().redis_round_trips, None);
+        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[tokio::test(start_paused = true)]

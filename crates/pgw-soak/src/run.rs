@@ -177,6 +177,7 @@ pub fn run_profile_virtual(
             scenario_ms,
             sources,
             time_scale: 1.0,
+            redis_round_trips: None,
         })
     })?;
     drop(rt);

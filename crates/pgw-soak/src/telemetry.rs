@@ -377,6 +377,10 @@ pub struct ProfileRun {
     /// Redis mode's `--time-scale`): the time figures divide durations by it.
     #[serde(default = "unscaled")]
     pub time_scale: f64,
+    /// Requests the profile's processes sent to Redis over the calls of the run
+    /// ([`pgw_core::redis_conn::round_trips`]): the Redis mode's; `None` elsewhere.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub redis_round_trips: Option<u64>,
 }
 
 const fn unscaled() -> f64 {
@@ -396,6 +400,7 @@ impl Default for ProfileRun {
             scenario_ms: 0,
             sources: Vec::new(),
             time_scale: 1.0,
+            redis_round_trips: None,
         }
     }
 }

@@ -1,0 +1,62 @@
+//! `round_trips` counts what this process sends through a `RedisConn`: one per command,
+//! one per pipeline, one per script call the server already knows. Its own test binary:
+//! the counter is process-wide, and no other test may send while this one counts.
+#![cfg(feature = "redis")]
+
+use pgw_core::redis_conn::{DEFAULT_RESPONSE_TIMEOUT, RedisConn, RedisTarget, round_trips, run};
+
+#[tokio::test]
+async fn each_command_pipeline_and_known_script_is_one_round_trip() {
+    let Some(url) = pgw_test_support::redis_url() else {
+        return;
+    };
+    let mut conn = RedisConn::connect(&RedisTarget::Standalone(url)).await.unwrap();
+    let key = format!("{}k", pgw_test_support::unique_prefix("round-trips"));
+    let script = redis::Script::new("return redis.call('INCR', KEYS[1]) + redis.call('INCR', KEYS[1])");
+    // Once so the server knows the script (its first call may also load it).
+    let _: i64 = run(
+        "test",
+        DEFAULT_RESPONSE_TIMEOUT,
+        script.key(&key).invoke_async(&mut conn),
+    )
+    .await
+    .unwrap();
+
+    let before = round_trips();
+    let _: Option<String> = run(
+        "test",
+        DEFAULT_RESPONSE_TIMEOUT,
+        redis::cmd("GET").arg(&key).query_async(&mut conn),
+    )
+    .await
+    .unwrap();
+    assert_eq!(round_trips() - before, 1, "a command");
+
+    let mut pipe = redis::pipe();
+    pipe.cmd("SET")
+        .arg(&key)
+        .arg(0)
+        .ignore()
+        .cmd("PEXPIRE")
+        .arg(&key)
+        .arg(60_000)
+        .ignore();
+    let () = run("test", DEFAULT_RESPONSE_TIMEOUT, pipe.query_async(&mut conn))
+        .await
+        .unwrap();
+    assert_eq!(round_trips() - before, 2, "a pipeline of two commands");
+
+    let n: i64 = run(
+        "test",
+        DEFAULT_RESPONSE_TIMEOUT,
+        script.key(&key).invoke_async(&mut conn),
+    )
+    .await
+    .unwrap();
+    assert_eq!(n, 3, "the script ran its two commands on the server");
+    assert_eq!(
+        round_trips() - before,
+        3,
+        "a known script, however many commands it runs"
+    );
+}
