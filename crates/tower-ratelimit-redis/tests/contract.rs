@@ -49,11 +49,13 @@ async fn sliding_span_never_over_quota(h: Harness) {
             Duration::from_millis(1)
         );
         tokio::time::sleep(Duration::from_millis(1)).await;
-    } else {
-        tokio::time::sleep(q.retry_after()).await;
     }
-    let since = tokio::time::Instant::now();
-    let c = l.acquire(0).await.expect("a left the span");
+    let (c, since) = if h.exact {
+        let since = tokio::time::Instant::now();
+        (l.acquire(0).await.expect("a left the span"), since)
+    } else {
+        admitted_past_edge(&l, q.retry_after()).await
+    };
     assert!(c.admission().at() - a.admission().at() >= W, "{c:?} {a:?}");
     // b is still in the span: the next waits for b's sub-window. The refusal came
     // after c, at most `slack` later on any clock (0 on the paused one; on a real
@@ -216,6 +218,30 @@ async fn overrun_charged_where_it_lands(h: Harness) {
     l.acquire(100).await.expect("everything left the span");
 }
 
+/// Waits a refusal's `retry_after` on Redis's real clock and is admitted. The wait is
+/// timed on this process's clock, which may wake a millisecond short of the server's
+/// edge: then the refusal says so (a millisecond or two, asserted), and a next try, at
+/// most three, is admitted. Answers the permit and the instant its admission was asked.
+async fn admitted_past_edge(
+    l: &tower_ratelimit_redis::RateLimiter,
+    retry_after: Duration,
+) -> (tower_ratelimit_redis::Permit, tokio::time::Instant) {
+    let mut wait = retry_after;
+    for _ in 0..3 {
+        tokio::time::sleep(wait).await;
+        let asked = tokio::time::Instant::now();
+        match l.acquire(0).await {
+            Ok(p) => return (p, asked),
+            Err(err) => {
+                let again = refused(&err);
+                assert!(again.retry_after() <= Duration::from_millis(2), "{again}");
+                wait = again.retry_after();
+            }
+        }
+    }
+    panic!("still refused a few milliseconds past the span's edge");
+}
+
 /// `retry_after` just before a lone admission leaves the span is the time left until
 /// its sub-window does, and admission works again right after it elapses.
 async fn retry_after_at_span_edge(h: Harness) {
@@ -246,25 +272,9 @@ async fn retry_after_at_span_edge(h: Harness) {
                     assert!(next.admission().at() >= leaves, "{next:?}");
                     return;
                 }
-                // On Redis's real clock the retry is timed from this process's clock,
-                // which may wake a millisecond short of the server's edge: then the
-                // refusal says so (a millisecond or two), and the next try is admitted.
-                let mut wait = q.retry_after();
-                for _ in 0..3 {
-                    tokio::time::sleep(wait).await;
-                    match l.acquire(0).await {
-                        Ok(next) => {
-                            assert!(next.admission().at() >= leaves, "{next:?}");
-                            return;
-                        }
-                        Err(err) => {
-                            let again = refused(&err);
-                            assert!(again.retry_after() <= Duration::from_millis(2), "{again}");
-                            wait = again.retry_after();
-                        }
-                    }
-                }
-                panic!("still refused a few milliseconds past the span's edge");
+                let (next, _) = admitted_past_edge(&l, q.retry_after()).await;
+                assert!(next.admission().at() >= leaves, "{next:?}");
+                return;
             }
             // A loaded machine slept past the edge: p really left the span.
             Ok(next) => assert!(!h.exact && next.admission().at() >= leaves),
