@@ -3,11 +3,12 @@
 
 use std::fmt;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, ready};
 
 use futures_core::Stream;
 use pgw_core::openai::{ChatChunk, ChunkAccumulator};
+use pgw_core::sync::lock;
 use pgw_core::{BoxError, Settle};
 
 use crate::{AttemptStats, ChatAnswer, ChunkStream};
@@ -73,7 +74,7 @@ impl Tail {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Option<Running>> {
-        self.running.lock().unwrap_or_else(PoisonError::into_inner)
+        lock(&self.running)
     }
 
     /// Leaves `then` to run with the final result when the stream ends. Once the

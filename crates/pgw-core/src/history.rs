@@ -20,10 +20,11 @@ use std::cell::{Cell, RefCell};
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::time::Instant;
 
+use crate::sync::lock;
 use crate::{Outcome, SourceId};
 
 /// One attempt of a call.
@@ -117,7 +118,7 @@ impl CallHistory {
         // The lock is never held across an await or a user callback; a poisoned lock can
         // only come from a panic inside one of these short methods, and the data is
         // still a valid list.
-        self.inner.list.lock().unwrap_or_else(PoisonError::into_inner)
+        lock(&self.inner.list)
     }
 
     /// Numbers one attempt as it is sent: 1, 2, ... in the order they are sent,

@@ -48,6 +48,7 @@ pub mod redis_conn;
 pub mod retry_after;
 mod source;
 pub mod sse;
+pub mod sync;
 
 pub use classify::{Classify, OkIsSuccess, Settle, attempt_outcome, settle};
 pub use error::{

@@ -7,7 +7,9 @@
 //! models, statuses, tenants, outcomes), so each handle is made once and found again
 //! by comparing the label values in a short list.
 
-use std::sync::{PoisonError, RwLock};
+use std::sync::RwLock;
+
+use crate::sync::{read, write};
 
 /// The handles of one metric, by its `N` label values, each made once.
 ///
@@ -48,12 +50,12 @@ impl<H: Clone, const N: usize> MetricHandles<H, N> {
     pub fn get(&self, labels: [&str; N], make: impl FnOnce([&str; N]) -> H) -> H {
         let same = |k: &[Box<str>; N]| k.iter().zip(labels).all(|(a, b)| **a == *b);
         {
-            let list = self.list.read().unwrap_or_else(PoisonError::into_inner);
+            let list = read(&self.list);
             if let Some((_, h)) = list.iter().find(|(k, _)| same(k)) {
                 return h.clone();
             }
         }
-        let mut list = self.list.write().unwrap_or_else(PoisonError::into_inner);
+        let mut list = write(&self.list);
         if let Some((_, h)) = list.iter().find(|(k, _)| same(k)) {
             return h.clone();
         }

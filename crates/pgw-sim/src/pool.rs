@@ -2,10 +2,11 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use http::StatusCode;
+use pgw_core::sync::lock;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use tokio::time::Instant;
@@ -346,7 +347,7 @@ impl Inner {
     fn lock(&self) -> MutexGuard<'_, State> {
         // The state stays consistent between statements: a panic elsewhere cannot
         // leave it half-written, so a poisoned lock is still usable.
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+        lock(&self.state)
     }
 
     /// Receives one request on source `idx`: decides its fate and builds the answer.

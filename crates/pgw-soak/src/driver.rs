@@ -7,11 +7,12 @@
 
 use std::error::Error as StdError;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 
 use futures_util::future::BoxFuture;
 use indicatif::ProgressBar;
 use pgw_core::openai::{ChatRequest, ChatResponse};
+use pgw_core::sync::lock;
 use pgw_core::{BoxError, NotAdmitted, classify_error};
 use std::time::Duration;
 use tokio::task::JoinSet;
@@ -204,12 +205,10 @@ where
                 let n = live.done.fetch_add(1, Ordering::Relaxed) + 1;
                 let good = live.ok.fetch_add(u64::from(ok), Ordering::Relaxed) + u64::from(ok);
                 if n % every == 0 {
-                    rss.lock()
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .push(RssSample {
-                            calls_done: n,
-                            rss_kib: crate::rss::current_kib().unwrap_or(0),
-                        });
+                    lock(&rss).push(RssSample {
+                        calls_done: n,
+                        rss_kib: crate::rss::current_kib().unwrap_or(0),
+                    });
                 }
                 if n % 16 == 0 || n == opts.calls {
                     progress.set_position(n);
@@ -223,7 +222,7 @@ where
             };
             loop {
                 if inflight.len() < opts.concurrency as usize {
-                    let next = traffic.lock().unwrap_or_else(PoisonError::into_inner).next();
+                    let next = lock(&traffic).next();
                     if let Some(mut call) = next {
                         // Open loop: hold the call until it arrives, reaping finished calls.
                         if let Some(at) = call.arrival.map(|d| origin + d) {
@@ -250,7 +249,7 @@ where
         });
     }
     while workers.join_next().await.is_some() {}
-    let mut samples = std::mem::take(&mut *rss.lock().unwrap_or_else(PoisonError::into_inner));
+    let mut samples = std::mem::take(&mut *lock(&rss));
     let n = live.done.load(Ordering::Relaxed);
     if samples.last().is_none_or(|s| s.calls_done != n) {
         samples.push(RssSample {

@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use indicatif::ProgressBar;
 use pgw_core::BoxError;
+use pgw_core::sync::lock;
 
 use crate::profiles::ProfileKind;
 use crate::run::{describe, expectations, run_profile_virtual, write_report};
@@ -89,10 +90,7 @@ pub fn run_matrix(scenarios: &[Scenario], opts: &MatrixOptions) -> Result<Vec<Ce
                             Err(e) => eprintln!("{e}"),
                         }
                     }
-                    results
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner)
-                        .push((i, j, r));
+                    lock(&results).push((i, j, r));
                 }
             });
         }

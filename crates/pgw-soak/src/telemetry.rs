@@ -10,8 +10,9 @@ use std::fs;
 use std::io::{BufRead, BufReader, BufWriter, Write};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 
+use pgw_core::sync::lock;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
@@ -256,20 +257,12 @@ impl Recorder {
         {
             self.inner.live.attempts[i].fetch_add(1, Ordering::Relaxed);
         }
-        self.inner
-            .attempts
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(row);
+        lock(&self.inner.attempts).push(row);
     }
 
     /// Records one finished call.
     pub fn call(&self, row: CallRow) {
-        self.inner
-            .calls
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(row);
+        lock(&self.inner.calls).push(row);
     }
 
     /// Attempts so far per source (cache hits excluded), in pool order.
@@ -289,18 +282,8 @@ impl Recorder {
     /// # Errors
     /// Flushing the files failed.
     pub fn finish(&self) -> std::io::Result<(Vec<AttemptRow>, Vec<CallRow>)> {
-        let a = self
-            .inner
-            .attempts
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take()?;
-        let c = self
-            .inner
-            .calls
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take()?;
+        let a = lock(&self.inner.attempts).take()?;
+        let c = lock(&self.inner.calls).take()?;
         Ok((a, c))
     }
 }

@@ -5,13 +5,14 @@
 //! refusals cost nothing and leave no record.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use pgw_client::{AnswerClassifier, ChatAnswer, ChatCall};
 use pgw_core::openai::Usage;
+use pgw_core::sync::lock;
 use pgw_core::{BoxError, CarriesHistory, Classify, InvalidResponse, Outcome, SourceId, UpstreamStatus};
 use tokio::time::Instant;
 use tower_service::Service;
@@ -36,11 +37,11 @@ impl Clone for AdmissionCell {
 
 impl AdmissionCell {
     pub(crate) fn set(&self, at: Duration, window: u64) {
-        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = Some((at, window));
+        *lock(&self.0) = Some((at, window));
     }
 
     fn take(&self) -> Option<(Duration, u64)> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner).take()
+        lock(&self.0).take()
     }
 }
 

@@ -2,11 +2,12 @@
 //! identical concurrent misses, how long each answer is kept, and a hit as an answer.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use pgw_client::{ChatAnswer, ChatCall};
 use pgw_core::openai::ChatChunk;
+use pgw_core::sync::lock;
 use tokio::sync::watch;
 use tokio::time::Instant;
 use tower_retry_pushback::Progress;
@@ -81,7 +82,7 @@ impl Flight {
 
 impl Drop for Flight {
     fn drop(&mut self) {
-        let mut map = self.flights.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut map = lock(&self.flights);
         if map
             .get(&self.key)
             .is_some_and(|rx| rx.same_channel(&self.tx.subscribe()))
@@ -133,7 +134,7 @@ impl CacheFlow {
             return Lookup::Hit(hit);
         }
         let mut rx = {
-            let mut map = self.flights.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut map = lock(&self.flights);
             match map.get(&key) {
                 // Nothing answered lately: go upstream unled, and lead nobody.
                 Some(_) if !follow.worth_it() => return Lookup::Miss(None),

@@ -6,10 +6,11 @@ use std::fmt;
 use std::fs::{File, OpenOptions};
 use std::io::{self, LineWriter, Write};
 use std::path::Path;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 
 use metrics::Counter;
 use pgw_core::openai::Usage;
+use pgw_core::sync::lock;
 use pgw_core::{MetricHandles, SourceId};
 use serde::Serialize;
 
@@ -81,25 +82,19 @@ impl MemorySink {
     /// A copy of every record so far.
     #[must_use]
     pub fn records(&self) -> Vec<AttemptTelemetry> {
-        self.records
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
+        lock(&self.records).clone()
     }
 
     /// Takes every record so far.
     #[must_use]
     pub fn drain(&self) -> Vec<AttemptTelemetry> {
-        std::mem::take(&mut *self.records.lock().unwrap_or_else(PoisonError::into_inner))
+        std::mem::take(&mut *lock(&self.records))
     }
 }
 
 impl TelemetrySink for MemorySink {
     fn record(&self, record: &AttemptTelemetry) {
-        self.records
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(record.clone());
+        lock(&self.records).push(record.clone());
     }
 }
 
@@ -132,7 +127,7 @@ impl TelemetrySink for JsonlSink {
         let Ok(line) = serde_json::to_string(record) else {
             return;
         };
-        let mut out = self.out.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut out = lock(&self.out);
         if let Err(e) = writeln!(out, "{line}") {
             tracing::warn!(error = %e, "telemetry: cannot write the jsonl file");
         }

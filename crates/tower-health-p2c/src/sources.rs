@@ -2,12 +2,13 @@
 
 use std::fmt;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError, RwLock, TryLockError};
+use std::sync::{Arc, Mutex, RwLock, TryLockError};
 use std::task::{Context, Poll};
 
 use std::time::Duration;
 
 use pgw_core::SourceId;
+use pgw_core::sync::{read, write};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 use tower_service::Service;
@@ -481,7 +482,7 @@ impl<S> Sources<S> {
         // Read the version first: a change racing with us bumps it again after
         // swapping, so the next call refreshes.
         let version = self.inner.version.load(Ordering::Acquire);
-        let snap = Arc::clone(&self.inner.current.read().unwrap_or_else(PoisonError::into_inner));
+        let snap = Arc::clone(&read(&self.inner.current));
         (snap, version)
     }
 
@@ -538,7 +539,7 @@ impl<S> Sources<S> {
 
 impl<S: Clone> Sources<S> {
     fn update(&self, f: impl FnOnce(&mut Vec<Entry<S>>) -> bool) -> bool {
-        let mut guard = self.inner.current.write().unwrap_or_else(PoisonError::into_inner);
+        let mut guard = write(&self.inner.current);
         let mut entries: Vec<Entry<S>> = guard
             .entries
             .iter()

@@ -5,9 +5,10 @@
 //! only touched when configured; the lock is held for a handful of additions and never
 //! across an `.await`.
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use pgw_core::sync::lock;
 use tokio::time::Instant;
 
 use crate::config::{RetryBudgetConfig, ThrottleConfig};
@@ -47,7 +48,7 @@ impl Window {
     fn update<T>(&self, now: Instant, f: impl FnOnce(u64, u64) -> (u64, u64, T)) -> T {
         let since = u64::try_from(now.saturating_duration_since(self.base).as_nanos()).unwrap_or(u64::MAX);
         let id = since / self.width_ns + 1;
-        let mut buckets = self.buckets.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut buckets = lock(&self.buckets);
         let (mut a, mut b) = (0, 0);
         for bucket in buckets.iter() {
             if bucket.id != 0 && bucket.id + BUCKETS > id {

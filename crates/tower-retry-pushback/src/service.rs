@@ -2,10 +2,11 @@
 
 use std::fmt;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use pgw_core::sync::lock;
 use pgw_core::{BoxError, CallHistory, CarriesHistory, Classify, Hold, OkIsSuccess, Recording};
 use rand::Rng;
 use rand::rngs::SmallRng;
@@ -75,7 +76,7 @@ impl<C, R> Shared<C, R> {
 
     fn rng(&self) -> std::sync::MutexGuard<'_, SmallRng> {
         // Held for one draw; a poisoned RNG is still a valid RNG.
-        self.rng.lock().unwrap_or_else(PoisonError::into_inner)
+        lock(&self.rng)
     }
 
     /// Adaptive throttling: counts the attempt and decides whether it may go.

@@ -7,7 +7,7 @@ use std::fmt;
 use std::hash::{Hash, Hasher};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicI64, AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 
 use futures_util::future::BoxFuture;
@@ -16,18 +16,13 @@ use pgw_client::{
     WatchdogCut,
 };
 use pgw_core::openai::ChatResponse;
+use pgw_core::sync::lock;
 use pgw_core::{BoxError, Classify};
 use tower::Service;
 
 use crate::driver::{Client, SoakCall};
 use crate::scenario::Scenario;
 use crate::telemetry::{Accounting, AttemptRow, Recorder};
-
-/// Locks, ignoring poison: every critical section of the profiles is a few
-/// assignments, so the state stays valid if a panic unwound through a holder.
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
 
 pub mod naive;
 pub mod oracle;

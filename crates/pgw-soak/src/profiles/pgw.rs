@@ -10,11 +10,12 @@
 //! process-local health and AIMD state is then shared too).
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use pgw_core::BoxError;
+use pgw_core::sync::lock;
 use pgw_stack::config::{GatewayConfig, SourceConfig};
 use pgw_stack::ratelimit::ScopeHeld;
 use pgw_stack::{AttemptTelemetry, Gateway, JsonValidator, SecretKey, TelemetrySink, Validator};
@@ -72,13 +73,7 @@ impl Sink {
 
 impl TelemetrySink for Sink {
     fn record(&self, r: &AttemptTelemetry) {
-        let (worker, estimate) = self
-            .meta
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(&r.call_id)
-            .copied()
-            .unwrap_or((0, 0));
+        let (worker, estimate) = lock(&self.meta).get(&r.call_id).copied().unwrap_or((0, 0));
         let admitted_ms = self.admitted_ms(r);
         let tokens = match (r.prompt_tokens, r.completion_tokens) {
             (Some(p), Some(c)) => p + c,
@@ -119,10 +114,7 @@ impl Client for PgwClient {
                 serde_json::Map<String, serde_json::Value>,
             >::new()));
         }
-        self.meta
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(call.id, (self.worker, chat.estimate_tokens()));
+        lock(&self.meta).insert(call.id, (self.worker, chat.estimate_tokens()));
         let gateway = self.gateway.clone();
         let meta = Arc::clone(&self.meta);
         Box::pin(async move {
@@ -133,9 +125,7 @@ impl Client for PgwClient {
             } else {
                 gateway.oneshot(chat).await.map(|a| a.answer.response.into())
             };
-            meta.lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .remove(&call.id);
+            lock(&meta).remove(&call.id);
             result
         })
     }

@@ -4,8 +4,9 @@ use std::collections::HashMap;
 use std::fmt;
 use std::future::{Ready, ready};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard};
 
+use pgw_core::sync::lock;
 use pgw_core::{BoxError, BreakerVerdict, SourceId};
 use tokio::time::Instant;
 
@@ -49,13 +50,7 @@ impl Backend for MemoryBackend {
     type Gate = MemoryGate;
 
     fn gate(&self, source: &SourceId, config: &BreakerConfig) -> MemoryGate {
-        let state = self
-            .sources
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .entry(source.clone())
-            .or_default()
-            .clone();
+        let state = lock(&self.sources).entry(source.clone()).or_default().clone();
         MemoryGate(Arc::new(Inner {
             state,
             params: Params::of(config),
@@ -100,7 +95,7 @@ impl MemoryGate {
     fn lock(&self) -> MutexGuard<'_, GateState> {
         // Held for a few arithmetic operations, never across an await; a poisoned lock
         // can only come from a panic in that arithmetic and the state is still valid.
-        self.0.state.state.lock().unwrap_or_else(PoisonError::into_inner)
+        lock(&self.0.state.state)
     }
 
     fn publish(&self, g: &GateState) {

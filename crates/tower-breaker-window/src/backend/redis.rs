@@ -12,11 +12,12 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, LazyLock, PoisonError};
+use std::sync::{Arc, LazyLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use pgw_core::redis_conn::{DEFAULT_RESPONSE_TIMEOUT, RedisConn, run, scope_key};
+use pgw_core::sync::lock;
 use pgw_core::{BoxError, BreakerVerdict, SourceId};
 use redis::Script;
 use tokio::sync::watch;
@@ -210,9 +211,9 @@ impl Inner {
         if !self.defer_successes || ticket.is_probe() || verdict == BreakerVerdict::Ignore {
             return Some(0);
         }
-        let mut deferred = self.deferred.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut deferred = lock(&self.deferred);
         if verdict == BreakerVerdict::Success {
-            let known = *self.known.lock().unwrap_or_else(PoisonError::into_inner);
+            let known = *lock(&self.known);
             let in_view =
                 matches!(known, Known::Closed(until, e) if e == ticket.epoch() && Instant::now() < until);
             if in_view
@@ -241,7 +242,7 @@ impl Inner {
         if self.closed_view.is_zero() {
             return;
         }
-        let mut known = self.known.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut known = lock(&self.known);
         if self.opens.load(Ordering::Acquire) != opens {
             return;
         }
@@ -307,7 +308,7 @@ impl RedisGate {
     /// yet (see [`RedisBackend::with_deferred_successes`]).
     #[must_use]
     pub fn deferred_successes(&self) -> u32 {
-        self.0.deferred.lock().unwrap_or_else(PoisonError::into_inner).n
+        lock(&self.0.deferred).n
     }
 
     /// One admission's round trip, and what it teaches this process's view.
@@ -329,7 +330,7 @@ impl RedisGate {
             Admission::Admitted(Ticket::new(epoch, probe))
         } else {
             let retry_after = Duration::from_millis(non_negative(retry_ms));
-            let mut known = inner.known.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut known = lock(&inner.known);
             *known = if open == 1 {
                 let until = sent + retry_after;
                 Known::Open(match *known {
@@ -374,7 +375,7 @@ impl RedisGate {
                     // This process's probe is over (closed, reopened, or released
                     // without a verdict): the next admission asks, and learns what
                     // it left.
-                    let mut known = inner.known.lock().unwrap_or_else(PoisonError::into_inner);
+                    let mut known = lock(&inner.known);
                     if matches!(*known, Known::ProbeOut(_)) {
                         *known = Known::Nothing;
                     }
@@ -382,7 +383,7 @@ impl RedisGate {
                 if matches!(effect, Effect::Opened | Effect::Stale) {
                     // Opened by this process, or by another since this ticket (its epoch
                     // is over): the next admission asks, and learns until when.
-                    let mut known = inner.known.lock().unwrap_or_else(PoisonError::into_inner);
+                    let mut known = lock(&inner.known);
                     inner.opens.fetch_add(1, Ordering::AcqRel);
                     *known = Known::Nothing;
                 } else if effect == Effect::Counted && !ticket.is_probe() {
@@ -412,7 +413,7 @@ impl Gate for RedisGate {
     fn admit(&self) -> Self::Admit {
         let sent = Instant::now();
         let opens = self.0.opens.load(Ordering::Acquire);
-        let known = *self.0.known.lock().unwrap_or_else(PoisonError::into_inner);
+        let known = *lock(&self.0.known);
         match known {
             Known::Open(until) | Known::ProbeOut(until) if sent < until => {
                 return Box::pin(std::future::ready(Ok(Admission::Refused {
@@ -429,7 +430,7 @@ impl Gate for RedisGate {
             // No view: every admission asks.
             return Box::pin(async move { Self::ask(&inner, sent, opens).await });
         }
-        let mut flight = inner.flight.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut flight = lock(&inner.flight);
         if let Some(f) = flight.as_ref()
             && f.opens == opens
             && f.answer.has_changed().is_ok()
@@ -465,7 +466,7 @@ impl Gate for RedisGate {
             if let Ok(a) = &answer {
                 tx.send_replace(Some(*a));
             }
-            let mut flight = inner.flight.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut flight = lock(&inner.flight);
             if flight.as_ref().is_some_and(|f| f.answer.same_channel(&mine)) {
                 *flight = None;
             }

@@ -4,10 +4,11 @@ use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
+use pgw_core::sync::lock;
 use pgw_core::{BackendUnavailable, QuotaExceeded};
 use tokio::time::{Instant, Sleep};
 
@@ -160,12 +161,6 @@ impl Drop for Waiter {
             w.wake();
         }
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Never held across an await or user code; the state stays valid if a panic
-    // unwound through a holder.
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl MemoryBackend {

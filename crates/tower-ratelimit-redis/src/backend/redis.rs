@@ -37,10 +37,11 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
-use std::sync::{Arc, LazyLock, Mutex, PoisonError};
+use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
 use pgw_core::redis_conn::{RedisConn, RedisTarget, run};
+use pgw_core::sync::lock;
 use pgw_core::{BackendUnavailable, QuotaExceeded};
 use redis::Script;
 use tokio::time::Instant;
@@ -129,17 +130,17 @@ impl HoldBook {
     }
 
     fn end_of(&self, key: &str) -> Arc<AtomicI64> {
-        let mut ends = self.ends.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut ends = lock(&self.ends);
         ends.entry(key.to_owned()).or_default().clone()
     }
 
     fn memo_of(&self, key: &str) -> Arc<ScopeMemo> {
-        let mut memos = self.memos.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut memos = lock(&self.memos);
         memos.entry(key.to_owned()).or_default().clone()
     }
 
     fn releases_of(&self, key: &str) -> Arc<AtomicU64> {
-        let mut releases = self.releases.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut releases = lock(&self.releases);
         releases.entry(key.to_owned()).or_default().clone()
     }
 
@@ -395,7 +396,7 @@ impl GateKeys {
         if wait <= 0 || memo.refunds.load(Ordering::Acquire) != before {
             return;
         }
-        let mut known = memo.refused.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut known = lock(&memo.refused);
         // Checked again under the lock a refund takes.
         if memo.refunds.load(Ordering::Acquire) == before {
             *known = Some(Refusal {
@@ -670,7 +671,7 @@ impl RedisGate {
         // longest wait wins, as in the script.
         let mut worst: Option<(usize, Refusal)> = None;
         for (i, memo) in k.memos.iter().enumerate() {
-            let known = *memo.refused.lock().unwrap_or_else(PoisonError::into_inner);
+            let known = *lock(&memo.refused);
             if let Some(r) = known.filter(|r| r.holds(k, i, sent, tokens))
                 && worst.is_none_or(|(_, w)| r.until_ms > w.until_ms)
             {
@@ -792,7 +793,7 @@ impl Gate for RedisGate {
             // Something given back: a remembered refusal of its scopes may no longer
             // hold, nor one answered before this settle lands.
             for memo in &k.memos {
-                let mut known = memo.refused.lock().unwrap_or_else(PoisonError::into_inner);
+                let mut known = lock(&memo.refused);
                 memo.refunds.fetch_add(1, Ordering::AcqRel);
                 *known = None;
             }

@@ -14,9 +14,10 @@
 //! decides exactly as before.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Mutex, MutexGuard};
 
 use super::sliding::{Count, Sliding};
+use pgw_core::sync::lock;
 
 /// Bits of a word's total: a total beyond them is never published (the locked path
 /// decides), far past any count one window holds.
@@ -73,7 +74,7 @@ impl Window {
     pub(crate) fn lock(&self) -> Guard<'_> {
         // Never held across an await or user code; the state stays valid if a panic
         // unwound through a holder.
-        let mut locked = self.locked.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut locked = lock(&self.locked);
         let mut taken = [0u64; 2];
         for (i, word) in self.words.iter().enumerate() {
             let w = word.swap(CLOSED, Ordering::AcqRel);
