@@ -8,7 +8,6 @@ use std::task::{Context, Poll, ready};
 
 use futures_core::Stream;
 use pgw_core::openai::{ChatChunk, ChunkAccumulator};
-use pgw_core::sync::lock;
 use pgw_core::{BoxError, Settle};
 
 use crate::{AttemptStats, ChatAnswer, ChunkStream};
@@ -74,7 +73,7 @@ impl Tail {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Option<Running>> {
-        lock(&self.running)
+        pgw_core::sync::lock(&self.running)
     }
 
     /// Leaves `then` to run with the final result when the stream ends. Once the

@@ -24,7 +24,6 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::time::Instant;
 
-use crate::sync::lock;
 use crate::{Outcome, SourceId};
 
 /// One attempt of a call.
@@ -118,7 +117,7 @@ impl CallHistory {
         // The lock is never held across an await or a user callback; a poisoned lock can
         // only come from a panic inside one of these short methods, and the data is
         // still a valid list.
-        lock(&self.inner.list)
+        crate::sync::lock(&self.inner.list)
     }
 
     /// Numbers one attempt as it is sent: 1, 2, ... in the order they are sent,

@@ -32,7 +32,7 @@ pub struct MetricHandles<H, const N: usize> {
 
 impl<H, const N: usize> std::fmt::Debug for MetricHandles<H, N> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let len = self.list.read().map_or(0, |l| l.len());
+        let len = read(&self.list).len();
         f.debug_struct("MetricHandles").field("series", &len).finish()
     }
 }

@@ -196,8 +196,10 @@ static ROUND_TRIPS: AtomicU64 = AtomicU64::new(0);
 /// How many requests this process has sent to Redis through any [`RedisConn`] since it
 /// started: one per command and one per pipeline (a script's `EVALSHA` is one, however
 /// many commands the script runs on the server; a script the server did not know yet
-/// costs the `SCRIPT LOAD` and the second `EVALSHA` too). Commands sent while a
-/// connection reconnects on its own are not counted.
+/// costs the `SCRIPT LOAD` and the second `EVALSHA` too). It counts requests as they are
+/// handed to the connection, one that then fails included; what the client does on its
+/// own (a cluster's redirects and retries, a reconnect's handshake) is not counted, and a
+/// cluster pipeline spanning several nodes counts once.
 ///
 /// A process-wide counter, for measuring what a workload costs in round trips: read it
 /// before and after.

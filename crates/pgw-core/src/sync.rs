@@ -1,11 +1,12 @@
 //! Locks that survive a panic: the workspace's one rule for a poisoned lock.
 //!
-//! Every lock in the workspace guards state that stays valid between statements (a
+//! Every lock taken through these guards state that stays valid between statements (a
 //! few assignments, a push, a map entry), is never held across an `.await` or a call
 //! into user code, and so cannot be left half-written by a panic that unwound through
 //! a holder. A poisoned lock is then still usable, and refusing it would turn one
 //! panicking caller into a failure of every later one. These take the guard either
-//! way.
+//! way. A lock held across user code decides for itself (the balancer's `live`
+//! service, replaced when poisoned, does).
 //!
 //! ```
 //! use std::sync::{Mutex, RwLock};

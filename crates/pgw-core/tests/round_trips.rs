@@ -7,10 +7,20 @@ use pgw_core::redis_conn::{DEFAULT_RESPONSE_TIMEOUT, RedisConn, RedisTarget, rou
 
 #[tokio::test]
 async fn each_command_pipeline_and_known_script_is_one_round_trip() {
-    let Some(url) = pgw_test_support::redis_url() else {
-        return;
-    };
-    let mut conn = RedisConn::connect(&RedisTarget::Standalone(url)).await.unwrap();
+    let mut targets = Vec::new();
+    if let Some(url) = pgw_test_support::redis_url() {
+        targets.push(RedisTarget::Standalone(url));
+    }
+    if let Some(nodes) = pgw_test_support::redis_cluster_nodes() {
+        targets.push(RedisTarget::Cluster(nodes));
+    }
+    for target in targets {
+        counts_one_per_request(&target).await;
+    }
+}
+
+async fn counts_one_per_request(target: &RedisTarget) {
+    let mut conn = RedisConn::connect(target).await.unwrap();
     let key = format!("{}k", pgw_test_support::unique_prefix("round-trips"));
     let script = redis::Script::new("return redis.call('INCR', KEYS[1]) + redis.call('INCR', KEYS[1])");
     // Once so the server knows the script (its first call may also load it).
@@ -30,7 +40,7 @@ async fn each_command_pipeline_and_known_script_is_one_round_trip() {
     )
     .await
     .unwrap();
-    assert_eq!(round_trips() - before, 1, "a command");
+    assert_eq!(round_trips() - before, 1, "a command ({target})");
 
     let mut pipe = redis::pipe();
     pipe.cmd("SET")
@@ -44,7 +54,7 @@ async fn each_command_pipeline_and_known_script_is_one_round_trip() {
     let () = run("test", DEFAULT_RESPONSE_TIMEOUT, pipe.query_async(&mut conn))
         .await
         .unwrap();
-    assert_eq!(round_trips() - before, 2, "a pipeline of two commands");
+    assert_eq!(round_trips() - before, 2, "a pipeline of two commands ({target})");
 
     let n: i64 = run(
         "test",

@@ -6,7 +6,6 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use http::StatusCode;
-use pgw_core::sync::lock;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use tokio::time::Instant;
@@ -347,7 +346,7 @@ impl Inner {
     fn lock(&self) -> MutexGuard<'_, State> {
         // The state stays consistent between statements: a panic elsewhere cannot
         // leave it half-written, so a poisoned lock is still usable.
-        lock(&self.state)
+        pgw_core::sync::lock(&self.state)
     }
 
     /// Receives one request on source `idx`: decides its fate and builds the answer.

@@ -218,6 +218,9 @@ pub fn run_redis(scenario: &Scenario, opts: &RedisOptions) -> Result<RunOutcome,
     rt.block_on(async { tokio::time::sleep(settle).await });
     let after = rt.block_on(crate::commands::read(&opts.redis_url))?;
     let mut commands = RedisCommands::between(&before, &after, scenario.calls);
+    // Stored now, so a merge that fails below does not lose the server's counts, and
+    // again with the round trips once merged.
+    fs::write(dir.join(COMMANDS_FILE), serde_json::to_vec_pretty(&commands)?)?;
     let stats = pool.stats();
     rt.block_on(server.shutdown());
     drop(rt);

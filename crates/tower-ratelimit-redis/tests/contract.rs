@@ -222,6 +222,9 @@ async fn overrun_charged_where_it_lands(h: Harness) {
 /// timed on this process's clock, which may wake a millisecond short of the server's
 /// edge: then the refusal says so (a millisecond or two, asserted), and a next try, at
 /// most three, is admitted. Answers the permit and the instant its admission was asked.
+/// Stricter than [`admitted_after_waits`], which accepts a refusal of any length (a
+/// window's charges leaving the span one by one): here the edge is known, and only the
+/// two clocks' rounding may separate it from the wait.
 async fn admitted_past_edge(
     l: &tower_ratelimit_redis::RateLimiter,
     retry_after: Duration,

@@ -17,7 +17,6 @@
 //!
 //! Profile-local code on purpose: it is the baseline, not library code.
 
-use super::lock;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -25,6 +24,7 @@ use std::time::Duration;
 use futures_util::future::BoxFuture;
 use pgw_client::{AnswerClassifier, BoxTransport, ChatAnswer, UpstreamClient};
 use pgw_core::openai::ChatResponse;
+use pgw_core::sync::lock;
 use pgw_core::{BoxError, Classify, Outcome};
 use tokio::time::Instant;
 

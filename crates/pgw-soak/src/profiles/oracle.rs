@@ -35,7 +35,6 @@
 //!
 //! It is a measuring stick, not a design: it reads what no real client can.
 
-use super::lock;
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -43,6 +42,7 @@ use std::time::Duration;
 use futures_util::future::BoxFuture;
 use pgw_client::{AnswerClassifier, BoxTransport, ChatAnswer, UpstreamClient};
 use pgw_core::openai::ChatResponse;
+use pgw_core::sync::lock;
 use pgw_core::{BoxError, Classify, Outcome};
 use pgw_sim::config::HardLimits;
 use pgw_sim::{LogNormal, PoolConfig, RateLimitCurve, SourceConfig};

@@ -95,7 +95,7 @@ impl MemoryGate {
     fn lock(&self) -> MutexGuard<'_, GateState> {
         // Held for a few arithmetic operations, never across an await; a poisoned lock
         // can only come from a panic in that arithmetic and the state is still valid.
-        lock(&self.0.state.state)
+        pgw_core::sync::lock(&self.0.state.state)
     }
 
     fn publish(&self, g: &GateState) {

@@ -17,7 +17,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use super::sliding::{Count, Sliding};
-use pgw_core::sync::lock;
 
 /// Bits of a word's total: a total beyond them is never published (the locked path
 /// decides), far past any count one window holds.
@@ -74,7 +73,7 @@ impl Window {
     pub(crate) fn lock(&self) -> Guard<'_> {
         // Never held across an await or user code; the state stays valid if a panic
         // unwound through a holder.
-        let mut locked = lock(&self.locked);
+        let mut locked = pgw_core::sync::lock(&self.locked);
         let mut taken = [0u64; 2];
         for (i, word) in self.words.iter().enumerate() {
             let w = word.swap(CLOSED, Ordering::AcqRel);
