@@ -288,34 +288,6 @@ mod tests {
         assert_eq!(scope_key("pgw:brk", "s1"), "pgw:brk:{s1}:");
     }
 
-    /// A Lua script round-trips through the standalone test server and the cluster.
-    #[tokio::test]
-    async fn lua_roundtrip_standalone_and_cluster() {
-        let script = redis::Script::new(
-            "local t = redis.call('TIME'); redis.call('SET', KEYS[1], ARGV[1], 'EX', 60); return {redis.call('GET', KEYS[1]), t[1]}",
-        );
-        let mut targets = Vec::new();
-        if let Some(url) = pgw_test_support::redis_url() {
-            targets.push(RedisTarget::Standalone(url));
-        }
-        if let Some(nodes) = pgw_test_support::redis_cluster_nodes() {
-            targets.push(RedisTarget::Cluster(nodes));
-        }
-        for target in targets {
-            let mut conn = RedisConn::connect(&target).await.unwrap();
-            let key = format!("{}x", scope_key(&pgw_test_support::unique_prefix("lua"), "s1"));
-            let (v, t): (String, u64) = run(
-                "test",
-                DEFAULT_RESPONSE_TIMEOUT,
-                script.key(&key).arg("hello").invoke_async(&mut conn),
-            )
-            .await
-            .unwrap();
-            assert_eq!(v, "hello", "{target}");
-            assert!(t > 1_700_000_000, "server TIME looks wrong: {t}");
-        }
-    }
-
     #[tokio::test]
     async fn unreachable_server_is_a_clear_error() {
         let target = RedisTarget::Standalone("redis://127.0.0.1:1".into());

@@ -1,12 +1,13 @@
-//! `round_trips` counts what this process sends through a `RedisConn`: one per command,
-//! one per pipeline, one per script call the server already knows. Its own test binary:
-//! the counter is process-wide, and no other test may send while this one counts.
+//! `RedisConn` against the standalone test server and the 3-node cluster: a Lua script
+//! round-trips, and `round_trips` counts what this process sends (one per command, one
+//! per pipeline, one per script call the server already knows). One test in a binary of
+//! its own: the counter is process-wide, and nothing else may send while it counts.
 #![cfg(feature = "redis")]
 
-use pgw_core::redis_conn::{DEFAULT_RESPONSE_TIMEOUT, RedisConn, RedisTarget, round_trips, run};
+use pgw_core::redis_conn::{DEFAULT_RESPONSE_TIMEOUT, RedisConn, RedisTarget, round_trips, run, scope_key};
 
 #[tokio::test]
-async fn each_command_pipeline_and_known_script_is_one_round_trip() {
+async fn scripts_run_and_each_request_is_one_round_trip_standalone_and_cluster() {
     let mut targets = Vec::new();
     if let Some(url) = pgw_test_support::redis_url() {
         targets.push(RedisTarget::Standalone(url));
@@ -15,8 +16,27 @@ async fn each_command_pipeline_and_known_script_is_one_round_trip() {
         targets.push(RedisTarget::Cluster(nodes));
     }
     for target in targets {
+        lua_roundtrip(&target).await;
         counts_one_per_request(&target).await;
     }
+}
+
+/// A Lua script reads the server clock and a key it wrote, in the key's slot.
+async fn lua_roundtrip(target: &RedisTarget) {
+    let script = redis::Script::new(
+        "local t = redis.call('TIME'); redis.call('SET', KEYS[1], ARGV[1], 'EX', 60); return {redis.call('GET', KEYS[1]), t[1]}",
+    );
+    let mut conn = RedisConn::connect(target).await.unwrap();
+    let key = format!("{}x", scope_key(&pgw_test_support::unique_prefix("lua"), "s1"));
+    let (v, t): (String, u64) = run(
+        "test",
+        DEFAULT_RESPONSE_TIMEOUT,
+        script.key(&key).arg("hello").invoke_async(&mut conn),
+    )
+    .await
+    .unwrap();
+    assert_eq!(v, "hello", "{target}");
+    assert!(t > 1_700_000_000, "server TIME looks wrong: {t}");
 }
 
 async fn counts_one_per_request(target: &RedisTarget) {
