@@ -652,3 +652,134 @@ async fn healthz_and_readyz() {
     }
     h.stopped().await.unwrap();
 }
+
+#[tokio::test(start_paused = true)]
+async fn past_the_connection_cap_liveness_answers_and_readiness_refuses() {
+    let h = start("max_connections = 1\n", vec![slow("s1", 30.0)]).await;
+    let in_flight = streamed_calls(h.addr, 1);
+    while upstream_requests(&h) < 1 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The only connection is taken: the process is up (an orchestrator must not
+    // restart it) but full (a balancer must not send more).
+    let (status, _, body) = call(h.addr, request("GET", "/healthz"), Bytes::new()).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let (status, _, body) = call(h.addr, request("GET", "/readyz"), Bytes::new()).await;
+    assert_eq!(status, 503);
+    openai_error(&body, "overloaded");
+    for c in in_flight {
+        assert_eq!(c.await.unwrap().0, 200);
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_tenant_is_refunded_for_calls_that_reached_no_provider() {
+    let keys = key_toml("refunded", CLIENT_KEY, "rpm = 1\n");
+    // With `[models]`, a model no route serves is the gateway's own 404: no source asked.
+    let h = start_with(
+        "[models.m]\nroutes = [{ source = \"s1\" }]\n",
+        &keys,
+        vec![fast("s1")],
+    )
+    .await;
+    for stream in [false, true] {
+        let (status, _, body) = call(h.addr, chat(Some(CLIENT_KEY)), chat_body("nope", stream)).await;
+        assert_eq!(status, 404, "stream {stream}");
+        openai_error(&body, "model_not_found");
+    }
+    assert_eq!(upstream_requests(&h), 0);
+    // Both refusals were given back: the one request of the minute is still there.
+    let (status, _, body) = call(h.addr, chat(Some(CLIENT_KEY)), chat_body("m", false)).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    // And the quota holds: a call that reached the provider stays charged.
+    let (status, _, body) = call(h.addr, chat(Some(CLIENT_KEY)), chat_body("m", false)).await;
+    assert_eq!(status, 429);
+    let v = openai_error(&body, "rate_limit_exceeded");
+    assert_eq!(
+        v["error"]["message"], "quota exceeded",
+        "the tenant's own refusal"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_tenant_keeps_its_concurrency_slot_for_a_call_longer_than_the_lease() {
+    let keys = key_toml("long-calls", CLIENT_KEY, "max_concurrency = 1\n");
+    // Leases of 3 s, renewed every second while the call runs; the call takes 30 s.
+    let h = start_with("[ratelimit]\nlease_ttl_s = 3\n", &keys, vec![slow("s1", 30.0)]).await;
+    let addr = h.addr;
+    let first = tokio::spawn(async move { call(addr, chat(Some(CLIENT_KEY)), chat_body("m", true)).await });
+    while upstream_requests(&h) < 1 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let (status, _, body) = call(h.addr, chat(Some(CLIENT_KEY)), chat_body("m", false)).await;
+    assert_eq!(
+        status,
+        429,
+        "the slot is still held: {}",
+        String::from_utf8_lossy(&body)
+    );
+    openai_error(&body, "rate_limit_exceeded");
+    let (status, _, body) = first.await.unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(events(&body).last().map(String::as_str), Some("[DONE]"));
+    let (status, _, _) = call(h.addr, chat(Some(CLIENT_KEY)), chat_body("m", false)).await;
+    assert_eq!(status, 200, "released at the end");
+}
+
+#[tokio::test(start_paused = true)]
+async fn metrics_stay_bounded_and_count_streamed_usage_and_cancelled_calls() {
+    let h = start_with(
+        "[models.usage-probe]\nroutes = [{ source = \"s1\" }]\n[models.cancel-probe]\nroutes = [{ source = \"s2\" }]\n",
+        "",
+        vec![fast("s1"), slow("s2", 30.0)],
+    )
+    .await;
+    // A method hyper accepts but HTTP does not define: one `_OTHER` series, whatever
+    // the name.
+    for m in ["BREW", "WHEN"] {
+        let (status, _, _) = call(h.addr, request(m, "/v1/models"), Bytes::new()).await;
+        assert_eq!(status, 405, "{m}");
+    }
+    // A stream whose caller did not ask for the usage chunk: the usage still counts.
+    let (status, _, body) = call(h.addr, chat(None), chat_body("usage-probe", true)).await;
+    assert_eq!(status, 200);
+    let ev = events(&body);
+    assert!(!ev.iter().any(|e| e.contains("\"usage\"")), "{ev:?}");
+    // A call whose client goes away before the answer.
+    let addr = h.addr;
+    let gone = tokio::spawn(async move { call(addr, chat(None), chat_body("cancel-probe", false)).await });
+    while h.pool.stats().sources.get("s2").map_or(0, |s| s.received) < 1 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    gone.abort();
+    let _ = gone.await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    let (_, _, text) = call(h.addr, request("GET", "/metrics"), Bytes::new()).await;
+    let text = String::from_utf8(text.to_vec()).unwrap();
+    assert!(!text.contains("BREW") && !text.contains("WHEN"), "{text}");
+    assert!(text.contains("http_request_method=\"_OTHER\""), "{text}");
+    let usage = [
+        ("gen_ai_token_type", "output"),
+        ("gen_ai_request_model", "usage-probe"),
+    ];
+    assert_eq!(
+        metric(&text, "gen_ai_client_token_usage_count", &usage),
+        1.0,
+        "{text}"
+    );
+    let cancelled = [
+        ("gen_ai_request_model", "cancel-probe"),
+        ("error_type", "cancelled"),
+    ];
+    assert_eq!(
+        metric(
+            &text,
+            "gen_ai_client_operation_duration_seconds_count",
+            &cancelled
+        ),
+        1.0,
+        "{text}"
+    );
+}

@@ -15,7 +15,7 @@ use pgw_core::redis_conn::RedisTarget;
 use pgw_stack::{BackendKind, GatewayConfig};
 use sha2::{Digest, Sha256};
 use tower_ratelimit_redis::{
-    Backend, MemoryBackend, Permit, Quota, RateLimitConfig, RateLimiter, RedisBackend,
+    Backend, MemoryBackend, Permit, Quota, RateLimitConfig, RateLimiter, RedisBackend, Renewal,
 };
 
 use crate::config::KeyConfig;
@@ -74,11 +74,50 @@ impl Tenant {
     ///
     /// # Errors
     /// `QuotaExceeded`, `RequestTooLarge` or `BackendUnavailable` from the limiter.
-    pub async fn admit(&self, request: &ChatRequest) -> Result<Option<Permit>, BoxError> {
+    pub async fn admit(&self, request: &ChatRequest) -> Result<Option<TenantPermit>, BoxError> {
         match &self.limiter {
             None => Ok(None),
-            Some(l) => l.acquire(request.estimate_tokens()).await.map(Some),
+            Some(l) => {
+                let permit = l.acquire(request.estimate_tokens()).await?;
+                Ok(Some(TenantPermit {
+                    renewal: permit.renewal(),
+                    permit,
+                }))
+            }
         }
+    }
+}
+
+/// A tenant's admission of one call: its permit, whose concurrency lease is renewed
+/// while the call runs (a stream longer than `ratelimit.lease_ttl_s` keeps its slot).
+/// Dropped unfinished (the client went away), the lease is released and the request
+/// and its tokens stay charged.
+#[derive(Debug)]
+pub struct TenantPermit {
+    permit: Permit,
+    renewal: Renewal,
+}
+
+impl TenantPermit {
+    /// The call is done and used `used_tokens` (when the provider said): the token
+    /// reservation is reconciled, the lease released.
+    pub async fn finish(self, used_tokens: Option<u64>) {
+        drop(self.renewal);
+        // A backend failure is logged and counted by the limiter; the lease expires.
+        let _ = self.permit.finish(used_tokens).await;
+    }
+
+    /// The call failed with `e`: given back to the tenant's quota (the request and
+    /// its tokens) when it reached no provider (open circuits, full pool quotas, an
+    /// unknown model: a client retrying those must not spend its own quota on them),
+    /// else kept as for a call that ran.
+    pub async fn failed(self, e: &BoxError) {
+        drop(self.renewal);
+        let _ = if crate::error::reached_a_provider(e) {
+            self.permit.finish(None).await
+        } else {
+            self.permit.refund().await
+        };
     }
 }
 
@@ -128,6 +167,10 @@ impl KeyRing {
             .ratelimit
             .window_s
             .map_or(tower_ratelimit_redis::DEFAULT_WINDOW, Duration::from_secs_f64);
+        let lease_ttl = gateway
+            .ratelimit
+            .lease_ttl_s
+            .map_or(tower_ratelimit_redis::DEFAULT_LEASE_TTL, Duration::from_secs_f64);
         let mut by_hash = HashMap::new();
         for k in keys {
             let nonzero = |v: Option<u64>| v.filter(|&v| v > 0);
@@ -140,7 +183,8 @@ impl KeyRing {
                 Some(b) if quota != Quota::unlimited() => Some(RateLimiter::new(
                     RateLimitConfig::new(format!("tenant:{}", k.label), quota)
                         .key_prefix(prefix.clone())
-                        .window(window),
+                        .window(window)
+                        .lease_ttl(lease_ttl),
                     b.clone(),
                 )?),
                 _ => None,

@@ -283,6 +283,22 @@ fn positive(field: &str, v: Option<usize>, default: usize) -> Result<usize, Conf
     }
 }
 
+/// The largest `max_connections` and `max_in_flight`: 2^30. Each is a semaphore,
+/// whose constructor panics past 2^61 permits; a billion is already far beyond what one
+/// process can hold open, so a larger value is a typo, refused here by `pgw check` too.
+pub const MAX_CAP: usize = 1 << 30;
+
+/// A cap: at least 1, at most [`MAX_CAP`].
+fn cap(field: &str, v: Option<usize>, default: usize) -> Result<usize, ConfigError> {
+    match positive(field, v, default)? {
+        n if n > MAX_CAP => Err(config_error(
+            field,
+            format!("must be at most {MAX_CAP} (got {n})"),
+        )),
+        n => Ok(n),
+    }
+}
+
 fn threads(v: Option<usize>) -> Result<usize, ConfigError> {
     match v {
         None => Ok(default_threads()),
@@ -362,12 +378,12 @@ impl ServerSection {
                 self.max_body_bytes,
                 DEFAULT_MAX_BODY_BYTES,
             )?,
-            max_connections: positive(
+            max_connections: cap(
                 "server.max_connections",
                 self.max_connections,
                 DEFAULT_MAX_CONNECTIONS,
             )?,
-            max_in_flight: positive("server.max_in_flight", self.max_in_flight, DEFAULT_MAX_IN_FLIGHT)?,
+            max_in_flight: cap("server.max_in_flight", self.max_in_flight, DEFAULT_MAX_IN_FLIGHT)?,
             shed_retry_after: secs(
                 "server.shed_retry_after_s",
                 self.shed_retry_after_s,
@@ -485,6 +501,12 @@ mod tests {
     fn bad_fields_are_named() {
         let cases = [
             ("[server]\nmax_connections = 0\n", "server.max_connections"),
+            // Past a semaphore's limit (its constructor would panic at start).
+            (
+                "[server]\nmax_connections = 9223372036854775807\n",
+                "server.max_connections",
+            ),
+            ("[server]\nmax_in_flight = 1073741825\n", "server.max_in_flight"),
             ("[server]\nlisten = \"nowhere\"\n", "server.listen"),
             ("[server]\nbogus = 1\n", "server.bogus"),
             ("[server]\nthreads = 0\n", "server.threads"),

@@ -3,7 +3,7 @@
 //!
 //! | status | `type` | `code` | when |
 //! |---|---|---|---|
-//! | 400 | `invalid_request_error` | `invalid_json`, the provider's own | a body that does not parse, a request every source rejects |
+//! | 400 | `invalid_request_error` | `invalid_json`, `invalid_request`, `invalid_body`, `tokens_exceed_quota`, `rejected`, the provider's own | a body that does not parse or could not be read, a request no quota window admits, a request every source rejects |
 //! | 401 | `authentication_error` | `invalid_api_key` | no or unknown virtual key |
 //! | 404 | `invalid_request_error` | `not_found`, `model_not_found` | unknown path; a model the key may not use |
 //! | 405 | `invalid_request_error` | `method_not_allowed` | |
@@ -328,6 +328,27 @@ impl ApiError {
             detail("the call failed".into()),
         )
     }
+}
+
+/// Whether a failed call may have reached a provider: the gateway's verdict
+/// ([`GatewayError::reached_a_provider`]), or for another error, anything but a
+/// refusal before any attempt (a quota, open circuits, no admission, the backend
+/// down, a request no window admits). What is not known to be a refusal counts as
+/// reached.
+pub(crate) fn reached_a_provider(e: &BoxError) -> bool {
+    if let Some(g) = e.downcast_ref::<GatewayError>() {
+        return g.reached_a_provider();
+    }
+    if let Some(r) = e.downcast_ref::<RetryError>() {
+        return !r.attempts().is_empty();
+    }
+    let e: &(dyn std::error::Error + 'static) = &**e;
+    !(find::<QuotaExceeded>(e).is_some()
+        || find::<CircuitOpen>(e).is_some()
+        || NotAdmitted::of(e).is_some()
+        || find::<BackendUnavailable>(e).is_some()
+        || find::<NeverAdmitted>(e).is_some()
+        || find::<RequestTooLarge>(e).is_some())
 }
 
 /// The first error of type `T` in `e`'s source chain.

@@ -40,7 +40,7 @@ use std::sync::OnceLock;
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
-pub use auth::{KeyRing, Tenant, hash_key};
+pub use auth::{KeyRing, Tenant, TenantPermit, hash_key};
 pub use config::{KeyConfig, LogFormat, ServerConfig, ServerSection, Settings};
 pub use error::ApiError;
 pub use routes::{AppState, model_names, router};

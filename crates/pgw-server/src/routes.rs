@@ -280,14 +280,25 @@ pub(crate) struct CallMetrics {
     pub(crate) model: String,
     pub(crate) started: Instant,
     pub(crate) handles: Arc<CallHandles>,
+    /// Whether the end was recorded; dropped before that, the client went away.
+    pub(crate) recorded: bool,
 }
+
+/// The status label of a call whose client went away before its end (nginx's 499,
+/// "client closed request"); its `error_type` is `cancelled`.
+const CANCELLED_STATUS: &str = "499";
 
 impl CallMetrics {
     /// Records the end of the call: `gen_ai_client_operation_duration_seconds` and
     /// `pgw_server_calls_total`.
-    pub(crate) fn finish(&self, error: Option<&ApiError>) {
+    pub(crate) fn finish(&mut self, error: Option<&ApiError>) {
         let error_type = crate::error::code_label(error.and_then(|e| e.code.as_deref()));
         let status = error.map_or(StatusCode::OK, |e| e.status);
+        self.record(status.as_str(), error_type);
+    }
+
+    fn record(&mut self, status: &str, error_type: &str) {
+        self.recorded = true;
         self.handles
             .duration
             .get([&self.model, error_type], |[model, error_type]| {
@@ -301,7 +312,7 @@ impl CallMetrics {
             .record(self.started.elapsed().as_secs_f64());
         self.handles
             .calls
-            .get([&self.tenant, status.as_str()], |[tenant, status]| {
+            .get([&self.tenant, status], |[tenant, status]| {
                 metrics::counter!("pgw_server_calls_total", "tenant" => tenant.to_owned(), "status" => status.to_owned())
             })
             .increment(1);
@@ -324,6 +335,17 @@ impl CallMetrics {
                     )
                 })
                 .record(n as f64);
+        }
+    }
+}
+
+impl Drop for CallMetrics {
+    /// A call dropped before its end was recorded: the client closed the connection
+    /// (a stopped stream, a timed-out client). Counted, so such calls do not vanish
+    /// from the call metrics.
+    fn drop(&mut self) {
+        if !self.recorded {
+            self.record(CANCELLED_STATUS, "cancelled");
         }
     }
 }
@@ -353,14 +375,17 @@ async fn chat_request(headers: &HeaderMap, body: Bytes) -> Result<ChatRequest, J
 
 async fn chat(State(state): State<Arc<AppState>>, request: Request) -> Response {
     let (parts, body) = request.into_parts();
-    let body = match read_body(&state, body).await {
-        Ok(b) => b,
-        Err(refused) => return refused,
-    };
     let headers = &parts.headers;
+    // The key first, from the headers alone: a client without one is answered 401
+    // before its body is read (it cannot hold `max_body_bytes` per connection for the
+    // body read timeout).
     let tenant = match authenticate(&state, headers) {
         Ok(t) => t,
         Err(e) => return e.into_response(),
+    };
+    let body = match read_body(&state, body).await {
+        Ok(b) => b,
+        Err(refused) => return refused,
     };
     let request = match chat_request(headers, body).await {
         Ok(r) => r,
@@ -393,7 +418,8 @@ async fn chat(State(state): State<Arc<AppState>>, request: Request) -> Response 
         .retry_after(Some(state.shed_retry_after))
         .into_response();
     };
-    let call = CallMetrics {
+    let mut call = CallMetrics {
+        recorded: false,
         tenant: tenant
             .as_ref()
             .map_or_else(|| Arc::from("anonymous"), |t| Arc::clone(&t.label)),
@@ -428,7 +454,7 @@ async fn chat(State(state): State<Arc<AppState>>, request: Request) -> Response 
                 call.tokens(u);
             }
             if let Some(p) = permit {
-                let _ = p.finish(usage.map(|u| u.total_tokens)).await;
+                p.finish(usage.map(|u| u.total_tokens)).await;
             }
             call.finish(None);
             // The provider's body as it came, when there is one: byte for byte, and no
@@ -461,9 +487,8 @@ async fn chat(State(state): State<Arc<AppState>>, request: Request) -> Response 
             let err = ApiError::from_gateway(&e, state.expose_sources);
             tracing::warn!(tenant = %call.tenant, status = err.status.as_u16(), code = ?err.code, error = %e, "call failed");
             call.finish(Some(&err));
-            // The request may have reached a provider: its tokens stay charged.
             if let Some(p) = permit {
-                let _ = p.finish(None).await;
+                p.failed(&e).await;
             }
             err.into_response()
         }
@@ -472,13 +497,13 @@ async fn chat(State(state): State<Arc<AppState>>, request: Request) -> Response 
 
 async fn models(State(state): State<Arc<AppState>>, request: Request) -> Response {
     let (parts, body) = request.into_parts();
-    if let Err(refused) = read_body(&state, body).await {
-        return refused;
-    }
     let tenant = match authenticate(&state, &parts.headers) {
         Ok(t) => t,
         Err(e) => return e.into_response(),
     };
+    if let Err(refused) = read_body(&state, body).await {
+        return refused;
+    }
     let names: Vec<&String> = match &tenant {
         Some(t) if !t.models().is_empty() => t.models().iter().collect(),
         _ => state.models.iter().collect(),
@@ -491,6 +516,11 @@ async fn models(State(state): State<Arc<AppState>>, request: Request) -> Respons
 }
 
 async fn healthz() -> Response {
+    healthy()
+}
+
+/// The answer of `/healthz`: the process is up (also past the connection cap).
+pub(crate) fn healthy() -> Response {
     Json(serde_json::json!({"status": "ok"})).into_response()
 }
 

@@ -383,8 +383,15 @@ fn accept(
         return; // dropping the stream closes it
     };
     let overloaded = ctx.overloaded.clone();
-    let service = hyper::service::service_fn(move |_req| {
-        let response = overloaded.clone().into_response();
+    let service = hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
+        // Liveness still answers past the cap: the process is up, only full, and an
+        // orchestrator must not restart it for that. Readiness says 503 with the rest
+        // (send no more traffic here for now).
+        let response = if req.uri().path() == "/healthz" && req.method() == http::Method::GET {
+            crate::routes::healthy()
+        } else {
+            overloaded.clone().into_response()
+        };
         async move { Ok::<_, Infallible>(response) }
     });
     let conn = graceful.watch(ctx.refuse.serve_connection(io, service));

@@ -19,6 +19,7 @@ use std::pin::Pin;
 use std::task::Poll;
 use std::time::Duration;
 
+use crate::auth::TenantPermit;
 use axum::body::Body;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -29,7 +30,6 @@ use pgw_core::openai::{ChatChunk, Usage};
 use pgw_stack::ChatStream;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::{Instant, Interval, MissedTickBehavior};
-use tower_ratelimit_redis::Permit;
 
 use crate::error::ApiError;
 use crate::routes::{AppState, CallMetrics};
@@ -45,7 +45,7 @@ enum Phase {
 struct Call {
     phase: Phase,
     keep_alive: Interval,
-    permit: Option<Permit>,
+    permit: Option<TenantPermit>,
     usage: Option<Usage>,
     first_chunk: bool,
     expose_sources: bool,
@@ -105,19 +105,24 @@ impl Call {
         tracing::warn!(tenant = %self.metrics.tenant, status = err.status.as_u16(), code = ?err.code, error = %e, "streamed call failed");
         self.metrics.finish(Some(&err));
         if let Some(p) = self.permit.take() {
-            let _ = p.finish(None).await;
+            p.failed(e).await;
         }
         event(&err.body())
     }
 
     async fn done(&mut self) -> Bytes {
+        // The provider's usage also when the caller did not ask for the usage chunk
+        // (most SDKs do not): the tenant's tokens settle to what was used.
+        if let (None, Phase::Streaming(chunks)) = (&self.usage, &self.phase) {
+            self.usage = chunks.usage();
+        }
         self.phase = Phase::Done;
         if let Some(u) = &self.usage {
             self.metrics.tokens(u);
         }
         self.metrics.finish(None);
         if let Some(p) = self.permit.take() {
-            let _ = p.finish(self.usage.as_ref().map(|u| u.total_tokens)).await;
+            p.finish(self.usage.as_ref().map(|u| u.total_tokens)).await;
         }
         Bytes::from_static(DONE)
     }
@@ -219,9 +224,9 @@ impl Call {
 pub(crate) async fn respond(
     state: &AppState,
     request: pgw_stack::ChatCall,
-    mut permit: Option<Permit>,
+    mut permit: Option<TenantPermit>,
     slot: OwnedSemaphorePermit,
-    metrics: CallMetrics,
+    mut metrics: CallMetrics,
 ) -> Response {
     let gateway = state.gateway.clone();
     let mut opening: Opening = Box::pin(async move { gateway.stream_call(request).await });
@@ -243,7 +248,7 @@ pub(crate) async fn respond(
             tracing::warn!(tenant = %metrics.tenant, status = err.status.as_u16(), code = ?err.code, error = %e, "streamed call failed");
             metrics.finish(Some(&err));
             if let Some(p) = permit.take() {
-                let _ = p.finish(None).await;
+                p.failed(&e).await;
             }
             return err.into_response();
         }

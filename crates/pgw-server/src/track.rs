@@ -54,7 +54,7 @@ where
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
         let route = request.extensions().get::<MatchedPath>().cloned();
-        let method = request.method().clone();
+        let method = method_label(request.method());
         TrackFuture {
             inner: self.inner.call(request),
             timing: Some(Timing {
@@ -67,10 +67,29 @@ where
     }
 }
 
+/// The `http_request_method` label: the method when it is one of HTTP's own, else
+/// `_OTHER` (OpenTelemetry's rule). hyper accepts any token as a method, and each label
+/// value is a series kept for the process's life: a client sending `M1`, `M2`, ...
+/// must not grow the metrics without bound.
+fn method_label(method: &Method) -> &'static str {
+    match *method {
+        Method::GET => "GET",
+        Method::POST => "POST",
+        Method::HEAD => "HEAD",
+        Method::PUT => "PUT",
+        Method::DELETE => "DELETE",
+        Method::OPTIONS => "OPTIONS",
+        Method::PATCH => "PATCH",
+        Method::CONNECT => "CONNECT",
+        Method::TRACE => "TRACE",
+        _ => "_OTHER",
+    }
+}
+
 /// What the answer's duration is recorded with.
 struct Timing {
     route: Option<MatchedPath>,
-    method: Method,
+    method: &'static str,
     started: Instant,
     handles: Arc<CallHandles>,
 }
@@ -80,7 +99,7 @@ impl Timing {
         let status = response.status();
         let labels = [
             self.route.as_ref().map_or("unmatched", MatchedPath::as_str),
-            self.method.as_str(),
+            self.method,
             status.as_str(),
         ];
         self.handles

@@ -73,6 +73,8 @@ impl GatewayAnswer {
 pub struct GatewayError {
     call_id: u64,
     failures: Vec<(String, BoxError)>,
+    /// No route serves the call's model: no group was asked.
+    no_route: bool,
 }
 
 impl GatewayError {
@@ -86,6 +88,23 @@ impl GatewayError {
     #[must_use]
     pub fn failures(&self) -> &[(String, BoxError)] {
         &self.failures
+    }
+
+    /// Whether an attempt of the call may have reached a provider (and cost it, or a
+    /// quota, something). `false` when no route serves the model, or when every group
+    /// refused before its first attempt: its retry verdict lists no attempt (circuits
+    /// open, quotas full, the call's deadline passed while it waited). A group's failure
+    /// without a retry verdict counts as reached: nothing says it was not.
+    ///
+    /// The server gives such a call back to the tenant's quota: a client whose
+    /// retries meet open circuits must not spend its own budget on them.
+    #[must_use]
+    pub fn reached_a_provider(&self) -> bool {
+        !self.no_route
+            && self.failures.iter().any(|(_, e)| {
+                e.downcast_ref::<RetryError>()
+                    .is_none_or(|v| !v.attempts().is_empty())
+            })
     }
 
     /// The retry layer's verdict in the last group tried, if any.
@@ -451,7 +470,12 @@ impl Service<ChatCall> for Gateway {
                     }
                 }
             }
-            Err(GatewayError { call_id, failures }.into())
+            Err(GatewayError {
+                call_id,
+                failures,
+                no_route: false,
+            }
+            .into())
         })
     }
 }
@@ -481,6 +505,7 @@ fn unknown_model(call_id: u64, model: &str) -> BoxError {
     GatewayError {
         call_id,
         failures: vec![(model.to_owned(), Box::new(status))],
+        no_route: true,
     }
     .into()
 }

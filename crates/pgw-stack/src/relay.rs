@@ -12,7 +12,7 @@ use std::task::{Context, Poll};
 use futures_core::Stream;
 use futures_util::StreamExt;
 use pgw_client::{ChatCall, PassThrough, TailStream};
-use pgw_core::openai::{ChatChunk, ChatMessage};
+use pgw_core::openai::{ChatChunk, ChatMessage, Usage};
 use pgw_core::{BoxError, CallHistory, CarriesHistory, SourceId};
 use tower::ServiceExt;
 
@@ -52,6 +52,9 @@ pub struct ChatStream {
     group: String,
     source: Option<SourceId>,
     cache_hit: bool,
+    /// The last usage a provider reported in this stream, whether the caller gets the
+    /// usage chunk or not.
+    usage: Arc<std::sync::Mutex<Option<Usage>>>,
     inner: Pin<Box<dyn Stream<Item = Result<ChatChunk, BoxError>> + Send>>,
 }
 
@@ -85,6 +88,15 @@ impl ChatStream {
         self.source.as_ref()
     }
 
+    /// The token usage the provider reported in the chunks streamed so far (the last
+    /// one, for a stream continued on another source: the continuation's), also when
+    /// the request did not ask for the usage chunk (it is always asked upstream). At
+    /// the stream's end: what the call used, for a quota to settle.
+    #[must_use]
+    pub fn usage(&self) -> Option<Usage> {
+        pgw_core::sync::lock(&self.usage).clone()
+    }
+
     /// Whether the answer is a replay from the cache.
     #[must_use]
     pub const fn cache_hit(&self) -> bool {
@@ -94,11 +106,12 @@ impl ChatStream {
     /// A stream replaying a complete answer (a cache hit, a buffered call).
     pub(crate) fn replay(answer: &GatewayAnswer, include_usage: bool) -> Self {
         let head = Head::of(answer);
+        let usage = Arc::new(std::sync::Mutex::new(answer.answer.response.usage.clone()));
         let chunks = answer
             .chunks()
             .into_iter()
             .filter_map(move |c| for_caller(c, include_usage, false));
-        head.with(futures_util::stream::iter(chunks.map(Ok)))
+        head.with(usage, futures_util::stream::iter(chunks.map(Ok)))
     }
 
     /// The committed answer of `call`, then its tail, continued after a cut.
@@ -116,7 +129,9 @@ impl ChatStream {
         } else {
             std::mem::take(&mut answer.answer.chunks)
         };
+        let usage = Arc::new(std::sync::Mutex::new(None));
         let relay = Relay {
+            usage: Arc::clone(&usage),
             gateway,
             call,
             queue: queue.into(),
@@ -129,7 +144,7 @@ impl ChatStream {
         // Boxed: `unfold` moves its state into each step's future and back out, and a
         // `Relay` (the call, the tail stream, the gateway) is large enough for those
         // copies to show in a profile (93 `memcpy` calls for a five-chunk answer).
-        head.with(futures_util::stream::unfold(Box::new(relay), Relay::step))
+        head.with(usage, futures_util::stream::unfold(Box::new(relay), Relay::step))
     }
 }
 
@@ -159,12 +174,17 @@ impl Head {
         }
     }
 
-    fn with(self, s: impl Stream<Item = Result<ChatChunk, BoxError>> + Send + 'static) -> ChatStream {
+    fn with(
+        self,
+        usage: Arc<std::sync::Mutex<Option<Usage>>>,
+        s: impl Stream<Item = Result<ChatChunk, BoxError>> + Send + 'static,
+    ) -> ChatStream {
         ChatStream {
             call_id: self.call_id,
             group: self.group,
             source: self.source,
             cache_hit: self.cache_hit,
+            usage,
             inner: Box::pin(s),
         }
     }
@@ -199,6 +219,8 @@ struct Relay {
     tail: Option<TailStream>,
     /// The first choice's text the caller received: the prefix of a continuation.
     text: String,
+    /// [`ChatStream::usage`].
+    usage: Arc<std::sync::Mutex<Option<Usage>>>,
     include_usage: bool,
     continued: u32,
     ended: bool,
@@ -211,6 +233,9 @@ impl Relay {
                 return None;
             }
             if let Some(c) = self.queue.pop_front() {
+                if let Some(u) = &c.usage {
+                    *pgw_core::sync::lock(&self.usage) = Some(u.clone());
+                }
                 if let Some(c) = for_caller(c, self.include_usage, self.continued > 0) {
                     if let Some(t) = c.choices.first().and_then(|ch| ch.delta.content.as_deref()) {
                         self.text.push_str(t);

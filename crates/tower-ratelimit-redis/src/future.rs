@@ -371,7 +371,7 @@ where
     R: 'static,
     U: UsageReport<R> + Clone + Send + 'static,
 {
-    let renewing = Renewing::start(&permit);
+    let renewing = permit.renewal();
     let report = usage.clone();
     usage.defer(
         out,
@@ -380,38 +380,6 @@ where
             permit.end_detached(ending(&report, r));
         }),
     );
-}
-
-/// The background renewal of a lease held past the layer's future; stops on drop.
-struct Renewing(Option<tokio::task::JoinHandle<()>>);
-
-impl Renewing {
-    fn start(permit: &Permit) -> Self {
-        let every = permit.limiter().renew_every();
-        let (Some(every), Some(handle)) = (
-            every.filter(|_| permit.has_lease()),
-            tokio::runtime::Handle::try_current().ok(),
-        ) else {
-            return Self(None);
-        };
-        let Some(renew) = permit.renewer() else {
-            return Self(None);
-        };
-        Self(Some(handle.spawn(async move {
-            loop {
-                tokio::time::sleep(every).await;
-                detach(renew());
-            }
-        })))
-    }
-}
-
-impl Drop for Renewing {
-    fn drop(&mut self) {
-        if let Some(task) = self.0.take() {
-            task.abort();
-        }
-    }
 }
 
 fn detach_renewal(permit: &Permit) {

@@ -86,5 +86,5 @@ pub use hooks::{
     TokenEstimate, UsageReport,
 };
 pub use layer::RateLimitLayer;
-pub use limiter::{Admission, Holds, LimiterStats, Permit, RateLimiter};
+pub use limiter::{Admission, Holds, LimiterStats, Permit, RateLimiter, Renewal};
 pub use service::RateLimit;

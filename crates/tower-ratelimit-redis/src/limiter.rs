@@ -870,6 +870,52 @@ impl Permit {
         }
     }
 
+    /// Keeps this permit's concurrency lease alive while the returned guard lives: the
+    /// lease is renewed in the background every `lease_ttl / RENEW_FRACTION` (10 s with
+    /// the default 30 s TTL), so a call that runs longer than the TTL keeps its slot.
+    /// Without a renewal, a lease expires `lease_ttl` after the admission and its slot
+    /// goes to the next caller while the call still runs. The layer renews the leases
+    /// of the permits it holds; a permit from [`RateLimiter::acquire`] needs this.
+    ///
+    /// Does nothing for a permit without a lease, or outside a tokio runtime. Drop the
+    /// guard before [`finish`](Self::finish)ing the permit.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_ratelimit_redis::{MemoryBackend, Quota, RateLimitConfig, RateLimiter};
+    ///
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// let limiter = RateLimiter::new(
+    ///     RateLimitConfig::new("tenant", Quota::unlimited().concurrency(1)).lease_ttl(Duration::from_secs(3)),
+    ///     MemoryBackend::new(),
+    /// )
+    /// .unwrap();
+    /// let permit = limiter.acquire(0).await.unwrap();
+    /// let renewal = permit.renewal();
+    /// tokio::time::sleep(Duration::from_secs(10)).await; // a long call
+    /// assert!(limiter.acquire(0).await.is_err(), "the slot is still held");
+    /// drop(renewal);
+    /// permit.finish(None).await.unwrap();
+    /// assert!(limiter.acquire(0).await.is_ok());
+    /// # }
+    /// ```
+    pub fn renewal(&self) -> Renewal {
+        let every = self.admission.limiter.renew_every();
+        let (Some(every), Some(handle), Some(renew)) = (
+            every.filter(|_| self.has_lease()),
+            tokio::runtime::Handle::try_current().ok(),
+            self.renewer(),
+        ) else {
+            return Renewal(None);
+        };
+        Renewal(Some(handle.spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                detach(renew());
+            }
+        })))
+    }
+
     /// Abandons the permit without releasing anything, as a crashed process would: the
     /// lease frees itself when its TTL expires. For tests and crash drills.
     pub fn forget(mut self) {
@@ -890,6 +936,20 @@ impl Drop for Permit {
             lease: self.lease,
         });
         detach(fut);
+    }
+}
+
+/// The background renewal of a permit's lease ([`Permit::renewal`]); stops when
+/// dropped.
+#[derive(Debug)]
+#[must_use = "the lease is renewed only while the guard lives"]
+pub struct Renewal(Option<tokio::task::JoinHandle<()>>);
+
+impl Drop for Renewal {
+    fn drop(&mut self) {
+        if let Some(task) = self.0.take() {
+            task.abort();
+        }
     }
 }
 
