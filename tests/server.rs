@@ -783,3 +783,21 @@ async fn metrics_stay_bounded_and_count_streamed_usage_and_cancelled_calls() {
         "{text}"
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn shutdown_delay_keeps_serving_while_readyz_says_503() {
+    let mut h = start("shutdown_delay_s = 5\n", vec![fast("s1")]).await;
+    h.shutdown();
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let (status, _, body) = call(h.addr, request("GET", "/readyz"), Bytes::new()).await;
+    assert_eq!(status, 503);
+    openai_error(&body, "draining");
+    let (status, _, _) = call(h.addr, chat(None), chat_body("m", false)).await;
+    assert_eq!(status, 200, "still serving during the delay");
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert!(
+        TcpStream::connect(h.addr).await.is_err(),
+        "the listener is closed after the delay"
+    );
+    h.stopped().await.unwrap();
+}

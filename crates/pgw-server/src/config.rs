@@ -11,6 +11,7 @@
 //! max_connections = 1024
 //! max_in_flight = 512
 //! shutdown_grace_s = 30
+//! shutdown_delay_s = 0         # behind a balancer: what it needs to see /readyz 503
 //! sse_keep_alive_s = 15
 //! threads = 4                  # absent: one per core
 //!
@@ -60,6 +61,9 @@ pub const DEFAULT_MAX_IN_FLIGHT: usize = 512;
 pub const DEFAULT_SHED_RETRY_AFTER_S: f64 = 1.0;
 /// Default grace period of a shutdown: in-flight calls and streams get 30 s to finish.
 pub const DEFAULT_SHUTDOWN_GRACE_S: f64 = 30.0;
+/// Default delay between a shutdown signal and the listener's close: 0 s (see
+/// [`ServerSection::shutdown_delay_s`]).
+pub const DEFAULT_SHUTDOWN_DELAY_S: f64 = 0.0;
 /// Default interval of SSE keep-alive comments while a stream is silent: 15 s.
 pub const DEFAULT_SSE_KEEP_ALIVE_S: f64 = 15.0;
 /// Most event-loop threads `server.threads` may ask for: 1024 (far past any core count;
@@ -167,6 +171,13 @@ pub struct ServerSection {
     /// [`DEFAULT_SHUTDOWN_GRACE_S`]).
     #[serde(default)]
     pub shutdown_grace_s: Option<f64>,
+    /// Seconds between SIGTERM / SIGINT and the listener's close (default
+    /// [`DEFAULT_SHUTDOWN_DELAY_S`]): meanwhile `/readyz` answers 503 and new calls are
+    /// still served, so a load balancer polling `/readyz` takes the replica out before
+    /// it refuses connections. Set it to what the balancer needs to notice (its check
+    /// interval times its unhealthy threshold); the grace period follows it.
+    #[serde(default)]
+    pub shutdown_delay_s: Option<f64>,
     /// Seconds between SSE keep-alive comments while a stream is silent (default
     /// [`DEFAULT_SSE_KEEP_ALIVE_S`]).
     #[serde(default)]
@@ -209,6 +220,7 @@ impl Default for ServerSection {
             max_in_flight: None,
             shed_retry_after_s: None,
             shutdown_grace_s: None,
+            shutdown_delay_s: None,
             sse_keep_alive_s: None,
             threads: None,
             log_format: LogFormat::Text,
@@ -242,6 +254,8 @@ pub struct Settings {
     pub shed_retry_after: Duration,
     /// See [`ServerSection::shutdown_grace_s`].
     pub shutdown_grace: Duration,
+    /// See [`ServerSection::shutdown_delay_s`].
+    pub shutdown_delay: Duration,
     /// See [`ServerSection::sse_keep_alive_s`].
     pub sse_keep_alive: Duration,
     /// See [`ServerSection::threads`].
@@ -274,6 +288,20 @@ fn secs(field: &str, v: Option<f64>, default: f64) -> Result<Duration, ConfigErr
         ));
     }
     Ok(Duration::from_secs_f64(s))
+}
+
+/// As [`secs`], zero allowed.
+fn secs_or_zero(field: &str, v: Option<f64>, default: f64) -> Result<Duration, ConfigError> {
+    let s = v.unwrap_or(default);
+    if s == 0.0 {
+        return Ok(Duration::ZERO);
+    }
+    secs(field, Some(s), default).map_err(|_| {
+        config_error(
+            field,
+            format!("must be zero or a positive number of seconds, at most ten years (got {s})"),
+        )
+    })
 }
 
 fn positive(field: &str, v: Option<usize>, default: usize) -> Result<usize, ConfigError> {
@@ -393,6 +421,11 @@ impl ServerSection {
                 "server.shutdown_grace_s",
                 self.shutdown_grace_s,
                 DEFAULT_SHUTDOWN_GRACE_S,
+            )?,
+            shutdown_delay: secs_or_zero(
+                "server.shutdown_delay_s",
+                self.shutdown_delay_s,
+                DEFAULT_SHUTDOWN_DELAY_S,
             )?,
             sse_keep_alive: secs(
                 "server.sse_keep_alive_s",
@@ -519,6 +552,7 @@ mod tests {
                 "[server]\nbody_read_timeout_s = 0\n",
                 "server.body_read_timeout_s",
             ),
+            ("[server]\nshutdown_delay_s = -1\n", "server.shutdown_delay_s"),
             (
                 "[[server.keys]]\nlabel = \"a\"\nsha256 = \"sk-plaintext\"\n",
                 "server.keys[0].sha256",

@@ -150,6 +150,15 @@ impl Server {
         let signal = async {
             shutdown.await;
             state.set_draining();
+            if !settings.shutdown_delay.is_zero() {
+                // `/readyz` says 503 while calls are still served: a balancer polling
+                // it takes this replica out before its connections are refused.
+                tracing::info!(
+                    delay_s = settings.shutdown_delay.as_secs_f64(),
+                    "shutting down: not ready, still serving"
+                );
+                tokio::time::sleep(settings.shutdown_delay).await;
+            }
             tracing::info!(
                 connections = settings.max_connections - shared.open.available_permits(),
                 grace_s = settings.shutdown_grace.as_secs_f64(),
