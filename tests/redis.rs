@@ -31,3 +31,27 @@ async fn a_tenants_quota_holds_across_two_servers_on_one_redis() {
         assert_eq!(status, 200, "the Redis backend answers");
     }
 }
+
+/// Redis gone: a call on the Redis backend is refused with 503 `backend_unavailable`
+/// and a `Retry-After` (the server's shed hint: the outage's end is not known), and
+/// `/readyz` says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_down_is_503_with_retry_after_and_not_ready() {
+    let mut redis = pgw_test_support::PrivateRedis::start();
+    let top = format!("backend = \"redis\"\nredis_url = \"{}\"\n", redis.url());
+    // A tenant quota, so every call asks Redis before its attempt.
+    let server = format!(
+        "shed_retry_after_s = 3\n{}",
+        key_toml("t", CLIENT_KEY, "rpm = 100\n")
+    );
+    let h = start_with(&top, &server, vec![fast("s1")]).await;
+    let (status, _, _) = call(h.addr, chat(Some(CLIENT_KEY)), chat_body("m", false)).await;
+    assert_eq!(status, 200);
+    redis.stop();
+    let (status, headers, body) = call(h.addr, chat(Some(CLIENT_KEY)), chat_body("m", false)).await;
+    assert_eq!(status, 503, "{}", String::from_utf8_lossy(&body));
+    openai_error(&body, "backend_unavailable");
+    assert_eq!(headers["retry-after"], "3");
+    let (status, _, _) = call(h.addr, request("GET", "/readyz"), bytes::Bytes::new()).await;
+    assert_eq!(status, 503);
+}

@@ -11,7 +11,7 @@
 //! | 415 | `invalid_request_error` | `unsupported_media_type` | not `application/json` |
 //! | 429 | `rate_limit_error` | `rate_limit_exceeded` | the key's quota, the pool's quotas or pushback; `Retry-After` when known |
 //! | 502 | `upstream_error` | `upstream_failed` | every attempt failed |
-//! | 503 | `service_unavailable` | `all_circuits_open`, `overloaded`, `backend_unavailable`, `stalled` | local refusals; `Retry-After` when known |
+//! | 503 | `service_unavailable` | `all_circuits_open`, `overloaded`, `backend_unavailable`, `stalled` | local refusals; `Retry-After` when known (the server adds `shed_retry_after_s` otherwise) |
 //! | 504 | `timeout_error` | `deadline_exceeded`, `upstream_timeout` | the call's deadline, attempts that timed out |
 
 use std::time::Duration;

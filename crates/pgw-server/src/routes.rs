@@ -106,6 +106,18 @@ impl AppState {
         self.draining.store(true, Ordering::Relaxed);
     }
 
+    /// The answer to a failed call ([`ApiError::from_gateway`]). A 503 whose wait is
+    /// not known (the backend unreachable, a stalled call, an exhausted retry budget)
+    /// says `Retry-After: shed_retry_after_s`, as the server's own sheds do, so a
+    /// client backs off instead of retrying at once.
+    pub(crate) fn call_error(&self, e: &pgw_core::BoxError) -> ApiError {
+        let mut err = ApiError::from_gateway(e, self.expose_sources);
+        if err.status == StatusCode::SERVICE_UNAVAILABLE && err.retry_after.is_none() {
+            err.retry_after = Some(self.shed_retry_after);
+        }
+        err
+    }
+
     /// The label of a model for metrics: the name itself when it is configured,
     /// else `other` (callers choose model names; labels must stay bounded).
     pub(crate) fn model_label(&self, model: &str) -> String {
@@ -431,7 +443,7 @@ async fn chat(State(state): State<Arc<AppState>>, request: Request) -> Response 
         Some(t) => match t.admit(&request).await {
             Ok(p) => p,
             Err(e) => {
-                let err = ApiError::from_gateway(&e, state.expose_sources);
+                let err = state.call_error(&e);
                 call.finish(Some(&err));
                 return err.into_response();
             }
@@ -484,7 +496,7 @@ async fn chat(State(state): State<Arc<AppState>>, request: Request) -> Response 
             response
         }
         Err(e) => {
-            let err = ApiError::from_gateway(&e, state.expose_sources);
+            let err = state.call_error(&e);
             tracing::warn!(tenant = %call.tenant, status = err.status.as_u16(), code = ?err.code, error = %e, "call failed");
             call.finish(Some(&err));
             if let Some(p) = permit {

@@ -244,7 +244,7 @@ pub(crate) async fn respond(
         }
         Ok(Err(e)) => {
             drop(slot);
-            let err = ApiError::from_gateway(&e, state.expose_sources);
+            let err = state.call_error(&e);
             tracing::warn!(tenant = %metrics.tenant, status = err.status.as_u16(), code = ?err.code, error = %e, "streamed call failed");
             metrics.finish(Some(&err));
             if let Some(p) = permit.take() {
