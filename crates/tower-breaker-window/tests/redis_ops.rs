@@ -242,6 +242,24 @@ async fn a_counted_record_renews_the_closed_view() {
     gate.record(t, BreakerVerdict::Success).await;
 }
 
+/// A closed view of `Duration::MAX` ("trust a closed breaker until told otherwise")
+/// saturates instead of overflowing the clock in the first admission.
+#[tokio::test]
+async fn a_closed_view_of_duration_max_saturates() {
+    let server = PrivateRedis::start();
+    let target = RedisTarget::Standalone(server.url());
+    let backend = RedisBackend::new(RedisConn::connect(&target).await.unwrap())
+        .with_prefix("forever")
+        .with_closed_view(Duration::MAX)
+        .with_deferred_successes(false);
+    let gate = backend.gate(&"s".into(), &config(3));
+    call(&gate, S).await; // asks Redis: the view starts, without end
+    let start = server.command_calls("evalsha");
+    let t = admit(&gate).await;
+    assert_eq!(server.command_calls("evalsha"), start, "admitted by the view");
+    gate.record(t, BreakerVerdict::Success).await;
+}
+
 /// Admissions that find the view unknown while one is asking Redis wait for its
 /// answer instead of asking too: a round of waiting calls asks a gate once, not once
 /// per call. A question dropped before its answer, or held unpolled past the

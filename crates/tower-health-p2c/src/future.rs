@@ -164,7 +164,9 @@ impl<S, Req, C> Drop for CallState<S, Req, C> {
     fn drop(&mut self) {
         // Dropped or panicked mid-attempt: give the inflight count back (A4).
         if let Some(i) = self.dispatched.take() {
-            self.snapshot.entries[i].state.dec();
+            let state = &self.snapshot.entries[i].state;
+            state.answered();
+            state.dec();
         }
     }
 }
@@ -480,6 +482,8 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
             return Some(result);
         };
         let state = &self.snapshot.entries[i].state;
+        // Answered, whatever the answer: no longer awaited (a stream still runs).
+        state.answered();
         let dispatched_at = self.dispatched_at.take();
         let mut result = match result {
             Err(e) => match NotAdmitted::of(&*e) {
@@ -590,6 +594,15 @@ pub(crate) fn judge<Req: 'static, T, C>(
 /// One dispatched attempt's inflight count, owned by an attempt judged at its end (a
 /// stream passed through): given back when judged or dropped, on every path.
 pub(crate) struct Inflight(pub(crate) Arc<SourceState>);
+
+/// An attempt awaiting its first answer; dropped when it comes (or never will).
+pub(crate) struct Awaiting(pub(crate) Arc<SourceState>);
+
+impl Drop for Awaiting {
+    fn drop(&mut self) {
+        self.0.answered();
+    }
+}
 
 impl Drop for Inflight {
     fn drop(&mut self) {

@@ -14,7 +14,7 @@ use pgw_core::{BoxError, CarriesHistory, Classify, NotAdmitted, settle};
 use tokio::time::Instant;
 use tower_service::Service;
 
-use crate::future::{Inflight, heard_from, judge};
+use crate::future::{Awaiting, Inflight, heard_from, judge};
 use crate::sources::SourceState;
 
 /// Sends `req` to `svc` (source `state`) on a spawned task, started at `at`; the
@@ -37,8 +37,10 @@ pub(crate) fn send<S, Req, C>(
     // The caller has moved on: nothing this copy meets is charged to its call.
     req.mark_probe_copy();
     state.inc(at);
-    // Its inflight count, given back when it is judged or dropped (A4).
+    // Its inflight count, given back when it is judged or dropped (A4), and its
+    // awaiting count, given back at its first answer or when dropped before it.
     let probing = Inflight(Arc::clone(state));
+    let awaiting = Awaiting(Arc::clone(state));
     tokio::spawn(async move {
         let ready = std::future::poll_fn(|cx| svc.poll_ready(cx))
             .await
@@ -47,6 +49,7 @@ pub(crate) fn send<S, Req, C>(
             Ok(()) => svc.call(req).await.map_err(Into::into),
             Err(e) => Err(e),
         };
+        drop(awaiting);
         if result
             .as_ref()
             .err()

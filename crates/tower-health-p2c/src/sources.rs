@@ -24,6 +24,11 @@ pub(crate) struct SourceState {
     id: SourceId,
     ewma_bits: [AtomicU64; HEALTH_CLASSES],
     inflight: AtomicUsize,
+    /// Attempts dispatched and not answered yet (no first answer, no error, no
+    /// timeout): what silence is judged on. A stream that answered counts in
+    /// `inflight` until its end, not here: a source streaming a long answer is not
+    /// silent.
+    awaiting: AtomicUsize,
     /// Nanoseconds after `epoch` when the source last answered anything (an error
     /// included, a timeout not), or when it went from idle to busy, whichever is later.
     heard_ns: AtomicU64,
@@ -50,6 +55,7 @@ impl SourceState {
             id,
             ewma_bits: std::array::from_fn(|_| AtomicU64::new(HEALTH_INITIAL.to_bits())),
             inflight: AtomicUsize::new(0),
+            awaiting: AtomicUsize::new(0),
             heard_ns: AtomicU64::new(0),
             timeouts: AtomicU32::new(0),
             answered_sent_ns: AtomicU64::new(0),
@@ -125,10 +131,12 @@ impl SourceState {
         self.timeouts.load(Ordering::Relaxed) >= n
     }
 
-    /// Attempts in flight and nothing heard from the source for `after` or longer (a
-    /// slot freed by a timeout at exactly `after` does not admit a fresh call to it).
+    /// Attempts awaiting their first answer and nothing heard from the source for
+    /// `after` or longer (a slot freed by a timeout at exactly `after` does not admit a
+    /// fresh call to it). Streams that answered and still run do not count: a source
+    /// streaming one long answer is busy, not silent.
     pub(crate) fn silent(&self, after: Duration) -> bool {
-        if self.inflight() == 0 {
+        if self.awaiting.load(Ordering::Relaxed) == 0 {
             return false;
         }
         let quiet = self
@@ -235,13 +243,24 @@ impl SourceState {
         self.heard(at);
     }
 
-    /// An attempt dispatched at `at`.
+    /// An attempt dispatched at `at`: in flight, and awaiting its first answer until
+    /// [`answered`](Self::answered).
     pub(crate) fn inc(&self, at: Instant) {
-        if self.inflight.fetch_add(1, Ordering::Relaxed) == 0 && !self.timed_out_since_heard(1) {
-            // Idle until now: the silence starts with this attempt. After a timeout it
-            // goes on: this attempt is a probe, and the others wait for its answer.
+        self.inflight.fetch_add(1, Ordering::Relaxed);
+        if self.awaiting.fetch_add(1, Ordering::Relaxed) == 0 && !self.timed_out_since_heard(1) {
+            // Nothing awaited until now: the silence starts with this attempt. After a
+            // timeout it goes on: this attempt is a probe, and the others wait for its
+            // answer.
             self.hear_at(self.ns_at(at));
         }
+    }
+
+    /// An attempt's first answer came (a stream's head, an error, a timeout), or it
+    /// ended without one (dropped, refused below): once per [`inc`](Self::inc).
+    pub(crate) fn answered(&self) {
+        let _ = self
+            .awaiting
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
     }
 
     pub(crate) fn dec(&self) {

@@ -1320,3 +1320,57 @@ async fn a_source_not_ready_keeps_each_waiting_call_on_its_own_instance() {
         assert_eq!(call.await.unwrap().unwrap(), "again");
     }
 }
+
+/// A stream that answered its head and runs on: its end (`settles`) is run by the test.
+#[derive(Clone, Default)]
+struct Running(Arc<Mutex<Vec<pgw_core::Settle<Running, BoxError>>>>);
+
+/// Every answer is a stream still running until the test ends it.
+#[derive(Clone)]
+struct StreamClassifier;
+
+impl pgw_core::Classify<Running, BoxError> for StreamClassifier {
+    fn classify(&self, result: &Result<Running, BoxError>) -> Outcome {
+        if result.is_ok() {
+            Outcome::Success
+        } else {
+            Outcome::Transient
+        }
+    }
+    fn in_progress(&self, result: &Result<Running, BoxError>) -> bool {
+        result.is_ok()
+    }
+    fn defer(&self, result: &mut Result<Running, BoxError>, then: pgw_core::Settle<Running, BoxError>) {
+        if let Ok(r) = result {
+            r.0.lock().unwrap().push(then);
+        }
+    }
+}
+
+/// A source streaming one long answer is busy, not silent: calls sent to it while
+/// the stream runs past `silent_after` are served, not refused as open circuits.
+#[tokio::test(start_paused = true)]
+async fn a_source_streaming_a_long_answer_is_not_silent() {
+    let sources = Sources::new();
+    let hits = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&hits);
+    sources.insert(
+        SourceId::from("s"),
+        BoxCloneSyncService::new(service_fn(move |_: Req| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<_, BoxError>(Running::default()) }
+        })),
+    );
+    let lb = HealthP2c::new(sources, BalanceConfig::default())
+        .unwrap()
+        .with_classifier(StreamClassifier);
+    let long = lb.clone().oneshot(Req::default()).await.unwrap();
+    // Three minutes into the stream, the default `silent_after` (60 s) long past.
+    tokio::time::sleep(Duration::from_secs(180)).await;
+    let next = lb.clone().oneshot(Req::default()).await;
+    assert!(next.is_ok(), "refused: {:?}", next.err().map(|e| e.to_string()));
+    assert_eq!(hits.load(Ordering::SeqCst), 2);
+    for end in long.0.lock().unwrap().drain(..) {
+        end(&Ok(Running::default()));
+    }
+}

@@ -16,6 +16,7 @@ use std::sync::{Arc, LazyLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use pgw_core::clock::saturating_after;
 use pgw_core::redis_conn::{DEFAULT_RESPONSE_TIMEOUT, RedisConn, run, scope_key};
 use pgw_core::sync::lock;
 use pgw_core::{BoxError, BreakerVerdict, SourceId};
@@ -117,7 +118,8 @@ impl RedisBackend {
     }
 
     /// Sets how long an admission by a closed breaker is trusted without a round trip
-    /// ([`DEFAULT_CLOSED_VIEW`]; `Duration::ZERO`: never).
+    /// ([`DEFAULT_CLOSED_VIEW`]; `Duration::ZERO`: never; a huge value, up to
+    /// `Duration::MAX`, saturates: trusted until a refusal is seen).
     #[must_use]
     pub const fn with_closed_view(mut self, closed_view: Duration) -> Self {
         self.closed_view = closed_view;
@@ -131,7 +133,9 @@ impl RedisBackend {
         self
     }
 
-    /// Sets how long one operation may take before the backend counts as unreachable.
+    /// Sets how long one operation may take before the backend counts as unreachable
+    /// (`pgw_core::redis_conn::DEFAULT_RESPONSE_TIMEOUT`). `Duration::ZERO` leaves no time: every operation
+    /// counts as unreachable, and the breaker fails closed.
     #[must_use]
     pub const fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
@@ -246,7 +250,7 @@ impl Inner {
         if self.opens.load(Ordering::Acquire) != opens {
             return;
         }
-        let until = sent + self.closed_view;
+        let until = saturating_after(sent, self.closed_view);
         *known = match *known {
             // Never over a newer fact: an open seen meanwhile stands.
             k @ Known::Open(u) if u > sent => k,
@@ -332,7 +336,7 @@ impl RedisGate {
             let retry_after = Duration::from_millis(non_negative(retry_ms));
             let mut known = lock(&inner.known);
             *known = if open == 1 {
-                let until = sent + retry_after;
+                let until = saturating_after(sent, retry_after);
                 Known::Open(match *known {
                     Known::Open(k) => k.max(until),
                     _ => until,
@@ -343,7 +347,7 @@ impl RedisGate {
                 match *known {
                     // Never over a newer fact: an open seen meanwhile stands.
                     k @ Known::Open(u) if u > sent => k,
-                    _ => Known::ProbeOut(sent + retry_after.min(inner.closed_view)),
+                    _ => Known::ProbeOut(saturating_after(sent, retry_after.min(inner.closed_view))),
                 }
             };
             Admission::Refused { retry_after }
