@@ -15,9 +15,10 @@ pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
 pub const DEFAULT_MAX_REASKS: u32 = 2;
 
 /// Base of the full-jitter exponential backoff: 0.5 s. The n-th backoff of a call is
-/// uniform in `[0, min(max_backoff, base * 2^n)]` ("full jitter", M. Brooker,
+/// uniform in `[floor, min(max_backoff, base * 2^n)]` ("full jitter", M. Brooker,
 /// *Exponential Backoff And Jitter*, AWS Architecture Blog, 2015; gRPC A6 uses the same
-/// shape when the server sends no pushback).
+/// shape when the server sends no pushback), with a floor of `base / 2` (250 ms by
+/// default; never above the ceiling) so that no two attempts of a call go back to back.
 pub const DEFAULT_BASE_BACKOFF: Duration = Duration::from_millis(500);
 
 /// Cap of the exponential backoff: 20 s, a third of a one-minute RPM window. A server

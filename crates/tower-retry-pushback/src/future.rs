@@ -353,11 +353,26 @@ impl<Req: CarriesHistory, C, R> Call<Req, C, R> {
         self.start_waiting(now).last_error = result.err();
         tracing::debug!(outcome = outcome.as_str(), source = ?source, "attempt failed");
 
+        // Final anyway: a rejection (too large for every source, when no balancer
+        // below records sources to move on to), a re-ask budget spent.
+        let balanced = source.is_some();
+        let retries = match outcome {
+            Outcome::Rejected => too_large && balanced,
+            Outcome::Invalid => self.slow.as_ref().map_or(0, |s| s.reasks) < self.shared.config.max_reasks,
+            _ => true,
+        };
+        if retries && self.next.is_none() {
+            // No copy to send again: the call ends now, before any wait, budget or
+            // readiness is spent on an attempt that cannot happen.
+            return Next::Finish(self.fail(Reason::NotResendable));
+        }
+
         match outcome {
             // Too large for that source, not for every one: spend an attempt and move on
             // (the balancer puts that source last for this call); the last one's answer
-            // is the caller's when none takes it.
-            Outcome::Rejected if too_large => {
+            // is the caller's when none takes it. Without a balancer below, the same
+            // upstream would get the same request again: final.
+            Outcome::Rejected if too_large && balanced => {
                 let max_attempts = self.shared.config.max_attempts;
                 let slow = self.start_waiting(now);
                 slow.spent += 1;
@@ -390,12 +405,13 @@ impl<Req: CarriesHistory, C, R> Call<Req, C, R> {
                 {
                     return Next::Finish(self.fail(Reason::RetryBudgetExhausted));
                 }
-                if outcome == Outcome::SourceDead || timed_out {
+                if balanced && (outcome == Outcome::SourceDead || timed_out) {
                     // Nothing to wait for: a dead source's breaker is open now, and a
                     // timed-out attempt already gave its source the whole timeout (the
                     // balancer sends the next attempt elsewhere, R1). A backoff on top
                     // only delayed the call: on a pool of black holes, past one attempt
-                    // timeout.
+                    // timeout. Without a balancer below, the next attempt goes to the
+                    // same upstream: it backs off like any other.
                     Next::Dispatch
                 } else {
                     let wait = self.next_backoff();

@@ -8,9 +8,9 @@
 //! |---|---|
 //! | `Success` | returns the answer; records progress for the stall guard |
 //! | `Transient` | spends one of `max_attempts` (default 3), full-jitter backoff, retries |
-//! | `SourceDead` | spends one of `max_attempts`, retries at once (the source's breaker is open) |
+//! | `SourceDead` | spends one of `max_attempts`, retries at once under a balancer (the source's breaker is open; the next attempt goes elsewhere), after a backoff when used alone |
 //! | `RateLimited` | spends **nothing**; holds the source for `max(Retry-After, backoff)` through a [`Hold`](pgw_core::Hold) hook and goes on at once (or, with no hook, sleeps that long itself) |
-//! | `Rejected` | fails at once; `context_length_exceeded` (too large for that source only) spends an attempt and moves on |
+//! | `Rejected` | fails at once; `context_length_exceeded` (too large for that source only) spends an attempt and moves on under a balancer (alone: fails at once) |
 //! | `Invalid` | re-asks up to `max_reasks` (default 2), apart from the attempt budget |
 //! | not admitted | not an attempt: `CircuitOpen` fails at once ([`Reason::AllCircuitsOpen`]); `QuotaExceeded`/`Paced` waits for the gate, then tries again |
 //!

@@ -54,7 +54,8 @@ impl<C, R> Shared<C, R> {
         }
     }
 
-    /// The `n`-th full-jitter backoff: uniform in `[0, min(max, base * 2^n)]`.
+    /// The `n`-th backoff: full jitter with a floor, uniform in
+    /// `[min(base / 2, ceiling), ceiling]` where `ceiling = min(max, base * 2^n)`.
     pub(crate) fn backoff(&self, n: u32) -> Duration {
         let ceiling = self
             .config

@@ -87,13 +87,24 @@ async fn three_transient_failures_exhaust_the_budget() {
 
 #[tokio::test(start_paused = true)]
 async fn source_dead_spends_the_budget_and_retries_at_once() {
-    let upstream = Upstream::with(vec![Ok(Ans::Dead), Ok(Ans::Dead), Ok(Ans::Dead)]);
+    // Under a balancer (the attempts name their source): the next one goes elsewhere.
+    let upstream = Upstream::with(vec![Ok(Ans::Dead), Ok(Ans::Dead), Ok(Ans::Dead)]).named("s1");
     let mut svc = layer(RetryConfig::default()).layer(upstream.clone());
     let start = Instant::now();
     let err = call(&mut svc, Req::new(1)).await.unwrap_err();
     assert_eq!(retry_error(&err).reason(), Reason::BudgetExhausted);
     assert_eq!(upstream.sent_count(), 3);
     assert_eq!(Instant::now(), start, "no backoff after SourceDead");
+
+    // Alone, the next attempt goes to the same upstream: backoffs of at least the
+    // floor (half the base) between them.
+    let alone = Upstream::with(vec![Ok(Ans::Dead), Ok(Ans::Dead), Ok(Ans::Dead)]);
+    let mut svc = layer(RetryConfig::default()).layer(alone.clone());
+    let err = call(&mut svc, Req::new(1)).await.unwrap_err();
+    assert_eq!(retry_error(&err).reason(), Reason::BudgetExhausted);
+    let floor = RetryConfig::default().base_backoff / 2;
+    let gaps: Vec<_> = alone.sent_times().windows(2).map(|w| w[1] - w[0]).collect();
+    assert!(gaps.len() == 2 && gaps.iter().all(|g| *g >= floor), "{gaps:?}");
 }
 
 #[tokio::test(start_paused = true)]
@@ -133,7 +144,7 @@ fn too_long() -> BoxError {
 async fn a_request_too_large_for_one_source_moves_on_at_once() {
     // context_length_exceeded is Rejected (the source is fine), but another source may
     // take the request: one attempt spent, no backoff, the next one answers.
-    let upstream = Upstream::with(vec![Err(too_long()), Ok(Ans::Ok)]);
+    let upstream = Upstream::with(vec![Err(too_long()), Ok(Ans::Ok)]).named("s1");
     let mut svc = rejecting_errors(&upstream);
     let started = tokio::time::Instant::now();
     assert!(matches!(call(&mut svc, Req::new(1)).await, Ok(Ans::Ok)));
@@ -145,7 +156,7 @@ async fn a_request_too_large_for_one_source_moves_on_at_once() {
     );
 
     // Too large everywhere: the budget ends it, with the provider's answer kept.
-    let upstream = Upstream::with((0..5).map(|_| Err(too_long())).collect());
+    let upstream = Upstream::with((0..5).map(|_| Err(too_long())).collect()).named("s1");
     let mut svc = rejecting_errors(&upstream);
     let err = call(&mut svc, Req::new(2)).await.unwrap_err();
     let err = retry_error(&err);
@@ -714,7 +725,7 @@ async fn keeps_waiting_while_other_calls_succeed() {
 #[tokio::test(start_paused = true)]
 async fn retry_budget_caps_retries_under_total_failure() {
     use tower_retry_pushback::RetryBudgetConfig;
-    let upstream = Upstream::always(Ans::Dead);
+    let upstream = Upstream::always(Ans::Dead).named("s1");
     let mut svc = layer(RetryConfig {
         max_attempts: 10,
         retry_budget: Some(RetryBudgetConfig::default()),
@@ -971,6 +982,32 @@ async fn a_request_deadline_is_read_from_http_extensions() {
     assert!(Instant::now() - start <= Duration::from_secs(30));
     assert!(sent.load(std::sync::atomic::Ordering::SeqCst) >= 3);
     assert!(err.attempts().iter().all(|a| a.outcome.is_rate_limited()));
+}
+
+/// Alone, a request too large for the one upstream is final: sending it again would
+/// meet the same limit.
+#[tokio::test(start_paused = true)]
+async fn alone_a_request_too_large_is_final() {
+    let upstream = Upstream::with(vec![Err(too_long()), Ok(Ans::Ok)]);
+    let mut svc = rejecting_errors(&upstream);
+    let err = call(&mut svc, Req::new(1)).await.unwrap_err();
+    assert_eq!(retry_error(&err).reason(), Reason::Rejected);
+    assert_eq!(upstream.sent_count(), 1);
+}
+
+/// A request that cannot be re-sent ends at its failure: nothing is slept (not even a
+/// 30 s `Retry-After`) or spent from the budget for an attempt that cannot happen.
+#[tokio::test(start_paused = true)]
+async fn a_request_that_cannot_be_resent_ends_without_waiting() {
+    let upstream = Upstream::always(Ans::RateLimited(Some(Duration::from_secs(30))));
+    let mut svc = layer(RetryConfig::default())
+        .resend(|_: &Req| None)
+        .layer(upstream.clone());
+    let start = Instant::now();
+    let err = call(&mut svc, Req::new(1)).await.unwrap_err();
+    assert_eq!(retry_error(&err).reason(), Reason::NotResendable);
+    assert_eq!(Instant::now(), start, "no wait");
+    assert_eq!(upstream.sent_count(), 1);
 }
 
 #[tokio::test(start_paused = true)]
@@ -1247,7 +1284,9 @@ async fn no_two_attempts_to_one_source_go_back_to_back() {
 async fn a_timed_out_attempt_is_retried_without_a_backoff() {
     let took = Duration::from_secs(10);
     let timed_out = || -> Result<Ans, BoxError> { Err(Box::new(pgw_core::TimedOut)) };
-    let upstream = Upstream::with(vec![timed_out(), timed_out()]).delayed(took);
+    let upstream = Upstream::with(vec![timed_out(), timed_out()])
+        .delayed(took)
+        .named("s1");
     let mut svc = layer(RetryConfig::default()).layer(upstream.clone());
     assert_eq!(call(&mut svc, Req::new(1)).await.unwrap(), Ans::Ok);
     let gaps: Vec<_> = upstream.sent_times().windows(2).map(|w| w[1] - w[0]).collect();

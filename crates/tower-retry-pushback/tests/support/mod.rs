@@ -103,13 +103,18 @@ pub type BoxFut<T> = Pin<Box<dyn Future<Output = Result<T, BoxError>> + Send>>;
 
 type Script = Box<dyn FnMut(&Req) -> Result<Ans, BoxError> + Send>;
 
-/// A single upstream answering from a script; records nothing into the history.
+/// A single upstream answering from a script; records nothing into the history unless
+/// [`named`](Upstream::named) names it.
 #[derive(Clone)]
 pub struct Upstream {
     script: Arc<Mutex<Script>>,
     pub sent: Arc<Mutex<Vec<(u32, Instant)>>>,
     pub inflight: Arc<AtomicUsize>,
     delay: Duration,
+    /// Records each attempt into the call's history under this source, as a balancer
+    /// below the retry layer does (the retry layer then knows the next attempt may go
+    /// elsewhere).
+    source: Option<SourceId>,
 }
 
 impl std::fmt::Debug for Upstream {
@@ -135,7 +140,14 @@ impl Upstream {
             sent: Arc::default(),
             inflight: Arc::default(),
             delay: Duration::ZERO,
+            source: None,
         }
+    }
+
+    /// Records its attempts as source `name`, as a balancer below would.
+    pub fn named(mut self, name: &str) -> Self {
+        self.source = Some(SourceId::from(name));
+        self
     }
 
     /// Every attempt takes `delay`.
@@ -165,6 +177,9 @@ impl Service<Req> for Upstream {
     fn call(&mut self, req: Req) -> Self::Future {
         self.sent.lock().unwrap().push((req.id, Instant::now()));
         let answer = (self.script.lock().unwrap())(&req);
+        if let (Some(source), Some(history)) = (&self.source, req.call_history()) {
+            history.record(Some(source.clone()), classify(&answer));
+        }
         let guard = InflightGuard::new(&self.inflight);
         let delay = self.delay;
         Box::pin(async move {
