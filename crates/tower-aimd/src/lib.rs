@@ -25,8 +25,10 @@
 //! The inflight count returns to zero on success, error, panic in the inner future
 //! and drop of the response future. The limit is observable through
 //! [`AimdHandle`] (for metrics). The hot path is two atomics; each release answers one
-//! counted refusal by waking one waiter of the release signal (first come first served,
-//! `Notify::notify_one`), and fires nothing when nobody was refused.
+//! counted refusal by waking one waiter of the release signal (the longest waiting
+//! first, `Notify::notify_one`), and fires nothing when nobody was refused. The freed
+//! slot is not reserved for the woken waiter: a caller arriving meanwhile may take it
+//! first (barging; tower's `ConcurrencyLimit` hands it over instead).
 //!
 //! ```
 //! use pgw_core::{Outcome, Paced};
