@@ -226,6 +226,7 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
             probe::send(
                 &entry.state,
                 at,
+                entry.state.cut_age(after).unwrap_or(after),
                 entry.service.clone(),
                 self.req.clone(),
                 self.class,

@@ -9,6 +9,7 @@
 //! dispatched there.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use pgw_core::{BoxError, CarriesHistory, Classify, NotAdmitted, settle};
 use tokio::time::Instant;
@@ -18,10 +19,15 @@ use crate::future::{Awaiting, Inflight, heard_from, judge};
 use crate::sources::SourceState;
 
 /// Sends `req` to `svc` (source `state`) on a spawned task, started at `at`; the
-/// caller took the source's probe turn ([`SourceState::probe_turn`]).
+/// caller took the source's probe turn ([`SourceState::probe_turn`]). A probe with no
+/// answer within `limit` (the age at which a caller's attempt there would be cut) is
+/// a timeout, and dropped: nothing below may bound it (a timeout above the balancer
+/// does not reach a detached task), and a hanging probe every `probe_every` would
+/// pile up as load on the source for good.
 pub(crate) fn send<S, Req, C>(
     state: &Arc<SourceState>,
     at: Instant,
+    limit: Duration,
     mut svc: S,
     mut req: Req,
     class: usize,
@@ -42,12 +48,19 @@ pub(crate) fn send<S, Req, C>(
     let probing = Inflight(Arc::clone(state));
     let awaiting = Awaiting(Arc::clone(state));
     tokio::spawn(async move {
-        let ready = std::future::poll_fn(|cx| svc.poll_ready(cx))
-            .await
-            .map_err(Into::into);
-        let mut result = match ready {
-            Ok(()) => svc.call(req).await.map_err(Into::into),
-            Err(e) => Err(e),
+        let attempt = async {
+            let ready = std::future::poll_fn(|cx| svc.poll_ready(cx))
+                .await
+                .map_err(Into::into);
+            match ready {
+                Ok(()) => svc.call(req).await.map_err(Into::into),
+                Err(e) => Err(e),
+            }
+        };
+        let Ok(mut result) = tokio::time::timeout(limit, attempt).await else {
+            // Silent for as long as a caller's attempt may be: a timeout, one more.
+            probing.0.timed_out(Instant::now());
+            return;
         };
         drop(awaiting);
         if result

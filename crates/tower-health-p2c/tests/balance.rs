@@ -1374,3 +1374,47 @@ async fn a_source_streaming_a_long_answer_is_not_silent() {
         end(&Ok(Running::default()));
     }
 }
+
+/// A black hole whose probe copies hang for good (nothing below bounds them; the
+/// callers' own attempts time out at 180 s): each probe is given up as a timeout once
+/// it is as old as a caller's attempt there may get, so probes do not pile up as load
+/// on the source; once the calls stop, its in-flight count is back to zero.
+#[tokio::test(start_paused = true)]
+async fn a_probe_that_never_answers_is_given_up_and_its_load_returned() {
+    let sources = Sources::new();
+    sources.insert(
+        SourceId::from("hole"),
+        BoxCloneSyncService::new(service_fn(|req: Req| async move {
+            if req.is_probe_copy() {
+                std::future::pending::<()>().await;
+            }
+            tokio::time::sleep(Duration::from_secs(180)).await;
+            Err::<&'static str, BoxError>(Box::new(pgw_core::TimedOut))
+        })),
+    );
+    sources.insert(
+        SourceId::from("good"),
+        fixed(Ok("ok"), Duration::from_secs(1), Arc::new(AtomicUsize::new(0))),
+    );
+    let lb = balancer(&sources, Policy::RoundRobin);
+    let spawn = |n: usize| {
+        (0..n)
+            .map(|_| tokio::spawn(lb.clone().oneshot(Req::default())))
+            .collect::<Vec<_>>()
+    };
+    // Three calls go into the hole and time out: silent, probed from now on.
+    for h in spawn(6) {
+        let _ = h.await.unwrap();
+    }
+    // Five minutes of calls: a probe every 10 s.
+    for _ in 0..30 {
+        for h in spawn(2) {
+            assert_eq!(h.await.unwrap().unwrap(), "ok");
+        }
+        tokio::time::sleep(Duration::from_secs(10)).await;
+    }
+    let hole = || sources.view("hole").unwrap().inflight();
+    assert!(hole() <= 7, "at most a minute of probes out: {}", hole());
+    tokio::time::sleep(Duration::from_secs(120)).await;
+    assert_eq!(hole(), 0, "every probe given up");
+}
