@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
 use pgw_core::{BoxError, BreakerVerdict, CircuitOpen, Classify, OkIsSuccess, SourceId};
+use tokio::sync::futures::OwnedNotified;
 use tokio::time::Sleep;
 use tower_service::Service;
 
@@ -71,7 +72,9 @@ impl<G: Gate> Drop for Lease<G> {
 enum Readiness<G: Gate> {
     Idle,
     Admitting(G::Admit),
-    Waiting(Pin<Box<Sleep>>),
+    /// Refused in `Mode::Wait`: until the refusal's `retry_after`, or the gate's
+    /// signal that a probe ended ([`Gate::changes`]), whichever comes first.
+    Waiting(Pin<Box<Sleep>>, Option<Pin<Box<OwnedNotified>>>),
     Admitted(Lease<G>),
     Refused(BoxError),
 }
@@ -251,14 +254,24 @@ where
                             Mode::Shed => Readiness::Refused(Box::new(
                                 CircuitOpen::new(retry_after).with_source(self.shared.source.clone()),
                             )),
-                            Mode::Wait => Readiness::Waiting(Box::pin(tokio::time::sleep(retry_after))),
+                            Mode::Wait => {
+                                let changes = self.shared.gate.changes().map(|n| {
+                                    let mut n = Box::pin(n.notified_owned());
+                                    n.as_mut().enable();
+                                    n
+                                });
+                                Readiness::Waiting(Box::pin(tokio::time::sleep(retry_after)), changes)
+                            }
                         },
                         // B12: fail closed, from the future, in both modes.
                         Err(e) => Readiness::Refused(e),
                     };
                 }
-                Readiness::Waiting(sleep) => {
-                    ready!(sleep.as_mut().poll(cx));
+                Readiness::Waiting(sleep, changes) => {
+                    let changed = changes.as_mut().is_some_and(|n| n.as_mut().poll(cx).is_ready());
+                    if !changed {
+                        ready!(sleep.as_mut().poll(cx));
+                    }
                     self.readiness = Readiness::Idle;
                 }
                 Readiness::Admitted(_) => return self.inner.poll_ready(cx).map_err(Into::into),

@@ -241,6 +241,52 @@ async fn waiting_mode_is_ready_at_open_until() {
     assert_eq!(layer.handle().view().await.unwrap().state, BreakerState::Closed);
 }
 
+/// Waiting mode: a caller refused while a probe is out is woken when the probe ends
+/// and closes the breaker, not at its `retry_after` (here the cooldown, 30 s, away).
+#[tokio::test(start_paused = true)]
+async fn waiting_callers_are_woken_when_the_probe_closes_the_breaker() {
+    let env = MemEnv::new();
+    let config = BreakerConfig::builder()
+        .fail_threshold(1)
+        .cooldown(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let layer = BreakerLayer::new(env.backend(), "s", &config).waiting();
+    let svc = layer.layer(service_fn(|(fail, took): (bool, Duration)| async move {
+        tokio::time::sleep(took).await;
+        if fail {
+            Err::<&'static str, BoxError>("connection reset".into())
+        } else {
+            Ok("ok")
+        }
+    }));
+    let mut first = svc.clone();
+    assert!(
+        first
+            .ready()
+            .await
+            .unwrap()
+            .call((true, Duration::ZERO))
+            .await
+            .is_err()
+    );
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    // Half-open: the probe takes 200 ms and succeeds.
+    let mut prober = svc.clone();
+    prober.ready().await.unwrap();
+    let probe = tokio::spawn(prober.call((false, Duration::from_millis(200))));
+    let mut waiter = svc.clone();
+    let asked = Instant::now();
+    waiter.ready().await.unwrap();
+    assert_eq!(
+        asked.elapsed(),
+        Duration::from_millis(200),
+        "woken by the probe's end"
+    );
+    assert_eq!(probe.await.unwrap().unwrap(), "ok");
+    assert_eq!(waiter.call((false, Duration::ZERO)).await.unwrap(), "ok");
+}
+
 /// Many threads admitting at once in half-open: exactly one probe.
 #[test]
 fn memory_concurrent_half_open_admits_one_probe() {

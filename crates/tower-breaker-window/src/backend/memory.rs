@@ -66,6 +66,8 @@ struct Shared {
     /// `epoch << 1 | open`, written under the lock after every transition: a closed-state
     /// admission reads it without locking and without reading the clock.
     summary: AtomicU64,
+    /// Fired when a probe ends ([`Gate::changes`]).
+    changes: Arc<tokio::sync::Notify>,
 }
 
 struct Inner {
@@ -137,6 +139,13 @@ impl MemoryGate {
             // keeps the line every closed-state admission reads unwritten.
             self.publish(&g);
         }
+        drop(g);
+        if ticket.is_probe() {
+            // The probe ended: closed, or its lease is free for the next caller.
+            // Waiters ask again now rather than at their `retry_after` (up to a
+            // cooldown away).
+            self.0.state.changes.notify_waiters();
+        }
     }
 
     /// The state view, synchronously.
@@ -166,5 +175,9 @@ impl Gate for MemoryGate {
 
     fn record_errors(&self) -> u64 {
         0
+    }
+
+    fn changes(&self) -> Option<Arc<tokio::sync::Notify>> {
+        Some(Arc::clone(&self.0.state.changes))
     }
 }

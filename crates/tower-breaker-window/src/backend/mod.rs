@@ -72,4 +72,13 @@ pub trait Gate: Clone + Send + Sync + 'static {
 
     /// Records this process could not deliver to the backend.
     fn record_errors(&self) -> u64;
+
+    /// A signal fired when an admission refused now may be admitted before its
+    /// `retry_after`: a probe ended (closing the breaker, or freeing its lease for the
+    /// next caller). A waiting service ([`Mode::Wait`](crate::Mode::Wait)) wakes on it
+    /// as well as on its timer. `None` (the default, and the Redis backend, which
+    /// cannot hear another process's probe end): waiters re-ask at their `retry_after`.
+    fn changes(&self) -> Option<std::sync::Arc<tokio::sync::Notify>> {
+        None
+    }
 }
