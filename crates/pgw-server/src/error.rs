@@ -332,8 +332,8 @@ impl ApiError {
 
 /// Whether a failed call may have reached a provider: the gateway's verdict
 /// ([`GatewayError::reached_a_provider`]), or for another error, anything but a
-/// refusal before any attempt (a quota, open circuits, no admission, the backend
-/// down, a request no window admits). What is not known to be a refusal counts as
+/// refusal before any attempt ([`NotAdmitted`]: a quota, open circuits, the backend
+/// down, ...; or a request no window admits). What is not known to be a refusal counts as
 /// reached.
 pub(crate) fn reached_a_provider(e: &BoxError) -> bool {
     if let Some(g) = e.downcast_ref::<GatewayError>() {
@@ -343,12 +343,7 @@ pub(crate) fn reached_a_provider(e: &BoxError) -> bool {
         return !r.attempts().is_empty();
     }
     let e: &(dyn std::error::Error + 'static) = &**e;
-    !(find::<QuotaExceeded>(e).is_some()
-        || find::<CircuitOpen>(e).is_some()
-        || NotAdmitted::of(e).is_some()
-        || find::<BackendUnavailable>(e).is_some()
-        || find::<NeverAdmitted>(e).is_some()
-        || find::<RequestTooLarge>(e).is_some())
+    NotAdmitted::of(e).is_none() && find::<RequestTooLarge>(e).is_none()
 }
 
 /// The first error of type `T` in `e`'s source chain.

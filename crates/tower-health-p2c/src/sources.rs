@@ -258,9 +258,7 @@ impl SourceState {
     /// An attempt's first answer came (a stream's head, an error, a timeout), or it
     /// ended without one (dropped, refused below): once per [`inc`](Self::inc).
     pub(crate) fn answered(&self) {
-        let _ = self
-            .awaiting
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+        self.awaiting.fetch_sub(1, Ordering::Relaxed);
     }
 
     pub(crate) fn dec(&self) {

@@ -301,6 +301,14 @@ impl<Req: CarriesHistory, C, R> Call<Req, C, R> {
         (waited > stall && self.shared.progress.idle_for(now) > stall).then_some(waited)
     }
 
+    /// The call's end when a retry is due and the request cannot be sent again: decided
+    /// before any wait, budget or readiness is spent on an attempt that cannot happen.
+    fn unresendable<T>(&mut self) -> Option<Next<T>> {
+        self.next
+            .is_none()
+            .then(|| Next::Finish(self.fail(Reason::NotResendable)))
+    }
+
     /// Decides what follows one attempt.
     fn after_attempt<T>(&mut self, result: Result<T, BoxError>) -> Next<T>
     where
@@ -353,20 +361,8 @@ impl<Req: CarriesHistory, C, R> Call<Req, C, R> {
         self.start_waiting(now).last_error = result.err();
         tracing::debug!(outcome = outcome.as_str(), source = ?source, "attempt failed");
 
-        // Final anyway: a rejection (too large for every source, when no balancer
-        // below records sources to move on to), a re-ask budget spent.
+        // A balancer below names each attempt's source: the next one can go elsewhere.
         let balanced = source.is_some();
-        let retries = match outcome {
-            Outcome::Rejected => too_large && balanced,
-            Outcome::Invalid => self.slow.as_ref().map_or(0, |s| s.reasks) < self.shared.config.max_reasks,
-            _ => true,
-        };
-        if retries && self.next.is_none() {
-            // No copy to send again: the call ends now, before any wait, budget or
-            // readiness is spent on an attempt that cannot happen.
-            return Next::Finish(self.fail(Reason::NotResendable));
-        }
-
         match outcome {
             // Too large for that source, not for every one: spend an attempt and move on
             // (the balancer puts that source last for this call); the last one's answer
@@ -379,19 +375,20 @@ impl<Req: CarriesHistory, C, R> Call<Req, C, R> {
                 if slow.spent >= max_attempts {
                     Next::Finish(self.fail(Reason::Rejected))
                 } else {
-                    Next::Dispatch
+                    self.unresendable().unwrap_or(Next::Dispatch)
                 }
             }
             Outcome::Rejected => Next::Finish(self.fail(Reason::Rejected)),
             Outcome::Invalid => {
                 let max_reasks = self.shared.config.max_reasks;
-                let slow = self.start_waiting(now);
-                if slow.reasks < max_reasks {
-                    slow.reasks += 1;
-                    Next::Dispatch
-                } else {
-                    Next::Finish(self.fail(Reason::ReasksExhausted))
+                if self.start_waiting(now).reasks >= max_reasks {
+                    return Next::Finish(self.fail(Reason::ReasksExhausted));
                 }
+                if let Some(end) = self.unresendable() {
+                    return end;
+                }
+                self.start_waiting(now).reasks += 1;
+                Next::Dispatch
             }
             Outcome::Transient | Outcome::SourceDead => {
                 let max_attempts = self.shared.config.max_attempts;
@@ -399,6 +396,9 @@ impl<Req: CarriesHistory, C, R> Call<Req, C, R> {
                 slow.spent += 1;
                 if slow.spent >= max_attempts {
                     return Next::Finish(self.fail(Reason::BudgetExhausted));
+                }
+                if let Some(end) = self.unresendable() {
+                    return end;
                 }
                 if let Some(budget) = &self.shared.budget
                     && !budget.withdraw(now)
@@ -419,6 +419,9 @@ impl<Req: CarriesHistory, C, R> Call<Req, C, R> {
                 }
             }
             Outcome::RateLimited { retry_after } => {
+                if let Some(end) = self.unresendable() {
+                    return end;
+                }
                 let wait = retry_after.unwrap_or_default().max(self.next_backoff());
                 let limit = self.shared.config.max_pushback_wait;
                 let held = self.shared.hold.is_some();

@@ -134,8 +134,8 @@ impl RedisBackend {
     }
 
     /// Sets how long one operation may take before the backend counts as unreachable
-    /// (`pgw_core::redis_conn::DEFAULT_RESPONSE_TIMEOUT`). `Duration::ZERO` leaves no time: every operation
-    /// counts as unreachable, and the breaker fails closed.
+    /// (`pgw_core::redis_conn::DEFAULT_RESPONSE_TIMEOUT`). `Duration::ZERO` leaves no
+    /// time: every operation counts as unreachable, and the breaker fails closed.
     #[must_use]
     pub const fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
