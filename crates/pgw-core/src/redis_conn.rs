@@ -265,6 +265,22 @@ where
     }
 }
 
+/// A per-process random nonce, so ids a process writes into shared state (the
+/// limiter's leases, the breaker's probe claims) never collide with another process's.
+static NONCE: std::sync::LazyLock<u64> = std::sync::LazyLock::new(|| {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(std::process::id());
+    h.finish()
+});
+
+/// `id` made unique across processes: `NONCE:id` in hex, where the nonce is random per
+/// process. Ids a process hands out once each (a counter) stay unique in Redis.
+#[must_use]
+pub fn unique_id(id: u64) -> String {
+    format!("{:x}:{id:x}", *NONCE)
+}
+
 /// The hash-tagged key prefix of one scope, so every key of a source (or an account)
 /// lives in one cluster slot: `{prefix}:{scope}` becomes `prefix:{scope}:`.
 #[must_use]

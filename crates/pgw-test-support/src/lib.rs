@@ -191,6 +191,37 @@ impl PrivateRedis {
         query(self.port, line).unwrap_or_else(|e| panic!("{line} on port {}: {e}", self.port))
     }
 
+    /// Stops the server without closing anything (`SIGSTOP`): connections stay open
+    /// and nothing is answered, as from a server that hangs or a network that drops
+    /// packets, until [`thaw`](Self::thaw).
+    ///
+    /// # Panics
+    /// When the server is not running or the signal cannot be sent.
+    pub fn freeze(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Lets a [`freeze`](Self::freeze)d server run again (`SIGCONT`).
+    ///
+    /// # Panics
+    /// As [`freeze`](Self::freeze).
+    pub fn thaw(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, sig: &str) {
+        let pid = self
+            .child
+            .as_ref()
+            .expect("the private redis-server is running")
+            .id();
+        let status = std::process::Command::new("kill")
+            .args([sig, &pid.to_string()])
+            .status()
+            .unwrap_or_else(|e| panic!("kill {sig} {pid}: {e}"));
+        assert!(status.success(), "kill {sig} {pid}: {status}");
+    }
+
     /// Kills the server (an outage).
     pub fn stop(&mut self) {
         if let Some(mut c) = self.child.take() {

@@ -262,9 +262,8 @@ async fn a_closed_view_of_duration_max_saturates() {
 
 /// Admissions that find the view unknown while one is asking Redis wait for its
 /// answer instead of asking too: a round of waiting calls asks a gate once, not once
-/// per call. A question dropped before its answer, or held unpolled past the
-/// backend's timeout, sends its waiters to ask on their own; with the view off, every
-/// admission asks.
+/// per call. The question runs in a task of its own, so an asker dropped or never
+/// polled still answers its waiters; with the view off, every admission asks.
 #[tokio::test]
 async fn concurrent_admissions_share_one_question() {
     let server = PrivateRedis::start();
@@ -283,26 +282,23 @@ async fn concurrent_admissions_share_one_question() {
         assert!(matches!(a.unwrap(), Admission::Admitted(t) if !t.is_probe()));
     }
 
-    // The asker is dropped before it is polled: the waiter asks on its own.
+    // The asker is dropped before it is polled: its question runs in a task of its
+    // own, and the waiter hears its answer.
     let gate = backend.gate(&"t".into(), &config(3));
     let before = evalsha();
     let asker = gate.admit();
     let waiter = gate.admit();
     drop(asker);
     assert!(matches!(waiter.await.unwrap(), Admission::Admitted(_)));
-    assert_eq!(evalsha() - before, 1, "the waiter asked");
+    assert_eq!(evalsha() - before, 1, "one question, heard by the waiter");
 
-    // The asker is held, never polled: the waiter waits at most the backend's
-    // timeout, then asks on its own.
-    let gate = backend
-        .clone()
-        .with_timeout(Duration::from_millis(200))
-        .gate(&"v".into(), &config(3));
+    // The asker is held, never polled: the same.
+    let gate = backend.gate(&"v".into(), &config(3));
     let before = evalsha();
     let asker = gate.admit();
     let waiter = gate.admit();
     assert!(matches!(waiter.await.unwrap(), Admission::Admitted(_)));
-    assert_eq!(evalsha() - before, 1, "the waiter asked");
+    assert_eq!(evalsha() - before, 1, "one question, heard by the waiter");
     drop(asker);
 
     // No view: no sharing either.
@@ -672,4 +668,110 @@ async fn a_probe_out_refusal_is_remembered_for_the_view_and_forgotten_by_its_own
     let start = evalsha();
     assert!(!admit(&a).await.is_probe(), "admitted by the closed breaker");
     assert_eq!(evalsha() - start, 1, "asked Redis");
+}
+
+/// A probe lease whose caller is gone is released at once, not held for the probe TTL
+/// (a minute here) while every process is refused "probe out": an admission dropped
+/// after its question went out, and one whose question timed out on a frozen server
+/// (its script runs when the server wakes up). Real time (the server's clock).
+#[tokio::test]
+async fn a_probe_lease_whose_caller_is_gone_is_released() {
+    let server = PrivateRedis::start();
+    let target = RedisTarget::Standalone(server.url());
+    let timeout = Duration::from_millis(300);
+    let config = BreakerConfig::builder()
+        .fail_threshold(1)
+        .cooldown(REDIS_UNIT)
+        .probe_ttl(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    // Every admission asks (no view): the other process sees the lease at once.
+    let backend = |conn| {
+        RedisBackend::new(conn)
+            .with_prefix("gone")
+            .with_timeout(timeout)
+            .with_closed_view(Duration::ZERO)
+    };
+    let conn = || RedisConn::connect_with(&target, timeout, timeout);
+    let a = backend(conn().await.unwrap()).gate(&"s".into(), &config);
+    let b = backend(conn().await.unwrap()).gate(&"s".into(), &config);
+    // The other process takes the probe once the lease is free (a few ms after the
+    // release); without the release it would be refused for the probe TTL.
+    let probe_of_b = || async {
+        for _ in 0..100 {
+            if let Admission::Admitted(t) = b.admit().await.expect("backend answers") {
+                return Some(t);
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        None
+    };
+
+    // Opened; after the cooldown the next admission is the probe. Its caller gives
+    // up while the question is surely out (the server is frozen) and drops it; the
+    // script runs when the server wakes up.
+    call(&a, F).await;
+    tokio::time::sleep(REDIS_UNIT + REDIS_UNIT / 6).await;
+    server.freeze();
+    let gave_up = tokio::time::timeout(timeout / 3, a.admit()).await;
+    assert!(gave_up.is_err(), "no answer from a frozen server");
+    server.thaw();
+    let t = probe_of_b()
+        .await
+        .expect("the dropped probe's lease was released");
+    assert!(t.is_probe());
+    b.record(t, BreakerVerdict::Failure).await; // open again, one cooldown
+
+    // A question that times out on a frozen server: its script runs when the server
+    // wakes up and leases the probe to a caller that has had its error.
+    tokio::time::sleep(REDIS_UNIT + REDIS_UNIT / 6).await;
+    server.freeze();
+    let err = a.admit().await.unwrap_err();
+    assert!(err.is::<BackendUnavailable>(), "{err}");
+    server.thaw();
+    let t = probe_of_b()
+        .await
+        .expect("the timed-out probe's lease was released");
+    assert!(t.is_probe());
+}
+
+/// Admissions waiting on a question that Redis does not answer fail with it, after
+/// the backend's timeout, and do not ask again: before, each waited that timeout and
+/// then asked, and was answered after twice the timeout. Paused clock, so the timeout
+/// passes as soon as nothing else can happen; the server is frozen (connections open,
+/// nothing answered).
+#[tokio::test]
+async fn waiters_hear_that_their_question_failed() {
+    let server = PrivateRedis::start();
+    let target = RedisTarget::Standalone(server.url());
+    let timeout = Duration::from_millis(300);
+    let conn = RedisConn::connect_with(&target, timeout, timeout).await.unwrap();
+    let backend = RedisBackend::new(conn).with_prefix("heard").with_timeout(timeout);
+    let gate = backend.gate(&"s".into(), &config(3));
+    // Load the script (a first question must not fail on NOSCRIPT's retry).
+    let _ = admit(&backend.gate(&"warm".into(), &config(3))).await;
+
+    server.freeze();
+    tokio::time::pause();
+    let start = tokio::time::Instant::now();
+    let timed = |g: tower_breaker_window::RedisGate| async move {
+        let r = g.admit().await;
+        (r, start.elapsed())
+    };
+    let answers = join_all((0..4).map(|_| timed(gate.clone()))).await;
+    tokio::time::resume();
+    server.thaw();
+    for (r, took) in answers {
+        let err = r.unwrap_err();
+        let unavailable = err
+            .downcast_ref::<BackendUnavailable>()
+            .expect("BackendUnavailable");
+        assert_eq!(unavailable.operation(), "admit");
+        // The timer wheel rounds up to the next millisecond; twice the timeout was
+        // the defect.
+        assert!(
+            took >= timeout && took < timeout + Duration::from_millis(5),
+            "each failed with the one question, after its timeout: {took:?}"
+        );
+    }
 }

@@ -3,10 +3,16 @@
 //! Each source's gate is one HASH, `{prefix}:{source}:gate` (hash-tagged by
 //! [`scope_key`], so a cluster keeps every key of a source in one slot), with the fixed
 //! fields `open, epoch, open_until, probe_id, probe_until, failures, win_id, a0, f0, a1,
-//! f1, streak, closed_since, ttl_end` and a TTL of four times the longest of the
-//! window, the longest cooldown and the probe TTL, set on every state change and by a
-//! record once less than half of it is left (`ttl_end`). Time is the server's
+//! f1, streak, closed_since, ttl_end, probe_claim` and a TTL of four times the longest
+//! of the window, the longest cooldown and the probe TTL, set on every state change and
+//! by a record once less than half of it is left (`ttl_end`). Time is the server's
 //! `TIME`, never the local clock. Admission is one `EVALSHA`, and so is a record.
+//!
+//! An admission that asks Redis sends its question at once, in a task of its own (see
+//! [`RedisGate`]): a probe lease whose caller dropped the admission, or whose question
+//! failed or timed out, is released by one more `EVALSHA` instead of refusing every
+//! process for the probe TTL; the admissions waiting on that question hear its answer
+//! or its failure.
 
 use std::fmt;
 use std::future::Future;
@@ -17,11 +23,11 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use pgw_core::clock::saturating_after;
-use pgw_core::redis_conn::{DEFAULT_RESPONSE_TIMEOUT, RedisConn, run, scope_key};
+use pgw_core::redis_conn::{DEFAULT_RESPONSE_TIMEOUT, RedisConn, run, scope_key, unique_id};
 use pgw_core::sync::lock;
-use pgw_core::{BoxError, BreakerVerdict, SourceId};
+use pgw_core::{BackendUnavailable, BoxError, BreakerVerdict, SourceId};
 use redis::Script;
-use tokio::sync::watch;
+use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
@@ -32,6 +38,11 @@ use crate::state::{BreakerView, Effect, GateState, Params, Ticket};
 static ADMIT: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/admit.lua")));
 static RECORD: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/record.lua")));
 static VIEW: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/view.lua")));
+static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/release.lua")));
+
+/// The claims this process sent with admission questions (made unique across
+/// processes by [`unique_id`]).
+static CLAIMS: AtomicU64 = AtomicU64::new(1);
 
 /// The default key prefix: `pgw:brk`.
 pub const DEFAULT_PREFIX: &str = "pgw:brk";
@@ -202,10 +213,23 @@ struct Deferred {
 struct Flight {
     /// This process's count of opens when it was sent.
     opens: u64,
-    /// Its answer once in; a sender dropped without one (the question failed or its
-    /// caller dropped it) sends every waiter to ask on its own.
-    answer: watch::Receiver<Option<Admission>>,
+    /// Its answer once in (a sender dropped without one, when the runtime dropped the
+    /// question, sends every waiter to ask on its own).
+    answer: watch::Receiver<Option<Heard>>,
 }
+
+/// What the waiters on a question hear.
+#[derive(Clone, Debug)]
+enum Heard {
+    /// The script's answer.
+    Answer(Admission),
+    /// No answer: the backend failed or did not answer within its timeout.
+    Failed(Arc<str>),
+}
+
+/// The admission script's reply: admitted, epoch, probe lease id, retry after (ms),
+/// open.
+type AdmitReply = (i64, i64, i64, i64, i64);
 
 impl Inner {
     /// What a record of `verdict` on `ticket` sends: `None` when it is a success kept
@@ -283,6 +307,13 @@ enum Known {
 }
 
 /// One source's gate in Redis.
+///
+/// [`Gate::admit`] answers from this process's view when it can; otherwise it sends
+/// the admission script when called, not when first polled, in a task of its own
+/// (inside a tokio runtime; outside one, the returned future asks). So a caller that
+/// drops the admission, or whose question times out, leaves no probe lease behind
+/// (the task releases it), and admissions waiting on one question fail with it when
+/// Redis does not answer, after the backend's timeout, not twice that.
 #[derive(Clone)]
 pub struct RedisGate(Arc<Inner>);
 
@@ -315,18 +346,122 @@ impl RedisGate {
         lock(&self.0.deferred).n
     }
 
-    /// One admission's round trip, and what it teaches this process's view.
-    async fn ask(inner: &Inner, sent: Instant, opens: u64) -> Result<Admission, BoxError> {
+    /// One admission question, sent in a task of its own where there is a runtime, so
+    /// its answer is heard even when the caller that asked is gone or has given up:
+    /// - a probe lease that no caller will record is released at once (`release.lua`,
+    ///   as a probe ended without a verdict), instead of refusing every process "probe
+    ///   out" for the probe TTL. That is a lease answered to a caller that dropped its
+    ///   admission, and any lease the question may have taken when it failed or timed
+    ///   out: the question sends a claim of its own, kept with a lease it takes, and
+    ///   the release frees only a lease of that claim;
+    /// - the admissions waiting on this question (`flight`) hear its answer, or its
+    ///   failure, when it is in: they do not ask again after it failed.
+    ///
+    /// The question is sent when this is called, not when the future is first polled.
+    fn ask(
+        inner: Arc<Inner>,
+        sent: Instant,
+        opens: u64,
+        flight: Option<watch::Sender<Option<Heard>>>,
+    ) -> BoxFuture<Result<Admission, BoxError>> {
+        let claim = unique_id(CLAIMS.fetch_add(1, Ordering::Relaxed));
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            // No runtime to run it on: asked by the caller's future, as a plain call.
+            return Box::pin(async move {
+                let answer = Self::question(&inner, sent, opens, &claim).await;
+                Self::publish(&inner, flight, &answer);
+                answer.map_err(Into::into)
+            });
+        };
+        let (tx, rx) = oneshot::channel();
+        rt.spawn(async move {
+            let answer = Self::question(&inner, sent, opens, &claim).await;
+            Self::publish(&inner, flight, &answer);
+            // No answer: the script may have run, or may still run (queued behind a
+            // slow server), and leased a probe to this claim; the release is queued
+            // behind it on the same connection.
+            let failed = answer.is_err();
+            let orphan = match tx.send(answer) {
+                Ok(()) => failed,
+                // The caller is gone: a lease it was given is nobody's.
+                Err(Ok(Admission::Admitted(t))) => t.is_probe(),
+                Err(Ok(Admission::Refused { .. })) => false,
+                Err(Err(_)) => true,
+            };
+            if orphan {
+                Self::release(&inner, &claim).await;
+            }
+        });
+        Box::pin(async move {
+            match rx.await {
+                Ok(answer) => answer.map_err(Into::into),
+                Err(_) => {
+                    Err(BackendUnavailable::new("redis", "admit", "the runtime dropped the question").into())
+                }
+            }
+        })
+    }
+
+    /// Sends the admission script with `claim` and reads what its answer teaches.
+    async fn question(
+        inner: &Inner,
+        sent: Instant,
+        opens: u64,
+        claim: &str,
+    ) -> Result<Admission, BackendUnavailable> {
         let mut conn = inner.conn.clone();
         let p = &inner.params;
         let mut call = ADMIT.prepare_invoke();
         call.key(&inner.key)
             .arg(p.probe_ttl)
             .arg(p.cooldown)
-            .arg(p.key_ttl);
-        let (admitted, epoch, probe, retry_ms, open): (i64, i64, i64, i64, i64) =
-            run("admit", inner.timeout, call.invoke_async(&mut conn)).await?;
-        Ok(if admitted == 1 {
+            .arg(p.key_ttl)
+            .arg(claim);
+        let reply: AdmitReply = run("admit", inner.timeout, call.invoke_async(&mut conn)).await?;
+        Ok(Self::heard(inner, sent, opens, reply))
+    }
+
+    /// Frees the probe lease of `claim`, if there is one (see [`Self::ask`]).
+    async fn release(inner: &Inner, claim: &str) {
+        let mut conn = inner.conn.clone();
+        let mut call = RELEASE.prepare_invoke();
+        call.key(&inner.key).arg(claim);
+        match run("release", inner.timeout, call.invoke_async::<i64>(&mut conn)).await {
+            Ok(released) => {
+                tracing::debug!(source = %inner.source, released, "breaker probe claim of a gone caller");
+            }
+            Err(e) => {
+                // The lease, if the question took one, ends with the probe TTL.
+                tracing::debug!(source = %inner.source, error = %e, "breaker probe claim not released");
+            }
+        }
+    }
+
+    /// Tells the admissions waiting on a question what it answered.
+    fn publish(
+        inner: &Inner,
+        flight: Option<watch::Sender<Option<Heard>>>,
+        answer: &Result<Admission, BackendUnavailable>,
+    ) {
+        let Some(tx) = flight else { return };
+        tx.send_replace(Some(match answer {
+            Ok(a) => Heard::Answer(*a),
+            Err(e) => Heard::Failed(e.to_string().into()),
+        }));
+        let mut flight = lock(&inner.flight);
+        if flight
+            .as_ref()
+            .is_some_and(|f| f.answer.same_channel(&tx.subscribe()))
+        {
+            *flight = None;
+        }
+    }
+
+    /// What one admission's answer, to a question sent at `sent`, teaches this
+    /// process's view, and the admission it is.
+    fn heard(inner: &Inner, sent: Instant, opens: u64, reply: AdmitReply) -> Admission {
+        let (admitted, epoch, probe, retry_ms, open) = reply;
+        if admitted == 1 {
             let (epoch, probe) = (non_negative(epoch), non_negative(probe));
             if probe == 0 {
                 inner.saw_closed(sent, epoch, opens);
@@ -351,7 +486,7 @@ impl RedisGate {
                 }
             };
             Admission::Refused { retry_after }
-        })
+        }
     }
 
     async fn record_once(inner: &Inner, ticket: Ticket, verdict: BreakerVerdict, oks: u32) {
@@ -432,7 +567,7 @@ impl Gate for RedisGate {
         let inner = self.0.clone();
         if inner.closed_view.is_zero() {
             // No view: every admission asks.
-            return Box::pin(async move { Self::ask(&inner, sent, opens).await });
+            return Self::ask(inner, sent, opens, None);
         }
         let mut flight = lock(&inner.flight);
         if let Some(f) = flight.as_ref()
@@ -446,36 +581,34 @@ impl Gate for RedisGate {
             let mut answer = f.answer.clone();
             drop(flight);
             return Box::pin(async move {
-                // At most the backend's timeout: an asker whose caller holds its
-                // future without polling it does not hold this one too.
-                let got = tokio::time::timeout(inner.timeout, answer.wait_for(Option::is_some))
-                    .await
-                    .ok()
-                    .and_then(|r| r.ok().and_then(|a| *a));
+                // The question runs in a task of its own, bounded by the backend's
+                // timeout; this bound only guards against a runtime that stopped it.
+                let got =
+                    tokio::time::timeout(inner.timeout.saturating_mul(2), answer.wait_for(Option::is_some))
+                        .await
+                        .ok()
+                        .and_then(|r| r.ok().and_then(|a| a.clone()));
                 match got {
-                    Some(a @ Admission::Refused { .. }) => Ok(a),
-                    Some(a @ Admission::Admitted(t)) if !t.is_probe() => Ok(a),
-                    // The probe is the asker's alone; a failed, dropped or stalled
-                    // question answers nothing: ask.
-                    _ => Self::ask(&inner, Instant::now(), inner.opens.load(Ordering::Acquire)).await,
+                    Some(Heard::Answer(a @ Admission::Refused { .. })) => Ok(a),
+                    Some(Heard::Answer(a @ Admission::Admitted(t))) if !t.is_probe() => Ok(a),
+                    // The backend did not answer the question: nor would it this one
+                    // now (asking again doubled a caller's wait in an outage).
+                    Some(Heard::Failed(cause)) => {
+                        Err(BackendUnavailable::new("redis", "admit", cause.to_string()).into())
+                    }
+                    // The probe is the asker's alone; a question the runtime dropped
+                    // answers nothing: ask.
+                    _ => {
+                        let opens = inner.opens.load(Ordering::Acquire);
+                        Self::ask(inner, Instant::now(), opens, None).await
+                    }
                 }
             });
         }
         let (tx, rx) = watch::channel(None);
-        let mine = rx.clone();
         *flight = Some(Flight { opens, answer: rx });
         drop(flight);
-        Box::pin(async move {
-            let answer = Self::ask(&inner, sent, opens).await;
-            if let Ok(a) = &answer {
-                tx.send_replace(Some(*a));
-            }
-            let mut flight = lock(&inner.flight);
-            if flight.as_ref().is_some_and(|f| f.answer.same_channel(&mine)) {
-                *flight = None;
-            }
-            answer
-        })
+        Self::ask(inner, sent, opens, Some(tx))
     }
 
     fn record(&self, ticket: Ticket, verdict: BreakerVerdict) -> RecordFuture {

@@ -40,7 +40,7 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
-use pgw_core::redis_conn::{RedisConn, RedisTarget, run};
+use pgw_core::redis_conn::{RedisConn, RedisTarget, run, unique_id};
 use pgw_core::sync::lock;
 use pgw_core::{BackendUnavailable, QuotaExceeded};
 use redis::Script;
@@ -71,14 +71,6 @@ static PEEK: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lu
 
 /// The longest hold sent to Redis, in milliseconds (ten years).
 const MAX_HOLD_MS: u128 = 10 * 365 * 24 * 3600 * 1000;
-
-/// A per-process random nonce, so lease ids of different processes never collide.
-static NONCE: LazyLock<u64> = LazyLock::new(|| {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u32(std::process::id());
-    h.finish()
-});
 
 /// Limiter state in Redis, shared by every process.
 ///
@@ -530,7 +522,7 @@ impl fmt::Debug for RedisGate {
 }
 
 fn lease_member(id: LeaseId) -> String {
-    format!("{:x}:{id:x}", *NONCE)
+    unique_id(id)
 }
 
 fn millis(v: i64) -> Duration {
