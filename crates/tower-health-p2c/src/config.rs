@@ -158,7 +158,9 @@ pub struct BalanceConfig {
     /// [`DEFAULT_MAX_WAIT`]); zero fails at once. A call whose history carries a
     /// sooner deadline ([`pgw_core::CallHistory::deadline`]) waits only until then.
     pub max_wait: Duration,
-    /// Re-check interval while sources are paced (default [`DEFAULT_PACED_POLL`]).
+    /// Re-check interval while sources are paced (default [`DEFAULT_PACED_POLL`]);
+    /// also the longest wait on one source whose `poll_ready` is `Pending` before the
+    /// round goes on to the others (counted as [`pgw_core::Paced`]).
     pub paced_poll: Duration,
     /// A source with attempts in flight that has answered nothing for this long is
     /// silent: it is not dispatched to (refused as open, with this as `retry_after`)

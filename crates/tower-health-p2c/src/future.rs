@@ -9,8 +9,8 @@ use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use pgw_core::{
-    AttemptRecord, BoxError, CallHistory, CarriesHistory, CircuitOpen, Classify, NotAdmitted, Recording,
-    clock,
+    AttemptRecord, BoxError, CallHistory, CarriesHistory, CircuitOpen, Classify, NotAdmitted, Paced,
+    Recording, clock,
 };
 use pin_project_lite::pin_project;
 use rand::SeedableRng;
@@ -329,6 +329,22 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
         };
     }
 
+    /// How long a source whose `poll_ready` is `Pending` is waited for before the
+    /// round goes on without it: `paced_poll` from now, or the end of the call's wait
+    /// (its deadline, or `max_wait` once a round has ended without an admission) when
+    /// sooner.
+    fn readiness_deadline(&self) -> Instant {
+        let now = Instant::now();
+        let mut until = clock::saturating_after(now, self.config.paced_poll);
+        if let Some(d) = self.history().and_then(CallHistory::deadline) {
+            until = until.min(d);
+        }
+        if let Some(wait) = &self.wait {
+            until = until.min(wait.deadline);
+        }
+        until
+    }
+
     /// The end of a round in which every source refused: fail, or wait and start a
     /// new round (`Ready(Ok)`).
     fn poll_round_end(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
@@ -621,7 +637,9 @@ pin_project! {
     #[project = StateProj]
     enum State<S, F> {
         Next,
-        Ready { svc: S },
+        // A source whose `poll_ready` said `Pending` (a layer that waits, such as
+        // tower's `ConcurrencyLimit`); `patience` bounds the wait once it started.
+        Ready { svc: S, patience: Option<Pin<Box<tokio::time::Sleep>>> },
         Calling { #[pin] fut: F },
         Done,
     }
@@ -727,7 +745,7 @@ where
                         let req = &this.ctx.req;
                         match entry.dispatch(cx, || req.clone()) {
                             Dispatch::Called(fut) => this.state.set(State::Calling { fut }),
-                            Dispatch::Own(svc) => this.state.set(State::Ready { svc }),
+                            Dispatch::Own(svc) => this.state.set(State::Ready { svc, patience: None }),
                             Dispatch::Refused(e) => {
                                 if let Some(r) = this.ctx.finish(Err(e.into()), true) {
                                     this.state.set(State::Done);
@@ -743,8 +761,29 @@ where
                         }
                     }
                 },
-                StateProj::Ready { svc } => match svc.poll_ready(cx) {
-                    Poll::Pending => return Poll::Pending,
+                StateProj::Ready { svc, patience } => match svc.poll_ready(cx) {
+                    Poll::Pending => {
+                        // Waited for at most `paced_poll` (or what is left of the
+                        // call's wait), then refused as paced: the round goes on to
+                        // the other sources, which may sit idle meanwhile, and a call
+                        // never waits on one unready source past its deadline.
+                        let sleep = patience.get_or_insert_with(|| {
+                            Box::pin(tokio::time::sleep_until(this.ctx.readiness_deadline()))
+                        });
+                        if sleep.as_mut().poll(cx).is_pending() {
+                            return Poll::Pending;
+                        }
+                        let mut paced = Paced::new();
+                        if let Some(i) = this.ctx.dispatched {
+                            paced = paced.with_source(this.ctx.snapshot.entries[i].state.id().clone());
+                        }
+                        // A refusal: `finish` counts it in the round and ends nothing.
+                        if let Some(r) = this.ctx.finish(Err(Box::new(paced)), false) {
+                            this.state.set(State::Done);
+                            return Poll::Ready(r);
+                        }
+                        this.state.set(State::Next);
+                    }
                     Poll::Ready(Ok(())) => {
                         let fut = svc.call(this.ctx.req.clone());
                         this.state.set(State::Calling { fut });

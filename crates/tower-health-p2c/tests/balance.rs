@@ -1418,3 +1418,75 @@ async fn a_probe_that_never_answers_is_given_up_and_its_load_returned() {
     tokio::time::sleep(Duration::from_secs(120)).await;
     assert_eq!(hole(), 0, "every probe given up");
 }
+
+/// A source whose `poll_ready` stays `Pending` (tower's `ConcurrencyLimit` with its
+/// slots held, say) is waited for at most `paced_poll`; then the call goes on to the
+/// other sources, which would otherwise sit idle, and the unready source's count
+/// comes back. Before, the call waited on it without limit.
+#[tokio::test(start_paused = true)]
+async fn a_source_not_ready_is_waited_for_at_most_paced_poll_then_the_call_goes_on() {
+    let sources: Sources<tower_test::mock::Mock<Req, &'static str>> = Sources::new();
+    let (stuck, mut stuck_handle) = tower_test::mock::pair::<Req, &'static str>();
+    let (free, mut free_handle) = tower_test::mock::pair::<Req, &'static str>();
+    stuck_handle.allow(0);
+    sources.insert("stuck".into(), stuck);
+    sources.insert("free".into(), free);
+    tokio::spawn(async move {
+        loop {
+            free_handle.allow(1);
+            let Some((_, send)) = free_handle.next_request().await else {
+                break;
+            };
+            send.send_response("free");
+        }
+    });
+    let config = BalanceConfig::default();
+    let lb = HealthP2c::new(sources.clone(), config).unwrap().with_seed(7);
+    let mut waited = 0;
+    for _ in 0..8 {
+        let start = Instant::now();
+        let answer = tokio::time::timeout(Duration::from_secs(60), lb.clone().oneshot(Req::default()))
+            .await
+            .expect("the call waited on the unready source without limit");
+        assert_eq!(answer.unwrap(), "free");
+        let took = start.elapsed();
+        assert!(took <= config.paced_poll, "{took:?}");
+        if took == config.paced_poll {
+            waited += 1;
+        }
+        assert_eq!(sources.view("stuck").unwrap().inflight(), 0);
+    }
+    assert!(
+        waited > 0,
+        "no call picked the unready source first: the case is not tested"
+    );
+    drop(stuck_handle);
+}
+
+/// With only unready sources, a call ends in `NoneAdmitted` within its wait bound.
+#[tokio::test(start_paused = true)]
+async fn a_call_on_unready_sources_only_ends_within_max_wait() {
+    let sources: Sources<tower_test::mock::Mock<Req, &'static str>> = Sources::new();
+    let (stuck, mut stuck_handle) = tower_test::mock::pair::<Req, &'static str>();
+    stuck_handle.allow(0);
+    sources.insert("stuck".into(), stuck);
+    let config = BalanceConfig {
+        max_wait: Duration::from_secs(5),
+        ..BalanceConfig::default()
+    };
+    let lb = HealthP2c::new(sources.clone(), config).unwrap().with_seed(7);
+    let start = Instant::now();
+    let err = tokio::time::timeout(Duration::from_secs(60), lb.oneshot(Req::default()))
+        .await
+        .expect("the call waited on the unready source without limit")
+        .unwrap_err();
+    assert!(err.is::<NoneAdmitted>(), "{err}");
+    // The first round's wait, then `max_wait` from the end of that round.
+    assert!(
+        start.elapsed() <= config.paced_poll + config.max_wait,
+        "{:?}",
+        start.elapsed()
+    );
+    assert_eq!(sources.view("stuck").unwrap().inflight(), 0);
+    drop(stuck_handle);
+}
