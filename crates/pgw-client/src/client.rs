@@ -10,7 +10,7 @@ use futures_util::StreamExt;
 use futures_util::future::BoxFuture;
 use http::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE, HOST, HeaderValue};
 use http_body_util::BodyExt;
-use pgw_core::openai::{ChatMessage, ChatResponse, ChunkAccumulator};
+use pgw_core::openai::{ChatMessage, ChatResponse, ChunkAccumulator, FINISH_ERROR};
 use pgw_core::{BoxError, EmptyCompletion, ProviderError, SourceId, UpstreamStatus};
 use serde::Serialize;
 use serde_json::{Map, Value};
@@ -396,10 +396,26 @@ where
         let resp: ChatResponse = serde_json::from_slice(&bytes).map_err(|e| {
             MalformedResponse::new(format!("body is not a chat completion: {e}: {}", snippet(&bytes)))
         })?;
-        if resp.choices.is_empty()
-            && let Some(msg) = provider_error(&bytes)
+        if resp.extra.contains_key("error") && ProviderError::parse(&bytes).is_some() {
+            // A provider's error in a 2xx answer (with or without choices): read as
+            // the same error with a 502, so its code still decides (a context window
+            // moves on, a rate limit holds) and an unknown one is transient.
+            let status = error_status(
+                http::StatusCode::BAD_GATEWAY,
+                None,
+                &bytes,
+                prepared.settings.key.as_ref(),
+            );
+            return Err(status.into());
+        }
+        if resp
+            .choices
+            .iter()
+            .any(|c| c.finish_reason.as_deref() == Some(FINISH_ERROR))
         {
-            return Err(MalformedResponse::new(format!("provider error in a 2xx answer: {msg}")).into());
+            return Err(
+                MalformedResponse::new("the provider ended the answer with finish_reason \"error\"").into(),
+            );
         }
         (resp, Vec::new(), Some(bytes))
     };
@@ -473,23 +489,7 @@ async fn status_error(
     let bytes = read_body(body, deadline, t, MAX_ERROR_BODY)
         .await
         .unwrap_or_default();
-    let scrub = |s: String| match &prepared.settings.key {
-        Some(key) => key.scrub(&s),
-        None => s,
-    };
-    let status = match ProviderError::parse(&bytes) {
-        Some(p) => {
-            // Every field the caller may see is scrubbed: a provider may echo the key.
-            let p = ProviderError {
-                message: scrub(truncate(p.message)),
-                kind: p.kind.map(|k| scrub(truncate(k))),
-                code: p.code.map(|c| scrub(truncate(c))),
-                param: p.param.map(|x| scrub(truncate(x))),
-            };
-            UpstreamStatus::new(parts.status, retry_after, p.message.clone()).with_provider(p)
-        }
-        None => UpstreamStatus::new(parts.status, retry_after, scrub(snippet(&bytes))),
-    };
+    let status = error_status(parts.status, retry_after, &bytes, prepared.settings.key.as_ref());
     // The source's model override replaced the caller's: an unknown model is ours.
     if prepared.settings.model.is_some() {
         status.with_source_model()
@@ -502,6 +502,41 @@ async fn status_error(
 /// [`ProviderError::parse`]), truncated.
 pub(crate) fn provider_error(bytes: &[u8]) -> Option<String> {
     ProviderError::parse(bytes).map(|p| truncate(p.message))
+}
+
+/// The error a provider wrote in `bytes`, answered with `status`: its fields (or, for
+/// a body that is not a JSON error, a snippet of it) scrubbed of the key, then cut to
+/// [`MAX_ERROR_MESSAGE`] bytes. In that order: a key echoed across the cut would
+/// otherwise survive as its first bytes.
+fn error_status(
+    status: http::StatusCode,
+    retry_after: Option<Duration>,
+    bytes: &[u8],
+    key: Option<&crate::SecretKey>,
+) -> UpstreamStatus {
+    let clean = |s: String| {
+        truncate(match key {
+            Some(key) => key.scrub(&s),
+            None => s,
+        })
+    };
+    match ProviderError::parse(bytes) {
+        Some(p) => {
+            // Every field the caller may see is scrubbed: a provider may echo the key.
+            let p = ProviderError {
+                message: clean(p.message),
+                kind: p.kind.map(clean),
+                code: p.code.map(clean),
+                param: p.param.map(clean),
+            };
+            UpstreamStatus::new(status, retry_after, p.message.clone()).with_provider(p)
+        }
+        None => UpstreamStatus::new(
+            status,
+            retry_after,
+            clean(String::from_utf8_lossy(bytes).trim().to_owned()),
+        ),
+    }
 }
 
 fn snippet(bytes: &[u8]) -> String {

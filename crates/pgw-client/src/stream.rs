@@ -7,7 +7,7 @@ use std::time::Duration;
 use futures_core::Stream;
 use http_body::Body;
 use pgw_core::BoxError;
-use pgw_core::openai::{ChatChunk, Usage};
+use pgw_core::openai::{ChatChunk, FINISH_ERROR, Usage};
 use pgw_core::sse::{SseDecoder, SseEvent};
 use tokio::time::{Instant, Sleep};
 
@@ -125,6 +125,13 @@ impl ChunkStream {
 
     fn fail(&mut self, err: BoxError) -> Poll<Option<Result<ChatChunk, BoxError>>> {
         self.finished = true;
+        if self.complete {
+            // The answer was whole (a finish reason came): a reset, a stall or an
+            // error event before `[DONE]` or the usage chunk ends the stream, it does
+            // not cut the answer (a continuation would answer twice).
+            tracing::debug!(error = %err, "stream failed after its finish reason: ended");
+            return Poll::Ready(None);
+        }
         Poll::Ready(Some(Err(err)))
     }
 
@@ -154,6 +161,11 @@ impl ChunkStream {
                 if let Some(msg) = crate::client::provider_error(data.as_bytes()) {
                     return Err(MalformedResponse::new(format!("provider error mid-stream: {msg}")).into());
                 }
+                if data.contains("\"choices\"") {
+                    // A chunk this crate cannot read: skipped, its text would be lost
+                    // from an answer that still looked whole.
+                    return Err(MalformedResponse::new(format!("unreadable stream chunk: {e}")).into());
+                }
                 self.skipped += 1;
                 metrics::counter!("pgw_stream_chunks_skipped_total").increment(1);
                 tracing::debug!(error = %e, "skipped a stream event that is not a chat completion chunk");
@@ -161,11 +173,21 @@ impl ChunkStream {
             }
         };
         self.parsed += 1;
-        if chunk.choices.is_empty()
-            && chunk.usage.is_none()
+        if (chunk.extra.contains_key("error") || chunk.choices.is_empty() && chunk.usage.is_none())
             && let Some(msg) = crate::client::provider_error(data.as_bytes())
         {
+            // OpenRouter sends a mid-stream error with choices too (`finish_reason:
+            // "error"`): the answer so far is cut short, never complete.
             return Err(MalformedResponse::new(format!("provider error mid-stream: {msg}")).into());
+        }
+        if chunk
+            .choices
+            .iter()
+            .any(|c| c.finish_reason.as_deref() == Some(FINISH_ERROR))
+        {
+            return Err(
+                MalformedResponse::new("the provider ended the stream with finish_reason \"error\"").into(),
+            );
         }
         if chunk.usage.is_some() {
             self.usage.clone_from(&chunk.usage);

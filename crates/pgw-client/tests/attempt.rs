@@ -412,11 +412,6 @@ async fn garbage_is_a_clear_transient_error() {
             stream_call(),
             "overloaded",
         ),
-        (
-            json(200, r#"{"error":{"message":"quota gone"}}"#),
-            plain_call(),
-            "quota gone",
-        ),
     ];
     for (script, call, want) in cases {
         let r = p.client(script, timeouts()).oneshot(call).await;
@@ -792,4 +787,140 @@ async fn a_pass_through_error_event_before_the_first_output_fails_the_attempt() 
     call.extensions_mut().insert(pgw_client::PassThrough);
     let r = p.client(script, timeouts()).oneshot(call).await;
     assert!(r.unwrap_err().to_string().contains("overloaded"));
+}
+
+/// A provider's error inside an answer that otherwise looks whole is never an answer:
+/// OpenRouter's mid-stream error comes as a chunk with choices and `finish_reason:
+/// "error"`, and a 2xx JSON body may be an error with its own code (which still
+/// decides: a context window moves the call on, an unknown one is transient).
+#[tokio::test(start_paused = true)]
+async fn a_providers_error_inside_a_whole_looking_answer_is_an_error() {
+    let p = Provider::default();
+    let openrouter = Bytes::from_static(
+        b"data: {\"id\":\"c1\",\"error\":{\"code\":502,\"message\":\"Provider disconnected\"},\"choices\":[{\"index\":0,\"delta\":{\"content\":\"\"},\"finish_reason\":\"error\"}]}\n\n",
+    );
+    let script = sse(vec![
+        (Duration::ZERO, chunk("hel", false)),
+        (Duration::ZERO, openrouter),
+        (Duration::ZERO, Bytes::from_static(pgw_core::sse::DONE.as_bytes())),
+    ]);
+    let r = p.client(script, timeouts()).oneshot(stream_call()).await;
+    let err = r.as_ref().unwrap_err();
+    assert!(err.is::<MalformedResponse>(), "{err}");
+    assert!(err.to_string().contains("Provider disconnected"), "{err}");
+    assert_eq!(outcome(&r), Outcome::Transient);
+
+    // `finish_reason: "error"` alone, streamed and not.
+    let cut = Bytes::from_static(
+        b"data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"error\"}]}\n\n",
+    );
+    let script = sse(vec![(Duration::ZERO, chunk("hel", false)), (Duration::ZERO, cut)]);
+    let r = p.client(script, timeouts()).oneshot(stream_call()).await;
+    assert!(r.as_ref().unwrap_err().is::<MalformedResponse>());
+    let r = p
+        .client(json(200, &ANSWER.replace("\"stop\"", "\"error\"")), timeouts())
+        .oneshot(plain_call())
+        .await;
+    assert!(r.as_ref().unwrap_err().is::<MalformedResponse>());
+    assert_eq!(outcome(&r), Outcome::Transient);
+
+    // A 2xx JSON error: its code decides, its message reaches the caller scrubbed.
+    let body = format!(
+        r#"{{"error":{{"message":"too long for key {KEY}","type":"invalid_request_error","code":"context_length_exceeded"}}}}"#
+    );
+    let r = p.client(json(200, &body), timeouts()).oneshot(plain_call()).await;
+    let err = r.as_ref().unwrap_err();
+    let status = err
+        .downcast_ref::<UpstreamStatus>()
+        .expect("the provider's error");
+    assert_eq!(status.code(), Some("context_length_exceeded"));
+    assert!(pgw_core::exceeds_source(&**err));
+    assert_eq!(outcome(&r), Outcome::Rejected);
+    assert!(!format!("{err} {err:?}").contains(KEY));
+    let r = p
+        .client(json(200, r#"{"error":{"message":"quota gone"}}"#), timeouts())
+        .oneshot(plain_call())
+        .await;
+    assert!(r.as_ref().unwrap_err().to_string().contains("quota gone"));
+    assert_eq!(outcome(&r), Outcome::Transient);
+}
+
+/// A chunk with a `null` where a field has a default keeps its text; a chunk with
+/// choices this crate cannot read fails the attempt instead of losing its text.
+#[tokio::test(start_paused = true)]
+async fn a_chunk_with_nulls_keeps_its_text_and_an_unreadable_one_fails() {
+    let p = Provider::default();
+    let nulls = Bytes::from_static(
+        b"data: {\"id\":null,\"object\":null,\"created\":null,\"model\":null,\"choices\":[{\"index\":null,\"delta\":{\"content\":\"b\"}}]}\n\n",
+    );
+    let float = Bytes::from_static(
+        b"data: {\"created\":1.7e9,\"choices\":[{\"index\":0,\"delta\":{\"content\":\"c\"}}]}\n\n",
+    );
+    let script = sse(vec![
+        (Duration::ZERO, chunk("a", false)),
+        (Duration::ZERO, nulls),
+        (Duration::ZERO, float),
+        (Duration::ZERO, chunk("d", true)),
+    ]);
+    let answer = p.client(script, timeouts()).oneshot(stream_call()).await.unwrap();
+    assert_eq!(answer.content(), "abcd");
+
+    let unreadable = Bytes::from_static(b"data: {\"choices\":[{\"delta\":{\"content\":7}}]}\n\n");
+    let script = sse(vec![
+        (Duration::ZERO, chunk("a", false)),
+        (Duration::ZERO, unreadable),
+        (Duration::ZERO, chunk("d", true)),
+    ]);
+    let r = p.client(script, timeouts()).oneshot(stream_call()).await;
+    let err = r.as_ref().unwrap_err();
+    assert!(err.to_string().contains("unreadable stream chunk"), "{err}");
+}
+
+/// A key the provider echoes across the message's cut is scrubbed before the cut, so
+/// not even its first bytes reach the caller.
+#[tokio::test(start_paused = true)]
+async fn a_key_echoed_across_the_cut_is_scrubbed_whole() {
+    let p = Provider::default();
+    for pad in [470, 500, 505] {
+        let message = format!("{}{KEY}", "x".repeat(pad));
+        let body = format!(r#"{{"error":{{"message":"{message}"}}}}"#);
+        let r = p.client(json(401, &body), timeouts()).oneshot(plain_call()).await;
+        let err = r.unwrap_err();
+        let text = format!("{err} {err:?}");
+        assert!(!text.contains(&KEY[..KEY.len() / 2]), "pad {pad}: {text}");
+        // The same for a body that is not a JSON error.
+        let r = p
+            .client(json(401, &message), timeouts())
+            .oneshot(plain_call())
+            .await;
+        let err = r.unwrap_err();
+        assert!(
+            !format!("{err} {err:?}").contains(&KEY[..KEY.len() / 2]),
+            "pad {pad}"
+        );
+    }
+}
+
+/// A stream whose answer is whole (a finish reason came) and that then stalls or
+/// breaks before `[DONE]` is the answer, not a cut: a continuation would answer twice.
+#[tokio::test(start_paused = true)]
+async fn a_stream_that_breaks_after_its_finish_reason_is_the_answer() {
+    let p = Provider::default();
+    let mut script = sse(vec![
+        (Duration::ZERO, chunk("hi", false)),
+        (Duration::ZERO, chunk("!", true)),
+    ]);
+    script.hang_after_frames = true;
+    let answer = p.client(script, timeouts()).oneshot(stream_call()).await.unwrap();
+    assert_eq!(answer.content(), "hi!");
+    // An error event after the finish reason: the same.
+    let script = sse(vec![
+        (Duration::ZERO, chunk("hi", true)),
+        (
+            Duration::ZERO,
+            Bytes::from_static(b"data: {\"error\":{\"message\":\"late\"}}\n\n"),
+        ),
+    ]);
+    let answer = p.client(script, timeouts()).oneshot(stream_call()).await.unwrap();
+    assert_eq!(answer.content(), "hi");
 }

@@ -584,7 +584,9 @@ impl fmt::Display for ConfigError {
 impl Error for ConfigError {}
 
 /// Whether `err`'s chain says the request does not fit the source that answered: the
-/// provider's `context_length_exceeded`. The request is not wrong everywhere: a source
+/// provider's `context_length_exceeded`, or an error message saying so (vLLM's and
+/// OpenAI's "maximum context length", Anthropic's "prompt is too long", OpenAI's
+/// "Request too large ... on tokens per min"). The request is not wrong everywhere: a source
 /// with a larger context window may take it, so the call spends an attempt and moves
 /// on (that source last for this call) instead of failing at once. Still `Rejected`
 /// for the breaker and health: the source is fine.
@@ -602,7 +604,12 @@ impl Error for ConfigError {}
 /// ```
 #[must_use]
 pub fn exceeds_source(err: &(dyn Error + 'static)) -> bool {
-    UpstreamStatus::find(err).is_some_and(|s| s.code() == Some("context_length_exceeded"))
+    UpstreamStatus::find(err).is_some_and(|s| {
+        s.code() == Some("context_length_exceeded")
+            || crate::http_classify::names_a_request_too_large(
+                s.provider().map_or(s.message(), |p| &p.message),
+            )
+    })
 }
 
 /// Whether the provider said a 429 in `err`'s chain is its account's limit, not the
@@ -616,6 +623,10 @@ pub fn pushback_is_account_wide(err: &(dyn Error + 'static)) -> bool {
     let Some(s) = UpstreamStatus::find(err) else {
         return false;
     };
+    if exceeds_source(err) {
+        // One request too large for the account's limit says nothing of its load.
+        return false;
+    }
     let says = |text: &str| {
         let t = text.to_ascii_lowercase();
         t.contains("organization") || t.contains("account")

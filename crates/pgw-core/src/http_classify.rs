@@ -86,6 +86,28 @@ fn names_a_missing_model(message: &str) -> bool {
     m.starts_with("model:") || (m.contains("model") && (m.contains("not exist") || m.contains("not found")))
 }
 
+/// Whether an error message says this request is too large for the source that
+/// answered, not wrong everywhere: a context window it does not fit (vLLM's and
+/// OpenAI's "maximum context length", Anthropic's "prompt is too long", whatever the
+/// code beside it), or one request above the account's whole token-per-minute limit
+/// (OpenAI's 429 and Groq's 413 "Request too large for ... on tokens per min", coded
+/// `rate_limit_exceeded`: waiting never lets it through, and it says nothing about
+/// the account's load).
+pub(crate) fn names_a_request_too_large(message: &str) -> bool {
+    let m = message.to_ascii_lowercase();
+    m.contains("maximum context length")
+        || m.contains("context length exceeded")
+        || m.contains("prompt is too long")
+        || (m.contains("request too large") && (m.contains("tokens per min") || m.contains("tpm")))
+}
+
+/// Whether a 403's message is a moderation refusal of this request (OpenRouter's
+/// moderation: "... flagged ..."), not a key or account that serves nobody.
+fn names_a_moderation_refusal(message: &str) -> bool {
+    let m = message.to_ascii_lowercase();
+    m.contains("flagged") || m.contains("moderation")
+}
+
 /// The outcome of a non-2xx answer: the provider's error code and type first, then
 /// the status. The one place where an upstream error becomes an outcome.
 ///
@@ -93,6 +115,8 @@ fn names_a_missing_model(message: &str) -> bool {
 /// |---|---|
 /// | `code`/`type` `model_not_found`, or a 404 whose message says the model does not exist | `Rejected`; `SourceDead` when the model was the source's own ([`UpstreamStatus::with_source_model`]: a misconfigured source serves nobody) |
 /// | `context_length_exceeded`, `content_policy_violation`, `content_filter` | `Rejected` |
+/// | a message saying the request does not fit the source (context length, or one request over the whole tokens-per-minute limit: OpenAI's 429 "Request too large", whatever its code) | `Rejected` (and [`crate::exceeds_source`]: another source may take it) |
+/// | a 403 whose message is a moderation refusal ("flagged") | `Rejected` (the request, not the key) |
 /// | `insufficient_quota` (429, billing), `invalid_api_key`, `authentication_error`, `permission_error` | `SourceDead` |
 /// | `rate_limit_exceeded`, `rate_limit_error` | `RateLimited { retry_after }` |
 /// | 529, `overloaded_error` | `Transient` |
@@ -123,6 +147,11 @@ pub fn classify_upstream(err: &UpstreamStatus) -> Outcome {
         } else {
             Outcome::Rejected
         };
+    }
+    if names_a_request_too_large(message)
+        || (status == StatusCode::FORBIDDEN && by_name.is_none() && names_a_moderation_refusal(message))
+    {
+        return Outcome::Rejected;
     }
     match by_name {
         Some(Meaning::Rejected) => return Outcome::Rejected,
@@ -416,6 +445,35 @@ mod tests {
             ),
             (400, r#"{"error":"bad request"}"#, Outcome::Rejected),
             (403, r#"{"message":"forbidden"}"#, Outcome::SourceDead),
+            // One request over the whole tokens-per-minute limit: waiting never lets
+            // it through (OpenAI's 429, Groq's 413, both coded as a rate limit).
+            (
+                429,
+                r#"{"error":{"message":"Request too large for gpt-4o in organization org-x on tokens per min (TPM): Limit 30000, Requested 45000.","type":"tokens","param":null,"code":"rate_limit_exceeded"}}"#,
+                Outcome::Rejected,
+            ),
+            (
+                413,
+                r#"{"error":{"message":"Request too large for model `llama-3.1-8b-instant` in organization `org_x` on tokens per minute (TPM): Limit 6000, Requested 9000","type":"tokens","code":"rate_limit_exceeded"}}"#,
+                Outcome::Rejected,
+            ),
+            // A context window said only in the message (vLLM, Anthropic).
+            (
+                400,
+                r#"{"object":"error","message":"This model's maximum context length is 4096 tokens. However, you requested 5000 tokens.","type":"BadRequestError","param":null,"code":400}"#,
+                Outcome::Rejected,
+            ),
+            (
+                400,
+                r#"{"type":"error","error":{"type":"invalid_request_error","message":"prompt is too long: 210000 tokens > 200000 maximum"}}"#,
+                Outcome::Rejected,
+            ),
+            // OpenRouter's moderation: the request was refused, the key is fine.
+            (
+                403,
+                r#"{"error":{"code":403,"message":"Input required moderation and was flagged","metadata":{"reasons":["violence"]}}}"#,
+                Outcome::Rejected,
+            ),
         ];
         for (i, (status, body, want)) in rows.iter().enumerate() {
             let mut e = UpstreamStatus::new(StatusCode::from_u16(*status).unwrap(), ra, "");
@@ -442,6 +500,34 @@ mod tests {
                 "{status} {body}"
             );
         }
+    }
+
+    /// A request too large for the source moves on to another source (it may fit
+    /// there) and never holds the account, whatever word its message uses for it.
+    #[test]
+    fn a_request_too_large_for_the_source_moves_on_and_holds_nothing() {
+        let error = |status: u16, body: &str| -> BoxError {
+            let e = UpstreamStatus::new(StatusCode::from_u16(status).unwrap(), None, "");
+            Box::new(e.with_provider(ProviderError::parse(body.as_bytes()).unwrap()))
+        };
+        let too_large = error(
+            429,
+            r#"{"error":{"message":"Request too large for gpt-4o in organization org-x on tokens per min (TPM): Limit 30000, Requested 45000.","type":"tokens","code":"rate_limit_exceeded"}}"#,
+        );
+        assert!(crate::exceeds_source(&*too_large));
+        assert!(!crate::pushback_is_account_wide(&*too_large));
+        let vllm = error(
+            400,
+            r#"{"object":"error","message":"This model's maximum context length is 4096 tokens.","code":400}"#,
+        );
+        assert!(crate::exceeds_source(&*vllm));
+        // The account's own rate limit still holds the account.
+        let busy = error(
+            429,
+            r#"{"error":{"message":"Rate limit reached for gpt-4o in organization org-x on tokens per min (TPM): Limit 30000, Used 29000, Requested 2000.","type":"tokens","code":"rate_limit_exceeded"}}"#,
+        );
+        assert!(!crate::exceeds_source(&*busy));
+        assert!(crate::pushback_is_account_wide(&*busy));
     }
 
     #[test]

@@ -13,6 +13,33 @@ use serde_json::{Map, Value};
 
 mod content;
 
+/// A field that may come as `null` (a provider's way of saying "none") where this
+/// crate keeps a default: `null` reads as the default instead of failing the whole
+/// answer or chunk (and, for a chunk, losing its text).
+fn null_as_default<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de> + Default,
+{
+    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
+}
+
+/// Unix seconds as an integer, a float (`1.7e9`) or `null` (0).
+fn unix_seconds<'de, D: serde::Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    Ok(match Option::<serde_json::Number>::deserialize(d)? {
+        Some(n) => n
+            .as_u64()
+            // Truncated toward zero; a negative or out-of-range time reads as 0.
+            .or_else(|| {
+                n.as_f64()
+                    .filter(|f| f.is_finite() && *f >= 0.0 && *f < 1.8e19)
+                    .map(|f| f as u64)
+            })
+            .unwrap_or(0),
+        None => 0,
+    })
+}
+
 pub use content::{Content, ContentPart, IMAGE_PART_TOKENS_ESTIMATE};
 
 /// Default completion budget assumed by [`ChatRequest::estimate_tokens`] when a request
@@ -27,6 +54,10 @@ pub const BYTES_PER_TOKEN_ESTIMATE: u64 = 3;
 
 /// The `finish_reason` of an answer a provider's content filter stopped.
 pub const FINISH_CONTENT_FILTER: &str = "content_filter";
+
+/// `finish_reason` of a choice the provider could not finish (OpenRouter, when the
+/// model behind it failed mid-answer): the answer is cut short, not complete.
+pub const FINISH_ERROR: &str = "error";
 
 /// One message of a chat.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -190,7 +221,7 @@ impl Usage {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Choice {
     /// Index of the choice.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub index: u32,
     /// The answer.
     pub message: ChatMessage,
@@ -232,19 +263,19 @@ impl Choice {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ChatResponse {
     /// Provider's completion id.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub id: String,
     /// `chat.completion`.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub object: String,
     /// Unix seconds.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "unix_seconds")]
     pub created: u64,
     /// The model that answered.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub model: String,
     /// The answers.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub choices: Vec<Choice>,
     /// Token usage, when reported.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -303,7 +334,14 @@ impl Delta {
     #[must_use]
     pub fn carries_output(&self) -> bool {
         self.content.as_deref().is_some_and(|t| !t.is_empty())
-            || self.extra.values().any(|v| !v.is_null() && *v != "")
+            || self.extra.values().any(|v| match v {
+                Value::Null => false,
+                Value::String(s) => !s.is_empty(),
+                // OpenRouter's `"reasoning_details": []` on every chunk is not output.
+                Value::Array(a) => !a.is_empty(),
+                Value::Object(o) => !o.is_empty(),
+                Value::Bool(_) | Value::Number(_) => true,
+            })
     }
 }
 
@@ -311,10 +349,10 @@ impl Delta {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ChunkChoice {
     /// Index of the choice.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub index: u32,
     /// What this chunk adds.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub delta: Delta,
     /// Set on the last chunk of the choice.
     #[serde(default)]
@@ -331,19 +369,19 @@ pub struct ChunkChoice {
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct ChatChunk {
     /// Provider's completion id (the same on every chunk).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub id: String,
     /// `chat.completion.chunk`.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub object: String,
     /// Unix seconds.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "unix_seconds")]
     pub created: u64,
     /// The model that answers.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub model: String,
     /// The pieces.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub choices: Vec<ChunkChoice>,
     /// Usage, on the final chunk when the provider reports it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -611,6 +649,19 @@ pub fn chunks_of(r: &ChatResponse) -> Vec<ChatChunk> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Empty extension fields on every chunk (OpenRouter's `reasoning_details: []`)
+    /// are not output: the first-token watchdog still waits for real output.
+    #[test]
+    fn empty_extension_fields_are_not_output() {
+        let delta = |json: &str| serde_json::from_str::<Delta>(json).unwrap().carries_output();
+        assert!(!delta(r#"{"role":"assistant","reasoning_details":[]}"#));
+        assert!(!delta(r#"{"reasoning_details":{},"refusal":null,"content":""}"#));
+        assert!(delta(
+            r#"{"reasoning_details":[{"type":"reasoning.text","text":"hm"}]}"#
+        ));
+        assert!(delta(r#"{"refusal":"no"}"#));
+    }
 
     #[test]
     fn tool_call_streams_accumulate_and_count_as_output() {
