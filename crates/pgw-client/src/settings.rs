@@ -99,13 +99,22 @@ impl SourceSettings {
         self
     }
 
-    /// The URL the client posts to.
+    /// The URL the client posts to: `base_url` with `/chat/completions` added to its
+    /// path; a query (Azure's `?api-version=...`) stays after it.
     ///
     /// # Errors
     /// [`BadSettings`] naming `base_url` when it is not an absolute http(s) URL.
     pub fn endpoint(&self) -> Result<http::Uri, BadSettings> {
-        let base = self.base_url.trim_end_matches('/');
-        let uri: http::Uri = format!("{base}/chat/completions").parse().map_err(|e| {
+        let (path, query) = match self.base_url.split_once('?') {
+            Some((path, query)) => (path, Some(query)),
+            None => (self.base_url.as_str(), None),
+        };
+        let base = path.trim_end_matches('/');
+        let url = match query {
+            Some(q) => format!("{base}/chat/completions?{q}"),
+            None => format!("{base}/chat/completions"),
+        };
+        let uri: http::Uri = url.parse().map_err(|e| {
             BadSettings::new(
                 &self.id,
                 "base_url",
@@ -188,5 +197,14 @@ mod tests {
         assert_eq!(bad.field(), "base_url");
         assert!(bad.to_string().contains("source s2"), "{bad}");
         assert!(SourceSettings::new("s3", "no url").endpoint().is_err());
+        // A query stays a query (Azure's deployments URL).
+        let azure = SourceSettings::new(
+            "az",
+            "https://r.openai.azure.com/openai/deployments/d/?api-version=2024-10-21",
+        );
+        assert_eq!(
+            azure.endpoint().unwrap().to_string(),
+            "https://r.openai.azure.com/openai/deployments/d/chat/completions?api-version=2024-10-21"
+        );
     }
 }

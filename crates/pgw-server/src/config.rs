@@ -381,8 +381,11 @@ impl ServerSection {
                 ("tpm", k.tpm),
                 ("max_concurrency", k.max_concurrency),
             ] {
-                if v.is_some_and(|v| v > i64::MAX as u64 / 2) {
-                    return Err(config_error(format!("{at}.{field}"), "is too large"));
+                if v.is_some_and(|v| v > tower_ratelimit_redis::MAX_QUOTA) {
+                    return Err(config_error(
+                        format!("{at}.{field}"),
+                        format!("is too large (at most {})", tower_ratelimit_redis::MAX_QUOTA),
+                    ));
                 }
             }
         }

@@ -537,7 +537,8 @@ pub struct BreakerSection {
     pub cooldown_s: Option<f64>,
     /// Cap of the open duration, seconds (default `max(300, cooldown_s)`).
     pub max_cooldown_s: Option<f64>,
-    /// Probe lease TTL, seconds (default `max(cooldown, 60)`).
+    /// Probe lease TTL, seconds (default `max(cooldown, 60, 1.1 x the attempt timeout)`:
+    /// the lease must outlive the probe's own attempt).
     pub probe_ttl_s: Option<f64>,
     /// How long a source that answered `insufficient_quota` (no credit left) is held,
     /// seconds: not admitted by any process, while its breaker's cooldown would let a

@@ -126,16 +126,23 @@ impl Quota {
                     "must be at least 1 (leave it unset for no limit)",
                 ));
             }
-            if v.is_some_and(|v| v > i64::MAX as u64 / 2) {
+            if v.is_some_and(|v| v > MAX_QUOTA) {
                 return Err(crate::error::config_error(
                     format!("{scope}.{name}"),
-                    "is too large",
+                    format!(
+                        "is too large (at most {MAX_QUOTA}, 2^50: the Redis scripts count in Lua numbers, exact to 2^53)"
+                    ),
                 ));
             }
         }
         Ok(())
     }
 }
+
+/// The largest quota a dimension takes: 2^50. The Redis backend counts in Lua numbers
+/// (doubles, exact to 2^53); below this bound a window's total, plus one request's
+/// tokens, never passes 2^53, where `+ 1` would stop counting and admit everything.
+pub const MAX_QUOTA: u64 = 1 << 50;
 
 /// What happens when a request is not admitted.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -466,6 +473,11 @@ mod tests {
                 RateLimitConfig::new("s", Quota::unlimited()).window(Duration::from_secs(400 * 24 * 3600)),
                 "window",
             ),
+            // Past what Lua numbers count exactly (2^53): `+ 1` would stop counting.
+            (
+                RateLimitConfig::new("s", Quota::unlimited().tokens(MAX_QUOTA + 1)),
+                "source.tokens",
+            ),
         ];
         for (config, field) in cases {
             let err = config.validate().unwrap_err();
@@ -474,6 +486,11 @@ mod tests {
         }
         assert!(
             RateLimitConfig::new("s", Quota::unlimited().requests(1))
+                .validate()
+                .is_ok()
+        );
+        assert!(
+            RateLimitConfig::new("s", Quota::unlimited().tokens(MAX_QUOTA))
                 .validate()
                 .is_ok()
         );

@@ -6,14 +6,16 @@
 //! server clock; one Lua script and at most one round trip per admission, all
 //! dimensions checked and reserved atomically, none at all for a limiter with nothing
 //! to enforce but holds; works on Redis Cluster) or [`MemoryBackend`] (one process; the
-//! tokio clock; no lock on the hot path). Both keep one contract.
+//! tokio clock; no lock on the hot path of requests and tokens, a short one on a
+//! scope's lease list when it has a concurrency quota). Both keep one contract.
 //!
 //! - **Dimensions** per scope ([`Quota`]): requests per window, tokens per window,
 //!   concurrent requests. **Scopes**: the source, and optionally an account shared by
 //!   several sources. No window ever admits more than its quota.
 //! - **Tokens** are reserved at admission from an estimate ([`TokenEstimate`]; chat
 //!   requests: prompt bytes / 3 + `max_tokens`) and reconciled to the usage the
-//!   response reports ([`UsageReport`]), in the window of admission. A request larger
+//!   response reports ([`UsageReport`]): a refund in the admission's sub-window while
+//!   it is in the window, an overrun in the settle's sub-window. A request larger
 //!   than a whole window's token quota is refused at once ([`RequestTooLarge`]).
 //! - **Concurrency** slots are leases with a TTL, renewed while a call runs, released
 //!   on every path (success, error, panic, drop); a dead process loses its slots when
@@ -76,8 +78,8 @@ mod service;
 pub use backend::{Backend, Clock, Held, HoldScope, MemoryBackend, PROBE_RETRY, RedisBackend, ScopeHeld};
 pub use config::{
     DEFAULT_HOLD_REFRESH, DEFAULT_KEY_PREFIX, DEFAULT_LEASE_TTL, DEFAULT_SLOT_RETRY_AFTER,
-    DEFAULT_SUB_WINDOWS, DEFAULT_WINDOW, MAX_SUB_WINDOWS, MAX_WAIT_JITTER, Mode, Quota, RENEW_FRACTION,
-    RateLimitConfig, SLOT_BACKOFF_DOUBLINGS,
+    DEFAULT_SUB_WINDOWS, DEFAULT_WINDOW, MAX_QUOTA, MAX_SUB_WINDOWS, MAX_WAIT_JITTER, Mode, Quota,
+    RENEW_FRACTION, RateLimitConfig, SLOT_BACKOFF_DOUBLINGS,
 };
 pub use error::{BackendUnavailable, ConfigError, QuotaExceeded, RequestTooLarge, UnknownSource};
 pub use future::ResponseFuture;
