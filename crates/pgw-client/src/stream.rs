@@ -161,9 +161,10 @@ impl ChunkStream {
                 if let Some(msg) = crate::client::provider_error(data.as_bytes()) {
                     return Err(MalformedResponse::new(format!("provider error mid-stream: {msg}")).into());
                 }
-                if data.contains("\"choices\"") {
-                    // A chunk this crate cannot read: skipped, its text would be lost
-                    // from an answer that still looked whole.
+                if e.is_data() && data.contains("\"choices\"") {
+                    // Well-formed JSON with choices this crate cannot read: skipped,
+                    // its text would be lost from an answer that still looked whole.
+                    // (Broken JSON, a provider's hiccup, is skipped as before.)
                     return Err(MalformedResponse::new(format!("unreadable stream chunk: {e}")).into());
                 }
                 self.skipped += 1;

@@ -15,8 +15,10 @@ use pgw_client::{ChatCall, PassThrough, TailStream};
 use pgw_core::openai::{ChatChunk, ChatMessage, Usage};
 use pgw_core::{BoxError, CallHistory, CarriesHistory, SourceId};
 use tower::ServiceExt;
+use tower_retry_pushback::{CallDeadline, RetryError};
 
 use crate::attempt::Continuation;
+use crate::cache::NoCache;
 use crate::{Gateway, GatewayAnswer};
 
 /// How many times one streamed call is continued after a cut: as many as a call has
@@ -245,7 +247,22 @@ impl Relay {
                 continue;
             }
             let tail = self.tail.as_mut()?;
-            match tail.next().await {
+            let deadline = self.call.extensions().get::<CallDeadline>().map(|d| d.0);
+            let next = match deadline {
+                // The caller's deadline bounds the stream too, not only the wait for
+                // its first output: past it, the stream ends with the call's error
+                // (the upstream request is dropped with the tail).
+                Some(d) => match tokio::time::timeout_at(d, tail.next()).await {
+                    Ok(next) => next,
+                    Err(_) => {
+                        self.tail = None;
+                        self.ended = true;
+                        return Some((Err(Box::new(RetryError::deadline_exceeded())), self));
+                    }
+                },
+                None => tail.next().await,
+            };
+            match next {
                 Some(Ok(c)) => self.queue.push_back(c),
                 None => {
                     self.tail = None;
@@ -284,6 +301,13 @@ impl Relay {
         next.set_call_history(self.call.call_history().cloned().unwrap_or_else(CallHistory::new));
         next.extensions_mut().insert(PassThrough);
         next.extensions_mut().insert(Continuation);
+        // The caller's deadline and cache choice hold for the continuation too.
+        if let Some(d) = self.call.extensions().get::<CallDeadline>() {
+            next.extensions_mut().insert(*d);
+        }
+        if self.call.extensions().get::<NoCache>().is_some() {
+            next.extensions_mut().insert(NoCache);
+        }
         match self.gateway.clone().oneshot(next).await {
             Ok(answer) => {
                 tracing::debug!(call = self.call.id().0, error = %cut, source = ?answer.source, "stream cut, continued");

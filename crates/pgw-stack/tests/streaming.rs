@@ -319,3 +319,38 @@ async fn a_source_whose_streams_get_cut_is_no_longer_trusted_with_the_callers_st
     assert!(a.len() > 2, "a is still tried: {a:?}");
     all_released(&gw, &pool).await;
 }
+
+/// The caller's deadline bounds a committed stream, not only the wait for its first
+/// output: a 30 s stream (60 tokens at 2 per second) called with a 10 s deadline ends
+/// at 10 s with `DeadlineExceeded`, and everything is released.
+#[tokio::test(start_paused = true)]
+async fn a_committed_stream_ends_at_the_callers_deadline() {
+    let pool = pool(vec![slow("a")]);
+    let sink = MemorySink::default();
+    let gw = gateway(&pool, &sink, &[]).await;
+    let t0 = Instant::now();
+    let mut call = pgw_stack::ChatCall::new({
+        let mut r = request();
+        r.stream = true;
+        r
+    });
+    call.extensions_mut()
+        .insert(pgw_stack::retry::CallDeadline(t0 + Duration::from_secs(10)));
+    let stream = gw.stream_call(call).await.unwrap();
+    let (text, times, err, _) = drain(stream, t0).await;
+    let err = err.expect("the stream ends with the deadline's error");
+    let retry = err
+        .downcast_ref::<pgw_stack::retry::RetryError>()
+        .expect("a retry error");
+    assert_eq!(retry.reason(), pgw_stack::retry::Reason::DeadlineExceeded);
+    assert_eq!(
+        *times.last().unwrap(),
+        Duration::from_secs(10),
+        "cut at the deadline"
+    );
+    assert!(
+        !text.is_empty(),
+        "the text before the deadline reached the caller"
+    );
+    all_released(&gw, &pool).await;
+}

@@ -163,6 +163,20 @@ impl RetryError {
         }
     }
 
+    /// A call whose deadline passed after this layer had answered it: a committed
+    /// stream that a layer above relays, cut at the caller's [`CallDeadline`]
+    /// (`Reason::DeadlineExceeded`, no attempts of its own).
+    ///
+    /// [`CallDeadline`]: crate::CallDeadline
+    #[must_use]
+    pub const fn deadline_exceeded() -> Self {
+        Self {
+            reason: Reason::DeadlineExceeded,
+            attempts: Vec::new(),
+            last_error: None,
+        }
+    }
+
     /// Why the call ended.
     #[must_use]
     pub const fn reason(&self) -> Reason {
