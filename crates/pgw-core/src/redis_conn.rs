@@ -20,6 +20,14 @@ use crate::error::BackendUnavailable;
 /// caller more than refusing and trying another source.
 pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_millis(500);
 
+/// How long a connection made by [`RedisConn::connect`] waits for an answer: 10 s.
+///
+/// Longer than any operation's own timeout ([`DEFAULT_RESPONSE_TIMEOUT`], applied by
+/// [`run`]): an operation that gave up may still have run on the server (queued
+/// behind a slow one), and its late answer can still be read and acted on (the
+/// limiter undoes an admission answered after its caller's timeout).
+pub const LATE_ANSWER_WAIT: Duration = Duration::from_secs(10);
+
 /// How long connecting may take: 2 s.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -124,13 +132,15 @@ impl fmt::Debug for RedisConn {
 }
 
 impl RedisConn {
-    /// Connects with [`DEFAULT_CONNECT_TIMEOUT`] and [`DEFAULT_RESPONSE_TIMEOUT`].
+    /// Connects with [`DEFAULT_CONNECT_TIMEOUT`]; the connection waits up to
+    /// [`LATE_ANSWER_WAIT`] for an answer (operations bound their own waits, by
+    /// default to [`DEFAULT_RESPONSE_TIMEOUT`]).
     ///
     /// # Errors
     /// [`BackendUnavailable`] naming the (redacted) address when the server cannot be
     /// reached.
     pub async fn connect(target: &RedisTarget) -> Result<Self, BackendUnavailable> {
-        Self::connect_with(target, DEFAULT_CONNECT_TIMEOUT, DEFAULT_RESPONSE_TIMEOUT).await
+        Self::connect_with(target, DEFAULT_CONNECT_TIMEOUT, LATE_ANSWER_WAIT).await
     }
 
     /// Connects with explicit timeouts.
@@ -153,7 +163,8 @@ impl RedisConn {
                     .set_number_of_retries(1)
                     .set_max_delay(Duration::from_millis(200));
                 let fut = ConnectionManager::new_with_config(client, config);
-                match tokio::time::timeout(connect_timeout + response_timeout, fut).await {
+                match tokio::time::timeout(connect_timeout + response_timeout.min(connect_timeout), fut).await
+                {
                     Ok(r) => r.map(Self::Standalone).map_err(fail),
                     Err(_) => Err(BackendUnavailable::new(
                         "redis",
@@ -170,7 +181,8 @@ impl RedisConn {
                     .build()
                     .map_err(fail)?;
                 let fut = client.get_async_connection();
-                match tokio::time::timeout(connect_timeout + response_timeout, fut).await {
+                match tokio::time::timeout(connect_timeout + response_timeout.min(connect_timeout), fut).await
+                {
                     Ok(r) => r.map(Self::Cluster).map_err(fail),
                     Err(_) => Err(BackendUnavailable::new(
                         "redis",

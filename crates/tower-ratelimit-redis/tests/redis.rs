@@ -978,3 +978,39 @@ async fn after_a_refusal_one_admission_at_a_time_asks_until_one_is_admitted() {
     let (after, _) = commands(&conn).await;
     assert!(after - before >= 1, "asked Redis");
 }
+
+/// An admission whose answer comes after its timeout (the server was frozen: the script
+/// ran when it woke up) is undone when the answer comes: its request, tokens and lease
+/// do not stay charged for the window and the lease TTL (a minute each here), in every
+/// process, while its caller has already heard `BackendUnavailable`.
+#[tokio::test]
+async fn an_admission_answered_after_its_timeout_is_undone() {
+    let (server, conn) = private_redis().await;
+    let backend = RedisBackend::new(conn);
+    let config = |source: &str| {
+        RateLimitConfig::new(source, Quota::unlimited().requests(1).tokens(10).concurrency(1))
+            .lease_ttl(Duration::from_secs(60))
+            .response_timeout(Duration::from_millis(100))
+    };
+    // Load the scripts on a limiter of its own (the one under test has one request).
+    let warm = RateLimiter::new(config("warm"), backend.clone()).unwrap();
+    warm.acquire(1).await.unwrap().refund().await.unwrap();
+    let l = RateLimiter::new(config("s1"), backend).unwrap();
+
+    server.freeze();
+    let err = l.acquire(10).await.unwrap_err();
+    assert!(err.is::<BackendUnavailable>(), "{err}");
+    server.thaw();
+    let mut back = None;
+    for _ in 0..200 {
+        if let Ok(p) = l.acquire(10).await {
+            back = Some(p);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let p = back.expect("the admission answered late was undone: request, tokens and slot back");
+    assert_eq!(l.held().await.unwrap().leases(), 1, "only this admission's lease");
+    p.refund().await.unwrap();
+    assert_eq!(l.held().await.unwrap().leases(), 0);
+}

@@ -40,7 +40,7 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
-use pgw_core::redis_conn::{RedisConn, RedisTarget, run, unique_id};
+use pgw_core::redis_conn::{LATE_ANSWER_WAIT, RedisConn, RedisTarget, run, unique_id};
 use pgw_core::sync::lock;
 use pgw_core::{BackendUnavailable, QuotaExceeded};
 use redis::Script;
@@ -534,6 +534,52 @@ fn garbage(operation: &'static str, reply: &[i64]) -> BackendUnavailable {
 }
 
 impl RedisGate {
+    /// Sends one admission script and waits up to `timeout` for its answer. Past it,
+    /// the caller hears `BackendUnavailable`, and the script may still run (queued
+    /// behind a slow server): its answer is read when it comes, in a task of its own,
+    /// and an admission it reports is undone at once (its request, tokens and lease
+    /// given back through `late`), instead of staying charged for its window and its
+    /// lease TTL. The connection must wait longer than `timeout` for an answer for
+    /// that (`RedisConn::connect` waits [`pgw_core::redis_conn::LATE_ANSWER_WAIT`]).
+    async fn ask_admission(
+        inv: redis::ScriptInvocation<'static>,
+        mut conn: RedisConn,
+        timeout: Duration,
+        late: Self,
+        tokens: u64,
+        lease: Option<LeaseId>,
+    ) -> Result<Vec<i64>, BackendUnavailable> {
+        let mut question = Box::pin(async move { inv.invoke_async::<Vec<i64>>(&mut conn).await });
+        match tokio::time::timeout(timeout, question.as_mut()).await {
+            Ok(reply) => reply.map_err(|e| BackendUnavailable::new("redis", "admit", e)),
+            Err(_) => {
+                if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                    rt.spawn(async move {
+                        let Ok(Ok(reply)) = tokio::time::timeout(LATE_ANSWER_WAIT, question).await else {
+                            return;
+                        };
+                        if let [1, now, ..] = reply.as_slice() {
+                            let undo = Settle {
+                                at: millis(*now),
+                                requests: -1,
+                                tokens: -i64::try_from(tokens).unwrap_or(i64::MAX),
+                                lease,
+                            };
+                            tracing::debug!(scopes = ?late.inner.labels, "an admission answered after its timeout: undone");
+                            // Failures are logged and counted by `settle`.
+                            let _ = Gate::settle(&late, undo).await;
+                        }
+                    });
+                }
+                Err(BackendUnavailable::new(
+                    "redis",
+                    "admit",
+                    format!("no answer within {timeout:?}"),
+                ))
+            }
+        }
+    }
+
     /// The verdict on the cached holds at local instant `at` (a limiter with nothing
     /// else to enforce): the longest hold wins, account first on ties, as in the script.
     fn judge_cached(book: &HoldBook, k: &GateKeys, at: Instant) -> Verdict {
@@ -714,12 +760,18 @@ impl Gate for RedisGate {
         for l in &k.limits {
             inv.arg(*l);
         }
-        let mut conn = self.conn.clone();
+        let conn = self.conn.clone();
         let inner = self.inner.clone();
         let book = self.book.clone();
+        let late = Self {
+            conn: self.conn.clone(),
+            book: self.book.clone(),
+            cache: None,
+            inner: self.inner.clone(),
+        };
         BackendFuture::Pending(Box::pin(async move {
             let _asking = asking;
-            let reply: Vec<i64> = run("admit", inner.timeout, inv.invoke_async(&mut conn)).await?;
+            let reply = Self::ask_admission(inv, conn, inner.timeout, late, tokens, lease).await?;
             match reply.as_slice() {
                 // The script's window id is `now / window_ms`: the admission's own.
                 [1, now, _win, scope, dim_no, wait, rooms @ ..] => {
