@@ -148,6 +148,7 @@ impl GatewayBuilder {
             .unwrap_or(tower_breaker_window::DEFAULT_CLOSED_VIEW);
         let backends = Backends::new(redis.as_ref(), &prefix, closed_view);
         let retry_cfg = retry_config(&cfg)?;
+        let max_call_duration = retry_cfg.max_call_duration;
         let balance_cfg = balance_config(&cfg)?;
         let wiring = Wiring {
             cfg: &cfg,
@@ -231,6 +232,7 @@ impl GatewayBuilder {
                 progress,
                 validator: self.validator,
                 accepts_prefill: cfg.sources.iter().any(|s| s.accepts_prefill),
+                max_call_duration,
             }),
         })
     }

@@ -455,7 +455,9 @@ pub struct RetrySection {
     /// quotas do not count. Past it the group gives up with `pushback_exhausted` and
     /// the call goes on down the fallback chain.
     pub max_pushback_wait_s: Option<f64>,
-    /// Deadline of one call in one group, seconds.
+    /// Deadline of one call, seconds, from its start: across the fallback chain (every
+    /// group), the wait on an identical call's answer in the cache, and a committed
+    /// stream. A call's own sooner deadline (`CallDeadline`) stands. Default: none.
     pub max_call_duration_s: Option<f64>,
     /// The shared retry budget (`[retry.budget]`): retries at most `ratio` of requests
     /// over a sliding window, plus a floor of retries per second. Off unless the table

@@ -188,6 +188,9 @@ pub(crate) struct Inner {
     pub(crate) validator: Option<Validator>,
     /// Some source accepts an assistant prefill: a cut stream may be continued.
     pub(crate) accepts_prefill: bool,
+    /// `retry.max_call_duration_s`: the deadline of a call that brings none sooner, from
+    /// its start, across the fallback chain, the cache and a committed stream.
+    pub(crate) max_call_duration: Option<std::time::Duration>,
 }
 
 /// The gateway: a tower `Service<ChatCall>` for OpenAI-compatible chat completions.
@@ -398,6 +401,17 @@ impl Service<ChatCall> for Gateway {
         let inner = Arc::clone(&self.inner);
         Box::pin(async move {
             let call_id = call.id().0;
+            if let Some(at) = inner
+                .max_call_duration
+                .and_then(|d| tokio::time::Instant::now().checked_add(d))
+            {
+                // One deadline for the whole call (every group, the cache's wait, the
+                // stream), not a fresh one per group; a sooner one of the call's own
+                // stands.
+                let own = call.extensions().get::<CallDeadline>().map(|d| d.0);
+                call.extensions_mut()
+                    .insert(CallDeadline(own.map_or(at, |o| o.min(at))));
+            }
             let Some(route) = inner.chain_of(&call.request().model) else {
                 return Err(unknown_model(call_id, &call.request().model));
             };

@@ -133,6 +133,15 @@ async fn gateway_over(
     sources: Vec<(pgw_sim::SourceConfig, &str, Option<i64>, Option<i64>)>,
     accounts: Vec<pgw_sim::AccountConfig>,
 ) -> (SimPool, pgw_stack::Gateway, MemorySink) {
+    gateway_over_with(sources, accounts, |_| {}).await
+}
+
+/// [`gateway_over`], with `tweak` applied to the config last.
+async fn gateway_over_with(
+    sources: Vec<(pgw_sim::SourceConfig, &str, Option<i64>, Option<i64>)>,
+    accounts: Vec<pgw_sim::AccountConfig>,
+    tweak: impl FnOnce(&mut GatewayConfig),
+) -> (SimPool, pgw_stack::Gateway, MemorySink) {
     let mut cfg = GatewayConfig::default();
     cfg.cache.enabled = false;
     cfg.balance.policy = Some("round_robin".into());
@@ -161,6 +170,7 @@ async fn gateway_over(
         7,
     )
     .unwrap();
+    tweak(&mut cfg);
     let sink = MemorySink::default();
     let gw = support::sim_gateway(&pool, cfg, &sink).await;
     (pool, gw, sink)
@@ -340,4 +350,44 @@ async fn the_deadline_spans_the_fallback_chain() {
         stats.sources["hole"].in_flight, 0,
         "the backup's attempt was dropped"
     );
+}
+
+/// `retry.max_call_duration_s` is one deadline for the whole call, like a
+/// `CallDeadline`: a primary group that fails slowly (a 500 after 4 s, one attempt)
+/// leaves the backup's black hole what is left of the 5 s, not 5 s of its own.
+#[tokio::test(start_paused = true)]
+async fn the_configured_call_duration_spans_the_fallback_chain() {
+    let slow_failure = pgw_sim::SourceConfig {
+        server_error_rate: 1.0.into(),
+        error_latency_s: pgw_sim::LogNormal::constant(4.0).into(),
+        ..quick("slow")
+    };
+    let hole = pgw_sim::SourceConfig {
+        black_hole_rate: 1.0.into(),
+        ..quick("hole")
+    };
+    let (pool, gw, _sink) = gateway_over_with(
+        vec![
+            (slow_failure, "primary", None, None),
+            (hole, "backup", None, None),
+        ],
+        vec![],
+        |c| {
+            c.retry.max_call_duration_s = Some(5.0);
+            c.retry.max_attempts = Some(1);
+        },
+    )
+    .await;
+    let t0 = Instant::now();
+    let err = gw
+        .clone()
+        .oneshot(ChatCall::new(ChatRequest::user("m", "down the chain")))
+        .await
+        .unwrap_err();
+    assert_eq!(t0.elapsed(), Duration::from_secs(5), "{err}");
+    assert_eq!(last_reason(&*err), Some(Reason::DeadlineExceeded), "{err}");
+    let stats = pool.stats();
+    assert_eq!(stats.sources["slow"].received, 1);
+    assert_eq!(stats.sources["hole"].received, 1);
+    assert_eq!(stats.sources["hole"].in_flight, 0);
 }
