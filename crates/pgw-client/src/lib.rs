@@ -52,6 +52,6 @@ pub use settings::{
     BadSettings, DEFAULT_CONNECT_TIMEOUT, DEFAULT_FIRST_TOKEN_TIMEOUT, DEFAULT_INTER_TOKEN_TIMEOUT,
     DEFAULT_TOTAL_TIMEOUT, SourceSettings, Timeouts,
 };
-pub use stream::ChunkStream;
+pub use stream::{ChunkStream, DRAIN_BYTES, DRAIN_WAIT};
 pub use tail::{PassThrough, Tail, TailStream};
 pub use transport::{BoxTransport, HyperTransport, UpstreamBody, box_transport};

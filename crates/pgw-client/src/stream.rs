@@ -52,6 +52,14 @@ pub struct ChunkStream {
     skipped: u64,
 }
 
+/// How long the end of a streamed body is read for after `[DONE]`, so its connection
+/// can be reused: 1 s.
+pub const DRAIN_WAIT: Duration = Duration::from_secs(1);
+
+/// How many bytes after `[DONE]` are read for the same: 64 KiB (a provider that
+/// sends more has its connection closed).
+pub const DRAIN_BYTES: usize = 64 * 1024;
+
 impl std::fmt::Debug for ChunkStream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ChunkStream")
@@ -136,9 +144,10 @@ impl ChunkStream {
     }
 
     /// The provider's end: complete only after a finish reason.
-    fn end(&mut self, what: &str) -> Poll<Option<Result<ChatChunk, BoxError>>> {
+    fn end(&mut self, cx: &mut Context<'_>, what: &str) -> Poll<Option<Result<ChatChunk, BoxError>>> {
         if self.complete {
             self.finished = true;
+            self.release_connection(cx);
             return Poll::Ready(None);
         }
         let why = if self.parsed == 0 && self.skipped > 0 {
@@ -150,6 +159,38 @@ impl ChunkStream {
             format!("stream ended ({what}) before a finish_reason")
         };
         self.fail(MalformedResponse::new(why).into())
+    }
+
+    /// Reads the body to its end after `[DONE]`, so the connection goes back to the
+    /// pool: an HTTP/1.1 body dropped before its end (the last chunk of a chunked body
+    /// usually comes after `[DONE]`, in a packet of its own) closes its connection,
+    /// and every streamed call paid a new connection (TCP, TLS). At once when the end
+    /// is already there; otherwise in a task of its own, for at most
+    /// [`DRAIN_WAIT`] and [`DRAIN_BYTES`].
+    fn release_connection(&mut self, cx: &mut Context<'_>) {
+        let mut body = std::mem::take(&mut self.body);
+        if body.is_end_stream() {
+            return;
+        }
+        match Pin::new(&mut body).poll_frame(cx) {
+            Poll::Ready(None | Some(Err(_))) => return,
+            Poll::Ready(Some(Ok(_))) | Poll::Pending => {}
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        rt.spawn(async move {
+            let drain = async {
+                let mut read = 0;
+                while let Some(Ok(frame)) = http_body_util::BodyExt::frame(&mut body).await {
+                    read += frame.data_ref().map_or(0, bytes::Buf::remaining);
+                    if read > DRAIN_BYTES {
+                        return;
+                    }
+                }
+            };
+            let _ = tokio::time::timeout(DRAIN_WAIT, drain).await;
+        });
     }
 
     /// `Ok(None)`: an event that is not a chunk, skipped. A chunk keeps `data` as its
@@ -223,7 +264,7 @@ impl Stream for ChunkStream {
         }
         loop {
             match this.decoder.next_event() {
-                Some(SseEvent::Done) => return this.end("[DONE]"),
+                Some(SseEvent::Done) => return this.end(cx, "[DONE]"),
                 Some(SseEvent::Data(data)) => match this.on_data(data) {
                     Ok(Some(chunk)) => return Poll::Ready(Some(Ok(chunk))),
                     Ok(None) => continue,
@@ -240,7 +281,11 @@ impl Stream for ChunkStream {
                     }
                 }
                 Poll::Ready(Some(Err(e))) => return this.fail(e),
-                Poll::Ready(None) => return this.end("body end without [DONE]"),
+                Poll::Ready(None) => {
+                    // Ended: never polled again.
+                    this.body = UpstreamBody::default();
+                    return this.end(cx, "body end without [DONE]");
+                }
                 Poll::Pending => {
                     ready!(this.sleep.as_mut().poll(cx));
                     let (watchdog, limit) = this.armed;
