@@ -30,7 +30,7 @@ const MAX_ERROR_BODY: usize = 64 << 10;
 /// The most of the provider's message kept in an error: 512 bytes.
 const MAX_ERROR_MESSAGE: usize = 512;
 /// The largest non-streamed answer accepted: 64 MiB.
-const MAX_ANSWER_BODY: usize = 64 << 20;
+pub(crate) const MAX_ANSWER_BODY: usize = 64 << 20;
 
 struct Prepared {
     settings: SourceSettings,

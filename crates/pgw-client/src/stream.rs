@@ -50,6 +50,8 @@ pub struct ChunkStream {
     complete: bool,
     parsed: u64,
     skipped: u64,
+    /// Bytes of the body read so far.
+    read: usize,
 }
 
 /// How long the end of a streamed body is read for after `[DONE]`, so its connection
@@ -89,6 +91,7 @@ impl ChunkStream {
             complete: false,
             parsed: 0,
             skipped: 0,
+            read: 0,
         };
         s.arm(
             after(start, timeouts.first_token),
@@ -274,10 +277,22 @@ impl Stream for ChunkStream {
             }
             match Pin::new(&mut this.body).poll_frame(cx) {
                 Poll::Ready(Some(Ok(frame))) => {
-                    if let Ok(data) = frame.into_data()
-                        && let Err(e) = this.decoder.feed(&data)
-                    {
-                        return this.fail(MalformedResponse::new(e.to_string()).into());
+                    if let Ok(data) = frame.into_data() {
+                        this.read += data.len();
+                        if this.read > crate::client::MAX_ANSWER_BODY {
+                            // A streamed answer is bounded as a whole one is: what it
+                            // brings is kept (the answer so far, a continuation's text).
+                            return this.fail(
+                                MalformedResponse::new(format!(
+                                    "stream larger than {} bytes",
+                                    crate::client::MAX_ANSWER_BODY
+                                ))
+                                .into(),
+                            );
+                        }
+                        if let Err(e) = this.decoder.feed(&data) {
+                            return this.fail(MalformedResponse::new(e.to_string()).into());
+                        }
                     }
                 }
                 Poll::Ready(Some(Err(e))) => return this.fail(e),

@@ -924,3 +924,16 @@ async fn a_stream_that_breaks_after_its_finish_reason_is_the_answer() {
     let answer = p.client(script, timeouts()).oneshot(stream_call()).await.unwrap();
     assert_eq!(answer.content(), "hi");
 }
+
+/// A streamed answer is bounded as a whole one is (64 MiB): a provider flooding large
+/// chunks ends the attempt instead of growing memory until the total timeout.
+#[tokio::test(start_paused = true)]
+async fn a_stream_larger_than_an_answer_may_be_is_cut() {
+    let p = Provider::default();
+    let big = chunk(&"x".repeat(4 << 20), false);
+    let frames = (0..20).map(|_| (Duration::from_millis(1), big.clone())).collect();
+    let r = p.client(sse(frames), timeouts()).oneshot(stream_call()).await;
+    let err = r.as_ref().unwrap_err();
+    assert!(err.to_string().contains("stream larger than"), "{err}");
+    assert_eq!(outcome(&r), Outcome::Transient);
+}

@@ -132,6 +132,13 @@ impl ChatStream {
             std::mem::take(&mut answer.answer.chunks)
         };
         let usage = Arc::new(std::sync::Mutex::new(None));
+        // `n > 1` asks for several choices from the start.
+        let text_only = call
+            .request()
+            .extra
+            .get("n")
+            .and_then(serde_json::Value::as_u64)
+            .is_none_or(|n| n <= 1);
         let relay = Relay {
             usage: Arc::clone(&usage),
             gateway,
@@ -142,6 +149,7 @@ impl ChatStream {
             include_usage,
             continued: 0,
             ended: false,
+            text_only,
         };
         // Boxed: `unfold` moves its state into each step's future and back out, and a
         // `Relay` (the call, the tail stream, the gateway) is large enough for those
@@ -226,6 +234,10 @@ struct Relay {
     include_usage: bool,
     continued: u32,
     ended: bool,
+    /// Everything the caller received is the first choice's text: only then can a cut
+    /// be continued from it (a tool call's arguments or a second choice would be sent
+    /// twice, as broken JSON or interleaved text).
+    text_only: bool,
 }
 
 impl Relay {
@@ -242,6 +254,12 @@ impl Relay {
                     if let Some(t) = c.choices.first().and_then(|ch| ch.delta.content.as_deref()) {
                         self.text.push_str(t);
                     }
+                    // A prefill continues one choice's text: not a tool call's
+                    // arguments, nor several choices.
+                    self.text_only &= c
+                        .choices
+                        .iter()
+                        .all(|ch| ch.index == 0 && !ch.delta.extra.contains_key("tool_calls"));
                     return Some((Ok(c), self));
                 }
                 continue;
@@ -289,7 +307,7 @@ impl Relay {
     /// `None` when there is none or it failed too (the cut's error is the one the
     /// caller gets: a prefill refusal must not hide it).
     async fn continuation(&mut self, cut: &BoxError) -> Option<GatewayAnswer> {
-        if self.continued >= MAX_CONTINUATIONS || !self.gateway.inner.accepts_prefill {
+        if self.continued >= MAX_CONTINUATIONS || !self.gateway.inner.accepts_prefill || !self.text_only {
             return None;
         }
         self.continued += 1;

@@ -354,3 +354,32 @@ async fn a_committed_stream_ends_at_the_callers_deadline() {
     );
     all_released(&gw, &pool).await;
 }
+
+/// A call asking for several choices (`n > 1`) is not continued after a cut: a prefill
+/// continues one choice's text, and the others would be sent twice or interleaved.
+/// Its cut ends the stream with its error, as with no prefill source.
+#[tokio::test(start_paused = true)]
+async fn a_cut_of_several_choices_is_not_continued() {
+    let pool = pool(vec![stalling("a"), slow("b")]);
+    let sink = MemorySink::default();
+    let gw = gateway(&pool, &sink, &["b"]).await;
+    let mut cut = 0;
+    for _ in 0..2 {
+        let mut r = request();
+        r.extra.insert("n".into(), serde_json::json!(2));
+        let stream = gw.chat_stream(r).await.unwrap();
+        let from_a = stream.source().unwrap().as_str() == "a";
+        let (_, _, err, _) = drain(stream, Instant::now()).await;
+        if from_a {
+            cut += 1;
+            assert!(
+                err.is_some(),
+                "a cut of n = 2 ends with its error, not a continuation"
+            );
+        } else {
+            assert!(err.is_none(), "{err:?}");
+        }
+    }
+    assert!(cut > 0, "a call committed to the stalling source");
+    all_released(&gw, &pool).await;
+}
