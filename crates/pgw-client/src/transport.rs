@@ -45,7 +45,60 @@ where
     ))
 }
 
-type Connector = hyper_rustls::HttpsConnector<HttpConnector>;
+type Connector = ConnectTimeout<hyper_rustls::HttpsConnector<HttpConnector>>;
+
+/// A connector whose whole connect (TCP, then the TLS handshake) ends by a timeout:
+/// hyper-util's own bounds the TCP connect alone, and an endpoint that accepts and
+/// then stalls the handshake held an attempt until its total timeout.
+#[derive(Clone, Debug)]
+struct ConnectTimeout<C> {
+    inner: C,
+    timeout: Duration,
+}
+
+/// The error of a connect that did not finish in time.
+#[derive(Debug)]
+struct ConnectTimedOut(Duration);
+
+impl std::fmt::Display for ConnectTimedOut {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "connect (TCP and TLS) timed out after {:?}", self.0)
+    }
+}
+
+impl std::error::Error for ConnectTimedOut {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        // A timeout for every layer above (`pgw_core::is_timeout`).
+        Some(&pgw_core::TimedOut)
+    }
+}
+
+impl<C> Service<http::Uri> for ConnectTimeout<C>
+where
+    C: Service<http::Uri> + Send,
+    C::Future: Send + 'static,
+    C::Error: Into<BoxError>,
+{
+    type Response = C::Response;
+    type Error = BoxError;
+    type Future = BoxFuture<'static, Result<C::Response, BoxError>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, uri: http::Uri) -> Self::Future {
+        let limit = self.timeout;
+        let fut = self.inner.call(uri);
+        async move {
+            match tokio::time::timeout(limit, fut).await {
+                Ok(r) => r.map_err(Into::into),
+                Err(_) => Err(Box::new(ConnectTimedOut(limit)) as BoxError),
+            }
+        }
+        .boxed()
+    }
+}
 type Pooled = Client<Connector, Full<Bytes>>;
 
 /// The production transport: hyper-util's pooled client, HTTP/1.1 and HTTP/2.
@@ -58,8 +111,9 @@ type Pooled = Client<Connector, Full<Bytes>>;
 ///   `ring` builds with a plain C compiler, whereas rustls' default `aws-lc-rs` needs
 ///   cmake (and NASM on Windows), and the webpki roots need no system certificate store,
 ///   so the gateway builds and runs the same in minimal containers.
-/// - `connect` bounds TCP connect ([`crate::Timeouts::connect`]); every other timeout is
-///   the client's ([`crate::UpstreamClient`]), on tokio's clock.
+/// - `connect` bounds the whole connect, TCP and the TLS handshake
+///   ([`crate::Timeouts::connect`]); every other timeout is the client's
+///   ([`crate::UpstreamClient`]), on tokio's clock.
 ///
 /// Cheap to clone: clones share the pool (or the pools).
 #[derive(Clone, Debug)]
@@ -86,11 +140,15 @@ fn connector(connect: Duration) -> Result<Connector, BoxError> {
     http.enforce_http(false);
     http.set_nodelay(true);
     http.set_connect_timeout(Some(connect));
-    Ok(hyper_rustls::HttpsConnectorBuilder::new()
+    let https = hyper_rustls::HttpsConnectorBuilder::new()
         .with_provider_and_webpki_roots(rustls::crypto::ring::default_provider())?
         .https_or_http()
         .enable_all_versions()
-        .wrap_connector(http))
+        .wrap_connector(http);
+    Ok(ConnectTimeout {
+        inner: https,
+        timeout: connect,
+    })
 }
 
 fn pooled(connector: Connector) -> Pooled {
@@ -233,6 +291,33 @@ mod tests {
         let (done, answered) = oneshot::channel();
         to.blocking_send(done).unwrap();
         answered.blocking_recv().unwrap();
+    }
+
+    /// An endpoint that accepts TCP and never answers the TLS handshake is given up at
+    /// the connect timeout, as a timeout (before, the attempt hung to its total
+    /// timeout). Paused clock: the timeout passes once nothing else can happen.
+    #[tokio::test(start_paused = true)]
+    async fn a_stalled_tls_handshake_ends_at_the_connect_timeout() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let held = tokio::spawn(async move {
+            let mut conns = Vec::new();
+            while let Ok((conn, _)) = listener.accept().await {
+                conns.push(conn); // accepted, never answered
+            }
+        });
+        let transport = HyperTransport::new(Duration::from_secs(2)).unwrap();
+        let req = http::Request::get(format!("https://{addr}/"))
+            .body(Bytes::new())
+            .unwrap();
+        let start = tokio::time::Instant::now();
+        let err = tokio::time::timeout(Duration::from_secs(600), transport.oneshot(req))
+            .await
+            .expect("the handshake was waited for without limit")
+            .unwrap_err();
+        assert!(pgw_core::is_timeout(&*err), "{err:?}");
+        assert!(start.elapsed() <= Duration::from_secs(2), "{:?}", start.elapsed());
+        held.abort();
     }
 
     #[test]
