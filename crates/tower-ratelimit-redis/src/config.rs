@@ -253,7 +253,7 @@ impl RateLimitConfig {
     }
 
     /// The `retry_after` hint when every slot is taken (default
-    /// [`DEFAULT_SLOT_RETRY_AFTER`]).
+    /// [`DEFAULT_SLOT_RETRY_AFTER`]); at most 366 days.
     #[must_use]
     pub const fn slot_retry_after(mut self, hint: Duration) -> Self {
         self.slot_retry_after = hint;
@@ -360,6 +360,12 @@ impl RateLimitConfig {
         if self.hold_refresh > MAX_PERIOD {
             return Err(crate::error::config_error(
                 "hold_refresh",
+                "must be at most 366 days",
+            ));
+        }
+        if self.slot_retry_after > MAX_PERIOD {
+            return Err(crate::error::config_error(
+                "slot_retry_after",
                 "must be at most 366 days",
             ));
         }
@@ -472,6 +478,10 @@ mod tests {
             (
                 RateLimitConfig::new("s", Quota::unlimited()).window(Duration::from_secs(400 * 24 * 3600)),
                 "window",
+            ),
+            (
+                RateLimitConfig::new("s", Quota::unlimited()).slot_retry_after(Duration::MAX),
+                "slot_retry_after",
             ),
             // Past what Lua numbers count exactly (2^53): `+ 1` would stop counting.
             (
