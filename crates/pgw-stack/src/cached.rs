@@ -128,7 +128,13 @@ impl CacheFlow {
         follow: Follow<'_>,
         usable: impl Fn(&CachedAnswer) -> bool,
     ) -> Lookup {
-        if let Some(hit) = self.cache.get(key).await
+        // The call's deadline bounds the read too: past it, a miss.
+        let get = self.cache.get(key);
+        let hit = match follow.until {
+            Some(d) => tokio::time::timeout_at(d, get).await.ok().flatten(),
+            None => get.await,
+        };
+        if let Some(hit) = hit
             && usable(&hit)
         {
             return Lookup::Hit(hit);
@@ -227,10 +233,26 @@ impl CacheFlow {
                     group,
                     source,
                 });
-                // Stored first, so a call arriving after the flight ends finds it.
-                self.cache.put(key, Arc::clone(&cached), ttl).await;
-                if let Some(f) = flight {
-                    f.done(cached);
+                // Stored first, so a call arriving after the flight ends finds it. The
+                // answer does not wait for the store (B12): a store that is not done
+                // at once (Redis) finishes in a task of its own, with the flight, whose
+                // followers meanwhile wait as before.
+                let mut put = self.cache.put(key, Arc::clone(&cached), ttl);
+                let finish = move |cached| {
+                    if let Some(f) = flight {
+                        f.done(cached);
+                    }
+                };
+                if futures_util::FutureExt::now_or_never(&mut put).is_some() {
+                    finish(cached);
+                } else if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                    rt.spawn(async move {
+                        put.await;
+                        finish(cached);
+                    });
+                } else {
+                    put.await;
+                    finish(cached);
                 }
             }
         }
@@ -273,5 +295,73 @@ pub(crate) fn replay(telemetry: &Telemetry, call_id: u64, hit: &CachedAnswer) ->
         group: hit.group.clone(),
         source: hit.source.clone(),
         cache_hit: true,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use futures_util::future::BoxFuture;
+    use pgw_core::openai::ChatRequest;
+
+    use super::*;
+
+    /// A cache whose reads and writes never finish (a Redis that stopped answering,
+    /// without the client's timeouts).
+    struct Stuck;
+
+    impl ResponseCache for Stuck {
+        fn get(&self, _: CacheKey) -> BoxFuture<'static, Option<Arc<CachedAnswer>>> {
+            Box::pin(std::future::pending())
+        }
+        fn put(&self, _: CacheKey, _: Arc<CachedAnswer>, _: Duration) -> BoxFuture<'static, ()> {
+            Box::pin(std::future::pending())
+        }
+    }
+
+    fn flow() -> CacheFlow {
+        let ttl = Duration::from_secs(60);
+        CacheFlow::new(Arc::new(Stuck), CacheWhen::Always, ttl, ttl)
+    }
+
+    fn answer() -> ChatAnswer {
+        ChatAnswer {
+            response: pgw_core::openai::ChatResponse::default(),
+            chunks: Vec::new(),
+            stats: pgw_client::AttemptStats::default(),
+            tail: None,
+            body: None,
+        }
+    }
+
+    /// The answer does not wait for its store (B12): a store that does not finish
+    /// at once finishes in a task of its own.
+    #[tokio::test(start_paused = true)]
+    async fn an_answer_does_not_wait_for_its_store() {
+        let flow = flow();
+        let key = CacheKey::of(&ChatRequest::user("m", "hi"));
+        let stored = tokio::time::timeout(
+            Duration::from_secs(1),
+            flow.store(key, &answer(), "g".into(), Duration::from_secs(60), None),
+        )
+        .await;
+        assert!(stored.is_ok(), "the store held the answer");
+    }
+
+    /// The call's deadline bounds the cache read: past it, a miss.
+    #[tokio::test(start_paused = true)]
+    async fn the_deadline_bounds_the_cache_read() {
+        let flow = flow();
+        let key = CacheKey::of(&ChatRequest::user("m", "hi"));
+        let progress = Progress::new();
+        let start = Instant::now();
+        let follow = Follow {
+            progress: &progress,
+            until: Some(start + Duration::from_millis(200)),
+        };
+        let looked = tokio::time::timeout(Duration::from_secs(60), flow.lookup(key, follow, |_| true))
+            .await
+            .expect("the read was waited for past the deadline");
+        assert!(matches!(looked, Lookup::Miss(_)));
+        assert_eq!(start.elapsed(), Duration::from_millis(200));
     }
 }
