@@ -796,6 +796,18 @@ impl GatewayConfig {
         }
         for (name, a) in &self.accounts {
             let at = format!("accounts.{name}");
+            if !self
+                .sources
+                .iter()
+                .any(|s| s.account.as_deref() == Some(name.as_str()))
+            {
+                // Most likely a misspelt `account` on a source, which would then run
+                // without its account's quota.
+                return Err(config_error(
+                    at,
+                    format!("no source names account {name:?}: its quota would limit nothing"),
+                ));
+            }
             quota(&format!("{at}.rpm"), a.rpm)?;
             quota(&format!("{at}.tpm"), a.tpm)?;
             quota(&format!("{at}.max_concurrency"), a.max_concurrency)?;
@@ -938,6 +950,21 @@ impl GatewayConfig {
                         return Err(config_error(at, format!("model {other:?} is listed twice")));
                     }
                 }
+            }
+        }
+        for (i, s) in self.sources.iter().enumerate() {
+            if !self
+                .models
+                .values()
+                .any(|m| m.routes.iter().any(|r| r.source == s.name))
+            {
+                return Err(config_error(
+                    format!("sources[{i}]"),
+                    format!(
+                        "source {:?} is in no route of [models]: it would never be used",
+                        s.name
+                    ),
+                ));
             }
         }
         Ok(())

@@ -152,3 +152,25 @@ async fn zero_turns_off_the_closed_view_and_slow_call_detection() {
         assert_eq!(e.field(), field, "{e}");
     }
 }
+
+/// Configuration that would silently do less than it says is an error: an account's
+/// quota table no source names (a misspelt `account` ran without its account's
+/// quota), and with `[models]`, a source no route names (it would never be used).
+#[test]
+fn config_that_would_do_nothing_is_named() {
+    let e = err_of(&format!("{GOOD}account = \"org-1\"\n[accounts.org1]\nrpm = 10\n"));
+    assert_eq!(e.field(), "accounts.org1", "{e}");
+    assert!(e.to_string().contains("no source names"), "{e}");
+    let two = format!(
+        "{GOOD}\n[[sources]]\nname = \"s2\"\nbase_url = \"http://127.0.0.1:9/v1\"\nkey = \"sk-config-test-456\"\n\n[models.m]\nroutes = [{{ source = \"s1\" }}]\n"
+    );
+    let e = err_of(&two);
+    assert_eq!(e.field(), "sources[1]", "{e}");
+    assert!(e.to_string().contains("in no route"), "{e}");
+    // Both used: fine.
+    let ok = two.replace(
+        r#"routes = [{ source = "s1" }]"#,
+        r#"routes = [{ source = "s1" }, { source = "s2" }]"#,
+    );
+    GatewayConfig::from_toml_str(&ok).unwrap();
+}
