@@ -280,7 +280,7 @@ fn stream_options(extra: &Map<String, Value>, stream: bool) -> (Option<Value>, O
 impl Prepared {
     fn build(&self, call: &ChatCall, stream: bool) -> Result<http::Request<Bytes>, BoxError> {
         let req = call.request();
-        let (stream_options, rest) = stream_options(&req.extra, stream);
+        let (stream_options, rest) = stream_options(&req.extra, stream && self.settings.ask_stream_usage);
         let body = serde_json::to_vec(&Outgoing {
             model: self.settings.model.as_deref().unwrap_or(&req.model),
             messages: &req.messages,
@@ -568,5 +568,29 @@ mod tests {
         assert_eq!(host("http://[::1]:8000/v1").as_deref(), Some("[::1]:8000"));
         // HTTP/2 may be negotiated: hyper-util decides.
         assert_eq!(host("https://api.openai.com/v1"), None);
+    }
+
+    /// A streamed request asks for the usage chunk unless the source says not to
+    /// (a server that refuses `stream_options`); a caller's own options go as they came.
+    #[test]
+    fn stream_usage_is_asked_unless_the_source_refuses_the_field() {
+        let body_of = |ask: bool, extra: Option<Value>| {
+            let settings = SourceSettings::new("s1", "http://127.0.0.1:9/v1").ask_stream_usage(ask);
+            let transport = tower::service_fn(|_: http::Request<Bytes>| async {
+                Err::<http::Response<crate::UpstreamBody>, BoxError>("unused".into())
+            });
+            let client = UpstreamClient::new(settings, transport).unwrap();
+            let mut req = pgw_core::openai::ChatRequest::user("m", "hi");
+            req.stream = true;
+            if let Some(o) = extra {
+                req.extra.insert("stream_options".into(), o);
+            }
+            let built = client.prepared.build(&ChatCall::new(req), true).unwrap();
+            serde_json::from_slice::<Value>(built.body()).unwrap()
+        };
+        assert_eq!(body_of(true, None)["stream_options"]["include_usage"], true);
+        assert!(body_of(false, None).get("stream_options").is_none());
+        let own = serde_json::json!({"include_usage": false});
+        assert_eq!(body_of(false, Some(own.clone()))["stream_options"], own);
     }
 }

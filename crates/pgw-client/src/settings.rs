@@ -64,6 +64,12 @@ pub struct SourceSettings {
     pub model: Option<String>,
     /// Timeouts.
     pub timeouts: Timeouts,
+    /// Whether a streamed request asks for the usage chunk
+    /// (`stream_options.include_usage`, default `true`), so the token quota settles to
+    /// the provider's usage. `false` for a server that refuses the field (older Azure
+    /// OpenAI API versions answer 400): streamed calls then settle to the estimate, and
+    /// a caller's own `stream_options` go as they came.
+    pub ask_stream_usage: bool,
 }
 
 impl SourceSettings {
@@ -75,7 +81,15 @@ impl SourceSettings {
             key: None,
             model: None,
             timeouts: Timeouts::default(),
+            ask_stream_usage: true,
         }
+    }
+
+    /// Sets [`SourceSettings::ask_stream_usage`].
+    #[must_use]
+    pub const fn ask_stream_usage(mut self, ask: bool) -> Self {
+        self.ask_stream_usage = ask;
+        self
     }
 
     /// Sets the key.

@@ -225,6 +225,12 @@ pub struct SourceConfig {
     /// self-hosted (vLLM, llama.cpp with `continue_final_message`) do.
     #[serde(default)]
     pub accepts_prefill: bool,
+    /// Whether a streamed request asks the source for its usage chunk
+    /// (`stream_options.include_usage`; default `true`), so the token quota settles to
+    /// real usage. `false` for a server that refuses the field with a 400 (older Azure
+    /// OpenAI API versions): its streamed calls settle to the estimate.
+    #[serde(default)]
+    pub stream_usage: Option<bool>,
 }
 
 impl fmt::Debug for SourceConfig {
@@ -241,6 +247,7 @@ impl fmt::Debug for SourceConfig {
             .field("max_concurrency", &self.max_concurrency)
             .field("account", &self.account)
             .field("accepts_prefill", &self.accepts_prefill)
+            .field("stream_usage", &self.stream_usage)
             .finish_non_exhaustive()
     }
 }
@@ -264,6 +271,7 @@ impl SourceConfig {
             inter_token_timeout_s: None,
             total_timeout_s: None,
             accepts_prefill: false,
+            stream_usage: None,
         }
     }
 
@@ -329,7 +337,8 @@ impl SourceConfig {
         };
         let mut s = SourceSettings::new(self.name.as_str(), self.base_url.clone())
             .key(key)
-            .timeouts(self.timeouts(at)?);
+            .timeouts(self.timeouts(at)?)
+            .ask_stream_usage(self.stream_usage.unwrap_or(true));
         s.model.clone_from(&self.model);
         s.endpoint()
             .map_err(|e| config_error(format!("{at}.base_url"), e.to_string()))?;
