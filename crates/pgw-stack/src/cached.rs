@@ -48,6 +48,12 @@ pub(crate) struct Follow<'a> {
     pub(crate) progress: &'a Progress,
     /// The call's deadline.
     pub(crate) until: Option<Instant>,
+    /// The call is streamed to its caller: it neither leads nor follows identical
+    /// calls. A streamed leader's flight ends with its stream's last chunk, pulled as
+    /// its caller reads: its followers' first byte would wait for its last (or for as
+    /// long as its caller holds the stream), and a streamed follower would get its
+    /// answer whole, at the end. A stored answer is still a hit.
+    pub(crate) streamed: bool,
 }
 
 impl Follow<'_> {
@@ -138,6 +144,9 @@ impl CacheFlow {
             && usable(&hit)
         {
             return Lookup::Hit(hit);
+        }
+        if follow.streamed {
+            return Lookup::Miss(None);
         }
         let mut rx = {
             let mut map = lock(&self.flights);
@@ -357,6 +366,7 @@ mod tests {
         let follow = Follow {
             progress: &progress,
             until: Some(start + Duration::from_millis(200)),
+            streamed: false,
         };
         let looked = tokio::time::timeout(Duration::from_secs(60), flow.lookup(key, follow, |_| true))
             .await

@@ -426,6 +426,7 @@ impl Service<ChatCall> for Gateway {
                 let follow = Follow {
                     progress: &inner.progress,
                     until: call.extensions().get::<CallDeadline>().map(|d| d.0),
+                    streamed: call.extensions().get::<PassThrough>().is_some(),
                 };
                 match cache.lookup(key, follow, usable).await {
                     Lookup::Hit(hit) => return Ok(replay(&inner.telemetry, call_id, &hit)),

@@ -207,3 +207,27 @@ async fn a_fallback_groups_answer_is_kept_only_briefly() {
 fn pool_of_one() -> SimPool {
     pool(vec![pgw_sim::SourceConfig::quick("a")])
 }
+
+/// A streamed call neither leads nor follows identical calls: its flight would end
+/// only with its stream's last chunk, pulled as its caller reads. Here the caller
+/// reads one chunk and holds the stream; an identical call made meanwhile goes
+/// upstream at once instead of waiting on it (it waited until the process had
+/// answered nothing for a minute).
+#[tokio::test(start_paused = true)]
+async fn an_identical_call_does_not_wait_on_a_held_stream() {
+    let pool = pool(vec![pgw_sim::SourceConfig::quick("a")]);
+    let gw = gateway(&pool, |_| {}, &MemorySink::new()).await;
+    let mut held = gw.chat_stream(at(0.0, "the same question")).await.unwrap();
+    assert!(!held.cache_hit());
+    assert!(held.next().await.unwrap().is_ok(), "the first chunk");
+    let start = tokio::time::Instant::now();
+    let other = gw.chat(at(0.0, "the same question")).await.unwrap();
+    assert!(!other.cache_hit);
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "waited {:?} on the held stream",
+        start.elapsed()
+    );
+    assert_eq!(received(&pool), 2);
+    drop(held);
+}
