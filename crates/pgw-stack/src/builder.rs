@@ -133,8 +133,9 @@ impl GatewayBuilder {
         let store: Option<Arc<dyn ResponseCache>> = match (&redis, cfg.cache.enabled) {
             (_, false) => None,
             (Some(conn), true) => Some(Arc::new(RedisCache::new(conn.clone(), prefix.clone()))),
-            (None, true) => Some(Arc::new(MemoryCache::new(
+            (None, true) => Some(Arc::new(MemoryCache::bounded(
                 cfg.cache.max_entries.unwrap_or(DEFAULT_CACHE_MAX_ENTRIES),
+                cfg.cache.max_bytes.unwrap_or(crate::cache::DEFAULT_MAX_BYTES),
             ))),
         };
         let ttl = secs("cache.ttl_s", cfg.cache.ttl_s)?

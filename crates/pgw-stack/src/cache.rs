@@ -140,29 +140,116 @@ pub trait ResponseCache: Send + Sync {
     fn put(&self, key: CacheKey, answer: Arc<CachedAnswer>, ttl: Duration) -> BoxFuture<'static, ()>;
 }
 
-/// An in-process cache: at most `max_entries` answers (quick_cache's CLOCK-Pro
-/// eviction: recently and often used answers stay), each until its TTL on the tokio
-/// clock.
+/// An in-process cache bounded by answers and by bytes: at most `max_entries`
+/// answers and at most `max_bytes` of them (each weighed as its JSON length, which is
+/// about what it holds in memory; a streamed answer's chunks count), with
+/// quick_cache's CLOCK-Pro eviction (recently and often used answers stay), each
+/// until its TTL on the tokio clock.
+///
+/// Both bounds hold with one weight: an answer weighs its bytes, and at least
+/// `max_bytes / max_entries`. quick_cache splits the capacity across shards, so one
+/// answer heavier than a shard's share (about `max_bytes` divided by the shard count,
+/// 1 to 4 per core) is not stored at all.
+///
+/// ```
+/// use pgw_stack::cache::{MemoryCache, DEFAULT_MAX_BYTES};
+///
+/// let cache = MemoryCache::new(10_000);
+/// assert_eq!(cache.max_bytes(), DEFAULT_MAX_BYTES);
+/// let small = MemoryCache::bounded(100, 1 << 20);
+/// assert_eq!(small.max_bytes(), 1 << 20);
+/// ```
 #[derive(Clone)]
 pub struct MemoryCache {
-    inner: Arc<quick_cache::sync::Cache<CacheKey, (Instant, Arc<CachedAnswer>)>>,
+    inner: Arc<quick_cache::sync::Cache<CacheKey, Stored, Weight>>,
+    max_bytes: u64,
+}
+
+/// The memory cache's default byte bound: 128 MiB. At the default 10,000 answers it
+/// is 13 KiB each on average: a long non-streamed answer is 2-10 KiB of JSON, a
+/// streamed one several times that (every chunk repeats the call's id and model), so
+/// 10,000 streamed answers alone could take gigabytes without it.
+pub const DEFAULT_MAX_BYTES: u64 = 128 << 20;
+
+/// A stored answer: when it expires, the answer, its weight.
+#[derive(Clone)]
+struct Stored {
+    expires: Instant,
+    answer: Arc<CachedAnswer>,
+    bytes: u64,
+}
+
+/// An answer's weight: its bytes, at least `floor` (`max_bytes / max_entries`), so
+/// that the weight bound is also the entries bound.
+#[derive(Clone)]
+struct Weight {
+    floor: u64,
+}
+
+impl quick_cache::Weighter<CacheKey, Stored> for Weight {
+    fn weight(&self, _key: &CacheKey, val: &Stored) -> u64 {
+        val.bytes.max(self.floor)
+    }
+}
+
+/// Counts the bytes written to it.
+struct Counter(u64);
+
+impl std::io::Write for Counter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0 += buf.len() as u64;
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl CachedAnswer {
+    /// Its JSON length in bytes (what the Redis cache stores; the memory cache's
+    /// weight), counted without building the JSON.
+    #[must_use]
+    pub fn json_len(&self) -> u64 {
+        let mut n = Counter(0);
+        // Serializing plain data into a writer that never fails cannot fail.
+        let _ = serde_json::to_writer(&mut n, self);
+        n.0
+    }
 }
 
 impl std::fmt::Debug for MemoryCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MemoryCache")
             .field("len", &self.len())
-            .field("capacity", &self.inner.capacity())
+            .field("bytes", &self.inner.weight())
+            .field("max_bytes", &self.max_bytes)
             .finish()
     }
 }
 
 impl MemoryCache {
-    /// A cache holding at most `max_entries` answers (at least 1).
+    /// A cache holding at most `max_entries` answers (at least 1) and at most
+    /// [`DEFAULT_MAX_BYTES`] of them.
     #[must_use]
     pub fn new(max_entries: usize) -> Self {
+        Self::bounded(max_entries, DEFAULT_MAX_BYTES)
+    }
+
+    /// A cache holding at most `max_entries` answers (at least 1) and at most
+    /// `max_bytes` (at least 1) of them.
+    #[must_use]
+    pub fn bounded(max_entries: usize, max_bytes: u64) -> Self {
+        let entries = max_entries.max(1);
+        let max_bytes = max_bytes.max(1);
+        let floor = (max_bytes / entries as u64).max(1);
         Self {
-            inner: Arc::new(quick_cache::sync::Cache::new(max_entries.max(1))),
+            inner: Arc::new(quick_cache::sync::Cache::with_weighter(
+                entries,
+                max_bytes,
+                Weight { floor },
+            )),
+            max_bytes,
         }
     }
 
@@ -177,12 +264,25 @@ impl MemoryCache {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// What its answers weigh together, in bytes (each at least
+    /// `max_bytes / max_entries`).
+    #[must_use]
+    pub fn weight(&self) -> u64 {
+        self.inner.weight()
+    }
+
+    /// Its byte bound.
+    #[must_use]
+    pub const fn max_bytes(&self) -> u64 {
+        self.max_bytes
+    }
 }
 
 impl ResponseCache for MemoryCache {
     fn get(&self, key: CacheKey) -> BoxFuture<'static, Option<Arc<CachedAnswer>>> {
         let hit = match self.inner.get(&key) {
-            Some((expires, a)) if expires > Instant::now() => Some(a),
+            Some(stored) if stored.expires > Instant::now() => Some(stored.answer),
             Some(_) => {
                 self.inner.remove(&key);
                 None
@@ -197,7 +297,15 @@ impl ResponseCache for MemoryCache {
         let expires = now
             .checked_add(ttl)
             .unwrap_or(now + Duration::from_secs(86_400 * 365));
-        self.inner.insert(key, (expires, answer));
+        let bytes = answer.json_len();
+        self.inner.insert(
+            key,
+            Stored {
+                expires,
+                answer,
+                bytes,
+            },
+        );
         Box::pin(std::future::ready(()))
     }
 }
@@ -324,5 +432,39 @@ mod tests {
         assert!(c.len() <= 2, "bounded: {}", c.len());
         c.put(k("z"), answer("z2"), Duration::from_secs(60)).await;
         assert_eq!(c.get(k("z")).await.unwrap().group, "z2", "an overwrite wins");
+    }
+
+    /// The byte bound holds whatever the entries bound allows: 200 answers of about
+    /// 4 KiB each (800 KiB) into a cache of 1,000 entries and 64 KiB keep at most
+    /// 64 KiB (entries alone would have kept all 200). Before the byte bound, a cache
+    /// of 10,000 streamed answers could take gigabytes.
+    #[tokio::test(start_paused = true)]
+    async fn bytes_bound_the_cache_as_well_as_entries() {
+        let big = |n: usize| {
+            let mut a = (*answer(&n.to_string())).clone();
+            a.response.choices.push(pgw_core::openai::Choice {
+                message: pgw_core::openai::ChatMessage::new("assistant", "x".repeat(4096)),
+                ..Default::default()
+            });
+            Arc::new(a)
+        };
+        let one = big(0).json_len();
+        assert!((4096..5000).contains(&one), "an answer weighs its JSON: {one}");
+        let c = MemoryCache::bounded(1_000, 64 << 10);
+        for n in 0..200 {
+            let key = CacheKey::of(&ChatRequest::user("m", n.to_string()));
+            c.put(key, big(n), Duration::from_secs(60)).await;
+        }
+        assert!(c.weight() <= 64 << 10, "weight {} over the bound", c.weight());
+        assert!(c.len() >= 8, "it still holds answers: {}", c.len());
+        assert!(c.len() <= 16, "at most 64 KiB of 4 KiB answers: {}", c.len());
+
+        // Small answers are bounded by entries: each weighs at least 64 KiB / 4.
+        let c = MemoryCache::bounded(4, 64 << 10);
+        for n in 0..50 {
+            let key = CacheKey::of(&ChatRequest::user("m", n.to_string()));
+            c.put(key, answer("tiny"), Duration::from_secs(60)).await;
+        }
+        assert!(c.len() <= 4, "entries bound: {}", c.len());
     }
 }

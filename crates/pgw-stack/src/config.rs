@@ -627,6 +627,10 @@ pub struct CacheSection {
     /// Size bound of the memory cache (default [`DEFAULT_CACHE_MAX_ENTRIES`]).
     #[serde(default)]
     pub max_entries: Option<usize>,
+    /// Byte bound of the memory cache, each answer weighed as its JSON length
+    /// (default [`crate::cache::DEFAULT_MAX_BYTES`], 128 MiB).
+    #[serde(default)]
+    pub max_bytes: Option<u64>,
 }
 
 fn yes() -> bool {
@@ -641,6 +645,7 @@ impl Default for CacheSection {
             ttl_s: None,
             fallback_ttl_s: None,
             max_entries: None,
+            max_bytes: None,
         }
     }
 }
@@ -876,6 +881,12 @@ impl GatewayConfig {
         }
         if self.cache.max_entries == Some(0) {
             return Err(config_error("cache.max_entries", "must be at least 1"));
+        }
+        if self.cache.max_bytes.is_some_and(|b| b < 1024) {
+            return Err(config_error(
+                "cache.max_bytes",
+                "must be at least 1024 (one answer's JSON is rarely less)",
+            ));
         }
         if let Some(p) = &self.balance.policy
             && !matches!(p.as_str(), "health_aware" | "round_robin" | "least_inflight")
