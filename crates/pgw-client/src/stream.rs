@@ -23,8 +23,8 @@ use crate::{Timeouts, UpstreamBody};
 /// [`WatchdogCut`] error (outcome `Transient`).
 ///
 /// The end is the provider's word that the answer is complete: `data: [DONE]` or the
-/// body's end, each after a chunk with a `finish_reason` (some providers never send
-/// `[DONE]`). A stream that ends without a finish reason was cut: it ends with a
+/// body's end, each after a `finish_reason` for every choice asked for (some providers
+/// never send `[DONE]`; see [`ChunkStream::expecting`]). A stream that ends without a finish reason was cut: it ends with a
 /// [`MalformedResponse`], never cleanly on a truncated answer. So do an error event,
 /// an oversized event, and a stream none of whose events parse. An event that is not
 /// a chunk among chunks that are is skipped and counted ([`ChunkStream::skipped`],
@@ -46,8 +46,12 @@ pub struct ChunkStream {
     first_token_at: Option<Instant>,
     usage: Option<Usage>,
     finished: bool,
-    /// A chunk carried a finish reason: the end may come.
+    /// Every choice asked for finished: the end may come.
     complete: bool,
+    /// Choices the request asked for (`n`, default 1).
+    choices: u32,
+    /// Indices of the choices seen, and whether each finished.
+    seen: Vec<(u32, bool)>,
     parsed: u64,
     skipped: u64,
     /// Bytes of the body read so far.
@@ -89,6 +93,8 @@ impl ChunkStream {
             usage: None,
             finished: false,
             complete: false,
+            choices: 1,
+            seen: Vec::new(),
             parsed: 0,
             skipped: 0,
             read: 0,
@@ -108,6 +114,28 @@ impl ChunkStream {
             (watchdog, limit)
         };
         self.sleep.as_mut().reset(at.min(self.deadline));
+    }
+
+    /// The request asked for `n` choices (its `n`; default 1): the answer is complete
+    /// only once `n` choices, and every choice seen, carried a finish reason. With one
+    /// finished choice of several, the end of the stream is a cut, not the answer.
+    #[must_use]
+    pub fn expecting(mut self, n: u32) -> Self {
+        self.choices = n.max(1);
+        self
+    }
+
+    /// Notes the choices of a chunk: complete once every choice asked for finished.
+    fn note_choices(&mut self, chunk: &ChatChunk) {
+        for c in &chunk.choices {
+            let finished = c.finish_reason.is_some();
+            match self.seen.iter_mut().find(|(i, _)| *i == c.index) {
+                Some((_, done)) => *done |= finished,
+                None => self.seen.push((c.index, finished)),
+            }
+        }
+        let done = self.seen.iter().filter(|(_, done)| *done).count();
+        self.complete = done >= self.choices as usize && self.seen.iter().all(|(_, done)| *done);
     }
 
     /// Time from dispatch to the first token, once it arrived.
@@ -245,8 +273,8 @@ impl ChunkStream {
         if self.first_token_at.is_none() && token {
             self.first_token_at = Some(now);
         }
-        if chunk.choices.iter().any(|c| c.finish_reason.is_some()) {
-            self.complete = true;
+        if !chunk.choices.is_empty() && !self.complete {
+            self.note_choices(&chunk);
         }
         if self.first_token_at.is_some() {
             let limit = self.timeouts.inter_token;

@@ -937,3 +937,40 @@ async fn a_stream_larger_than_an_answer_may_be_is_cut() {
     assert!(err.to_string().contains("stream larger than"), "{err}");
     assert_eq!(outcome(&r), Outcome::Transient);
 }
+
+/// A call asking for several choices (`n: 2`) is complete only once each finished: a
+/// stream that ends after the first choice's finish reason, the second still running,
+/// is a cut (it was taken for the whole answer, the second choice truncated).
+#[tokio::test(start_paused = true)]
+async fn a_stream_of_two_choices_is_whole_only_when_both_finish() {
+    let p = Provider::default();
+    let two = || {
+        let mut req = ChatRequest::user("m", "hi");
+        req.stream = true;
+        req.extra.insert("n".into(), 2.into());
+        ChatCall::new(req)
+    };
+    let ev = |s: &'static str| Bytes::from(format!("data: {s}\n\n"));
+    let first_done = [
+        ev(r#"{"choices":[{"index":0,"delta":{"content":"a"}},{"index":1,"delta":{"content":"b"}}]}"#),
+        ev(r#"{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}"#),
+        ev(r#"{"choices":[{"index":1,"delta":{"content":"c"}}]}"#),
+    ];
+    let done = Bytes::from_static(pgw_core::sse::DONE.as_bytes());
+    let mut cut: Vec<_> = first_done.iter().map(|b| (Duration::ZERO, b.clone())).collect();
+    cut.push((Duration::ZERO, done.clone()));
+    let r = p.client(sse(cut), timeouts()).oneshot(two()).await;
+    let err = r.as_ref().unwrap_err();
+    assert!(err.to_string().contains("before a finish_reason"), "{err}");
+    assert_eq!(outcome(&r), Outcome::Transient);
+
+    // The same with the second choice's finish reason: the answer.
+    let mut whole: Vec<_> = first_done.iter().map(|b| (Duration::ZERO, b.clone())).collect();
+    whole.push((
+        Duration::ZERO,
+        ev(r#"{"choices":[{"index":1,"delta":{},"finish_reason":"length"}]}"#),
+    ));
+    whole.push((Duration::ZERO, done));
+    let answer = p.client(sse(whole), timeouts()).oneshot(two()).await.unwrap();
+    assert_eq!(answer.response.choices.len(), 2);
+}
