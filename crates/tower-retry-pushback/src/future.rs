@@ -31,7 +31,15 @@ pin_project! {
         // Holding the source of a 429 (R3); `wait` is slept instead if the hold fails.
         // With `then_fail`, the call ends once the hold is placed (its pushback is
         // exhausted; the hold still spares the source the other calls' attempts).
-        Holding { fut: HoldFuture, wait: Duration, then_fail: Option<Reason>, waiting: WaitGuard },
+        // With `unheld_fail`, a failed hold ends the call instead of the sleep: that
+        // sleep would take its pushback past the bound.
+        Holding {
+            fut: HoldFuture,
+            wait: Duration,
+            then_fail: Option<Reason>,
+            unheld_fail: Option<Reason>,
+            waiting: WaitGuard,
+        },
         // Sleeping through a backoff, a Retry-After or a gate's retry_after (boxed:
         // the fast path never sleeps, so its future stays small).
         Waiting { sleep: Pin<Box<Sleep>>, waiting: WaitGuard },
@@ -170,12 +178,14 @@ enum Next<T> {
     Dispatch,
     Sleep(Duration),
     /// Hold the source (and its account when the provider said the limit is the
-    /// account's) for the wait, then dispatch, or end the call with `then_fail`.
+    /// account's) for the wait, then dispatch, or end the call with `then_fail`; if
+    /// the hold fails, sleep through the wait, or end the call with `unheld_fail`.
     Hold {
         source: SourceId,
         wait: Duration,
         account_wide: bool,
         then_fail: Option<Reason>,
+        unheld_fail: Option<Reason>,
     },
     Finish(Result<T, BoxError>),
 }
@@ -430,6 +440,9 @@ impl<Req: CarriesHistory, C, R> Call<Req, C, R> {
                 let waited = slow.pushback.waited(now);
                 let after = slow.pushback.with(now, wait);
                 let exhausted = Reason::PushbackExhausted { waited, wait, limit };
+                // The sleep would take the call's pushback past the bound (one longer
+                // than the call may wait at all is WaitTooLong).
+                let past_bound = wait <= wait_limit && after.covered > limit;
                 match (held, source) {
                     // The call goes on at once and waits for the hold only if no other
                     // source admits it: counted whole all the same (an upper bound of
@@ -442,11 +455,14 @@ impl<Req: CarriesHistory, C, R> Call<Req, C, R> {
                             wait,
                             account_wide,
                             then_fail: (waited >= limit).then_some(exhausted),
+                            // A failed hold is slept through as without a hook: by
+                            // the same bound.
+                            unheld_fail: past_bound.then_some(exhausted),
                         }
                     }
                     // A sleep that would take the call's pushback past the bound is not
-                    // slept (one longer than the call may wait at all is WaitTooLong).
-                    _ if wait <= wait_limit && after.covered > limit => Next::Finish(self.fail(exhausted)),
+                    // slept.
+                    _ if past_bound => Next::Finish(self.fail(exhausted)),
                     _ => {
                         slow.pushback = after;
                         self.sleep_or_fail(wait, now)
@@ -554,7 +570,11 @@ where
                     this.call.after_attempt(result)
                 }
                 StateProj::Holding {
-                    fut, wait, then_fail, ..
+                    fut,
+                    wait,
+                    then_fail,
+                    unheld_fail,
+                    ..
                 } => {
                     let wait = *wait;
                     let held = ready!(fut.as_mut().poll(cx));
@@ -562,10 +582,16 @@ where
                         (_, Some(reason)) => Next::Finish(this.call.fail(reason)),
                         // The gates below keep the source not admitted: go on at once.
                         (Ok(()), None) => Next::Dispatch,
-                        (Err(e), None) => {
-                            tracing::warn!(error = %e, "hold failed; sleeping through the pushback instead");
-                            this.call.sleep_or_fail(wait, Instant::now())
-                        }
+                        (Err(e), None) => match unheld_fail.take() {
+                            Some(reason) => {
+                                tracing::warn!(error = %e, "hold failed; sleeping through the pushback would pass its bound");
+                                Next::Finish(this.call.fail(reason))
+                            }
+                            None => {
+                                tracing::warn!(error = %e, "hold failed; sleeping through the pushback instead");
+                                this.call.sleep_or_fail(wait, Instant::now())
+                            }
+                        },
                     }
                 }
                 StateProj::Waiting { sleep, .. } => {
@@ -612,6 +638,7 @@ where
                     wait,
                     account_wide,
                     then_fail,
+                    unheld_fail,
                 } => {
                     let waiting = WaitGuard::new(&this.call.shared.counters);
                     let fut = match &this.call.shared.hold {
@@ -624,6 +651,7 @@ where
                         fut,
                         wait,
                         then_fail,
+                        unheld_fail,
                         waiting,
                     });
                 }

@@ -1228,6 +1228,37 @@ async fn a_failed_hold_falls_back_to_sleeping_through_the_pushback() {
     assert!(t[1] - t[0] >= Duration::from_secs(9), "{:?}", t[1] - t[0]);
 }
 
+/// A failed hold is slept through by the same bound as a sleep without a hook: a 429
+/// asking for 100 s, past `max_pushback_wait` (60 s by default), ends the call with
+/// `PushbackExhausted` after the one attempt, as it does without a hook (it slept the
+/// 100 s and sent a second attempt).
+#[tokio::test(start_paused = true)]
+async fn a_failed_hold_does_not_sleep_past_the_pushback_bound() {
+    for hook in [true, false] {
+        let s1 = Upstream::with(vec![rl(100)]);
+        let router = Router::new(vec![("s1", s1.clone())], TestHold::default());
+        let layer = layer(RetryConfig::default());
+        let layer = if hook {
+            layer.hold(Arc::new(FailingHold))
+        } else {
+            layer
+        };
+        let mut svc = layer.layer(router.clone());
+        let start = tokio::time::Instant::now();
+        let err = call(&mut svc, Req::new(1)).await.unwrap_err();
+        assert!(
+            matches!(retry_error(&err).reason(), Reason::PushbackExhausted { .. }),
+            "hook {hook}: {err}"
+        );
+        assert_eq!(router.times_of("s1").len(), 1, "hook {hook}");
+        assert!(
+            start.elapsed() < Duration::from_secs(1),
+            "hook {hook}: {:?}",
+            start.elapsed()
+        );
+    }
+}
+
 // ---------------------------------------------------------------- backoff floor, deadline
 
 /// The backoff floor (half the base, 250 ms by default): whatever the jitter draws, two
