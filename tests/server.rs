@@ -200,6 +200,10 @@ async fn virtual_keys_401_unknown_404_foreign_models_429_past_quota() {
         let (status, _, _) = call(h.addr, request("GET", "/v1/models"), Bytes::new()).await;
         assert_eq!(status, 401);
     }
+    // The scheme is case-insensitive (it was 401 for anything but `Bearer`/`bearer`).
+    let upper = request("GET", "/v1/models").header("authorization", format!("BEARER {CLIENT_KEY}"));
+    let (status, _, _) = call(h.addr, upper, Bytes::new()).await;
+    assert_eq!(status, 200);
     let (status, _, body) = call(h.addr, chat(Some(CLIENT_KEY)), chat_body("other-model", false)).await;
     assert_eq!(status, 404);
     openai_error(&body, "model_not_found");
@@ -412,6 +416,13 @@ async fn a_connection_flood_past_the_cap_gets_503_while_calls_in_flight_finish()
         assert_eq!(headers["retry-after"], "2");
         openai_error(&body, "overloaded");
     }
+    // Liveness and the metrics still answer past the cap (the metrics were 503: a
+    // flood was when the operator could not see it).
+    let (status, _, _) = call(h.addr, request("GET", "/healthz"), Bytes::new()).await;
+    assert_eq!(status, 200);
+    let (status, _, text) = call(h.addr, request("GET", "/metrics"), Bytes::new()).await;
+    assert_eq!(status, 200);
+    assert!(String::from_utf8_lossy(&text).contains("pgw_server_shed_total"));
     for c in in_flight {
         let (status, ev) = c.await.unwrap();
         assert_eq!(status, 200);
@@ -444,6 +455,40 @@ async fn calls_past_the_in_flight_cap_get_503_with_retry_after() {
     let (status, _, body) = first.await.unwrap();
     assert_eq!(status, 200);
     assert_eq!(events(&body).last().map(String::as_str), Some("[DONE]"));
+}
+
+/// A request whose body is still coming holds its in-flight slot: with `max_in_flight
+/// = 1`, a second request meanwhile is shed. Before, the slot was taken after the body
+/// was read, so as many bodies as connections (1024 x 8 MiB by default) could be held
+/// in memory at once.
+#[tokio::test(start_paused = true)]
+async fn a_body_being_read_holds_its_in_flight_slot() {
+    let h = start("max_in_flight = 1\n", vec![fast("s1")]).await;
+    let body = chat_body("m", false);
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    let mut slow = TcpStream::connect(h.addr).await.unwrap();
+    slow.write_all(head.as_bytes()).await.unwrap();
+    slow.write_all(&body[..10]).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (status, _, body_503) = call(h.addr, chat(None), chat_body("m", false)).await;
+    assert_eq!(status, 503);
+    openai_error(&body_503, "overloaded");
+    // The slow body ends: its call is answered, and the slot is free again.
+    slow.write_all(&body[10..]).await.unwrap();
+    let mut answer = vec![0u8; 12];
+    slow.read_exact(&mut answer).await.unwrap();
+    assert!(
+        answer.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&answer)
+    );
+    drop(slow);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (status, _, _) = call(h.addr, chat(None), chat_body("m", false)).await;
+    assert_eq!(status, 200);
 }
 
 #[tokio::test(start_paused = true)]

@@ -78,13 +78,46 @@ impl RedisTarget {
     }
 }
 
-/// Hides a password in a Redis URL (`redis://:secret@host` -> `redis://:***@host`).
+/// Hides a password in a Redis URL: the user info (`redis://:secret@host` ->
+/// `redis://***@host`) and a `pass` or `password` query parameter, which is how a
+/// `unix://` URL carries one (`unix:///run/redis.sock?pass=secret` ->
+/// `unix:///run/redis.sock?pass=***`).
+///
+/// ```
+/// use pgw_core::redis_conn::redact_url;
+///
+/// assert_eq!(redact_url("redis://:hunter2@127.0.0.1:6379/0"), "redis://***@127.0.0.1:6379/0");
+/// assert_eq!(
+///     redact_url("unix:///run/redis.sock?db=1&pass=hunter2"),
+///     "unix:///run/redis.sock?db=1&pass=***"
+/// );
+/// ```
 #[must_use]
 pub fn redact_url(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s + 3 => format!("{}://***@{}", &url[..s], &url[at + 1..]),
-        _ => url.to_owned(),
+    // The user info first, on the whole URL: a password may hold a `?`.
+    let (mut out, rest) = match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s + 3 => (format!("{}://***@", &url[..s]), &url[at + 1..]),
+        _ => (String::new(), url),
+    };
+    let (base, query) = match rest.split_once('?') {
+        Some((b, q)) => (b, Some(q)),
+        None => (rest, None),
+    };
+    out.push_str(base);
+    if let Some(query) = query {
+        out.push('?');
+        let params: Vec<String> = query
+            .split('&')
+            .map(|p| match p.split_once('=') {
+                Some((k, _)) if k.eq_ignore_ascii_case("pass") || k.eq_ignore_ascii_case("password") => {
+                    format!("{k}=***")
+                }
+                _ => p.to_owned(),
+            })
+            .collect();
+        out.push_str(&params.join("&"));
     }
+    out
 }
 
 impl fmt::Debug for RedisTarget {
@@ -312,6 +345,13 @@ mod tests {
         );
         let t = RedisTarget::parse("redis://user:hunter2@h:1/0").unwrap();
         assert!(!format!("{t:?} {t}").contains("hunter2"));
+        // A unix socket's password is a query parameter (it was printed whole).
+        let t = RedisTarget::parse("unix:///run/redis.sock?db=2&PASS=hunter2&user=u").unwrap();
+        assert!(!format!("{t:?} {t}").contains("hunter2"), "{t:?} {t}");
+        assert!(format!("{t}").contains("db=2"), "{t}");
+        let t = RedisTarget::parse("redis://:hun?ter2@h:1/0?password=hunter3").unwrap();
+        assert!(!format!("{t:?} {t}").contains("ter2"), "{t:?}");
+        assert!(!format!("{t:?} {t}").contains("hunter3"), "{t:?}");
         assert!(RedisTarget::parse("redis+cluster://").is_err());
         assert_eq!(scope_key("pgw:brk", "s1"), "pgw:brk:{s1}:");
     }

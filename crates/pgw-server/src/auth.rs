@@ -219,7 +219,11 @@ impl KeyRing {
         let bearer = headers
             .get(http::header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+            .and_then(|v| {
+                // The scheme is case-insensitive (RFC 9110 11.1): `BEARER k` too.
+                let (scheme, rest) = v.split_once(' ')?;
+                scheme.eq_ignore_ascii_case("bearer").then_some(rest)
+            })
             .map(str::trim);
         let key = bearer.or_else(|| headers.get("api-key").and_then(|v| v.to_str().ok()))?;
         self.find(key)

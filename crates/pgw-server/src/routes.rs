@@ -395,6 +395,21 @@ async fn chat(State(state): State<Arc<AppState>>, request: Request) -> Response 
         Ok(t) => t,
         Err(e) => return e.into_response(),
     };
+    // Taken before the body is read, and held until the answer is complete (for a
+    // stream: its last event), so streams count as in flight (tower's concurrency
+    // limit would free the slot at the headers) and the bodies held in memory at once
+    // are at most `max_in_flight` (not `max_connections`) times `max_body_bytes`.
+    let Ok(slot) = Arc::clone(&state.in_flight).try_acquire_owned() else {
+        metrics::counter!("pgw_server_shed_total", "reason" => "in_flight").increment(1);
+        return ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            "overloaded",
+            "too many requests in flight; retry shortly",
+        )
+        .retry_after(Some(state.shed_retry_after))
+        .into_response();
+    };
     let body = match read_body(&state, body).await {
         Ok(b) => b,
         Err(refused) => return refused,
@@ -417,19 +432,6 @@ async fn chat(State(state): State<Arc<AppState>>, request: Request) -> Response 
         )
         .into_response();
     }
-    // Held until the answer is complete (for a stream: its last event), so streams
-    // count as in flight; tower's concurrency limit would free the slot at the headers.
-    let Ok(slot) = Arc::clone(&state.in_flight).try_acquire_owned() else {
-        metrics::counter!("pgw_server_shed_total", "reason" => "in_flight").increment(1);
-        return ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "service_unavailable",
-            "overloaded",
-            "too many requests in flight; retry shortly",
-        )
-        .retry_after(Some(state.shed_retry_after))
-        .into_response();
-    };
     let mut call = CallMetrics {
         recorded: false,
         tenant: tenant

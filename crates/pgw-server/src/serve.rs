@@ -362,6 +362,24 @@ async fn event_loop(shared: &Shared, listener: TcpListener, stop: impl Future<Ou
     while tasks.join_next().await.is_some() {}
 }
 
+/// One open connection in `pgw_server_connections`: counted while it lives, so the
+/// gauge comes down however its task ends (an abort at the end of the grace period
+/// included).
+struct OpenConnection;
+
+impl OpenConnection {
+    fn new() -> Self {
+        metrics::gauge!("pgw_server_connections").increment(1.0);
+        Self
+    }
+}
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        metrics::gauge!("pgw_server_connections").decrement(1.0);
+    }
+}
+
 fn accept(
     ctx: &Shared,
     graceful: &GracefulShutdown,
@@ -377,12 +395,12 @@ fn accept(
     if let Ok(slot) = Arc::clone(&ctx.open).try_acquire_owned() {
         let service = TowerToHyperService::new(ctx.router.clone());
         let conn = graceful.watch(ctx.http.serve_connection(io, service));
-        metrics::gauge!("pgw_server_connections").increment(1.0);
+        let open = OpenConnection::new();
         tasks.spawn(async move {
             if let Err(e) = conn.await {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
             }
-            metrics::gauge!("pgw_server_connections").decrement(1.0);
+            drop(open);
             drop(slot);
         });
         return;
@@ -392,16 +410,29 @@ fn accept(
         return; // dropping the stream closes it
     };
     let overloaded = ctx.overloaded.clone();
+    let router = ctx.router.clone();
     let service = hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
         // Liveness still answers past the cap: the process is up, only full, and an
-        // orchestrator must not restart it for that. Readiness says 503 with the rest
+        // orchestrator must not restart it for that. So do the metrics: a flood of
+        // connections is when they are needed most. Readiness says 503 with the rest
         // (send no more traffic here for now).
-        let response = if req.uri().path() == "/healthz" && req.method() == http::Method::GET {
-            crate::routes::healthy()
+        let get = req.method() == http::Method::GET;
+        let path = req.uri().path();
+        let response: std::pin::Pin<Box<dyn Future<Output = _> + Send>> = if get && path == "/healthz" {
+            Box::pin(std::future::ready(crate::routes::healthy()))
+        } else if get && path == "/metrics" {
+            let router = router.clone();
+            Box::pin(async move {
+                use tower::ServiceExt as _;
+                match router.oneshot(req.map(axum::body::Body::new)).await {
+                    Ok(r) => r,
+                    Err(never) => match never {},
+                }
+            })
         } else {
-            overloaded.clone().into_response()
+            Box::pin(std::future::ready(overloaded.clone().into_response()))
         };
-        async move { Ok::<_, Infallible>(response) }
+        async move { Ok::<_, Infallible>(response.await) }
     });
     let conn = graceful.watch(ctx.refuse.serve_connection(io, service));
     tasks.spawn(async move {

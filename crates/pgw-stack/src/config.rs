@@ -1032,9 +1032,14 @@ pub fn toml_error(e: &toml::de::Error, text: Option<&str>) -> ConfigError {
     config_error(field, msg.trim().replace('\n', " "))
 }
 
+/// Fields an environment override sets as the string given, never read as TOML:
+/// secrets (a source's `key`, `redis_url`, a virtual key's `sha256`).
+const SECRET_FIELDS: [&str; 3] = ["key", "redis_url", "sha256"];
+
 /// Applies one `PGW__A__B=raw` environment override to `table`: sets `a.b` (segments
 /// lowercased, split on `__`; a number indexes an existing array item) to `raw` read as
-/// a TOML value when it parses as one (`60`, `true`, `[1, 2]`), else as a string. This
+/// a TOML value when it parses as one (`60`, `true`, `[1, 2]`), else as a string; a
+/// secret (`key`, `redis_url`, `sha256`) is always the string given. This
 /// is what [`GatewayConfig::from_toml_str_with_env`] does for each variable; it is
 /// public so a program embedding the gateway's TOML in a larger file (the `pgw`
 /// server) applies the same rules to its own tables.
@@ -1043,6 +1048,8 @@ pub fn toml_error(e: &toml::de::Error, text: Option<&str>) -> ConfigError {
 /// let mut table: toml::Table = toml::from_str("[[sources]]\nname = \"s1\"\n").unwrap();
 /// pgw_stack::config::apply_override(&mut table, "PGW__SOURCES__0__RPM", "60").unwrap();
 /// assert_eq!(table["sources"][0]["rpm"].as_integer(), Some(60));
+/// pgw_stack::config::apply_override(&mut table, "PGW__SOURCES__0__KEY", "8231945712345").unwrap();
+/// assert_eq!(table["sources"][0]["key"].as_str(), Some("8231945712345"));
 /// let err = pgw_stack::config::apply_override(&mut table, "PGW__SOURCES__9__RPM", "1").unwrap_err();
 /// assert_eq!(err.field(), "PGW__SOURCES__9__RPM");
 /// ```
@@ -1058,10 +1065,18 @@ pub fn apply_override(table: &mut toml::Table, var: &str, raw: &str) -> Result<(
     if path.iter().any(String::is_empty) {
         return Err(config_error(var, "empty path segment"));
     }
-    let value = toml::from_str::<toml::Table>(&format!("v = {raw}"))
-        .ok()
-        .and_then(|mut t| t.remove("v"))
-        .unwrap_or_else(|| toml::Value::String(raw.to_owned()));
+    // A secret is always a string, as given: read as TOML, a numeric key (a
+    // self-hosted server's `--api-key 8231945712345`) became an integer whose type
+    // error quoted it, and `1234#abcd` was cut at the `#`.
+    let secret = path.last().is_some_and(|f| SECRET_FIELDS.contains(&f.as_str()));
+    let value = if secret {
+        toml::Value::String(raw.to_owned())
+    } else {
+        toml::from_str::<toml::Table>(&format!("v = {raw}"))
+            .ok()
+            .and_then(|mut t| t.remove("v"))
+            .unwrap_or_else(|| toml::Value::String(raw.to_owned()))
+    };
     let mut root = toml::Value::Table(std::mem::take(table));
     let result = set_path(&mut root, &path, &value, var);
     if let toml::Value::Table(t) = root {
