@@ -174,6 +174,102 @@ async fn successes_under_the_closed_view_travel_with_the_next_failure() {
     assert_eq!(still(&gate).await.state, BreakerState::Open);
 }
 
+/// Kept successes older than the window are dropped, not sent: sent with the first
+/// failure after an idle spell, they landed in the current bucket and outweighed the
+/// failures of a source that died meanwhile (the window showed 6 calls, 1 failure).
+#[tokio::test]
+async fn successes_kept_past_the_window_are_dropped_not_sent() {
+    let server = PrivateRedis::start();
+    let target = RedisTarget::Standalone(server.url());
+    let backend = RedisBackend::new(RedisConn::connect(&target).await.unwrap())
+        .with_prefix("old")
+        .with_closed_view(Duration::from_secs(3600));
+    let window = Duration::from_millis(400);
+    let config = BreakerConfig::builder()
+        .fail_threshold(3)
+        .cooldown(REDIS_UNIT)
+        .window(window)
+        .build()
+        .unwrap();
+    let gate = backend.gate(&"s".into(), &config);
+    for _ in 0..5 {
+        call(&gate, S).await;
+    }
+    assert_eq!(gate.deferred_successes(), 5);
+    tokio::time::sleep(window + window / 2).await;
+    call(&gate, F).await;
+    assert_eq!(gate.deferred_successes(), 0);
+    assert_eq!(still(&gate).await.window_calls, 1, "the failure alone");
+}
+
+/// Kept successes of an epoch that ended are discarded when a newer epoch's ticket
+/// comes: left, they stopped the gate from keeping successes for good (every success
+/// of the new epoch went in a round trip of its own).
+#[tokio::test]
+async fn successes_kept_in_an_ended_epoch_do_not_stop_deferring() {
+    let server = PrivateRedis::start();
+    let target = RedisTarget::Standalone(server.url());
+    let view = REDIS_UNIT / 2;
+    let backend = RedisBackend::new(RedisConn::connect(&target).await.unwrap())
+        .with_prefix("epoch")
+        .with_closed_view(view);
+    let config = config(3);
+    let gate = backend.gate(&"s".into(), &config);
+    for _ in 0..3 {
+        call(&gate, S).await;
+    }
+    assert_eq!(gate.deferred_successes(), 3);
+    // Another process opens the breaker, and its probe closes it: a new epoch.
+    let other = backend.clone().gate(&"s".into(), &config);
+    let t = admit(&other).await;
+    other.record(t, BreakerVerdict::ForceOpen).await;
+    tokio::time::sleep(REDIS_UNIT + REDIS_UNIT / 6).await;
+    let probe = admit(&other).await;
+    assert!(probe.is_probe());
+    other.record(probe, BreakerVerdict::Success).await;
+    assert_eq!(still(&gate).await.state, BreakerState::Closed);
+    // This process's view has ended: it asks, and keeps the new epoch's successes.
+    call(&gate, S).await;
+    call(&gate, S).await;
+    assert_eq!(gate.deferred_successes(), 2, "the new epoch's two");
+}
+
+/// A probe lease answered to a caller that then drops its admission unread is
+/// released: the answer was in the channel when the caller left, and the lease
+/// refused every process "probe out" for the probe TTL.
+#[tokio::test]
+async fn a_probe_answered_to_a_caller_that_left_unread_is_released() {
+    let server = PrivateRedis::start();
+    let target = RedisTarget::Standalone(server.url());
+    let config = BreakerConfig::builder()
+        .fail_threshold(1)
+        .cooldown(REDIS_UNIT)
+        .probe_ttl(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    let backend = |conn| {
+        RedisBackend::new(conn)
+            .with_prefix("unread")
+            .with_closed_view(Duration::ZERO)
+    };
+    let a = backend(RedisConn::connect(&target).await.unwrap()).gate(&"s".into(), &config);
+    let b = backend(RedisConn::connect(&target).await.unwrap()).gate(&"s".into(), &config);
+    call(&a, F).await;
+    tokio::time::sleep(REDIS_UNIT + REDIS_UNIT / 6).await;
+    let asked = a.admit(); // the question goes out now
+    tokio::time::sleep(Duration::from_millis(200)).await; // and its answer is in
+    drop(asked);
+    let mut probe = None;
+    for _ in 0..100 {
+        if let Admission::Admitted(t) = b.admit().await.expect("backend answers") {
+            probe = Some(t);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(probe.expect("the unread probe's lease was released").is_probe());
+}
+
 /// The closed view: another process's open reaches this one at the first outcome it
 /// records after it (its ticket's epoch is over), not only when the view ends.
 async fn another_process_open_is_learnt_from_the_next_record(env: RedisEnv) {

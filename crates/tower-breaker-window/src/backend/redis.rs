@@ -120,7 +120,9 @@ impl RedisBackend {
     /// own records would have been. The price: another process sees this one's
     /// successes up to one closed view late (its failures may meanwhile weigh more in
     /// the window), and a process that ends, or stops recording, loses at most one
-    /// view's successes. Redis-mode P6 (2000 calls, 2 workers): the breaker's records
+    /// view's successes; a count older than the rate window is dropped, not sent (sent
+    /// after an idle spell, it would land in the current bucket and outweigh the
+    /// failures of a source that died meanwhile). Redis-mode P6 (2000 calls, 2 workers): the breaker's records
     /// were 3.4 of 27.5 Redis commands per call.
     #[must_use]
     pub const fn with_deferred_successes(mut self, defer: bool) -> Self {
@@ -173,7 +175,12 @@ impl Backend for RedisBackend {
             record_errors: AtomicU64::new(0),
             closed_view: self.closed_view,
             defer_successes: self.defer_successes && !self.closed_view.is_zero(),
-            deferred: std::sync::Mutex::new(Deferred { epoch: 0, n: 0 }),
+            deferred: std::sync::Mutex::new(Deferred {
+                epoch: 0,
+                n: 0,
+                since: Instant::now(),
+            }),
+            window: config.window(),
             known: std::sync::Mutex::new(Known::Nothing),
             opens: AtomicU64::new(0),
             flight: std::sync::Mutex::new(None),
@@ -193,6 +200,8 @@ struct Inner {
     /// Successes counted here and not yet sent (see
     /// [`RedisBackend::with_deferred_successes`]).
     deferred: std::sync::Mutex<Deferred>,
+    /// The rate window: deferred successes older than it are dropped, not sent.
+    window: Duration,
     known: std::sync::Mutex<Known>,
     /// Opens recorded by this process: an admission answered across one is not kept
     /// as a closed view (it may have been judged before the open landed).
@@ -202,11 +211,13 @@ struct Inner {
     flight: std::sync::Mutex<Option<Flight>>,
 }
 
-/// Successes of the closed breaker of `epoch` this process counted and did not send.
+/// Successes of the closed breaker of `epoch` this process counted and did not send,
+/// the first of them at `since`.
 #[derive(Clone, Copy, Debug)]
 struct Deferred {
     epoch: u64,
     n: u32,
+    since: Instant,
 }
 
 /// One admission question in flight, as the admissions that wait for it see it.
@@ -239,18 +250,32 @@ impl Inner {
         if !self.defer_successes || ticket.is_probe() || verdict == BreakerVerdict::Ignore {
             return Some(0);
         }
+        let now = Instant::now();
         let mut deferred = lock(&self.deferred);
+        // Successes of an epoch that ended are discarded, as their own records would
+        // have been (a record of another epoch answers "stale"): left, they stopped
+        // this gate from deferring for good. Successes older than the window are
+        // discarded too: sent now, they would land in the current bucket and, after
+        // an idle spell, outweigh the failures of a source that died meanwhile (the
+        // consecutive channel counts only while the window holds few calls).
+        if deferred.n > 0
+            && (deferred.epoch < ticket.epoch()
+                || now.saturating_duration_since(deferred.since) > self.window)
+        {
+            deferred.n = 0;
+        }
         if verdict == BreakerVerdict::Success {
             let known = *lock(&self.known);
-            let in_view =
-                matches!(known, Known::Closed(until, e) if e == ticket.epoch() && Instant::now() < until);
+            let in_view = matches!(known, Known::Closed(until, e) if e == ticket.epoch() && now < until);
             if in_view
                 && (deferred.n == 0 || deferred.epoch == ticket.epoch())
                 && deferred.n + 1 < MAX_DEFERRED_SUCCESSES
             {
+                let since = if deferred.n == 0 { now } else { deferred.since };
                 *deferred = Deferred {
                     epoch: ticket.epoch(),
                     n: deferred.n + 1,
+                    since,
                 };
                 return None;
             }
@@ -304,6 +329,40 @@ enum Known {
     /// this process that opens the breaker or finds its epoch over (another process
     /// opened it: learnt from the first outcome recorded since).
     Closed(Instant, u64),
+}
+
+/// An admission's answer on its way to the caller that asked. A probe lease in it
+/// that the caller never reads (it dropped its admission, or the answer came after it
+/// left) is released when this is dropped, instead of refusing every process "probe
+/// out" for the probe TTL.
+struct Delivery {
+    answer: Option<Result<Admission, BackendUnavailable>>,
+    /// The gate and the question's claim, until the caller takes the answer.
+    claim: Option<(Arc<Inner>, String)>,
+}
+
+impl Delivery {
+    /// The answer, taken by its caller: a lease in it is the caller's now.
+    fn take(mut self) -> Result<Admission, BackendUnavailable> {
+        self.claim = None;
+        self.answer
+            .take()
+            .unwrap_or_else(|| Err(BackendUnavailable::new("redis", "admit", "no answer")))
+    }
+}
+
+impl Drop for Delivery {
+    fn drop(&mut self) {
+        let Some((inner, claim)) = self.claim.take() else {
+            return;
+        };
+        if !matches!(self.answer, Some(Ok(Admission::Admitted(t))) if t.is_probe()) {
+            return;
+        }
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move { RedisGate::release(&inner, &claim).await });
+        }
+    }
 }
 
 /// One source's gate in Redis.
@@ -373,28 +432,28 @@ impl RedisGate {
                 answer.map_err(Into::into)
             });
         };
-        let (tx, rx) = oneshot::channel();
+        let (tx, rx) = oneshot::channel::<Delivery>();
         rt.spawn(async move {
             let answer = Self::question(&inner, sent, opens, &claim).await;
             Self::publish(&inner, flight, &answer);
+            let failed = answer.is_err();
+            // A probe lease nobody takes is released when its delivery is dropped:
+            // here when the caller is gone, or with the channel when the caller drops
+            // its admission after the answer came, unread.
+            let _ = tx.send(Delivery {
+                answer: Some(answer),
+                claim: Some((Arc::clone(&inner), claim.clone())),
+            });
             // No answer: the script may have run, or may still run (queued behind a
             // slow server), and leased a probe to this claim; the release is queued
             // behind it on the same connection.
-            let failed = answer.is_err();
-            let orphan = match tx.send(answer) {
-                Ok(()) => failed,
-                // The caller is gone: a lease it was given is nobody's.
-                Err(Ok(Admission::Admitted(t))) => t.is_probe(),
-                Err(Ok(Admission::Refused { .. })) => false,
-                Err(Err(_)) => true,
-            };
-            if orphan {
+            if failed {
                 Self::release(&inner, &claim).await;
             }
         });
         Box::pin(async move {
             match rx.await {
-                Ok(answer) => answer.map_err(Into::into),
+                Ok(delivery) => delivery.take().map_err(Into::into),
                 Err(_) => {
                     Err(BackendUnavailable::new("redis", "admit", "the runtime dropped the question").into())
                 }
@@ -429,6 +488,13 @@ impl RedisGate {
         match run("release", inner.timeout, call.invoke_async::<i64>(&mut conn)).await {
             Ok(released) => {
                 tracing::debug!(source = %inner.source, released, "breaker probe claim of a gone caller");
+                if released == 1 {
+                    // The probe is free again: refusals learnt while it was out stop.
+                    let mut known = lock(&inner.known);
+                    if matches!(*known, Known::ProbeOut(_)) {
+                        *known = Known::Nothing;
+                    }
+                }
             }
             Err(e) => {
                 // The lease, if the question took one, ends with the probe TTL.
