@@ -50,6 +50,11 @@ pub const DEFAULT_HEADER_READ_TIMEOUT_S: f64 = 10.0;
 /// Default time a client has to send a request's whole body once its headers are in:
 /// 30 s. A body trickled slower is cut then with a 408, before it costs an attempt.
 pub const DEFAULT_BODY_READ_TIMEOUT_S: f64 = 30.0;
+/// Default write timeout: 60 s. A client that reads nothing for a minute (its receive
+/// window full) has stopped reading; one that reads at all, however slowly, never
+/// meets it, and a stream's silent stretches are not writes (keep-alive comments go
+/// out every `sse_keep_alive_s`).
+pub const DEFAULT_WRITE_TIMEOUT_S: f64 = 60.0;
 /// Default request body limit: 8 MiB (a long prompt is a few hundred KB).
 pub const DEFAULT_MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
 /// Default cap on open client connections: 1024 (well under a default `ulimit -n` of
@@ -150,6 +155,12 @@ pub struct ServerSection {
     /// connection closed.
     #[serde(default)]
     pub body_read_timeout_s: Option<f64>,
+    /// Seconds a write to a client may stay pending (the client reads nothing) before
+    /// the connection is ended and its call released (default
+    /// [`DEFAULT_WRITE_TIMEOUT_S`]). Without it, a client that stopped reading a
+    /// stream held its in-flight slot, its tenant lease and its connection for good.
+    #[serde(default)]
+    pub write_timeout_s: Option<f64>,
     /// Keep connections alive between requests (default true).
     #[serde(default = "yes")]
     pub keep_alive: bool,
@@ -214,6 +225,7 @@ impl Default for ServerSection {
             expose_sources: false,
             header_read_timeout_s: None,
             body_read_timeout_s: None,
+            write_timeout_s: None,
             keep_alive: true,
             max_body_bytes: None,
             max_connections: None,
@@ -242,6 +254,8 @@ pub struct Settings {
     pub header_read_timeout: Duration,
     /// See [`ServerSection::body_read_timeout_s`].
     pub body_read_timeout: Duration,
+    /// See [`ServerSection::write_timeout_s`].
+    pub write_timeout: Duration,
     /// See [`ServerSection::keep_alive`].
     pub keep_alive: bool,
     /// See [`ServerSection::max_body_bytes`].
@@ -402,6 +416,11 @@ impl ServerSection {
                 "server.body_read_timeout_s",
                 self.body_read_timeout_s,
                 DEFAULT_BODY_READ_TIMEOUT_S,
+            )?,
+            write_timeout: secs(
+                "server.write_timeout_s",
+                self.write_timeout_s,
+                DEFAULT_WRITE_TIMEOUT_S,
             )?,
             keep_alive: self.keep_alive,
             max_body_bytes: positive(

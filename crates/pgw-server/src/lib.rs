@@ -34,6 +34,7 @@ mod error;
 mod routes;
 mod serve;
 mod sse;
+mod stall;
 mod track;
 
 use std::sync::OnceLock;

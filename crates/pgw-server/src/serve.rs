@@ -186,6 +186,8 @@ struct Shared {
     refusing: Arc<Semaphore>,
     overloaded: ApiError,
     grace: Duration,
+    /// See [`crate::config::Settings::write_timeout`].
+    write_timeout: Duration,
 }
 
 impl Shared {
@@ -212,6 +214,7 @@ impl Shared {
             )
             .retry_after(Some(settings.shed_retry_after)),
             grace: settings.shutdown_grace,
+            write_timeout: settings.write_timeout,
         }
     }
 }
@@ -391,7 +394,7 @@ fn accept(
     if let Err(e) = stream.set_nodelay(true) {
         tracing::debug!(%peer, error = %e, "TCP_NODELAY not set");
     }
-    let io = TokioIo::new(stream);
+    let io = TokioIo::new(crate::stall::StallGuard::new(stream, ctx.write_timeout));
     if let Ok(slot) = Arc::clone(&ctx.open).try_acquire_owned() {
         let service = TowerToHyperService::new(ctx.router.clone());
         let conn = graceful.watch(ctx.http.serve_connection(io, service));
