@@ -10,7 +10,7 @@ use futures_util::StreamExt;
 use futures_util::future::BoxFuture;
 use http::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE, HOST, HeaderValue};
 use http_body_util::BodyExt;
-use pgw_core::openai::{ChatMessage, ChatRequest, ChatResponse, ChunkAccumulator, FINISH_ERROR};
+use pgw_core::openai::{ChatMessage, ChatResponse, ChunkAccumulator, FINISH_ERROR};
 use pgw_core::{BoxError, EmptyCompletion, ProviderError, SourceId, UpstreamStatus};
 use serde::Serialize;
 use serde_json::{Map, Value};
@@ -190,14 +190,13 @@ where
         let prepared = Arc::clone(&self.prepared);
         let transport = self.transport.clone();
         let req = prepared.build(call, true);
-        let choices = choices_asked(call.request());
         Box::pin(async move {
             let start = Instant::now();
             let (parts, body) = head(transport.oneshot(req?), &prepared, start, true).await?;
             if !is_event_stream(&parts.headers) {
                 return Err(MalformedResponse::new("asked for a stream, got no text/event-stream").into());
             }
-            Ok(ChunkStream::new(body, start, prepared.settings.timeouts).expecting(choices))
+            Ok(ChunkStream::new(body, start, prepared.settings.timeouts))
         })
     }
 }
@@ -228,8 +227,7 @@ where
             let stream = call.is_stream();
             let pass = stream && call.extensions().get::<crate::PassThrough>().is_some();
             let req = prepared.build(&call, stream)?;
-            let choices = choices_asked(call.request());
-            let result = attempt(transport.call(req), &prepared, start, stream, pass, choices).await;
+            let result = attempt(transport.call(req), &prepared, start, stream, pass).await;
             let id = &prepared.settings.id;
             if let Err(e) = &result {
                 tracing::debug!(source = %id, call = %call.id(), error = %e, "attempt failed");
@@ -316,14 +314,6 @@ impl Prepared {
     }
 }
 
-/// How many choices `req` asks for: its `n`, 1 when absent or not a positive integer.
-fn choices_asked(req: &ChatRequest) -> u32 {
-    req.extra
-        .get("n")
-        .and_then(serde_json::Value::as_u64)
-        .map_or(1, |n| u32::try_from(n).unwrap_or(u32::MAX).max(1))
-}
-
 /// Waits for the response head under the first-token (streaming) or total watchdog,
 /// and turns a non-2xx head into an [`UpstreamStatus`].
 async fn head<F, B>(
@@ -360,7 +350,6 @@ async fn attempt<F, B>(
     start: Instant,
     stream: bool,
     pass: bool,
-    choices: u32,
 ) -> Result<ChatAnswer, BoxError>
 where
     F: Future<Output = Result<http::Response<B>, BoxError>>,
@@ -374,7 +363,7 @@ where
         ..AttemptStats::default()
     };
     let (response, chunks, body) = if stream && is_event_stream(&parts.headers) {
-        let mut s = ChunkStream::new(body, start, t).expecting(choices);
+        let mut s = ChunkStream::new(body, start, t);
         let mut acc = ChunkAccumulator::default();
         let mut chunks = Vec::new();
         while let Some(chunk) = s.next().await {

@@ -23,8 +23,8 @@ use crate::{Timeouts, UpstreamBody};
 /// [`WatchdogCut`] error (outcome `Transient`).
 ///
 /// The end is the provider's word that the answer is complete: `data: [DONE]` or the
-/// body's end, each after a `finish_reason` for every choice asked for (some providers
-/// never send `[DONE]`; see [`ChunkStream::expecting`]). A stream that ends without a finish reason was cut: it ends with a
+/// body's end, each after a `finish_reason` for every choice seen (some providers
+/// never send `[DONE]`). A stream that ends without a finish reason was cut: it ends with a
 /// [`MalformedResponse`], never cleanly on a truncated answer. So do an error event,
 /// an oversized event, and a stream none of whose events parse. An event that is not
 /// a chunk among chunks that are is skipped and counted ([`ChunkStream::skipped`],
@@ -46,10 +46,8 @@ pub struct ChunkStream {
     first_token_at: Option<Instant>,
     usage: Option<Usage>,
     finished: bool,
-    /// Every choice asked for finished: the end may come.
+    /// Every choice seen finished: the end may come.
     complete: bool,
-    /// Choices the request asked for (`n`, default 1).
-    choices: u32,
     /// Indices of the choices seen, and whether each finished.
     seen: Vec<(u32, bool)>,
     parsed: u64,
@@ -93,7 +91,6 @@ impl ChunkStream {
             usage: None,
             finished: false,
             complete: false,
-            choices: 1,
             seen: Vec::new(),
             parsed: 0,
             skipped: 0,
@@ -116,16 +113,10 @@ impl ChunkStream {
         self.sleep.as_mut().reset(at.min(self.deadline));
     }
 
-    /// The request asked for `n` choices (its `n`; default 1): the answer is complete
-    /// only once `n` choices, and every choice seen, carried a finish reason. With one
-    /// finished choice of several, the end of the stream is a cut, not the answer.
-    #[must_use]
-    pub fn expecting(mut self, n: u32) -> Self {
-        self.choices = n.max(1);
-        self
-    }
-
-    /// Notes the choices of a chunk: complete once every choice asked for finished.
+    /// Notes the choices of a chunk: complete once every choice seen finished. With
+    /// several choices (`n > 1`), one finished while another still runs is not the
+    /// whole answer: a stream that ends then was cut. A provider that ignores `n` and
+    /// streams one choice is whole at its finish reason.
     fn note_choices(&mut self, chunk: &ChatChunk) {
         for c in &chunk.choices {
             let finished = c.finish_reason.is_some();
@@ -134,8 +125,7 @@ impl ChunkStream {
                 None => self.seen.push((c.index, finished)),
             }
         }
-        let done = self.seen.iter().filter(|(_, done)| *done).count();
-        self.complete = done >= self.choices as usize && self.seen.iter().all(|(_, done)| *done);
+        self.complete = self.seen.iter().all(|(_, done)| *done);
     }
 
     /// Time from dispatch to the first token, once it arrived.

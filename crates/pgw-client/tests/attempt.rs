@@ -938,9 +938,10 @@ async fn a_stream_larger_than_an_answer_may_be_is_cut() {
     assert_eq!(outcome(&r), Outcome::Transient);
 }
 
-/// A call asking for several choices (`n: 2`) is complete only once each finished: a
-/// stream that ends after the first choice's finish reason, the second still running,
-/// is a cut (it was taken for the whole answer, the second choice truncated).
+/// A call asking for several choices (`n: 2`) is complete only once each choice seen
+/// finished: a stream that ends after the first choice's finish reason, the second
+/// still running, is a cut (it was taken for the whole answer, the second choice
+/// truncated). A provider that ignores `n` and streams one choice is whole.
 #[tokio::test(start_paused = true)]
 async fn a_stream_of_two_choices_is_whole_only_when_both_finish() {
     let p = Provider::default();
@@ -973,4 +974,18 @@ async fn a_stream_of_two_choices_is_whole_only_when_both_finish() {
     whole.push((Duration::ZERO, done));
     let answer = p.client(sse(whole), timeouts()).oneshot(two()).await.unwrap();
     assert_eq!(answer.response.choices.len(), 2);
+
+    let one = vec![
+        (
+            Duration::ZERO,
+            ev(r#"{"choices":[{"index":0,"delta":{"content":"a"}}]}"#),
+        ),
+        (
+            Duration::ZERO,
+            ev(r#"{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}"#),
+        ),
+        (Duration::ZERO, Bytes::from_static(pgw_core::sse::DONE.as_bytes())),
+    ];
+    let answer = p.client(sse(one), timeouts()).oneshot(two()).await.unwrap();
+    assert_eq!(answer.content(), "a", "n ignored: one choice, whole");
 }
