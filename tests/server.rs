@@ -221,6 +221,42 @@ async fn virtual_keys_401_unknown_404_foreign_models_429_past_quota() {
     assert_eq!(upstream_requests(&h), 1);
 }
 
+/// Each virtual key has its own partition of the response cache: the same prompt from
+/// another key is a miss that goes upstream (it was a hit, and `x-pgw-cache: hit` told
+/// the second tenant what the first had asked); the same key's repeat is a hit; with
+/// `share_cache_across_keys`, keys share answers.
+#[tokio::test(start_paused = true)]
+async fn keys_do_not_share_cached_answers_unless_told() {
+    for shared in [false, true] {
+        let keys = format!(
+            "share_cache_across_keys = {shared}\n{}{}",
+            key_toml("team-a", CLIENT_KEY, ""),
+            key_toml("team-b", "sk-client-b", "")
+        );
+        let h = start_edited("", &keys, vec![fast("s1")], |t| {
+            t.replace("[cache]\nenabled = false", "[cache]\nwhen = \"always\"")
+        })
+        .await;
+        let cache_of = |headers: &http::HeaderMap| headers["x-pgw-cache"].to_str().unwrap().to_owned();
+        let (status, headers, _) = call(h.addr, chat(Some(CLIENT_KEY)), chat_body("m", false)).await;
+        assert_eq!((status.as_u16(), cache_of(&headers).as_str()), (200, "miss"));
+        let (status, headers, _) = call(h.addr, chat(Some(CLIENT_KEY)), chat_body("m", false)).await;
+        assert_eq!(
+            (status.as_u16(), cache_of(&headers).as_str()),
+            (200, "hit"),
+            "the same key"
+        );
+        let (status, headers, _) = call(h.addr, chat(Some("sk-client-b")), chat_body("m", false)).await;
+        let other = if shared { "hit" } else { "miss" };
+        assert_eq!(
+            (status.as_u16(), cache_of(&headers).as_str()),
+            (200, other),
+            "shared {shared}"
+        );
+        assert_eq!(upstream_requests(&h), if shared { 1 } else { 2 });
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn loopback_only_without_keys_unless_allowed() {
     let pool = pgw_sim::SimPool::new(

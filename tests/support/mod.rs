@@ -109,11 +109,21 @@ pub async fn start(server: &str, sources: Vec<pgw_sim::SourceConfig>) -> Harness
 
 /// As [`start`], with top-level gateway keys (`backend = "redis"`, ...) first.
 pub async fn start_with(top: &str, server: &str, sources: Vec<pgw_sim::SourceConfig>) -> Harness {
+    start_edited(top, server, sources, |t| t).await
+}
+
+/// As [`start_with`], with the configuration's text passed through `edit` first.
+pub async fn start_edited(
+    top: &str,
+    server: &str,
+    sources: Vec<pgw_sim::SourceConfig>,
+    edit: impl FnOnce(String) -> String,
+) -> Harness {
     let pool = SimPool::new(PoolConfig::of(sources.clone()), 7).unwrap();
     let (_, sim) = pgw_sim::http::serve(pool.clone(), "127.0.0.1:0".parse().unwrap())
         .await
         .unwrap();
-    let text = format!("{top}\n{}", config_text(server, &sim, &sources));
+    let text = edit(format!("{top}\n{}", config_text(server, &sim, &sources)));
     let config = ServerConfig::from_toml_str(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
     let gateway = Gateway::from_config(config.gateway.clone()).await.unwrap();
     let server = Server::bind(&config, gateway.clone(), pgw_server::install_metrics())

@@ -146,6 +146,11 @@ pub struct ServerSection {
     /// Name sources in error messages and the `x-pgw-source` header (default false).
     #[serde(default)]
     pub expose_sources: bool,
+    /// Let virtual keys share cached answers (default false: each key label has its
+    /// own partition of the response cache, so one tenant's answers never serve
+    /// another, and `x-pgw-cache: hit` cannot tell a tenant what another asked).
+    #[serde(default)]
+    pub share_cache_across_keys: bool,
     /// Seconds a client has to send a request's headers, also the idle limit of a
     /// kept-alive connection (default [`DEFAULT_HEADER_READ_TIMEOUT_S`]).
     #[serde(default)]
@@ -223,6 +228,7 @@ impl Default for ServerSection {
             listen: default_listen(),
             allow_unauthenticated: false,
             expose_sources: false,
+            share_cache_across_keys: false,
             header_read_timeout_s: None,
             body_read_timeout_s: None,
             write_timeout_s: None,
@@ -250,6 +256,8 @@ pub struct Settings {
     pub allow_unauthenticated: bool,
     /// See [`ServerSection::expose_sources`].
     pub expose_sources: bool,
+    /// See [`ServerSection::share_cache_across_keys`].
+    pub share_cache_across_keys: bool,
     /// See [`ServerSection::header_read_timeout_s`].
     pub header_read_timeout: Duration,
     /// See [`ServerSection::body_read_timeout_s`].
@@ -407,6 +415,7 @@ impl ServerSection {
             listen,
             allow_unauthenticated: self.allow_unauthenticated,
             expose_sources: self.expose_sources,
+            share_cache_across_keys: self.share_cache_across_keys,
             header_read_timeout: secs(
                 "server.header_read_timeout_s",
                 self.header_read_timeout_s,

@@ -39,6 +39,7 @@ pub struct AppState {
     pub(crate) keys: Arc<KeyRing>,
     pub(crate) models: Arc<[String]>,
     pub(crate) expose_sources: bool,
+    pub(crate) share_cache_across_keys: bool,
     pub(crate) sse_keep_alive: Duration,
     pub(crate) shed_retry_after: Duration,
     pub(crate) body_read_timeout: Duration,
@@ -90,6 +91,7 @@ impl AppState {
             gateway,
             keys: Arc::new(keys),
             expose_sources: settings.expose_sources,
+            share_cache_across_keys: settings.share_cache_across_keys,
             sse_keep_alive: settings.sse_keep_alive,
             shed_retry_after: settings.shed_retry_after,
             body_read_timeout: settings.body_read_timeout,
@@ -455,6 +457,13 @@ async fn chat(State(state): State<Arc<AppState>>, request: Request) -> Response 
     let mut chat_call = pgw_stack::ChatCall::new(request);
     if skips_cache(headers) {
         chat_call.extensions_mut().insert(pgw_stack::NoCache);
+    }
+    if let Some(t) = &tenant
+        && !state.share_cache_across_keys
+    {
+        chat_call
+            .extensions_mut()
+            .insert(pgw_stack::CachePartition(Arc::clone(&t.label)));
     }
     if chat_call.is_stream() {
         return sse::respond(&state, chat_call, permit, slot, call).await;

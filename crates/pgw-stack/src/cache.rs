@@ -48,6 +48,22 @@ impl CacheKey {
     /// request that would now be routed elsewhere.
     #[must_use]
     pub fn for_route(req: &ChatRequest, route: &str) -> Self {
+        Self::in_partition(req, route, None)
+    }
+
+    /// The key of `req` sent on `route` in the cache's `partition` (see
+    /// [`CachePartition`]): `None` is [`for_route`](Self::for_route)'s key, unchanged.
+    ///
+    /// ```
+    /// use pgw_stack::CacheKey;
+    /// use pgw_stack::core::openai::ChatRequest;
+    ///
+    /// let req = ChatRequest::user("gpt-4o", "hello");
+    /// assert_eq!(CacheKey::in_partition(&req, "r", None), CacheKey::for_route(&req, "r"));
+    /// assert_ne!(CacheKey::in_partition(&req, "r", Some("team-a")), CacheKey::for_route(&req, "r"));
+    /// ```
+    #[must_use]
+    pub fn in_partition(req: &ChatRequest, route: &str, partition: Option<&str>) -> Self {
         #[derive(Serialize)]
         struct Canon<'a> {
             route: &'a str,
@@ -55,6 +71,10 @@ impl CacheKey {
             messages: &'a [pgw_core::openai::ChatMessage],
             max_tokens: Option<u64>,
             extra: &'a serde_json::Map<String, serde_json::Value>,
+            // Last and left out when absent: the keys of unpartitioned calls are
+            // the same bytes as before partitions existed.
+            #[serde(skip_serializing_if = "Option::is_none")]
+            partition: Option<&'a str>,
         }
         // serde_json maps are sorted (no `preserve_order`), so the bytes are canonical.
         let bytes = serde_json::to_vec(&Canon {
@@ -63,6 +83,7 @@ impl CacheKey {
             messages: &req.messages,
             max_tokens: req.max_tokens,
             extra: &req.extra,
+            partition,
         })
         .unwrap_or_default();
         let digest = Sha256::digest(&bytes);
@@ -89,6 +110,22 @@ impl CacheKey {
 /// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct NoCache;
+
+/// A call carrying this reads and fills only its partition of the response cache: the
+/// answers stored by calls of the same partition. pgw-server gives each virtual key's
+/// calls the key's label, so one tenant's answers never serve another (and a cache
+/// hit cannot tell a tenant what another asked).
+///
+/// ```
+/// use std::sync::Arc;
+/// use pgw_stack::{CachePartition, ChatCall};
+/// use pgw_stack::core::openai::ChatRequest;
+///
+/// let mut call = ChatCall::new(ChatRequest::user("gpt-4o", "hello"));
+/// call.extensions_mut().insert(CachePartition(Arc::from("team-a")));
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CachePartition(pub Arc<str>);
 
 /// Whether `req` asks for a deterministic answer: `temperature` 0 or a fixed `seed`.
 /// Only those are cached by default: a sampled answer (a chat UI's regenerate) must

@@ -22,7 +22,7 @@ use tower_retry_pushback::{CallDeadline, Progress, Reason, RetryError};
 use tower_service::Service;
 
 use crate::attempt::{AdmissionCell, RefusedTime};
-use crate::cache::{CacheKey, CachedAnswer};
+use crate::cache::{CacheKey, CachePartition, CachedAnswer};
 use crate::cached::{CacheFlow, Follow, Lookup, replay};
 use crate::relay::ChatStream;
 use crate::route::ModelChain;
@@ -417,7 +417,8 @@ impl Service<ChatCall> for Gateway {
             };
             let mut cached = None;
             if let Some(cache) = inner.cache.as_ref().filter(|c| c.applies(&call)) {
-                let key = CacheKey::for_route(call.request(), &route.route_key);
+                let partition = call.extensions().get::<CachePartition>().map(|p| &*p.0);
+                let key = CacheKey::in_partition(call.request(), &route.route_key, partition);
                 let validator = call.extensions().get::<Validator>().or(inner.validator.as_ref());
                 let usable = |hit: &CachedAnswer| {
                     validator

@@ -45,7 +45,7 @@ pub mod telemetry;
 mod validate;
 
 pub use builder::{GatewayBuilder, TransportFactory};
-pub use cache::{CacheKey, CachedAnswer, MemoryCache, NoCache, RedisCache, ResponseCache};
+pub use cache::{CacheKey, CachePartition, CachedAnswer, MemoryCache, NoCache, RedisCache, ResponseCache};
 pub use config::{
     BackendKind, CacheWhen, ConfigError, GatewayConfig, ModelConfig, RouteConfig, SourceConfig,
 };
