@@ -74,16 +74,20 @@ pub enum Reason {
     RetryBudgetExhausted,
     /// Client-side adaptive throttling dropped the attempt locally.
     Throttled,
-    /// Another attempt was needed but the request could not be re-sent (the clone hook
-    /// returned `None`).
+    /// Another attempt was needed but the request could not be re-sent (the clone
+    /// hook returned `None`).
     NotResendable,
+    /// The service below failed its readiness before a retry (its `poll_ready`
+    /// error is the [`RetryError`]'s source): a service that errors there cannot be
+    /// called again.
+    ServiceFailed,
 }
 
 impl Reason {
     /// A short stable name for telemetry: `budget_exhausted`, `reasks_exhausted`,
     /// `rejected`, `stalled`, `all_circuits_open`, `wait_too_long`,
     /// `pushback_exhausted`, `deadline_exceeded`, `retry_budget_exhausted`, `throttled`,
-    /// `not_resendable`.
+    /// `not_resendable`, `service_failed`.
     #[must_use]
     pub const fn as_str(self) -> &'static str {
         match self {
@@ -98,6 +102,7 @@ impl Reason {
             Self::RetryBudgetExhausted => "retry_budget_exhausted",
             Self::Throttled => "throttled",
             Self::NotResendable => "not_resendable",
+            Self::ServiceFailed => "service_failed",
         }
     }
 }
@@ -136,6 +141,7 @@ impl fmt::Display for Reason {
             Self::RetryBudgetExhausted => f.write_str("retry budget exhausted"),
             Self::Throttled => f.write_str("throttled locally (adaptive throttling)"),
             Self::NotResendable => f.write_str("request cannot be re-sent"),
+            Self::ServiceFailed => f.write_str("the service below failed before a retry"),
         }
     }
 }

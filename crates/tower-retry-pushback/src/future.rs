@@ -602,7 +602,10 @@ where
                     if let Some(waited) = this.call.stalled() {
                         Next::Finish(this.call.fail(Reason::Stalled { waited }))
                     } else if let Err(e) = ready!(this.service.poll_ready(cx)) {
-                        Next::Finish(Err(e.into()))
+                        // A RetryError like every failed call's: the attempts so far
+                        // and the reason, the service's error as its source.
+                        this.call.start_waiting(Instant::now()).last_error = Some(e.into());
+                        Next::Finish(this.call.fail(Reason::ServiceFailed))
                     } else if !this.call.shared.throttle_admits() {
                         Next::Finish(this.call.fail(Reason::Throttled))
                     } else if let Some(req) = this.call.next.take() {

@@ -1259,6 +1259,39 @@ async fn a_failed_hold_does_not_sleep_past_the_pushback_bound() {
     }
 }
 
+/// A service whose readiness fails before a retry ends the call with a `RetryError`
+/// like every other failure (reason `ServiceFailed`, the attempts so far, the
+/// service's error as its source); it ended with the raw error, the attempts lost.
+#[tokio::test(start_paused = true)]
+async fn a_readiness_error_before_a_retry_is_a_retry_error() {
+    #[derive(Clone)]
+    struct BreaksAfterOne(Upstream, Arc<std::sync::atomic::AtomicU32>);
+    impl Service<Req> for BreaksAfterOne {
+        type Response = Ans;
+        type Error = BoxError;
+        type Future = <Upstream as Service<Req>>::Future;
+        fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), BoxError>> {
+            if self.1.fetch_add(1, std::sync::atomic::Ordering::Relaxed) >= 1 {
+                return std::task::Poll::Ready(Err("the pool is gone".into()));
+            }
+            self.0.poll_ready(cx)
+        }
+        fn call(&mut self, req: Req) -> Self::Future {
+            self.0.call(req)
+        }
+    }
+    let upstream = Upstream::always(Ans::Transient);
+    let mut svc = layer(RetryConfig::default()).layer(BreaksAfterOne(upstream.clone(), Arc::default()));
+    let err = call(&mut svc, Req::new(1)).await.unwrap_err();
+    let retry = retry_error(&err);
+    assert_eq!(retry.reason(), Reason::ServiceFailed);
+    assert_eq!(retry.attempts().len(), 1);
+    assert!(
+        std::error::Error::source(retry).is_some_and(|s| s.to_string().contains("the pool is gone")),
+        "{retry:?}"
+    );
+}
+
 // ---------------------------------------------------------------- backoff floor, deadline
 
 /// The backoff floor (half the base, 250 ms by default): whatever the jitter draws, two
