@@ -314,6 +314,21 @@ impl Prepared {
     }
 }
 
+/// The provider ended the `what` (answer, stream) with `finish_reason: "error"` in one
+/// of `reasons` (OpenRouter's way): the text so far is cut short, never complete.
+pub(crate) fn ended_in_error<'a>(
+    mut reasons: impl Iterator<Item = Option<&'a str>>,
+    what: &str,
+) -> Result<(), BoxError> {
+    if reasons.any(|r| r == Some(FINISH_ERROR)) {
+        return Err(MalformedResponse::new(format!(
+            "the provider ended the {what} with finish_reason \"error\""
+        ))
+        .into());
+    }
+    Ok(())
+}
+
 /// Waits for the response head under the first-token (streaming) or total watchdog,
 /// and turns a non-2xx head into an [`UpstreamStatus`].
 async fn head<F, B>(
@@ -408,15 +423,7 @@ where
             );
             return Err(status.into());
         }
-        if resp
-            .choices
-            .iter()
-            .any(|c| c.finish_reason.as_deref() == Some(FINISH_ERROR))
-        {
-            return Err(
-                MalformedResponse::new("the provider ended the answer with finish_reason \"error\"").into(),
-            );
-        }
+        ended_in_error(resp.choices.iter().map(|c| c.finish_reason.as_deref()), "answer")?;
         (resp, Vec::new(), Some(bytes))
     };
     stats.latency = start.elapsed();

@@ -7,7 +7,7 @@ use std::time::Duration;
 use futures_core::Stream;
 use http_body::Body;
 use pgw_core::BoxError;
-use pgw_core::openai::{ChatChunk, FINISH_ERROR, Usage};
+use pgw_core::openai::{ChatChunk, Usage};
 use pgw_core::sse::{SseDecoder, SseEvent};
 use tokio::time::{Instant, Sleep};
 
@@ -243,15 +243,7 @@ impl ChunkStream {
             // "error"`): the answer so far is cut short, never complete.
             return Err(MalformedResponse::new(format!("provider error mid-stream: {msg}")).into());
         }
-        if chunk
-            .choices
-            .iter()
-            .any(|c| c.finish_reason.as_deref() == Some(FINISH_ERROR))
-        {
-            return Err(
-                MalformedResponse::new("the provider ended the stream with finish_reason \"error\"").into(),
-            );
-        }
+        crate::client::ended_in_error(chunk.choices.iter().map(|c| c.finish_reason.as_deref()), "stream")?;
         if chunk.usage.is_some() {
             self.usage.clone_from(&chunk.usage);
         }
