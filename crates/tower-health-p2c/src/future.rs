@@ -165,7 +165,12 @@ impl<S, Req, C> Drop for CallState<S, Req, C> {
         // Dropped or panicked mid-attempt: give the inflight count back (A4).
         if let Some(i) = self.dispatched.take() {
             let state = &self.snapshot.entries[i].state;
-            state.answered();
+            // `finish` takes the dispatch instant when it counts the answer: a panic
+            // in judging after that must not count it twice (the awaited count
+            // wrapped, and the source looked silent for good).
+            if self.dispatched_at.take().is_some() {
+                state.answered();
+            }
             state.dec();
         }
     }

@@ -199,7 +199,9 @@ impl SourceState {
     /// it streams), with the health weight [`HEALTH_ALPHA`]. Failures feed none: a
     /// source answering errors fast must not look fast.
     pub(crate) fn sample_latency(&self, took: Duration) {
-        let secs = took.as_secs_f64();
+        // At least MIN_LATENCY_S: a stored 0 means "none yet", and an answer in the
+        // poll that dispatched it (a cache, an in-process source) took "no time".
+        let secs = took.as_secs_f64().max(MIN_LATENCY_S);
         let _ = self
             .latency_bits
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
@@ -651,6 +653,20 @@ mod tests {
             }
         }
         assert!((sum / 500.0 - 0.1).abs() < 0.02, "{}", sum / 500.0);
+    }
+
+    /// An answer in the poll that dispatched it samples zero time: it counts as
+    /// MIN_LATENCY_S, measured (it read as "unmeasured", 1 s, so a source answering at
+    /// once scored below one answering in 100 ms, and its attempts were never cut).
+    #[test]
+    fn a_zero_latency_sample_is_measured() {
+        let s = SourceState::new("s".into());
+        assert_eq!(s.measured_latency(), None);
+        s.sample_latency(Duration::ZERO);
+        assert_eq!(s.measured_latency(), Some(MIN_LATENCY_S));
+        let slow = SourceState::new("slow".into());
+        slow.sample_latency(Duration::from_millis(100));
+        assert!(s.score(0) > slow.score(0), "{} vs {}", s.score(0), slow.score(0));
     }
 
     #[test]

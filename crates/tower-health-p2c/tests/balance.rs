@@ -1431,12 +1431,16 @@ async fn a_source_not_ready_is_waited_for_at_most_paced_poll_then_the_call_goes_
     stuck_handle.allow(0);
     sources.insert("stuck".into(), stuck);
     sources.insert("free".into(), free);
+    // The free source answers in 1 s, the latency an unmeasured source is scored
+    // with: the two tie, and the pick starts with either.
+    let latency = Duration::from_secs(1);
     tokio::spawn(async move {
         loop {
             free_handle.allow(1);
             let Some((_, send)) = free_handle.next_request().await else {
                 break;
             };
+            tokio::time::sleep(latency).await;
             send.send_response("free");
         }
     });
@@ -1450,8 +1454,8 @@ async fn a_source_not_ready_is_waited_for_at_most_paced_poll_then_the_call_goes_
             .expect("the call waited on the unready source without limit");
         assert_eq!(answer.unwrap(), "free");
         let took = start.elapsed();
-        assert!(took <= config.paced_poll, "{took:?}");
-        if took == config.paced_poll {
+        assert!(took <= config.paced_poll + latency, "{took:?}");
+        if took == config.paced_poll + latency {
             waited += 1;
         }
         assert_eq!(sources.view("stuck").unwrap().inflight(), 0);
@@ -1489,4 +1493,39 @@ async fn a_call_on_unready_sources_only_ends_within_max_wait() {
     );
     assert_eq!(sources.view("stuck").unwrap().inflight(), 0);
     drop(stuck_handle);
+}
+
+/// A classifier that panics once (an `unwrap` on a malformed answer): the awaited
+/// count was given back twice (by the judge and by the drop), wrapped, and the source
+/// looked silent for good once a minute passed without answers: every later call was
+/// refused. Now the next call after a quiet minute is served.
+#[tokio::test(start_paused = true)]
+async fn a_classifier_that_panics_does_not_silence_its_source() {
+    #[derive(Clone)]
+    struct PanicsOnce(Arc<AtomicBool>);
+    impl pgw_core::Classify<&'static str, BoxError> for PanicsOnce {
+        fn classify(&self, result: &Result<&'static str, BoxError>) -> Outcome {
+            assert!(!self.0.swap(false, Ordering::SeqCst), "a classifier's bug");
+            if result.is_ok() {
+                Outcome::Success
+            } else {
+                Outcome::Transient
+            }
+        }
+    }
+    let sources = Sources::new();
+    let hits = Arc::new(AtomicUsize::new(0));
+    sources.insert(
+        SourceId::from("s"),
+        fixed(Ok("ok"), Duration::from_millis(10), Arc::clone(&hits)),
+    );
+    let lb = HealthP2c::new(sources, BalanceConfig::default())
+        .unwrap()
+        .with_classifier(PanicsOnce(Arc::new(AtomicBool::new(true))));
+    let first = tokio::spawn(lb.clone().oneshot(Req::default()));
+    assert!(first.await.unwrap_err().is_panic());
+    tokio::time::sleep(Duration::from_secs(90)).await;
+    let next = lb.clone().oneshot(Req::default()).await;
+    assert!(next.is_ok(), "refused: {:?}", next.err().map(|e| e.to_string()));
+    assert_eq!(hits.load(Ordering::SeqCst), 2);
 }

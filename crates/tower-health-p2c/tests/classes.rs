@@ -27,7 +27,8 @@ impl CarriesHistory for Req {
 
 type Svc = BoxCloneSyncService<Req, &'static str, BoxError>;
 
-/// `good` answers everything; `slow` answers short calls and fails every stream.
+/// `good` answers everything; `slow` answers short calls and fails every stream. Both
+/// in 1 s, the latency an unmeasured source is scored with: the score is health alone.
 fn source(name: &'static str, fails_streams: bool, hits: Arc<[AtomicUsize; 2]>) -> Svc {
     BoxCloneSyncService::new(service_fn(move |req: Req| {
         hits[usize::from(req.streamed)].fetch_add(1, Ordering::SeqCst);
@@ -36,7 +37,10 @@ fn source(name: &'static str, fails_streams: bool, hits: Arc<[AtomicUsize; 2]>) 
         } else {
             Ok(name)
         };
-        async move { result }
+        async move {
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            result
+        }
     }))
 }
 
