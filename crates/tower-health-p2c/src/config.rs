@@ -158,7 +158,8 @@ pub struct BalanceConfig {
     /// [`DEFAULT_MAX_WAIT`]); zero fails at once. A call whose history carries a
     /// sooner deadline ([`pgw_core::CallHistory::deadline`]) waits only until then.
     pub max_wait: Duration,
-    /// Re-check interval while sources are paced (default [`DEFAULT_PACED_POLL`]);
+    /// Re-check interval while sources are paced (default [`DEFAULT_PACED_POLL`], at
+    /// least [`MIN_WAKE_WAIT`]);
     /// also the longest wait on one source whose `poll_ready` is `Pending` before the
     /// round goes on to the others (counted as [`pgw_core::Paced`]).
     pub paced_poll: Duration,
@@ -236,10 +237,13 @@ impl BalanceConfig {
                 "must be greater than zero (or None to turn it off)",
             ));
         }
-        if self.paced_poll.is_zero() {
+        if self.paced_poll < MIN_WAKE_WAIT {
             return Err(crate::error::config_error(
                 "paced_poll",
-                "must be greater than zero",
+                format!(
+                    "must be at least {MIN_WAKE_WAIT:?} (got {:?}): shorter re-runs a waiting call's round on every timer tick",
+                    self.paced_poll
+                ),
             ));
         }
         Ok(())
@@ -258,10 +262,17 @@ mod tests {
         let err = "p2c".parse::<Policy>().unwrap_err();
         assert_eq!(err.field(), "policy");
         assert!(err.to_string().contains("policy"), "{err}");
-        let bad = BalanceConfig {
-            paced_poll: Duration::ZERO,
+        for paced_poll in [Duration::ZERO, Duration::from_micros(1)] {
+            let bad = BalanceConfig {
+                paced_poll,
+                ..BalanceConfig::default()
+            };
+            assert_eq!(bad.validate().unwrap_err().field(), "paced_poll");
+        }
+        let floor = BalanceConfig {
+            paced_poll: MIN_WAKE_WAIT,
             ..BalanceConfig::default()
         };
-        assert_eq!(bad.validate().unwrap_err().field(), "paced_poll");
+        assert!(floor.validate().is_ok());
     }
 }
