@@ -51,14 +51,17 @@ fn timeouts() -> Timeouts {
     }
 }
 
+/// A stream over [`body`] whose end comes `end_after` the `[DONE]`, and the flag its
+/// end sets.
+fn stream_ending_after(end_after: Duration) -> (ChunkStream, Arc<AtomicBool>) {
+    let ended = Arc::new(AtomicBool::new(false));
+    let stream = ChunkStream::new(body(end_after, Arc::clone(&ended)), Instant::now(), timeouts());
+    (stream, ended)
+}
+
 #[tokio::test(start_paused = true)]
 async fn the_body_is_read_to_its_end_after_done() {
-    let ended = Arc::new(AtomicBool::new(false));
-    let mut stream = ChunkStream::new(
-        body(Duration::from_millis(20), Arc::clone(&ended)),
-        Instant::now(),
-        timeouts(),
-    );
+    let (mut stream, ended) = stream_ending_after(Duration::from_millis(20));
     let chunk = stream.next().await.unwrap().unwrap();
     assert_eq!(chunk.choices[0].delta.content.as_deref(), Some("hi"));
     assert!(
@@ -74,12 +77,7 @@ async fn the_body_is_read_to_its_end_after_done() {
 /// A body whose end never comes is given up after `DRAIN_WAIT`.
 #[tokio::test(start_paused = true)]
 async fn a_body_that_never_ends_is_given_up() {
-    let ended = Arc::new(AtomicBool::new(false));
-    let mut stream = ChunkStream::new(
-        body(Duration::from_secs(3600), Arc::clone(&ended)),
-        Instant::now(),
-        timeouts(),
-    );
+    let (mut stream, ended) = stream_ending_after(Duration::from_secs(3600));
     assert!(stream.next().await.unwrap().is_ok());
     assert!(stream.next().await.is_none());
     drop(stream);

@@ -150,6 +150,7 @@ impl ChatStream {
             continued: 0,
             ended: false,
             text_only,
+            deadline: None,
         };
         // Boxed: `unfold` moves its state into each step's future and back out, and a
         // `Relay` (the call, the tail stream, the gateway) is large enough for those
@@ -238,6 +239,9 @@ struct Relay {
     /// be continued from it (a tool call's arguments or a second choice would be sent
     /// twice, as broken JSON or interleaved text).
     text_only: bool,
+    /// The caller's deadline ([`CallDeadline`]) as one timer for the whole stream,
+    /// armed when the tail is first read (not a timer per chunk).
+    deadline: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl Relay {
@@ -264,20 +268,34 @@ impl Relay {
                 }
                 continue;
             }
-            let tail = self.tail.as_mut()?;
-            let deadline = self.call.extensions().get::<CallDeadline>().map(|d| d.0);
+            self.tail.as_ref()?;
+            if self.deadline.is_none()
+                && let Some(d) = self.call.extensions().get::<CallDeadline>()
+            {
+                self.deadline = Some(Box::pin(tokio::time::sleep_until(d.0)));
+            }
+            let Self { tail, deadline, .. } = &mut *self;
+            let tail = tail.as_mut()?;
             let next = match deadline {
                 // The caller's deadline bounds the stream too, not only the wait for
                 // its first output: past it, the stream ends with the call's error
                 // (the upstream request is dropped with the tail).
-                Some(d) => match tokio::time::timeout_at(d, tail.next()).await {
-                    Ok(next) => next,
-                    Err(_) => {
+                Some(sleep) => {
+                    // The next chunk first: one that is there is not lost to the timer.
+                    let polled = std::future::poll_fn(|cx| {
+                        if let std::task::Poll::Ready(next) = tail.poll_next_unpin(cx) {
+                            return std::task::Poll::Ready(Some(next));
+                        }
+                        sleep.as_mut().poll(cx).map(|()| None)
+                    })
+                    .await;
+                    let Some(next) = polled else {
                         self.tail = None;
                         self.ended = true;
                         return Some((Err(Box::new(RetryError::deadline_exceeded())), self));
-                    }
-                },
+                    };
+                    next
+                }
                 None => tail.next().await,
             };
             match next {

@@ -288,6 +288,15 @@ impl Inner {
         Some(0)
     }
 
+    /// A probe is over (recorded, or its lease released): a "probe out" this process
+    /// learnt is forgotten, and the next admission asks.
+    fn probe_ended(&self) {
+        let mut known = lock(&self.known);
+        if matches!(*known, Known::ProbeOut(_)) {
+            *known = Known::Nothing;
+        }
+    }
+
     /// Redis said, to a question sent at `sent`, that the breaker is closed in
     /// `epoch`: trusted for the closed view from then, unless an open of this process
     /// (its count was `opens` at `sent`) or a newer refusal came since.
@@ -490,10 +499,7 @@ impl RedisGate {
                 tracing::debug!(source = %inner.source, released, "breaker probe claim of a gone caller");
                 if released == 1 {
                     // The probe is free again: refusals learnt while it was out stop.
-                    let mut known = lock(&inner.known);
-                    if matches!(*known, Known::ProbeOut(_)) {
-                        *known = Known::Nothing;
-                    }
+                    inner.probe_ended();
                 }
             }
             Err(e) => {
@@ -580,10 +586,7 @@ impl RedisGate {
                     // This process's probe is over (closed, reopened, or released
                     // without a verdict): the next admission asks, and learns what
                     // it left.
-                    let mut known = lock(&inner.known);
-                    if matches!(*known, Known::ProbeOut(_)) {
-                        *known = Known::Nothing;
-                    }
+                    inner.probe_ended();
                 }
                 if matches!(effect, Effect::Opened | Effect::Stale) {
                     // Opened by this process, or by another since this ticket (its epoch
