@@ -196,7 +196,8 @@ where
             if !is_event_stream(&parts.headers) {
                 return Err(MalformedResponse::new("asked for a stream, got no text/event-stream").into());
             }
-            Ok(ChunkStream::new(body, start, prepared.settings.timeouts))
+            Ok(ChunkStream::new(body, start, prepared.settings.timeouts)
+                .scrubbing(prepared.settings.key.clone()))
         })
     }
 }
@@ -378,7 +379,7 @@ where
         ..AttemptStats::default()
     };
     let (response, chunks, body) = if stream && is_event_stream(&parts.headers) {
-        let mut s = ChunkStream::new(body, start, t);
+        let mut s = ChunkStream::new(body, start, t).scrubbing(prepared.settings.key.clone());
         let mut acc = ChunkAccumulator::default();
         let mut chunks = Vec::new();
         while let Some(chunk) = s.next().await {
@@ -409,7 +410,11 @@ where
     } else {
         let bytes = read_body(body, after(start, t.total), t, MAX_ANSWER_BODY).await?;
         let resp: ChatResponse = serde_json::from_slice(&bytes).map_err(|e| {
-            MalformedResponse::new(format!("body is not a chat completion: {e}: {}", snippet(&bytes)))
+            let key = prepared.settings.key.as_ref();
+            MalformedResponse::new(clean(
+                format!("body is not a chat completion: {e}: {}", snippet(&bytes, key)),
+                key,
+            ))
         })?;
         if resp.extra.contains_key("error") && ProviderError::parse(&bytes).is_some() {
             // A provider's error in a 2xx answer (with or without choices): read as
@@ -506,9 +511,18 @@ async fn status_error(
 }
 
 /// The provider's error message in an OpenAI-style error body (see
-/// [`ProviderError::parse`]), truncated.
-pub(crate) fn provider_error(bytes: &[u8]) -> Option<String> {
-    ProviderError::parse(bytes).map(|p| truncate(p.message))
+/// [`ProviderError::parse`]), scrubbed of `key` and truncated.
+pub(crate) fn provider_error(bytes: &[u8], key: Option<&crate::SecretKey>) -> Option<String> {
+    ProviderError::parse(bytes).map(|p| clean(p.message, key))
+}
+
+/// `text` scrubbed of `key`, then cut to [`MAX_ERROR_MESSAGE`] bytes. In that order: a
+/// key echoed across the cut would otherwise survive as its first bytes.
+pub(crate) fn clean(text: String, key: Option<&crate::SecretKey>) -> String {
+    truncate(match key {
+        Some(key) => key.scrub(&text),
+        None => text,
+    })
 }
 
 /// The error a provider wrote in `bytes`, answered with `status`: its fields (or, for
@@ -521,12 +535,7 @@ fn error_status(
     bytes: &[u8],
     key: Option<&crate::SecretKey>,
 ) -> UpstreamStatus {
-    let clean = |s: String| {
-        truncate(match key {
-            Some(key) => key.scrub(&s),
-            None => s,
-        })
-    };
+    let clean = |s: String| clean(s, key);
     match ProviderError::parse(bytes) {
         Some(p) => {
             // Every field the caller may see is scrubbed: a provider may echo the key.
@@ -546,8 +555,8 @@ fn error_status(
     }
 }
 
-fn snippet(bytes: &[u8]) -> String {
-    truncate(String::from_utf8_lossy(bytes).trim().to_owned())
+fn snippet(bytes: &[u8], key: Option<&crate::SecretKey>) -> String {
+    clean(String::from_utf8_lossy(bytes).trim().to_owned(), key)
 }
 
 fn truncate(mut s: String) -> String {

@@ -54,6 +54,8 @@ pub struct ChunkStream {
     skipped: u64,
     /// Bytes of the body read so far.
     read: usize,
+    /// Scrubbed from the errors the stream ends with (a provider may echo it).
+    key: Option<crate::SecretKey>,
 }
 
 /// How long the end of a streamed body is read for after `[DONE]`, so its connection
@@ -95,6 +97,7 @@ impl ChunkStream {
             parsed: 0,
             skipped: 0,
             read: 0,
+            key: None,
         };
         s.arm(
             after(start, timeouts.first_token),
@@ -102,6 +105,16 @@ impl ChunkStream {
             timeouts.first_token,
         );
         s
+    }
+
+    /// Scrubs `key` from the errors the stream ends with: a provider's error event, an
+    /// unreadable chunk (both may echo the key the attempt was sent with), as
+    /// [`UpstreamClient`](crate::UpstreamClient)'s own streams do. Without it the messages are only
+    /// truncated.
+    #[must_use]
+    pub fn scrubbing(mut self, key: Option<crate::SecretKey>) -> Self {
+        self.key = key;
+        self
     }
 
     fn arm(&mut self, at: Instant, watchdog: Watchdog, limit: Duration) {
@@ -220,24 +233,27 @@ impl ChunkStream {
         let mut chunk: ChatChunk = match serde_json::from_str(&data) {
             Ok(c) => c,
             Err(e) => {
-                if let Some(msg) = crate::client::provider_error(data.as_bytes()) {
+                if let Some(msg) = crate::client::provider_error(data.as_bytes(), self.key.as_ref()) {
                     return Err(MalformedResponse::new(format!("provider error mid-stream: {msg}")).into());
                 }
                 if e.is_data() && data.contains("\"choices\"") {
                     // Well-formed JSON with choices this crate cannot read: skipped,
                     // its text would be lost from an answer that still looked whole.
                     // (Broken JSON, a provider's hiccup, is skipped as before.)
-                    return Err(MalformedResponse::new(format!("unreadable stream chunk: {e}")).into());
+                    let msg =
+                        crate::client::clean(format!("unreadable stream chunk: {e}"), self.key.as_ref());
+                    return Err(MalformedResponse::new(msg).into());
                 }
                 self.skipped += 1;
                 metrics::counter!("pgw_stream_chunks_skipped_total").increment(1);
-                tracing::debug!(error = %e, "skipped a stream event that is not a chat completion chunk");
+                let error = crate::client::clean(e.to_string(), self.key.as_ref());
+                tracing::debug!(%error, "skipped a stream event that is not a chat completion chunk");
                 return Ok(None);
             }
         };
         self.parsed += 1;
         if (chunk.extra.contains_key("error") || chunk.choices.is_empty() && chunk.usage.is_none())
-            && let Some(msg) = crate::client::provider_error(data.as_bytes())
+            && let Some(msg) = crate::client::provider_error(data.as_bytes(), self.key.as_ref())
         {
             // OpenRouter sends a mid-stream error with choices too (`finish_reason:
             // "error"`): the answer so far is cut short, never complete.

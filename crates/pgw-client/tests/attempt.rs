@@ -901,6 +901,40 @@ async fn a_key_echoed_across_the_cut_is_scrubbed_whole() {
     }
 }
 
+/// A key echoed mid-stream (an error event, a chunk whose fields cannot be read, a 2xx
+/// body that is not an answer) never reaches the caller's error: streams scrub as
+/// error statuses do.
+#[tokio::test(start_paused = true)]
+async fn a_key_echoed_mid_stream_is_scrubbed() {
+    let p = Provider::default();
+    let half = &KEY[..KEY.len() / 2];
+    let events = [
+        format!("data: {{\"error\":{{\"message\":\"bad key {KEY}\"}}}}\n\n"),
+        format!("data: {{\"id\":\"x\",\"choices\":[{{\"index\":\"{KEY}\",\"delta\":{{}}}}]}}\n\n"),
+    ];
+    for event in events {
+        let script = sse(vec![
+            (Duration::ZERO, chunk("hi", false)),
+            (Duration::ZERO, Bytes::from(event.clone())),
+        ]);
+        let r = p.client(script, timeouts()).oneshot(stream_call()).await;
+        let err = r.unwrap_err();
+        let text = format!("{err} {err:?}");
+        assert!(text.contains("***"), "{event}: {text}");
+        assert!(!text.contains(half), "{event}: {text}");
+    }
+    let r = p
+        .client(json(200, &format!("not an answer {KEY}")), timeouts())
+        .oneshot(plain_call())
+        .await;
+    let err = r.unwrap_err();
+    let text = format!("{err} {err:?}");
+    assert!(
+        text.contains("not a chat completion") && !text.contains(half),
+        "{text}"
+    );
+}
+
 /// A stream whose answer is whole (a finish reason came) and that then stalls or
 /// breaks before `[DONE]` is the answer, not a cut: a continuation would answer twice.
 #[tokio::test(start_paused = true)]
