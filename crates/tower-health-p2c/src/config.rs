@@ -155,7 +155,9 @@ pub struct BalanceConfig {
     /// Ordering policy (default [`Policy::HealthAware`]).
     pub policy: Policy,
     /// Longest wait of one call when no source is admitted (default
-    /// [`DEFAULT_MAX_WAIT`]); zero fails at once. A call whose history carries a
+    /// [`DEFAULT_MAX_WAIT`]), counted from the call's first wait (a source whose
+    /// `poll_ready` is pending, or a round every source refused); zero fails at once
+    /// rather than wait on any source. A call whose history carries a
     /// sooner deadline ([`pgw_core::CallHistory::deadline`]) waits only until then.
     pub max_wait: Duration,
     /// Re-check interval while sources are paced (default [`DEFAULT_PACED_POLL`], at

@@ -131,6 +131,24 @@ struct Wait {
     rounds: u64,
 }
 
+/// The call's wait for an admission, begun the first time it waits (a source not
+/// ready, or a round in which every source refused): `max_wait` bounds it from then,
+/// and the call's deadline when sooner.
+fn begin_wait(wait: &mut Option<Box<Wait>>, max_wait: Duration, call_deadline: Option<Instant>) -> &mut Wait {
+    wait.get_or_insert_with(|| {
+        let now = Instant::now();
+        let max_wait = clock::saturating_after(now, max_wait);
+        Box::new(Wait {
+            started: now,
+            // The call's own deadline, when sooner: a wake-up past it is hopeless.
+            deadline: call_deadline.map_or(max_wait, |d| d.min(max_wait)),
+            armed: None,
+            sleep: None,
+            rounds: 0,
+        })
+    })
+}
+
 /// The state of one balanced call: its request, the sources' snapshot, the order of
 /// attempts and what is dispatched or waited for.
 struct CallState<S, Req, C> {
@@ -336,18 +354,11 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
 
     /// How long a source whose `poll_ready` is `Pending` is waited for before the
     /// round goes on without it: `paced_poll` from now, or the end of the call's wait
-    /// (its deadline, or `max_wait` once a round has ended without an admission) when
-    /// sooner.
-    fn readiness_deadline(&self) -> Instant {
-        let now = Instant::now();
-        let mut until = clock::saturating_after(now, self.config.paced_poll);
-        if let Some(d) = self.history().and_then(CallHistory::deadline) {
-            until = until.min(d);
-        }
-        if let Some(wait) = &self.wait {
-            until = until.min(wait.deadline);
-        }
-        until
+    /// (its deadline, or `max_wait` from the first time the call waited) when sooner.
+    fn readiness_deadline(&mut self) -> Instant {
+        let paced = clock::saturating_after(Instant::now(), self.config.paced_poll);
+        let call_deadline = self.history().and_then(CallHistory::deadline);
+        paced.min(begin_wait(&mut self.wait, self.config.max_wait, call_deadline).deadline)
     }
 
     /// The end of a round in which every source refused: fail, or wait and start a
@@ -361,18 +372,7 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
             return Poll::Ready(Err(Round::at(&mut self.round).earliest_open()));
         }
         let call_deadline = self.history().and_then(CallHistory::deadline);
-        let wait = self.wait.get_or_insert_with(|| {
-            let now = Instant::now();
-            let max_wait = clock::saturating_after(now, self.config.max_wait);
-            Box::new(Wait {
-                started: now,
-                // The call's own deadline, when sooner: a wake-up past it is hopeless.
-                deadline: call_deadline.map_or(max_wait, |d| d.min(max_wait)),
-                armed: None,
-                sleep: None,
-                rounds: 0,
-            })
-        });
+        let wait = begin_wait(&mut self.wait, self.config.max_wait, call_deadline);
         if wait.sleep.is_none() {
             let now = Instant::now();
             let round = Round::at(&mut self.round);

@@ -1467,32 +1467,36 @@ async fn a_source_not_ready_is_waited_for_at_most_paced_poll_then_the_call_goes_
     drop(stuck_handle);
 }
 
-/// With only unready sources, a call ends in `NoneAdmitted` within its wait bound.
+/// With only unready sources, a call ends in `NoneAdmitted` within `max_wait`: the
+/// wait starts at the first source not ready. Before, each unready source of the first
+/// round was given a whole `paced_poll` before the wait began (three sources and
+/// `max_wait = 0.5 s`: 3.5 s).
 #[tokio::test(start_paused = true)]
 async fn a_call_on_unready_sources_only_ends_within_max_wait() {
     let sources: Sources<tower_test::mock::Mock<Req, &'static str>> = Sources::new();
-    let (stuck, mut stuck_handle) = tower_test::mock::pair::<Req, &'static str>();
-    stuck_handle.allow(0);
-    sources.insert("stuck".into(), stuck);
-    let config = BalanceConfig {
-        max_wait: Duration::from_secs(5),
-        ..BalanceConfig::default()
-    };
-    let lb = HealthP2c::new(sources.clone(), config).unwrap().with_seed(7);
-    let start = Instant::now();
-    let err = tokio::time::timeout(Duration::from_secs(60), lb.oneshot(Req::default()))
-        .await
-        .expect("the call waited on the unready source without limit")
-        .unwrap_err();
-    assert!(err.is::<NoneAdmitted>(), "{err}");
-    // The first round's wait, then `max_wait` from the end of that round.
-    assert!(
-        start.elapsed() <= config.paced_poll + config.max_wait,
-        "{:?}",
-        start.elapsed()
-    );
-    assert_eq!(sources.view("stuck").unwrap().inflight(), 0);
-    drop(stuck_handle);
+    let mut handles = Vec::new();
+    for id in ["stuck-a", "stuck-b", "stuck-c"] {
+        let (stuck, mut stuck_handle) = tower_test::mock::pair::<Req, &'static str>();
+        stuck_handle.allow(0);
+        sources.insert(id.into(), stuck);
+        handles.push(stuck_handle);
+    }
+    for max_wait in [Duration::from_secs(5), Duration::from_millis(500), Duration::ZERO] {
+        let config = BalanceConfig {
+            max_wait,
+            ..BalanceConfig::default()
+        };
+        let lb = HealthP2c::new(sources.clone(), config).unwrap().with_seed(7);
+        let start = Instant::now();
+        let err = tokio::time::timeout(Duration::from_secs(60), lb.oneshot(Req::default()))
+            .await
+            .expect("the call waited on the unready source without limit")
+            .unwrap_err();
+        assert!(err.is::<NoneAdmitted>(), "{err}");
+        assert!(start.elapsed() <= max_wait, "{max_wait:?}: {:?}", start.elapsed());
+        assert!(sources.views().iter().all(|v| v.inflight() == 0));
+    }
+    drop(handles);
 }
 
 /// A classifier that panics once (an `unwrap` on a malformed answer): the awaited
