@@ -55,3 +55,63 @@ async fn redis_down_is_503_with_retry_after_and_not_ready() {
     let (status, _, _) = call(h.addr, request("GET", "/readyz"), bytes::Bytes::new()).await;
     assert_eq!(status, 503);
 }
+
+/// A tenant's settle is off the answer's path unless it holds a lease: with Redis not
+/// answering, finishing a tokens-only permit returns at once (before, the answer waited
+/// for the round trip, up to the settle's timeout), and the settle still lands ahead of
+/// the tenant's next admission. A permit with a concurrency lease is awaited: a
+/// strictly sequential client must find its slot free at its next call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_settle_waits_for_redis_only_with_a_lease() {
+    use futures_util::FutureExt;
+    let redis = pgw_test_support::PrivateRedis::start();
+    let gateway = pgw_stack::GatewayConfig {
+        backend: pgw_stack::BackendKind::Redis,
+        redis_url: Some(redis.url()),
+        ..Default::default()
+    };
+    let key = |label: &str, tpm, max_concurrency| pgw_server::KeyConfig {
+        label: label.into(),
+        sha256: pgw_server::hash_key(label),
+        models: Vec::new(),
+        rpm: None,
+        tpm,
+        max_concurrency,
+    };
+    let ring = pgw_server::KeyRing::new(
+        &[key("tokens", Some(100), None), key("slots", None, Some(1))],
+        &gateway,
+    )
+    .await
+    .unwrap();
+    let req: pgw_core::openai::ChatRequest = serde_json::from_value(serde_json::json!({
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 60,
+    }))
+    .unwrap();
+    assert!(req.estimate_tokens() > 50, "two estimates exceed the 100 tokens");
+
+    let slots = ring.find("slots").unwrap();
+    let permit = slots.admit(&req).await.unwrap().unwrap();
+    redis.freeze();
+    let mut finish = Box::pin(permit.finish(None));
+    let early = (&mut finish).now_or_never();
+    redis.thaw();
+    assert!(early.is_none(), "a lease's release is awaited");
+    finish.await;
+    // The slot is free for the next call.
+    slots.admit(&req).await.unwrap().unwrap().finish(None).await;
+
+    let tokens = ring.find("tokens").unwrap();
+    let permit = tokens.admit(&req).await.unwrap().unwrap();
+    redis.freeze();
+    let finished = permit.finish(Some(0)).now_or_never();
+    redis.thaw();
+    assert!(finished.is_some(), "a permit without a lease waited for Redis");
+    // The tokens reserved and not used came back before this admission: it fits (the
+    // settle script is loaded by now: a first EVALSHA answered NOSCRIPT is sent again,
+    // after whatever the caller sent meanwhile).
+    let permit = tokens.admit(&req).await.unwrap().unwrap();
+    permit.finish(None).await;
+}

@@ -100,24 +100,34 @@ pub struct TenantPermit {
 
 impl TenantPermit {
     /// The call is done and used `used_tokens` (when the provider said): the token
-    /// reservation is reconciled, the lease released.
+    /// reservation is reconciled, the lease released. Awaited only with a lease (a
+    /// strictly sequential client of a concurrency quota must find its slot free at
+    /// its next call, on any replica); without one the settle is sent and not waited
+    /// for, so the answer does not wait for a Redis round trip.
     pub async fn finish(self, used_tokens: Option<u64>) {
         drop(self.renewal);
-        // A backend failure is logged and counted by the limiter; the lease expires.
-        let _ = self.permit.finish(used_tokens).await;
+        if self.permit.has_lease() {
+            // A backend failure is logged and counted by the limiter; the lease expires.
+            let _ = self.permit.finish(used_tokens).await;
+        } else {
+            self.permit.finish_detached(used_tokens);
+        }
     }
 
     /// The call failed with `e`: given back to the tenant's quota (the request and
     /// its tokens) when it reached no provider (open circuits, full pool quotas, an
     /// unknown model: a client retrying those must not spend its own quota on them),
-    /// else kept as for a call that ran.
+    /// else kept as for a call that ran. Awaited only with a lease, as
+    /// [`finish`](Self::finish).
     pub async fn failed(self, e: &BoxError) {
         drop(self.renewal);
-        let _ = if crate::error::reached_a_provider(e) {
-            self.permit.finish(None).await
-        } else {
-            self.permit.refund().await
-        };
+        let refund = !crate::error::reached_a_provider(e);
+        match (self.permit.has_lease(), refund) {
+            (true, false) => drop(self.permit.finish(None).await),
+            (true, true) => drop(self.permit.refund().await),
+            (false, false) => self.permit.finish_detached(None),
+            (false, true) => self.permit.refund_detached(),
+        }
     }
 }
 

@@ -859,6 +859,24 @@ impl Permit {
         self.end(Ending::Refunded).await
     }
 
+    /// [`finish`](Self::finish) in the background: the settle is sent now (polled once,
+    /// so on a multiplexed connection it goes ahead of this caller's next command,
+    /// except the first time the settle script runs on a server: an `EVALSHA` answered
+    /// `NOSCRIPT` is sent again after loading it) and not waited for; nothing is sent when finishing changes nothing. A failure is
+    /// logged and counted as `finish`'s is. For a permit without a lease this keeps the
+    /// backend's round trip off the answer's path; with a lease, a caller that must see
+    /// its slot free before it answers (a strictly sequential client of a concurrency
+    /// quota, on any replica) awaits `finish` instead.
+    pub fn finish_detached(self, used_tokens: Option<u64>) {
+        self.end_detached(Ending::Finished(used_tokens));
+    }
+
+    /// [`refund`](Self::refund) in the background, as
+    /// [`finish_detached`](Self::finish_detached).
+    pub fn refund_detached(self) {
+        self.end_detached(Ending::Refunded);
+    }
+
     /// Renews the lease now; `Ok(false)` when it had already expired.
     ///
     /// # Errors
