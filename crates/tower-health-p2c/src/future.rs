@@ -557,7 +557,7 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
 /// it is alive, and a success also how fast it answers.
 pub(crate) fn heard_from<T>(state: &SourceState, result: &Result<T, BoxError>, at: Instant, now: Instant) {
     if result.as_ref().err().is_some_and(|e| pgw_core::is_timeout(&**e)) {
-        state.timed_out(now);
+        state.timed_out(at, now);
     } else {
         state.heard(now);
         state.answered_sent_at(at);

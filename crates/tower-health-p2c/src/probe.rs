@@ -59,7 +59,7 @@ pub(crate) fn send<S, Req, C>(
         };
         let Ok(mut result) = tokio::time::timeout(limit, attempt).await else {
             // Silent for as long as a caller's attempt may be: a timeout, one more.
-            probing.0.timed_out(Instant::now());
+            probing.0.timed_out(at, Instant::now());
             return;
         };
         drop(awaiting);

@@ -119,9 +119,15 @@ impl SourceState {
             && self.answered_sent_ns.load(Ordering::Relaxed) > sent
     }
 
-    /// An attempt ran out of time at `now`: the source said nothing.
-    pub(crate) fn timed_out(&self, now: Instant) {
-        self.timeouts.fetch_add(1, Ordering::Relaxed);
+    /// An attempt sent at `sent` ran out of time at `now`: the source said nothing.
+    /// One more timeout since it was heard, unless an attempt sent after this one was
+    /// answered: the source answers now, and a probe (or call) swallowed before it
+    /// healed says nothing of its silence since (counting it re-silenced a healed
+    /// source once enough such attempts ended).
+    pub(crate) fn timed_out(&self, sent: Instant, now: Instant) {
+        if self.answered_sent_ns.load(Ordering::Relaxed) <= self.ns_at(sent).max(1) {
+            self.timeouts.fetch_add(1, Ordering::Relaxed);
+        }
         self.timed_out_ns
             .fetch_max(self.ns_at(now).max(1), Ordering::Relaxed);
     }
@@ -653,6 +659,30 @@ mod tests {
             }
         }
         assert!((sum / 500.0 - 0.1).abs() < 0.02, "{}", sum / 500.0);
+    }
+
+    /// A timeout of an attempt sent before one that was answered is stale: probes
+    /// swallowed before a black hole healed, timing out after a newer probe was
+    /// answered, re-silenced it once three had ended.
+    #[test]
+    fn a_timeout_of_an_attempt_sent_before_an_answered_one_is_stale() {
+        let s = SourceState::new("a".into());
+        let t0 = Instant::now();
+        let at = |secs: u64| t0 + Duration::from_secs(secs);
+        // Attempts sent at 1, 2, 3 s into silence; one sent at 4 s answered at 5 s.
+        s.heard(at(5));
+        s.answered_sent_at(at(4));
+        // The three older ones time out a minute later: the source answers since.
+        for k in 1..=3 {
+            s.timed_out(at(k), at(60 + k));
+        }
+        assert!(
+            !s.timed_out_since_heard(1),
+            "stale timeouts silenced a healed source"
+        );
+        // One sent after the answered one times out: it counts.
+        s.timed_out(at(6), at(66));
+        assert!(s.timed_out_since_heard(1));
     }
 
     /// An answer in the poll that dispatched it samples zero time: it counts as
