@@ -566,8 +566,15 @@ impl RedisGate {
                                 lease,
                             };
                             tracing::debug!(scopes = ?late.inner.labels, "an admission answered after its timeout: undone");
-                            // Failures are logged and counted by `settle`.
-                            let _ = Gate::settle(&late, undo).await;
+                            // The gate's settle neither logs nor counts (the limiter's
+                            // does, and no limiter is at hand here): logged here.
+                            if let Err(e) = Gate::settle(&late, undo).await {
+                                tracing::warn!(
+                                    scopes = ?late.inner.labels,
+                                    error = %e,
+                                    "undoing an admission answered after its timeout failed; it stays charged (a lease until its TTL)"
+                                );
+                            }
                         }
                     });
                 }
