@@ -318,13 +318,28 @@ pub struct Delta {
     /// Set on the first chunk.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub role: Option<String>,
-    /// The next piece of text.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// The next piece of text. A provider that streams it as an array of content parts
+    /// (Mistral's reasoning models) is read as the concatenation of its text parts
+    /// (the chunk's [`raw`](ChatChunk::raw) keeps the parts as sent).
+    #[serde(
+        default,
+        deserialize_with = "delta_text",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub content: Option<String>,
     /// Fields this crate does not interpret as text: `tool_calls` (merged by
     /// [`ChunkAccumulator`]), `refusal` (concatenated), provider extensions.
     #[serde(flatten)]
     pub extra: Map<String, Value>,
+}
+
+/// A delta's `content`: a string, `null`, or content parts read as their text.
+fn delta_text<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    Ok(match Content::deserialize(d)? {
+        Content::Null => None,
+        Content::Text(s) => Some(s),
+        Content::Parts(parts) => Some(parts.iter().filter_map(ContentPart::text).collect()),
+    })
 }
 
 impl Delta {
@@ -430,6 +445,11 @@ impl PartialEq for ChatChunk {
 #[derive(Debug, Default)]
 pub struct ChunkAccumulator {
     resp: ChatResponse,
+    /// Tool-call slots made so far, over every choice (at most [`MAX_STREAMED_INDEX`]).
+    tool_slots: usize,
+    /// Where a provider's tool-call index goes when it reused an index for a new call
+    /// (a fragment with a different `id`): `(choice, index, slot)`.
+    moved: Vec<(usize, usize, usize)>,
 }
 
 impl ChunkAccumulator {
@@ -469,7 +489,13 @@ impl ChunkAccumulator {
             for (key, value) in &c.delta.extra {
                 match (key.as_str(), value) {
                     (_, Value::Null) => {}
-                    ("tool_calls", Value::Array(calls)) => merge_tool_calls(&mut choice.message.extra, calls),
+                    ("tool_calls", Value::Array(calls)) => merge_tool_calls(
+                        &mut choice.message.extra,
+                        calls,
+                        idx,
+                        &mut self.tool_slots,
+                        &mut self.moved,
+                    ),
                     (_, Value::String(piece)) => append_piece(&mut choice.message.extra, key, piece),
                     _ => {
                         choice.message.extra.insert(key.clone(), value.clone());
@@ -548,9 +574,22 @@ fn merge_logprobs(choice_extra: &mut Map<String, Value>, piece: &Map<String, Val
 }
 
 /// Merges streamed tool-call fragments (OpenAI: each carries an `index`; `id`, `type`
-/// and `function.name` arrive once, `function.arguments` in pieces) into the message's
-/// `tool_calls` array.
-fn merge_tool_calls(message_extra: &mut Map<String, Value>, fragments: &[Value]) {
+/// and `function.name` arrive once, `function.arguments` in pieces) of choice `choice`
+/// into the message's `tool_calls` array.
+///
+/// A fragment whose `id` differs from the one its index already holds starts a new
+/// call (Ollama sends every call of a parallel batch whole, each with index 0; Mistral
+/// sends none, read as the position in the chunk): its index's later fragments go to
+/// that call. At most [`MAX_STREAMED_INDEX`] calls are made over the whole answer,
+/// whatever the indices (a placeholder per index below a garbage one, per choice,
+/// would otherwise grow without bound).
+fn merge_tool_calls(
+    message_extra: &mut Map<String, Value>,
+    fragments: &[Value],
+    choice: usize,
+    slots: &mut usize,
+    moved: &mut Vec<(usize, usize, usize)>,
+) {
     let calls = message_extra
         .entry("tool_calls")
         .or_insert_with(|| Value::Array(Vec::new()));
@@ -559,14 +598,36 @@ fn merge_tool_calls(message_extra: &mut Map<String, Value>, fragments: &[Value])
         let Value::Object(fragment) = fragment else {
             continue;
         };
-        let index = fragment
+        let given = fragment
             .get("index")
             .and_then(Value::as_u64)
             .and_then(|i| usize::try_from(i).ok())
             .unwrap_or(n);
-        if index > MAX_STREAMED_INDEX {
+        if given > MAX_STREAMED_INDEX {
             continue;
         }
+        let mut index = moved
+            .iter()
+            .rev()
+            .find(|(c, i, _)| *c == choice && *i == given)
+            .map_or(given, |(_, _, slot)| *slot);
+        let id = fragment
+            .get("id")
+            .and_then(Value::as_str)
+            .filter(|id| !id.is_empty());
+        let held = calls.get(index).and_then(|c| c.get("id")).and_then(Value::as_str);
+        if let (Some(id), Some(held)) = (id, held)
+            && id != held
+        {
+            // A new call under a used index.
+            index = calls.len();
+            moved.push((choice, given, index));
+        }
+        let grow = (index + 1).saturating_sub(calls.len());
+        if *slots + grow > MAX_STREAMED_INDEX {
+            continue;
+        }
+        *slots += grow;
         while calls.len() <= index {
             calls.push(serde_json::json!({"type": "function", "function": {"name": "", "arguments": ""}}));
         }
@@ -691,8 +752,82 @@ mod tests {
         merge_tool_calls(
             &mut extra,
             &[Value::from(3), serde_json::json!({"index": u64::MAX})],
+            0,
+            &mut 0,
+            &mut Vec::new(),
         );
         assert_eq!(extra["tool_calls"], serde_json::json!([]));
+    }
+
+    fn accumulate(frames: &[String]) -> ChatResponse {
+        let mut acc = ChunkAccumulator::default();
+        for f in frames {
+            acc.push(&serde_json::from_str::<ChatChunk>(f).unwrap());
+        }
+        acc.finish()
+    }
+
+    /// The tool-call index limit holds over the whole answer: 1,025 choices each naming
+    /// tool call 1024 made a placeholder per index per choice (1.5 GiB from 68 KB).
+    #[test]
+    fn tool_call_placeholders_are_bounded_over_every_choice() {
+        let frames: Vec<String> = (0..=1024)
+            .map(|i| {
+                format!(r#"{{"choices":[{{"index":{i},"delta":{{"tool_calls":[{{"index":1024}}]}}}}]}}"#)
+            })
+            .collect();
+        let resp = accumulate(&frames);
+        let calls: usize = resp
+            .choices
+            .iter()
+            .filter_map(|c| c.message.extra.get("tool_calls").and_then(Value::as_array))
+            .map(Vec::len)
+            .sum();
+        assert!(calls <= MAX_STREAMED_INDEX + 1, "{calls} tool-call slots");
+    }
+
+    /// Parallel calls sent whole under one index (Ollama: index 0 each; Mistral: no
+    /// index, each in its own chunk) stay apart; OpenAI's fragments (the id once, then
+    /// argument pieces without one) still merge.
+    #[test]
+    fn whole_tool_calls_under_one_index_stay_apart() {
+        let call = |index: &str, id: &str, path: &str| {
+            format!(
+                r#"{{"choices":[{{"index":0,"delta":{{"tool_calls":[{{{index}"id":"{id}","type":"function","function":{{"name":"read","arguments":"{{\"path\":\"{path}\"}}"}}}}]}}}}]}}"#
+            )
+        };
+        for index in [r#""index":0,"#, ""] {
+            let frames = [
+                call(index, "call_a", "a"),
+                call(index, "call_b", "b"),
+                format!(
+                    r#"{{"choices":[{{"index":0,"delta":{{"tool_calls":[{{{index}"function":{{"arguments":" "}}}}]}}}}]}}"#
+                ),
+            ];
+            let resp = accumulate(&frames);
+            let calls = resp.choices[0].message.extra["tool_calls"].as_array().unwrap();
+            assert_eq!(calls.len(), 2, "{index}: {calls:?}");
+            assert_eq!(calls[0]["id"], "call_a");
+            assert_eq!(calls[0]["function"]["arguments"], r#"{"path":"a"}"#);
+            assert_eq!(calls[1]["id"], "call_b");
+            assert_eq!(calls[1]["function"]["name"], "read");
+            // A later piece of the reused index goes to the newest call.
+            assert_eq!(calls[1]["function"]["arguments"], r#"{"path":"b"} "#);
+        }
+    }
+
+    /// A delta's content as content parts (Mistral's reasoning models) is its text,
+    /// not an unreadable chunk.
+    #[test]
+    fn delta_content_parts_read_as_their_text() {
+        let d: Delta = serde_json::from_str(
+            r#"{"content":[{"type":"thinking","thinking":[{"type":"text","text":"hm"}]},{"type":"text","text":"Hel"},{"type":"text","text":"lo"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(d.content.as_deref(), Some("Hello"));
+        assert!(d.carries_output());
+        let d: Delta = serde_json::from_str(r#"{"content":null}"#).unwrap();
+        assert_eq!(d.content, None);
     }
 
     #[test]
