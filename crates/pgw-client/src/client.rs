@@ -416,16 +416,10 @@ where
                 key,
             ))
         })?;
-        if resp.extra.contains_key("error") && ProviderError::parse(&bytes).is_some() {
-            // A provider's error in a 2xx answer (with or without choices): read as
-            // the same error with a 502, so its code still decides (a context window
-            // moves on, a rate limit holds) and an unknown one is transient.
-            let status = error_status(
-                http::StatusCode::BAD_GATEWAY,
-                None,
-                &bytes,
-                prepared.settings.key.as_ref(),
-            );
+        if resp.extra.contains_key("error")
+            && let Some(status) = error_in_answer(&bytes, prepared.settings.key.as_ref(), "")
+        {
+            // A provider's error in a 2xx answer (with or without choices).
             return Err(status.into());
         }
         ended_in_error(resp.choices.iter().map(|c| c.finish_reason.as_deref()), "answer")?;
@@ -510,10 +504,25 @@ async fn status_error(
     }
 }
 
-/// The provider's error message in an OpenAI-style error body (see
-/// [`ProviderError::parse`]), scrubbed of `key` and truncated.
-pub(crate) fn provider_error(bytes: &[u8], key: Option<&crate::SecretKey>) -> Option<String> {
-    ProviderError::parse(bytes).map(|p| clean(p.message, key))
+/// A provider's error inside a 2xx answer (a JSON body, or a stream's event) as an
+/// error status: the status its numeric `code` names (OpenRouter writes the HTTP
+/// status there: `"code": 429`), else 502, so its `code`/`type` decide the outcome
+/// (a rate limit holds, a context window moves on, an unknown one is transient). Its
+/// message starts with `context`. `None` when `bytes` is not a provider's error.
+pub(crate) fn error_in_answer(
+    bytes: &[u8],
+    key: Option<&crate::SecretKey>,
+    context: &str,
+) -> Option<UpstreamStatus> {
+    let p = ProviderError::parse(bytes)?;
+    let status = p
+        .code
+        .as_deref()
+        .and_then(|c| c.parse::<u16>().ok())
+        .filter(|c| (400..=599).contains(c))
+        .and_then(|c| http::StatusCode::from_u16(c).ok())
+        .unwrap_or(http::StatusCode::BAD_GATEWAY);
+    Some(provider_status(status, None, p, key, context))
 }
 
 /// `text` scrubbed of `key`, then cut to [`MAX_ERROR_MESSAGE`] bytes. In that order: a
@@ -535,24 +544,32 @@ fn error_status(
     bytes: &[u8],
     key: Option<&crate::SecretKey>,
 ) -> UpstreamStatus {
-    let clean = |s: String| clean(s, key);
     match ProviderError::parse(bytes) {
-        Some(p) => {
-            // Every field the caller may see is scrubbed: a provider may echo the key.
-            let p = ProviderError {
-                message: clean(p.message),
-                kind: p.kind.map(clean),
-                code: p.code.map(clean),
-                param: p.param.map(clean),
-            };
-            UpstreamStatus::new(status, retry_after, p.message.clone()).with_provider(p)
-        }
+        Some(p) => provider_status(status, retry_after, p, key, ""),
         None => UpstreamStatus::new(
             status,
             retry_after,
-            clean(String::from_utf8_lossy(bytes).trim().to_owned()),
+            clean(String::from_utf8_lossy(bytes).trim().to_owned(), key),
         ),
     }
+}
+
+/// `p` answered with `status`, every field the caller may see scrubbed (a provider
+/// may echo the key) and cut; the status's message is `context` and the provider's.
+fn provider_status(
+    status: http::StatusCode,
+    retry_after: Option<Duration>,
+    p: ProviderError,
+    key: Option<&crate::SecretKey>,
+    context: &str,
+) -> UpstreamStatus {
+    let p = ProviderError {
+        message: clean(p.message, key),
+        kind: p.kind.map(|s| clean(s, key)),
+        code: p.code.map(|s| clean(s, key)),
+        param: p.param.map(|s| clean(s, key)),
+    };
+    UpstreamStatus::new(status, retry_after, format!("{context}{}", p.message)).with_provider(p)
 }
 
 fn snippet(bytes: &[u8], key: Option<&crate::SecretKey>) -> String {

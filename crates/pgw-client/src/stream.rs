@@ -25,8 +25,12 @@ use crate::{Timeouts, UpstreamBody};
 /// The end is the provider's word that the answer is complete: `data: [DONE]` or the
 /// body's end, each after a `finish_reason` for every choice seen (some providers
 /// never send `[DONE]`). A stream that ends without a finish reason was cut: it ends with a
-/// [`MalformedResponse`], never cleanly on a truncated answer. So do an error event,
-/// an oversized event, and a stream none of whose events parse. An event that is not
+/// [`MalformedResponse`], never cleanly on a truncated answer. So do an oversized
+/// event and a stream none of whose events parse. A provider's error event ends it
+/// with an [`UpstreamStatus`](pgw_core::UpstreamStatus) carrying the provider's error
+/// (its status the numeric `code` when there is one, else 502), so its `code` and
+/// `type` decide the outcome as in an error answer (a rate limit is pushback, a
+/// context window moves on). An event that is not
 /// a chunk among chunks that are is skipped and counted ([`ChunkStream::skipped`],
 /// metric `pgw_stream_chunks_skipped_total`): the answer goes on. After the first
 /// error or the end the stream yields `None`; dropping it closes the connection.
@@ -57,6 +61,9 @@ pub struct ChunkStream {
     /// Scrubbed from the errors the stream ends with (a provider may echo it).
     key: Option<crate::SecretKey>,
 }
+
+/// How a provider's error event starts its status's message.
+const MID_STREAM: &str = "provider error mid-stream: ";
 
 /// How long the end of a streamed body is read for after `[DONE]`, so its connection
 /// can be reused: 1 s.
@@ -233,8 +240,10 @@ impl ChunkStream {
         let mut chunk: ChatChunk = match serde_json::from_str(&data) {
             Ok(c) => c,
             Err(e) => {
-                if let Some(msg) = crate::client::provider_error(data.as_bytes(), self.key.as_ref()) {
-                    return Err(MalformedResponse::new(format!("provider error mid-stream: {msg}")).into());
+                if let Some(status) =
+                    crate::client::error_in_answer(data.as_bytes(), self.key.as_ref(), MID_STREAM)
+                {
+                    return Err(status.into());
                 }
                 if e.is_data() && data.contains("\"choices\"") {
                     // Well-formed JSON with choices this crate cannot read: skipped,
@@ -253,11 +262,12 @@ impl ChunkStream {
         };
         self.parsed += 1;
         if (chunk.extra.contains_key("error") || chunk.choices.is_empty() && chunk.usage.is_none())
-            && let Some(msg) = crate::client::provider_error(data.as_bytes(), self.key.as_ref())
+            && let Some(status) =
+                crate::client::error_in_answer(data.as_bytes(), self.key.as_ref(), MID_STREAM)
         {
             // OpenRouter sends a mid-stream error with choices too (`finish_reason:
             // "error"`): the answer so far is cut short, never complete.
-            return Err(MalformedResponse::new(format!("provider error mid-stream: {msg}")).into());
+            return Err(status.into());
         }
         crate::client::ended_in_error(chunk.choices.iter().map(|c| c.finish_reason.as_deref()), "stream")?;
         if chunk.usage.is_some() {

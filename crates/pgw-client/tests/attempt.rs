@@ -404,14 +404,6 @@ async fn garbage_is_a_clear_transient_error() {
             stream_call(),
             "([DONE]) before a finish_reason",
         ),
-        (
-            sse(vec![(
-                Duration::ZERO,
-                Bytes::from_static(b"data: {\"error\":{\"message\":\"overloaded\"}}\n\n"),
-            )]),
-            stream_call(),
-            "overloaded",
-        ),
     ];
     for (script, call, want) in cases {
         let r = p.client(script, timeouts()).oneshot(call).await;
@@ -806,7 +798,9 @@ async fn a_providers_error_inside_a_whole_looking_answer_is_an_error() {
     ]);
     let r = p.client(script, timeouts()).oneshot(stream_call()).await;
     let err = r.as_ref().unwrap_err();
-    assert!(err.is::<MalformedResponse>(), "{err}");
+    // The provider's error, its numeric code the status.
+    let status = err.downcast_ref::<UpstreamStatus>().expect("an upstream status");
+    assert_eq!(status.status(), 502);
     assert!(err.to_string().contains("Provider disconnected"), "{err}");
     assert_eq!(outcome(&r), Outcome::Transient);
 
@@ -933,6 +927,51 @@ async fn a_key_echoed_mid_stream_is_scrubbed() {
         text.contains("not a chat completion") && !text.contains(half),
         "{text}"
     );
+}
+
+/// A provider's error inside a 2xx answer is classified by its code, as an error
+/// answer is: a rate limit in a stream's first event is pushback (it was a transient
+/// failure, spending an attempt and counting against the breaker), a context window is
+/// the request's, and a numeric `code` (OpenRouter writes the HTTP status there) is the
+/// status.
+#[tokio::test(start_paused = true)]
+async fn a_providers_error_in_a_2xx_answer_is_classified_by_its_code() {
+    let p = Provider::default();
+    let event = |body: &str| sse(vec![(Duration::ZERO, Bytes::from(format!("data: {body}\n\n")))]);
+    let r = p
+        .client(
+            event(r#"{"error":{"message":"Rate limit reached for gpt-4o on requests per min (RPM)","type":"requests","param":null,"code":"rate_limit_exceeded"}}"#),
+            timeouts(),
+        )
+        .oneshot(stream_call())
+        .await;
+    assert!(matches!(outcome(&r), Outcome::RateLimited { .. }), "{r:?}");
+    assert!(r.unwrap_err().to_string().contains("mid-stream"));
+    let r = p
+        .client(
+            event(r#"{"error":{"message":"This model's maximum context length is 8192 tokens.","type":"invalid_request_error","code":"context_length_exceeded"}}"#),
+            timeouts(),
+        )
+        .oneshot(stream_call())
+        .await;
+    assert_eq!(outcome(&r), Outcome::Rejected, "{r:?}");
+    let r = p
+        .client(
+            json(
+                200,
+                r#"{"error":{"code":429,"message":"Rate limit exceeded: free-models-per-min"}}"#,
+            ),
+            timeouts(),
+        )
+        .oneshot(plain_call())
+        .await;
+    assert!(matches!(outcome(&r), Outcome::RateLimited { .. }), "{r:?}");
+    // An unknown error event is still a transient failure of the attempt.
+    let r = p
+        .client(event(r#"{"error":{"message":"boom"}}"#), timeouts())
+        .oneshot(stream_call())
+        .await;
+    assert_eq!(outcome(&r), Outcome::Transient, "{r:?}");
 }
 
 /// A stream whose answer is whole (a finish reason came) and that then stalls or

@@ -93,9 +93,14 @@ fn names_a_missing_model(message: &str) -> bool {
 /// (OpenAI's 429 and Groq's 413 "Request too large for ... on tokens per min", coded
 /// `rate_limit_exceeded`: waiting never lets it through, and it says nothing about
 /// the account's load).
+///
+/// Also a feature of the request the source's model lacks (OpenRouter's 404 "No
+/// endpoints found that support tool use", "... the provided 'tool_choice' value",
+/// "... image input"): another source may have it, and the source serves other calls.
 pub(crate) fn names_a_request_too_large(message: &str) -> bool {
     let m = message.to_ascii_lowercase();
-    m.contains("maximum context length")
+    m.contains("no endpoints found that support")
+        || m.contains("maximum context length")
         || m.contains("context length exceeded")
         || m.contains("prompt is too long")
         || (m.contains("request too large") && (m.contains("tokens per min") || m.contains("tpm")))
@@ -115,7 +120,7 @@ fn names_a_moderation_refusal(message: &str) -> bool {
 /// |---|---|
 /// | `code`/`type` `model_not_found`, or a 404 whose message says the model does not exist | `Rejected`; `SourceDead` when the model was the source's own ([`UpstreamStatus::with_source_model`]: a misconfigured source serves nobody) |
 /// | `context_length_exceeded`, `content_policy_violation`, `content_filter` | `Rejected` |
-/// | a message saying the request does not fit the source (context length, or one request over the whole tokens-per-minute limit: OpenAI's 429 "Request too large", whatever its code) | `Rejected` (and [`crate::exceeds_source`]: another source may take it) |
+/// | a message saying the request does not fit the source (context length, one request over the whole tokens-per-minute limit: OpenAI's 429 "Request too large", whatever its code; a feature its model lacks: OpenRouter's 404 "No endpoints found that support tool use") | `Rejected` (and [`crate::exceeds_source`]: another source may take it) |
 /// | a 403 whose message is a moderation refusal ("flagged") | `Rejected` (the request, not the key) |
 /// | `insufficient_quota` (429, billing), `invalid_api_key`, `authentication_error`, `permission_error` | `SourceDead` |
 /// | `rate_limit_exceeded`, `rate_limit_error` | `RateLimited { retry_after }` |
@@ -473,6 +478,19 @@ mod tests {
                 403,
                 r#"{"error":{"code":403,"message":"Input required moderation and was flagged","metadata":{"reasons":["violence"]}}}"#,
                 Outcome::Rejected,
+            ),
+            // A feature the source's model lacks (OpenRouter): this request, not the
+            // source (it was SourceDead, force-opening the breaker for every caller).
+            (
+                404,
+                r#"{"error":{"message":"No endpoints found that support tool use. To learn more about provider routing, visit: https://openrouter.ai/docs/provider-routing","code":404}}"#,
+                Outcome::Rejected,
+            ),
+            // OpenRouter's "no endpoints" for a data policy serves nobody: by status.
+            (
+                404,
+                r#"{"error":{"message":"No endpoints found matching your data policy.","code":404}}"#,
+                Outcome::SourceDead,
             ),
         ];
         for (i, (status, body, want)) in rows.iter().enumerate() {
