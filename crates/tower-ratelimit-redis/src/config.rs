@@ -348,6 +348,23 @@ impl RateLimitConfig {
                 "must be at least 1 and at most 1000",
             ));
         }
+        let (wms, sub) = (
+            window_ms(self.window),
+            sub_window_ms(window_ms(self.window), self.sub_windows),
+        );
+        if wms / sub > u64::from(MAX_SUB_WINDOWS) {
+            // A window whose only divisors near window / sub_windows are tiny (a prime
+            // number of ms) would be counted in thousands of 1 ms sub-windows: more
+            // than a Redis script can read at once.
+            return Err(crate::error::config_error(
+                "window",
+                format!(
+                    "{wms} ms cannot be split into about {} equal sub-windows (the nearest whole-ms split is {} of {sub} ms, more than {MAX_SUB_WINDOWS}); use a window with a divisor near window / sub_windows, such as a whole number of seconds",
+                    self.sub_windows,
+                    wms / sub
+                ),
+            ));
+        }
         if self.lease_ttl < Duration::from_millis(3)
             || self.lease_ttl > MAX_PERIOD
             || !self.lease_ttl.subsec_nanos().is_multiple_of(1_000_000)
@@ -363,10 +380,12 @@ impl RateLimitConfig {
                 "must be at most 366 days",
             ));
         }
-        if self.slot_retry_after > MAX_PERIOD {
+        if self.slot_retry_after < Duration::from_millis(1) || self.slot_retry_after > MAX_PERIOD {
+            // Zero would answer `retry_after = 0` to every concurrency refusal: a
+            // caller waking at the earliest retry_after would spin.
             return Err(crate::error::config_error(
                 "slot_retry_after",
-                "must be at most 366 days",
+                "must be at least 1 ms and at most 366 days",
             ));
         }
         if self.response_timeout.is_zero() {
@@ -528,6 +547,27 @@ mod tests {
             let c = RateLimitConfig::new("s", Quota::unlimited()).sub_windows(n);
             assert_eq!(c.validate().unwrap_err().field(), "sub_windows");
         }
+        // A window that splits only into more sub-windows than a script reads at once
+        // (10,007 ms, a prime: 10,007 of 1 ms) is refused, naming the window; the
+        // Redis script failed on it after writing its admission.
+        let prime =
+            RateLimitConfig::new("s", Quota::unlimited().requests(1)).window(Duration::from_millis(10_007));
+        let err = prime.validate().unwrap_err();
+        assert_eq!(err.field(), "window", "{err}");
+        assert!(err.to_string().contains("10007 ms"), "{err}");
+        // Few sub-windows of a prime are still fine (7 ms in 1 ms sub-windows).
+        let small = RateLimitConfig::new("s", Quota::unlimited()).window(Duration::from_millis(7));
+        assert!(small.validate().is_ok());
+    }
+
+    /// A zero slot hint answered `retry_after = 0` to every concurrency refusal.
+    #[test]
+    fn slot_retry_after_is_at_least_one_millisecond() {
+        let c = RateLimitConfig::new("s", Quota::unlimited().concurrency(1)).slot_retry_after(Duration::ZERO);
+        assert_eq!(c.validate().unwrap_err().field(), "slot_retry_after");
+        let c = RateLimitConfig::new("s", Quota::unlimited().concurrency(1))
+            .slot_retry_after(Duration::from_millis(1));
+        assert!(c.validate().is_ok());
     }
 
     #[test]

@@ -869,6 +869,38 @@ async fn a_lease_zset_ttl_is_renewed_when_due_not_per_admission() {
     p.finish(None).await.unwrap();
 }
 
+/// Limiters sharing an account's concurrency quota with different lease TTLs: the
+/// short one's admissions and renewals never shorten the account's lease zset. They
+/// set it to two of their own TTLs (200 ms here) and a long call's live lease (30 s)
+/// ended with it: a third call was admitted on a concurrency of 2.
+#[tokio::test]
+async fn a_shorter_lease_ttl_never_shortens_a_shared_lease_zset() {
+    let (server, conn) = private_redis().await;
+    let account = Quota::unlimited().concurrency(2);
+    let config = |source: &str, ttl: Duration| {
+        RateLimitConfig::new(source, Quota::unlimited())
+            .account("acct", account)
+            .lease_ttl(ttl)
+    };
+    let long_config = config("s2", Duration::from_secs(30));
+    let zset = RedisBackend::keys(&long_config)[0][1].clone();
+    let long = RateLimiter::new(long_config, RedisBackend::new(conn.clone())).unwrap();
+    let short = RateLimiter::new(
+        config("s1", Duration::from_millis(100)),
+        RedisBackend::new(conn.clone()),
+    )
+    .unwrap();
+    let running = long.acquire(0).await.unwrap();
+    let pttl = || server.pttl(&zset);
+    assert!(pttl() > 30_000, "two long TTLs: {}", pttl());
+    let p = short.acquire(0).await.unwrap();
+    assert!(pttl() > 30_000, "a short admission shortened it: {}", pttl());
+    assert!(p.renew().await.unwrap());
+    assert!(pttl() > 30_000, "a short renewal shortened it: {}", pttl());
+    p.finish(None).await.unwrap();
+    running.finish(None).await.unwrap();
+}
+
 /// The cells of sub-windows that left are deleted in batches (once a quarter window
 /// of them has gathered), not at every roll, and the window hash stays bounded: its
 /// live sub-windows, at most a quarter window of left ones, and its fixed fields.

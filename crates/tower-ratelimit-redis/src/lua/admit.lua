@@ -94,10 +94,20 @@ for i = 0, n - 1 do
   local st = windows[i]
   -- The lease zset's TTL (two lease TTLs) is renewed once less than one is left, as
   -- noted in the scope's window hash ('ce'; every PEXPIRE of the zset sets it to end
-  -- two lease TTLs from then, so the zset never ends before its noted end); without
-  -- a window hash, or on a zset this admission creates, at every lease.
+  -- two lease TTLs from then, so the zset never ends before its noted end), or on a
+  -- zset this admission creates; without a window hash, as its PTTL says. Never
+  -- shortened: the limiters sharing a scope (an account's sources) may lease for
+  -- longer than this one, and a zset ending early would take their live leases.
   local lease_here = lease ~= '' and tonumber(ARGV[11 + 3 * i]) >= 0
-  local renew_c = lease_here and ((not st) or lives[i] == 0 or st.ce - now < ttl)
+  local renew_c = false
+  if lease_here then
+    if st then
+      renew_c = lives[i] == 0 or st.ce - now < ttl
+    else
+      -- -1 (no TTL) and -2 (no zset yet) renew too.
+      renew_c = redis.call('PTTL', c) < ttl
+    end
+  end
   if st then
     if rpm >= 0 then add(st, 'r', cur, 1) end
     if tpm >= 0 then add(st, 't', cur, tokens) end

@@ -10,7 +10,11 @@ for i = 1, #KEYS do
   -- because every admission purges expired leases before counting.
   if redis.call('ZSCORE', KEYS[i], ARGV[1]) then
     redis.call('ZADD', KEYS[i], now + ttl, ARGV[1])
-    redis.call('PEXPIRE', KEYS[i], 2 * ttl)
+    -- The zset outlives this lease, and is never shortened: a limiter sharing the
+    -- scope may lease for longer (its live leases would end with the zset).
+    if redis.call('PTTL', KEYS[i]) < ttl then
+      redis.call('PEXPIRE', KEYS[i], 2 * ttl)
+    end
     renewed = renewed + 1
   end
 end
