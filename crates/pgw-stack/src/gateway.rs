@@ -355,6 +355,9 @@ impl Gateway {
             call.set_call_history(CallHistory::new());
         }
         call.extensions_mut().insert(PassThrough);
+        // The deadline on the relay's copy too: it bounds the stream once committed,
+        // and a continuation keeps it (a fresh one per continuation would extend it).
+        self.inner.apply_max_call_duration(&mut call);
         let answer = self.clone().oneshot(call.clone()).await?;
         Ok(ChatStream::relay(self.clone(), call, answer, include_usage))
     }
@@ -401,17 +404,7 @@ impl Service<ChatCall> for Gateway {
         let inner = Arc::clone(&self.inner);
         Box::pin(async move {
             let call_id = call.id().0;
-            if let Some(at) = inner
-                .max_call_duration
-                .and_then(|d| tokio::time::Instant::now().checked_add(d))
-            {
-                // One deadline for the whole call (every group, the cache's wait, the
-                // stream), not a fresh one per group; a sooner one of the call's own
-                // stands.
-                let own = call.extensions().get::<CallDeadline>().map(|d| d.0);
-                call.extensions_mut()
-                    .insert(CallDeadline(own.map_or(at, |o| o.min(at))));
-            }
+            inner.apply_max_call_duration(&mut call);
             let Some(route) = inner.chain_of(&call.request().model) else {
                 return Err(unknown_model(call_id, &call.request().model));
             };
@@ -496,6 +489,20 @@ impl Service<ChatCall> for Gateway {
     }
 }
 impl Inner {
+    /// Sets `retry.max_call_duration` from now as `call`'s deadline: one for the whole
+    /// call (every group, the cache's wait, the stream), not a fresh one per group; a
+    /// sooner one of the call's own stands.
+    fn apply_max_call_duration(&self, call: &mut ChatCall) {
+        if let Some(at) = self
+            .max_call_duration
+            .and_then(|d| tokio::time::Instant::now().checked_add(d))
+        {
+            let own = call.extensions().get::<CallDeadline>().map(|d| d.0);
+            call.extensions_mut()
+                .insert(CallDeadline(own.map_or(at, |o| o.min(at))));
+        }
+    }
+
     /// The chains of a call asking for `model`: without `[models]`, every group in
     /// fallback order; `None` for a model that is not configured.
     fn chain_of(&self, model: &str) -> Option<&ModelChain> {

@@ -18,7 +18,6 @@ use tower::ServiceExt;
 use tower_retry_pushback::{CallDeadline, RetryError};
 
 use crate::attempt::Continuation;
-use crate::cache::NoCache;
 use crate::{Gateway, GatewayAnswer};
 
 /// How many times one streamed call is continued after a cut: as many as a call has
@@ -334,16 +333,13 @@ impl Relay {
             .messages
             .push(ChatMessage::new("assistant", self.text.clone()));
         let mut next = ChatCall::from_arc(Arc::new(request)).with_call_id(self.call.id());
+        // Everything the caller's call carries holds for the continuation too: its
+        // deadline, its cache choice and partition (a tenant's continuation is read
+        // from and stored in its own), the caller's own extensions.
+        *next.extensions_mut() = self.call.extensions().clone();
         next.set_call_history(self.call.call_history().cloned().unwrap_or_else(CallHistory::new));
         next.extensions_mut().insert(PassThrough);
         next.extensions_mut().insert(Continuation);
-        // The caller's deadline and cache choice hold for the continuation too.
-        if let Some(d) = self.call.extensions().get::<CallDeadline>() {
-            next.extensions_mut().insert(*d);
-        }
-        if self.call.extensions().get::<NoCache>().is_some() {
-            next.extensions_mut().insert(NoCache);
-        }
         match self.gateway.clone().oneshot(next).await {
             Ok(answer) => {
                 tracing::debug!(call = self.call.id().0, error = %cut, source = ?answer.source, "stream cut, continued");

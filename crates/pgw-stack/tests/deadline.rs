@@ -391,3 +391,49 @@ async fn the_configured_call_duration_spans_the_fallback_chain() {
     assert_eq!(stats.sources["hole"].received, 1);
     assert_eq!(stats.sources["hole"].in_flight, 0);
 }
+
+/// `retry.max_call_duration_s` bounds a committed stream too (its docs say so): the
+/// relay read the caller's copy of the call, which had no deadline, so a slow stream
+/// (2 tokens/s, 60 tokens) ran to its end at 33.5 s past a 10 s bound, holding its
+/// AIMD slot and lease. It ends with the deadline error at 10 s now.
+#[tokio::test(start_paused = true)]
+async fn the_configured_call_duration_bounds_a_committed_stream() {
+    use futures_util::StreamExt;
+    let mut slow = pgw_sim::SourceConfig {
+        ttft_s: pgw_sim::LogNormal::constant(2.0).into(),
+        tokens_per_second: pgw_sim::LogNormal::constant(2.0).into(),
+        ..pgw_sim::SourceConfig::healthy("slow")
+    };
+    slow.completion.min_fraction = 1.0;
+    slow.completion.max_fraction = 1.0;
+    let pool = SimPool::new(PoolConfig::of(vec![slow]), 11).unwrap();
+    let mut c = GatewayConfig::default();
+    c.cache.enabled = false;
+    c.retry.max_call_duration_s = Some(10.0);
+    let mut s = SourceConfig::new("slow", "http://sim.invalid/slow/v1", SecretKey::new("sk-x"));
+    s.inter_token_timeout_s = Some(5.0);
+    s.total_timeout_s = Some(300.0);
+    c.sources.push(s);
+    let gw = support::sim_gateway(&pool, c, &MemorySink::default()).await;
+    let t0 = Instant::now();
+    let mut req = ChatRequest::user("m", "tell me a story");
+    req.max_tokens = Some(60);
+    let mut stream = gw.chat_stream(req).await.unwrap();
+    let mut err = None;
+    while let Some(item) = stream.next().await {
+        if let Err(e) = item {
+            err = Some(e);
+            break;
+        }
+    }
+    assert_eq!(t0.elapsed(), Duration::from_secs(10));
+    let err = err.expect("the stream ended with the deadline's error");
+    assert!(err.to_string().contains("deadline"), "{err}");
+    drop(stream);
+    tokio::task::yield_now().await;
+    assert_eq!(
+        pool.stats().sources["slow"].in_flight,
+        0,
+        "the upstream request was dropped"
+    );
+}

@@ -383,3 +383,74 @@ async fn a_cut_of_several_choices_is_not_continued() {
     assert!(cut > 0, "a call committed to the stalling source");
     all_released(&gw, &pool).await;
 }
+
+/// A continuation keeps the caller's cache partition (a tenant's): it is read from and
+/// stored in the tenant's own part of the cache. It carried only the deadline and the
+/// opt-out, so a tenant's continuation (its prompt and the text so far) was stored
+/// unpartitioned and answered another tenant's identical call.
+#[tokio::test(start_paused = true)]
+async fn a_continuation_keeps_the_callers_cache_partition() {
+    let pool = pool(vec![stalling("a"), slow("b")]);
+    let sink = MemorySink::default();
+    let mut cfg = GatewayConfig::default();
+    cfg.cache.when = pgw_stack::CacheWhen::Always;
+    cfg.balance.policy = Some("round_robin".into());
+    for (name, prefill) in [("a", false), ("b", true)] {
+        let mut s = SourceConfig::new(name, format!("http://sim.invalid/{name}/v1"), SecretKey::new(KEY))
+            .accepts_prefill(prefill);
+        s.inter_token_timeout_s = Some(5.0);
+        s.total_timeout_s = Some(300.0);
+        cfg.sources.push(s);
+    }
+    let gw = support::sim_gateway(&pool, cfg, &sink).await;
+    let partitioned = |mut r: ChatRequest| {
+        r.stream = true;
+        let mut call = pgw_stack::ChatCall::new(r);
+        call.extensions_mut()
+            .insert(pgw_stack::CachePartition(std::sync::Arc::from("team-a")));
+        call
+    };
+    // Round robin: one of the first two calls commits to the stalling source (a
+    // call answered by `b` whole is cached and answers the next: the prompts differ).
+    let mut drained = None;
+    for n in 0..2 {
+        let mut r = request();
+        r.messages[0] = pgw_core::openai::ChatMessage::new("user", format!("tell me story {n}"));
+        let stream = gw.stream_call(partitioned(r.clone())).await.unwrap();
+        if stream.source().map(pgw_core::SourceId::as_str) == Some("a") {
+            drained = Some((r, drain(stream, Instant::now()).await));
+            break;
+        }
+        drop(drain(stream, Instant::now()).await);
+    }
+    let (asked, (content, times, err, chunks)) = drained.expect("a call committed to `a`");
+    assert!(err.is_none(), "{err:?}");
+    // The text before the cut (the stall: the one gap longer than the 5 s watchdog).
+    let cut = (1..times.len())
+        .find(|&i| times[i] - times[i - 1] >= Duration::from_secs(5))
+        .expect("the stream was cut and continued");
+    let prefix: String = chunks[..cut].iter().map(text).collect();
+    assert!(!prefix.is_empty() && content.starts_with(&prefix));
+    // The continuation's request, asked by another tenant (unpartitioned): not
+    // answered from the first tenant's continuation.
+    let mut continuation = asked;
+    continuation
+        .messages
+        .push(pgw_core::openai::ChatMessage::new("assistant", prefix.clone()));
+    continuation.stream = true;
+    let other = gw
+        .stream_call(pgw_stack::ChatCall::new(continuation.clone()))
+        .await
+        .unwrap();
+    assert!(
+        !other.cache_hit(),
+        "another tenant got the first tenant's continuation"
+    );
+    drop(other);
+    // The first tenant asking it is answered from its own part.
+    let own = gw.stream_call(partitioned(continuation)).await.unwrap();
+    assert!(
+        own.cache_hit(),
+        "the continuation was stored in the tenant's partition"
+    );
+}
