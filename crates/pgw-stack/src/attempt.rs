@@ -49,7 +49,7 @@ impl AdmissionCell {
 /// status: a revoked key's 401, a 5xx), since its last attempt that ended otherwise;
 /// shared by every copy of the call (the gateway puts one in each call).
 ///
-/// It is taken from the next attempt's total timeout: a call refused by one source
+/// It is taken from the next attempt's total timeout, down to half of it at most: a call refused by one source
 /// after another and then sent to a silent one waits one attempt timeout in all, not
 /// one plus its refusals (on a pool of revoked keys and black holes, 180 s plus the
 /// 401s). Only time spent in attempts counts, never a wait between them (backoff,
@@ -284,11 +284,17 @@ where
         } else {
             call.extensions().get::<RefusedTime>().cloned()
         };
+        // Never less than half the source's own timeout: refusals slower than the next
+        // source's timeout (a 503 after 12 s, then a source timing out at 10 s) cut a
+        // healthy source at once and charged it a failure.
         let cut_at = refused
             .as_ref()
             .map(RefusedTime::get)
             .filter(|spent| !spent.is_zero())
-            .map(|spent| record.start + self.attempt_timeout.saturating_sub(spent));
+            .map(|spent| {
+                let left = self.attempt_timeout.saturating_sub(spent);
+                record.start + left.max(self.attempt_timeout / 2)
+            });
         let attempt_timeout = self.attempt_timeout;
         let fut = self.inner.call(call);
         Box::pin(async move {

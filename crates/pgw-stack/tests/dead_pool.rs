@@ -179,3 +179,39 @@ async fn refusals_count_against_the_next_attempts_timeout() {
     );
     assert!((attempts[1].latency_ms - (TIMEOUT_S - REFUSAL_S) * 1000.0).abs() < 1.0);
 }
+
+/// Refusals never leave the next source less than half its own timeout: a 401 after
+/// 8 s, then a healthy source with a 10 s timeout answering in 4 s. The 8 s were taken
+/// from its 10 s, so it was cut at 2 s and charged a failure (past 10 s of refusals,
+/// at once).
+#[tokio::test(start_paused = true)]
+async fn a_slow_refusal_never_cuts_the_next_source_at_once() {
+    const TIMEOUT_S: f64 = 10.0;
+    let slow_refusal = pgw_sim::SourceConfig {
+        error_latency_s: LogNormal::constant(8.0).into(),
+        ..revoked("key", true.into())
+    };
+    let good = pgw_sim::SourceConfig {
+        ttft_s: LogNormal::constant(4.0).into(),
+        ..pgw_sim::SourceConfig::quick("good")
+    };
+    // Seed 2 sends the first attempt to `key` (asserted below).
+    let (_pool, gw, sink) = gateway(vec![slow_refusal, good], TIMEOUT_S, 2).await;
+    let call = ChatCall::new(ask("refused slowly, then answered"));
+    let id = call.id().0;
+    let answer = gw.clone().oneshot(call).await;
+    let mut attempts: Vec<_> = sink.records().into_iter().filter(|r| r.call_id == id).collect();
+    attempts.sort_by_key(|r| r.attempt);
+    let order: Vec<_> = attempts
+        .iter()
+        .map(|r| (r.source.as_ref().map(|s| s.as_str().to_owned()), r.outcome))
+        .collect();
+    assert_eq!(
+        order,
+        [
+            (Some("key".to_owned()), "source_dead"),
+            (Some("good".to_owned()), "success")
+        ],
+    );
+    assert!(answer.is_ok(), "{:?}", answer.err().map(|e| e.to_string()));
+}
