@@ -132,7 +132,10 @@ impl SourceSettings {
             BadSettings::new(
                 &self.id,
                 "base_url",
-                format!("{:?} is not a URL: {e}", self.base_url),
+                format!(
+                    "{:?} is not a URL: {e}",
+                    pgw_core::redact::redact_endpoint(&self.base_url)
+                ),
             )
         })?;
         match uri.scheme_str() {
@@ -140,7 +143,10 @@ impl SourceSettings {
             _ => Err(BadSettings::new(
                 &self.id,
                 "base_url",
-                format!("{:?} must be an absolute http:// or https:// URL", self.base_url),
+                format!(
+                    "{:?} must be an absolute http:// or https:// URL",
+                    pgw_core::redact::redact_endpoint(&self.base_url)
+                ),
             )),
         }
     }
@@ -150,7 +156,7 @@ impl fmt::Debug for SourceSettings {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("SourceSettings")
             .field("id", &self.id)
-            .field("base_url", &self.base_url)
+            .field("base_url", &pgw_core::redact::redact_endpoint(&self.base_url))
             .field("key", &self.key)
             .field("model", &self.model)
             .field("timeouts", &self.timeouts)

@@ -43,6 +43,7 @@ mod http_classify;
 mod metric_handles;
 pub mod openai;
 mod outcome;
+pub mod redact;
 #[cfg(feature = "redis")]
 pub mod redis_conn;
 pub mod retry_after;

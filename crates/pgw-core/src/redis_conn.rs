@@ -94,30 +94,9 @@ impl RedisTarget {
 /// ```
 #[must_use]
 pub fn redact_url(url: &str) -> String {
-    // The user info first, on the whole URL: a password may hold a `?`.
-    let (mut out, rest) = match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s + 3 => (format!("{}://***@", &url[..s]), &url[at + 1..]),
-        _ => (String::new(), url),
-    };
-    let (base, query) = match rest.split_once('?') {
-        Some((b, q)) => (b, Some(q)),
-        None => (rest, None),
-    };
-    out.push_str(base);
-    if let Some(query) = query {
-        out.push('?');
-        let params: Vec<String> = query
-            .split('&')
-            .map(|p| match p.split_once('=') {
-                Some((k, _)) if k.eq_ignore_ascii_case("pass") || k.eq_ignore_ascii_case("password") => {
-                    format!("{k}=***")
-                }
-                _ => p.to_owned(),
-            })
-            .collect();
-        out.push_str(&params.join("&"));
-    }
-    out
+    crate::redact::redact_url_with(url, |k| {
+        k.eq_ignore_ascii_case("pass") || k.eq_ignore_ascii_case("password")
+    })
 }
 
 impl fmt::Debug for RedisTarget {

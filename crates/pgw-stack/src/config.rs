@@ -238,7 +238,7 @@ impl fmt::Debug for SourceConfig {
         f.debug_struct("SourceConfig")
             .field("name", &self.name)
             .field("group", &self.group)
-            .field("base_url", &self.base_url)
+            .field("base_url", &pgw_core::redact::redact_endpoint(&self.base_url))
             .field("key", &self.key)
             .field("key_env", &self.key_env)
             .field("model", &self.model)
@@ -1016,9 +1016,10 @@ pub fn toml_error(e: &toml::de::Error, text: Option<&str>) -> ConfigError {
         .span()
         .zip(text)
         .map(|(span, text)| text[..span.start.min(text.len())].matches('\n').count() + 1);
+    let message = hide_unexpected_value(e.message());
     let msg = match line {
-        Some(line) => format!("line {line}: {}", e.message()),
-        None => e.message().to_owned(),
+        Some(line) => format!("line {line}: {message}"),
+        None => message,
     };
     // serde's "unknown field `x`" / "missing field `x`" name the field; keep them first.
     let field = ["unknown field `", "missing field `", "for key `"]
@@ -1030,6 +1031,25 @@ pub fn toml_error(e: &toml::de::Error, text: Option<&str>) -> ConfigError {
         })
         .unwrap_or_else(|| "config".to_owned());
     config_error(field, msg.trim().replace('\n', " "))
+}
+
+/// serde's "invalid type: integer `8231945712345`, expected a string" without the
+/// value: the field may be a secret (a numeric key written without quotes), and the
+/// line number and the expected type say enough.
+fn hide_unexpected_value(message: &str) -> String {
+    for lead in ["invalid type: ", "invalid value: "] {
+        let Some(start) = message.find(lead).map(|i| i + lead.len()) else {
+            continue;
+        };
+        let rest = &message[start..];
+        let end = rest.find(", expected").unwrap_or(rest.len());
+        let Some(quote) = rest[..end].find(['`', '"']) else {
+            continue;
+        };
+        let kind = rest[..quote].trim_end();
+        return format!("{}{kind} (value not shown){}", &message[..start], &rest[end..]);
+    }
+    message.to_owned()
 }
 
 /// Fields an environment override sets as the string given, never read as TOML:

@@ -116,3 +116,31 @@ async fn the_key_never_prints() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A credential in a source's base URL (user info, a `?key=` of a gateway that takes
+/// one) is hidden wherever the URL is printed: `SourceConfig`'s `Debug` (what `pgw
+/// check` prints), the client's settings, an invalid URL's error. A key written as a
+/// bare number in TOML is not quoted by its type error.
+#[test]
+fn a_secret_in_a_base_url_or_a_numeric_key_never_prints() {
+    let url = "https://user:tok-SECRET-1@llm.test/v1?api-version=2024-06-01&key=AIza-SECRET-2";
+    let source = SourceConfig::new("s1", url, SecretKey::new(KEY));
+    let settings = pgw_client::SourceSettings::new("s1", url);
+    let bad = pgw_client::SourceSettings::new("s1", "ftp://user:tok-SECRET-1@llm.test/v1?key=AIza-SECRET-2");
+    let texts = [
+        format!("{source:?}"),
+        format!("{settings:?}"),
+        bad.endpoint().unwrap_err().to_string(),
+    ];
+    for text in &texts {
+        assert!(!text.contains("SECRET"), "{text}");
+    }
+    assert!(texts[0].contains("api-version=2024-06-01"), "{}", texts[0]);
+    let err = GatewayConfig::from_toml_str(
+        "[[sources]]\nname = \"a\"\nbase_url = \"http://127.0.0.1:9/v1\"\nkey = 8231945712345\n",
+    )
+    .unwrap_err();
+    let text = format!("{err} / {err:?}");
+    assert!(!text.contains("8231945712345"), "{text}");
+    assert!(text.contains("integer (value not shown)"), "{text}");
+}
