@@ -1046,3 +1046,32 @@ async fn an_admission_answered_after_its_timeout_is_undone() {
     p.refund().await.unwrap();
     assert_eq!(l.held().await.unwrap().leases(), 0);
 }
+
+/// A window refusal this process remembers is trusted one sub-window at most: another
+/// process's refund (a request given back, tokens used below their estimate) frees it
+/// unseen here. Two processes on one RPM of 1: B's request refunded, A asked again
+/// after a sub-window (100 ms of a 6 s window) and was admitted; before, A refused
+/// from its memory for the whole window.
+#[tokio::test]
+async fn a_remembered_window_refusal_is_trusted_one_sub_window() {
+    let (_server, conn) = private_redis().await;
+    let config = RateLimitConfig::new("s1", Quota::unlimited().requests(1).tokens(1000))
+        .window(Duration::from_secs(6));
+    let sub = config.sub_window_len();
+    assert_eq!(sub, Duration::from_millis(100));
+    // Two processes: each its own backend (its own memory of refusals).
+    let a = RateLimiter::new(config.clone(), RedisBackend::new(conn.clone())).unwrap();
+    let b = RateLimiter::new(config, RedisBackend::new(conn.clone())).unwrap();
+    let held = b.acquire(900).await.unwrap();
+    let refused = a.acquire(10).await.unwrap_err();
+    assert!(refused.to_string().contains("rpm"), "{refused}");
+    held.refund().await.unwrap();
+    // At once, A still answers from its memory (no round trip).
+    assert!(a.acquire(10).await.is_err());
+    tokio::time::sleep(sub + Duration::from_millis(20)).await;
+    let p = a
+        .acquire(10)
+        .await
+        .expect("asked again after a sub-window: the request is back");
+    p.finish(None).await.unwrap();
+}

@@ -391,8 +391,17 @@ impl GateKeys {
         let mut known = lock(&memo.refused);
         // Checked again under the lock a refund takes.
         if memo.refunds.load(Ordering::Acquire) == before {
+            // Other processes give back too (a refund, tokens used below their
+            // estimate): a window refusal is trusted for one sub-window at most, then
+            // one admission asks again; its wait is still answered whole.
+            let trusted = if matches!(dim, 1 | 2) {
+                wait.min(self.sub_ms.max(1))
+            } else {
+                wait
+            };
             *known = Some(Refusal {
                 until_ms: sent.saturating_add(wait),
+                trusted_ms: sent.saturating_add(trusted),
                 dim,
                 tokens,
                 released: released.get(i).copied().unwrap_or(0),
@@ -412,12 +421,13 @@ impl GateKeys {
 /// A refusal this process remembers, and answers again without a round trip while it
 /// [`holds`](Refusal::holds).
 ///
-/// Nothing this process cannot see frees it before `until_ms` (other processes only
-/// add to what refused):
-/// - a request count (`rpm`, dimension 1) frees when the oldest sub-window leaves,
-///   and every admission asks for one request: the whole wait;
-/// - tokens (`tpm`, 2): the same, for an admission asking at least as many tokens (a
-///   smaller one may fit);
+/// What it answers, and for how long:
+/// - a request count (`rpm`, dimension 1) frees when the oldest sub-window leaves, or
+///   when another process gives a request back (a refund, unseen here): trusted for
+///   one sub-window at most, then one admission asks again;
+/// - tokens (`tpm`, 2): the same (another process's call using fewer tokens than it
+///   reserved gives the rest back), for an admission asking at least as many tokens
+///   (a smaller one may fit);
 /// - a concurrency slot (3) frees when a lease ends: until the earliest lease's expiry
 ///   or the slot hint, while this process gives back no lease of that scope (another
 ///   process's release is seen when the memory ends: at most the slot hint late);
@@ -436,6 +446,10 @@ impl GateKeys {
 struct Refusal {
     /// Until when (local ms since the book's base), counted from when it was asked.
     until_ms: i64,
+    /// Until when it is answered without a round trip: `until_ms`, or one sub-window
+    /// after the question for a window's refusal (another process's refund frees it
+    /// unseen).
+    trusted_ms: i64,
     /// The dimension, as the script numbers it.
     dim: i64,
     /// `tpm`: the tokens asked.
@@ -451,7 +465,7 @@ impl Refusal {
     /// Whether it still refuses an admission of `tokens` at `at_ms` through limiter `k`,
     /// whose scope `i` it is.
     fn holds(&self, k: &GateKeys, i: usize, at_ms: i64, tokens: u64) -> bool {
-        at_ms < self.until_ms
+        at_ms < self.trusted_ms
             && k.limits.get(3 * i..3 * i + 3) == Some(&self.limits[..])
             && match self.dim {
                 1 => true,
