@@ -10,6 +10,7 @@ use std::time::Duration;
 use pgw_client::{AnswerClassifier, BoxTransport, ChatCall, HyperTransport, UpstreamClient, box_transport};
 use pgw_core::BoxError;
 use pgw_core::redis_conn::{RedisConn, RedisTarget};
+use tokio::sync::Notify;
 use tower::util::BoxCloneSyncService;
 use tower_aimd::AimdLayer;
 use tower_breaker_window::BreakerLayer;
@@ -175,8 +176,13 @@ impl GatewayBuilder {
                 continue;
             };
             let group = Arc::from(plan.groups[first].name.as_str());
-            let (service, handle, hold, health) =
-                wiring.route(route, &mut sources, &group, &group_sources[first])?;
+            // A route in several groups (one upstream model behind two public models)
+            // wakes a waiter of each group's balancer when a slot frees.
+            let signals: Vec<_> = in_groups
+                .iter()
+                .map(|&g| group_sources[g].wake_signal())
+                .collect();
+            let (service, handle, hold, health) = wiring.route(route, &mut sources, &group, &signals)?;
             for &g in &in_groups {
                 group_sources[g].insert(route.id.clone(), service.clone());
             }
@@ -321,7 +327,7 @@ impl Wiring<'_> {
         route: &RouteSpec,
         parts: &mut SourceParts,
         group: &Arc<str>,
-        sources: &Sources<SourceService>,
+        wake: &[Arc<Notify>],
     ) -> Result<(SourceService, SourceHandles, RouteHold, HealthViews), BoxError> {
         let cfg = self.cfg;
         let sc = &cfg.sources[route.source];
@@ -379,12 +385,17 @@ impl Wiring<'_> {
                     .map_err(|e| config_error(&at, e.to_string()))?,
             )
         };
-        let aimd = AimdLayer::new(aimd_config(cfg, max_conc))
+        let mut aimd = AimdLayer::new(aimd_config(cfg, max_conc))
             .map_err(|e| config_error(format!("aimd ({at})"), e.to_string()))?
-            .with_source(route.id.clone())
-            .with_release_signal(sources.wake_signal())
-            .shedding()
-            .with_classifier(AnswerClassifier);
+            .with_source(route.id.clone());
+        for (i, signal) in wake.iter().enumerate() {
+            aimd = if i == 0 {
+                aimd.with_release_signal(Arc::clone(signal))
+            } else {
+                aimd.also_release_signal(Arc::clone(signal))
+            };
+        }
+        let aimd = aimd.shedding().with_classifier(AnswerClassifier);
         let breaker = match &self.backends.breaker_redis {
             Some(b) => SourceBreaker::Redis(
                 BreakerLayer::new(b, route.id.clone(), &breaker_cfg).with_classifier(AnswerClassifier),

@@ -320,3 +320,64 @@ fn routing_config_errors_name_the_field() {
         assert_eq!(err.field(), field, "{extra}: {err}");
     }
 }
+
+/// One upstream model behind two public models (one route in two groups): a slot the
+/// route frees wakes a waiter of either group at once, not at the balancer's next
+/// safety poll (a second). Before, only the first group's waiters heard of it (the
+/// second model's call was served 1.1 s after the first's answer plus its own service
+/// time; 0.05-0.2 s now, as within one model).
+#[tokio::test(start_paused = true)]
+async fn a_route_shared_by_two_models_wakes_either_models_waiter() {
+    // Every answer the same length: the same service time.
+    let fixed = pgw_sim::SourceConfig {
+        completion: pgw_sim::CompletionConfig {
+            min_fraction: 0.5,
+            max_fraction: 0.5,
+            ..pgw_sim::CompletionConfig::default()
+        },
+        ..serving("prov-m", "m")
+    };
+    let pool = pool(vec![fixed]);
+    let mut cfg = GatewayConfig::default();
+    let mut prov = source("prov");
+    prov.max_concurrency = Some(1);
+    cfg.sources.push(prov);
+    cfg.models.insert("fast".into(), model(&[("prov", Some("m"))]));
+    cfg.models.insert("smart".into(), model(&[("prov", Some("m"))]));
+    let gw = gateway(&pool, cfg, &MemorySink::new()).await;
+    assert_eq!(gw.sources().len(), 1, "one route");
+
+    // The same model first: the wake-up every balancer had before (its control).
+    for (first, second) in [("fast", "fast"), ("fast", "smart"), ("smart", "fast")] {
+        let start = Instant::now();
+        let a = tokio::spawn({
+            let gw = gw.clone();
+            async move {
+                gw.chat(ChatRequest::user(first, "a")).await.unwrap();
+                Instant::now()
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let b = tokio::spawn({
+            let gw = gw.clone();
+            async move {
+                gw.chat(ChatRequest::user(second, "b")).await.unwrap();
+                Instant::now()
+            }
+        });
+        let a_end = a.await.unwrap();
+        let b_end = b.await.unwrap();
+        let service = a_end - start;
+        assert!(
+            b_end - a_end < service + Duration::from_millis(500),
+            "{second} waited for {first}'s slot: admitted at its release, then served in \
+             {service:?}; took {:?}",
+            b_end - a_end
+        );
+        assert!(
+            b_end - a_end >= service,
+            "one slot: {second} waited for {first}: {service:?} {:?}",
+            b_end - a_end
+        );
+    }
+}

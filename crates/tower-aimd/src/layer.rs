@@ -42,7 +42,7 @@ impl AimdLayer {
     pub fn new(config: AimdConfig) -> Result<Self, ConfigError> {
         config.validate()?;
         Ok(Self {
-            limiter: Arc::new(Limiter::new(&config, None, Arc::new(Notify::new()))),
+            limiter: Arc::new(Limiter::new(&config, None, Arc::new(Notify::new()), Vec::new())),
             config,
             mode: Mode::Wait,
             classifier: OkIsSuccess,
@@ -58,8 +58,8 @@ impl Default for AimdLayer {
 }
 
 impl<C> AimdLayer<C> {
-    fn rebuild(mut self, source: Option<SourceId>, signal: Arc<Notify>) -> Self {
-        self.limiter = Arc::new(Limiter::new(&self.config, source, signal));
+    fn rebuild(mut self, source: Option<SourceId>, signal: Arc<Notify>, also: Vec<Arc<Notify>>) -> Self {
+        self.limiter = Arc::new(Limiter::new(&self.config, source, signal, also));
         self
     }
 
@@ -68,7 +68,8 @@ impl<C> AimdLayer<C> {
     #[must_use]
     pub fn with_source(self, source: SourceId) -> Self {
         let signal = Arc::clone(self.limiter.signal());
-        self.rebuild(Some(source), signal)
+        let also = self.limiter.also().to_vec();
+        self.rebuild(Some(source), signal, also)
     }
 
     /// Uses `signal` as the release signal, e.g. the wake-up signal of a balancer
@@ -76,7 +77,24 @@ impl<C> AimdLayer<C> {
     #[must_use]
     pub fn with_release_signal(self, signal: Arc<Notify>) -> Self {
         let source = self.limiter.source().cloned();
-        self.rebuild(source, signal)
+        let also = self.limiter.also().to_vec();
+        self.rebuild(source, signal, also)
+    }
+
+    /// Adds `signal` as a further release signal: a freed slot wakes one waiter of the
+    /// release signal and one of each added signal. For a source under several
+    /// balancers (the same upstream model in two model groups), each balancer's waiters
+    /// hear of its slots; a waiter that finds the slot taken waits again. Starts a fresh
+    /// limiter: call it before building services.
+    #[must_use]
+    pub fn also_release_signal(self, signal: Arc<Notify>) -> Self {
+        let source = self.limiter.source().cloned();
+        let primary = Arc::clone(self.limiter.signal());
+        let mut also = self.limiter.also().to_vec();
+        if !Arc::ptr_eq(&primary, &signal) && !also.iter().any(|s| Arc::ptr_eq(s, &signal)) {
+            also.push(signal);
+        }
+        self.rebuild(source, primary, also)
     }
 
     /// Sets the [`Mode`].

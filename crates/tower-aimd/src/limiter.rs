@@ -27,6 +27,9 @@ pub(crate) struct Limiter {
     /// path where nobody was refused.
     refused: AtomicUsize,
     signal: Arc<Notify>,
+    /// Further release signals, each woken with `signal`: a source under several
+    /// balancers (one route in two model groups) wakes one waiter of each.
+    also: Vec<Arc<Notify>>,
     floor: f64,
     ceiling: f64,
     cut: f64,
@@ -37,7 +40,12 @@ pub(crate) struct Limiter {
 }
 
 impl Limiter {
-    pub(crate) fn new(config: &AimdConfig, source: Option<SourceId>, signal: Arc<Notify>) -> Self {
+    pub(crate) fn new(
+        config: &AimdConfig,
+        source: Option<SourceId>,
+        signal: Arc<Notify>,
+        also: Vec<Arc<Notify>>,
+    ) -> Self {
         let ceiling = config.ceiling();
         Self {
             limit_bits: AtomicU64::new(config.initial_limit.min(ceiling).to_bits()),
@@ -45,6 +53,7 @@ impl Limiter {
             inflight: AtomicUsize::new(0),
             refused: AtomicUsize::new(0),
             signal,
+            also,
             floor: config.min_limit,
             ceiling,
             cut: config.decrease_factor,
@@ -68,6 +77,18 @@ impl Limiter {
 
     pub(crate) fn signal(&self) -> &Arc<Notify> {
         &self.signal
+    }
+
+    pub(crate) fn also(&self) -> &[Arc<Notify>] {
+        &self.also
+    }
+
+    /// Wakes one waiter of each release signal.
+    fn wake_one(&self) {
+        self.signal.notify_one();
+        for s in &self.also {
+            s.notify_one();
+        }
     }
 
     /// Takes a slot if `inflight < floor(limit)`.
@@ -123,7 +144,7 @@ impl Limiter {
     pub(crate) fn release(&self) {
         self.inflight.fetch_sub(1, Ordering::SeqCst);
         if self.refused.load(Ordering::SeqCst) > 0 && self.take_refusal() {
-            self.signal.notify_one();
+            self.wake_one();
         }
     }
 
@@ -218,7 +239,7 @@ impl Limiter {
                         && self.refused.load(Ordering::SeqCst) > 0
                         && self.take_refusal()
                     {
-                        self.signal.notify_one();
+                        self.wake_one();
                     }
                     return;
                 }
@@ -317,7 +338,7 @@ mod tests {
     use super::*;
 
     fn limiter(cfg: &AimdConfig) -> Arc<Limiter> {
-        Arc::new(Limiter::new(cfg, None, Arc::new(Notify::new())))
+        Arc::new(Limiter::new(cfg, None, Arc::new(Notify::new()), Vec::new()))
     }
 
     #[test]

@@ -43,7 +43,7 @@ impl<S> Aimd<S> {
     /// A [`ConfigError`] naming the bad field.
     pub fn new(inner: S, config: &AimdConfig) -> Result<Self, ConfigError> {
         config.validate()?;
-        let limiter = Arc::new(Limiter::new(config, None, Arc::default()));
+        let limiter = Arc::new(Limiter::new(config, None, Arc::default(), Vec::new()));
         Ok(Self::from_parts(inner, limiter, Mode::Wait, OkIsSuccess))
     }
 }

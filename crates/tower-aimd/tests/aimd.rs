@@ -74,6 +74,49 @@ async fn shed_mode_answers_paced_with_the_source_and_fires_the_signal() {
     assert_eq!(h.inflight(), 0);
 }
 
+/// A source under two balancers (one route in two model groups): a freed slot wakes a
+/// waiter of each, set before or after `with_source` (which starts a fresh limiter).
+#[tokio::test(start_paused = true)]
+async fn a_release_wakes_one_waiter_of_each_release_signal() {
+    let first = Arc::new(tokio::sync::Notify::new());
+    let second = Arc::new(tokio::sync::Notify::new());
+    let layer = AimdLayer::new(one_slot())
+        .unwrap()
+        .with_release_signal(Arc::clone(&first))
+        .also_release_signal(Arc::clone(&second))
+        .also_release_signal(Arc::clone(&first))
+        .with_source(SourceId::from("s1"))
+        .shedding();
+    let (mut a, mut handle) = mock::spawn_layer::<&str, &str, _>(layer.clone());
+    let b = layer.layer(service_fn(|_: &str| async { Ok::<_, BoxError>("never") }));
+
+    assert!(a.poll_ready().is_ready());
+    let fut = a.call("one");
+    let mut woken: Vec<_> = [&first, &second]
+        .iter()
+        .map(|s| Box::pin(Arc::clone(s).notified_owned()))
+        .collect();
+    for w in &mut woken {
+        w.as_mut().enable();
+    }
+    // A third waiter on the first signal: one wake-up per signal, not a herd.
+    let mut third = Box::pin(Arc::clone(&first).notified_owned());
+    third.as_mut().enable();
+    b.oneshot("two").await.expect_err("paced: the one slot is taken");
+
+    assert_request_eq!(handle, "one").send_response("ok");
+    fut.await.unwrap();
+    for (i, w) in woken.into_iter().enumerate() {
+        tokio::time::timeout(Duration::from_secs(1), w)
+            .await
+            .unwrap_or_else(|_| panic!("signal {i} fired"));
+    }
+    assert!(
+        tokio::time::timeout(Duration::from_secs(1), third).await.is_err(),
+        "one waiter per signal per freed slot"
+    );
+}
+
 /// A4: inflight back to zero after success, error, panic in the inner future and drop.
 #[tokio::test(start_paused = true)]
 async fn inflight_returns_to_zero_on_every_path() {
