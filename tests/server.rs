@@ -808,6 +808,35 @@ async fn a_tenant_keeps_its_concurrency_slot_for_a_call_longer_than_the_lease() 
     assert_eq!(status, 200, "released at the end");
 }
 
+/// A source serving two public models: its quota (one limiter for both routes) is one
+/// series under the source's name, not one per route counting every admission twice.
+#[tokio::test(start_paused = true)]
+async fn quota_admissions_are_one_series_per_source_under_models() {
+    let h = start_with(
+        "[models.qa]\nroutes = [{ source = \"quota-src\", model = \"x\" }]\n\
+         [models.qb]\nroutes = [{ source = \"quota-src\", model = \"y\" }]\n",
+        "",
+        vec![fast("quota-src")],
+    )
+    .await;
+    for model in ["qa", "qa", "qb"] {
+        let (status, _, _) = call(h.addr, chat(None), chat_body(model, false)).await;
+        assert_eq!(status, 200, "{model}");
+    }
+    let (_, _, text) = call(h.addr, request("GET", "/metrics"), Bytes::new()).await;
+    let text = String::from_utf8(text.to_vec()).unwrap();
+    assert_eq!(
+        metric(&text, "pgw_quota_admitted", &[("source", "quota-src")]),
+        3.0,
+        "{text}"
+    );
+    assert!(!text.contains("pgw_quota_admitted{source=\"quota-src/"), "{text}");
+    assert!(
+        text.contains("pgw_aimd_limit{source=\"quota-src/x\"}"),
+        "route gauges stay per route: {text}"
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn metrics_stay_bounded_and_count_streamed_usage_and_cancelled_calls() {
     let h = start_with(

@@ -366,8 +366,11 @@ impl Gateway {
     /// and sets the `metrics` gauges: `pgw_breaker_state` (0 closed, 1 half-open,
     /// 2 open), `pgw_aimd_limit`, `pgw_inflight`, `pgw_health`, `pgw_quota_admitted`,
     /// each labelled `source` with the route (the source's name without `[models]`,
-    /// `source/model` with it). Call it periodically (one backend read per route).
+    /// `source/model` with it), but `pgw_quota_admitted`, the source's own limiter
+    /// (shared by its routes), labelled with the source's name. Call it periodically
+    /// (one backend read per route).
     pub async fn refresh_metrics(&self) {
+        let mut quotas = std::collections::HashSet::new();
         for h in &self.inner.handles {
             // One series per route (with `[models]`, a source has one per model).
             let source = h.route.to_string();
@@ -385,8 +388,13 @@ impl Gateway {
             if let Some(health) = self.health(&source) {
                 metrics::gauge!("pgw_health", "source" => source.clone()).set(health);
             }
-            #[allow(clippy::cast_precision_loss)]
-            metrics::gauge!("pgw_quota_admitted", "source" => source).set(h.limiter.stats().admitted as f64);
+            // Once per source: a series per route would count the source's admissions
+            // once per model.
+            if quotas.insert(h.source.as_str()) {
+                #[allow(clippy::cast_precision_loss)]
+                metrics::gauge!("pgw_quota_admitted", "source" => h.source.to_string())
+                    .set(h.limiter.stats().admitted as f64);
+            }
         }
     }
 }
