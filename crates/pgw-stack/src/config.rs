@@ -624,11 +624,13 @@ pub struct CacheSection {
     /// seconds (default [`DEFAULT_CACHE_FALLBACK_TTL_S`]); at most `ttl_s`.
     #[serde(default)]
     pub fallback_ttl_s: Option<f64>,
-    /// Size bound of the memory cache (default [`DEFAULT_CACHE_MAX_ENTRIES`]).
+    /// Size bound of the memory cache (default [`DEFAULT_CACHE_MAX_ENTRIES`]); a
+    /// config error with `backend = "redis"`, whose cache it would not bound.
     #[serde(default)]
     pub max_entries: Option<usize>,
     /// Byte bound of the memory cache, each answer weighed as its JSON length
-    /// (default [`crate::cache::DEFAULT_MAX_BYTES`], 128 MiB).
+    /// (default [`crate::cache::DEFAULT_MAX_BYTES`], 128 MiB); a config error with
+    /// `backend = "redis"`, whose cache it would not bound.
     #[serde(default)]
     pub max_bytes: Option<u64>,
 }
@@ -878,6 +880,23 @@ impl GatewayConfig {
             ("balance.probe_every_s", self.balance.probe_every_s),
         ] {
             secs_or_off(k, v)?;
+        }
+        if self.backend == BackendKind::Redis && self.cache.enabled {
+            // The bounds are the memory cache's: set with the Redis backend they would
+            // bound nothing, silently.
+            for (k, set) in [
+                ("cache.max_entries", self.cache.max_entries.is_some()),
+                ("cache.max_bytes", self.cache.max_bytes.is_some()),
+            ] {
+                if set {
+                    return Err(config_error(
+                        k,
+                        "bounds the in-memory cache only; with backend = \"redis\" answers \
+                         live in Redis for cache.ttl_s (bound them with Redis's maxmemory and \
+                         an eviction policy): remove it",
+                    ));
+                }
+            }
         }
         if self.cache.max_entries == Some(0) {
             return Err(config_error("cache.max_entries", "must be at least 1"));

@@ -174,3 +174,20 @@ fn config_that_would_do_nothing_is_named() {
     );
     GatewayConfig::from_toml_str(&ok).unwrap();
 }
+
+/// The memory cache's bounds with the Redis backend would bound nothing: named, not
+/// ignored. Without the cache they are moot and accepted.
+#[test]
+fn memory_cache_bounds_with_the_redis_backend_are_named() {
+    let redis = format!("backend = \"redis\"\nredis_url = \"redis://127.0.0.1:1\"\n{GOOD}");
+    for (line, field) in [
+        ("max_entries = 10", "cache.max_entries"),
+        ("max_bytes = 4096", "cache.max_bytes"),
+    ] {
+        let e = err_of(&format!("{redis}[cache]\n{line}\n"));
+        assert_eq!(e.field(), field, "{e}");
+        assert!(e.to_string().contains("maxmemory"), "{e}");
+        GatewayConfig::from_toml_str(&format!("{redis}[cache]\nenabled = false\n{line}\n")).unwrap();
+        GatewayConfig::from_toml_str(&format!("{GOOD}[cache]\n{line}\n")).unwrap();
+    }
+}
