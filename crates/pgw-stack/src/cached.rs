@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use futures_util::future::BoxFuture;
 use pgw_client::{ChatAnswer, ChatCall};
 use pgw_core::openai::ChatChunk;
 use pgw_core::sync::lock;
@@ -215,12 +216,20 @@ impl CacheFlow {
                             group,
                             source,
                         });
-                        tokio::spawn(async move {
-                            cache.put(key, Arc::clone(&cached), ttl).await;
+                        let put = cache.put(key, Arc::clone(&cached), ttl);
+                        let finish = move || {
                             if let Some(f) = flight {
                                 f.done(cached);
                             }
-                        });
+                        };
+                        // Run where the stream's last chunk was read: outside a runtime
+                        // a store that is not done at once cannot run.
+                        if put_then(put, finish).is_some() {
+                            tracing::debug!(
+                                "a streamed answer was not cached: its stream ended outside a Tokio \
+                                 runtime and the store was not done at once"
+                            );
+                        }
                     }
                 }));
             }
@@ -246,25 +255,42 @@ impl CacheFlow {
                 // answer does not wait for the store (B12): a store that is not done
                 // at once (Redis) finishes in a task of its own, with the flight, whose
                 // followers meanwhile wait as before.
-                let mut put = self.cache.put(key, Arc::clone(&cached), ttl);
-                let finish = move |cached| {
+                let put = self.cache.put(key, Arc::clone(&cached), ttl);
+                let finish = move || {
                     if let Some(f) = flight {
                         f.done(cached);
                     }
                 };
-                if futures_util::FutureExt::now_or_never(&mut put).is_some() {
-                    finish(cached);
-                } else if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                    rt.spawn(async move {
-                        put.await;
-                        finish(cached);
-                    });
-                } else {
-                    put.await;
-                    finish(cached);
+                if let Some(rest) = put_then(put, finish) {
+                    rest.await;
                 }
             }
         }
+    }
+}
+
+/// Runs `put`, then `finish` (the flight handed over after the store, so a call
+/// arriving after the flight ends finds the answer): at once when the store is done at
+/// once (the memory cache), else in a task on the current runtime. Outside a runtime,
+/// a store still pending is given back with `finish` as one future; nothing was run.
+fn put_then(
+    mut put: BoxFuture<'static, ()>,
+    finish: impl FnOnce() + Send + 'static,
+) -> Option<BoxFuture<'static, ()>> {
+    if futures_util::FutureExt::now_or_never(&mut put).is_some() {
+        finish();
+        return None;
+    }
+    let rest: BoxFuture<'static, ()> = Box::pin(async move {
+        put.await;
+        finish();
+    });
+    match tokio::runtime::Handle::try_current() {
+        Ok(rt) => {
+            rt.spawn(rest);
+            None
+        }
+        Err(_) => Some(rest),
     }
 }
 
@@ -373,5 +399,48 @@ mod tests {
             .expect("the read was waited for past the deadline");
         assert!(matches!(looked, Lookup::Miss(_)));
         assert_eq!(start.elapsed(), Duration::from_millis(200));
+    }
+
+    /// A streamed answer's store runs where its last chunk was read, perhaps outside a
+    /// runtime: a store done at once finishes there (it spawned a task, and panicked,
+    /// before); one still pending is given back, nothing run.
+    #[test]
+    fn a_store_outside_a_runtime_neither_panics_nor_runs_half() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let finished = Arc::new(AtomicUsize::new(0));
+        let count = |f: &Arc<AtomicUsize>| {
+            let f = Arc::clone(f);
+            move || {
+                f.fetch_add(1, Ordering::SeqCst);
+            }
+        };
+        assert!(put_then(Box::pin(async {}), count(&finished)).is_none());
+        assert_eq!(
+            finished.load(Ordering::SeqCst),
+            1,
+            "done at once: finished at once"
+        );
+        let rest = put_then(Box::pin(std::future::pending()), count(&finished));
+        assert!(rest.is_some(), "pending outside a runtime: given back");
+        assert_eq!(
+            finished.load(Ordering::SeqCst),
+            1,
+            "not finished before its store"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_pending_store_inside_a_runtime_finishes_in_a_task() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let finished = Arc::new(AtomicBool::new(false));
+        let f = Arc::clone(&finished);
+        let put = Box::pin(tokio::time::sleep(Duration::from_millis(5)));
+        assert!(put_then(put, move || f.store(true, Ordering::SeqCst)).is_none());
+        assert!(!finished.load(Ordering::SeqCst));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert!(
+            finished.load(Ordering::SeqCst),
+            "finished after its store, in a task"
+        );
     }
 }
