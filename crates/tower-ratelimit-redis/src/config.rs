@@ -152,6 +152,9 @@ pub enum Mode {
     #[default]
     Shed,
     /// Wait until admissible, for at most `max_wait` (then answer `QuotaExceeded`).
+    /// A refusal whose `retry_after` ends past `max_wait` is answered at once, but a
+    /// concurrency refusal's (the slot hint: a lease may end at any moment), which
+    /// waits up to `max_wait`.
     ///
     /// The wait happens in the response future, not in `poll_ready`: the token
     /// reservation depends on the request, which `poll_ready` does not see.

@@ -166,7 +166,7 @@ where
         // One clock read; a `max_wait` too large for the clock is no deadline.
         let now = Instant::now();
         let deadline = max_wait.and_then(|w| now.checked_add(w));
-        if deadline.is_some_and(|d| now.checked_add(refused.retry_after()).is_none_or(|t| t > d)) {
+        if deadline.is_some_and(|d| out_of_time(&refused, now, d)) {
             return Self::failed(Box::new(refused));
         }
         let wait = shared.limiter.wait(&refused, 0, None);
@@ -297,9 +297,7 @@ where
                         Err(e) => match (waits(&shared.limiter), e.downcast::<QuotaExceeded>()) {
                             (true, Ok(q)) => {
                                 let now = Instant::now();
-                                if deferred.deadline.is_some_and(|d| {
-                                    now >= d || now.checked_add(q.retry_after()).is_none_or(|t| t > d)
-                                }) {
+                                if deferred.deadline.is_some_and(|d| out_of_time(&q, now, d)) {
                                     deferred.wait = None;
                                     state.set(State::Done);
                                     return Poll::Ready(Err(q));
@@ -386,4 +384,15 @@ fn detach_renewal(permit: &Permit) {
     if let Some(fut) = permit.renew_now() {
         detach(fut);
     }
+}
+
+/// Whether a wait for `refused`, at `now`, cannot end by `deadline`: it has passed, or
+/// the refusal frees only after it. A concurrency refusal's `retry_after` is a hint (a
+/// lease may end at any moment), so only the deadline itself ends that wait.
+fn out_of_time(refused: &QuotaExceeded, now: Instant, deadline: Instant) -> bool {
+    now >= deadline
+        || (refused.dimension() != "concurrency"
+            && now
+                .checked_add(refused.retry_after())
+                .is_none_or(|t| t > deadline))
 }

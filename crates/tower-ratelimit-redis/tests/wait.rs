@@ -219,3 +219,46 @@ async fn a_place_given_up_passes_its_wake_up_on() {
     assert_eq!(svc.ready().await.unwrap().call(1).await.unwrap(), 1);
     assert_eq!(l.held().await.unwrap().leases(), 0);
 }
+
+/// A concurrency refusal's `retry_after` is a hint (the slot hint), not when the slot
+/// frees: a `max_wait` shorter than the hint still waits for a release, up to
+/// `max_wait`. Before, such a call failed at once, its slot freeing 100 ms later.
+#[tokio::test(start_paused = true)]
+async fn max_wait_below_the_slot_hint_waits_for_a_release() {
+    let l = RateLimiter::new(
+        RateLimitConfig::new("s1", Quota::unlimited().concurrency(1))
+            .slot_retry_after(Duration::from_secs(1))
+            .mode(Mode::Wait {
+                max_wait: Some(Duration::from_millis(200)),
+            }),
+        MemoryBackend::new(),
+    )
+    .unwrap();
+    let svc = RateLimitLayer::new(l.clone())
+        .token_estimate(NoTokens)
+        .usage(NoTokens)
+        .layer(service_fn(|id: usize| async move { Ok::<_, BoxError>(id) }));
+
+    let held = l.acquire(0).await.unwrap();
+    let start = tokio::time::Instant::now();
+    let call = tokio::spawn(svc.clone().oneshot(1));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!call.is_finished(), "waiting for the slot, not failed at once");
+    drop(held);
+    assert_eq!(call.await.unwrap().unwrap(), 1);
+    assert_eq!(
+        start.elapsed(),
+        Duration::from_millis(100),
+        "admitted at the release"
+    );
+
+    // No release: out of time at `max_wait`, not before.
+    let held = l.acquire(0).await.unwrap();
+    let start = tokio::time::Instant::now();
+    let err = svc.clone().oneshot(2).await.unwrap_err();
+    assert_eq!(start.elapsed(), Duration::from_millis(200));
+    let q = err.downcast_ref::<QuotaExceeded>().expect("quota exceeded");
+    assert_eq!(q.dimension(), "concurrency");
+    drop(held);
+    assert_eq!(l.held().await.unwrap().leases(), 0);
+}
