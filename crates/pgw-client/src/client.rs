@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime};
 use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
 use futures_util::future::BoxFuture;
-use http::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE, HOST, HeaderValue};
+use http::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE, HOST, HeaderName, HeaderValue};
 use http_body_util::BodyExt;
 use pgw_core::openai::{ChatMessage, ChatResponse, ChunkAccumulator, FINISH_ERROR};
 use pgw_core::{BoxError, EmptyCompletion, ProviderError, SourceId, UpstreamStatus};
@@ -21,7 +21,7 @@ use tower_service::Service;
 use crate::error::{MalformedResponse, Watchdog, WatchdogCut};
 use crate::settings::after;
 use crate::{
-    AttemptStats, BadSettings, ChatAnswer, ChatCall, ChunkStream, HyperTransport, SourceSettings,
+    AttemptStats, BadSettings, ChatAnswer, ChatCall, ChunkStream, HyperTransport, KeyHeader, SourceSettings,
     UpstreamBody,
 };
 
@@ -35,7 +35,8 @@ pub(crate) const MAX_ANSWER_BODY: usize = 64 << 20;
 struct Prepared {
     settings: SourceSettings,
     endpoint: http::Uri,
-    authorization: Option<HeaderValue>,
+    /// The key's header (`authorization: Bearer ...`, or Azure's `api-key`).
+    authorization: Option<(HeaderName, HeaderValue)>,
     /// The `Host` header of a plain `http://` endpoint (always HTTP/1.1), as hyper-util's
     /// client would write it: made once here rather than formatted on every request.
     /// `None` for `https://`, where HTTP/2 may be negotiated and hyper-util decides.
@@ -132,11 +133,15 @@ impl<T> UpstreamClient<T> {
         let endpoint = settings.endpoint()?;
         let authorization = match &settings.key {
             Some(key) => {
-                let mut v = HeaderValue::try_from(format!("Bearer {}", key.expose())).map_err(|_| {
+                let (name, value) = match &settings.key_header {
+                    KeyHeader::Bearer => (AUTHORIZATION, format!("Bearer {}", key.expose())),
+                    KeyHeader::Named(name) => (name.clone(), key.expose().to_owned()),
+                };
+                let mut v = HeaderValue::try_from(value).map_err(|_| {
                     BadSettings::new(&settings.id, "key", "contains characters not allowed in a header")
                 })?;
                 v.set_sensitive(true);
-                Some(v)
+                Some((name, v))
             }
             None => None,
         };
@@ -305,8 +310,8 @@ impl Prepared {
                 "application/json"
             }),
         );
-        if let Some(auth) = &self.authorization {
-            h.insert(AUTHORIZATION, auth.clone());
+        if let Some((name, value)) = &self.authorization {
+            h.insert(name.clone(), value.clone());
         }
         if let Some(host) = &self.host {
             h.insert(HOST, host.clone());

@@ -50,7 +50,7 @@ pub use error::{MalformedResponse, Watchdog, WatchdogCut};
 pub use secret::SecretKey;
 pub use settings::{
     BadSettings, DEFAULT_CONNECT_TIMEOUT, DEFAULT_FIRST_TOKEN_TIMEOUT, DEFAULT_INTER_TOKEN_TIMEOUT,
-    DEFAULT_TOTAL_TIMEOUT, SourceSettings, Timeouts,
+    DEFAULT_TOTAL_TIMEOUT, KeyHeader, SourceSettings, Timeouts,
 };
 pub use stream::{ChunkStream, DRAIN_BYTES, DRAIN_WAIT};
 pub use tail::{PassThrough, Tail, TailStream};

@@ -57,8 +57,12 @@ pub struct SourceSettings {
     /// Base URL, e.g. `https://api.openai.com/v1`; the client posts to
     /// `{base_url}/chat/completions`.
     pub base_url: String,
-    /// The API key, sent as `authorization: Bearer <key>`; `None` sends no header.
+    /// The API key, sent as [`key_header`](Self::key_header) says; `None` sends no
+    /// header.
     pub key: Option<SecretKey>,
+    /// How the key is sent: `authorization: Bearer <key>`, or Azure OpenAI's
+    /// `api-key: <key>` (what [`SourceSettings::new`] picks for an Azure host).
+    pub key_header: KeyHeader,
     /// Replaces the request's `model` when set (sources of one group may name the
     /// same model differently).
     pub model: Option<String>,
@@ -73,11 +77,14 @@ pub struct SourceSettings {
 }
 
 impl SourceSettings {
-    /// Settings for `id` at `base_url`, no key, no model override, default timeouts.
+    /// Settings for `id` at `base_url`, no key, no model override, default timeouts;
+    /// the key header the host calls for ([`KeyHeader::for_base_url`]).
     pub fn new(id: impl Into<SourceId>, base_url: impl Into<String>) -> Self {
+        let base_url = base_url.into();
         Self {
             id: id.into(),
-            base_url: base_url.into(),
+            key_header: KeyHeader::for_base_url(&base_url),
+            base_url,
             key: None,
             model: None,
             timeouts: Timeouts::default(),
@@ -96,6 +103,13 @@ impl SourceSettings {
     #[must_use]
     pub fn key(mut self, key: SecretKey) -> Self {
         self.key = Some(key);
+        self
+    }
+
+    /// Sets how the key is sent.
+    #[must_use]
+    pub fn key_header(mut self, header: KeyHeader) -> Self {
+        self.key_header = header;
         self
     }
 
@@ -158,9 +172,75 @@ impl fmt::Debug for SourceSettings {
             .field("id", &self.id)
             .field("base_url", &pgw_core::redact::redact_endpoint(&self.base_url))
             .field("key", &self.key)
+            .field("key_header", &self.key_header)
             .field("model", &self.model)
             .field("timeouts", &self.timeouts)
             .finish()
+    }
+}
+
+/// How a source's key is sent.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum KeyHeader {
+    /// `authorization: Bearer <key>`: OpenAI and most compatible servers.
+    #[default]
+    Bearer,
+    /// `<name>: <key>`: Azure OpenAI's `api-key`, a gateway's `x-api-key`.
+    Named(http::HeaderName),
+}
+
+impl KeyHeader {
+    /// Azure OpenAI's header, `api-key`.
+    #[must_use]
+    pub fn azure() -> Self {
+        Self::Named(http::HeaderName::from_static("api-key"))
+    }
+
+    /// What the host of `base_url` calls for: [`azure`](Self::azure) for Azure OpenAI
+    /// (`*.openai.azure.com`, `*.cognitiveservices.azure.com`: they answer a bearer
+    /// API key 401), else [`Bearer`](Self::Bearer).
+    ///
+    /// ```
+    /// use pgw_client::KeyHeader;
+    /// let azure = KeyHeader::for_base_url("https://r.openai.azure.com/openai/v1");
+    /// assert_eq!(azure, KeyHeader::azure());
+    /// assert_eq!(KeyHeader::for_base_url("https://api.openai.com/v1"), KeyHeader::Bearer);
+    /// ```
+    #[must_use]
+    pub fn for_base_url(base_url: &str) -> Self {
+        let host = base_url
+            .parse::<http::Uri>()
+            .ok()
+            .and_then(|u| u.host().map(str::to_ascii_lowercase));
+        match host {
+            Some(h) if h.ends_with(".openai.azure.com") || h.ends_with(".cognitiveservices.azure.com") => {
+                Self::azure()
+            }
+            _ => Self::Bearer,
+        }
+    }
+
+    /// Parses a config value: `authorization` (any case) is [`Bearer`](Self::Bearer),
+    /// any other header name is sent as that header.
+    ///
+    /// # Errors
+    /// The reason, when `name` is not a header name.
+    pub fn parse(name: &str) -> Result<Self, String> {
+        if name.eq_ignore_ascii_case("authorization") {
+            return Ok(Self::Bearer);
+        }
+        http::HeaderName::try_from(name)
+            .map(Self::Named)
+            .map_err(|_| format!("{name:?} is not a header name"))
+    }
+
+    /// The header's name.
+    #[must_use]
+    pub fn name(&self) -> &str {
+        match self {
+            Self::Bearer => "authorization",
+            Self::Named(n) => n.as_str(),
+        }
     }
 }
 
@@ -225,6 +305,34 @@ mod tests {
         assert_eq!(
             azure.endpoint().unwrap().to_string(),
             "https://r.openai.azure.com/openai/deployments/d/chat/completions?api-version=2024-10-21"
+        );
+        assert_eq!(azure.key_header, KeyHeader::azure(), "picked from the host");
+        assert_eq!(s.key_header, KeyHeader::Bearer);
+    }
+
+    #[test]
+    fn key_header_from_the_host_or_config() {
+        for (url, header) in [
+            ("https://MY-R.openai.azure.com/openai/v1", "api-key"),
+            (
+                "https://r.cognitiveservices.azure.com/openai/deployments/d?api-version=1",
+                "api-key",
+            ),
+            ("https://api.openai.com/v1", "authorization"),
+            // Only the host decides: a path or another host's name in it does not.
+            ("https://proxy.example/openai.azure.com/v1", "authorization"),
+            ("https://openai.azure.com.evil.example/v1", "authorization"),
+            ("not a url", "authorization"),
+        ] {
+            assert_eq!(KeyHeader::for_base_url(url).name(), header, "{url}");
+        }
+        assert_eq!(KeyHeader::parse("Authorization"), Ok(KeyHeader::Bearer));
+        assert_eq!(KeyHeader::parse("api-key"), Ok(KeyHeader::azure()));
+        assert_eq!(KeyHeader::parse("X-Api-Key").unwrap().name(), "x-api-key");
+        assert!(
+            KeyHeader::parse("bad header")
+                .unwrap_err()
+                .contains("not a header name")
         );
     }
 }

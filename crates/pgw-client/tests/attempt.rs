@@ -216,6 +216,58 @@ async fn non_streaming_success_builds_the_request_and_records_stats() {
     assert!(sent.get("stream").is_none());
 }
 
+/// Azure OpenAI answers a bearer API key 401: its hosts get the key in `api-key`
+/// (picked from the host, or set), and no `authorization` header goes with it.
+#[tokio::test(start_paused = true)]
+async fn azure_hosts_get_the_key_in_api_key() {
+    let cases = [
+        (
+            SourceSettings::new("az", "https://r.openai.azure.com/openai/v1"),
+            "api-key",
+        ),
+        (
+            SourceSettings::new("gw", "http://gw.test/v1")
+                .key_header(pgw_client::KeyHeader::parse("x-api-key").unwrap()),
+            "x-api-key",
+        ),
+        (SourceSettings::new("oa", "http://api.test/v1"), "authorization"),
+    ];
+    for (settings, header) in cases {
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let log = Arc::clone(&seen);
+        let svc = service_fn(move |req: http::Request<Bytes>| {
+            log.lock().unwrap().push(req.headers().clone());
+            async move {
+                let body = http_body_util::Full::new(Bytes::from_static(ANSWER.as_bytes()))
+                    .map_err(|never| match never {})
+                    .boxed_unsync();
+                Ok::<_, BoxError>(
+                    http::Response::builder()
+                        .header("content-type", "application/json")
+                        .body(body)
+                        .unwrap(),
+                )
+            }
+        });
+        let client = UpstreamClient::new(settings.key(SecretKey::new(KEY)), svc).unwrap();
+        client.oneshot(plain_call()).await.unwrap();
+        let headers = seen.lock().unwrap().pop().unwrap();
+        let expected = if header == "authorization" {
+            format!("Bearer {KEY}")
+        } else {
+            KEY.to_owned()
+        };
+        assert_eq!(headers[header], expected.as_str(), "{header}");
+        assert!(headers[header].is_sensitive());
+        if header != "authorization" {
+            assert!(
+                !headers.contains_key("authorization"),
+                "{header}: the key goes once"
+            );
+        }
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn streaming_success_folds_chunks_and_measures_ttft() {
     let p = Provider::default();

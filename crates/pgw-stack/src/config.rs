@@ -43,7 +43,7 @@ use std::fmt;
 use std::path::Path;
 use std::time::Duration;
 
-use pgw_client::{SecretKey, SourceSettings, Timeouts};
+use pgw_client::{KeyHeader, SecretKey, SourceSettings, Timeouts};
 use serde::Deserialize;
 
 /// Default breaker consecutive-failure threshold: 5, the value of the production
@@ -231,6 +231,12 @@ pub struct SourceConfig {
     /// OpenAI API versions): its streamed calls settle to the estimate.
     #[serde(default)]
     pub stream_usage: Option<bool>,
+    /// The header the key goes in: `"authorization"` sends `Bearer <key>`, any other
+    /// name the bare key (`"api-key"`, `"x-api-key"`). Default: `"api-key"` for an Azure
+    /// OpenAI host (`*.openai.azure.com`, `*.cognitiveservices.azure.com`), else
+    /// `"authorization"`.
+    #[serde(default)]
+    pub key_header: Option<String>,
 }
 
 impl fmt::Debug for SourceConfig {
@@ -248,6 +254,7 @@ impl fmt::Debug for SourceConfig {
             .field("account", &self.account)
             .field("accepts_prefill", &self.accepts_prefill)
             .field("stream_usage", &self.stream_usage)
+            .field("key_header", &self.key_header)
             .finish_non_exhaustive()
     }
 }
@@ -272,6 +279,7 @@ impl SourceConfig {
             total_timeout_s: None,
             accepts_prefill: false,
             stream_usage: None,
+            key_header: None,
         }
     }
 
@@ -340,6 +348,9 @@ impl SourceConfig {
             .timeouts(self.timeouts(at)?)
             .ask_stream_usage(self.stream_usage.unwrap_or(true));
         s.model.clone_from(&self.model);
+        if let Some(h) = &self.key_header {
+            s.key_header = KeyHeader::parse(h).map_err(|e| config_error(format!("{at}.key_header"), e))?;
+        }
         s.endpoint()
             .map_err(|e| config_error(format!("{at}.base_url"), e.to_string()))?;
         Ok(s)

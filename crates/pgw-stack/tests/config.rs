@@ -60,6 +60,9 @@ fn other_bad_values_are_named() {
     assert!(err_of("").field() == "sources");
     let e = err_of(&format!("{GOOD}[breaker]\nquota_hold_s = -1\n"));
     assert_eq!(e.field(), "breaker.quota_hold_s", "{e}");
+    let e = err_of(&format!("{GOOD}key_header = \"api key\"\n"));
+    assert_eq!(e.field(), "sources[0].key_header", "{e}");
+    GatewayConfig::from_toml_str(&format!("{GOOD}key_header = \"api-key\"\n")).unwrap();
 }
 
 #[test]
