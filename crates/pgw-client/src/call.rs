@@ -176,7 +176,9 @@ pub struct AttemptStats {
 pub struct ChatAnswer {
     /// The answer, streamed chunks folded in.
     pub response: ChatResponse,
-    /// The chunks as the provider streamed them (empty when it did not stream).
+    /// The chunks as the provider streamed them (empty when it did not stream, and
+    /// for a stream of more than [`MAX_KEPT_CHUNKS`](crate::MAX_KEPT_CHUNKS) chunks:
+    /// [`response`](Self::response) holds it folded, and a replay is rebuilt from it).
     pub chunks: Vec<ChatChunk>,
     /// Measurements.
     pub stats: AttemptStats,

@@ -32,6 +32,13 @@ const MAX_ERROR_MESSAGE: usize = 512;
 /// The largest non-streamed answer accepted: 64 MiB.
 pub(crate) const MAX_ANSWER_BODY: usize = 64 << 20;
 
+/// The most chunks a streamed answer keeps as it streamed them
+/// ([`ChatAnswer::chunks`](crate::ChatAnswer::chunks)): 4096, an answer of some 4000
+/// tokens at one token per chunk. A longer stream keeps none (its text and usage are
+/// folded into the answer either way): a parsed chunk costs 10-20 times its wire bytes,
+/// and a 64 MiB stream kept whole would take a gigabyte.
+pub const MAX_KEPT_CHUNKS: usize = 4096;
+
 struct Prepared {
     settings: SourceSettings,
     endpoint: http::Uri,
@@ -387,13 +394,24 @@ where
         let mut s = ChunkStream::new(body, start, t).scrubbing(prepared.settings.key.clone());
         let mut acc = ChunkAccumulator::default();
         let mut chunks = Vec::new();
+        let mut keep = true;
         while let Some(chunk) = s.next().await {
             let chunk = chunk?;
             acc.push(&chunk);
             // The first-chunk gate: a passed-through attempt is committed by its first
             // output, and the rest goes to the caller as it arrives.
             let commit = pass && chunk.choices.iter().any(|c| c.delta.carries_output());
-            chunks.push(chunk);
+            // A parsed chunk costs 10-20 times its wire bytes (its maps, strings and
+            // raw payload): a long stream keeps none, and is replayed from the folded
+            // answer.
+            if keep {
+                if chunks.len() < MAX_KEPT_CHUNKS {
+                    chunks.push(chunk);
+                } else {
+                    chunks = Vec::new();
+                    keep = false;
+                }
+            }
             if commit {
                 stats.ttft = s.ttft();
                 stats.streamed = true;

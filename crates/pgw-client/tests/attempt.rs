@@ -268,6 +268,35 @@ async fn azure_hosts_get_the_key_in_api_key() {
     }
 }
 
+/// A stream of more chunks than an answer keeps: none kept (a parsed chunk costs
+/// 10-20 times its wire bytes), the text and usage folded whole; one at the bound keeps
+/// every chunk.
+#[tokio::test(start_paused = true)]
+async fn a_very_long_stream_keeps_its_text_not_its_chunks() {
+    for (n, kept) in [
+        (pgw_client::MAX_KEPT_CHUNKS - 2, true),
+        (pgw_client::MAX_KEPT_CHUNKS + 5, false),
+    ] {
+        let p = Provider::default();
+        let mut frames: Vec<_> = (0..n).map(|_| (Duration::ZERO, chunk("x", false))).collect();
+        frames.push((Duration::ZERO, chunk("!", true)));
+        frames.push((Duration::ZERO, usage_chunk()));
+        let answer = p
+            .client(sse(frames), timeouts())
+            .oneshot(stream_call())
+            .await
+            .unwrap();
+        assert_eq!(answer.content().len(), n + 1, "{n}: the whole text");
+        assert!(answer.content().ends_with("x!"));
+        assert_eq!(answer.stats.usage.unwrap().total_tokens, 5);
+        if kept {
+            assert_eq!(answer.chunks.len(), n + 2, "{n}: every chunk kept");
+        } else {
+            assert!(answer.chunks.is_empty(), "{n}: none kept, not a truncated list");
+        }
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn streaming_success_folds_chunks_and_measures_ttft() {
     let p = Provider::default();
