@@ -395,6 +395,12 @@ impl ResponseCache for RedisCache {
         let mut conn = self.conn.clone();
         let k = self.key(key);
         Box::pin(async move {
+            // Polled where a stream ended, perhaps outside a runtime: the connection and
+            // its timeout need one (they would panic).
+            if tokio::runtime::Handle::try_current().is_err() {
+                tracing::debug!("cache: redis put skipped outside a Tokio runtime");
+                return;
+            }
             let Ok(json) = serde_json::to_vec(&*answer) else {
                 return;
             };

@@ -223,12 +223,14 @@ impl CacheFlow {
                             }
                         };
                         // Run where the stream's last chunk was read: outside a runtime
-                        // a store that is not done at once cannot run.
-                        if put_then(put, finish).is_some() {
+                        // a store that is not done at once cannot run; the followers
+                        // get the answer all the same.
+                        if let Err((_store, finish)) = put_then(put, finish) {
                             tracing::debug!(
                                 "a streamed answer was not cached: its stream ended outside a Tokio \
                                  runtime and the store was not done at once"
                             );
+                            finish();
                         }
                     }
                 }));
@@ -261,8 +263,9 @@ impl CacheFlow {
                         f.done(cached);
                     }
                 };
-                if let Some(rest) = put_then(put, finish) {
-                    rest.await;
+                if let Err((store, finish)) = put_then(put, finish) {
+                    store.await;
+                    finish();
                 }
             }
         }
@@ -271,26 +274,25 @@ impl CacheFlow {
 
 /// Runs `put`, then `finish` (the flight handed over after the store, so a call
 /// arriving after the flight ends finds the answer): at once when the store is done at
-/// once (the memory cache), else in a task on the current runtime. Outside a runtime,
-/// a store still pending is given back with `finish` as one future; nothing was run.
-fn put_then(
+/// once (the memory cache), else in a task on the current runtime. Outside a runtime, a
+/// store still pending is given back with `finish`, neither run.
+fn put_then<F: FnOnce() + Send + 'static>(
     mut put: BoxFuture<'static, ()>,
-    finish: impl FnOnce() + Send + 'static,
-) -> Option<BoxFuture<'static, ()>> {
+    finish: F,
+) -> Result<(), (BoxFuture<'static, ()>, F)> {
     if futures_util::FutureExt::now_or_never(&mut put).is_some() {
         finish();
-        return None;
+        return Ok(());
     }
-    let rest: BoxFuture<'static, ()> = Box::pin(async move {
-        put.await;
-        finish();
-    });
     match tokio::runtime::Handle::try_current() {
         Ok(rt) => {
-            rt.spawn(rest);
-            None
+            rt.spawn(async move {
+                put.await;
+                finish();
+            });
+            Ok(())
         }
-        Err(_) => Some(rest),
+        Err(_) => Err((put, finish)),
     }
 }
 
@@ -414,19 +416,60 @@ mod tests {
                 f.fetch_add(1, Ordering::SeqCst);
             }
         };
-        assert!(put_then(Box::pin(async {}), count(&finished)).is_none());
+        assert!(put_then(Box::pin(async {}), count(&finished)).is_ok());
         assert_eq!(
             finished.load(Ordering::SeqCst),
             1,
             "done at once: finished at once"
         );
         let rest = put_then(Box::pin(std::future::pending()), count(&finished));
-        assert!(rest.is_some(), "pending outside a runtime: given back");
+        let Err((_store, finish)) = rest else {
+            panic!("pending outside a runtime: given back");
+        };
         assert_eq!(
             finished.load(Ordering::SeqCst),
             1,
             "not finished before its store"
         );
+        finish();
+        assert_eq!(finished.load(Ordering::SeqCst), 2);
+    }
+
+    /// The Redis cache's store polled outside a runtime (a stream read to its end
+    /// there): done at once, skipped, instead of panicking on its timeout's timer.
+    #[test]
+    fn a_redis_store_outside_a_runtime_is_skipped_not_a_panic() {
+        let Some(url) = pgw_test_support::redis_url() else {
+            return;
+        };
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let conn = rt.block_on(async {
+            let target = pgw_core::redis_conn::RedisTarget::parse(&url).unwrap();
+            pgw_core::redis_conn::RedisConn::connect(&target).await.unwrap()
+        });
+        let cache = crate::cache::RedisCache::new(conn, "pgw-test-outside");
+        let hit = Arc::new(CachedAnswer {
+            response: pgw_core::openai::ChatResponse::default(),
+            chunks: Vec::new(),
+            group: "g".into(),
+            source: None,
+        });
+        let key = CacheKey::of(&ChatRequest::user("m", "q"));
+        let put = cache.put(key, hit, Duration::from_secs(1));
+        let finished = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let f = Arc::clone(&finished);
+        // Outside the runtime (it is still alive: only the thread has none).
+        let done = std::thread::spawn(move || {
+            put_then(put, move || f.store(true, std::sync::atomic::Ordering::SeqCst)).is_ok()
+        })
+        .join()
+        .expect("no panic outside a runtime");
+        assert!(done, "skipped at once");
+        assert!(finished.load(std::sync::atomic::Ordering::SeqCst));
+        drop(rt);
     }
 
     #[tokio::test(start_paused = true)]
@@ -435,7 +478,7 @@ mod tests {
         let finished = Arc::new(AtomicBool::new(false));
         let f = Arc::clone(&finished);
         let put = Box::pin(tokio::time::sleep(Duration::from_millis(5)));
-        assert!(put_then(put, move || f.store(true, Ordering::SeqCst)).is_none());
+        assert!(put_then(put, move || f.store(true, Ordering::SeqCst)).is_ok());
         assert!(!finished.load(Ordering::SeqCst));
         tokio::time::sleep(Duration::from_millis(10)).await;
         assert!(
