@@ -177,7 +177,8 @@ pub struct ChatAnswer {
     /// The answer, streamed chunks folded in.
     pub response: ChatResponse,
     /// The chunks as the provider streamed them (empty when it did not stream, and
-    /// for a stream of more than [`MAX_KEPT_CHUNKS`](crate::MAX_KEPT_CHUNKS) chunks:
+    /// for a stream of more than [`MAX_KEPT_CHUNKS`](crate::MAX_KEPT_CHUNKS) chunks or
+    /// [`MAX_KEPT_CHUNK_BYTES`](crate::MAX_KEPT_CHUNK_BYTES) of them:
     /// [`response`](Self::response) holds it folded, and a replay is rebuilt from it).
     pub chunks: Vec<ChatChunk>,
     /// Measurements.

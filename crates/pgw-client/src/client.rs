@@ -39,6 +39,12 @@ pub(crate) const MAX_ANSWER_BODY: usize = 64 << 20;
 /// and a 64 MiB stream kept whole would take a gigabyte.
 pub const MAX_KEPT_CHUNKS: usize = 4096;
 
+/// The most wire bytes (`data:` payloads) of the chunks a streamed answer keeps: 1 MiB,
+/// [`MAX_KEPT_CHUNKS`] typical chunks. Fewer, larger chunks (a provider batching
+/// tokens, `top_logprobs` on every token) reach it first; past it the answer keeps none,
+/// as past the count.
+pub const MAX_KEPT_CHUNK_BYTES: usize = 1 << 20;
+
 struct Prepared {
     settings: SourceSettings,
     endpoint: http::Uri,
@@ -395,6 +401,7 @@ where
         let mut acc = ChunkAccumulator::default();
         let mut chunks = Vec::new();
         let mut keep = true;
+        let mut kept_bytes = 0usize;
         while let Some(chunk) = s.next().await {
             let chunk = chunk?;
             acc.push(&chunk);
@@ -405,7 +412,9 @@ where
             // raw payload): a long stream keeps none, and is replayed from the folded
             // answer.
             if keep {
-                if chunks.len() < MAX_KEPT_CHUNKS {
+                // A chunk built here (no payload kept) weighs as a typical one.
+                kept_bytes = kept_bytes.saturating_add(chunk.raw.as_ref().map_or(256, bytes::Bytes::len));
+                if chunks.len() < MAX_KEPT_CHUNKS && kept_bytes <= MAX_KEPT_CHUNK_BYTES {
                     chunks.push(chunk);
                 } else {
                     chunks = Vec::new();

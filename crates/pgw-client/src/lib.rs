@@ -45,7 +45,7 @@ mod tail;
 mod transport;
 
 pub use call::{AnswerClassifier, AttemptStats, CallId, ChatAnswer, ChatCall};
-pub use client::{MAX_KEPT_CHUNKS, UpstreamClient};
+pub use client::{MAX_KEPT_CHUNK_BYTES, MAX_KEPT_CHUNKS, UpstreamClient};
 pub use error::{MalformedResponse, Watchdog, WatchdogCut};
 pub use secret::SecretKey;
 pub use settings::{

@@ -295,6 +295,19 @@ async fn a_very_long_stream_keeps_its_text_not_its_chunks() {
             assert!(answer.chunks.is_empty(), "{n}: none kept, not a truncated list");
         }
     }
+    // Few chunks, each large (a provider batching tokens): the bytes bound them.
+    let p = Provider::default();
+    let big = "y".repeat(64 << 10);
+    let n = pgw_client::MAX_KEPT_CHUNK_BYTES / big.len() + 2;
+    let mut frames: Vec<_> = (0..n).map(|_| (Duration::ZERO, chunk(&big, false))).collect();
+    frames.push((Duration::ZERO, chunk("!", true)));
+    let answer = p
+        .client(sse(frames), timeouts())
+        .oneshot(stream_call())
+        .await
+        .unwrap();
+    assert_eq!(answer.content().len(), n * big.len() + 1, "the whole text");
+    assert!(answer.chunks.is_empty(), "{n} chunks of 64 KiB: none kept");
 }
 
 #[tokio::test(start_paused = true)]

@@ -52,8 +52,9 @@ impl GatewayAnswer {
         self.answer.content()
     }
 
-    /// The answer as the chunks of a stream: the provider's chunks when it streamed,
-    /// else one chunk per choice with the whole text, then a usage chunk.
+    /// The answer as the chunks of a stream: the provider's chunks when it streamed
+    /// (and the answer kept them: [`pgw_client::MAX_KEPT_CHUNKS`]), else one chunk per
+    /// choice with the whole text, then a usage chunk.
     #[must_use]
     pub fn chunks(&self) -> Vec<ChatChunk> {
         if !self.answer.chunks.is_empty() {
