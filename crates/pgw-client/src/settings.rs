@@ -197,7 +197,8 @@ impl KeyHeader {
     }
 
     /// What the host of `base_url` calls for: [`azure`](Self::azure) for Azure OpenAI
-    /// (`*.openai.azure.com`, `*.cognitiveservices.azure.com`: they answer a bearer
+    /// (`*.openai.azure.com`, `*.cognitiveservices.azure.com`, and the Government
+    /// and China clouds' `*.openai.azure.us`, `*.openai.azure.cn`: they answer a bearer
     /// API key 401), else [`Bearer`](Self::Bearer).
     ///
     /// ```
@@ -212,10 +213,16 @@ impl KeyHeader {
             .parse::<http::Uri>()
             .ok()
             .and_then(|u| u.host().map(str::to_ascii_lowercase));
+        const AZURE: [&str; 5] = [
+            ".openai.azure.com",
+            ".cognitiveservices.azure.com",
+            ".openai.azure.us",
+            ".cognitiveservices.azure.us",
+            ".openai.azure.cn",
+        ];
         match host {
-            Some(h) if h.ends_with(".openai.azure.com") || h.ends_with(".cognitiveservices.azure.com") => {
-                Self::azure()
-            }
+            // A fully qualified name's trailing dot names the same host.
+            Some(h) if AZURE.iter().any(|d| h.trim_end_matches('.').ends_with(d)) => Self::azure(),
             _ => Self::Bearer,
         }
     }
@@ -224,14 +231,30 @@ impl KeyHeader {
     /// any other header name is sent as that header.
     ///
     /// # Errors
-    /// The reason, when `name` is not a header name.
+    /// The reason, when `name` is not a header name, or names a header the client sets
+    /// itself (`host`, `content-type`, `accept`, `content-length`, ...), which the key
+    /// would replace.
     pub fn parse(name: &str) -> Result<Self, String> {
+        const OWN: [http::HeaderName; 7] = [
+            http::header::HOST,
+            http::header::CONTENT_TYPE,
+            http::header::CONTENT_LENGTH,
+            http::header::ACCEPT,
+            http::header::TRANSFER_ENCODING,
+            http::header::CONNECTION,
+            http::header::TE,
+        ];
         if name.eq_ignore_ascii_case("authorization") {
             return Ok(Self::Bearer);
         }
-        http::HeaderName::try_from(name)
-            .map(Self::Named)
-            .map_err(|_| format!("{name:?} is not a header name"))
+        let header =
+            http::HeaderName::try_from(name).map_err(|_| format!("{name:?} is not a header name"))?;
+        if OWN.contains(&header) {
+            return Err(format!(
+                "{name:?} is a header the client sets itself; the key goes in another"
+            ));
+        }
+        Ok(Self::Named(header))
     }
 
     /// The header's name.
@@ -322,6 +345,10 @@ mod tests {
             // Only the host decides: a path or another host's name in it does not.
             ("https://proxy.example/openai.azure.com/v1", "authorization"),
             ("https://openai.azure.com.evil.example/v1", "authorization"),
+            ("https://r.openai.azure.com.:443/openai/v1", "api-key"),
+            ("https://r.openai.azure.us/openai/v1", "api-key"),
+            ("https://r.openai.azure.cn/openai/v1", "api-key"),
+            ("https://[::1]:8443/v1", "authorization"),
             ("not a url", "authorization"),
         ] {
             assert_eq!(KeyHeader::for_base_url(url).name(), header, "{url}");
@@ -334,5 +361,11 @@ mod tests {
                 .unwrap_err()
                 .contains("not a header name")
         );
+        for own in ["Host", "content-type", "Accept", "content-length"] {
+            assert!(
+                KeyHeader::parse(own).unwrap_err().contains("sets itself"),
+                "{own}"
+            );
+        }
     }
 }

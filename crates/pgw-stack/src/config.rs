@@ -232,9 +232,10 @@ pub struct SourceConfig {
     #[serde(default)]
     pub stream_usage: Option<bool>,
     /// The header the key goes in: `"authorization"` sends `Bearer <key>`, any other
-    /// name the bare key (`"api-key"`, `"x-api-key"`). Default: `"api-key"` for an Azure
-    /// OpenAI host (`*.openai.azure.com`, `*.cognitiveservices.azure.com`), else
-    /// `"authorization"`.
+    /// name the bare key (`"api-key"`, `"x-api-key"`; not one the client sets itself,
+    /// such as `"content-type"`). Default: `"api-key"` for an Azure OpenAI host
+    /// (`*.openai.azure.com`, `*.cognitiveservices.azure.com`, `*.openai.azure.us`,
+    /// `*.openai.azure.cn`), else `"authorization"`.
     #[serde(default)]
     pub key_header: Option<String>,
 }
