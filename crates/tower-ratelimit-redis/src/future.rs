@@ -330,8 +330,11 @@ where
                             .deadline_timer
                             .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
                         // Out of time: one last try, answered as it comes (a refusal
-                        // past the deadline is final).
+                        // past the deadline is final), and asked: a slot refusal
+                        // remembered may outlast the wait, while another process's
+                        // release would go unseen.
                         ready!(timer.as_mut().poll(cx));
+                        limiter.forget_slot_refusals();
                     }
                     match limiter.start(deferred.tokens) {
                         Ok(p) => deferred.pending = Some(InFlight::new(limiter.clone(), p.fut, p.ticket)),

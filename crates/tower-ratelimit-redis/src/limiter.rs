@@ -203,6 +203,12 @@ impl RateLimiter {
         })
     }
 
+    /// Forgets the backend's remembered concurrency refusals, so the next admission
+    /// asks (a waiter's last try before its deadline).
+    pub(crate) fn forget_slot_refusals(&self) {
+        self.inner.gate.forget_slot_refusals();
+    }
+
     /// Starts one admission and, when the backend answers at once (memory), concludes
     /// it: the hot path, without the backend future's wrapping.
     #[inline(always)]

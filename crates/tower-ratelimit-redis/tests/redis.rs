@@ -352,6 +352,40 @@ async fn waiting_on_redis_tries_by_retry_after_not_by_poll() {
     assert_eq!(l.held().await.unwrap().leases(), 0);
 }
 
+/// A wait for a slot shorter than the slot hint, on Redis: the slot another process
+/// frees meanwhile is taken at the wait's last try, which asks Redis. Before, the
+/// remembered refusal (trusted for the hint) answered that try: refused, with the slot
+/// free for 190 ms.
+#[tokio::test]
+async fn a_slot_freed_by_another_process_is_seen_at_the_last_try() {
+    use tower_ratelimit_redis::Mode;
+    let (_server, conn) = private_redis().await;
+    let config = |max_wait| {
+        RateLimitConfig::new("s1", Quota::unlimited().concurrency(1))
+            .slot_retry_after(Duration::from_secs(5))
+            .mode(Mode::Wait { max_wait })
+            .jitter_seed(7)
+    };
+    // Two processes: two backends on one Redis.
+    let other = RateLimiter::new(config(None), RedisBackend::new(conn.clone())).unwrap();
+    let here = RateLimiter::new(
+        config(Some(Duration::from_millis(200))),
+        RedisBackend::new(conn.clone()),
+    )
+    .unwrap();
+    let svc = RateLimitLayer::new(here.clone())
+        .token_estimate(NoTokens)
+        .usage(NoTokens)
+        .layer(service_fn(|_: ()| async { Ok::<_, BoxError>(()) }));
+    let held = other.acquire(0).await.unwrap();
+    let waiter = tokio::spawn(svc.oneshot(()));
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    held.finish(None).await.unwrap();
+    waiter.await.unwrap().expect("admitted at the last try");
+    assert_eq!(here.stats().admitted, 1);
+    assert_eq!(here.held().await.unwrap().leases(), 0);
+}
+
 /// A limiter with nothing to enforce admits from its cached holds: a hold set through
 /// this process is honoured at once; one set by another process is honoured by every
 /// admission that starts `hold_refresh` after it; and with the server gone, admission

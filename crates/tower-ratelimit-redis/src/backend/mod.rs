@@ -312,6 +312,14 @@ impl AnyGate {
         }
     }
 
+    /// Forgets remembered concurrency refusals (Redis; the memory backend remembers
+    /// none): the next admission asks.
+    pub(crate) fn forget_slot_refusals(&self) {
+        if let Self::Redis(g) = self {
+            g.forget_slot_refusals();
+        }
+    }
+
     /// The tokio instant of an admission at `at`, when the backend's clock is the
     /// tokio clock (memory): nothing after the admission reads the clock again.
     pub(crate) fn local(&self, at: u64) -> Option<Instant> {

@@ -705,6 +705,18 @@ impl RedisGate {
         })
     }
 
+    /// Forgets the remembered concurrency refusals of this gate's scopes: the next
+    /// admission asks Redis. For a waiter's last try before its deadline: a lease
+    /// another process ended since is unseen here, and the memory may outlast the wait.
+    pub(crate) fn forget_slot_refusals(&self) {
+        for memo in &self.inner.memos {
+            let mut known = lock(&memo.refused);
+            if known.is_some_and(|r| r.dim == 3) {
+                *known = None;
+            }
+        }
+    }
+
     /// A refusal this process knows for an admission of `tokens` (see
     /// [`AnyGate::known_refusal`](super::AnyGate::known_refusal)).
     pub(crate) fn known_refusal(&self, tokens: u64) -> Option<Box<QuotaExceeded>> {
