@@ -494,7 +494,7 @@ mod tests {
         use tower::ServiceExt;
         let attempt = Attempt {
             inner: tower::service_fn(|_: ChatCall| async {
-                tokio::time::sleep(Duration::from_secs(2)).await;
+                tokio::time::sleep(Duration::from_secs(3)).await;
                 status(401)
             }),
             source: SourceId::from("s1"),
@@ -531,7 +531,7 @@ mod tests {
         assert_eq!(
             UpstreamStatus::find(&*err).map(|s| s.status().as_u16()),
             Some(401),
-            "the probe ran its whole 2 s, not cut at 4 - 3 s: {err}"
+            "the probe ran its whole 3 s, not cut at max(4 - 3, 4 / 2) = 2 s: {err}"
         );
         assert_eq!(
             refused.get(),
@@ -542,7 +542,7 @@ mod tests {
         let err = attempt.oneshot(call).await.unwrap_err();
         assert!(
             pgw_core::is_timeout(&*err),
-            "the call's attempt is cut at 4 - 3 = 1 s: {err}"
+            "the call's attempt is cut at max(4 - 3, 4 / 2) = 2 s, before its 3 s answer: {err}"
         );
     }
 
