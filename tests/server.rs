@@ -782,6 +782,43 @@ async fn a_tenant_is_refunded_for_calls_that_reached_no_provider() {
     );
 }
 
+/// Calls the provider served until `retry.max_call_duration_s` cut them are charged
+/// to the tenant: a stream cut after its head went out (the caller has the text so
+/// far), and a plain call whose attempt was in flight. Before, both were refunded as
+/// if no provider had been asked: a tenant could stream without limit past its quota.
+#[tokio::test(start_paused = true)]
+async fn calls_cut_at_the_call_deadline_are_charged_to_the_tenant() {
+    const PLAIN_KEY: &str = "sk-pgw-plain-client-0123456789";
+    let keys = format!(
+        "{}{}",
+        key_toml("cut-stream", CLIENT_KEY, "rpm = 1\n"),
+        key_toml("cut-plain", PLAIN_KEY, "rpm = 1\n")
+    );
+    // 8-36 tokens at one every 2 s: far more than the 2 s the call may last.
+    let slow_tokens = pgw_sim::SourceConfig {
+        tokens_per_second: quick(0.5).into(),
+        ..fast("s1")
+    };
+    let h = start_edited("", &keys, vec![slow_tokens], |t| {
+        t.replace("[retry]\n", "[retry]\nmax_call_duration_s = 2\n")
+    })
+    .await;
+    let (status, _, body) = call(h.addr, chat(Some(CLIENT_KEY)), chat_body("m", true)).await;
+    assert_eq!(status, 200, "the head went out");
+    let ev = events(&body);
+    assert!(
+        ev.iter().any(|e| e.contains("\"content\"")),
+        "text so far: {ev:?}"
+    );
+    assert_ne!(ev.last().map(String::as_str), Some("[DONE]"), "cut: {ev:?}");
+    let (status, _, body) = call(h.addr, chat(Some(PLAIN_KEY)), chat_body("m", false)).await;
+    assert_eq!(status, 504, "{}", String::from_utf8_lossy(&body));
+    for key in [CLIENT_KEY, PLAIN_KEY] {
+        let (status, _, body) = call(h.addr, chat(Some(key)), chat_body("m", false)).await;
+        assert_eq!(status, 429, "charged: {}", String::from_utf8_lossy(&body));
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_tenant_keeps_its_concurrency_slot_for_a_call_longer_than_the_lease() {
     let keys = key_toml("long-calls", CLIENT_KEY, "max_concurrency = 1\n");

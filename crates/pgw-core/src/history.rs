@@ -130,6 +130,13 @@ impl CallHistory {
             .saturating_add(1)
     }
 
+    /// How many attempts were numbered as sent ([`next_attempt`](Self::next_attempt)),
+    /// whether or not they ended: more than [`len`](Self::len) while one is in flight.
+    #[must_use]
+    pub fn sent(&self) -> u32 {
+        self.inner.numbered.load(Ordering::Relaxed)
+    }
+
     /// Sets the call's deadline: the instant after which it may not wait (the retry
     /// layer sets it; the balancer does not wait for an admission past it). An earlier
     /// deadline set before stays.

@@ -100,12 +100,19 @@ fn chunk_event(chunk: &ChatChunk, out: &mut Vec<u8>) {
 impl Call {
     /// The call failed: one error event, then the end.
     async fn fail(&mut self, e: &BoxError) -> Bytes {
+        // A stream that went out was served: charged as a call that ran, whatever cut
+        // it (the call's deadline says it asked no provider of its own).
+        let served = matches!(self.phase, Phase::Streaming(_));
         self.phase = Phase::Done;
         let err = ApiError::from_gateway(e, self.expose_sources);
         tracing::warn!(tenant = %self.metrics.tenant, status = err.status.as_u16(), code = ?err.code, error = %e, "streamed call failed");
         self.metrics.finish(Some(&err));
         if let Some(p) = self.permit.take() {
-            p.failed(e).await;
+            if served {
+                p.finish(self.usage.as_ref().map(|u| u.total_tokens)).await;
+            } else {
+                p.failed(e).await;
+            }
         }
         event(&err.body())
     }

@@ -240,6 +240,23 @@ impl<Req: CarriesHistory, C, R> Call<Req, C, R> {
         }
     }
 
+    /// The deadline cut the attempt in flight: when it was sent (numbered by the
+    /// service below, [`pgw_core::Recording::next_attempt`]) and not recorded, it is
+    /// recorded now, timed out at an unknown source, so the verdict says a provider
+    /// was asked (a server charges the caller for it, as for any attempt). An attempt
+    /// still waiting for an admission below was never numbered and is not recorded.
+    fn record_cut_attempt(&mut self) {
+        let history = self.history();
+        if history.sent() as usize > history.len() {
+            history.push(pgw_core::AttemptRecord {
+                source: None,
+                outcome: pgw_core::Outcome::Transient,
+                timed_out: true,
+                too_large: false,
+            });
+        }
+    }
+
     fn fail<T>(&mut self, reason: Reason) -> Result<T, BoxError> {
         let attempts = self.history().attempts();
         tracing::debug!(
@@ -555,8 +572,12 @@ where
             && deadline.as_mut().poll(cx).is_ready()
         {
             // Drops the attempt in flight (R7).
+            let in_flight = matches!(*this.state, State::Attempt { .. });
             this.state.set(State::Done);
             this.call.uncount();
+            if in_flight {
+                this.call.record_cut_attempt();
+            }
             return Poll::Ready(this.call.fail(Reason::DeadlineExceeded));
         }
         loop {

@@ -5,7 +5,7 @@ mod support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use pgw_core::{BoxError, CallHistory, CircuitOpen, Outcome, Paced, QuotaExceeded, SourceId};
+use pgw_core::{BoxError, CallHistory, CarriesHistory, CircuitOpen, Outcome, Paced, QuotaExceeded, SourceId};
 use support::{Ans, FailingHold, Req, Router, StuckHold, TestClassifier, TestHold, Upstream, classify};
 use tokio::time::Instant;
 use tower::{Layer, Service, ServiceExt};
@@ -887,6 +887,34 @@ async fn the_deadline_cuts_the_attempt_in_flight() {
     assert_eq!(retry_error(&err).reason(), Reason::DeadlineExceeded);
     assert_eq!(upstream.inflight.load(std::sync::atomic::Ordering::SeqCst), 0);
     assert_eq!(svc.stats(), RetryStats::default());
+}
+
+/// An attempt sent (numbered by the service below) and cut by the deadline is in the
+/// verdict's attempts, timed out: a server refunds a caller only for calls that asked
+/// no provider. One still waiting for an admission below (never numbered) is not.
+#[tokio::test(start_paused = true)]
+async fn an_attempt_cut_by_the_deadline_is_in_the_verdict_when_it_was_sent() {
+    for sent in [true, false] {
+        let mut svc = layer(RetryConfig {
+            max_call_duration: Some(Duration::from_secs(5)),
+            ..RetryConfig::default()
+        })
+        .layer(tower::service_fn(move |req: Req| async move {
+            if sent {
+                let _ = pgw_core::Recording::next_attempt::<Req>(req.call_history());
+            }
+            std::future::pending::<Result<Ans, BoxError>>().await
+        }));
+        let err = call(&mut svc, Req::new(1)).await.unwrap_err();
+        let verdict = retry_error(&err);
+        assert_eq!(verdict.reason(), Reason::DeadlineExceeded);
+        if sent {
+            assert_eq!(verdict.attempts().len(), 1, "the attempt cut in flight");
+            assert!(verdict.attempts()[0].timed_out);
+        } else {
+            assert!(verdict.attempts().is_empty(), "nothing was sent");
+        }
+    }
 }
 
 /// The call's deadline is set on its history, on every attempt, so a balancer below
