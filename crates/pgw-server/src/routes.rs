@@ -24,7 +24,7 @@ use tokio::time::Instant;
 use tower::ServiceBuilder;
 use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::limit::RequestBodyLimitLayer;
-use tower_http::trace::{DefaultMakeSpan, DefaultOnResponse, TraceLayer};
+use tower_http::trace::{DefaultMakeSpan, DefaultOnFailure, DefaultOnResponse, TraceLayer};
 
 use crate::auth::{KeyRing, Tenant};
 use crate::config::Settings;
@@ -200,7 +200,11 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
                 .layer(
                     TraceLayer::new_for_http()
                         .make_span_with(DefaultMakeSpan::new().level(tracing::Level::INFO))
-                        .on_response(DefaultOnResponse::new().level(tracing::Level::INFO)),
+                        .on_response(DefaultOnResponse::new().level(tracing::Level::INFO))
+                        // Every 5xx is a "failure" to tower-http, logged at ERROR: a shed
+                        // 503 or an upstream's 502 is not the server's error, and the
+                        // handlers log their own failures (warn) already.
+                        .on_failure(DefaultOnFailure::new().level(tracing::Level::DEBUG)),
                 )
                 .layer(CatchPanicLayer::custom(|_| {
                     ApiError::of_status(StatusCode::INTERNAL_SERVER_ERROR).into_response()
@@ -218,8 +222,28 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
 /// header read timeout only covers the head). A body over the limit (tower-http's
 /// `Limited` in the router) is a 413.
 async fn read_body(state: &AppState, body: Body) -> Result<Bytes, Response> {
-    match tokio::time::timeout(state.body_read_timeout, body.collect()).await {
-        Ok(Ok(collected)) => Ok(collected.to_bytes()),
+    body_read(state, async move {
+        body.collect().await.map(http_body_util::Collected::to_bytes)
+    })
+    .await
+}
+
+/// Reads `body` to its end, keeping nothing.
+async fn drain(mut body: Body) -> Result<(), axum::Error> {
+    while let Some(frame) = body.frame().await {
+        drop(frame?);
+    }
+    Ok(())
+}
+
+/// A body read (`read`) within the body read timeout: a 413 past the body limit, a 400
+/// for a body that cannot be read, a 408 (closing the connection) when it is too slow.
+async fn body_read<T>(
+    state: &AppState,
+    read: impl std::future::Future<Output = Result<T, axum::Error>>,
+) -> Result<T, Response> {
+    match tokio::time::timeout(state.body_read_timeout, read).await {
+        Ok(Ok(read)) => Ok(read),
         Ok(Err(e)) => Err({
             let too_large = crate::error::find::<http_body_util::LengthLimitError>(&e).is_some();
             if too_large {
@@ -524,7 +548,9 @@ async fn models(State(state): State<Arc<AppState>>, request: Request) -> Respons
         Ok(t) => t,
         Err(e) => return e.into_response(),
     };
-    if let Err(refused) = read_body(&state, body).await {
+    // Read and thrown away frame by frame: this route holds no in-flight slot, so it
+    // keeps none of a body (a body is read at all so the connection stays reusable).
+    if let Err(refused) = body_read(&state, drain(body)).await {
         return refused;
     }
     let names: Vec<&String> = match &tenant {
