@@ -234,6 +234,33 @@ async fn successes_kept_in_an_ended_epoch_do_not_stop_deferring() {
     assert_eq!(gate.deferred_successes(), 2, "the new epoch's two");
 }
 
+/// Successes kept under the closed view are sent at the first success once they were
+/// kept a whole view, though every admission renews the view (a process that records
+/// no failure asks Redis as each view ends, and is told "closed" again). Before, they
+/// waited for a failure here, or were dropped after a window.
+#[tokio::test]
+async fn kept_successes_are_sent_once_kept_a_whole_view() {
+    let server = PrivateRedis::start();
+    let target = RedisTarget::Standalone(server.url());
+    let view = REDIS_UNIT / 2;
+    let backend = RedisBackend::new(RedisConn::connect(&target).await.unwrap())
+        .with_prefix("flush")
+        .with_closed_view(view);
+    let gate = backend.gate(&"s".into(), &config(3));
+    for _ in 0..3 {
+        call(&gate, S).await;
+    }
+    assert_eq!(gate.deferred_successes(), 3, "kept under the view");
+    tokio::time::sleep(view + view / 4).await;
+    call(&gate, S).await;
+    assert_eq!(
+        gate.deferred_successes(),
+        0,
+        "sent with the first success after a view"
+    );
+    assert_eq!(still(&gate).await.window_calls, 4, "all four counted in Redis");
+}
+
 /// The closed view: another process's open reaches this one at the first outcome it
 /// records after it (its ticket's epoch is over), not only when the view ends.
 async fn another_process_open_is_learnt_from_the_next_record(env: RedisEnv) {

@@ -267,7 +267,15 @@ impl Inner {
         if verdict == BreakerVerdict::Success {
             let known = *lock(&self.known);
             let in_view = matches!(known, Known::Closed(until, e) if e == ticket.epoch() && now < until);
+            // Kept for a whole view already: sent with this one. Every admission of a
+            // process that records no failure renews the view, so "the first success
+            // after the view" never came, and the kept successes were sent only by a
+            // failure here (or dropped after a window): another process's run of
+            // failures opened the breaker on the consecutive channel meanwhile.
+            let kept_a_view =
+                deferred.n > 0 && now.saturating_duration_since(deferred.since) >= self.closed_view;
             if in_view
+                && !kept_a_view
                 && (deferred.n == 0 || deferred.epoch == ticket.epoch())
                 && deferred.n + 1 < MAX_DEFERRED_SUCCESSES
             {
