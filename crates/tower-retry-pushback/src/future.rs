@@ -504,7 +504,23 @@ impl<Req: CarriesHistory, C, R> Call<Req, C, R> {
                 Next::Finish(self.fail(Reason::AllCircuitsOpen { retry_after }))
             }
             NotAdmitted::QuotaExceeded(retry_after) => {
-                self.sleep_or_fail(retry_after.max(MIN_NOT_ADMITTED_WAIT), now)
+                let wait = retry_after.max(MIN_NOT_ADMITTED_WAIT);
+                let limit = self.shared.config.max_pushback_wait;
+                let wait_limit = self.wait_limit(now);
+                let slow = self.start_waiting(now);
+                if slow.pushback.until.is_some_and(|u| u > now) {
+                    // Refused while the call's own pushback holds its sources: a wait
+                    // for the hold, bounded as the pushback it is (a 429's hold took
+                    // the call past the bound as a quota wait before). One longer
+                    // than the call may wait at all is `WaitTooLong`, as for a 429.
+                    let waited = slow.pushback.waited(now);
+                    let after = slow.pushback.with(now, wait);
+                    if wait <= wait_limit && after.covered > limit {
+                        return Next::Finish(self.fail(Reason::PushbackExhausted { waited, wait, limit }));
+                    }
+                    slow.pushback = after;
+                }
+                self.sleep_or_fail(wait, now)
             }
             // The gate's own backend is down: nothing spent, asked again shortly, for
             // as long as the stall guard and the deadline allow.

@@ -1287,6 +1287,36 @@ async fn a_failed_hold_does_not_sleep_past_the_pushback_bound() {
     }
 }
 
+/// With a working hold, a 429 whose wait passes the pushback bound ends the call at
+/// once too: the call goes on, finds its only source held (`QuotaExceeded` from below)
+/// and that wait is the pushback's, bounded like it. Before, it was slept as a quota
+/// wait: 100 s past a 60 s bound, then a second attempt.
+#[tokio::test(start_paused = true)]
+async fn a_held_source_does_not_take_the_call_past_the_pushback_bound() {
+    let holds = TestHold::default();
+    let s1 = Upstream::with(vec![rl(100), Ok(Ans::Ok)]);
+    let router = Router::new(vec![("s1", s1.clone())], holds.clone());
+    let mut svc = layer(RetryConfig::default())
+        .hold(Arc::new(holds.clone()))
+        .layer(router.clone());
+    let start = tokio::time::Instant::now();
+    let err = call(&mut svc, Req::new(1)).await.unwrap_err();
+    assert!(
+        matches!(retry_error(&err).reason(), Reason::PushbackExhausted { .. }),
+        "{err}"
+    );
+    assert!(start.elapsed() < Duration::from_secs(1), "{:?}", start.elapsed());
+    assert_eq!(router.times_of("s1").len(), 1, "one attempt");
+    // Within the bound, the held wait is slept as before.
+    let s2 = Upstream::with(vec![rl(30), Ok(Ans::Ok)]);
+    let router = Router::new(vec![("s2", s2.clone())], holds.clone());
+    let mut svc = layer(RetryConfig::default())
+        .hold(Arc::new(holds.clone()))
+        .layer(router.clone());
+    assert_eq!(call(&mut svc, Req::new(2)).await.unwrap(), Ans::Ok);
+    assert_eq!(router.times_of("s2").len(), 2);
+}
+
 /// A service whose readiness fails before a retry ends the call with a `RetryError`
 /// like every other failure (reason `ServiceFailed`, the attempts so far, the
 /// service's error as its source); it ended with the raw error, the attempts lost.
