@@ -427,23 +427,28 @@ impl<Req: CarriesHistory, C, R> Call<Req, C, R> {
                 if let Some(end) = self.unresendable() {
                     return end;
                 }
+                // Nothing to wait for: a dead source's breaker is open now, and a
+                // timed-out attempt already gave its source the whole timeout (the
+                // balancer sends the next attempt elsewhere, R1). A backoff on top only
+                // delayed the call: on a pool of black holes, past one attempt timeout.
+                // Without a balancer below, the next attempt goes to the same upstream:
+                // it backs off like any other.
+                let backoff = (!(balanced && (outcome == Outcome::SourceDead || timed_out)))
+                    .then(|| self.next_backoff());
+                // A backoff longer than the call may wait ends it before the budget
+                // is drawn on: a retry that never happens spends nothing.
+                if let Some(wait) = backoff {
+                    let limit = self.wait_limit(now);
+                    if wait > limit {
+                        return Next::Finish(self.fail(Reason::WaitTooLong { wait, limit }));
+                    }
+                }
                 if let Some(budget) = &self.shared.budget
                     && !budget.withdraw(now)
                 {
                     return Next::Finish(self.fail(Reason::RetryBudgetExhausted));
                 }
-                if balanced && (outcome == Outcome::SourceDead || timed_out) {
-                    // Nothing to wait for: a dead source's breaker is open now, and a
-                    // timed-out attempt already gave its source the whole timeout (the
-                    // balancer sends the next attempt elsewhere, R1). A backoff on top
-                    // only delayed the call: on a pool of black holes, past one attempt
-                    // timeout. Without a balancer below, the next attempt goes to the
-                    // same upstream: it backs off like any other.
-                    Next::Dispatch
-                } else {
-                    let wait = self.next_backoff();
-                    self.sleep_or_fail(wait, now)
-                }
+                backoff.map_or(Next::Dispatch, Next::Sleep)
             }
             Outcome::RateLimited { retry_after } => {
                 if let Some(end) = self.unresendable() {

@@ -722,6 +722,49 @@ async fn keeps_waiting_while_other_calls_succeed() {
 
 // ---------------------------------------------------------------- R5, R6
 
+/// A retry the call cannot wait for (its backoff is past the call's deadline) ends
+/// the call before the retry budget is drawn on: twenty such calls leave the budget's
+/// reserve whole for a call that can retry. Before, each drew one and the next call
+/// was refused its retry (`RetryBudgetExhausted`).
+#[tokio::test(start_paused = true)]
+async fn a_retry_the_call_cannot_wait_for_spends_no_budget() {
+    use tower_retry_pushback::RetryBudgetConfig;
+    let budget = RetryBudgetConfig {
+        ratio: 0.0,
+        min_retries_per_sec: 1,
+        ..RetryBudgetConfig::default()
+    };
+    // Twenty calls' one attempt each, then a call failing once and answering.
+    let mut answers: Vec<Result<Ans, BoxError>> = (0..21).map(|_| Ok(Ans::Transient)).collect();
+    answers.push(Ok(Ans::Ok));
+    /// Requests with an id below 100 must end within 100 ms of their start.
+    #[derive(Clone, Copy)]
+    struct Deadlines;
+    impl tower_retry_pushback::Resend<Req> for Deadlines {
+        fn resend(&self, req: &Req) -> Option<Req> {
+            Some(req.clone())
+        }
+        fn deadline(&self, req: &Req) -> Option<Instant> {
+            (req.id < 100).then(|| Instant::now() + Duration::from_millis(100))
+        }
+    }
+    let mut svc = layer(RetryConfig {
+        base_backoff: Duration::from_secs(1),
+        retry_budget: Some(budget),
+        ..RetryConfig::default()
+    })
+    .resend(Deadlines)
+    .layer(Upstream::with(answers));
+    for i in 0..20 {
+        let err = call(&mut svc, Req::new(i)).await.unwrap_err();
+        assert!(
+            matches!(retry_error(&err).reason(), Reason::WaitTooLong { .. }),
+            "{err}"
+        );
+    }
+    assert_eq!(call(&mut svc, Req::new(100)).await.unwrap(), Ans::Ok);
+}
+
 #[tokio::test(start_paused = true)]
 async fn retry_budget_caps_retries_under_total_failure() {
     use tower_retry_pushback::RetryBudgetConfig;
