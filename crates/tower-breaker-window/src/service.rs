@@ -71,7 +71,9 @@ impl<G: Gate> Drop for Lease<G> {
 
 enum Readiness<G: Gate> {
     Idle,
-    Admitting(G::Admit),
+    /// Asking; in `Mode::Wait` with the gate's signal armed before the question, so a
+    /// probe ending while it is asked is not missed.
+    Admitting(G::Admit, Option<Pin<Box<OwnedNotified>>>),
     /// Refused in `Mode::Wait`: until the refusal's `retry_after`, or the gate's
     /// signal that a probe ended ([`Gate::changes`]), whichever comes first.
     Waiting(Pin<Box<Sleep>>, Option<Pin<Box<OwnedNotified>>>),
@@ -244,8 +246,18 @@ where
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
         loop {
             match &mut self.readiness {
-                Readiness::Idle => self.readiness = Readiness::Admitting(self.shared.gate.admit()),
-                Readiness::Admitting(admit) => {
+                Readiness::Idle => {
+                    let changes = match self.mode {
+                        Mode::Wait => self.shared.gate.changes().map(|n| {
+                            let mut n = Box::pin(n.notified_owned());
+                            n.as_mut().enable();
+                            n
+                        }),
+                        Mode::Shed => None,
+                    };
+                    self.readiness = Readiness::Admitting(self.shared.gate.admit(), changes);
+                }
+                Readiness::Admitting(admit, changes) => {
                     self.readiness = match ready!(Pin::new(admit).poll(cx)) {
                         Ok(Admission::Admitted(ticket)) => {
                             Readiness::Admitted(Lease::new(self.shared.gate.clone(), ticket))
@@ -255,12 +267,7 @@ where
                                 CircuitOpen::new(retry_after).with_source(self.shared.source.clone()),
                             )),
                             Mode::Wait => {
-                                let changes = self.shared.gate.changes().map(|n| {
-                                    let mut n = Box::pin(n.notified_owned());
-                                    n.as_mut().enable();
-                                    n
-                                });
-                                Readiness::Waiting(Box::pin(tokio::time::sleep(retry_after)), changes)
+                                Readiness::Waiting(Box::pin(tokio::time::sleep(retry_after)), changes.take())
                             }
                         },
                         // B12: fail closed, from the future, in both modes.

@@ -14,7 +14,7 @@ use pgw_core::{BoxError, CircuitOpen, Outcome, QuotaExceeded};
 use tokio::time::Instant;
 use tower::{Service, ServiceExt, service_fn};
 use tower_breaker_window::{
-    Admission, Backend, BreakerConfig, BreakerLayer, BreakerState, Gate, MemoryBackend,
+    Admission, Backend, BreakerConfig, BreakerLayer, BreakerState, Gate, MemoryBackend, MemoryGate,
 };
 use tower_layer::Layer;
 
@@ -285,6 +285,85 @@ async fn waiting_callers_are_woken_when_the_probe_closes_the_breaker() {
     );
     assert_eq!(probe.await.unwrap().unwrap(), "ok");
     assert_eq!(waiter.call((false, Duration::ZERO)).await.unwrap(), "ok");
+}
+
+/// A probe that ends while a waiting caller's admission is being asked (on another
+/// thread, in production) still wakes that caller: the gate's signal is armed before
+/// the question. Here a gate ends the probe inside the refused admission; before, the
+/// caller armed the signal after the refusal and slept out the probe's lease (30 s).
+#[tokio::test(start_paused = true)]
+async fn a_probe_ending_during_the_admission_still_wakes_the_waiter() {
+    #[derive(Clone)]
+    struct EndsProbe {
+        inner: MemoryGate,
+        probe: Arc<std::sync::Mutex<Option<tower_breaker_window::Ticket>>>,
+    }
+    impl Gate for EndsProbe {
+        type Admit = std::future::Ready<Result<Admission, BoxError>>;
+        type Record = <MemoryGate as Gate>::Record;
+        fn admit(&self) -> Self::Admit {
+            let answer = self.inner.admit().now_or_never().expect("memory answers at once");
+            if let Some(ticket) = self.probe.lock().unwrap().take() {
+                // The probe succeeds between the question and the caller's wait.
+                let recorded = self
+                    .inner
+                    .record(ticket, pgw_core::BreakerVerdict::Success)
+                    .now_or_never();
+                assert!(recorded.is_some(), "memory records at once");
+            }
+            std::future::ready(answer)
+        }
+        fn record(
+            &self,
+            ticket: tower_breaker_window::Ticket,
+            verdict: pgw_core::BreakerVerdict,
+        ) -> Self::Record {
+            self.inner.record(ticket, verdict)
+        }
+        fn view(
+            &self,
+        ) -> std::pin::Pin<
+            Box<dyn std::future::Future<Output = Result<tower_breaker_window::BreakerView, BoxError>> + Send>,
+        > {
+            self.inner.view()
+        }
+        fn record_errors(&self) -> u64 {
+            self.inner.record_errors()
+        }
+        fn changes(&self) -> Option<Arc<tokio::sync::Notify>> {
+            self.inner.changes()
+        }
+    }
+    let config = BreakerConfig::builder()
+        .fail_threshold(1)
+        .cooldown(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let inner = MemoryBackend::new().gate(&"s".into(), &config);
+    let Admission::Admitted(t) = inner.admit().await.unwrap() else {
+        panic!("closed at first");
+    };
+    inner.record(t, pgw_core::BreakerVerdict::ForceOpen).await;
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    let Admission::Admitted(probe) = inner.admit().await.unwrap() else {
+        panic!("half-open: the probe");
+    };
+    assert!(probe.is_probe());
+    let gate = EndsProbe {
+        inner,
+        probe: Arc::new(std::sync::Mutex::new(Some(probe))),
+    };
+    let mut svc = tower_breaker_window::Breaker::new(
+        service_fn(|()| async { Ok::<_, BoxError>("ok") }),
+        gate,
+        "s".into(),
+        pgw_core::OkIsSuccess,
+        tower_breaker_window::Mode::Wait,
+    );
+    let asked = Instant::now();
+    svc.ready().await.unwrap();
+    assert_eq!(asked.elapsed(), Duration::ZERO, "woken by the probe's end");
+    assert_eq!(svc.call(()).await.unwrap(), "ok");
 }
 
 /// Many threads admitting at once in half-open: exactly one probe.
