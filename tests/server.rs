@@ -819,6 +819,34 @@ async fn calls_cut_at_the_call_deadline_are_charged_to_the_tenant() {
     }
 }
 
+/// `x-pgw-timeout-ms` bounds one call (R3: a deadline per request, honoured by every
+/// wait): a source whose first token takes 30 s gives a 2 s call a 504 at 2 s; a value
+/// that is not a whole number of milliseconds from 1 to 24 h is a 400 naming the
+/// header, before the body is read or the call asks anything.
+#[tokio::test(start_paused = true)]
+async fn a_request_header_bounds_the_call() {
+    let h = start("", vec![slow("s1", 30.0)]).await;
+    let start = tokio::time::Instant::now();
+    let timed = chat(None).header("x-pgw-timeout-ms", "2000");
+    let (status, _, body) = call(h.addr, timed, chat_body("m", false)).await;
+    assert_eq!(status, 504, "{}", String::from_utf8_lossy(&body));
+    openai_error(&body, "deadline_exceeded");
+    let took = start.elapsed();
+    assert!(
+        took >= Duration::from_secs(2) && took < Duration::from_millis(2500),
+        "{took:?}"
+    );
+    let before = upstream_requests(&h);
+    for bad in ["0", "-5", "soon", "1.5", "86400001"] {
+        let req = chat(None).header("x-pgw-timeout-ms", bad);
+        let (status, _, body) = call(h.addr, req, chat_body("m", false)).await;
+        assert_eq!(status, 400, "{bad}");
+        let v = openai_error(&body, "invalid_header");
+        assert_eq!(v["error"]["param"], "x-pgw-timeout-ms", "{bad}");
+    }
+    assert_eq!(upstream_requests(&h), before, "refused before asking anyone");
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_tenant_keeps_its_concurrency_slot_for_a_call_longer_than_the_lease() {
     let keys = key_toml("long-calls", CLIENT_KEY, "max_concurrency = 1\n");

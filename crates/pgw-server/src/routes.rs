@@ -136,6 +136,38 @@ impl AppState {
 /// (`x-pgw-cache: hit` or `miss`).
 pub(crate) const CACHE_HEADER: &str = "x-pgw-cache";
 
+/// The request header that bounds the call: `x-pgw-timeout-ms: 30000` gives it 30 s
+/// from its arrival, for every wait and attempt (the sooner of it and the gateway's
+/// `retry.max_call_duration_s`); past it the answer is 504 `deadline_exceeded`.
+pub(crate) const TIMEOUT_HEADER: &str = "x-pgw-timeout-ms";
+
+/// The longest call a caller may ask for with [`TIMEOUT_HEADER`]: 24 hours.
+const MAX_TIMEOUT_MS: u64 = 24 * 3600 * 1000;
+
+/// The call's own time bound, from [`TIMEOUT_HEADER`]: `None` without the header, a
+/// 400 naming it when it is not a whole number of milliseconds from 1 to 24 hours.
+fn call_timeout(headers: &HeaderMap) -> Result<Option<Duration>, ApiError> {
+    let Some(v) = headers.get(TIMEOUT_HEADER) else {
+        return Ok(None);
+    };
+    let ms = v
+        .to_str()
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .filter(|ms| (1..=MAX_TIMEOUT_MS).contains(ms));
+    match ms {
+        Some(ms) => Ok(Some(Duration::from_millis(ms))),
+        None => {
+            let mut e = ApiError::invalid_request(
+                "invalid_header",
+                format!("{TIMEOUT_HEADER} must be a whole number of milliseconds from 1 to {MAX_TIMEOUT_MS}"),
+            );
+            e.param = Some(TIMEOUT_HEADER.to_owned());
+            Err(e)
+        }
+    }
+}
+
 /// Whether the request asks to bypass the cache (neither read nor stored).
 fn skips_cache(headers: &HeaderMap) -> bool {
     headers
@@ -421,6 +453,11 @@ async fn chat(State(state): State<Arc<AppState>>, request: Request) -> Response 
         Ok(t) => t,
         Err(e) => return e.into_response(),
     };
+    // Counted from the request's arrival: the body read and every wait are in it.
+    let deadline = match call_timeout(headers) {
+        Ok(t) => t.and_then(|t| tokio::time::Instant::now().checked_add(t)),
+        Err(e) => return e.into_response(),
+    };
     // Taken before the body is read, and held until the answer is complete (for a
     // stream: its last event), so streams count as in flight (tower's concurrency
     // limit would free the slot at the headers) and the bodies held in memory at once
@@ -479,6 +516,11 @@ async fn chat(State(state): State<Arc<AppState>>, request: Request) -> Response 
         None => None,
     };
     let mut chat_call = pgw_stack::ChatCall::new(request);
+    if let Some(at) = deadline {
+        chat_call
+            .extensions_mut()
+            .insert(pgw_stack::retry::CallDeadline(at));
+    }
     if skips_cache(headers) {
         chat_call.extensions_mut().insert(pgw_stack::NoCache);
     }
