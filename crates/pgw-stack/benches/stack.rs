@@ -65,7 +65,7 @@ fn pgw_stack() -> impl Service<ChatCall, Response = u32, Error = BoxError> {
     for i in 0..5 {
         let name = format!("s{i}");
         let limiter = RateLimiter::new(
-            RateLimitConfig::new(name.as_str(), Quota::unlimited().requests(u64::MAX / 4)),
+            RateLimitConfig::new(name.as_str(), Quota::unlimited().requests(1 << 40)),
             backend.clone(),
         )
         .unwrap();
@@ -103,7 +103,7 @@ fn pgw_stack_unboxed() -> impl Service<ChatCall, Response = u32, Error = BoxErro
     for i in 0..5 {
         let name = format!("s{i}");
         let limiter = RateLimiter::new(
-            RateLimitConfig::new(name.as_str(), Quota::unlimited().requests(u64::MAX / 4)),
+            RateLimitConfig::new(name.as_str(), Quota::unlimited().requests(1 << 40)),
             backend.clone(),
         )
         .unwrap();
