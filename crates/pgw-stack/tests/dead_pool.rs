@@ -11,7 +11,9 @@ use pgw_core::openai::ChatRequest;
 use pgw_sim::schedule::Phase;
 use pgw_sim::{LogNormal, PoolConfig, Schedule, SimPool};
 use pgw_stack::retry::Reason;
-use pgw_stack::{ChatCall, GatewayConfig, GatewayError, MemorySink, SecretKey, SourceConfig};
+use pgw_stack::{
+    AttemptTelemetry, ChatCall, GatewayConfig, GatewayError, MemorySink, SecretKey, SourceConfig,
+};
 use tokio::time::Instant;
 use tower::ServiceExt;
 
@@ -33,6 +35,17 @@ fn last_reason(err: &(dyn std::error::Error + Send + Sync + 'static)) -> Option<
         .expect("a gateway error")
         .last_retry_error()
         .map(pgw_stack::retry::RetryError::reason)
+}
+
+/// Call `id`'s attempts in order, and each one's source and outcome.
+fn attempts_of(sink: &MemorySink, id: u64) -> (Vec<AttemptTelemetry>, Vec<(Option<String>, &'static str)>) {
+    let mut attempts: Vec<_> = sink.records().into_iter().filter(|r| r.call_id == id).collect();
+    attempts.sort_by_key(|r| r.attempt);
+    let order = attempts
+        .iter()
+        .map(|r| (r.source.as_ref().map(|s| s.as_str().to_owned()), r.outcome))
+        .collect();
+    (attempts, order)
 }
 
 /// A revoked key (401 after [`REFUSAL_S`]) named `name`; `revoked` says when.
@@ -158,12 +171,7 @@ async fn refusals_count_against_the_next_attempts_timeout() {
     let t0 = Instant::now();
     let err = gw.clone().oneshot(call).await.unwrap_err();
     let took = t0.elapsed();
-    let mut attempts: Vec<_> = sink.records().into_iter().filter(|r| r.call_id == id).collect();
-    attempts.sort_by_key(|r| r.attempt);
-    let order: Vec<_> = attempts
-        .iter()
-        .map(|r| (r.source.as_ref().map(|s| s.as_str().to_owned()), r.outcome))
-        .collect();
+    let (attempts, order) = attempts_of(&sink, id);
     assert_eq!(
         order,
         [
@@ -200,12 +208,7 @@ async fn a_slow_refusal_never_cuts_the_next_source_at_once() {
     let call = ChatCall::new(ask("refused slowly, then answered"));
     let id = call.id().0;
     let answer = gw.clone().oneshot(call).await;
-    let mut attempts: Vec<_> = sink.records().into_iter().filter(|r| r.call_id == id).collect();
-    attempts.sort_by_key(|r| r.attempt);
-    let order: Vec<_> = attempts
-        .iter()
-        .map(|r| (r.source.as_ref().map(|s| s.as_str().to_owned()), r.outcome))
-        .collect();
+    let (_, order) = attempts_of(&sink, id);
     assert_eq!(
         order,
         [
