@@ -187,9 +187,10 @@ impl<S, Req, C> Drop for CallState<S, Req, C> {
             // in judging after that must not count it twice (the awaited count
             // wrapped, and the source looked silent for good).
             if self.dispatched_at.take().is_some() {
-                state.answered();
+                state.answered_and_ended();
+            } else {
+                state.dec();
             }
-            state.dec();
         }
     }
 }
@@ -504,9 +505,11 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
             return Some(result);
         };
         let state = &self.snapshot.entries[i].state;
-        // Answered, whatever the answer: no longer awaited (a stream still runs).
-        state.answered();
-        let dispatched_at = self.dispatched_at.take();
+        // Answered, whatever the answer: no longer awaited (a stream still runs). The
+        // awaited count is given back below, with the inflight count in one atomic
+        // operation when the answer ends the attempt; `dispatched_at` is taken when it
+        // is (by `CallState`'s drop if judging panics before).
+        let dispatched_at = self.dispatched_at;
         let mut result = match result {
             Err(e) => match NotAdmitted::of(&*e) {
                 Some(na) => {
@@ -516,7 +519,8 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
                         round.soon_best = round.soon_best.max(h);
                     }
                     self.dispatched = None;
-                    state.dec();
+                    self.dispatched_at = None;
+                    state.answered_and_ended();
                     Round::at(&mut self.round).refuse(na, e);
                     return None;
                 }
@@ -530,6 +534,8 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
         };
         heard_from(state, &result, dispatched_at.unwrap_or(now), now);
         if self.classifier.in_progress(&result) {
+            self.dispatched_at = None;
+            state.answered();
             // Judged at its end: the closure owns what it needs, the inflight count too.
             let inflight = Inflight(Arc::clone(state));
             let (class, history, classifier) = (self.class, self.history().cloned(), self.classifier.clone());
@@ -546,7 +552,8 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
             // given back after (by `CallState`'s drop if judging panicked).
             judge::<Req, _, _>(state, self.class, self.history(), true, &self.classifier, &result);
             self.dispatched = None;
-            state.dec();
+            self.dispatched_at = None;
+            state.answered_and_ended();
         }
         Some(result)
     }

@@ -18,17 +18,25 @@ use crate::{
     UNMEASURED_LATENCY_S,
 };
 
+/// One attempt in flight in [`SourceState::load`].
+const INFLIGHT_ONE: u64 = 1;
+/// Where the attempts awaiting their first answer start in [`SourceState::load`].
+const AWAITED_SHIFT: u32 = 32;
+/// One attempt awaiting its first answer in [`SourceState::load`].
+const AWAITED_ONE: u64 = 1 << AWAITED_SHIFT;
+
 /// Process-local health of one source: a success EWMA per call class and the
 /// balancer's inflight count, all atomics.
 pub(crate) struct SourceState {
     id: SourceId,
     ewma_bits: [AtomicU64; HEALTH_CLASSES],
-    inflight: AtomicUsize,
-    /// Attempts dispatched and not answered yet (no first answer, no error, no
-    /// timeout): what silence is judged on. A stream that answered counts in
-    /// `inflight` until its end, not here: a source streaming a long answer is not
-    /// silent.
-    awaiting: AtomicUsize,
+    /// Two counts in one word, so an attempt's dispatch, and the end of an attempt
+    /// answered at once, each change both with one atomic operation: the attempts in
+    /// flight (the low 32 bits) and, in the high 32 bits, those dispatched and not
+    /// answered yet (no first answer, no error, no timeout), what silence is judged
+    /// on. A stream that answered counts in flight until its end, not as awaited: a
+    /// source streaming a long answer is not silent.
+    load: AtomicU64,
     /// Nanoseconds after `epoch` when the source last answered anything (an error
     /// included, a timeout not), or when it went from idle to busy, whichever is later.
     heard_ns: AtomicU64,
@@ -54,8 +62,7 @@ impl SourceState {
         Self {
             id,
             ewma_bits: std::array::from_fn(|_| AtomicU64::new(HEALTH_INITIAL.to_bits())),
-            inflight: AtomicUsize::new(0),
-            awaiting: AtomicUsize::new(0),
+            load: AtomicU64::new(0),
             heard_ns: AtomicU64::new(0),
             timeouts: AtomicU32::new(0),
             answered_sent_ns: AtomicU64::new(0),
@@ -142,7 +149,7 @@ impl SourceState {
     /// fresh call to it). Streams that answered and still run do not count: a source
     /// streaming one long answer is busy, not silent.
     pub(crate) fn silent(&self, after: Duration) -> bool {
-        if self.awaiting.load(Ordering::Relaxed) == 0 {
+        if self.load.load(Ordering::Relaxed) >> AWAITED_SHIFT == 0 {
             return false;
         }
         let quiet = self
@@ -167,7 +174,10 @@ impl SourceState {
     }
 
     pub(crate) fn inflight(&self) -> usize {
-        self.inflight.load(Ordering::Relaxed)
+        // At most 2^32 - 1 attempts in flight: the low half of the word.
+        #[allow(clippy::cast_possible_truncation)]
+        let n = self.load.load(Ordering::Relaxed) as u32;
+        n as usize
     }
 
     /// `max(ewma, floor) / ((1 + inflight) * latency)`, with
@@ -217,7 +227,8 @@ impl SourceState {
                 } else {
                     secs
                 };
-                Some(next.to_bits())
+                // At its fixed point (answers as fast as the average): nothing to write.
+                (next.to_bits() != bits).then_some(next.to_bits())
             });
     }
 
@@ -254,8 +265,8 @@ impl SourceState {
     /// An attempt dispatched at `at`: in flight, and awaiting its first answer until
     /// [`answered`](Self::answered).
     pub(crate) fn inc(&self, at: Instant) {
-        self.inflight.fetch_add(1, Ordering::Relaxed);
-        if self.awaiting.fetch_add(1, Ordering::Relaxed) == 0 && !self.timed_out_since_heard(1) {
+        let before = self.load.fetch_add(INFLIGHT_ONE | AWAITED_ONE, Ordering::Relaxed);
+        if before >> AWAITED_SHIFT == 0 && !self.timed_out_since_heard(1) {
             // Nothing awaited until now: the silence starts with this attempt. After a
             // timeout it goes on: this attempt is a probe, and the others wait for its
             // answer.
@@ -266,11 +277,18 @@ impl SourceState {
     /// An attempt's first answer came (a stream's head, an error, a timeout), or it
     /// ended without one (dropped, refused below): once per [`inc`](Self::inc).
     pub(crate) fn answered(&self) {
-        self.awaiting.fetch_sub(1, Ordering::Relaxed);
+        self.load.fetch_sub(AWAITED_ONE, Ordering::Relaxed);
     }
 
+    /// The attempt left the flight (answered before, or by [`answered_and_ended`](Self::answered_and_ended)).
     pub(crate) fn dec(&self) {
-        self.inflight.fetch_sub(1, Ordering::Relaxed);
+        self.load.fetch_sub(INFLIGHT_ONE, Ordering::Relaxed);
+    }
+
+    /// [`answered`](Self::answered) and [`dec`](Self::dec) at once: an attempt whose
+    /// first answer was its end.
+    pub(crate) fn answered_and_ended(&self) {
+        self.load.fetch_sub(INFLIGHT_ONE | AWAITED_ONE, Ordering::Relaxed);
     }
 
     /// Takes the turn of a detached probe at `at`: `false` when the last one started

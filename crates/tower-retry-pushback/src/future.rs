@@ -21,7 +21,7 @@ use tower_service::Service;
 use crate::config::MIN_NOT_ADMITTED_WAIT;
 use crate::error::{Reason, RetryError};
 use crate::resend::Resend;
-use crate::service::{Counters, Shared};
+use crate::service::{Core, Counters};
 
 pin_project! {
     #[project = StateProj]
@@ -76,14 +76,17 @@ pin_project! {
         #[pin]
         state: State<S::Future>,
         deadline: Option<Pin<Box<Sleep>>>,
-        service: S,
-        call: Call<Req, C, R>,
+        // The service of the attempts after the first: made (from the layer's
+        // prototype) only when the call needs a second attempt.
+        service: Option<S>,
+        call: Call<S, Req, C, R>,
     }
 }
 
 /// The call's own bookkeeping.
-struct Call<Req, C, R> {
-    shared: Arc<Shared<C, R>>,
+struct Call<S, Req, C, R> {
+    /// The layer's shared state, and the service later attempts go to.
+    shared: Arc<Core<S, C, R>>,
     /// The copy of the request for the next attempt.
     next: Option<Req>,
     /// Our own handle on the call's history, when the request copies do not carry it
@@ -157,7 +160,7 @@ impl Pushback {
     }
 }
 
-impl<Req, C, R> Call<Req, C, R> {
+impl<S, Req, C, R> Call<S, Req, C, R> {
     fn uncount(&mut self) {
         if let Some(slow) = &mut self.slow
             && std::mem::take(&mut slow.counted)
@@ -168,7 +171,7 @@ impl<Req, C, R> Call<Req, C, R> {
     }
 }
 
-impl<Req, C, R> Drop for Call<Req, C, R> {
+impl<S, Req, C, R> Drop for Call<S, Req, C, R> {
     fn drop(&mut self) {
         self.uncount();
     }
@@ -200,7 +203,7 @@ pub(crate) struct CallStart<Req> {
     pub(crate) recording: Option<Recording>,
 }
 
-impl<Req: CarriesHistory, C, R> Call<Req, C, R> {
+impl<S, Req: CarriesHistory, C, R> Call<S, Req, C, R> {
     /// The call's history: our own handle, else the one the next request carries, else
     /// (history from the first retry on, or a request that cannot carry one) a new one,
     /// holding what the attempts sent without one recorded, attached to the next
@@ -227,7 +230,7 @@ impl<Req: CarriesHistory, C, R> Call<Req, C, R> {
     }
 
     #[inline(always)]
-    fn new(shared: Arc<Shared<C, R>>, start: CallStart<Req>) -> Self {
+    fn new(shared: Arc<Core<S, C, R>>, start: CallStart<Req>) -> Self {
         Self {
             shared,
             next: start.next,
@@ -547,30 +550,20 @@ where
     Req: CarriesHistory,
 {
     #[inline(always)]
-    pub(crate) fn new(
-        attempt: S::Future,
-        service: S,
-        shared: Arc<Shared<C, R>>,
-        start: CallStart<Req>,
-    ) -> Self {
+    pub(crate) fn new(attempt: S::Future, shared: Arc<Core<S, C, R>>, start: CallStart<Req>) -> Self {
         Self {
             state: State::Attempt { fut: attempt },
             deadline: start.deadline_at.map(|at| Box::pin(tokio::time::sleep_until(at))),
-            service,
+            service: None,
             call: Call::new(shared, start),
         }
     }
 
-    pub(crate) fn failed(
-        service: S,
-        shared: Arc<Shared<C, R>>,
-        start: CallStart<Req>,
-        err: BoxError,
-    ) -> Self {
+    pub(crate) fn failed(shared: Arc<Core<S, C, R>>, start: CallStart<Req>, err: BoxError) -> Self {
         Self {
             state: State::Failed { err: Some(err) },
             deadline: None,
-            service,
+            service: None,
             call: Call::new(shared, start),
         }
     }
@@ -578,7 +571,7 @@ where
 
 impl<S, Req, C, R> Future for ResponseFuture<S, Req, C, R>
 where
-    S: Service<Req>,
+    S: Service<Req> + Clone,
     S::Error: Into<BoxError>,
     Req: CarriesHistory,
     C: Classify<S::Response, BoxError>,
@@ -643,7 +636,11 @@ where
                 StateProj::Ready => {
                     if let Some(waited) = this.call.stalled() {
                         Next::Finish(this.call.fail(Reason::Stalled { waited }))
-                    } else if let Err(e) = ready!(this.service.poll_ready(cx)) {
+                    } else if let Err(e) = ready!(
+                        this.service
+                            .get_or_insert_with(|| this.call.shared.later_attempts())
+                            .poll_ready(cx)
+                    ) {
                         // A RetryError like every failed call's: the attempts so far
                         // and the reason, the service's error as its source.
                         this.call.start_waiting(Instant::now()).last_error = Some(e.into());
@@ -652,7 +649,11 @@ where
                         Next::Finish(this.call.fail(Reason::Throttled))
                     } else if let Some(req) = this.call.next.take() {
                         this.call.next = this.call.shared.resend.resend(&req);
-                        let fut = this.service.call(req);
+                        let fut = this
+                            .service
+                            .as_mut()
+                            .expect("the service was made ready above")
+                            .call(req);
                         this.state.set(State::Attempt { fut });
                         continue;
                     } else {

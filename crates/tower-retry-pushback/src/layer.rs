@@ -182,11 +182,11 @@ impl<C, R> RetryLayer<C, R> {
     }
 }
 
-impl<S, C: Clone, R: Clone> Layer<S> for RetryLayer<C, R> {
+impl<S: Clone, C: Clone, R: Clone> Layer<S> for RetryLayer<C, R> {
     type Service = Retry<S, C, R>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        Retry::from_shared(inner, Arc::new(self.shared.clone()))
+        Retry::from_shared(inner, self.shared.clone())
     }
 }
 

@@ -116,13 +116,43 @@ pub struct RetryStats {
     pub waiting: usize,
 }
 
+/// What the calls of one [`Retry`] (and its clones) share: the layer's state, and
+/// the service their attempts after the first go to.
+pub(crate) struct Core<S, C, R> {
+    shared: Shared<C, R>,
+    /// A clone of the wrapped service, taken when it was wrapped (or changed through
+    /// [`Retry::get_mut`]). A call's first attempt goes to the service `poll_ready`
+    /// made ready, without a clone; a call that needs another attempt clones this
+    /// once and asks the clone to be ready before each later attempt. So a call that
+    /// succeeds at once clones nothing.
+    proto: Mutex<S>,
+}
+
+impl<S: Clone, C, R> Core<S, C, R> {
+    /// The service for a call's attempts after the first (not ready yet).
+    pub(crate) fn later_attempts(&self) -> S {
+        lock(&self.proto).clone()
+    }
+}
+
+impl<S, C, R> std::ops::Deref for Core<S, C, R> {
+    type Target = Shared<C, R>;
+
+    fn deref(&self) -> &Shared<C, R> {
+        &self.shared
+    }
+}
+
 /// Runs the retry loop around `S`: see the [crate docs](crate).
 pub struct Retry<S, C = OkIsSuccess, R = ByClone> {
     inner: S,
-    shared: Arc<Shared<C, R>>,
+    core: Arc<Core<S, C, R>>,
+    /// Whether `inner` may have changed through [`get_mut`](Self::get_mut) since the
+    /// prototype was taken.
+    changed: bool,
 }
 
-impl<S> Retry<S> {
+impl<S: Clone> Retry<S> {
     /// Wraps `inner` with `config` and the defaults of [`RetryLayer::new`].
     ///
     /// # Errors
@@ -132,18 +162,28 @@ impl<S> Retry<S> {
     }
 }
 
-impl<S, C, R> Retry<S, C, R> {
-    pub(crate) fn from_shared(inner: S, shared: Arc<Shared<C, R>>) -> Self {
-        Self { inner, shared }
+impl<S: Clone, C, R> Retry<S, C, R> {
+    pub(crate) fn from_shared(inner: S, shared: Shared<C, R>) -> Self {
+        let proto = Mutex::new(inner.clone());
+        Self {
+            inner,
+            core: Arc::new(Core { shared, proto }),
+            changed: false,
+        }
     }
+}
 
+impl<S, C, R> Retry<S, C, R> {
     /// The inner service.
     pub fn get_ref(&self) -> &S {
         &self.inner
     }
 
-    /// The inner service, mutably.
+    /// The inner service, mutably. A change made through it reaches the attempts
+    /// after the first of the calls made from then on (through this service or its
+    /// clones).
     pub fn get_mut(&mut self) -> &mut S {
+        self.changed = true;
         &mut self.inner
     }
 
@@ -155,13 +195,13 @@ impl<S, C, R> Retry<S, C, R> {
     /// Calls retrying and waiting, over every service of this service's layer.
     #[must_use]
     pub fn stats(&self) -> RetryStats {
-        self.shared.counters.snapshot()
+        self.core.counters.snapshot()
     }
 
     /// The progress signal this service records successes into.
     #[must_use]
     pub fn progress_signal(&self) -> &Progress {
-        &self.shared.progress
+        &self.core.progress
     }
 }
 
@@ -169,7 +209,8 @@ impl<S: Clone, C, R> Clone for Retry<S, C, R> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
-            shared: Arc::clone(&self.shared),
+            core: Arc::clone(&self.core),
+            changed: self.changed,
         }
     }
 }
@@ -178,7 +219,7 @@ impl<S: fmt::Debug, C, R> fmt::Debug for Retry<S, C, R> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Retry")
             .field("inner", &self.inner)
-            .field("config", &self.shared.config)
+            .field("config", &self.core.config)
             .finish_non_exhaustive()
     }
 }
@@ -200,7 +241,10 @@ where
     }
 
     fn call(&mut self, mut req: Req) -> Self::Future {
-        let shared = Arc::clone(&self.shared);
+        if std::mem::take(&mut self.changed) {
+            *lock(&self.core.proto) = self.inner.clone();
+        }
+        let shared = Arc::clone(&self.core);
         let deadline_at = match (shared.config.max_call_duration, shared.resend.deadline(&req)) {
             (None, None) => None,
             (max, own) => {
@@ -243,11 +287,6 @@ where
         if let Some(budget) = &shared.budget {
             budget.deposit(Instant::now());
         }
-        // The clone is not ready; the ready service goes to the future, which asks it
-        // again before any later attempt (see tower-service, "Be careful when cloning
-        // inner services").
-        let clone = self.inner.clone();
-        let mut service = std::mem::replace(&mut self.inner, clone);
         let next = shared.resend.resend(&req);
         // Keep our own handle only when no copy of the request will carry the history.
         let history = if next.is_none() {
@@ -266,13 +305,15 @@ where
         if !shared.throttle_admits() {
             let attempts = req.call_history().map(CallHistory::attempts).unwrap_or_default();
             let err = RetryError::new(Reason::Throttled, attempts, None);
-            return ResponseFuture::failed(service, shared, start, Box::new(err));
+            return ResponseFuture::failed(shared, start, Box::new(err));
         }
         let attempt = {
             let _scope = start.recording.as_mut().map(Recording::enter);
-            service.call(req)
+            // The first attempt goes to the service `poll_ready` made ready; later
+            // ones to a clone of the prototype, asked to be ready first (see `Core`).
+            self.inner.call(req)
         };
-        ResponseFuture::new(attempt, service, shared, start)
+        ResponseFuture::new(attempt, shared, start)
     }
 }
 

@@ -1529,3 +1529,112 @@ async fn every_wait_of_the_loop_fails_at_once_when_longer_than_the_deadline_allo
     assert_eq!(holds.calls.lock().unwrap().len(), 1, "the source was held");
     assert_eq!(router.times_of("s1").len(), 1);
 }
+
+// ---------------------------------------------------------------- the service of each attempt
+
+/// A service that counts its clones and records, for each call, the tag of the instance
+/// that took it and whether `poll_ready` had made that instance ready.
+#[derive(Debug)]
+struct Tracked {
+    upstream: Upstream,
+    tag: u32,
+    ready: bool,
+    clones: Arc<std::sync::atomic::AtomicUsize>,
+    calls: Arc<std::sync::Mutex<Vec<(u32, bool)>>>,
+}
+
+impl Tracked {
+    fn new(upstream: Upstream) -> Self {
+        Self {
+            upstream,
+            tag: 0,
+            ready: false,
+            clones: Arc::default(),
+            calls: Arc::default(),
+        }
+    }
+
+    fn clones(&self) -> usize {
+        self.clones.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+impl Clone for Tracked {
+    fn clone(&self) -> Self {
+        self.clones.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Self {
+            upstream: self.upstream.clone(),
+            tag: self.tag,
+            // A clone is not ready (tower-service, "Be careful when cloning inner
+            // services").
+            ready: false,
+            clones: Arc::clone(&self.clones),
+            calls: Arc::clone(&self.calls),
+        }
+    }
+}
+
+impl Service<Req> for Tracked {
+    type Response = Ans;
+    type Error = BoxError;
+    type Future = <Upstream as Service<Req>>::Future;
+
+    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), BoxError>> {
+        let polled = self.upstream.poll_ready(cx);
+        if polled.is_ready() {
+            self.ready = true;
+        }
+        polled
+    }
+
+    fn call(&mut self, req: Req) -> Self::Future {
+        self.calls
+            .lock()
+            .unwrap()
+            .push((self.tag, std::mem::take(&mut self.ready)));
+        self.upstream.call(req)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_call_answered_at_once_clones_no_service() {
+    let svc = Tracked::new(Upstream::always(Ans::Ok));
+    let mut retry = layer(RetryConfig::default()).layer(svc);
+    let after_wrapping = retry.get_ref().clones();
+    for id in 0..5 {
+        assert!(matches!(call(&mut retry, Req::new(id)).await, Ok(Ans::Ok)));
+    }
+    assert_eq!(retry.get_ref().clones(), after_wrapping, "no clone per call");
+    let calls = retry.get_ref().calls.lock().unwrap().clone();
+    assert_eq!(calls, vec![(0, true); 5], "each call on the instance made ready");
+}
+
+#[tokio::test(start_paused = true)]
+async fn later_attempts_go_to_one_clone_made_ready_before_each() {
+    let upstream = Upstream::with(vec![Ok(Ans::Transient), Ok(Ans::Transient)]);
+    let svc = Tracked::new(upstream);
+    let mut retry = layer(RetryConfig::default()).layer(svc);
+    let after_wrapping = retry.get_ref().clones();
+    assert!(matches!(call(&mut retry, Req::new(1)).await, Ok(Ans::Ok)));
+    assert_eq!(
+        retry.get_ref().clones(),
+        after_wrapping + 1,
+        "one clone for the call's retries"
+    );
+    let calls = retry.get_ref().calls.lock().unwrap().clone();
+    assert_eq!(calls, vec![(0, true); 3], "every attempt on a ready instance");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_change_through_get_mut_reaches_later_attempts() {
+    let upstream = Upstream::with(vec![Ok(Ans::Transient)]);
+    let mut retry = layer(RetryConfig::default()).layer(Tracked::new(upstream));
+    retry.get_mut().tag = 7;
+    assert!(matches!(call(&mut retry, Req::new(1)).await, Ok(Ans::Ok)));
+    let calls = retry.get_ref().calls.lock().unwrap().clone();
+    assert_eq!(
+        calls,
+        vec![(7, true), (7, true)],
+        "the retry went to the changed service"
+    );
+}
