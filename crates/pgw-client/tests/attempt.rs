@@ -419,6 +419,31 @@ async fn total_watchdog_caps_a_steady_trickle() {
     assert_eq!(started.elapsed(), Duration::from_secs(10));
 }
 
+/// An overloaded provider that says when to come back (Anthropic's 529, a 503) is
+/// pushback, held like a 429; without `Retry-After` it stays a failure.
+#[tokio::test(start_paused = true)]
+async fn an_overloaded_answer_with_retry_after_is_pushback() {
+    let p = Provider::default();
+    let body = r#"{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}"#;
+    for status in [503, 529] {
+        let mut s = json(status, body);
+        s.headers.push(("retry-after", "12".into()));
+        let r = p.client(s, timeouts()).oneshot(plain_call()).await;
+        assert_eq!(
+            outcome(&r),
+            Outcome::RateLimited {
+                retry_after: Some(Duration::from_secs(12))
+            },
+            "{status}"
+        );
+        let r = p
+            .client(json(status, body), timeouts())
+            .oneshot(plain_call())
+            .await;
+        assert_eq!(outcome(&r), Outcome::Transient, "{status} without retry-after");
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn non_2xx_carries_status_retry_after_and_scrubbed_message() {
     let p = Provider::default();

@@ -20,12 +20,14 @@ use crate::{Classify, Outcome};
 /// | 401, 402, 403, 404 | `SourceDead` (bad or revoked key, no credit, a wrong path: nobody gets through this source) |
 /// | 408, 409, 425 | `Transient` (timing, may pass on a retry) |
 /// | 400, 413, 422 and other 4xx | `Rejected` (the request itself is bad) |
-/// | 5xx (529 overloaded included), 1xx, 3xx | `Transient` |
+/// | 503 and 529 (overloaded) with a `Retry-After` | `RateLimited { retry_after }`: the source said when to come back (RFC 9110, 10.2.3), pushback like a 429's |
+/// | 5xx (503 and 529 without `Retry-After` included), 1xx, 3xx | `Transient` |
 #[must_use]
 pub fn classify_status(status: StatusCode, retry_after: Option<std::time::Duration>) -> Outcome {
     match status.as_u16() {
         200..=299 => Outcome::Success,
         429 => Outcome::RateLimited { retry_after },
+        503 | 529 if retry_after.is_some() => Outcome::RateLimited { retry_after },
         401..=404 => Outcome::SourceDead,
         408 | 409 | 425 => Outcome::Transient,
         400..=499 => Outcome::Rejected,
@@ -124,7 +126,8 @@ fn names_a_moderation_refusal(message: &str) -> bool {
 /// | a 403 whose message is a moderation refusal ("flagged") | `Rejected` (the request, not the key) |
 /// | `insufficient_quota` (429, billing), `invalid_api_key`, `authentication_error`, `permission_error` | `SourceDead` |
 /// | `rate_limit_exceeded`, `rate_limit_error` | `RateLimited { retry_after }` |
-/// | 529, `overloaded_error` | `Transient` |
+/// | `overloaded_error`, 503 or 529 with a `Retry-After` | `RateLimited { retry_after }` (the source said when it can take more: held until then, as after a 429) |
+/// | `overloaded_error`, 503 or 529 without one | `Transient` |
 /// | anything else | by status ([`classify_status`]) |
 ///
 /// ```
@@ -162,6 +165,13 @@ pub fn classify_upstream(err: &UpstreamStatus) -> Outcome {
         Some(Meaning::Rejected) => return Outcome::Rejected,
         Some(Meaning::SourceDead | Meaning::QuotaExhausted) => return Outcome::SourceDead,
         Some(Meaning::RateLimited) => {
+            return Outcome::RateLimited {
+                retry_after: err.retry_after(),
+            };
+        }
+        // Overloaded, and told when to come back: pushback (the source is held until
+        // then instead of being sent the next attempt after a backoff).
+        Some(Meaning::Transient) if err.retry_after().is_some() => {
             return Outcome::RateLimited {
                 retry_after: err.retry_after(),
             };
@@ -287,6 +297,53 @@ mod tests {
 
     fn status_err(code: u16, ra: Option<Duration>) -> BoxError {
         Box::new(UpstreamStatus::new(StatusCode::from_u16(code).unwrap(), ra, "x"))
+    }
+
+    /// A 503 or 529 that says when to come back is pushback: the source is held until
+    /// then, as after a 429. Without `Retry-After`, and for other 5xx whatever their
+    /// headers, a failure.
+    #[test]
+    fn an_overloaded_source_that_says_when_to_come_back_is_pushback() {
+        let after = Some(Duration::from_secs(30));
+        let overloaded = r#"{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}"#;
+        let busy = r#"{"error":{"message":"The engine is currently overloaded","type":"server_error","param":null,"code":null}}"#;
+        for (status, body) in [
+            (503, ""),
+            (529, ""),
+            (529, overloaded),
+            (503, overloaded),
+            (503, busy),
+        ] {
+            let with = |ra| {
+                let e = UpstreamStatus::new(StatusCode::from_u16(status).unwrap(), ra, "");
+                match ProviderError::parse(body.as_bytes()) {
+                    Some(p) => e.with_provider(p),
+                    None => e,
+                }
+            };
+            assert_eq!(
+                classify_upstream(&with(after)),
+                Outcome::RateLimited { retry_after: after },
+                "{status} {body}"
+            );
+            assert_eq!(
+                classify_upstream(&with(None)),
+                Outcome::Transient,
+                "{status} {body}"
+            );
+        }
+        for status in [500, 502, 504] {
+            let e = UpstreamStatus::new(StatusCode::from_u16(status).unwrap(), after, "");
+            assert_eq!(classify_upstream(&e), Outcome::Transient, "{status}");
+        }
+        assert_eq!(
+            classify_status(StatusCode::SERVICE_UNAVAILABLE, after),
+            Outcome::RateLimited { retry_after: after }
+        );
+        assert_eq!(
+            classify_status(StatusCode::SERVICE_UNAVAILABLE, None),
+            Outcome::Transient
+        );
     }
 
     /// One row per example of every outcome class, through the OpenAI classifier.
@@ -418,15 +475,17 @@ mod tests {
                 r#"{"type":"error","error":{"type":"authentication_error","message":"invalid x-api-key"}}"#,
                 Outcome::SourceDead,
             ),
+            // Overloaded, with the table's `Retry-After`: pushback (see the test below).
             (
                 529,
                 r#"{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}"#,
-                Outcome::Transient,
+                Outcome::RateLimited { retry_after: ra },
             ),
+            // Overloaded, with the table's `Retry-After`: pushback (see the test below).
             (
                 503,
                 r#"{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}"#,
-                Outcome::Transient,
+                Outcome::RateLimited { retry_after: ra },
             ),
             (
                 400,

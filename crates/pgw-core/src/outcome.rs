@@ -22,14 +22,15 @@ pub enum Outcome {
     /// A real answer (for chat completions: text, a tool call, or the provider's
     /// decline: a content filter's verdict or a refusal, handed to the caller as is).
     Success,
-    /// The source pushed back (HTTP 429 `rate_limit_exceeded`). `retry_after` is the
-    /// server's hint, if any.
+    /// The source pushed back (HTTP 429 `rate_limit_exceeded`, or a 503 / 529
+    /// overloaded that said when to come back). `retry_after` is the server's hint, if
+    /// any.
     RateLimited {
         /// How long the server asked us to wait, already parsed and capped.
         retry_after: Option<Duration>,
     },
-    /// A failure that may not repeat: timeout, connect/reset, 5xx, 529 overloaded,
-    /// empty completion, a watchdog cut.
+    /// A failure that may not repeat: timeout, connect/reset, 5xx, 529 overloaded
+    /// (without `Retry-After`), empty completion, a watchdog cut.
     Transient,
     /// The source cannot serve anyone: 401/403 (`invalid_api_key`), a revoked key, 429
     /// `insufficient_quota` (billing), a wrong base URL.

@@ -11,7 +11,7 @@
 //! | 415 | `invalid_request_error` | `unsupported_media_type` | not `application/json` |
 //! | 429 | `rate_limit_error` | `rate_limit_exceeded` | the key's quota, the pool's quotas or pushback; `Retry-After` when known |
 //! | 502 | `upstream_error` | `upstream_failed` | every attempt failed |
-//! | 503 | `service_unavailable` | `all_circuits_open`, `overloaded`, `backend_unavailable`, `stalled` | local refusals; `Retry-After` when known (the server adds `shed_retry_after_s` otherwise) |
+//! | 503 | `service_unavailable` | `all_circuits_open`, `overloaded`, `backend_unavailable`, `stalled` | local refusals, and a provider's 503 or 529 that said when to come back (`overloaded`); `Retry-After` when known (the server adds `shed_retry_after_s` otherwise) |
 //! | 504 | `timeout_error` | `deadline_exceeded`, `upstream_timeout` | the call's deadline, attempts that timed out |
 
 use std::time::Duration;
@@ -187,6 +187,13 @@ impl ApiError {
                 detail(r.reason().to_string()),
             )
             .retry_after(Some(retry_after)),
+            Reason::WaitTooLong { wait, .. } if last.is_some_and(|e| overloaded(e)) => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                "overloaded",
+                detail(format!("the upstream is overloaded; {}", r.reason())),
+            )
+            .retry_after(Some(wait)),
             Reason::WaitTooLong { wait, .. } => Self::new(
                 StatusCode::TOO_MANY_REQUESTS,
                 "rate_limit_error",
@@ -228,6 +235,15 @@ impl ApiError {
                 if let Some(e) = last
                     && matches!(classify_error(e), Outcome::RateLimited { .. })
                 {
+                    if overloaded(e) {
+                        return Self::new(
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            "service_unavailable",
+                            "overloaded",
+                            detail(format!("{}; the upstream is overloaded", r.reason())),
+                        )
+                        .retry_after(upstream_retry);
+                    }
                     return Self::new(
                         StatusCode::TOO_MANY_REQUESTS,
                         "rate_limit_error",
@@ -422,6 +438,13 @@ pub(crate) fn code_label(code: Option<&str>) -> &'static str {
     }
 }
 
+/// Whether `e` is a provider's 503 or 529 that said when to come back (pushback, see
+/// `pgw_core::classify_status`): the answer is 503 `overloaded`, not a quota's 429.
+fn overloaded(e: &(dyn std::error::Error + 'static)) -> bool {
+    UpstreamStatus::find(e).is_some_and(|u| u.status().is_server_error())
+        && matches!(classify_error(e), Outcome::RateLimited { .. })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -466,6 +489,50 @@ mod tests {
         assert_eq!(e.code.as_deref(), Some("all_circuits_open"));
         assert!(!e.message.contains("s-secret"), "{}", e.message);
         assert!(ApiError::from_gateway(&c, true).message.contains("s-secret"));
+    }
+
+    /// The answer of a call whose upstream kept pushing back with `Retry-After: 30`:
+    /// a 503 or 529 (overloaded) is the gateway's 503 `overloaded`, a 429 its 429;
+    /// both with the upstream's `Retry-After`.
+    #[tokio::test(start_paused = true)]
+    async fn an_overloaded_upstream_that_said_when_is_503_overloaded() {
+        use pgw_stack::retry::{RetryConfig, RetryLayer};
+        use tower::{Layer, ServiceExt};
+
+        async fn answer(status: u16) -> ApiError {
+            let layer = RetryLayer::new(RetryConfig {
+                max_pushback_wait: Duration::from_secs(10),
+                ..RetryConfig::default()
+            })
+            .unwrap()
+            .classifier(pgw_core::OpenAiClassifier);
+            let upstream = tower::service_fn(move |_: pgw_stack::ChatCall| async move {
+                let busy = UpstreamStatus::new(
+                    StatusCode::from_u16(status).unwrap(),
+                    Some(Duration::from_secs(30)),
+                    "busy",
+                );
+                Err::<pgw_core::openai::ChatResponse, BoxError>(Box::new(busy))
+            });
+            let call = pgw_stack::ChatCall::new(pgw_core::openai::ChatRequest::user("m", "hi"));
+            let err = layer.layer(upstream).oneshot(call).await.unwrap_err();
+            ApiError::from_gateway(&err, false)
+        }
+        for status in [503, 529] {
+            let e = answer(status).await;
+            assert_eq!(
+                e.status,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "{status}: {}",
+                e.message
+            );
+            assert_eq!(e.code.as_deref(), Some("overloaded"), "{status}");
+            assert_eq!(e.retry_after, Some(Duration::from_secs(30)), "{status}");
+        }
+        let e = answer(429).await;
+        assert_eq!(e.status, StatusCode::TOO_MANY_REQUESTS, "{}", e.message);
+        assert_eq!(e.code.as_deref(), Some("rate_limit_exceeded"));
+        assert_eq!(e.retry_after, Some(Duration::from_secs(30)));
     }
 
     #[test]
