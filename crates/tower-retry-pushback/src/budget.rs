@@ -78,7 +78,8 @@ impl Window {
 /// A *retry* here is another attempt after a `Transient` or `SourceDead` outcome, the
 /// ones that multiply load on a failing upstream. Going on after a 429 (pushback, paced
 /// by holds and `Retry-After`), re-asking after `Invalid` and waiting for a gate are not
-/// withdrawn.
+/// withdrawn. A retry withdrawn and never sent (the call ended, or its caller dropped
+/// it, during the backoff) is given back.
 ///
 /// Cheap to clone (a handle); every service of one layer shares one budget.
 #[derive(Clone, Debug)]
@@ -120,6 +121,24 @@ impl RetryBudget {
             let allowed = (retries + 1) as f64 <= ratio * requests as f64 + reserve;
             (0, u64::from(allowed), allowed)
         })
+    }
+
+    /// Gives back a retry [`withdraw`](Self::withdraw)n for an attempt that was never
+    /// sent (the call ended, or was dropped, while it waited to send it): taken from
+    /// the newest bucket still in the window at `now` that counts one. Nothing when
+    /// the withdrawal has left the window.
+    pub(crate) fn refund(&self, now: Instant) {
+        let w = &self.inner.window;
+        let since = u64::try_from(now.saturating_duration_since(w.base).as_nanos()).unwrap_or(u64::MAX);
+        let id = since / w.width_ns + 1;
+        let mut buckets = lock(&w.buckets);
+        if let Some(bucket) = buckets
+            .iter_mut()
+            .filter(|b| b.id != 0 && b.id + BUCKETS > id && b.b > 0)
+            .max_by_key(|b| b.id)
+        {
+            bucket.b -= 1;
+        }
     }
 
     /// Requests and retries counted in the window at `now`.

@@ -121,6 +121,9 @@ struct Slow {
     last_error: Option<BoxError>,
     /// Whether the call still counts as retrying (and watches the progress signal).
     counted: bool,
+    /// A retry drawn from the budget for an attempt not sent yet: given back if the
+    /// call ends (or is dropped) before it sends it.
+    withdrawn: bool,
 }
 
 /// The time a call's 429s asked it to wait, bounded by `max_pushback_wait`.
@@ -161,12 +164,27 @@ impl Pushback {
 }
 
 impl<S, Req, C, R> Call<S, Req, C, R> {
+    /// The call ended (or was dropped): no longer retrying, and a retry drawn for an
+    /// attempt it never sent goes back to the budget.
     fn uncount(&mut self) {
-        if let Some(slow) = &mut self.slow
-            && std::mem::take(&mut slow.counted)
-        {
+        let Some(slow) = &mut self.slow else {
+            return;
+        };
+        if std::mem::take(&mut slow.counted) {
             self.shared.counters.retrying.fetch_sub(1, Ordering::Relaxed);
             self.shared.progress.unwatch();
+        }
+        if std::mem::take(&mut slow.withdrawn)
+            && let Some(budget) = &self.shared.budget
+        {
+            budget.refund(Instant::now());
+        }
+    }
+
+    /// The attempt the budget was drawn for goes out: the retry is spent.
+    fn sent(&mut self) {
+        if let Some(slow) = &mut self.slow {
+            slow.withdrawn = false;
         }
     }
 }
@@ -288,6 +306,7 @@ impl<S, Req: CarriesHistory, C, R> Call<S, Req, C, R> {
                 pushback: Pushback::default(),
                 last_error: None,
                 counted: true,
+                withdrawn: false,
             })
         })
     }
@@ -446,10 +465,11 @@ impl<S, Req: CarriesHistory, C, R> Call<S, Req, C, R> {
                         return Next::Finish(self.fail(Reason::WaitTooLong { wait, limit }));
                     }
                 }
-                if let Some(budget) = &self.shared.budget
-                    && !budget.withdraw(now)
-                {
-                    return Next::Finish(self.fail(Reason::RetryBudgetExhausted));
+                if let Some(budget) = &self.shared.budget {
+                    if !budget.withdraw(now) {
+                        return Next::Finish(self.fail(Reason::RetryBudgetExhausted));
+                    }
+                    self.start_waiting(now).withdrawn = true;
                 }
                 backoff.map_or(Next::Dispatch, Next::Sleep)
             }
@@ -648,6 +668,7 @@ where
                     } else if !this.call.shared.throttle_admits() {
                         Next::Finish(this.call.fail(Reason::Throttled))
                     } else if let Some(req) = this.call.next.take() {
+                        this.call.sent();
                         this.call.next = this.call.shared.resend.resend(&req);
                         let fut = this
                             .service

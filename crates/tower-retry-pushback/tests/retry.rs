@@ -765,6 +765,38 @@ async fn a_retry_the_call_cannot_wait_for_spends_no_budget() {
     assert_eq!(call(&mut svc, Req::new(100)).await.unwrap(), Ans::Ok);
 }
 
+/// A retry drawn from the budget and never sent goes back to it: twenty callers that
+/// give up during the backoff after a failed attempt (their futures dropped) leave
+/// the budget's reserve whole for a call that can retry. Before, each kept its
+/// withdrawal and the next call was refused its retry (`RetryBudgetExhausted`).
+#[tokio::test(start_paused = true)]
+async fn a_retry_never_sent_goes_back_to_the_budget() {
+    use tower_retry_pushback::RetryBudgetConfig;
+    let budget = RetryBudgetConfig {
+        ratio: 0.0,
+        min_retries_per_sec: 1,
+        ..RetryBudgetConfig::default()
+    };
+    let mut answers: Vec<Result<Ans, BoxError>> = (0..21).map(|_| Ok(Ans::Transient)).collect();
+    answers.push(Ok(Ans::Ok));
+    let upstream = Upstream::with(answers);
+    let mut svc = layer(RetryConfig {
+        base_backoff: Duration::from_secs(1),
+        retry_budget: Some(budget),
+        ..RetryConfig::default()
+    })
+    .layer(upstream.clone());
+    for i in 0..20 {
+        let fut = svc.ready().await.unwrap().call(Req::new(i));
+        // The caller gives up 100 ms in: the first attempt failed, the retry waits
+        // out its backoff (at least 500 ms).
+        let given_up = tokio::time::timeout(Duration::from_millis(100), fut).await;
+        assert!(given_up.is_err(), "call {i} ended before its caller gave up");
+    }
+    assert_eq!(upstream.sent_times().len(), 20, "one attempt per abandoned call");
+    assert_eq!(call(&mut svc, Req::new(100)).await.unwrap(), Ans::Ok);
+}
+
 #[tokio::test(start_paused = true)]
 async fn retry_budget_caps_retries_under_total_failure() {
     use tower_retry_pushback::RetryBudgetConfig;
