@@ -722,21 +722,34 @@ async fn keeps_waiting_while_other_calls_succeed() {
 
 // ---------------------------------------------------------------- R5, R6
 
+/// A layer whose retry budget is its reserve alone: ten retries (no ratio of the
+/// requests), backoffs of at least 500 ms.
+fn budget_of_ten() -> RetryLayer<TestClassifier> {
+    let budget = tower_retry_pushback::RetryBudgetConfig {
+        ratio: 0.0,
+        min_retries_per_sec: 1,
+        ..tower_retry_pushback::RetryBudgetConfig::default()
+    };
+    layer(RetryConfig {
+        base_backoff: Duration::from_secs(1),
+        retry_budget: Some(budget),
+        ..RetryConfig::default()
+    })
+}
+
+/// Twenty calls' one failed attempt each, then a call failing once and answering.
+fn twenty_failures_then_a_retry() -> Upstream {
+    let mut answers: Vec<Result<Ans, BoxError>> = (0..21).map(|_| Ok(Ans::Transient)).collect();
+    answers.push(Ok(Ans::Ok));
+    Upstream::with(answers)
+}
+
 /// A retry the call cannot wait for (its backoff is past the call's deadline) ends
 /// the call before the retry budget is drawn on: twenty such calls leave the budget's
 /// reserve whole for a call that can retry. Before, each drew one and the next call
 /// was refused its retry (`RetryBudgetExhausted`).
 #[tokio::test(start_paused = true)]
 async fn a_retry_the_call_cannot_wait_for_spends_no_budget() {
-    use tower_retry_pushback::RetryBudgetConfig;
-    let budget = RetryBudgetConfig {
-        ratio: 0.0,
-        min_retries_per_sec: 1,
-        ..RetryBudgetConfig::default()
-    };
-    // Twenty calls' one attempt each, then a call failing once and answering.
-    let mut answers: Vec<Result<Ans, BoxError>> = (0..21).map(|_| Ok(Ans::Transient)).collect();
-    answers.push(Ok(Ans::Ok));
     /// Requests with an id below 100 must end within 100 ms of their start.
     #[derive(Clone, Copy)]
     struct Deadlines;
@@ -748,13 +761,9 @@ async fn a_retry_the_call_cannot_wait_for_spends_no_budget() {
             (req.id < 100).then(|| Instant::now() + Duration::from_millis(100))
         }
     }
-    let mut svc = layer(RetryConfig {
-        base_backoff: Duration::from_secs(1),
-        retry_budget: Some(budget),
-        ..RetryConfig::default()
-    })
-    .resend(Deadlines)
-    .layer(Upstream::with(answers));
+    let mut svc = budget_of_ten()
+        .resend(Deadlines)
+        .layer(twenty_failures_then_a_retry());
     for i in 0..20 {
         let err = call(&mut svc, Req::new(i)).await.unwrap_err();
         assert!(
@@ -771,21 +780,8 @@ async fn a_retry_the_call_cannot_wait_for_spends_no_budget() {
 /// withdrawal and the next call was refused its retry (`RetryBudgetExhausted`).
 #[tokio::test(start_paused = true)]
 async fn a_retry_never_sent_goes_back_to_the_budget() {
-    use tower_retry_pushback::RetryBudgetConfig;
-    let budget = RetryBudgetConfig {
-        ratio: 0.0,
-        min_retries_per_sec: 1,
-        ..RetryBudgetConfig::default()
-    };
-    let mut answers: Vec<Result<Ans, BoxError>> = (0..21).map(|_| Ok(Ans::Transient)).collect();
-    answers.push(Ok(Ans::Ok));
-    let upstream = Upstream::with(answers);
-    let mut svc = layer(RetryConfig {
-        base_backoff: Duration::from_secs(1),
-        retry_budget: Some(budget),
-        ..RetryConfig::default()
-    })
-    .layer(upstream.clone());
+    let upstream = twenty_failures_then_a_retry();
+    let mut svc = budget_of_ten().layer(upstream.clone());
     for i in 0..20 {
         let fut = svc.ready().await.unwrap().call(Req::new(i));
         // The caller gives up 100 ms in: the first attempt failed, the retry waits
