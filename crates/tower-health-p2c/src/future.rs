@@ -536,10 +536,12 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
         if self.classifier.in_progress(&result) {
             self.dispatched_at = None;
             state.answered();
-            // Judged at its end: the closure owns what it needs, the inflight count too.
+            // Judged at its end: the closure owns what it needs, the inflight count too
+            // (handed over before anything that may panic, so exactly one of the guard
+            // and `CallState`'s drop gives it back).
+            self.dispatched = None;
             let inflight = Inflight(Arc::clone(state));
             let (class, history, classifier) = (self.class, self.history().cloned(), self.classifier.clone());
-            self.dispatched = None;
             // Judged after this poll: the recording in scope then is not this call's.
             self.classifier.defer(
                 &mut result,

@@ -43,11 +43,16 @@ impl Window {
         }
     }
 
+    /// The id of the bucket `now` falls in.
+    fn bucket_id(&self, now: Instant) -> u64 {
+        let since = u64::try_from(now.saturating_duration_since(self.base).as_nanos()).unwrap_or(u64::MAX);
+        since / self.width_ns + 1
+    }
+
     /// Runs `f` with the window's totals `(a, b)` at `now`; `f` returns what to add to
     /// the current bucket and a result.
     fn update<T>(&self, now: Instant, f: impl FnOnce(u64, u64) -> (u64, u64, T)) -> T {
-        let since = u64::try_from(now.saturating_duration_since(self.base).as_nanos()).unwrap_or(u64::MAX);
-        let id = since / self.width_ns + 1;
+        let id = self.bucket_id(now);
         let mut buckets = lock(&self.buckets);
         let (mut a, mut b) = (0, 0);
         for bucket in buckets.iter() {
@@ -115,28 +120,35 @@ impl RetryBudget {
 
     /// Takes one retry from the budget; `false` when none is left.
     pub fn withdraw(&self, now: Instant) -> bool {
+        self.withdrawal(now).is_some()
+    }
+
+    /// [`withdraw`](Self::withdraw), answering the withdrawal (for a
+    /// [`refund`](Self::refund)) when allowed.
+    pub(crate) fn withdrawal(&self, now: Instant) -> Option<Withdrawal> {
         let (ratio, reserve) = (self.inner.ratio, self.inner.reserve);
-        self.inner.window.update(now, |requests, retries| {
+        let allowed = self.inner.window.update(now, |requests, retries| {
             #[allow(clippy::cast_precision_loss)]
             let allowed = (retries + 1) as f64 <= ratio * requests as f64 + reserve;
             (0, u64::from(allowed), allowed)
-        })
+        });
+        allowed.then(|| Withdrawal(self.inner.window.bucket_id(now)))
     }
 
-    /// Gives back a retry [`withdraw`](Self::withdraw)n for an attempt that was never
-    /// sent (the call ended, or was dropped, while it waited to send it): taken from
-    /// the newest bucket still in the window at `now` that counts one. Nothing when
-    /// the withdrawal has left the window.
-    pub(crate) fn refund(&self, now: Instant) {
+    /// Gives back a retry withdrawn for an attempt that was never sent (the call ended,
+    /// or was dropped, while it waited to send it): from the bucket it was counted in,
+    /// while that bucket is still in the window at `now`; nothing once it has left.
+    pub(crate) fn refund(&self, withdrawal: Withdrawal, now: Instant) {
         let w = &self.inner.window;
-        let since = u64::try_from(now.saturating_duration_since(w.base).as_nanos()).unwrap_or(u64::MAX);
-        let id = since / w.width_ns + 1;
+        let (id, current) = (withdrawal.0, w.bucket_id(now));
+        if id + BUCKETS <= current {
+            return;
+        }
         let mut buckets = lock(&w.buckets);
-        if let Some(bucket) = buckets
-            .iter_mut()
-            .filter(|b| b.id != 0 && b.id + BUCKETS > id && b.b > 0)
-            .max_by_key(|b| b.id)
-        {
+        // `id % BUCKETS` never exceeds 9.
+        #[allow(clippy::cast_possible_truncation)]
+        let bucket = &mut buckets[(id % BUCKETS) as usize];
+        if bucket.id == id && bucket.b > 0 {
             bucket.b -= 1;
         }
     }
@@ -147,6 +159,10 @@ impl RetryBudget {
         self.inner.window.update(now, |a, b| (0, 0, (a, b)))
     }
 }
+
+/// One retry taken from a [`RetryBudget`]: the bucket it was counted in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Withdrawal(u64);
 
 /// Client-side adaptive throttling, from the Google SRE book ("Handling
 /// Overload"): each attempt is dropped locally with probability
@@ -246,6 +262,38 @@ mod tests {
             w.update(t0 + Duration::from_secs(20), |a, b| (0, 0, (a, b))),
             (1, 0)
         );
+    }
+
+    /// A refund gives back its own withdrawal while that is in the window, and
+    /// nothing once it has left: never another call's retry.
+    #[tokio::test(start_paused = true)]
+    async fn a_refund_gives_back_its_own_withdrawal_only() {
+        let b = RetryBudget::new(&RetryBudgetConfig {
+            ratio: 0.0,
+            min_retries_per_sec: 1,
+            ttl: Duration::from_secs(10),
+        });
+        let t0 = Instant::now();
+        let early = b.withdrawal(t0).unwrap();
+        let later = b.withdrawal(t0 + Duration::from_secs(5)).unwrap();
+        assert_eq!(b.counts(t0 + Duration::from_secs(5)), (0, 2));
+        b.refund(later, t0 + Duration::from_secs(6));
+        assert_eq!(
+            b.counts(t0 + Duration::from_secs(6)),
+            (0, 1),
+            "its own, in the window"
+        );
+        // `early` has left the window at 10 s; refunding it must not take `later`'s
+        // real retry (counted again).
+        let again = b.withdrawal(t0 + Duration::from_secs(7)).unwrap();
+        b.refund(early, t0 + Duration::from_secs(11));
+        assert_eq!(
+            b.counts(t0 + Duration::from_secs(11)),
+            (0, 1),
+            "left the window: nothing"
+        );
+        b.refund(again, t0 + Duration::from_secs(11));
+        assert_eq!(b.counts(t0 + Duration::from_secs(11)), (0, 0));
     }
 
     #[tokio::test(start_paused = true)]

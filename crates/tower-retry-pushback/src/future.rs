@@ -18,6 +18,7 @@ use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
 use tower_service::Service;
 
+use crate::budget::Withdrawal;
 use crate::config::MIN_NOT_ADMITTED_WAIT;
 use crate::error::{Reason, RetryError};
 use crate::resend::Resend;
@@ -123,7 +124,7 @@ struct Slow {
     counted: bool,
     /// A retry drawn from the budget for an attempt not sent yet: given back if the
     /// call ends (or is dropped) before it sends it.
-    withdrawn: bool,
+    withdrawn: Option<Withdrawal>,
 }
 
 /// The time a call's 429s asked it to wait, bounded by `max_pushback_wait`.
@@ -174,17 +175,17 @@ impl<S, Req, C, R> Call<S, Req, C, R> {
             self.shared.counters.retrying.fetch_sub(1, Ordering::Relaxed);
             self.shared.progress.unwatch();
         }
-        if std::mem::take(&mut slow.withdrawn)
+        if let Some(withdrawal) = slow.withdrawn.take()
             && let Some(budget) = &self.shared.budget
         {
-            budget.refund(Instant::now());
+            budget.refund(withdrawal, Instant::now());
         }
     }
 
     /// The attempt the budget was drawn for goes out: the retry is spent.
     fn sent(&mut self) {
         if let Some(slow) = &mut self.slow {
-            slow.withdrawn = false;
+            slow.withdrawn = None;
         }
     }
 }
@@ -306,7 +307,7 @@ impl<S, Req: CarriesHistory, C, R> Call<S, Req, C, R> {
                 pushback: Pushback::default(),
                 last_error: None,
                 counted: true,
-                withdrawn: false,
+                withdrawn: None,
             })
         })
     }
@@ -466,10 +467,10 @@ impl<S, Req: CarriesHistory, C, R> Call<S, Req, C, R> {
                     }
                 }
                 if let Some(budget) = &self.shared.budget {
-                    if !budget.withdraw(now) {
+                    let Some(withdrawal) = budget.withdrawal(now) else {
                         return Next::Finish(self.fail(Reason::RetryBudgetExhausted));
-                    }
-                    self.start_waiting(now).withdrawn = true;
+                    };
+                    self.start_waiting(now).withdrawn = Some(withdrawal);
                 }
                 backoff.map_or(Next::Dispatch, Next::Sleep)
             }

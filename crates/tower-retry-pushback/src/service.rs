@@ -1,7 +1,7 @@
 //! [`Retry`]: the service that runs the retry loop around an inner service.
 
 use std::fmt;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -148,8 +148,9 @@ pub struct Retry<S, C = OkIsSuccess, R = ByClone> {
     inner: S,
     core: Arc<Core<S, C, R>>,
     /// Whether `inner` may have changed through [`get_mut`](Self::get_mut) since the
-    /// prototype was taken.
-    changed: bool,
+    /// prototype was taken: the next `call` or `clone` takes it again (a clone, from
+    /// `&self`, then clears this).
+    changed: AtomicBool,
 }
 
 impl<S: Clone> Retry<S> {
@@ -168,7 +169,7 @@ impl<S: Clone, C, R> Retry<S, C, R> {
         Self {
             inner,
             core: Arc::new(Core { shared, proto }),
-            changed: false,
+            changed: AtomicBool::new(false),
         }
     }
 }
@@ -183,7 +184,7 @@ impl<S, C, R> Retry<S, C, R> {
     /// after the first of the calls made from then on (through this service or its
     /// clones).
     pub fn get_mut(&mut self) -> &mut S {
-        self.changed = true;
+        *self.changed.get_mut() = true;
         &mut self.inner
     }
 
@@ -207,10 +208,15 @@ impl<S, C, R> Retry<S, C, R> {
 
 impl<S: Clone, C, R> Clone for Retry<S, C, R> {
     fn clone(&self) -> Self {
+        // A change made through `get_mut` reaches the prototype here too: a service
+        // kept as a template and cloned for each call never calls itself.
+        if self.changed.swap(false, Ordering::Relaxed) {
+            *lock(&self.core.proto) = self.inner.clone();
+        }
         Self {
             inner: self.inner.clone(),
             core: Arc::clone(&self.core),
-            changed: self.changed,
+            changed: AtomicBool::new(false),
         }
     }
 }
@@ -241,7 +247,7 @@ where
     }
 
     fn call(&mut self, mut req: Req) -> Self::Future {
-        if std::mem::take(&mut self.changed) {
+        if std::mem::take(self.changed.get_mut()) {
             *lock(&self.core.proto) = self.inner.clone();
         }
         let shared = Arc::clone(&self.core);

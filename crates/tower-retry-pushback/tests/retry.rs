@@ -1666,3 +1666,24 @@ async fn a_change_through_get_mut_reaches_later_attempts() {
         "the retry went to the changed service"
     );
 }
+
+/// A service kept as a template and cloned for each call (as a gateway does) never
+/// calls itself: a change made through its `get_mut` reaches the prototype when it is
+/// cloned, once, and the clones' calls clone nothing more.
+#[tokio::test(start_paused = true)]
+async fn a_change_to_a_template_reaches_its_clones_once() {
+    let upstream = Upstream::with(vec![Ok(Ans::Transient)]);
+    let mut template = layer(RetryConfig::default()).layer(Tracked::new(upstream));
+    template.get_mut().tag = 7;
+    let before = template.get_ref().clones();
+    for id in 0..5 {
+        let mut svc = template.clone();
+        assert!(matches!(call(&mut svc, Req::new(id)).await, Ok(Ans::Ok)));
+    }
+    // Five clones of the inner service with the five `Retry` clones, one for the
+    // prototype, one for the first call's retry.
+    assert_eq!(template.get_ref().clones(), before + 5 + 1 + 1);
+    let calls = template.get_ref().calls.lock().unwrap().clone();
+    assert_eq!(calls.len(), 6, "five calls, one retried");
+    assert!(calls.iter().all(|&(tag, ready)| tag == 7 && ready), "{calls:?}");
+}
