@@ -819,6 +819,33 @@ async fn calls_cut_at_the_call_deadline_are_charged_to_the_tenant() {
     }
 }
 
+/// A call that ends on the upstream's pushback is a 429 with a `Retry-After`, not a
+/// 502: the source answers 429 with `Retry-After` past the call's pushback bound (5 s
+/// here), the retry layer holds the source (holds are on), and the call ends on the
+/// bound with the hold's refusal as its last error.
+#[tokio::test(start_paused = true)]
+async fn a_call_ended_by_upstream_pushback_is_429_with_retry_after() {
+    let tight = pgw_sim::SourceConfig {
+        limits: pgw_sim::HardLimits {
+            rpm: Some(1),
+            ..pgw_sim::HardLimits::default()
+        }
+        .into(),
+        ..fast("s1")
+    };
+    let h = start_edited("", "", vec![tight], |t| {
+        t.replace("[retry]\n", "[retry]\nmax_pushback_wait_s = 5\n")
+    })
+    .await;
+    let (status, _, body) = call(h.addr, chat(None), chat_body("m", false)).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let (status, headers, body) = call(h.addr, chat(None), chat_body("m", false)).await;
+    assert_eq!(status, 429, "{}", String::from_utf8_lossy(&body));
+    openai_error(&body, "rate_limit_exceeded");
+    let after: u64 = headers["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!((1..=60).contains(&after), "{after}");
+}
+
 /// `x-pgw-timeout-ms` bounds one call (R3: a deadline per request, honoured by every
 /// wait): a source whose first token takes 30 s gives a 2 s call a 504 at 2 s; a value
 /// that is not a whole number of milliseconds from 1 to 24 h is a 400 naming the

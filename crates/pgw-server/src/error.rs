@@ -204,6 +204,22 @@ impl ApiError {
                 )),
             )
             .retry_after(Some(wait)),
+            // Ended on the upstream's pushback: the last error may be the hold's refusal
+            // (holds on), not the 429 itself, so this goes by the reason.
+            Reason::PushbackExhausted { wait, .. } if last.is_some_and(|e| overloaded(e)) => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                "overloaded",
+                detail(format!("{}; the upstream is overloaded", r.reason())),
+            )
+            .retry_after(upstream_retry.or(Some(wait))),
+            Reason::PushbackExhausted { wait, .. } => Self::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                "rate_limit_exceeded",
+                detail(format!("{}; the upstream pushed back", r.reason())),
+            )
+            .retry_after(upstream_retry.or(Some(wait))),
             Reason::DeadlineExceeded => Self::new(
                 StatusCode::GATEWAY_TIMEOUT,
                 "timeout_error",
