@@ -84,7 +84,8 @@ impl Window {
 /// ones that multiply load on a failing upstream. Going on after a 429 (pushback, paced
 /// by holds and `Retry-After`), re-asking after `Invalid` and waiting for a gate are not
 /// withdrawn. A retry withdrawn and never sent (the call ended, or its caller dropped
-/// it, during the backoff) is given back.
+/// it, during the backoff) is given back; one a gate below refused (not an attempt) is
+/// kept for the call's next dispatch.
 ///
 /// Cheap to clone (a handle); every service of one layer shares one budget.
 #[derive(Clone, Debug)]

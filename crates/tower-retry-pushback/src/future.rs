@@ -125,6 +125,9 @@ struct Slow {
     /// A retry drawn from the budget for an attempt not sent yet: given back if the
     /// call ends (or is dropped) before it sends it.
     withdrawn: Option<Withdrawal>,
+    /// The withdrawal of the attempt in flight: spent when it proves an attempt,
+    /// pending again when a gate below refused it (not an attempt).
+    dispatched: Option<Withdrawal>,
 }
 
 /// The time a call's 429s asked it to wait, bounded by `max_pushback_wait`.
@@ -182,10 +185,23 @@ impl<S, Req, C, R> Call<S, Req, C, R> {
         }
     }
 
-    /// The attempt the budget was drawn for goes out: the retry is spent.
+    /// The attempt the budget was drawn for goes out: the retry is spent unless a
+    /// gate below refuses it ([`answered`](Self::answered)).
     fn sent(&mut self) {
         if let Some(slow) = &mut self.slow {
-            slow.withdrawn = None;
+            slow.dispatched = slow.withdrawn.take();
+        }
+    }
+
+    /// The attempt in flight came back: an attempt (`refused` false) spent its
+    /// retry; one a gate below refused was none, and its retry is pending again, for
+    /// the next dispatch (or given back if the call ends first).
+    fn answered(&mut self, refused: bool) {
+        if let Some(slow) = &mut self.slow
+            && let Some(w) = slow.dispatched.take()
+            && refused
+        {
+            slow.withdrawn = Some(w);
         }
     }
 }
@@ -308,6 +324,7 @@ impl<S, Req: CarriesHistory, C, R> Call<S, Req, C, R> {
                 last_error: None,
                 counted: true,
                 withdrawn: None,
+                dispatched: None,
             })
         })
     }
@@ -364,9 +381,9 @@ impl<S, Req: CarriesHistory, C, R> Call<S, Req, C, R> {
     where
         C: Classify<T, BoxError>,
     {
-        if let Err(e) = &result
-            && let Some(refused) = NotAdmitted::of(&**e)
-        {
+        let refused = result.as_ref().err().and_then(|e| NotAdmitted::of(&**e));
+        self.answered(refused.is_some());
+        if let Some(refused) = refused {
             return self.not_admitted(refused, result);
         }
         let outcome = self.shared.classify.classify(&result);

@@ -793,6 +793,48 @@ async fn a_retry_never_sent_goes_back_to_the_budget() {
     assert_eq!(call(&mut svc, Req::new(100)).await.unwrap(), Ans::Ok);
 }
 
+/// A retry a gate below refused (no source admitted it) was no attempt: its budget
+/// withdrawal waits for the next dispatch, and goes back if the call ends first.
+/// Ten concurrent callers (the whole reserve) whose retry is refused and who give up
+/// during the wait that follows leave the reserve whole. Before, the refused dispatches
+/// spent it and the next call was refused its retry.
+#[tokio::test(start_paused = true)]
+async fn a_retry_refused_below_spends_no_budget() {
+    // Ten first attempts fail; their ten retries are refused below (a quota,
+    // 10 s); then a call failing once and answering.
+    let mut answers: Vec<Result<Ans, BoxError>> = (0..10).map(|_| Ok(Ans::Transient)).collect();
+    for _ in 0..10 {
+        answers.push(Err(Box::new(QuotaExceeded::new("rpm", Duration::from_secs(10)))));
+    }
+    answers.push(Ok(Ans::Transient));
+    answers.push(Ok(Ans::Ok));
+    let upstream = Upstream::with(answers);
+    let svc = budget_of_ten().layer(upstream.clone());
+    // The retries go out within 1 s (backoff 0.5-1 s) and are refused; the callers
+    // give up during the wait that follows.
+    let calls = (0..10).map(|i| {
+        let svc = svc.clone();
+        async move {
+            let fut = svc.oneshot(Req::new(i));
+            tokio::time::timeout(Duration::from_millis(1500), fut).await
+        }
+    });
+    for (i, given_up) in futures_util::future::join_all(calls)
+        .await
+        .into_iter()
+        .enumerate()
+    {
+        assert!(given_up.is_err(), "call {i} ended before its caller gave up");
+    }
+    assert_eq!(
+        upstream.sent_times().len(),
+        20,
+        "two dispatches per abandoned call"
+    );
+    let mut svc = svc;
+    assert_eq!(call(&mut svc, Req::new(100)).await.unwrap(), Ans::Ok);
+}
+
 #[tokio::test(start_paused = true)]
 async fn retry_budget_caps_retries_under_total_failure() {
     use tower_retry_pushback::RetryBudgetConfig;
