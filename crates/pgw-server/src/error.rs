@@ -187,13 +187,9 @@ impl ApiError {
                 detail(r.reason().to_string()),
             )
             .retry_after(Some(retry_after)),
-            Reason::WaitTooLong { wait, .. } if last.is_some_and(|e| overloaded(e)) => Self::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "service_unavailable",
-                "overloaded",
-                detail(format!("the upstream is overloaded; {}", r.reason())),
-            )
-            .retry_after(Some(wait)),
+            Reason::WaitTooLong { wait, .. } if last.is_some_and(|e| overloaded(e)) => {
+                Self::upstream_pushback(r, true, Some(wait), detail)
+            }
             Reason::WaitTooLong { wait, .. } => Self::new(
                 StatusCode::TOO_MANY_REQUESTS,
                 "rate_limit_error",
@@ -206,20 +202,12 @@ impl ApiError {
             .retry_after(Some(wait)),
             // Ended on the upstream's pushback: the last error may be the hold's refusal
             // (holds on), not the 429 itself, so this goes by the reason.
-            Reason::PushbackExhausted { wait, .. } if last.is_some_and(|e| overloaded(e)) => Self::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "service_unavailable",
-                "overloaded",
-                detail(format!("{}; the upstream is overloaded", r.reason())),
-            )
-            .retry_after(upstream_retry.or(Some(wait))),
-            Reason::PushbackExhausted { wait, .. } => Self::new(
-                StatusCode::TOO_MANY_REQUESTS,
-                "rate_limit_error",
-                "rate_limit_exceeded",
-                detail(format!("{}; the upstream pushed back", r.reason())),
-            )
-            .retry_after(upstream_retry.or(Some(wait))),
+            Reason::PushbackExhausted { wait, .. } => Self::upstream_pushback(
+                r,
+                last.is_some_and(|e| overloaded(e)),
+                upstream_retry.or(Some(wait)),
+                detail,
+            ),
             Reason::DeadlineExceeded => Self::new(
                 StatusCode::GATEWAY_TIMEOUT,
                 "timeout_error",
@@ -251,22 +239,7 @@ impl ApiError {
                 if let Some(e) = last
                     && matches!(classify_error(e), Outcome::RateLimited { .. })
                 {
-                    if overloaded(e) {
-                        return Self::new(
-                            StatusCode::SERVICE_UNAVAILABLE,
-                            "service_unavailable",
-                            "overloaded",
-                            detail(format!("{}; the upstream is overloaded", r.reason())),
-                        )
-                        .retry_after(upstream_retry);
-                    }
-                    return Self::new(
-                        StatusCode::TOO_MANY_REQUESTS,
-                        "rate_limit_error",
-                        "rate_limit_exceeded",
-                        detail(format!("{}; the upstream pushed back", r.reason())),
-                    )
-                    .retry_after(upstream_retry);
+                    return Self::upstream_pushback(r, overloaded(e), upstream_retry, detail);
                 }
                 Self::new(
                     StatusCode::BAD_GATEWAY,
@@ -276,6 +249,32 @@ impl ApiError {
                 )
             }
         }
+    }
+
+    /// A call that ended on the upstream's pushback: 503 `overloaded` when the
+    /// provider's 503 or 529 said when to come back (`overloaded`), else a 429.
+    fn upstream_pushback(
+        r: &RetryError,
+        overloaded: bool,
+        retry_after: Option<Duration>,
+        detail: &dyn Fn(String) -> String,
+    ) -> Self {
+        let e = if overloaded {
+            Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                "overloaded",
+                detail(format!("{}; the upstream is overloaded", r.reason())),
+            )
+        } else {
+            Self::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                "rate_limit_exceeded",
+                detail(format!("{}; the upstream pushed back", r.reason())),
+            )
+        };
+        e.retry_after(retry_after)
     }
 
     /// A request the provider rejected: its status and its error, field by field.

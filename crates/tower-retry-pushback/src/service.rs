@@ -174,6 +174,13 @@ impl<S: Clone, C, R> Retry<S, C, R> {
     }
 }
 
+impl<S: Clone, C, R> Retry<S, C, R> {
+    /// The prototype of later attempts becomes a clone of `inner` as it is now.
+    fn retake_prototype(&self) {
+        *lock(&self.core.proto) = self.inner.clone();
+    }
+}
+
 impl<S, C, R> Retry<S, C, R> {
     /// The inner service.
     pub fn get_ref(&self) -> &S {
@@ -211,7 +218,7 @@ impl<S: Clone, C, R> Clone for Retry<S, C, R> {
         // A change made through `get_mut` reaches the prototype here too: a service
         // kept as a template and cloned for each call never calls itself.
         if self.changed.swap(false, Ordering::Relaxed) {
-            *lock(&self.core.proto) = self.inner.clone();
+            self.retake_prototype();
         }
         Self {
             inner: self.inner.clone(),
@@ -248,7 +255,7 @@ where
 
     fn call(&mut self, mut req: Req) -> Self::Future {
         if std::mem::take(self.changed.get_mut()) {
-            *lock(&self.core.proto) = self.inner.clone();
+            self.retake_prototype();
         }
         let shared = Arc::clone(&self.core);
         let deadline_at = match (shared.config.max_call_duration, shared.resend.deadline(&req)) {
