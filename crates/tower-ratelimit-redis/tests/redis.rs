@@ -718,6 +718,47 @@ async fn a_refused_request_quota_is_not_asked_again_before_its_retry_after() {
     p.finish(None).await.unwrap();
 }
 
+/// A refund forgets only the refusals it can free: tokens given back (an estimate
+/// above the usage, nearly every settle) leave a remembered request-count refusal in
+/// place, so the waiting calls keep asking this process; they forget a token refusal,
+/// and the next admission asks Redis and fits.
+#[tokio::test]
+async fn a_refund_of_tokens_forgets_a_token_refusal_but_not_a_request_one() {
+    let (_server, conn) = private_redis().await;
+    let l = RateLimiter::new(
+        RateLimitConfig::new("s1", Quota::unlimited().requests(2).tokens(100))
+            .window(Duration::from_secs(60)),
+        RedisBackend::new(conn.clone()),
+    )
+    .unwrap();
+    // Tokens: 60 of 100 reserved; another 60 is refused once over the wire, then here.
+    let first = l.acquire(60).await.unwrap();
+    let (before, _) = commands(&conn).await;
+    assert!(l.acquire(60).await.is_err(), "over the token quota");
+    assert!(l.acquire(60).await.is_err(), "still over it");
+    let (after, _) = commands(&conn).await;
+    assert_eq!(after - before, 1, "one round trip learned the token refusal");
+    // 50 of the 60 come back: the token refusal is forgotten and the next one fits.
+    first.finish(Some(10)).await.unwrap();
+    let (before, _) = commands(&conn).await;
+    let second = l.acquire(60).await.expect("the refund made room");
+    let (after, _) = commands(&conn).await;
+    assert_eq!(after - before, 1, "asked Redis again after the token refund");
+    // That admission took the window's last request: remembered. Its tokens come back
+    // (used 1 of 60), which frees no request: still refused here, without asking.
+    second.finish(Some(1)).await.unwrap();
+    let (before, _) = commands(&conn).await;
+    for _ in 0..3 {
+        let e = l.acquire(0).await.unwrap_err();
+        match pgw_core::NotAdmitted::of(&*e) {
+            Some(pgw_core::NotAdmitted::QuotaExceeded(d)) => assert!(d > Duration::ZERO, "{d:?}"),
+            other => panic!("{other:?}: {e}"),
+        }
+    }
+    let (after, _) = commands(&conn).await;
+    assert_eq!(after - before, 0, "a refund of tokens frees no request");
+}
+
 /// Concurrency, token and hold refusals are remembered too, each only while nothing
 /// this process can see frees them:
 /// - a full account (concurrency 1, shared by two sources' limiters): the admission

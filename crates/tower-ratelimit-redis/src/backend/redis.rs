@@ -385,12 +385,13 @@ impl GateKeys {
             return;
         };
         let before = refunds.get(i).copied().unwrap_or(0);
-        if wait <= 0 || memo.refunds.load(Ordering::Acquire) != before {
+        let since = |now: u64| refund_frees(dim, now.wrapping_sub(before));
+        if wait <= 0 || since(memo.refunds.load(Ordering::Acquire)) {
             return;
         }
         let mut known = lock(&memo.refused);
         // Checked again under the lock a refund takes.
-        if memo.refunds.load(Ordering::Acquire) == before {
+        if !since(memo.refunds.load(Ordering::Acquire)) {
             // Other processes give back too (a refund, tokens used below their
             // estimate): a window refusal is trusted for one sub-window at most, then
             // one admission asks again; its wait is still answered whole.
@@ -434,8 +435,8 @@ impl GateKeys {
 /// - holds (4) are kept in the book instead, where every limiter of the backend sees
 ///   them ([`GateKeys::ends`]).
 ///
-/// A refund from this process forgets it at once, and a refusal answered across one
-/// is not kept.
+/// A refund from this process that can free it (requests for `rpm`, requests or tokens
+/// for `tpm`) forgets it at once, and a refusal answered across one is not kept.
 ///
 /// It is kept per scope ([`ScopeMemo`]), so every limiter of the backend with that
 /// scope answers it: a refusal by an account's quota, learnt through one of its
@@ -486,7 +487,9 @@ struct ScopeMemo {
     /// The last refusal learnt (see [`Refusal`]).
     refused: Mutex<Option<Refusal>>,
     /// Refunds this process sent that touch the scope: a refusal answered across one
-    /// is not remembered (it may have been judged before the refund landed).
+    /// that could free it is not remembered (it may have been judged before the refund
+    /// landed). Counted by what they give back: [`REQUEST_REFUND`] per refund of
+    /// requests, plus one per refund of tokens (see [`refund_frees`]).
     refunds: AtomicU64,
     /// Requests or slots the scope had left at the last answer (`i64::MAX`: none yet,
     /// or nothing counted; 0 after a refusal): how many may ask at once (at least one;
@@ -504,6 +507,24 @@ impl Default for ScopeMemo {
             room: AtomicI64::new(i64::MAX),
             asking: AtomicI64::new(0),
         }
+    }
+}
+
+/// What a refund of requests adds to a scope's [`ScopeMemo::refunds`]; a refund of
+/// tokens adds one (the low half counts those, the high half refunds of requests).
+const REQUEST_REFUND: u64 = 1 << 32;
+
+/// Whether refunds that moved a scope's count by `delta` (see [`REQUEST_REFUND`]) can
+/// free what refused in dimension `dim` (the script's number): requests free an rpm
+/// refusal, and requests or tokens a tpm one (a refund of requests gives their tokens
+/// back too); a slot is freed by a release, never by a refund (see [`Refusal`]).
+const fn refund_frees(dim: i64, delta: u64) -> bool {
+    let (requests, tokens) = (delta >> 32, delta & (REQUEST_REFUND - 1));
+    match dim {
+        1 => requests != 0,
+        2 => requests != 0 || tokens != 0,
+        3 => false,
+        _ => delta != 0,
     }
 }
 
@@ -866,13 +887,18 @@ impl Gate for RedisGate {
 
     fn settle(&self, s: Settle) -> BackendFuture<Result<(), BackendUnavailable>> {
         let k = &*self.inner;
-        if s.requests < 0 || s.tokens < 0 {
-            // Something given back: a remembered refusal of its scopes may no longer
-            // hold, nor one answered before this settle lands.
+        let refund = if s.requests < 0 { REQUEST_REFUND } else { 0 } + u64::from(s.tokens < 0);
+        if refund != 0 {
+            // Something given back: a remembered refusal of its scopes that it can
+            // free may no longer hold, nor one answered before this settle lands. Tokens
+            // alone free no request or slot: an rpm refusal outlives the refunds of
+            // tokens that nearly every settle sends (an estimate above the usage).
             for memo in &k.memos {
                 let mut known = lock(&memo.refused);
-                memo.refunds.fetch_add(1, Ordering::AcqRel);
-                *known = None;
+                memo.refunds.fetch_add(refund, Ordering::AcqRel);
+                if known.is_some_and(|r| refund_frees(r.dim, refund)) {
+                    *known = None;
+                }
             }
         }
         // A lease given back frees a slot of each scope it holds: counted now and when
