@@ -846,6 +846,33 @@ async fn a_call_ended_by_upstream_pushback_is_429_with_retry_after() {
     assert!((1..=60).contains(&after), "{after}");
 }
 
+/// The same with an overloaded provider: a source answering 529 `overloaded_error`
+/// with `Retry-After: 30` past the call's pushback bound is the gateway's 503
+/// `overloaded`, not a quota's 429, although the call's last error is the hold's
+/// refusal (holds on): the attempt's record keeps the upstream's status.
+#[tokio::test(start_paused = true)]
+async fn a_call_ended_by_an_overloaded_upstream_is_503_with_retry_after() {
+    let busy = pgw_sim::SourceConfig {
+        overloaded_rate: 1.0.into(),
+        overloaded_retry_after_s: Some(30),
+        ..fast("s1")
+    };
+    let h = start_edited("", "", vec![busy], |t| {
+        t.replace("[retry]\n", "[retry]\nmax_pushback_wait_s = 5\n")
+    })
+    .await;
+    let (status, headers, body) = call(h.addr, chat(None), chat_body("m", false)).await;
+    assert_eq!(status, 503, "{}", String::from_utf8_lossy(&body));
+    openai_error(&body, "overloaded");
+    let after: u64 = headers["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!((1..=30).contains(&after), "{after}");
+    assert_eq!(
+        upstream_requests(&h),
+        1,
+        "held after the first 529, not asked again"
+    );
+}
+
 /// `x-pgw-timeout-ms` bounds one call (R3: a deadline per request, honoured by every
 /// wait): a source whose first token takes 30 s gives a 2 s call a 504 at 2 s; a value
 /// that is not a whole number of milliseconds from 1 to 24 h is a 400 naming the

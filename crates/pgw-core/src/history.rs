@@ -39,6 +39,11 @@ pub struct AttemptRecord {
     /// The source said the request does not fit it (`context_length_exceeded`,
     /// [`crate::exceeds_source`]): another source may take it.
     pub too_large: bool,
+    /// The upstream's HTTP status, when the attempt ended on an error that carried one
+    /// ([`crate::UpstreamStatus`]: a 429, a 503 or 529 with `Retry-After`, a 401);
+    /// `None` for an answer and for errors without one (a timeout, a reset). Tells a
+    /// provider's overload (a 5xx) from its quota (a 429) where both are pushback.
+    pub status: Option<http::StatusCode>,
 }
 
 /// A call-local record of attempts, shared by handle between the retry layer and the
@@ -158,6 +163,7 @@ impl CallHistory {
             outcome,
             timed_out: false,
             too_large: false,
+            status: None,
         });
     }
 

@@ -201,10 +201,11 @@ impl ApiError {
             )
             .retry_after(Some(wait)),
             // Ended on the upstream's pushback: the last error may be the hold's refusal
-            // (holds on), not the 429 itself, so this goes by the reason.
+            // (holds on), not the 429 or 503 itself, so this goes by the reason, and by
+            // the last attempt the upstream pushed back on.
             Reason::PushbackExhausted { wait, .. } => Self::upstream_pushback(
                 r,
-                last.is_some_and(|e| overloaded(e)),
+                last.is_some_and(|e| overloaded(e)) || last_pushback_overloaded(r),
                 upstream_retry.or(Some(wait)),
                 detail,
             ),
@@ -458,6 +459,18 @@ pub(crate) fn code_label(code: Option<&str>) -> &'static str {
 fn overloaded(e: &(dyn std::error::Error + 'static)) -> bool {
     UpstreamStatus::find(e).is_some_and(|u| u.status().is_server_error())
         && matches!(classify_error(e), Outcome::RateLimited { .. })
+}
+
+/// Whether the call's last attempt that the upstream pushed back on was a 5xx (a 503
+/// or 529 with `Retry-After`), as its record says: what [`overloaded`] tells from the
+/// last error, when that error is a hold's refusal instead.
+fn last_pushback_overloaded(r: &RetryError) -> bool {
+    r.attempts()
+        .iter()
+        .rev()
+        .find(|a| a.outcome.is_rate_limited())
+        .and_then(|a| a.status)
+        .is_some_and(|s| s.is_server_error())
 }
 
 #[cfg(test)]

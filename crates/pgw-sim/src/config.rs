@@ -315,6 +315,10 @@ pub struct SourceConfig {
     /// (random; default 0). Schedulable.
     #[serde(skip_serializing_if = "is_default")]
     pub overloaded_rate: Schedule<f64>,
+    /// The `retry-after` (whole scenario seconds) those 529s carry (default none, as
+    /// Anthropic's usually do): a provider overloaded that says when to come back.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub overloaded_retry_after_s: Option<u64>,
     /// Fraction of requests answered 429 `insufficient_quota`, without `retry-after`
     /// (random; a schedule set to 1 from some instant is a key running out of credit;
     /// default 0). Schedulable.
@@ -374,6 +378,7 @@ impl fmt::Debug for SourceConfig {
             .field("content_filter_rate", &self.content_filter_rate)
             .field("refusal_rate", &self.refusal_rate)
             .field("overloaded_rate", &self.overloaded_rate)
+            .field("overloaded_retry_after_s", &self.overloaded_retry_after_s)
             .field("insufficient_quota_rate", &self.insufficient_quota_rate)
             .field("stream_usage", &self.stream_usage)
             .field("no_done_rate", &self.no_done_rate)
@@ -428,6 +433,7 @@ impl Default for SourceConfig {
             content_filter_rate: Schedule::default(),
             refusal_rate: Schedule::default(),
             overloaded_rate: Schedule::default(),
+            overloaded_retry_after_s: None,
             insufficient_quota_rate: Schedule::default(),
             stream_usage: StreamUsage::Always,
             no_done_rate: Schedule::default(),

@@ -741,6 +741,7 @@ impl Inner {
                 "Overloaded".into(),
             );
             e.shape = ErrorShape::Anthropic;
+            e.retry_after_s = cfg.overloaded_retry_after_s;
             return finish(decision, Plan::Error(e, Some(Event::Overloaded)));
         }
         // 7. A completion.

@@ -606,6 +606,9 @@ pub(crate) fn judge<Req: 'static, T, C>(
             outcome,
             timed_out: err.is_some_and(|e| pgw_core::is_timeout(&**e)),
             too_large: err.is_some_and(|e| pgw_core::exceeds_source(&**e)),
+            status: err
+                .and_then(|e| pgw_core::UpstreamStatus::find(&**e))
+                .map(pgw_core::UpstreamStatus::status),
         }
     };
     match history {

@@ -375,6 +375,7 @@ mod tests {
             outcome,
             timed_out,
             too_large,
+            status: None,
         }
     }
 

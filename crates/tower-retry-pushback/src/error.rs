@@ -131,8 +131,9 @@ impl fmt::Display for Reason {
             ),
             Self::PushbackExhausted { waited, wait, limit } => write!(
                 f,
-                "pushback wait exhausted: 429s had the call wait {:.3}s (Retry-After or \
-                 backoff); another {:.3}s would pass its limit of {:.3}s",
+                "pushback wait exhausted: the upstream's pushback (429s, or 503s and 529s with \
+                 Retry-After) had the call wait {:.3}s (Retry-After or backoff); another \
+                 {:.3}s would pass its limit of {:.3}s",
                 waited.as_secs_f64(),
                 wait.as_secs_f64(),
                 limit.as_secs_f64()
@@ -273,12 +274,14 @@ mod tests {
                     outcome: Outcome::Transient,
                     timed_out: false,
                     too_large: false,
+                    status: None,
                 },
                 AttemptRecord {
                     source: None,
                     outcome: Outcome::SourceDead,
                     timed_out: false,
                     too_large: false,
+                    status: None,
                 },
             ],
             Some("reset".into()),

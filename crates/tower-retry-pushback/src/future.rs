@@ -291,6 +291,7 @@ impl<S, Req: CarriesHistory, C, R> Call<S, Req, C, R> {
                 outcome: pgw_core::Outcome::Transient,
                 timed_out: true,
                 too_large: false,
+                status: None,
             });
         }
     }
