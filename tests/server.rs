@@ -847,30 +847,35 @@ async fn a_call_ended_by_upstream_pushback_is_429_with_retry_after() {
 }
 
 /// The same with an overloaded provider: a source answering 529 `overloaded_error`
-/// with `Retry-After: 30` past the call's pushback bound is the gateway's 503
-/// `overloaded`, not a quota's 429, although the call's last error is the hold's
-/// refusal (holds on): the attempt's record keeps the upstream's status.
+/// with `Retry-After: 30` is the gateway's 503 `overloaded`, not a quota's 429,
+/// although the call's last error is the hold's refusal (holds on, the default): the
+/// attempt's record keeps the upstream's status. Whether the wait passed the call's
+/// pushback bound (5 s here) or its own deadline (`x-pgw-timeout-ms: 10000`).
 #[tokio::test(start_paused = true)]
 async fn a_call_ended_by_an_overloaded_upstream_is_503_with_retry_after() {
-    let busy = pgw_sim::SourceConfig {
-        overloaded_rate: 1.0.into(),
-        overloaded_retry_after_s: Some(30),
-        ..fast("s1")
-    };
-    let h = start_edited("", "", vec![busy], |t| {
-        t.replace("[retry]\n", "[retry]\nmax_pushback_wait_s = 5\n")
-    })
-    .await;
-    let (status, headers, body) = call(h.addr, chat(None), chat_body("m", false)).await;
-    assert_eq!(status, 503, "{}", String::from_utf8_lossy(&body));
-    openai_error(&body, "overloaded");
-    let after: u64 = headers["retry-after"].to_str().unwrap().parse().unwrap();
-    assert!((1..=30).contains(&after), "{after}");
-    assert_eq!(
-        upstream_requests(&h),
-        1,
-        "held after the first 529, not asked again"
-    );
+    for (pushback_bound, deadline) in [(Some(5), None), (None, Some("10000"))] {
+        let busy = pgw_sim::SourceConfig {
+            overloaded_rate: 1.0.into(),
+            overloaded_retry_after_s: Some(30),
+            ..fast("s1")
+        };
+        let h = start_edited("", "", vec![busy], |t| match pushback_bound {
+            Some(s) => t.replace("[retry]\n", &format!("[retry]\nmax_pushback_wait_s = {s}\n")),
+            None => t,
+        })
+        .await;
+        let req = match deadline {
+            Some(ms) => chat(None).header("x-pgw-timeout-ms", ms),
+            None => chat(None),
+        };
+        let (status, headers, body) = call(h.addr, req, chat_body("m", false)).await;
+        let case = format!("bound {pushback_bound:?}, deadline {deadline:?}");
+        assert_eq!(status, 503, "{case}: {}", String::from_utf8_lossy(&body));
+        openai_error(&body, "overloaded");
+        let after: u64 = headers["retry-after"].to_str().unwrap().parse().unwrap();
+        assert!((1..=30).contains(&after), "{case}: {after}");
+        assert_eq!(upstream_requests(&h), 1, "{case}: held after the first 529");
+    }
 }
 
 /// `x-pgw-timeout-ms` bounds one call (R3: a deadline per request, honoured by every

@@ -187,7 +187,9 @@ impl ApiError {
                 detail(r.reason().to_string()),
             )
             .retry_after(Some(retry_after)),
-            Reason::WaitTooLong { wait, .. } if last.is_some_and(|e| overloaded(e)) => {
+            Reason::WaitTooLong { wait, .. }
+                if last.is_some_and(|e| overloaded(e) || held_after_overload(e, r)) =>
+            {
                 Self::upstream_pushback(r, true, Some(wait), detail)
             }
             Reason::WaitTooLong { wait, .. } => Self::new(
@@ -459,6 +461,16 @@ pub(crate) fn code_label(code: Option<&str>) -> &'static str {
 fn overloaded(e: &(dyn std::error::Error + 'static)) -> bool {
     UpstreamStatus::find(e).is_some_and(|u| u.status().is_server_error())
         && matches!(classify_error(e), Outcome::RateLimited { .. })
+}
+
+/// Whether `last` is a hold's refusal (holds on: the source or account held for the
+/// time the upstream asked) after an overloaded provider's pushback: the wait that
+/// ended the call is the provider's, not a quota's.
+fn held_after_overload(last: &(dyn std::error::Error + 'static), r: &RetryError) -> bool {
+    let held = std::iter::successors(Some(last), |e| e.source())
+        .find_map(|e| e.downcast_ref::<pgw_core::QuotaExceeded>())
+        .is_some_and(|q| q.dimension() == "hold");
+    held && last_pushback_overloaded(r)
 }
 
 /// Whether the call's last attempt that the upstream pushed back on was a 5xx (a 503

@@ -60,9 +60,10 @@ pub enum Reason {
     /// and another `wait` would pass `limit`. Waits for pacing, quotas and breakers
     /// do not count.
     PushbackExhausted {
-        /// What the call's 429s had it wait so far.
+        /// What the call's pushback (429s, 503s and 529s with `Retry-After`) had it
+        /// wait so far.
         waited: Duration,
-        /// The wait the last 429 asked for.
+        /// The wait the last pushback asked for.
         wait: Duration,
         /// `max_pushback_wait`.
         limit: Duration,

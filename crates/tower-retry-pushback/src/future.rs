@@ -412,7 +412,17 @@ impl<S, Req: CarriesHistory, C, R> Call<S, Req, C, R> {
         let source = if history.len() > known_len {
             history.last().and_then(|a| a.source)
         } else {
-            history.record(None, outcome);
+            history.push(pgw_core::AttemptRecord {
+                source: None,
+                outcome,
+                timed_out: false,
+                too_large: false,
+                status: result
+                    .as_ref()
+                    .err()
+                    .and_then(|e| pgw_core::UpstreamStatus::find(&**e))
+                    .map(pgw_core::UpstreamStatus::status),
+            });
             None
         };
         self.known_len = history.len();

@@ -369,7 +369,8 @@ impl GateKeys {
     /// `wait` ms from `sent` (local ms, when the question was sent: never past the
     /// server's answer), as answered to a question of `tokens` sent when the scopes'
     /// refund and release counts were `refunds` and `released`. Not when a refund of
-    /// the scope was sent since: it may have freed what refused.
+    /// the scope that can free it was sent since (see [`refund_frees`]): it may have
+    /// freed what refused.
     #[allow(clippy::too_many_arguments)]
     fn remember(
         &self,
