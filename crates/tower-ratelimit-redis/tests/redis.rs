@@ -759,6 +759,37 @@ async fn a_refund_of_tokens_forgets_a_token_refusal_but_not_a_request_one() {
     assert_eq!(after - before, 0, "a refund of tokens frees no request");
 }
 
+/// A refusal answered after a refund was sent but judged before it landed is
+/// forgotten when the refund lands: the refund counts when it is sent and again when it
+/// lands. A refund in the background (`refund_detached`) is sent after an admission the
+/// caller asks at once, which Redis refuses (the request is not back yet); once the
+/// refund has landed, the next admission asks Redis and is admitted. Before, the
+/// refusal was answered here for its sub-window (1 s).
+#[tokio::test]
+async fn a_refusal_judged_before_a_refund_landed_is_forgotten_when_it_lands() {
+    let (_server, conn) = private_redis().await;
+    let config = RateLimitConfig::new("s1", Quota::unlimited().requests(1)).window(Duration::from_secs(60));
+    assert_eq!(config.sub_window_len(), Duration::from_secs(1));
+    let l = RateLimiter::new(config, RedisBackend::new(conn.clone())).unwrap();
+    let p = l.acquire(0).await.unwrap();
+    p.refund_detached();
+    let e = l.acquire(0).await.unwrap_err();
+    assert!(
+        e.to_string().contains("rpm"),
+        "judged before the refund landed: {e}"
+    );
+    // Far less than the sub-window the refusal would be trusted for.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (before, _) = commands(&conn).await;
+    let p = l
+        .acquire(0)
+        .await
+        .expect("the landed refund forgot the refusal, and its request is back");
+    let (after, _) = commands(&conn).await;
+    assert_eq!(after - before, 1, "asked Redis");
+    p.finish(None).await.unwrap();
+}
+
 /// Concurrency, token and hold refusals are remembered too, each only while nothing
 /// this process can see frees them:
 /// - a full account (concurrency 1, shared by two sources' limiters): the admission

@@ -412,6 +412,20 @@ impl GateKeys {
         }
     }
 
+    /// One refund (`refund`: see [`REQUEST_REFUND`]) of each scope: forgets the
+    /// remembered refusals it can free. Tokens alone free no request or slot: an rpm
+    /// refusal outlives the refunds of tokens that nearly every settle sends (an
+    /// estimate above the usage).
+    fn count_refund(&self, refund: u64) {
+        for memo in &self.memos {
+            let mut known = lock(&memo.refused);
+            memo.refunds.fetch_add(refund, Ordering::AcqRel);
+            if known.is_some_and(|r| refund_frees(r.dim, refund)) {
+                *known = None;
+            }
+        }
+    }
+
     /// One lease given back: a slot of each scope.
     fn count_release(&self) {
         for r in &self.released {
@@ -888,20 +902,14 @@ impl Gate for RedisGate {
 
     fn settle(&self, s: Settle) -> BackendFuture<Result<(), BackendUnavailable>> {
         let k = &*self.inner;
+        // Something given back: a remembered refusal of its scopes that it can free may
+        // no longer hold, nor one answered before this settle lands. Counted now and
+        // when it lands, as a release is.
         let refund = if s.requests < 0 { REQUEST_REFUND } else { 0 } + u64::from(s.tokens < 0);
-        if refund != 0 {
-            // Something given back: a remembered refusal of its scopes that it can
-            // free may no longer hold, nor one answered before this settle lands. Tokens
-            // alone free no request or slot: an rpm refusal outlives the refunds of
-            // tokens that nearly every settle sends (an estimate above the usage).
-            for memo in &k.memos {
-                let mut known = lock(&memo.refused);
-                memo.refunds.fetch_add(refund, Ordering::AcqRel);
-                if known.is_some_and(|r| refund_frees(r.dim, refund)) {
-                    *known = None;
-                }
-            }
-        }
+        let refunded = (refund != 0).then(|| {
+            k.count_refund(refund);
+            Arc::clone(&self.inner)
+        });
         // A lease given back frees a slot of each scope it holds: counted now and when
         // the settle lands, so a concurrency refusal answered before it lands is not
         // kept past it.
@@ -929,6 +937,9 @@ impl Gate for RedisGate {
             let _: i64 = run("settle", timeout, inv.invoke_async(&mut conn)).await?;
             if let Some(k) = released {
                 k.count_release();
+            }
+            if let Some(k) = refunded {
+                k.count_refund(refund);
             }
             Ok(())
         }))
