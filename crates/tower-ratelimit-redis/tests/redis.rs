@@ -790,6 +790,68 @@ async fn a_refusal_judged_before_a_refund_landed_is_forgotten_when_it_lands() {
     p.finish(None).await.unwrap();
 }
 
+/// A settle run twice gives back once: a cluster client resends a script whose answer
+/// it lost (its connection dropped after Redis ran it), and a second refund would count
+/// another call's request out of the window. The settle finds its lease gone and gives
+/// nothing back again. A's request is refunded; B takes the window's one request; A's
+/// settle runs once more (as the resend would); a fresh process asking Redis is still
+/// refused. Before, the second refund emptied B's sub-window and it was admitted: two
+/// requests in a window of one.
+#[tokio::test]
+async fn a_settle_run_twice_gives_back_once() {
+    let (_server, conn) = private_redis().await;
+    let config = RateLimitConfig::new("s1", Quota::unlimited().requests(1).concurrency(1))
+        .window(Duration::from_secs(60));
+    let sub_ms = u64::try_from(config.sub_window_len().as_millis()).unwrap();
+    let [[window_key, lease_key, _]] = <[[String; 3]; 1]>::try_from(RedisBackend::keys(&config)).unwrap();
+    let l = RateLimiter::new(config.clone(), RedisBackend::new(conn.clone())).unwrap();
+    let a = l.acquire(0).await.unwrap();
+    let at_ms = u64::try_from(a.admission().at().as_millis()).unwrap();
+    let mut c = conn.clone();
+    let leases: Vec<String> = redis::cmd("ZRANGE")
+        .arg(&lease_key)
+        .arg(0)
+        .arg(-1)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let [lease] = leases.as_slice() else {
+        panic!("one lease: {leases:?}")
+    };
+    a.refund().await.unwrap();
+    let b = l.acquire(0).await.expect("A's request and slot are back");
+    // A's settle again, with the arguments the limiter sent: one scope, the request
+    // given back, its lease, the scope's rpm 1, tpm unlimited, concurrency 1.
+    let settle = redis::Script::new(concat!(
+        include_str!("../src/lua/window.lua"),
+        include_str!("../src/lua/settle.lua")
+    ));
+    let _: i64 = settle
+        .key(&window_key)
+        .key(&lease_key)
+        .arg(1)
+        .arg(sub_ms)
+        .arg(60_000 / sub_ms)
+        .arg(at_ms)
+        .arg(-1)
+        .arg(0)
+        .arg(lease)
+        .arg(1)
+        .arg(-1)
+        .arg(1)
+        .invoke_async(&mut c)
+        .await
+        .unwrap();
+    b.finish(None).await.unwrap();
+    // Another process: no memory of refusals, it asks Redis.
+    let other = RateLimiter::new(config, RedisBackend::new(conn.clone())).unwrap();
+    let e = other
+        .acquire(0)
+        .await
+        .expect_err("B's request still counts: one a window");
+    assert!(e.to_string().contains("rpm"), "{e}");
+}
+
 /// Concurrency, token and hold refusals are remembered too, each only while nothing
 /// this process can see frees them:
 /// - a full account (concurrency 1, shared by two sources' limiters): the admission

@@ -8,6 +8,7 @@
 -- ARGV: nscopes, sub_ms, subs, admitted_ms, delta_requests, delta_tokens,
 --       lease_id ('' = none), then per scope: rpm, tpm, concurrency (-1 = unlimited)
 -- Only what a scope limits is touched; the clock is read only when a count changes.
+-- Applied once: a settle whose lease is already gone gives nothing back (see below).
 local n = tonumber(ARGV[1])
 local g = tonumber(ARGV[2])
 local k = tonumber(ARGV[3])
@@ -15,9 +16,29 @@ local at = math.floor(tonumber(ARGV[4]) / g)
 local dr = tonumber(ARGV[5])
 local dt = tonumber(ARGV[6])
 local lease = ARGV[7]
+-- The lease is released first. A settle that finds it in none of the zsets that should
+-- hold it was already applied (a cluster client resends a script whose answer it lost)
+-- or its lease expired and was purged: what it gives back is not given back again (a
+-- second refund would count another call's request or tokens out), what it charges is
+-- charged (counted twice at worst, never under).
+local leased, held = false, false
+if lease ~= '' then
+  for i = 0, n - 1 do
+    if tonumber(ARGV[10 + 3 * i]) >= 0 then
+      leased = true
+      if redis.call('ZREM', KEYS[2 * i + 2], lease) == 1 then
+        held = true
+      end
+    end
+  end
+end
+if leased and not held then
+  if dr < 0 then dr = 0 end
+  if dt < 0 then dt = 0 end
+end
 local cur
 for i = 0, n - 1 do
-  local w, c = KEYS[2 * i + 1], KEYS[2 * i + 2]
+  local w = KEYS[2 * i + 1]
   local r = 0
   local tk = 0
   if tonumber(ARGV[8 + 3 * i]) >= 0 then r = dr end
@@ -33,9 +54,6 @@ for i = 0, n - 1 do
     if r > 0 then add(st, 'r', cur, r) end
     if tk > 0 then add(st, 't', cur, tk) end
     write(w, st, cur, k, g)
-  end
-  if lease ~= '' and tonumber(ARGV[10 + 3 * i]) >= 0 then
-    redis.call('ZREM', c, lease)
   end
 end
 return 1
