@@ -826,7 +826,7 @@ async fn a_settle_run_twice_gives_back_once() {
         include_str!("../src/lua/window.lua"),
         include_str!("../src/lua/settle.lua")
     ));
-    let _: i64 = settle
+    let again: i64 = settle
         .key(&window_key)
         .key(&lease_key)
         .arg(1)
@@ -842,6 +842,7 @@ async fn a_settle_run_twice_gives_back_once() {
         .invoke_async(&mut c)
         .await
         .unwrap();
+    assert_eq!(again, 2, "the settle found its lease gone and gave nothing back");
     b.finish(None).await.unwrap();
     // Another process: no memory of refusals, it asks Redis.
     let other = RateLimiter::new(config, RedisBackend::new(conn.clone())).unwrap();

@@ -933,13 +933,24 @@ impl Gate for RedisGate {
         }
         let mut conn = self.conn.clone();
         let timeout = k.timeout;
+        let keys = Arc::clone(&self.inner);
         BackendFuture::Pending(Box::pin(async move {
-            let _: i64 = run("settle", timeout, inv.invoke_async(&mut conn)).await?;
+            let applied: Result<i64, _> = run("settle", timeout, inv.invoke_async(&mut conn)).await;
+            // Counted whether or not the answer came: a settle that timed out may still
+            // run, and a count too many only forgets a refusal (one more question).
             if let Some(k) = released {
                 k.count_release();
             }
             if let Some(k) = refunded {
                 k.count_refund(refund);
+            }
+            if applied? == 2 {
+                tracing::warn!(
+                    scopes = ?keys.labels,
+                    "a settle found its concurrency lease gone (it expired, or this settle \
+                     already ran): its refund was not given back, the reservation stays \
+                     counted for its window"
+                );
             }
             Ok(())
         }))

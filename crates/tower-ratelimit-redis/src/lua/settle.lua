@@ -7,6 +7,7 @@
 -- KEYS, two per scope: w (window hash), c (lease zset)
 -- ARGV: nscopes, sub_ms, subs, admitted_ms, delta_requests, delta_tokens,
 --       lease_id ('' = none), then per scope: rpm, tpm, concurrency (-1 = unlimited)
+-- Returns 1, or 2 when a refund was not given back because the lease was gone.
 -- Only what a scope limits is touched; the clock is read only when a count changes.
 -- Applied once: a settle whose lease is already gone gives nothing back (see below).
 local n = tonumber(ARGV[1])
@@ -32,7 +33,9 @@ if lease ~= '' then
     end
   end
 end
+local dropped = 0
 if leased and not held then
+  if dr < 0 or dt < 0 then dropped = 1 end
   if dr < 0 then dr = 0 end
   if dt < 0 then dt = 0 end
 end
@@ -56,4 +59,4 @@ for i = 0, n - 1 do
     write(w, st, cur, k, g)
   end
 end
-return 1
+return 1 + dropped
