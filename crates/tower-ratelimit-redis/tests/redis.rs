@@ -1070,6 +1070,41 @@ async fn a_shorter_lease_ttl_never_shortens_a_shared_lease_zset() {
     running.finish(None).await.unwrap();
 }
 
+/// The same when the account has a window too, where an admission goes by the end it
+/// noted in the window hash: X's renewals (TTL 1.8 s) extend the zset without noting
+/// it there, and Y (TTL 0.3 s) admits when the noted end is near. Before, Y set the
+/// zset to end 0.6 s later, under X's live lease; now it keeps the later end.
+#[tokio::test]
+async fn a_shorter_lease_ttl_never_ends_the_zset_under_a_longer_live_lease() {
+    let (server, conn) = private_redis().await;
+    let backend = RedisBackend::new(conn.clone());
+    let config = |source: &str, ttl_ms: u64| {
+        RateLimitConfig::new(source, Quota::unlimited())
+            .account("acct", Quota::unlimited().requests(1000).concurrency(5))
+            .lease_ttl(Duration::from_millis(ttl_ms))
+    };
+    let zset = RedisBackend::keys(&config("s1", 1800))[0][1].clone();
+    let x = RateLimiter::new(config("s1", 1800), backend.clone()).unwrap();
+    let y = RateLimiter::new(config("s2", 300), backend.clone()).unwrap();
+    let start = tokio::time::Instant::now();
+    let at = |ms: u64| tokio::time::sleep_until(start + Duration::from_millis(ms));
+    // The zset ends at 3.6 s, as noted in the window hash; X's lease at 1.8 s.
+    let held = x.acquire(0).await.unwrap();
+    // X renews as its renewer would, every third of its TTL or so: the second renewal
+    // finds less than one TTL left on the zset and extends it to 6.8 s (not noted).
+    at(1600).await;
+    assert!(held.renew().await.unwrap());
+    at(3200).await;
+    assert!(held.renew().await.unwrap());
+    // Y admits within its TTL of the noted end; X's lease lives to 5 s.
+    at(3450).await;
+    let other = y.acquire(0).await.unwrap();
+    let left = server.pttl(&zset);
+    assert!(left > 1000, "the zset ends in {left} ms, under X's lease");
+    other.finish(None).await.unwrap();
+    held.finish(None).await.unwrap();
+}
+
 /// The cells of sub-windows that left are deleted in batches (once a quarter window
 /// of them has gathered), not at every roll, and the window hash stays bounded: its
 /// live sub-windows, at most a quarter window of left ones, and its fixed fields.

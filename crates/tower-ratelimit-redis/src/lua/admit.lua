@@ -98,11 +98,22 @@ for i = 0, n - 1 do
   -- zset this admission creates; without a window hash, as its PTTL says. Never
   -- shortened: the limiters sharing a scope (an account's sources) may lease for
   -- longer than this one, and a zset ending early would take their live leases.
+  -- renew.lua extends a zset without noting it here (it does not touch the window
+  -- hash), so 'ce' may be earlier than the zset's end: before renewing a zset that
+  -- holds leases, its PTTL is read (about once per lease TTL), and an end later than
+  -- two of this admission's TTLs is kept and noted instead.
   local lease_here = lease ~= '' and tonumber(ARGV[11 + 3 * i]) >= 0
   local renew_c = false
+  local c_end = now + 2 * ttl
   if lease_here then
     if st then
       renew_c = lives[i] == 0 or st.ce - now < ttl
+      if renew_c and lives[i] > 0 then
+        local left = redis.call('PTTL', c)
+        if left > 2 * ttl then
+          c_end = now + left
+        end
+      end
     else
       -- -1 (no TTL) and -2 (no zset yet) renew too.
       renew_c = redis.call('PTTL', c) < ttl
@@ -112,14 +123,14 @@ for i = 0, n - 1 do
     if rpm >= 0 then add(st, 'r', cur, 1) end
     if tpm >= 0 then add(st, 't', cur, tokens) end
     if renew_c then
-      st.cell['ce'] = now + 2 * ttl
+      st.cell['ce'] = c_end
       st.dirty['ce'] = true
     end
     write(w, st, cur, k, g)
   end
   if lease_here then
     redis.call('ZADD', c, now + ttl, lease)
-    if renew_c then
+    if renew_c and c_end == now + 2 * ttl then
       redis.call('PEXPIRE', c, 2 * ttl)
     end
   end
