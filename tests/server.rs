@@ -175,6 +175,63 @@ async fn keep_alive_comments_flow_while_the_first_chunk_is_awaited() {
     assert_eq!(seen.last().map(String::as_str), Some("[DONE]"));
 }
 
+/// Comments come only after a whole keep-alive interval of silence: none while events
+/// flow (they flow here for longer than several intervals), and in a stall one every
+/// interval after the last event (events do not move the timer; it is moved when it
+/// ticks too early).
+#[tokio::test(start_paused = true)]
+async fn keep_alive_comments_come_only_after_an_interval_of_silence_mid_stream() {
+    let source = pgw_sim::SourceConfig {
+        // About 40 frames 0.2-1.5 s apart, and one 12 s stall among them.
+        tokens_per_second: quick(2.0).into(),
+        completion: pgw_sim::CompletionConfig {
+            min_fraction: 1.0,
+            max_fraction: 1.0,
+            ..pgw_sim::CompletionConfig::default()
+        },
+        stall: pgw_sim::StallConfig {
+            rate: 1.0,
+            min_gap_s: 12.0,
+            max_gap_s: 12.0,
+        }
+        .into(),
+        ..fast("s1")
+    };
+    let h = start("sse_keep_alive_s = 5\n", vec![source]).await;
+    let resp = send(h.addr, chat(None).body(Full::new(chat_body("m", true))).unwrap()).await;
+    assert_eq!(resp.status(), 200);
+    let start = tokio::time::Instant::now();
+    let mut body = resp.into_body();
+    let (mut last_data, mut comments, mut data) = (start, Vec::new(), 0);
+    while let Some(frame) = body.frame().await {
+        let Ok(bytes) = frame.unwrap().into_data() else {
+            continue;
+        };
+        let now = tokio::time::Instant::now();
+        for e in events(&bytes) {
+            if e == ":" {
+                comments.push(now - last_data);
+            } else {
+                data += 1;
+                last_data = now;
+            }
+        }
+    }
+    let streamed = last_data - start;
+    assert!(
+        streamed > Duration::from_secs(20),
+        "events flowed for {streamed:?} only"
+    );
+    assert!(data > 20, "{data} events");
+    assert!(!comments.is_empty(), "no comment in a 12 s stall");
+    for quiet in &comments {
+        assert!(
+            *quiet >= Duration::from_secs(5),
+            "a comment {quiet:?} after the last event: {comments:?}"
+        );
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn models_lists_the_groups_in_the_openai_shape() {
     let h = start("", vec![fast("s1")]).await;

@@ -42,7 +42,10 @@ use crate::{Timeouts, UpstreamBody};
 pub struct ChunkStream {
     body: UpstreamBody,
     decoder: SseDecoder,
+    /// Fires at or before `due`.
     sleep: Pin<Box<Sleep>>,
+    /// When the armed watchdog cuts.
+    due: Instant,
     armed: (Watchdog, Duration),
     timeouts: Timeouts,
     start: Instant,
@@ -92,6 +95,7 @@ impl ChunkStream {
             body,
             decoder: SseDecoder::default(),
             sleep: Box::pin(tokio::time::sleep_until(deadline)),
+            due: deadline,
             armed: (Watchdog::Total, timeouts.total),
             timeouts,
             start,
@@ -124,13 +128,22 @@ impl ChunkStream {
         self
     }
 
+    /// Arms the watchdog to cut at `at` (at the total deadline when that comes first).
+    ///
+    /// The timer is moved only when the cut comes earlier than it fires: a later cut
+    /// (every chunk pushes the inter-token one on) is only noted in `due`, and the
+    /// timer, when it fires before it, is moved there then. A timer reset per chunk was
+    /// a tenth of a relayed chunk's instructions.
     fn arm(&mut self, at: Instant, watchdog: Watchdog, limit: Duration) {
         self.armed = if at >= self.deadline {
             (Watchdog::Total, self.timeouts.total)
         } else {
             (watchdog, limit)
         };
-        self.sleep.as_mut().reset(at.min(self.deadline));
+        self.due = at.min(self.deadline);
+        if self.due < self.sleep.deadline() {
+            self.sleep.as_mut().reset(self.due);
+        }
     }
 
     /// Notes the choices of a chunk: complete once every choice seen finished. With
@@ -170,6 +183,18 @@ impl ChunkStream {
     #[must_use]
     pub const fn started(&self) -> Instant {
         self.start
+    }
+
+    /// Ready once the armed cut ([`arm`](Self::arm)) is due.
+    fn watchdog(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        loop {
+            ready!(self.sleep.as_mut().poll(cx));
+            if self.due <= self.sleep.deadline() {
+                return Poll::Ready(());
+            }
+            // Fired at an earlier cut since pushed on: wait for the new one.
+            self.sleep.as_mut().reset(self.due);
+        }
     }
 
     fn fail(&mut self, err: BoxError) -> Poll<Option<Result<ChatChunk, BoxError>>> {
@@ -338,7 +363,7 @@ impl Stream for ChunkStream {
                     return this.end(cx, "body end without [DONE]");
                 }
                 Poll::Pending => {
-                    ready!(this.sleep.as_mut().poll(cx));
+                    ready!(this.watchdog(cx));
                     let (watchdog, limit) = this.armed;
                     return this.fail(WatchdogCut::new(watchdog, limit).into());
                 }

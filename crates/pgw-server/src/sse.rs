@@ -45,6 +45,8 @@ enum Phase {
 struct Call {
     phase: Phase,
     keep_alive: Interval,
+    /// When the last event went out (`None`: none yet).
+    last_event: Option<Instant>,
     permit: Option<TenantPermit>,
     usage: Option<Usage>,
     first_chunk: bool,
@@ -175,6 +177,22 @@ impl Call {
         }
     }
 
+    /// Whether a whole keep-alive interval passed since the last event (or there was
+    /// none), now that the interval ticked; if not, the next tick is moved to the end
+    /// of that interval. Events only note their instant (`last_event`),
+    /// so a stream of many events does not move a timer at each.
+    fn quiet(&mut self) -> bool {
+        let Some(at) = self.last_event else {
+            return true;
+        };
+        let quiet_at = at + self.keep_alive.period();
+        if quiet_at <= Instant::now() {
+            return true;
+        }
+        self.keep_alive.reset_at(quiet_at);
+        false
+    }
+
     /// The next bytes of the body, `None` at the end.
     async fn next(&mut self) -> Option<Bytes> {
         loop {
@@ -201,7 +219,8 @@ impl Call {
                         biased;
                         item = chunks.next() => match item {
                             Some(Ok(chunk)) => {
-                                self.keep_alive.reset();
+                                // Noted, not a timer reset per event (see `quiet`).
+                                self.last_event = Some(Instant::now());
                                 // The chunks that arrived with it (a provider's write
                                 // often holds several) go out in the same frame: each
                                 // frame costs the body's layers and hyper a pass.
@@ -218,7 +237,12 @@ impl Call {
                             Some(Err(e)) => return Some(self.fail(&e).await),
                             None => return Some(self.done().await),
                         },
-                        _ = self.keep_alive.tick() => return Some(Bytes::from_static(KEEP_ALIVE)),
+                        _ = self.keep_alive.tick() => {
+                            if !self.quiet() {
+                                continue;
+                            }
+                            return Some(Bytes::from_static(KEEP_ALIVE));
+                        }
                     }
                 }
             }
@@ -271,6 +295,7 @@ pub(crate) async fn respond(
     let call = Call {
         phase,
         keep_alive,
+        last_event: None,
         permit,
         usage: None,
         first_chunk: true,
