@@ -800,57 +800,73 @@ async fn a_refusal_judged_before_a_refund_landed_is_forgotten_when_it_lands() {
 #[tokio::test]
 async fn a_settle_run_twice_gives_back_once() {
     let (_server, conn) = private_redis().await;
-    let config = RateLimitConfig::new("s1", Quota::unlimited().requests(1).concurrency(1))
-        .window(Duration::from_secs(60));
-    let sub_ms = u64::try_from(config.sub_window_len().as_millis()).unwrap();
-    let [[window_key, lease_key, _]] = <[[String; 3]; 1]>::try_from(RedisBackend::keys(&config)).unwrap();
-    let l = RateLimiter::new(config.clone(), RedisBackend::new(conn.clone())).unwrap();
-    let a = l.acquire(0).await.unwrap();
-    let at_ms = u64::try_from(a.admission().at().as_millis()).unwrap();
-    let mut c = conn.clone();
-    let leases: Vec<String> = redis::cmd("ZRANGE")
-        .arg(&lease_key)
-        .arg(0)
-        .arg(-1)
-        .query_async(&mut c)
-        .await
-        .unwrap();
-    let [lease] = leases.as_slice() else {
-        panic!("one lease: {leases:?}")
-    };
-    a.refund().await.unwrap();
-    let b = l.acquire(0).await.expect("A's request and slot are back");
-    // A's settle again, with the arguments the limiter sent: one scope, the request
-    // given back, its lease, the scope's rpm 1, tpm unlimited, concurrency 1.
-    let settle = redis::Script::new(concat!(
-        include_str!("../src/lua/window.lua"),
-        include_str!("../src/lua/settle.lua")
-    ));
-    let again: i64 = settle
-        .key(&window_key)
-        .key(&lease_key)
-        .arg(1)
-        .arg(sub_ms)
-        .arg(60_000 / sub_ms)
-        .arg(at_ms)
-        .arg(-1)
-        .arg(0)
-        .arg(lease)
-        .arg(1)
-        .arg(-1)
-        .arg(1)
-        .invoke_async(&mut c)
-        .await
-        .unwrap();
-    assert_eq!(again, 2, "the settle found its lease gone and gave nothing back");
-    b.finish(None).await.unwrap();
-    // Another process: no memory of refusals, it asks Redis.
-    let other = RateLimiter::new(config, RedisBackend::new(conn.clone())).unwrap();
-    let e = other
-        .acquire(0)
-        .await
-        .expect_err("B's request still counts: one a window");
-    assert!(e.to_string().contains("rpm"), "{e}");
+    // The second refund only takes B's request when A and B count in one sub-window
+    // (else it goes to A's, already empty): 30 s sub-windows, and a fresh scope when the
+    // two straddle a boundary anyway, so the test cannot pass without the fix.
+    for round in 0..3 {
+        let config = RateLimitConfig::new(
+            format!("s1-{round}"),
+            Quota::unlimited().requests(1).concurrency(1),
+        )
+        .window(Duration::from_secs(60))
+        .sub_windows(2);
+        let sub_ms = u64::try_from(config.sub_window_len().as_millis()).unwrap();
+        let [[window_key, lease_key, _]] = <[[String; 3]; 1]>::try_from(RedisBackend::keys(&config)).unwrap();
+        let l = RateLimiter::new(config.clone(), RedisBackend::new(conn.clone())).unwrap();
+        let a = l.acquire(0).await.unwrap();
+        let at_ms = u64::try_from(a.admission().at().as_millis()).unwrap();
+        let mut c = conn.clone();
+        let leases: Vec<String> = redis::cmd("ZRANGE")
+            .arg(&lease_key)
+            .arg(0)
+            .arg(-1)
+            .query_async(&mut c)
+            .await
+            .unwrap();
+        let [lease] = leases.as_slice() else {
+            panic!("one lease: {leases:?}")
+        };
+        a.refund().await.unwrap();
+        let b = l.acquire(0).await.expect("A's request and slot are back");
+        let b_ms = u64::try_from(b.admission().at().as_millis()).unwrap();
+        if b_ms / sub_ms != at_ms / sub_ms {
+            b.finish(None).await.unwrap();
+            continue;
+        }
+        // A's settle again, with the arguments the limiter sent: one scope, the request
+        // given back, its lease, the scope's rpm 1, tpm unlimited, concurrency 1.
+        let settle = redis::Script::new(concat!(
+            include_str!("../src/lua/window.lua"),
+            include_str!("../src/lua/settle.lua")
+        ));
+        let again: i64 = settle
+            .key(&window_key)
+            .key(&lease_key)
+            .arg(1)
+            .arg(sub_ms)
+            .arg(60_000 / sub_ms)
+            .arg(at_ms)
+            .arg(-1)
+            .arg(0)
+            .arg(lease)
+            .arg(1)
+            .arg(-1)
+            .arg(1)
+            .invoke_async(&mut c)
+            .await
+            .unwrap();
+        assert_eq!(again, 2, "the settle found its lease gone and gave nothing back");
+        b.finish(None).await.unwrap();
+        // Another process: no memory of refusals, it asks Redis.
+        let other = RateLimiter::new(config, RedisBackend::new(conn.clone())).unwrap();
+        let e = other
+            .acquire(0)
+            .await
+            .expect_err("B's request still counts: one a window");
+        assert!(e.to_string().contains("rpm"), "{e}");
+        return;
+    }
+    panic!("A and B straddled a 30 s sub-window boundary three times");
 }
 
 /// Concurrency, token and hold refusals are remembered too, each only while nothing
