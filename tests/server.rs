@@ -921,17 +921,31 @@ async fn a_call_ended_by_an_overloaded_upstream_is_503_with_retry_after() {
             None => t,
         })
         .await;
-        let req = match deadline {
+        let req = move || match deadline {
             Some(ms) => chat(None).header("x-pgw-timeout-ms", ms),
             None => chat(None),
         };
-        let (status, headers, body) = call(h.addr, req, chat_body("m", false)).await;
-        let case = format!("bound {pushback_bound:?}, deadline {deadline:?}");
-        assert_eq!(status, 503, "{case}: {}", String::from_utf8_lossy(&body));
-        openai_error(&body, "overloaded");
-        let after: u64 = headers["retry-after"].to_str().unwrap().parse().unwrap();
-        assert!((1..=30).contains(&after), "{case}: {after}");
-        assert_eq!(upstream_requests(&h), 1, "{case}: held after the first 529");
+        let addr = h.addr;
+        let first = tokio::spawn(async move { call(addr, req(), chat_body("m", false)).await });
+        while upstream_requests(&h) < 1 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // Its 529 came back and the route is held.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        // A second call while the hold lasts, which may wait 3 s, asks no provider:
+        // refused by the hold alone (`WaitTooLong`), it is told by the hold itself
+        // that the provider is overloaded (it was 429 `rate_limit_exceeded`: no
+        // pushback of its own to tell by).
+        let later = chat(None).header("x-pgw-timeout-ms", "3000");
+        let later = call(h.addr, later, chat_body("m", false)).await;
+        for (which, (status, headers, body)) in [("first", first.await.unwrap()), ("later", later)] {
+            let case = format!("bound {pushback_bound:?}, deadline {deadline:?}, {which} call");
+            assert_eq!(status, 503, "{case}: {}", String::from_utf8_lossy(&body));
+            openai_error(&body, "overloaded");
+            let after: u64 = headers["retry-after"].to_str().unwrap().parse().unwrap();
+            assert!((1..=30).contains(&after), "{case}: {after}");
+        }
+        assert_eq!(upstream_requests(&h), 1, "held after the first 529");
     }
 }
 

@@ -76,6 +76,7 @@ pub struct QuotaExceeded {
     scope: Option<String>,
     dimension: &'static str,
     retry_after: Duration,
+    after_overload: bool,
 }
 
 impl QuotaExceeded {
@@ -87,7 +88,25 @@ impl QuotaExceeded {
             scope: None,
             dimension,
             retry_after,
+            after_overload: false,
         }
+    }
+
+    /// Marks a `hold` placed after an overloaded provider's pushback (a 5xx such as
+    /// 503 or 529 with `Retry-After`), not after a rate limit: a call refused by it
+    /// waits on the provider's capacity, not on a quota (a server answers 503, not
+    /// 429). See [`Hold::hold_after_overload`](crate::Hold::hold_after_overload).
+    #[must_use]
+    pub const fn after_overload(mut self) -> Self {
+        self.after_overload = true;
+        self
+    }
+
+    /// Whether this is a `hold` placed after an overloaded provider's pushback
+    /// ([`after_overload`](Self::after_overload)).
+    #[must_use]
+    pub const fn is_after_overload(&self) -> bool {
+        self.after_overload
     }
 
     /// Names the scope (a source or an account) whose quota is full.
@@ -119,6 +138,9 @@ impl QuotaExceeded {
 impl fmt::Display for QuotaExceeded {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "quota exceeded ({})", self.dimension)?;
+        if self.after_overload {
+            f.write_str(" after the provider was overloaded")?;
+        }
         if let Some(s) = &self.scope {
             write!(f, " for {s}")?;
         }

@@ -26,6 +26,21 @@ pub trait Hold: Send + Sync {
     fn hold_source(&self, source: &SourceId, duration: Duration) -> HoldFuture {
         self.hold(source, duration)
     }
+
+    /// As [`Hold::hold`] (`account_wide`) or [`Hold::hold_source`], after an
+    /// overloaded provider's pushback (a 5xx with `Retry-After`) rather than a rate
+    /// limit: an implementation that can keep the reason refuses the calls it holds
+    /// with a [`QuotaExceeded`](crate::QuotaExceeded) marked
+    /// [`after_overload`](crate::QuotaExceeded::after_overload), so they are told
+    /// "overloaded", not "rate limited", also on another process and with no attempt
+    /// of their own. Default: the hold without the reason.
+    fn hold_after_overload(&self, source: &SourceId, duration: Duration, account_wide: bool) -> HoldFuture {
+        if account_wide {
+            self.hold(source, duration)
+        } else {
+            self.hold_source(source, duration)
+        }
+    }
 }
 
 /// A hold that does nothing: the default when no limiter is present.

@@ -207,7 +207,8 @@ impl ApiError {
             // the last attempt the upstream pushed back on.
             Reason::PushbackExhausted { wait, .. } => Self::upstream_pushback(
                 r,
-                last.is_some_and(|e| overloaded(e)) || last_pushback_overloaded(r),
+                last.is_some_and(|e| overloaded(e) || held_after_overload(e, r))
+                    || last_pushback_overloaded(r),
                 upstream_retry.or(Some(wait)),
                 detail,
             ),
@@ -242,7 +243,12 @@ impl ApiError {
                 if let Some(e) = last
                     && matches!(classify_error(e), Outcome::RateLimited { .. })
                 {
-                    return Self::upstream_pushback(r, overloaded(e), upstream_retry, detail);
+                    return Self::upstream_pushback(
+                        r,
+                        overloaded(e) || held_after_overload(e, r),
+                        upstream_retry,
+                        detail,
+                    );
                 }
                 Self::new(
                     StatusCode::BAD_GATEWAY,
@@ -465,12 +471,15 @@ fn overloaded(e: &(dyn std::error::Error + 'static)) -> bool {
 
 /// Whether `last` is a hold's refusal (holds on: the source or account held for the
 /// time the upstream asked) after an overloaded provider's pushback: the wait that
-/// ended the call is the provider's, not a quota's.
+/// ended the call is the provider's, not a quota's. The hold says so itself when it
+/// was placed after one ([`pgw_core::QuotaExceeded::is_after_overload`]: also a hold
+/// another call or process placed, refusing a call with no attempt of its own);
+/// otherwise the call's own last pushback tells.
 fn held_after_overload(last: &(dyn std::error::Error + 'static), r: &RetryError) -> bool {
-    let held = std::iter::successors(Some(last), |e| e.source())
+    let hold = std::iter::successors(Some(last), |e| e.source())
         .find_map(|e| e.downcast_ref::<pgw_core::QuotaExceeded>())
-        .is_some_and(|q| q.dimension() == "hold");
-    held && last_pushback_overloaded(r)
+        .filter(|q| q.dimension() == "hold");
+    hold.is_some_and(|q| q.is_after_overload() || last_pushback_overloaded(r))
 }
 
 /// Whether the call's last attempt that the upstream pushed back on was a 5xx (a 503

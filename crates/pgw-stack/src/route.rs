@@ -265,6 +265,19 @@ impl std::error::Error for UnknownRoute {}
 
 impl Hold for RouteHolds {
     fn hold(&self, route: &SourceId, duration: Duration) -> HoldFuture {
+        self.hold_route(route, duration, false)
+    }
+
+    /// As [`hold`](Hold::hold) (this hook tells the account's pushback from the
+    /// route's itself), the reason kept: the calls it refuses are told the provider is
+    /// overloaded ([`RateLimiter::hold_after_overload`]).
+    fn hold_after_overload(&self, route: &SourceId, duration: Duration, _account_wide: bool) -> HoldFuture {
+        self.hold_route(route, duration, true)
+    }
+}
+
+impl RouteHolds {
+    fn hold_route(&self, route: &SourceId, duration: Duration, overloaded: bool) -> HoldFuture {
         let Some(r) = self.routes.get(route) else {
             let e: BoxError = Box::new(UnknownRoute(route.to_string()));
             return Box::pin(std::future::ready(Err(e)));
@@ -278,11 +291,12 @@ impl Hold for RouteHolds {
             (false, None) => (r.source.clone(), HoldScope::Source),
         };
         Box::pin(async move {
-            limiter
-                .hold(scope, duration)
-                .await
-                .map(|_| ())
-                .map_err(|e| Box::new(e) as BoxError)
+            let held = if overloaded {
+                limiter.hold_after_overload(scope, duration).await
+            } else {
+                limiter.hold(scope, duration).await
+            };
+            held.map(|_| ()).map_err(|e| Box::new(e) as BoxError)
         })
     }
 }

@@ -323,7 +323,40 @@ impl RateLimiter {
     /// # Errors
     /// [`BackendUnavailable`] when the backend cannot answer.
     pub async fn hold(&self, scope: HoldScope, duration: Duration) -> Result<Duration, BackendUnavailable> {
-        self.inner.gate.hold(scope, duration).await
+        self.inner.gate.hold(scope, duration, false).await
+    }
+
+    /// [`hold`](Self::hold) after an overloaded provider's pushback (a 503 or 529 with
+    /// `Retry-After`), not a rate limit: the admissions it refuses, in every process,
+    /// say so ([`QuotaExceeded::is_after_overload`](pgw_core::QuotaExceeded::is_after_overload)),
+    /// so a server answers them 503, not 429. Of two holds of a scope the longer one's
+    /// reason counts. On Redis the reason rides in the end's parity (odd: overload;
+    /// every process reads it from the end it learns, no extra key or command), so the
+    /// end may be 1 ms later than asked, for a [`hold`](Self::hold) too; a hold written
+    /// by an older version of this crate has a reason at random.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
+    /// use std::time::Duration;
+    /// use tower_ratelimit_redis::{HoldScope, MemoryBackend, Quota, RateLimitConfig, RateLimiter};
+    ///
+    /// let limiter = RateLimiter::new(RateLimitConfig::new("s1", Quota::unlimited()), MemoryBackend::new()).unwrap();
+    /// limiter.hold_after_overload(HoldScope::Source, Duration::from_secs(30)).await.unwrap();
+    /// let err = limiter.acquire(0).await.unwrap_err();
+    /// let q = err.downcast_ref::<pgw_core::QuotaExceeded>().unwrap();
+    /// assert_eq!(q.dimension(), "hold");
+    /// assert!(q.is_after_overload());
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// [`BackendUnavailable`] when the backend cannot answer.
+    pub async fn hold_after_overload(
+        &self,
+        scope: HoldScope,
+        duration: Duration,
+    ) -> Result<Duration, BackendUnavailable> {
+        self.inner.gate.hold(scope, duration, true).await
     }
 
     /// Reads what this limiter's scopes (its source and its account) hold in the
@@ -1055,7 +1088,7 @@ impl Hold for Holds {
     /// Holds the source and its account (when configured) in one round trip.
     fn hold(&self, source: &SourceId, duration: Duration) -> HoldFuture {
         match self.by_source.get(source) {
-            Some(l) => l.hold_future(HoldScope::Both, duration),
+            Some(l) => l.hold_future(HoldScope::Both, duration, false),
             None => unknown(source),
         }
     }
@@ -1063,7 +1096,16 @@ impl Hold for Holds {
     /// Holds the source alone.
     fn hold_source(&self, source: &SourceId, duration: Duration) -> HoldFuture {
         match self.by_source.get(source) {
-            Some(l) => l.hold_future(HoldScope::Source, duration),
+            Some(l) => l.hold_future(HoldScope::Source, duration, false),
+            None => unknown(source),
+        }
+    }
+
+    /// Holds the source (and its account when `account_wide`), the reason kept
+    /// ([`RateLimiter::hold_after_overload`]).
+    fn hold_after_overload(&self, source: &SourceId, duration: Duration, account_wide: bool) -> HoldFuture {
+        match self.by_source.get(source) {
+            Some(l) => l.hold_future(HoldScope::of(account_wide), duration, true),
             None => unknown(source),
         }
     }
@@ -1076,8 +1118,8 @@ fn unknown(source: &SourceId) -> HoldFuture {
 }
 
 impl RateLimiter {
-    fn hold_future(&self, scope: HoldScope, duration: Duration) -> HoldFuture {
-        let fut = self.inner.gate.hold(scope, duration);
+    fn hold_future(&self, scope: HoldScope, duration: Duration, overloaded: bool) -> HoldFuture {
+        let fut = self.inner.gate.hold(scope, duration, overloaded);
         Box::pin(async move { fut.await.map(|_| ()).map_err(|e| Box::new(e) as BoxError) })
     }
 }
@@ -1086,7 +1128,7 @@ impl Hold for RateLimiter {
     /// Holds this limiter's source and its account; an error for another source.
     fn hold(&self, source: &SourceId, duration: Duration) -> HoldFuture {
         if source == self.source() {
-            self.hold_future(HoldScope::Both, duration)
+            self.hold_future(HoldScope::Both, duration, false)
         } else {
             unknown(source)
         }
@@ -1095,7 +1137,17 @@ impl Hold for RateLimiter {
     /// Holds this limiter's source alone.
     fn hold_source(&self, source: &SourceId, duration: Duration) -> HoldFuture {
         if source == self.source() {
-            self.hold_future(HoldScope::Source, duration)
+            self.hold_future(HoldScope::Source, duration, false)
+        } else {
+            unknown(source)
+        }
+    }
+
+    /// Holds this limiter's source (and its account when `account_wide`), the reason
+    /// kept ([`RateLimiter::hold_after_overload`]).
+    fn hold_after_overload(&self, source: &SourceId, duration: Duration, account_wide: bool) -> HoldFuture {
+        if source == self.source() {
+            self.hold_future(HoldScope::of(account_wide), duration, true)
         } else {
             unknown(source)
         }

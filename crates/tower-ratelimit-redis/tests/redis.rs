@@ -33,10 +33,12 @@ async fn hammer(target: RedisTarget) {
         let conn = RedisConn::connect(&target).await.unwrap();
         limiters.push(RateLimiter::new(config.clone(), RedisBackend::new(conn)).unwrap());
     }
+    let conn = RedisConn::connect(&target).await.unwrap();
     let h = Harness {
-        backend: RedisBackend::new(RedisConn::connect(&target).await.unwrap()).into(),
+        backend: RedisBackend::new(conn.clone()).into(),
         prefix,
         exact: false,
+        conn: Some(conn),
     };
     h.align(window).await;
     let admitted = Arc::new(Mutex::new(Vec::new()));

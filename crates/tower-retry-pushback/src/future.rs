@@ -222,6 +222,8 @@ enum Next<T> {
         source: SourceId,
         wait: Duration,
         account_wide: bool,
+        /// The pushback was a 5xx (the provider overloaded), not a rate limit.
+        overloaded: bool,
         then_fail: Option<Reason>,
         unheld_fail: Option<Reason>,
     },
@@ -406,6 +408,12 @@ impl<S, Req: CarriesHistory, C, R> Call<S, Req, C, R> {
             return Next::Finish(result);
         }
 
+        // The upstream's HTTP status, when the attempt's error carries one.
+        let status = result
+            .as_ref()
+            .err()
+            .and_then(|e| pgw_core::UpstreamStatus::find(&**e))
+            .map(pgw_core::UpstreamStatus::status);
         // The service below records its attempts with their source; otherwise we do.
         let known_len = self.known_len;
         let history = self.history();
@@ -417,11 +425,7 @@ impl<S, Req: CarriesHistory, C, R> Call<S, Req, C, R> {
                 outcome,
                 timed_out: false,
                 too_large: false,
-                status: result
-                    .as_ref()
-                    .err()
-                    .and_then(|e| pgw_core::UpstreamStatus::find(&**e))
-                    .map(pgw_core::UpstreamStatus::status),
+                status,
             });
             None
         };
@@ -435,6 +439,9 @@ impl<S, Req: CarriesHistory, C, R> Call<S, Req, C, R> {
             .err()
             .is_some_and(|e| pgw_core::pushback_is_account_wide(&**e));
         let timed_out = result.as_ref().err().is_some_and(|e| pgw_core::is_timeout(&**e));
+        // A 5xx pushback (503, 529 with `Retry-After`): the provider is overloaded, the
+        // hold says so to the calls it refuses.
+        let overloaded = status.is_some_and(|s| s.is_server_error());
         let now = Instant::now();
         self.start_waiting(now).last_error = result.err();
         tracing::debug!(outcome = outcome.as_str(), source = ?source, "attempt failed");
@@ -528,6 +535,7 @@ impl<S, Req: CarriesHistory, C, R> Call<S, Req, C, R> {
                             source,
                             wait,
                             account_wide,
+                            overloaded,
                             then_fail: (waited >= limit).then_some(exhausted),
                             // A failed hold is slept through as without a hook: by
                             // the same bound.
@@ -733,11 +741,13 @@ where
                     source,
                     wait,
                     account_wide,
+                    overloaded,
                     then_fail,
                     unheld_fail,
                 } => {
                     let waiting = WaitGuard::new(&this.call.shared.counters);
                     let fut = match &this.call.shared.hold {
+                        Some(hold) if overloaded => hold.hold_after_overload(&source, wait, account_wide),
                         Some(hold) if account_wide => hold.hold(&source, wait),
                         Some(hold) => hold.hold_source(&source, wait),
                         None => Box::pin(std::future::ready(Err("no hold hook".into()))),

@@ -62,7 +62,10 @@ impl Default for MemoryBackend {
 #[derive(Debug, Default)]
 struct Cell {
     window: Window,
-    hold_until: AtomicU64,
+    /// The hold's end (ns since base) shifted left by one, its low bit set when it was
+    /// placed after an overloaded provider's pushback: one word, so the longest hold
+    /// and its reason move together (`fetch_max`). Read through [`Cell::hold`].
+    hold: AtomicU64,
     /// Live leases and their expiry. Few: at most the concurrency limit.
     leases: Mutex<Vec<(LeaseId, u64)>>,
     queue: Mutex<Queue>,
@@ -96,6 +99,14 @@ struct Place {
 }
 
 impl Cell {
+    /// The hold's end (ns since base, 0: none) and whether it was placed after an
+    /// overloaded provider's pushback.
+    #[inline]
+    fn hold(&self) -> (u64, bool) {
+        let v = self.hold.load(Ordering::Acquire);
+        (v >> 1, v & 1 == 1)
+    }
+
     /// Wakes the first waiter not woken yet, to try again: one per freed slot.
     fn wake_one(&self) {
         if self.queued.load(Ordering::Acquire) == 0 {
@@ -376,7 +387,7 @@ impl MemoryGate {
     /// Whether a hold of either scope lasts past `now`.
     #[inline]
     fn held_at(&self, now: u64) -> bool {
-        let held = |s: &Scope| s.cell.hold_until.load(Ordering::Acquire) > now;
+        let held = |s: &Scope| s.cell.hold().0 > now;
         held(&self.first) || self.second.as_ref().is_some_and(held)
     }
 
@@ -522,40 +533,40 @@ impl MemoryGate {
     #[inline(never)]
     fn refusal(&self, now: u64, sub: u64, tokens: u64, failed: (usize, &'static str)) -> Verdict {
         let hint = nanos(self.slot_hint);
-        let mut worst: Option<(&Scope, &'static str, u64)> = None;
+        // The dimension, its wait, and for a hold whether an overload placed it.
+        let mut worst: Option<(&Scope, &'static str, u64, bool)> = None;
         for scope in self.scopes() {
-            let mut refuse = |dim: &'static str, wait: u64| {
-                if worst.is_none_or(|(_, _, w)| wait > w) {
-                    worst = Some((scope, dim, wait));
+            let mut refuse = |dim: &'static str, wait: u64, after_overload: bool| {
+                if worst.is_none_or(|(_, _, w, _)| wait > w) {
+                    worst = Some((scope, dim, wait, after_overload));
                 }
             };
             let cell = &scope.cell;
-            let hold = cell.hold_until.load(Ordering::Acquire);
+            let (hold, after_overload) = cell.hold();
             if hold > now {
-                refuse("hold", hold - now);
+                refuse("hold", hold - now, after_overload);
             }
             for (dim, due) in self.count_waits(scope, sub, tokens).into_iter().flatten() {
-                refuse(dim, due.saturating_sub(now));
+                refuse(dim, due.saturating_sub(now), false);
             }
             if let Some(c) = scope.quota.concurrency {
                 let mut leases = lock(&cell.leases);
                 if live_leases(&mut leases, now) >= c {
                     let first = leases.iter().map(|&(_, e)| e - now).min();
-                    refuse("concurrency", first.map_or(hint, |f| f.min(hint)));
+                    refuse("concurrency", first.map_or(hint, |f| f.min(hint)), false);
                 }
             }
         }
-        let (scope, dim, wait) = worst.unwrap_or_else(|| {
+        let (scope, dim, wait, after_overload) = worst.unwrap_or_else(|| {
             let wait = match failed.1 {
                 "concurrency" => hint,
                 // Room was made since: one sub-window, the finest a count frees by.
                 _ => self.sub_ns,
             };
-            (self.scope_at(failed.0), failed.1, wait)
+            (self.scope_at(failed.0), failed.1, wait, false)
         });
-        Verdict::Refused(Box::new(
-            QuotaExceeded::new(dim, Duration::from_nanos(wait)).with_scope(&*scope.spec.label),
-        ))
+        let q = QuotaExceeded::new(dim, Duration::from_nanos(wait)).with_scope(&*scope.spec.label);
+        Verdict::Refused(Box::new(if after_overload { q.after_overload() } else { q }))
     }
 
     /// Reconciles one admission: what it reserved and did not use goes back to its
@@ -706,7 +717,7 @@ impl MemoryGate {
     /// (slots full).
     fn free_at(&self, scope: &Scope, now: u64, tokens: u64) -> u64 {
         let cell = &scope.cell;
-        let mut due = now.max(cell.hold_until.load(Ordering::Acquire));
+        let mut due = now.max(cell.hold().0);
         let sub = now / self.sub_ns;
         for (_, d) in self.count_waits(scope, sub, tokens).into_iter().flatten() {
             due = due.max(d);
@@ -736,11 +747,16 @@ impl MemoryGate {
             .fold(true, |all, renewed| all & renewed)
     }
 
-    fn hold_now(&self, which: HoldScope, d: Duration) -> Duration {
-        let until = self.since_base(Instant::now()).saturating_add(nanos(d));
+    fn hold_now(&self, which: HoldScope, d: Duration, overloaded: bool) -> Duration {
+        // At most 2^63 ns (292 years) from the base: the end fits the shifted word.
+        let until = self
+            .since_base(Instant::now())
+            .saturating_add(nanos(d))
+            .min(u64::MAX >> 1);
+        let word = (until << 1) | u64::from(overloaded);
         for scope in self.scopes() {
             if scope.spec.held_by(which, self.has_account) {
-                scope.cell.hold_until.fetch_max(until, Ordering::AcqRel);
+                scope.cell.hold.fetch_max(word, Ordering::AcqRel);
             }
         }
         Duration::from_nanos(until)
@@ -755,7 +771,7 @@ impl MemoryGate {
         for scope in self.scopes() {
             let leases = lock(&scope.cell.leases);
             let live = leases.iter().filter(|&&(_, exp)| exp > now);
-            let hold = scope.cell.hold_until.load(Ordering::Acquire);
+            let (hold, _) = scope.cell.hold();
             let held = ScopeHeld {
                 scope: scope.spec.label.to_string(),
                 leases: live.clone().count() as u64,
@@ -796,8 +812,9 @@ impl Gate for MemoryGate {
         &self,
         which: HoldScope,
         duration: Duration,
+        overloaded: bool,
     ) -> BackendFuture<Result<Duration, BackendUnavailable>> {
-        BackendFuture::ready(Ok(self.hold_now(which, duration)))
+        BackendFuture::ready(Ok(self.hold_now(which, duration, overloaded)))
     }
 
     fn held(&self) -> BackendFuture<Result<Held, BackendUnavailable>> {

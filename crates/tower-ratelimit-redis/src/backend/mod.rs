@@ -82,6 +82,14 @@ pub enum HoldScope {
     Both,
 }
 
+impl HoldScope {
+    /// [`Both`](Self::Both) for a pushback the provider said is the account's, else
+    /// [`Source`](Self::Source) (as [`pgw_core::Hold`]'s `hold` and `hold_source`).
+    pub(crate) const fn of(account_wide: bool) -> Self {
+        if account_wide { Self::Both } else { Self::Source }
+    }
+}
+
 /// What a limiter's scopes hold in the backend right now: the answer of
 /// [`RateLimiter::held`](crate::RateLimiter::held).
 ///
@@ -225,10 +233,13 @@ pub(crate) trait Gate: Send + Sync + fmt::Debug {
     /// Extends a lease; `false` when it had already expired.
     fn renew(&self, lease: LeaseId) -> BackendFuture<Result<bool, BackendUnavailable>>;
     /// Holds scopes for `duration`; answers the hold's end on the backend's clock.
+    /// `overloaded`: placed after an overloaded provider's pushback, not a rate limit
+    /// (the refusals it gives say so: [`QuotaExceeded::after_overload`](pgw_core::QuotaExceeded::after_overload)).
     fn hold(
         &self,
         which: HoldScope,
         duration: Duration,
+        overloaded: bool,
     ) -> BackendFuture<Result<Duration, BackendUnavailable>>;
     /// Reads what the scopes hold now (leases, holds), changing nothing.
     fn held(&self) -> BackendFuture<Result<Held, BackendUnavailable>>;
@@ -279,10 +290,11 @@ impl Gate for AnyGate {
         &self,
         which: HoldScope,
         duration: Duration,
+        overloaded: bool,
     ) -> BackendFuture<Result<Duration, BackendUnavailable>> {
         match self {
-            Self::Memory(g) => g.hold(which, duration),
-            Self::Redis(g) => g.hold(which, duration),
+            Self::Memory(g) => g.hold(which, duration, overloaded),
+            Self::Redis(g) => g.hold(which, duration, overloaded),
         }
     }
 

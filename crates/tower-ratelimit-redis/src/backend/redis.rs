@@ -554,6 +554,13 @@ const fn dim_name(dim: i64) -> Option<&'static str> {
     }
 }
 
+/// The refusal of a hold ending at server millisecond `end`, `wait` ms from now: an
+/// odd end was placed after an overloaded provider's pushback (`hold.lua`).
+fn hold_refusal(end: i64, wait: i64) -> QuotaExceeded {
+    let q = QuotaExceeded::new("hold", millis(wait));
+    if end & 1 == 1 { q.after_overload() } else { q }
+}
+
 /// One limiter's keys in a [`RedisBackend`].
 pub(crate) struct RedisGate {
     conn: RedisConn,
@@ -649,9 +656,9 @@ impl RedisGate {
             }
         }
         match worst {
-            Some((i, wait)) => Verdict::Refused(Box::new(
-                QuotaExceeded::new("hold", millis(wait)).with_scope(&*k.labels[i]),
-            )),
+            Some((i, wait)) => {
+                Verdict::Refused(Box::new(hold_refusal(now + wait, wait).with_scope(&*k.labels[i])))
+            }
             None => Verdict::Admitted {
                 at: nanos(millis(now)),
             },
@@ -891,9 +898,12 @@ impl Gate for RedisGate {
                     } else {
                         inner.remember(i, *dim_no, sent, *wait, tokens, refunds, released);
                     }
-                    Ok(Verdict::Refused(Box::new(
-                        QuotaExceeded::new(dim, millis(*wait)).with_scope(&**label),
-                    )))
+                    let refusal = if *dim_no == 4 {
+                        hold_refusal(server_now.saturating_add(*wait), *wait)
+                    } else {
+                        QuotaExceeded::new(dim, millis(*wait))
+                    };
+                    Ok(Verdict::Refused(Box::new(refusal.with_scope(&**label))))
                 }
                 _ => Err(garbage("admit", &reply)),
             }
@@ -976,6 +986,7 @@ impl Gate for RedisGate {
         &self,
         which: HoldScope,
         duration: Duration,
+        overloaded: bool,
     ) -> BackendFuture<Result<Duration, BackendUnavailable>> {
         let k = &*self.inner;
         let mut inv = HOLD.prepare_invoke();
@@ -989,6 +1000,7 @@ impl Gate for RedisGate {
         // numbers stay exact integers.
         let ms = duration.as_nanos().div_ceil(1_000_000).min(MAX_HOLD_MS);
         inv.arg(u64::try_from(ms).unwrap_or(u64::MAX));
+        inv.arg(u8::from(overloaded));
         let mut conn = self.conn.clone();
         let timeout = k.timeout;
         let book = self.book.clone();

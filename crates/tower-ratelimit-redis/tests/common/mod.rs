@@ -12,6 +12,8 @@ pub struct Harness {
     pub prefix: String,
     /// Memory under a paused clock: timings are exact.
     pub exact: bool,
+    /// Redis: the connection, for a backend of another process.
+    pub conn: Option<RedisConn>,
 }
 
 impl Harness {
@@ -20,15 +22,17 @@ impl Harness {
             backend: MemoryBackend::new().into(),
             prefix: "mem".into(),
             exact: true,
+            conn: None,
         }
     }
 
     pub async fn redis(target: RedisTarget, name: &str) -> Self {
         let conn = RedisConn::connect(&target).await.expect("connect to test redis");
         Self {
-            backend: RedisBackend::new(conn).into(),
+            backend: RedisBackend::new(conn.clone()).into(),
             prefix: pgw_test_support::unique_prefix(name),
             exact: false,
+            conn: Some(conn),
         }
     }
 
@@ -36,6 +40,13 @@ impl Harness {
         RateLimitConfig::new(source, quota)
             .key_prefix(self.prefix.clone())
             .window(Duration::from_secs(1))
+    }
+
+    /// On Redis, a limiter as another process has it: same keys, a backend of its own
+    /// (no shared cache of holds, no remembered refusals). `None` on memory.
+    pub fn other_process(&self, config: RateLimitConfig) -> Option<RateLimiter> {
+        let conn = self.conn.clone()?;
+        Some(RateLimiter::new(config.key_prefix(self.prefix.clone()), RedisBackend::new(conn)).unwrap())
     }
 
     pub fn limiter(&self, config: RateLimitConfig) -> RateLimiter {
