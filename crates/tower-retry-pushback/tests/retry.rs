@@ -330,6 +330,61 @@ async fn pushback_moves_to_the_other_source_at_once_and_holds_the_first() {
     assert_eq!(router.times_of("s2").len(), 6);
 }
 
+/// A pushback that is a 5xx (the provider overloaded: a 503 with `Retry-After`) is
+/// held through `hold_after_overload`, a 429 through `hold`: the holds' refusals can
+/// tell the two apart (`QuotaExceeded::is_after_overload`).
+#[tokio::test(start_paused = true)]
+async fn an_overloaded_pushback_is_held_as_one() {
+    /// The test classifier, reading an upstream's 503 or 429 with `Retry-After` as
+    /// pushback (as pgw-core's classifier does).
+    #[derive(Clone, Copy)]
+    struct StatusAware;
+    impl pgw_core::Classify<Ans, BoxError> for StatusAware {
+        fn classify(&self, r: &Result<Ans, BoxError>) -> Outcome {
+            match r
+                .as_ref()
+                .err()
+                .and_then(|e| pgw_core::UpstreamStatus::find(&**e))
+            {
+                Some(u) if u.retry_after().is_some() => Outcome::RateLimited {
+                    retry_after: u.retry_after(),
+                },
+                _ => support::classify(r),
+            }
+        }
+    }
+    let pushback = |status: http::StatusCode| -> Result<Ans, BoxError> {
+        Err(Box::new(pgw_core::UpstreamStatus::new(
+            status,
+            Some(Duration::from_secs(30)),
+            "busy",
+        )))
+    };
+    let holds = TestHold::default();
+    let s1 = Upstream::with(vec![pushback(http::StatusCode::SERVICE_UNAVAILABLE)]);
+    let s2 = Upstream::with(vec![pushback(http::StatusCode::TOO_MANY_REQUESTS)]);
+    let router = Router::new(
+        vec![("s1", s1), ("s2", s2), ("s3", Upstream::always(Ans::Ok))],
+        holds.clone(),
+    );
+    let mut svc = RetryLayer::new(RetryConfig::default())
+        .unwrap()
+        .classifier(StatusAware)
+        .rng_seed(42)
+        .hold(Arc::new(holds.clone()))
+        .layer(router);
+    assert_eq!(call(&mut svc, Req::new(1)).await.unwrap(), Ans::Ok);
+    let held: Vec<_> = holds
+        .calls
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(s, _)| s.clone())
+        .collect();
+    assert_eq!(held, vec![SourceId::from("s1"), SourceId::from("s2")]);
+    assert_eq!(*holds.overloaded.lock().unwrap(), vec![SourceId::from("s1")]);
+}
+
 /// R3: a Retry-After longer than the call may wait still moves the call on at once to
 /// another source (only a call that would have to sleep through it fails).
 #[tokio::test(start_paused = true)]

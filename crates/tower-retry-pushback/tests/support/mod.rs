@@ -197,6 +197,8 @@ impl Service<Req> for Upstream {
 pub struct TestHold {
     pub until: Arc<Mutex<HashMap<SourceId, Instant>>>,
     pub calls: Arc<Mutex<Vec<(SourceId, Duration)>>>,
+    /// The holds placed through `hold_after_overload` (also in `calls`).
+    pub overloaded: Arc<Mutex<Vec<SourceId>>>,
 }
 
 impl Hold for TestHold {
@@ -207,6 +209,11 @@ impl Hold for TestHold {
         let e = map.entry(source.clone()).or_insert(until);
         *e = (*e).max(until);
         Box::pin(std::future::ready(Ok(())))
+    }
+
+    fn hold_after_overload(&self, source: &SourceId, duration: Duration, _account_wide: bool) -> HoldFuture {
+        self.overloaded.lock().unwrap().push(source.clone());
+        self.hold(source, duration)
     }
 }
 
