@@ -202,7 +202,8 @@ async fn keep_alive_comments_come_only_after_an_interval_of_silence_mid_stream()
     assert_eq!(resp.status(), 200);
     let start = tokio::time::Instant::now();
     let mut body = resp.into_body();
-    let (mut last_data, mut comments, mut data) = (start, Vec::new(), 0);
+    // Per comment: the silence before it (since the last event or comment).
+    let (mut last_data, mut last_out, mut comments, mut data) = (start, start, Vec::new(), 0);
     while let Some(frame) = body.frame().await {
         let Ok(bytes) = frame.unwrap().into_data() else {
             continue;
@@ -210,11 +211,12 @@ async fn keep_alive_comments_come_only_after_an_interval_of_silence_mid_stream()
         let now = tokio::time::Instant::now();
         for e in events(&bytes) {
             if e == ":" {
-                comments.push(now - last_data);
+                comments.push(now - last_out);
             } else {
                 data += 1;
                 last_data = now;
             }
+            last_out = now;
         }
     }
     let streamed = last_data - start;
@@ -223,11 +225,13 @@ async fn keep_alive_comments_come_only_after_an_interval_of_silence_mid_stream()
         "events flowed for {streamed:?} only"
     );
     assert!(data > 20, "{data} events");
-    assert!(!comments.is_empty(), "no comment in a 12 s stall");
+    // The stall (12 s and one frame's gap, under 15 s): a comment 5 s after its last
+    // event and another 5 s later; none while events flow.
+    assert_eq!(comments.len(), 2, "{comments:?}");
     for quiet in &comments {
         assert!(
-            *quiet >= Duration::from_secs(5),
-            "a comment {quiet:?} after the last event: {comments:?}"
+            *quiet >= Duration::from_secs(5) && *quiet < Duration::from_millis(5500),
+            "a comment after {quiet:?} of silence: {comments:?}"
         );
     }
 }

@@ -317,8 +317,11 @@ impl RateLimiter {
     }
 
     /// Holds a scope: not admitted until `duration` from now (on the backend's clock),
-    /// in every process. One round trip. Answers when the hold ends, on the
-    /// backend's clock. A hold only extends; a shorter one never cuts a longer one.
+    /// in every process. One round trip. Answers when the scopes' holds end, on the
+    /// backend's clock: this one's, or a longer one already there. A hold only
+    /// extends; a shorter one never cuts a longer one. On Redis a hold may end 1 ms
+    /// later than asked (the end's parity carries its reason: see
+    /// [`hold_after_overload`](Self::hold_after_overload)).
     ///
     /// # Errors
     /// [`BackendUnavailable`] when the backend cannot answer.

@@ -409,6 +409,26 @@ async fn a_hold_after_overload_says_so(h: Harness) {
             );
         }
     }
+    // A process placing a shorter hold over a longer one (here, or on Redis placed by
+    // another process) learns the longer one, with its reason and its end.
+    let config = h.config("s5", Quota::unlimited().requests(1000));
+    let l = h.limiter(config.clone());
+    let placer = h.other_process(config).unwrap_or_else(|| l.clone());
+    let longer = placer
+        .hold_after_overload(HoldScope::Source, hold * 4)
+        .await
+        .unwrap();
+    let end = l.hold(HoldScope::Source, hold).await.unwrap();
+    assert!(end >= longer, "the longer hold's end: {end:?} < {longer:?}");
+    let err = l.acquire(0).await.unwrap_err();
+    assert!(after_overload(&l, &err));
+    assert!(refused(&err).retry_after() > hold, "{}", refused(&err));
+    // A hold of nothing holds nothing, not even for the parity's millisecond.
+    let s6 = h.limiter(h.config("s6", Quota::unlimited()));
+    s6.hold_after_overload(HoldScope::Source, Duration::ZERO)
+        .await
+        .unwrap();
+    s6.acquire(0).await.expect("a zero hold holds nothing");
     // A rate limit's hold alone, through the retry layer's handle: not an overload.
     let s3 = h.limiter(h.config("s3", Quota::unlimited().requests(1000)));
     Holds::new([s3.clone()]).hold(&"s3".into(), hold).await.unwrap();

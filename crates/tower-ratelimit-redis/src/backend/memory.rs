@@ -754,12 +754,15 @@ impl MemoryGate {
             .saturating_add(nanos(d))
             .min(u64::MAX >> 1);
         let word = (until << 1) | u64::from(overloaded);
+        // The end of the longest hold of these scopes now (a longer one stays).
+        let mut end = until;
         for scope in self.scopes() {
             if scope.spec.held_by(which, self.has_account) {
-                scope.cell.hold.fetch_max(word, Ordering::AcqRel);
+                let before = scope.cell.hold.fetch_max(word, Ordering::AcqRel);
+                end = end.max(before >> 1);
             }
         }
-        Duration::from_nanos(until)
+        Duration::from_nanos(end)
     }
 
     /// What the scopes hold now. Reads only: expired leases are left for the next

@@ -232,7 +232,8 @@ pub(crate) trait Gate: Send + Sync + fmt::Debug {
     fn settle(&self, settle: Settle) -> BackendFuture<Result<(), BackendUnavailable>>;
     /// Extends a lease; `false` when it had already expired.
     fn renew(&self, lease: LeaseId) -> BackendFuture<Result<bool, BackendUnavailable>>;
-    /// Holds scopes for `duration`; answers the hold's end on the backend's clock.
+    /// Holds scopes for `duration`; answers when their holds end on the backend's
+    /// clock (this one's, or a longer one already there, which keeps its reason).
     /// `overloaded`: placed after an overloaded provider's pushback, not a rate limit
     /// (the refusals it gives say so: [`QuotaExceeded::after_overload`](pgw_core::QuotaExceeded::after_overload)).
     fn hold(

@@ -1014,14 +1014,15 @@ impl Gate for RedisGate {
         BackendFuture::Pending(Box::pin(async move {
             let reply: Vec<i64> = run("hold", timeout, inv.invoke_async(&mut conn)).await?;
             match reply.as_slice() {
-                [now, until] => {
+                [now, untils @ ..] if untils.len() == ends.len() => {
                     // Every limiter of this backend honours it from now on, also those
-                    // that admit from the cache.
+                    // that admit from the cache. Each key's own end: a longer hold
+                    // already there stays, with its reason (its end's parity).
                     book.saw_server(*now, Instant::now());
-                    for end in ends {
+                    for (end, until) in ends.iter().zip(untils) {
                         end.fetch_max(*until, Ordering::Relaxed);
                     }
-                    Ok(millis(*until))
+                    Ok(millis(untils.iter().copied().fold(*now, i64::max)))
                 }
                 _ => Err(garbage("hold", &reply)),
             }
