@@ -187,9 +187,7 @@ impl ApiError {
                 detail(r.reason().to_string()),
             )
             .retry_after(Some(retry_after)),
-            Reason::WaitTooLong { wait, .. }
-                if last.is_some_and(|e| overloaded(e) || held_after_overload(e, r)) =>
-            {
+            Reason::WaitTooLong { wait, .. } if last.is_some_and(|e| overload_pushback(e, r)) => {
                 Self::upstream_pushback(r, true, Some(wait), detail)
             }
             Reason::WaitTooLong { wait, .. } => Self::new(
@@ -207,8 +205,7 @@ impl ApiError {
             // the last attempt the upstream pushed back on.
             Reason::PushbackExhausted { wait, .. } => Self::upstream_pushback(
                 r,
-                last.is_some_and(|e| overloaded(e) || held_after_overload(e, r))
-                    || last_pushback_overloaded(r),
+                last.is_some_and(|e| overload_pushback(e, r)) || last_pushback_overloaded(r),
                 upstream_retry.or(Some(wait)),
                 detail,
             ),
@@ -243,12 +240,7 @@ impl ApiError {
                 if let Some(e) = last
                     && matches!(classify_error(e), Outcome::RateLimited { .. })
                 {
-                    return Self::upstream_pushback(
-                        r,
-                        overloaded(e) || held_after_overload(e, r),
-                        upstream_retry,
-                        detail,
-                    );
+                    return Self::upstream_pushback(r, overload_pushback(e, r), upstream_retry, detail);
                 }
                 Self::new(
                     StatusCode::BAD_GATEWAY,
@@ -467,6 +459,12 @@ pub(crate) fn code_label(code: Option<&str>) -> &'static str {
 fn overloaded(e: &(dyn std::error::Error + 'static)) -> bool {
     UpstreamStatus::find(e).is_some_and(|u| u.status().is_server_error())
         && matches!(classify_error(e), Outcome::RateLimited { .. })
+}
+
+/// Whether the call's last error `last` is an overloaded provider's pushback: its own
+/// answer ([`overloaded`]), or a hold placed after one ([`held_after_overload`]).
+fn overload_pushback(last: &(dyn std::error::Error + 'static), r: &RetryError) -> bool {
+    overloaded(last) || held_after_overload(last, r)
 }
 
 /// Whether `last` is a hold's refusal (holds on: the source or account held for the

@@ -335,21 +335,15 @@ async fn pushback_moves_to_the_other_source_at_once_and_holds_the_first() {
 /// tell the two apart (`QuotaExceeded::is_after_overload`).
 #[tokio::test(start_paused = true)]
 async fn an_overloaded_pushback_is_held_as_one() {
-    /// The test classifier, reading an upstream's 503 or 429 with `Retry-After` as
-    /// pushback (as pgw-core's classifier does).
+    /// The test classifier for answers, pgw-core's for the upstream's errors (a 503 or
+    /// 429 with `Retry-After` is pushback).
     #[derive(Clone, Copy)]
     struct StatusAware;
     impl pgw_core::Classify<Ans, BoxError> for StatusAware {
         fn classify(&self, r: &Result<Ans, BoxError>) -> Outcome {
-            match r
-                .as_ref()
-                .err()
-                .and_then(|e| pgw_core::UpstreamStatus::find(&**e))
-            {
-                Some(u) if u.retry_after().is_some() => Outcome::RateLimited {
-                    retry_after: u.retry_after(),
-                },
-                _ => support::classify(r),
+            match r {
+                Err(e) => pgw_core::classify_error(&**e),
+                Ok(_) => support::classify(r),
             }
         }
     }

@@ -916,17 +916,16 @@ impl Gate for RedisGate {
         // no longer hold, nor one answered before this settle lands. Counted now and
         // when it lands, as a release is.
         let refund = if s.requests < 0 { REQUEST_REFUND } else { 0 } + u64::from(s.tokens < 0);
-        let refunded = (refund != 0).then(|| {
+        if refund != 0 {
             k.count_refund(refund);
-            Arc::clone(&self.inner)
-        });
+        }
         // A lease given back frees a slot of each scope it holds: counted now and when
         // the settle lands, so a concurrency refusal answered before it lands is not
         // kept past it.
-        let released = s.lease.is_some().then(|| {
+        let released = s.lease.is_some();
+        if released {
             k.count_release();
-            Arc::clone(&self.inner)
-        });
+        }
         let mut inv = SETTLE.prepare_invoke();
         for key in &k.settle_keys {
             inv.key(key);
@@ -943,20 +942,21 @@ impl Gate for RedisGate {
         }
         let mut conn = self.conn.clone();
         let timeout = k.timeout;
-        let keys = Arc::clone(&self.inner);
+        // One reference for the counts when it lands and the warning.
+        let k = Arc::clone(&self.inner);
         BackendFuture::Pending(Box::pin(async move {
             let applied: Result<i64, _> = run("settle", timeout, inv.invoke_async(&mut conn)).await;
             // Counted whether or not the answer came: a settle that timed out may still
             // run, and a count too many only forgets a refusal (one more question).
-            if let Some(k) = released {
+            if released {
                 k.count_release();
             }
-            if let Some(k) = refunded {
+            if refund != 0 {
                 k.count_refund(refund);
             }
             if applied? == 2 {
                 tracing::warn!(
-                    scopes = ?keys.labels,
+                    scopes = ?k.labels,
                     "a settle found its concurrency lease gone (it expired, or this settle \
                      already ran): its refund was not given back, the reservation stays \
                      counted for its window"
