@@ -15,6 +15,12 @@ use pgw_server::{LogFormat, Server, ServerConfig};
 use pgw_stack::SourceConfig;
 use pgw_stack::client::{BoxTransport, HyperTransport, box_transport};
 
+/// mimalloc rather than the system allocator: a relayed request allocates about 170
+/// times, and glibc's malloc and free were a fifth of the process's instructions per
+/// streamed request (callgrind, 2026-12-04).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(name = "pgw", version, about = "Resilient OpenAI-compatible gateway")]
 struct Cli {
