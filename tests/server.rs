@@ -1110,3 +1110,88 @@ async fn shutdown_delay_keeps_serving_while_readyz_says_503() {
     );
     h.stopped().await.unwrap();
 }
+
+/// An upstream that streams chunks of about 1 KiB of text without end, as fast as its
+/// connection takes them: its address, and a signal sent once its connection closed.
+async fn endless_upstream() -> (std::net::SocketAddr, tokio::sync::oneshot::Receiver<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (closed, closed_rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let (mut conn, _) = listener.accept().await.unwrap();
+        let mut request = vec![0; 64 * 1024];
+        let _ = conn.read(&mut request).await.unwrap();
+        let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
+        conn.write_all(head.as_bytes()).await.unwrap();
+        let text = "x".repeat(1024);
+        let event = format!(
+            "data: {{\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{text}\"}},\"finish_reason\":null}}]}}\n\n"
+        );
+        let frame = format!("{:x}\r\n{event}\r\n", event.len());
+        while conn.write_all(frame.as_bytes()).await.is_ok() {}
+        let _ = closed.send(());
+    });
+    (addr, closed_rx)
+}
+
+/// A client that stops reading a stream is cut once the server's writes to it have
+/// waited `write_timeout_s`: until then the call holds the tenant's one concurrency
+/// slot; then the connection ends (no `[DONE]`), the upstream request is cancelled,
+/// the slot serves the next call, and the source is not blamed.
+#[tokio::test(start_paused = true)]
+async fn a_client_that_stops_reading_is_cut_at_the_write_timeout_and_its_slot_freed() {
+    let keys = key_toml("stalled-reader", CLIENT_KEY, "max_concurrency = 1\n");
+    // s1 streams without end; s2, a simulated source, answers the calls that follow.
+    let (upstream, mut upstream_closed) = endless_upstream().await;
+    let h = start_edited(
+        "",
+        &format!("write_timeout_s = 10\n{keys}"),
+        vec![fast("s1"), fast("s2")],
+        |text| {
+            let at = text.find("name = \"s1\"\nbase_url = \"").unwrap() + 24;
+            let end = at + text[at..].find('"').unwrap();
+            format!("{}http://{upstream}/v1{}", &text[..at], &text[end..])
+        },
+    )
+    .await;
+    let req = chat(Some(CLIENT_KEY))
+        .body(Full::new(chat_body("m", true)))
+        .unwrap();
+    let resp = send(h.addr, req).await;
+    assert_eq!(resp.status(), 200);
+    assert!(upstream_closed.try_recv().is_err());
+    // Not read: the server's writes wait, the call holds its slot...
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let (status, _, answer) = call(h.addr, chat(Some(CLIENT_KEY)), chat_body("m", false)).await;
+    assert_eq!(status, 429, "{}", String::from_utf8_lossy(&answer));
+    assert!(upstream_closed.try_recv().is_err(), "the upstream still streams");
+    // ... until they have waited 10 s: then the connection is cut, the call dropped.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let (status, _, answer) = call(h.addr, chat(Some(CLIENT_KEY)), chat_body("m", false)).await;
+    assert_eq!(
+        status,
+        200,
+        "the stalled call's slot is free: {}",
+        String::from_utf8_lossy(&answer)
+    );
+    upstream_closed.await.unwrap();
+    // What the stalled reader can still read (what the sockets held) is chunks, then
+    // the connection's end: no error event, no `[DONE]`.
+    let mut stalled = resp.into_body();
+    let mut read = Vec::new();
+    while let Some(Ok(frame)) = stalled.frame().await {
+        read.extend_from_slice(frame.data_ref().map_or(&[][..], |d| &d[..]));
+    }
+    let ev = events(&read);
+    assert!(!ev.is_empty(), "nothing reached the reader");
+    assert!(
+        ev.iter().all(|e| e.contains("chat.completion.chunk")),
+        "{:?}",
+        ev.last().map(|e| &e[..e.len().min(200)])
+    );
+    assert_eq!(
+        h.gateway.stream_health("s1"),
+        Some(1.0),
+        "the source is not blamed"
+    );
+}
