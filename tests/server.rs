@@ -1140,33 +1140,41 @@ async fn endless_upstream() -> (std::net::SocketAddr, tokio::sync::oneshot::Rece
 /// the slot serves the next call, and the source is not blamed.
 #[tokio::test(start_paused = true)]
 async fn a_client_that_stops_reading_is_cut_at_the_write_timeout_and_its_slot_freed() {
+    use tokio::sync::oneshot::error::TryRecvError;
     let keys = key_toml("stalled-reader", CLIENT_KEY, "max_concurrency = 1\n");
-    // s1 streams without end; s2, a simulated source, answers the calls that follow.
+    // Model `endless` is s1, which streams without end; model `m` is s2, a simulated
+    // source that answers the calls that follow (never routed to s1).
     let (upstream, mut upstream_closed) = endless_upstream().await;
     let h = start_edited(
-        "",
+        "[models.endless]\nroutes = [{ source = \"s1\" }]\n[models.m]\nroutes = [{ source = \"s2\" }]\n",
         &format!("write_timeout_s = 10\n{keys}"),
         vec![fast("s1"), fast("s2")],
         |text| {
-            let at = text.find("name = \"s1\"\nbase_url = \"").unwrap() + 24;
+            let key = "name = \"s1\"\nbase_url = \"";
+            let at = text.find(key).unwrap() + key.len();
             let end = at + text[at..].find('"').unwrap();
             format!("{}http://{upstream}/v1{}", &text[..at], &text[end..])
         },
     )
     .await;
     let req = chat(Some(CLIENT_KEY))
-        .body(Full::new(chat_body("m", true)))
+        .body(Full::new(chat_body("endless", true)))
         .unwrap();
     let resp = send(h.addr, req).await;
     assert_eq!(resp.status(), 200);
-    assert!(upstream_closed.try_recv().is_err());
+    assert_eq!(upstream_closed.try_recv(), Err(TryRecvError::Empty));
     // Not read: the server's writes wait, the call holds its slot...
     tokio::time::sleep(Duration::from_secs(5)).await;
     let (status, _, answer) = call(h.addr, chat(Some(CLIENT_KEY)), chat_body("m", false)).await;
     assert_eq!(status, 429, "{}", String::from_utf8_lossy(&answer));
-    assert!(upstream_closed.try_recv().is_err(), "the upstream still streams");
-    // ... until they have waited 10 s: then the connection is cut, the call dropped.
-    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(
+        upstream_closed.try_recv(),
+        Err(TryRecvError::Empty),
+        "the upstream still streams"
+    );
+    // ... until they have waited 10 s: then the connection is cut, the call dropped
+    // (checked well after, so a late first blocked write does not matter).
+    tokio::time::sleep(Duration::from_secs(20)).await;
     let (status, _, answer) = call(h.addr, chat(Some(CLIENT_KEY)), chat_body("m", false)).await;
     assert_eq!(
         status,
@@ -1174,23 +1182,36 @@ async fn a_client_that_stops_reading_is_cut_at_the_write_timeout_and_its_slot_fr
         "the stalled call's slot is free: {}",
         String::from_utf8_lossy(&answer)
     );
-    upstream_closed.await.unwrap();
-    // What the stalled reader can still read (what the sockets held) is chunks, then
-    // the connection's end: no error event, no `[DONE]`.
+    // The upstream request was cancelled with it, not ended by its own timeouts.
+    tokio::time::timeout(Duration::from_secs(1), upstream_closed)
+        .await
+        .expect("the upstream request was not cancelled")
+        .unwrap();
+    // What the stalled reader can still read (what the sockets held) is whole chunks
+    // and at most the start of one, then the connection's end: no error event, no
+    // `[DONE]`.
     let mut stalled = resp.into_body();
     let mut read = Vec::new();
     while let Some(Ok(frame)) = stalled.frame().await {
         read.extend_from_slice(frame.data_ref().map_or(&[][..], |d| &d[..]));
     }
-    let ev = events(&read);
-    assert!(!ev.is_empty(), "nothing reached the reader");
+    let text = String::from_utf8_lossy(&read);
+    let whole = &text[..text.rfind("\n\n").map_or(0, |i| i + 2)];
+    let ev = events(whole.as_bytes());
+    assert!(!ev.is_empty(), "no whole event reached the reader");
     assert!(
         ev.iter().all(|e| e.contains("chat.completion.chunk")),
         "{:?}",
         ev.last().map(|e| &e[..e.len().min(200)])
     );
+    assert!(!text.contains("[DONE]") && !text.contains("\"error\""));
     assert_eq!(
-        h.gateway.stream_health("s1"),
+        h.gateway.health("s1/endless"),
+        Some(1.0),
+        "the source is not blamed"
+    );
+    assert_eq!(
+        h.gateway.stream_health("s1/endless"),
         Some(1.0),
         "the source is not blamed"
     );
