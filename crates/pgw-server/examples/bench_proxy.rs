@@ -22,7 +22,9 @@
 //! runtime, as pgw runs, passing the request and the answer through as bytes, with no
 //! parsing, no policy and no telemetry. Its CPU per request is what any hyper-based
 //! proxy pays on this machine; pgw's is quoted as a multiple of it, a ratio that moves
-//! far less between machines than the microseconds do.
+//! far less between machines than the microseconds do. With LiteLLM measured, the
+//! table is followed by LiteLLM's CPU per request over pgw's, per block: whole, and
+//! above the forwarder's (what each proxy adds to that floor).
 //!
 //! On a VM the CPU figure depends mostly on whether the scheduler puts pgw on the
 //! bench client's core (a wake-up across cores is dear), so the concurrency-1 table
@@ -554,6 +556,49 @@ fn rows(
     out
 }
 
+/// LiteLLM's CPU per request over pgw's, per block (call kind and placement), whole and
+/// above the bare forwarder's: a process woken on another core than its client pays a
+/// wake-up cost per request that the forwarder pays too (on a VM, tens of
+/// microseconds), and that bounds the whole ratio whatever the proxy does.
+fn print_cpu_ratios(table: &[Row]) {
+    let cpu_of = |name: &str, label: &str| {
+        table
+            .iter()
+            .find(|r| r.name == format!("{name} ({label})"))
+            .and_then(|r| r.cpu_us)
+    };
+    let labels = table
+        .iter()
+        .filter_map(|r| r.name.strip_prefix("direct (")?.strip_suffix(')'))
+        .collect::<Vec<_>>();
+    let mut printed = false;
+    for label in labels {
+        let (Some(lite), Some(floor)) = (cpu_of("litellm", label), cpu_of(FLOOR, label)) else {
+            continue;
+        };
+        for pgw in table
+            .iter()
+            .filter(|r| r.name.starts_with("pgw ") && r.name.ends_with(&format!("({label})")))
+        {
+            let Some(ours) = pgw.cpu_us else { continue };
+            if !printed {
+                println!();
+                printed = true;
+            }
+            let name = pgw.name.trim_end_matches(&format!(" ({label})"));
+            let above = if ours > floor {
+                format!("{:.0}x", (lite - floor) / (ours - floor))
+            } else {
+                "- (pgw at the floor)".to_owned()
+            };
+            println!(
+                "LiteLLM / {name} CPU per request ({label}): {:.0}x whole, {above} above the {FLOOR}'s {floor:.0} us",
+                lite / ours
+            );
+        }
+    }
+}
+
 /// Requests/s of `concurrency` keep-alive connections in a closed loop for `run`, and
 /// the p99 latency (ms) of those requests.
 async fn closed_loop(
@@ -799,6 +844,7 @@ async fn main() -> Result<(), BoxError> {
             r.name, r.p50, r.p99, r.added_p50, r.added_p99
         );
     }
+    print_cpu_ratios(&table);
 
     println!();
     println!("requests/s at p99 <= 20 ms (json, closed loop, concurrency 1..128, 1.5 s each)");
