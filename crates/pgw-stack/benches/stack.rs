@@ -88,9 +88,7 @@ fn pgw_stack() -> impl Service<ChatCall, Response = u32, Error = BoxError> {
         let svc = aimd.layer(breaker.layer(rl.layer(tower::ServiceExt::map_err(endpoint(), BoxError::from))));
         sources.insert(name.as_str().into(), BoxCloneSyncService::new(svc));
     }
-    let lb = HealthP2c::new(sources, BalanceConfig::default())
-        .unwrap()
-        .with_seed(1);
+    let lb = HealthP2c::new(sources, gateway_balance()).unwrap().with_seed(1);
     RetryLayer::new(RetryConfig::default())
         .unwrap()
         .history_mode(HistoryMode::OnDemand)
@@ -126,9 +124,7 @@ fn pgw_stack_unboxed() -> impl Service<ChatCall, Response = u32, Error = BoxErro
         let svc = aimd.layer(breaker.layer(rl.layer(tower::ServiceExt::map_err(endpoint(), BoxError::from))));
         sources.insert(name.as_str().into(), svc);
     }
-    let lb = HealthP2c::new(sources, BalanceConfig::default())
-        .unwrap()
-        .with_seed(1);
+    let lb = HealthP2c::new(sources, gateway_balance()).unwrap().with_seed(1);
     RetryLayer::new(RetryConfig::default())
         .unwrap()
         .history_mode(HistoryMode::OnDemand)
@@ -226,6 +222,15 @@ fn pgw_in_memory_path_unboxed(b: divan::Bencher<'_, '_>) {
     b.bench_local(|| drive(&mut svc, &c));
 }
 
+/// The balancer's settings as the gateway runs it: every source compared for an
+/// attempt's first candidate (`GATEWAY_CHOICES`), where tower-health-p2c alone draws two.
+fn gateway_balance() -> BalanceConfig {
+    BalanceConfig {
+        choices: pgw_stack::GATEWAY_CHOICES,
+        ..BalanceConfig::default()
+    }
+}
+
 /// The balancer alone over 5 bare always-ready endpoints (no gates, no retry): its
 /// fixed cost, next to tower's `p2c::Balance` alone (same `Shared` wrapper).
 fn pgw_balancer_only() -> impl Service<ChatCall, Response = u32, Error = BoxError> + Clone {
@@ -233,9 +238,7 @@ fn pgw_balancer_only() -> impl Service<ChatCall, Response = u32, Error = BoxErro
     for i in 0..5 {
         sources.insert(format!("s{i}").as_str().into(), endpoint());
     }
-    HealthP2c::new(sources, BalanceConfig::default())
-        .unwrap()
-        .with_seed(1)
+    HealthP2c::new(sources, gateway_balance()).unwrap().with_seed(1)
 }
 
 /// The retry layer over the bare balancer: the retry layer's cost is the difference.

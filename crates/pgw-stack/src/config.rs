@@ -517,12 +517,18 @@ pub struct ThrottleSection {
 }
 
 /// `[balance]`: defaults from tower-health-p2c (`health_aware`, wait at most its
-/// `DEFAULT_MAX_WAIT` when nothing is admitted).
+/// `DEFAULT_MAX_WAIT` when nothing is admitted), but for `choices`: the gateway
+/// compares every source ([`GATEWAY_CHOICES`](crate::GATEWAY_CHOICES)).
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct BalanceSection {
     /// `health_aware` (default), `round_robin` or `least_inflight`.
     pub policy: Option<String>,
+    /// How many distinct random sources `health_aware` compares for an attempt's first
+    /// candidate, the best-ranked going first: `"all"` (the gateway's default,
+    /// [`GATEWAY_CHOICES`](crate::GATEWAY_CHOICES)) or a number of at least 2 (2: the
+    /// power of two choices, tower-health-p2c's own default).
+    pub choices: Option<Choices>,
     /// Longest wait for an admission, seconds.
     pub max_wait_s: Option<f64>,
     /// Slow-call detection: a source with attempts in flight that answered nothing for
@@ -542,6 +548,56 @@ pub struct BalanceSection {
     pub cut_silent: Option<bool>,
     /// Seed of the balancer's random choices and the retry jitter (default: from the OS).
     pub seed: Option<u64>,
+}
+
+/// `balance.choices`: a number of sources, or every source (`"all"`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Choices {
+    /// This many distinct random sources (validated: at least 2).
+    Count(usize),
+    /// Every source: `"all"`.
+    All,
+}
+
+impl Choices {
+    /// The count `tower_health_p2c::BalanceConfig::choices` takes.
+    #[must_use]
+    pub const fn count(self) -> usize {
+        match self {
+            Self::Count(n) => n,
+            Self::All => tower_health_p2c::CHOICES_ALL,
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Choices {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = Choices;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                // Named here: an error in a value's type reaches the caller without its path.
+                f.write_str("`balance.choices` as a number of sources (at least 2) or \"all\"")
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Choices, E> {
+                usize::try_from(v)
+                    .map(Choices::Count)
+                    .map_err(|_| E::invalid_value(serde::de::Unexpected::Unsigned(v), &self))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Choices, E> {
+                u64::try_from(v)
+                    .map_err(|_| E::invalid_value(serde::de::Unexpected::Signed(v), &self))
+                    .and_then(|v| self.visit_u64(v))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Choices, E> {
+                match v.trim() {
+                    "all" => Ok(Choices::All),
+                    _ => Err(E::invalid_value(serde::de::Unexpected::Str(v), &self)),
+                }
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 /// `[breaker]`: see tower-breaker-window's `BreakerConfigBuilder`.

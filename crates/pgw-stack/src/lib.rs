@@ -47,13 +47,14 @@ mod validate;
 pub use builder::{GatewayBuilder, TransportFactory};
 pub use cache::{CacheKey, CachePartition, CachedAnswer, MemoryCache, NoCache, RedisCache, ResponseCache};
 pub use config::{
-    BackendKind, CacheWhen, ConfigError, GatewayConfig, ModelConfig, RouteConfig, SourceConfig,
+    BackendKind, CacheWhen, Choices, ConfigError, GatewayConfig, ModelConfig, RouteConfig, SourceConfig,
 };
 pub use gateway::{Gateway, GatewayAnswer, GatewayError, SourceHandles};
 /// The chunks equivalent to a non-streamed answer (moved to [`pgw_core::openai`],
 /// beside the `ChunkAccumulator` that folds them back).
 pub use pgw_core::openai::chunks_of;
 pub use relay::ChatStream;
+pub use settings::GATEWAY_CHOICES;
 pub use source::SourceService;
 pub use telemetry::{AttemptTelemetry, JsonlSink, MemorySink, PriceTable, TelemetrySink, TracingSink};
 pub use validate::{JsonValidator, Validate, Validator, json_text};

@@ -76,6 +76,26 @@ fn health_p2c(b: divan::Bencher<'_, '_>, policy: Policy) {
     b.bench_local(|| drive(&mut lb));
 }
 
+/// `health_aware` comparing every source (`CHOICES_ALL`, as pgw-stack's gateway runs
+/// it) instead of two drawn at random.
+#[divan::bench(sample_count = 500, sample_size = 64)]
+fn health_p2c_best_of_all(b: divan::Bencher<'_, '_>) {
+    let sources = Sources::new();
+    for i in 0..5 {
+        sources.insert(format!("s{i}").into(), endpoint());
+    }
+    let mut lb = HealthP2c::new(
+        sources,
+        BalanceConfig {
+            choices: tower_health_p2c::CHOICES_ALL,
+            ..BalanceConfig::default()
+        },
+    )
+    .unwrap()
+    .with_seed(1);
+    b.bench_local(|| drive(&mut lb));
+}
+
 #[divan::bench(sample_count = 500, sample_size = 64)]
 fn tower_p2c_pending_requests(b: divan::Bencher<'_, '_>) {
     let endpoints: Vec<_> = (0..5)

@@ -342,7 +342,7 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
         #[allow(clippy::cast_possible_truncation)]
         let cursor = self.seed.wrapping_add(rounds) as usize;
         let class = self.class;
-        let first = order::first(policy, entries, class, &mut rng, || cursor);
+        let first = order::first(policy, self.config.choices, entries, class, &mut rng, || cursor);
         self.plan = match self.history().filter(|h| !h.is_empty()) {
             None => Plan::First(first),
             Some(h) => {

@@ -40,10 +40,13 @@ fn rank<S>(entries: &[Entry<S>], class: usize, bar: f64, i: usize) -> (bool, f64
     (state.health(class) >= bar, state.score(class))
 }
 
-/// The first candidate of an attempt under `policy` (n >= 1). `cursor` is the shared
+/// The first candidate of an attempt under `policy` (n >= 1): for `health_aware`, the
+/// best-ranked of `choices` distinct random sources (see
+/// [`BalanceConfig::choices`](crate::BalanceConfig::choices)). `cursor` is the shared
 /// round-robin cursor, read only by that policy.
 pub(crate) fn first<S>(
     policy: Policy,
+    choices: usize,
     entries: &[Entry<S>],
     class: usize,
     rng: &mut SmallRng,
@@ -54,6 +57,7 @@ pub(crate) fn first<S>(
         return 0;
     }
     match policy {
+        Policy::HealthAware if choices > 2 => best_of(entries, class, rng, choices),
         Policy::HealthAware => {
             let (a, b) = p2c_pair(rng, n);
             // Health never exceeds MAX_HEALTH (an EWMA of 0s and 1s that starts at or
@@ -89,6 +93,35 @@ pub(crate) fn first<S>(
             best
         }
     }
+}
+
+/// The best-ranked of `choices` (> 2) distinct random sources of `entries` (n >= 2),
+/// every source when `choices >= n`; of equal ranks, the first drawn (every source
+/// is compared from a random one on).
+fn best_of<S>(entries: &[Entry<S>], class: usize, rng: &mut SmallRng, choices: usize) -> usize {
+    let n = entries.len();
+    let bar = credible_bar(entries, class);
+    let start = rng.random_range(0..n);
+    let mut best: Option<(usize, (bool, f64))> = None;
+    let mut left = choices.min(n);
+    for k in 0..n {
+        if left == 0 {
+            break;
+        }
+        // Selection sampling (Knuth's algorithm S): each source is drawn with
+        // probability (still to draw) / (still to see), so exactly `left` are drawn,
+        // uniformly, without a buffer. Drawing all needs no dice.
+        if left < n - k && rng.random_range(0..n - k) >= left {
+            continue;
+        }
+        left -= 1;
+        let i = (start + k) % n;
+        let r = rank(entries, class, bar, i);
+        if best.is_none_or(|(_, b)| r > b) {
+            best = Some((i, r));
+        }
+    }
+    best.map_or(start, |(i, _)| i)
 }
 
 /// The full order of an attempt that starts with `first`: the rest by descending score
@@ -201,6 +234,7 @@ mod tests {
     use rand::SeedableRng;
 
     use super::*;
+    use crate::CHOICES_ALL;
     use crate::sources::SourceState;
 
     fn entries(healths: &[f64]) -> Vec<Entry<()>> {
@@ -227,7 +261,7 @@ mod tests {
         let mut drawn = [0u32; 5];
         let mut firsts = [0u32; 5];
         for _ in 0..2000 {
-            let f = first(Policy::HealthAware, &es, 0, &mut rng, || 0);
+            let f = first(Policy::HealthAware, 2, &es, 0, &mut rng, || 0);
             let (a, b) = p2c_pair(&mut replay, es.len());
             assert_ne!(a, b, "two distinct sources");
             let better = if es[a].state.score(0) >= es[b].state.score(0) {
@@ -246,6 +280,40 @@ mod tests {
         // The full order continues by descending score.
         let order = full(Policy::HealthAware, &es, 0, 2);
         assert_eq!(order, vec![2, 0, 1, 3, 4]);
+    }
+
+    /// More choices: the best-ranked of `choices` distinct random sources goes first.
+    /// Of six sources ranked by load, three drawn: the two worst never go first, the
+    /// best does as often as it is drawn (half the time: 1 - C(5,3)/C(6,3)); all six
+    /// drawn (or more asked): always the best, and of equally good ones each in turn.
+    #[test]
+    fn more_choices_pick_the_best_of_more() {
+        let es = entries(&[1.0; 6]);
+        // Source i carries 5 - i attempts: the higher the index, the better the score.
+        for (i, e) in es.iter().enumerate() {
+            for _ in i..5 {
+                e.state.inc(tokio::time::Instant::now());
+            }
+        }
+        let mut rng = SmallRng::seed_from_u64(3);
+        let mut firsts = [0u32; 6];
+        for _ in 0..6000 {
+            firsts[first(Policy::HealthAware, 3, &es, 0, &mut rng, || 0)] += 1;
+        }
+        assert_eq!(firsts[0] + firsts[1], 0, "{firsts:?}");
+        assert!((2700..3300).contains(&firsts[5]), "{firsts:?}");
+        assert!(firsts[2..5].iter().all(|&f| f > 0), "{firsts:?}");
+        for choices in [6, 7, CHOICES_ALL] {
+            assert!((0..100).all(|_| first(Policy::HealthAware, choices, &es, 0, &mut rng, || 0) == 5));
+        }
+        // Equally good sources share the first place.
+        let tied = entries(&[0.2, 1.0, 1.0, 1.0]);
+        let mut firsts = [0u32; 4];
+        for _ in 0..3000 {
+            firsts[first(Policy::HealthAware, CHOICES_ALL, &tied, 0, &mut rng, || 0)] += 1;
+        }
+        assert_eq!(firsts[0], 0, "{firsts:?}");
+        assert!(firsts[1..].iter().all(|&f| f > 700), "{firsts:?}");
     }
 
     /// The pick that skips the best-health scan when both candidates are credible is
@@ -268,6 +336,7 @@ mod tests {
             let seed = draws.random::<u64>();
             let picked = first(
                 Policy::HealthAware,
+                2,
                 &es,
                 0,
                 &mut SmallRng::seed_from_u64(seed),
@@ -307,7 +376,7 @@ mod tests {
         );
         let mut rng = SmallRng::seed_from_u64(3);
         for _ in 0..200 {
-            assert_ne!(first(Policy::HealthAware, &es, 0, &mut rng, || 0), 1);
+            assert_ne!(first(Policy::HealthAware, 2, &es, 0, &mut rng, || 0), 1);
         }
         assert_eq!(full(Policy::HealthAware, &es, 0, 0), vec![0, 2, 1]);
         assert_eq!(full(Policy::HealthAware, &es, 0, 2), vec![2, 0, 1]);
@@ -339,7 +408,7 @@ mod tests {
         // first draw would win, s1 one time in three.
         let mut rng = SmallRng::seed_from_u64(3);
         let wins = (0..300)
-            .filter(|_| first(Policy::HealthAware, &es, 0, &mut rng, || 0) == 1)
+            .filter(|_| first(Policy::HealthAware, 2, &es, 0, &mut rng, || 0) == 1)
             .count();
         assert!(wins > 170, "s1 first {wins} times of 300");
         // Twice as fast, one more in flight: 1 / (2 x 2 s) = 1 / (1 x 4 s), a tie kept
@@ -357,13 +426,13 @@ mod tests {
     fn round_robin_and_least_inflight_orders() {
         let es = entries(&[1.0, 1.0, 1.0]);
         let mut rng = SmallRng::seed_from_u64(1);
-        assert_eq!(first(Policy::RoundRobin, &es, 0, &mut rng, || 4), 1);
+        assert_eq!(first(Policy::RoundRobin, 2, &es, 0, &mut rng, || 4), 1);
         assert_eq!(full(Policy::RoundRobin, &es, 0, 1), vec![1, 2, 0]);
         es[0].state.inc(tokio::time::Instant::now());
         es[0].state.inc(tokio::time::Instant::now());
         es[2].state.inc(tokio::time::Instant::now());
         for _ in 0..20 {
-            assert_eq!(first(Policy::LeastInflight, &es, 0, &mut rng, || 0), 1);
+            assert_eq!(first(Policy::LeastInflight, 2, &es, 0, &mut rng, || 0), 1);
         }
         assert_eq!(full(Policy::LeastInflight, &es, 0, 1), vec![1, 2, 0]);
     }

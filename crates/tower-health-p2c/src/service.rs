@@ -218,7 +218,10 @@ where
         } else {
             let sources = &self.sources;
             let entries = &snapshot.entries;
-            let first = order::first(policy, entries, class, &mut self.rng, || sources.cursor());
+            let choices = self.config.choices;
+            let first = order::first(policy, choices, entries, class, &mut self.rng, || {
+                sources.cursor()
+            });
             match req.call_history().filter(|h| !h.is_empty()) {
                 None => Plan::First(first),
                 Some(h) => {
