@@ -58,21 +58,25 @@ where
     }
 }
 
-#[divan::bench(args = [Policy::HealthAware, Policy::RoundRobin, Policy::LeastInflight], sample_count = 500, sample_size = 64)]
-fn health_p2c(b: divan::Bencher<'_, '_>, policy: Policy) {
+/// A balancer over 5 always-ready endpoints with `config`.
+fn balancer(
+    config: BalanceConfig,
+) -> HealthP2c<
+    impl Service<Req, Response = u32, Error = Infallible, Future = Ready<Result<u32, Infallible>>> + Clone,
+> {
     let sources = Sources::new();
     for i in 0..5 {
         sources.insert(format!("s{i}").into(), endpoint());
     }
-    let mut lb = HealthP2c::new(
-        sources,
-        BalanceConfig {
-            policy,
-            ..BalanceConfig::default()
-        },
-    )
-    .unwrap()
-    .with_seed(1);
+    HealthP2c::new(sources, config).unwrap().with_seed(1)
+}
+
+#[divan::bench(args = [Policy::HealthAware, Policy::RoundRobin, Policy::LeastInflight], sample_count = 500, sample_size = 64)]
+fn health_p2c(b: divan::Bencher<'_, '_>, policy: Policy) {
+    let mut lb = balancer(BalanceConfig {
+        policy,
+        ..BalanceConfig::default()
+    });
     b.bench_local(|| drive(&mut lb));
 }
 
@@ -80,19 +84,10 @@ fn health_p2c(b: divan::Bencher<'_, '_>, policy: Policy) {
 /// it) instead of two drawn at random.
 #[divan::bench(sample_count = 500, sample_size = 64)]
 fn health_p2c_best_of_all(b: divan::Bencher<'_, '_>) {
-    let sources = Sources::new();
-    for i in 0..5 {
-        sources.insert(format!("s{i}").into(), endpoint());
-    }
-    let mut lb = HealthP2c::new(
-        sources,
-        BalanceConfig {
-            choices: tower_health_p2c::CHOICES_ALL,
-            ..BalanceConfig::default()
-        },
-    )
-    .unwrap()
-    .with_seed(1);
+    let mut lb = balancer(BalanceConfig {
+        choices: tower_health_p2c::CHOICES_ALL,
+        ..BalanceConfig::default()
+    });
     b.bench_local(|| drive(&mut lb));
 }
 
@@ -109,13 +104,7 @@ fn tower_p2c_pending_requests(b: divan::Bencher<'_, '_>) {
 /// path of a retry); building the history is outside the timing.
 #[divan::bench(sample_count = 500, sample_size = 64)]
 fn health_p2c_with_history(b: divan::Bencher<'_, '_>) {
-    let sources = Sources::new();
-    for i in 0..5 {
-        sources.insert(format!("s{i}").into(), endpoint());
-    }
-    let mut lb = HealthP2c::new(sources, BalanceConfig::default())
-        .unwrap()
-        .with_seed(1);
+    let mut lb = balancer(BalanceConfig::default());
     b.with_inputs(|| {
         let history = CallHistory::new();
         history.record(Some("s0".into()), pgw_core::Outcome::Transient);
