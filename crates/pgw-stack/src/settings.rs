@@ -81,11 +81,14 @@ fn off_or(configured: Option<Duration>, default: Option<Duration>) -> Option<Dur
 /// ([`CHOICES_ALL`](tower_health_p2c::CHOICES_ALL)), where tower-health-p2c alone
 /// draws two. An LLM pool mixes sources of unlike speed (a provider's fast and slow
 /// deployments, a small model beside a large one); of eight, two drawn hold neither of
-/// the two fast ones more than half the time. On the soak (seeds 1-8) the best of all
-/// took pgw's goodput against the oracle's from x0.83 to x0.87 on mixed-8-sources
-/// (worst seed x0.75 -> x0.83) and x0.86 to x0.88 on P6, for x0.91 -> x0.88 on the
-/// flapping pool, where the best source keeps going bad (see
-/// `tower_health_p2c::BalanceConfig::choices`).
+/// the two fast ones more than half the time. On the soak (30 seeds) the best of all
+/// took pgw's goodput against the oracle's from x0.83 to x0.86 on mixed-8-sources
+/// (seeds under x0.80: 6 -> 1), x0.87 -> x0.88 on P6 (12 seeds), and left the flapping
+/// pool, where the best source keeps going bad, at x0.90 (see
+/// `tower_health_p2c::BalanceConfig::choices`). Each process ranks by its own view (its
+/// calls in flight, its health and latency averages): replicas may all favour the same
+/// fast source, held back by its gates (quota, AIMD, breaker) rather than by random
+/// draws; `balance.choices = 2` spreads more.
 pub const GATEWAY_CHOICES: usize = tower_health_p2c::CHOICES_ALL;
 
 pub(crate) fn balance_config(cfg: &GatewayConfig) -> Result<BalanceConfig, ConfigError> {

@@ -3,8 +3,8 @@
 //! [`HealthP2c`] sits above one service per source (each usually a stack of gates:
 //! AIMD, breaker, rate limit) and below the retry layer. Per call it:
 //!
-//! 1. orders the sources ([`Policy`]): by default power of two choices on the
-//!    score `max(ewma, 0.05) / ((1 + inflight) x latency)` (the latency term is
+//! 1. orders the sources ([`Policy`]): by default power of two choices (or of
+//!    [`BalanceConfig::choices`]) on the score `max(ewma, 0.05) / ((1 + inflight) x latency)` (the latency term is
 //!    the EWMA of the time to a successful answer, [`UNMEASURED_LATENCY_S`] before
 //!    the first), the rest by descending score,
 //!    credible sources (health `>=` [`CREDIBLE_HEALTH_RATIO`] x the best one's) always

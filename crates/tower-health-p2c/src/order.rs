@@ -96,32 +96,40 @@ pub(crate) fn first<S>(
 }
 
 /// The best-ranked of `choices` (> 2) distinct random sources of `entries` (n >= 2),
-/// every source when `choices >= n`; of equal ranks, the first drawn (every source
-/// is compared from a random one on).
+/// every source when `choices >= n`; of equally ranked ones, each as likely.
 fn best_of<S>(entries: &[Entry<S>], class: usize, rng: &mut SmallRng, choices: usize) -> usize {
     let n = entries.len();
     let bar = credible_bar(entries, class);
-    let start = rng.random_range(0..n);
-    let mut best: Option<(usize, (bool, f64))> = None;
+    let mut best = 0;
+    let mut best_rank = (false, f64::NEG_INFINITY);
+    // How many drawn so far share the best rank.
+    let mut ties = 0u32;
     let mut left = choices.min(n);
-    for k in 0..n {
+    for i in 0..n {
         if left == 0 {
             break;
         }
         // Selection sampling (Knuth's algorithm S): each source is drawn with
         // probability (still to draw) / (still to see), so exactly `left` are drawn,
         // uniformly, without a buffer. Drawing all needs no dice.
-        if left < n - k && rng.random_range(0..n - k) >= left {
+        if left < n - i && rng.random_range(0..n - i) >= left {
             continue;
         }
         left -= 1;
-        let i = (start + k) % n;
         let r = rank(entries, class, bar, i);
-        if best.is_none_or(|(_, b)| r > b) {
-            best = Some((i, r));
+        if r > best_rank {
+            (best, best_rank, ties) = (i, r, 1);
+        } else if r == best_rank {
+            // Reservoir sampling of one among the tied: the t-th keeps the place with
+            // probability 1/t, so each of them ends first as often (sources never
+            // measured, or alike under a paused clock, tie exactly).
+            ties += 1;
+            if rng.random_range(0..ties) == 0 {
+                best = i;
+            }
         }
     }
-    best.map_or(start, |(i, _)| i)
+    best
 }
 
 /// The full order of an attempt that starts with `first`: the rest by descending score
@@ -285,7 +293,7 @@ mod tests {
     /// More choices: the best-ranked of `choices` distinct random sources goes first.
     /// Of six sources ranked by load, three drawn: the two worst never go first, the
     /// best does as often as it is drawn (half the time: 1 - C(5,3)/C(6,3)); all six
-    /// drawn (or more asked): always the best, and of equally good ones each in turn.
+    /// drawn (or more asked): always the best, and of equally good ones each as often.
     #[test]
     fn more_choices_pick_the_best_of_more() {
         let es = entries(&[1.0; 6]);
@@ -306,14 +314,17 @@ mod tests {
         for choices in [6, 7, CHOICES_ALL] {
             assert!((0..100).all(|_| first(Policy::HealthAware, choices, &es, 0, &mut rng, || 0) == 5));
         }
-        // Equally good sources share the first place.
-        let tied = entries(&[0.2, 1.0, 1.0, 1.0]);
-        let mut firsts = [0u32; 4];
-        for _ in 0..3000 {
+        // Equally good sources share the first place evenly, wherever they sit (a
+        // worse one before the first of them must not favour it).
+        let tied = entries(&[0.2, 1.0, 1.0, 1.0, 0.2, 1.0]);
+        let mut firsts = [0u32; 6];
+        for _ in 0..8000 {
             firsts[first(Policy::HealthAware, CHOICES_ALL, &tied, 0, &mut rng, || 0)] += 1;
         }
-        assert_eq!(firsts[0], 0, "{firsts:?}");
-        assert!(firsts[1..].iter().all(|&f| f > 700), "{firsts:?}");
+        assert_eq!(firsts[0] + firsts[4], 0, "{firsts:?}");
+        for i in [1, 2, 3, 5] {
+            assert!((1800..2200).contains(&firsts[i]), "{firsts:?}");
+        }
     }
 
     /// The pick that skips the best-health scan when both candidates are credible is

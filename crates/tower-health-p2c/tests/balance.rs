@@ -545,6 +545,55 @@ async fn least_inflight_avoids_the_busy_source_and_the_layer_builds_a_balancer()
     assert_eq!(sources.view("slow").unwrap().inflight(), 1);
 }
 
+/// `choices` reaches the pick: with every source compared, six calls left in flight
+/// over six idle sources land one per source (the busy ones score lower); with two
+/// drawn at random, some seeds put two on one source while another stays idle.
+#[tokio::test(start_paused = true)]
+async fn every_source_compared_spreads_calls_in_flight_one_per_source() {
+    async fn spread(choices: usize, seed: u64) -> Vec<usize> {
+        let hits: Vec<Arc<AtomicUsize>> = (0..6).map(|_| Arc::default()).collect();
+        let sources: Sources<Svc> = Sources::new();
+        for (i, h) in hits.iter().enumerate() {
+            sources.insert(
+                SourceId::from(format!("s{i}")),
+                fixed(Ok("late"), Duration::from_secs(3600), Arc::clone(h)),
+            );
+        }
+        let lb = HealthP2c::new(
+            sources,
+            BalanceConfig {
+                choices,
+                ..BalanceConfig::default()
+            },
+        )
+        .unwrap()
+        .with_seed(seed);
+        let mut calls = Vec::new();
+        for _ in 0..6 {
+            calls.push(tokio::spawn(lb.clone().oneshot(Req::default())));
+            // Dispatched before the next call picks.
+            tokio::task::yield_now().await;
+        }
+        let spread = hits.iter().map(|h| h.load(Ordering::SeqCst)).collect();
+        for c in calls {
+            c.abort();
+        }
+        spread
+    }
+    let mut doubled = 0;
+    for seed in 0..20 {
+        assert_eq!(
+            spread(tower_health_p2c::CHOICES_ALL, seed).await,
+            vec![1; 6],
+            "seed {seed}"
+        );
+        let two = spread(2, seed).await;
+        assert_eq!(two.iter().sum::<usize>(), 6, "seed {seed}: {two:?}");
+        doubled += usize::from(two.contains(&0));
+    }
+    assert!(doubled > 0, "two random draws never doubled up over 20 seeds");
+}
+
 #[test]
 fn bad_config_is_an_error_naming_the_field() {
     let err = HealthP2c::new(
