@@ -163,8 +163,9 @@ async fn refusals_count_against_the_next_attempts_timeout() {
         black_hole_rate: 1.0.into(),
         ..pgw_sim::SourceConfig::quick("hole")
     };
-    // Seed 1 sends the first attempt to `key` (asserted below).
-    let (_pool, gw, sink) = gateway(vec![revoked("key", true.into()), hole], TIMEOUT_S, 1).await;
+    // Seed 2 sends the first attempt to `key` (asserted below; the two sources tie
+    // before any answer, and the seed decides).
+    let (_pool, gw, sink) = gateway(vec![revoked("key", true.into()), hole], TIMEOUT_S, 2).await;
 
     let call = ChatCall::new(ask("refused, then silence"));
     let id = call.id().0;
@@ -203,8 +204,9 @@ async fn a_slow_refusal_never_cuts_the_next_source_at_once() {
         ttft_s: LogNormal::constant(4.0).into(),
         ..pgw_sim::SourceConfig::quick("good")
     };
-    // Seed 1 sends the first attempt to `key` (asserted below).
-    let (_pool, gw, sink) = gateway(vec![slow_refusal, good], TIMEOUT_S, 1).await;
+    // Seed 2 sends the first attempt to `key` (asserted below; the two sources tie
+    // before any answer, and the seed decides).
+    let (_pool, gw, sink) = gateway(vec![slow_refusal, good], TIMEOUT_S, 2).await;
     let call = ChatCall::new(ask("refused slowly, then answered"));
     let id = call.id().0;
     let answer = gw.clone().oneshot(call).await;
