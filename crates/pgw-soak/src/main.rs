@@ -72,6 +72,11 @@ struct Args {
     /// No progress bars.
     #[arg(long)]
     no_progress: bool,
+    /// The pgw profile's `balance.choices`: how many sources its balancer compares for
+    /// an attempt's first candidate, `all` or a number of at least 2 (default: the
+    /// scenario's, else the gateway's, all).
+    #[arg(long, value_name = "N|all")]
+    balance_choices: Option<pgw_stack::Choices>,
 }
 
 fn main() -> ExitCode {
@@ -139,8 +144,11 @@ fn real_main(args: &Args) -> Result<ExitCode, Box<dyn std::error::Error + Send +
 }
 
 /// The flags that override a scenario: `--seed` (when not the default), `--calls`,
-/// `--workers`, `--concurrency`.
+/// `--workers`, `--concurrency`, `--balance-choices`.
 fn apply_flags(args: &Args, scenario: &mut Scenario) {
+    if let Some(c) = args.balance_choices {
+        scenario.pgw.balance_choices = Some(c);
+    }
     if args.seed != DEFAULT_SEED {
         scenario.seed = args.seed;
     }

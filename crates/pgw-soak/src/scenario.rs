@@ -310,6 +310,18 @@ pub struct Scenario {
     pub naive: NaiveSettings,
     /// The tower-stock profile's own knobs.
     pub tower_stock: TowerStockSettings,
+    /// The pgw profile's own knobs (its gateway's defaults otherwise).
+    pub pgw: PgwSettings,
+}
+
+/// The pgw profile's own knobs: what a scenario sets on its gateway beyond what every
+/// profile gets alike. Unset, the gateway's default.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PgwSettings {
+    /// `balance.choices`: how many sources the balancer compares for an attempt's first
+    /// candidate (`"all"` or a number, at least 2; default the gateway's, all).
+    pub balance_choices: Option<pgw_stack::Choices>,
 }
 
 /// What a scenario file leaves out: P6's seed, calls, workers, traffic, pool, timeouts
@@ -372,6 +384,7 @@ impl Scenario {
             fail_fast_after_s: None,
             naive: NaiveSettings::default(),
             tower_stock: TowerStockSettings::default(),
+            pgw: PgwSettings::default(),
         }
     }
 
@@ -647,5 +660,28 @@ mod tests {
         let p6 = Scenario::p6(3);
         let back = Scenario::parse(&serde_json::to_string(&p6).unwrap(), true).unwrap();
         assert_eq!(back, p6);
+    }
+
+    /// The pgw profile's balancer choices come from the file (a number or "all"),
+    /// survive the stored scenario.json the Redis mode's workers read, and a bad one
+    /// names the field.
+    #[test]
+    fn the_pgw_table_sets_the_balancers_choices() {
+        use pgw_stack::Choices;
+        assert_eq!(Scenario::parse("", false).unwrap().pgw.balance_choices, None);
+        for (text, want) in [
+            ("[pgw]\nbalance_choices = 3\n", Choices::Count(3)),
+            ("[pgw]\nbalance_choices = \"all\"\n", Choices::All),
+        ] {
+            let s = Scenario::parse(text, false).unwrap();
+            assert_eq!(s.pgw.balance_choices, Some(want), "{text}");
+            let back = Scenario::parse(&serde_json::to_string(&s).unwrap(), true).unwrap();
+            assert_eq!(back, s, "{text}");
+        }
+        let e = Scenario::parse("[pgw]\nbalance_choices = \"most\"\n", false).unwrap_err();
+        assert!(
+            e.contains("balance_choices") || e.contains("balance.choices"),
+            "{e}"
+        );
     }
 }

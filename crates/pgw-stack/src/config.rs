@@ -570,6 +570,43 @@ impl Choices {
     }
 }
 
+/// `"all"` or the number, as the config writes it.
+impl fmt::Display for Choices {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Count(n) => write!(f, "{n}"),
+            Self::All => f.write_str("all"),
+        }
+    }
+}
+
+/// Reads `"all"` or a number (a command-line flag's value); the count is validated
+/// with the rest of `[balance]`.
+impl std::str::FromStr for Choices {
+    type Err = ConfigError;
+
+    fn from_str(s: &str) -> Result<Self, ConfigError> {
+        match s.trim() {
+            "all" => Ok(Self::All),
+            n => n.parse().map(Self::Count).map_err(|_| {
+                config_error(
+                    "balance.choices",
+                    format!("{s:?} is neither a number of sources (at least 2) nor \"all\""),
+                )
+            }),
+        }
+    }
+}
+
+impl serde::Serialize for Choices {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Self::Count(n) => s.serialize_u64(*n as u64),
+            Self::All => s.serialize_str("all"),
+        }
+    }
+}
+
 impl<'de> Deserialize<'de> for Choices {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         struct V;

@@ -301,5 +301,13 @@ mod tests {
         };
         assert_eq!(env("4").unwrap(), 4);
         assert_eq!(env("all").unwrap(), tower_health_p2c::CHOICES_ALL);
+        // A flag's value reads the same, and prints as the config writes it.
+        for (text, want) in [("all", Choices::All), (" 3 ", Choices::Count(3))] {
+            let c: Choices = text.parse().unwrap();
+            assert_eq!(c, want);
+            assert_eq!(c.to_string(), text.trim());
+        }
+        let bad = "most".parse::<Choices>().unwrap_err();
+        assert_eq!(bad.field(), "balance.choices", "{bad}");
     }
 }

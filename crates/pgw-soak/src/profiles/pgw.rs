@@ -180,6 +180,7 @@ fn config_for(sc: &Scenario, base_url: impl Fn(&str) -> String) -> GatewayConfig
     }
     cfg.retry.max_attempts = Some(c.max_attempts);
     cfg.balance.seed = Some(sc.seed);
+    cfg.balance.choices = sc.pgw.balance_choices;
     // The same cache as the naive and oracle profiles (the seeds' design: every
     // repeated prompt is a hit), not the gateway's deterministic-only default: the
     // soak's prompts carry no temperature, and the profiles must be compared on one
