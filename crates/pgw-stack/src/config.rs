@@ -627,10 +627,10 @@ impl<'de> Deserialize<'de> for Choices {
                     .and_then(|v| self.visit_u64(v))
             }
             fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Choices, E> {
-                match v.trim() {
-                    "all" => Ok(Choices::All),
-                    _ => Err(E::invalid_value(serde::de::Unexpected::Str(v), &self)),
-                }
+                // The flag's rule: `"all"`, or a number written as text (as an
+                // environment override may come).
+                v.parse()
+                    .map_err(|_| E::invalid_value(serde::de::Unexpected::Str(v), &self))
             }
         }
         d.deserialize_any(V)

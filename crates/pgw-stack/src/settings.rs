@@ -120,8 +120,14 @@ pub(crate) fn balance_config(cfg: &GatewayConfig) -> Result<BalanceConfig, Confi
         cut_silent: b.cut_silent.unwrap_or(d.cut_silent),
         ..d
     };
-    c.validate()
-        .map_err(|e| config_error(format!("balance.{}", e.field()), e.reason()))?;
+    c.validate().map_err(|e| {
+        // The gateway's key of the balancer's field: its durations carry `_s` here.
+        let key = match e.field() {
+            f @ ("max_wait" | "silent_after" | "probe_every") => format!("balance.{f}_s"),
+            f => format!("balance.{f}"),
+        };
+        config_error(key, e.reason())
+    })?;
     Ok(c)
 }
 
@@ -284,6 +290,8 @@ mod tests {
         );
         assert_eq!(choices("choices = 2").unwrap(), 2);
         assert_eq!(choices("choices = 5").unwrap(), 5);
+        // Text reads as a flag's value does.
+        assert_eq!(choices("choices = \"3\"").unwrap(), 3);
         let one = choices("choices = 1").unwrap_err();
         assert_eq!(one.field(), "balance.choices", "{one}");
         assert!(one.to_string().contains("at least 2"), "{one}");
