@@ -73,6 +73,7 @@ struct List {
     first: Option<AttemptRecord>,
     rest: Vec<AttemptRecord>,
     deadline: Option<Instant>,
+    waiting_since: Option<Instant>,
 }
 
 impl List {
@@ -154,6 +155,13 @@ impl CallHistory {
     #[must_use]
     pub fn deadline(&self) -> Option<Instant> {
         self.lock().deadline
+    }
+
+    /// When the call first had to wait for an admission or a pushback, noting `now`
+    /// if it never did: the key that orders waiting calls, oldest first
+    /// ([`crate::fair::wake_at`]), the same in every layer that waits for it.
+    pub fn waiting_since(&self, now: Instant) -> Instant {
+        *self.lock().waiting_since.get_or_insert(now)
     }
 
     /// Records one attempt that neither timed out nor was too large for its source.

@@ -37,6 +37,7 @@
 mod classify;
 pub mod clock;
 pub mod error;
+pub mod fair;
 mod history;
 mod hold;
 mod http_classify;

@@ -128,6 +128,8 @@ struct Wait {
     /// Enabled before the round it guards, so a release during that round wakes us.
     armed: Option<Pin<Box<OwnedNotified>>>,
     sleep: Option<Pin<Box<Sleep>>>,
+    /// Counted among the set's waiting calls while `sleep` waits for a `retry_after`.
+    counted: Option<pgw_core::fair::Counted>,
     rounds: u64,
 }
 
@@ -144,6 +146,7 @@ fn begin_wait(wait: &mut Option<Box<Wait>>, max_wait: Duration, call_deadline: O
             deadline: call_deadline.map_or(max_wait, |d| d.min(max_wait)),
             armed: None,
             sleep: None,
+            counted: None,
             rounds: 0,
         })
     })
@@ -372,7 +375,9 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
             // Every source is breaker-open: fail fast with the earliest (H7).
             return Poll::Ready(Err(Round::at(&mut self.round).earliest_open()));
         }
-        let call_deadline = self.history().and_then(CallHistory::deadline);
+        let history = self.history().cloned();
+        let call_deadline = history.as_ref().and_then(CallHistory::deadline);
+        let history = history.as_ref();
         let wait = begin_wait(&mut self.wait, self.config.max_wait, call_deadline);
         if wait.sleep.is_none() {
             let now = Instant::now();
@@ -407,8 +412,13 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
             }
             let mut until = wait.deadline;
             if let Some(at) = wake_at {
-                // A gate answering `retry_after = 0` must not make the call spin.
-                until = until.min(at.max(now + MIN_WAKE_WAIT));
+                // A gate answering `retry_after = 0` must not make the call spin. The
+                // calls woken by one end go oldest first (`pgw_core::fair`).
+                let at = at.max(now + MIN_WAKE_WAIT);
+                let since = history.map_or(wait.started, |h| h.waiting_since(wait.started));
+                let others = self.snapshot.waiting.count();
+                until = until.min(pgw_core::fair::wake_at(now, at, since, others));
+                wait.counted = Some(self.snapshot.waiting.enter());
             }
             if paced {
                 until = until.min(clock::saturating_after(now, self.config.paced_poll));
@@ -427,6 +437,7 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
             return Poll::Pending;
         }
         wait.sleep = None;
+        wait.counted = None;
         wait.armed = Some(armed(&self.snapshot));
         wait.rounds += 1;
         let rounds = wait.rounds;

@@ -456,12 +456,15 @@ pub(crate) struct Snapshot<S> {
     pub(crate) entries: Vec<Entry<S>>,
     /// The set's wake signal, reachable from a call without touching the set.
     pub(crate) wake: Arc<Notify>,
+    /// The calls waiting for a round's earliest `retry_after` (any snapshot of the set).
+    pub(crate) waiting: Arc<pgw_core::fair::Waiting>,
 }
 
 struct Inner<S> {
     current: RwLock<Arc<Snapshot<S>>>,
     version: AtomicU64,
     wake: Arc<Notify>,
+    waiting: Arc<pgw_core::fair::Waiting>,
     cursor: AtomicUsize,
     clones: AtomicU64,
 }
@@ -507,14 +510,17 @@ impl<S> Sources<S> {
     #[must_use]
     pub fn new() -> Self {
         let wake = Arc::new(Notify::new());
+        let waiting = Arc::new(pgw_core::fair::Waiting::new());
         Self {
             inner: Arc::new(Inner {
                 current: RwLock::new(Arc::new(Snapshot {
                     entries: Vec::new(),
                     wake: Arc::clone(&wake),
+                    waiting: Arc::clone(&waiting),
                 })),
                 version: AtomicU64::new(0),
                 wake,
+                waiting,
                 cursor: AtomicUsize::new(0),
                 clones: AtomicU64::new(0),
             }),
@@ -593,6 +599,7 @@ impl<S: Clone> Sources<S> {
             *guard = Arc::new(Snapshot {
                 entries,
                 wake: Arc::clone(&self.inner.wake),
+                waiting: Arc::clone(&self.inner.waiting),
             });
             self.inner.version.fetch_add(1, Ordering::Release);
         }

@@ -806,6 +806,60 @@ fn over_quota_until(name: &'static str, until: Instant, hits: Arc<AtomicUsize>) 
     }))
 }
 
+/// Calls waiting for one source's quota end are woken oldest first, by when their call
+/// first waited (noted in its history, by a layer above or here), not by when they
+/// went to sleep; the first to sleep, alone then, wakes at the end itself.
+#[tokio::test(start_paused = true)]
+async fn calls_waiting_for_one_end_wake_oldest_first() {
+    let t0 = Instant::now();
+    let end = t0 + Duration::from_secs(20);
+    let sources = Sources::new();
+    sources.insert(
+        "s".into(),
+        over_quota_until("s", end, Arc::new(AtomicUsize::new(0))),
+    );
+    let spawn_call = |after: u64, waiting_since: Option<Instant>| {
+        let mut lb = balancer(&sources, Policy::HealthAware);
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(after)).await;
+            let (req, h) = with_history();
+            if let Some(at) = waiting_since {
+                // A layer above had it waiting since then (the retry layer notes it).
+                let _ = h.waiting_since(at);
+            }
+            lb.ready().await.unwrap().call(req).await.unwrap();
+            Instant::now()
+        })
+    };
+    let first = spawn_call(0, None);
+    let young = spawn_call(1, None);
+    let old = spawn_call(2, Some(t0 - Duration::from_secs(100)));
+    let (first, young, old) = (first.await.unwrap(), young.await.unwrap(), old.await.unwrap());
+    assert_eq!(first, end, "alone when it went to sleep");
+    let last = end + pgw_core::fair::ORDER_SPAN;
+    assert!(
+        end < old && old < young && young <= last,
+        "{:?} {:?}",
+        old - end,
+        young - end
+    );
+
+    // A waiting call dropped is no longer counted: a later call waiting alone wakes at
+    // its end exactly.
+    let t1 = Instant::now();
+    let end = t1 + Duration::from_secs(20);
+    sources.insert(
+        "s".into(),
+        over_quota_until("s", end, Arc::new(AtomicUsize::new(0))),
+    );
+    let dropped = spawn_call(0, None);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    dropped.abort();
+    assert!(dropped.await.unwrap_err().is_cancelled());
+    let alone = spawn_call(0, Some(t1 - Duration::from_secs(100))).await.unwrap();
+    assert_eq!(alone, end, "the dropped call's count went with it");
+}
+
 /// H5 with H7: a source that failed twice in this call is not dispatched while a
 /// credible source is only briefly over quota; it is when the wait would be too long.
 #[tokio::test(start_paused = true)]

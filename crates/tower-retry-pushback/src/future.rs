@@ -351,6 +351,15 @@ impl<S, Req: CarriesHistory, C, R> Call<S, Req, C, R> {
         }
     }
 
+    /// `wait` from `now`, plus the call's place among the calls waiting beside it
+    /// ([`pgw_core::fair`]): by when it first waited; `wait` itself when none does.
+    fn fair_wait(&mut self, wait: Duration, now: Instant) -> Duration {
+        let since = self.history().waiting_since(now);
+        let end = now.checked_add(wait).unwrap_or(now);
+        let others = self.shared.counters.waiting.load(Ordering::Relaxed);
+        pgw_core::fair::wake_at(now, end, since, others).saturating_duration_since(now)
+    }
+
     fn sleep_or_fail<T>(&mut self, wait: Duration, now: Instant) -> Next<T> {
         let limit = self.wait_limit(now);
         if wait > limit {
@@ -585,7 +594,11 @@ impl<S, Req: CarriesHistory, C, R> Call<S, Req, C, R> {
                     }
                     slow.pushback = after;
                 }
-                self.sleep_or_fail(wait, now)
+                match self.sleep_or_fail(wait, now) {
+                    // Oldest first among the calls that wait for the same end.
+                    Next::Sleep(wait) => Next::Sleep(self.fair_wait(wait, now)),
+                    other => other,
+                }
             }
             // The gate's own backend is down: nothing spent, asked again shortly, for
             // as long as the stall guard and the deadline allow.

@@ -694,6 +694,46 @@ async fn quota_and_pacing_are_waited_out_without_spending_the_budget() {
     assert_eq!(history.len(), 3, "only real attempts are recorded");
 }
 
+/// Calls woken by one quota end re-ask oldest first (`pgw_core::fair`), whatever order
+/// they went to sleep in; a call waiting alone re-asks at the end itself.
+#[tokio::test(start_paused = true)]
+async fn calls_woken_by_one_end_re_ask_oldest_first() {
+    let t0 = Instant::now();
+    let (early, end) = (t0 + Duration::from_secs(30), t0 + Duration::from_secs(70));
+    // Call 1 (from t0) is refused until 30 s, then until 70 s; call 2 (from 20 s) until
+    // 70 s. So call 2 goes to sleep for the end at 70 s first, call 1 ten seconds later.
+    let upstream = Upstream::from_fn(move |req| {
+        let now = Instant::now();
+        let until = if req.id == 1 && now < early { early } else { end };
+        if now < until {
+            Err(QuotaExceeded::new("rpm", until - now).into())
+        } else {
+            Ok(Ans::Ok)
+        }
+    });
+    let svc = layer(RetryConfig::default()).layer(upstream.clone());
+    let young = {
+        let mut svc = svc.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(20)).await;
+            call(&mut svc, Req::new(2)).await
+        })
+    };
+    assert_eq!(call(&mut svc.clone(), Req::new(1)).await.unwrap(), Ans::Ok);
+    assert_eq!(young.await.unwrap().unwrap(), Ans::Ok);
+    let sent = upstream.sent.lock().unwrap().clone();
+    let asked = |id: u32| -> Vec<Duration> { sent.iter().filter(|s| s.0 == id).map(|s| s.1 - t0).collect() };
+    let (old, new) = (asked(1), asked(2));
+    // Alone while it slept for the first end: woken at it exactly.
+    assert_eq!(old[..2], [Duration::ZERO, Duration::from_secs(30)]);
+    assert_eq!(new[0], Duration::from_secs(20));
+    // Both slept for the end at 70 s beside another: after it, within the span, the
+    // call waiting since t0 before the one waiting since 20 s.
+    let (o, n) = (old[2], new[1]);
+    let last = Duration::from_secs(70) + pgw_core::fair::ORDER_SPAN;
+    assert!(Duration::from_secs(70) < o && o < n && n <= last, "{o:?} {n:?}");
+}
+
 // ---------------------------------------------------------------- R4
 
 /// A 60 s stall window. These calls wait through 429s: the pushback bound (R3) is
