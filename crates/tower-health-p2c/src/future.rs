@@ -387,6 +387,9 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
             // when that is past the deadline (`max_wait`, or the call's own), fail now
             // instead of sleeping until it.
             let wake_at = round.wake_after.map(|d| clock::saturating_after(now, d));
+            // The earliest wake-up is a quota's end (not a breaker's).
+            let quota_end =
+                round.wake_after.is_some() && round.quota.as_ref().map(|(d, _)| *d) == round.wake_after;
             let hopeless = !paced && wake_at.is_some_and(|at| at > wait.deadline);
             if now >= wait.deadline || hopeless {
                 if round.held_back {
@@ -412,13 +415,17 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
             }
             let mut until = wait.deadline;
             if let Some(at) = wake_at {
-                // A gate answering `retry_after = 0` must not make the call spin. The
-                // calls woken by one end go oldest first (`pgw_core::fair`).
-                let at = at.max(now + MIN_WAKE_WAIT);
-                let since = history.map_or(wait.started, |h| h.waiting_since(wait.started));
-                let others = self.snapshot.waiting.count();
-                until = until.min(pgw_core::fair::wake_at(now, at, since, others));
-                wait.counted = Some(self.snapshot.waiting.enter());
+                // A gate answering `retry_after = 0` must not make the call spin.
+                let mut at = at.max(now + MIN_WAKE_WAIT);
+                if quota_end {
+                    // The calls woken by one quota's end (a hold, a window) go oldest
+                    // first (`pgw_core::fair`). Not for a breaker's: its end admits one
+                    // probe, whoever asks first.
+                    let since = history.map_or(wait.started, |h| h.waiting_since(wait.started));
+                    at = pgw_core::fair::wake_at(now, at, since, self.snapshot.waiting.count());
+                    wait.counted = Some(self.snapshot.waiting.enter());
+                }
+                until = until.min(at);
             }
             if paced {
                 until = until.min(clock::saturating_after(now, self.config.paced_poll));

@@ -860,6 +860,45 @@ async fn calls_waiting_for_one_end_wake_oldest_first() {
     assert_eq!(alone, end, "the dropped call's count went with it");
 }
 
+/// A breaker's end is not spread: it admits one probe, whoever asks first, so the
+/// calls waiting for it (beside each other) wake at the end itself.
+#[tokio::test(start_paused = true)]
+async fn calls_waiting_for_a_breakers_end_wake_at_it() {
+    let t0 = Instant::now();
+    let (closes, refills) = (t0 + Duration::from_secs(10), t0 + Duration::from_secs(30));
+    let sources = Sources::new();
+    sources.insert(
+        "open".into(),
+        BoxCloneSyncService::new(service_fn(move |_: Req| {
+            let now = Instant::now();
+            let r: Result<&'static str, BoxError> = if now < closes {
+                Err(Box::new(CircuitOpen::new(closes - now)))
+            } else {
+                Ok("open")
+            };
+            async move { r }
+        })),
+    );
+    sources.insert(
+        "quota".into(),
+        over_quota_until("quota", refills, Arc::new(AtomicUsize::new(0))),
+    );
+    let calls: Vec<_> = (0..2)
+        .map(|i| {
+            let mut lb = balancer(&sources, Policy::HealthAware).with_seed(i);
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_secs(i)).await;
+                let (req, _h) = with_history();
+                let got = lb.ready().await.unwrap().call(req).await.unwrap();
+                (got, Instant::now())
+            })
+        })
+        .collect();
+    for call in calls {
+        assert_eq!(call.await.unwrap(), ("open", closes));
+    }
+}
+
 /// H5 with H7: a source that failed twice in this call is not dispatched while a
 /// credible source is only briefly over quota; it is when the wait would be too long.
 #[tokio::test(start_paused = true)]
