@@ -1269,6 +1269,32 @@ async fn an_admission_answered_after_its_timeout_is_undone() {
     assert_eq!(l.held().await.unwrap().leases(), 0);
 }
 
+/// A request count refused again before its wait ended is trusted twice as long each
+/// time, up to its wait: a call polling a full window asks Redis a handful of times,
+/// not once a sub-window. RPM 1 over a 6 s window (100 ms sub-windows), the request
+/// held by another process: 1.5 s of polling every 20 ms asks at 0 ms, then about
+/// 100, 300, 700 and 1500 ms (16 questions at one a sub-window).
+#[tokio::test]
+async fn a_request_count_refused_again_is_trusted_twice_as_long() {
+    let (_server, conn) = private_redis().await;
+    let config = RateLimitConfig::new("s1", Quota::unlimited().requests(1)).window(Duration::from_secs(6));
+    assert_eq!(config.sub_window_len(), Duration::from_millis(100));
+    let a = RateLimiter::new(config.clone(), RedisBackend::new(conn.clone())).unwrap();
+    let b = RateLimiter::new(config, RedisBackend::new(conn.clone())).unwrap();
+    let held = b.acquire(0).await.unwrap();
+    let (before, _) = commands(&conn).await;
+    let start = std::time::Instant::now();
+    while start.elapsed() < Duration::from_millis(1550) {
+        let e = a.acquire(0).await.unwrap_err();
+        assert!(e.to_string().contains("rpm"), "{e}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (after, _) = commands(&conn).await;
+    let asked = after - before;
+    assert!((3..=7).contains(&asked), "{asked} questions in 1.5 s");
+    held.finish(None).await.unwrap();
+}
+
 /// A window refusal this process remembers is trusted one sub-window at most: another
 /// process's refund (a request given back, tokens used below their estimate) frees it
 /// unseen here. Two processes on one RPM of 1: B's request refunded, A asked again

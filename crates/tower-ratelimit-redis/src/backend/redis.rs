@@ -381,6 +381,7 @@ impl GateKeys {
         tokens: u64,
         refunds: [u64; 2],
         released: [u64; 2],
+        refused: bool,
     ) {
         let (Some(memo), Some(limits)) = (self.memos.get(i), self.limits.get(3 * i..3 * i + 3)) else {
             return;
@@ -394,10 +395,20 @@ impl GateKeys {
         // Checked again under the lock a refund takes.
         if !since(memo.refunds.load(Ordering::Acquire)) {
             // Other processes give back too (a refund, tokens used below their
-            // estimate): a window refusal is trusted for one sub-window at most, then
-            // one admission asks again; its wait is still answered whole.
+            // estimate): a window refusal is trusted for one sub-window, then one
+            // admission asks again; its wait is still answered whole. A request count
+            // refused again before its wait ended is trusted twice as long each time
+            // (up to its wait): another process's refund of a request is rare, and
+            // that process takes the request itself first (its own refund forgets
+            // its refusal), where tokens come back with nearly every settle.
+            let streak = match *known {
+                Some(prev) if refused && dim == 1 && prev.dim == 1 && sent < prev.until_ms => {
+                    prev.streak.saturating_add(1).min(MAX_TRUST_DOUBLINGS)
+                }
+                _ => 0,
+            };
             let trusted = if matches!(dim, 1 | 2) {
-                wait.min(self.sub_ms.max(1))
+                wait.min(self.sub_ms.max(1) << streak)
             } else {
                 wait
             };
@@ -408,6 +419,7 @@ impl GateKeys {
                 tokens,
                 released: released.get(i).copied().unwrap_or(0),
                 limits: [limits[0], limits[1], limits[2]],
+                streak,
             });
         }
     }
@@ -440,7 +452,8 @@ impl GateKeys {
 /// What it answers, and for how long:
 /// - a request count (`rpm`, dimension 1) frees when the oldest sub-window leaves, or
 ///   when another process gives a request back (a refund, unseen here): trusted for
-///   one sub-window at most, then one admission asks again;
+///   one sub-window, then one admission asks again; refused again before its wait
+///   ended, twice as long each time, up to the wait ([`MAX_TRUST_DOUBLINGS`]);
 /// - tokens (`tpm`, 2): the same (another process's call using fewer tokens than it
 ///   reserved gives the rest back), for an admission asking at least as many tokens
 ///   (a smaller one may fit);
@@ -475,7 +488,16 @@ struct Refusal {
     /// The scope's quota as the refused limiter asked for it (rpm, tpm, concurrency;
     /// -1 unlimited): another limiter with a different quota for the scope asks.
     limits: [i64; 3],
+    /// A request count's refusals in a row, each asked before the last one's wait
+    /// ended: it is trusted `sub-window << streak` (see [`MAX_TRUST_DOUBLINGS`]).
+    streak: u32,
 }
+
+/// How often a request count's refusal, refused again before its wait ended, doubles
+/// the time it is trusted: up to 6 times (64 sub-windows, more than any window), so a
+/// call waiting a whole window for a request asks Redis about 7 times, not once a
+/// sub-window (60).
+const MAX_TRUST_DOUBLINGS: u32 = 6;
 
 impl Refusal {
     /// Whether it still refuses an admission of `tokens` at `at_ms` through limiter `k`,
@@ -871,7 +893,7 @@ impl Gate for RedisGate {
                             u64::try_from(*dim_no << 8).unwrap_or(0) | i as u64,
                             Ordering::Relaxed,
                         );
-                        inner.remember(i, *dim_no, sent, *wait, tokens, refunds, released);
+                        inner.remember(i, *dim_no, sent, *wait, tokens, refunds, released, false);
                     }
                     Ok(Verdict::Admitted {
                         at: nanos(millis(*now)),
@@ -896,7 +918,7 @@ impl Gate for RedisGate {
                         book.saw_server(*server_now, Instant::now());
                         inner.ends[i].fetch_max(server_now.saturating_add(*wait), Ordering::Relaxed);
                     } else {
-                        inner.remember(i, *dim_no, sent, *wait, tokens, refunds, released);
+                        inner.remember(i, *dim_no, sent, *wait, tokens, refunds, released, true);
                     }
                     let refusal = if *dim_no == 4 {
                         hold_refusal(server_now.saturating_add(*wait), *wait)
