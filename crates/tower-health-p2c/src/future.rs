@@ -55,6 +55,8 @@ struct Round {
     /// The best health (of the call's class) among sources refused as paced or over
     /// quota in this round: the bar a source must be credible against.
     soon_best: f64,
+    /// The earliest `retry_after` of a `QuotaExceeded` (not of a gate's backend down).
+    quota_end: Option<Duration>,
 }
 
 impl Round {
@@ -67,6 +69,7 @@ impl Round {
             paced: None,
             held_back: false,
             soon_best: 0.0,
+            quota_end: None,
         }
     }
 
@@ -89,6 +92,7 @@ impl Round {
             // A gate's own backend down: like a full quota, asked again shortly.
             NotAdmitted::QuotaExceeded(d) => {
                 self.all_open = false;
+                self.quota_end = Some(self.quota_end.map_or(d, |q| q.min(d)));
                 keep_earliest(&mut self.quota, d, err);
             }
             NotAdmitted::Unavailable => {
@@ -387,9 +391,12 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
             // when that is past the deadline (`max_wait`, or the call's own), fail now
             // instead of sleeping until it.
             let wake_at = round.wake_after.map(|d| clock::saturating_after(now, d));
-            // The earliest wake-up is a quota's end (not a breaker's).
-            let quota_end =
-                round.wake_after.is_some() && round.quota.as_ref().map(|(d, _)| *d) == round.wake_after;
+            // The earliest wake-up is a quota's end alone (not a breaker's, nor a gate's
+            // backend asked again).
+            let quota_end = round.wake_after.is_some()
+                && round.quota_end == round.wake_after
+                && round.open.as_ref().map(|(d, _)| *d) != round.wake_after
+                && round.quota.as_ref().map(|(d, _)| *d) == round.wake_after;
             let hopeless = !paced && wake_at.is_some_and(|at| at > wait.deadline);
             if now >= wait.deadline || hopeless {
                 if round.held_back {

@@ -355,9 +355,14 @@ impl<S, Req: CarriesHistory, C, R> Call<S, Req, C, R> {
     /// ([`pgw_core::fair`]): by when it first waited; `wait` itself when none does.
     fn fair_wait(&mut self, wait: Duration, now: Instant) -> Duration {
         let since = self.history().waiting_since(now);
-        let end = now.checked_add(wait).unwrap_or(now);
+        let Some(end) = now.checked_add(wait) else {
+            return wait;
+        };
         let others = self.shared.counters.waiting.load(Ordering::Relaxed);
-        pgw_core::fair::wake_at(now, end, since, others).saturating_duration_since(now)
+        let fair = pgw_core::fair::wake_at(now, end, since, others).saturating_duration_since(now);
+        // Not past what the call may wait in one go (its deadline, the stall window):
+        // the offset must not turn its last try into a failure.
+        if fair < self.wait_limit(now) { fair } else { wait }
     }
 
     fn sleep_or_fail<T>(&mut self, wait: Duration, now: Instant) -> Next<T> {

@@ -734,6 +734,71 @@ async fn calls_woken_by_one_end_re_ask_oldest_first() {
     assert!(Duration::from_secs(70) < o && o < n && n <= last, "{o:?} {n:?}");
 }
 
+/// The oldest-first offset never takes a wait past the call's deadline: a call whose
+/// quota ends just before its deadline re-asks at the end, beside another waiting call
+/// (the offset would have woken it after the deadline), and is answered.
+#[tokio::test(start_paused = true)]
+async fn the_oldest_first_offset_stops_short_of_the_deadline() {
+    let t0 = Instant::now();
+    let end = t0 + Duration::from_millis(9_900);
+    let upstream = Upstream::from_fn(move |req| {
+        let now = Instant::now();
+        if req.id == 2 {
+            // Keeps a call sleeping beside call 1 (until its own deadline ends it).
+            return Err(QuotaExceeded::new("rpm", Duration::from_secs(5)).into());
+        }
+        if now < end {
+            Err(QuotaExceeded::new("rpm", end - now).into())
+        } else {
+            Ok(Ans::Ok)
+        }
+    });
+    let config = RetryConfig {
+        max_call_duration: Some(Duration::from_secs(10)),
+        ..RetryConfig::default()
+    };
+    let svc = layer(config).layer(upstream.clone());
+    let other = {
+        let mut svc = svc.clone();
+        tokio::spawn(async move { call(&mut svc, Req::new(2)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(call(&mut svc.clone(), Req::new(1)).await.unwrap(), Ans::Ok);
+    let asked: Vec<Duration> = upstream
+        .sent
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|s| s.0 == 1)
+        .map(|s| s.1 - t0)
+        .collect();
+    assert_eq!(asked, [Duration::from_millis(100), Duration::from_millis(9_900)]);
+    assert!(other.await.unwrap().is_err(), "call 2 ends at its deadline");
+}
+
+/// A quota wait too long for the clock to add (`Duration::MAX`, with a stall window
+/// as long) is slept, not re-asked at once.
+#[tokio::test(start_paused = true)]
+async fn an_endless_quota_wait_is_slept_not_spun() {
+    let asks = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let upstream = Upstream::from_fn({
+        let asks = Arc::clone(&asks);
+        move |_| {
+            let n = asks.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            assert!(n < 3, "re-asked at once: {n} questions");
+            Err(QuotaExceeded::new("rpm", Duration::MAX).into())
+        }
+    });
+    let config = RetryConfig {
+        stall_window: Duration::MAX,
+        ..RetryConfig::default()
+    };
+    let mut svc = layer(config).layer(upstream);
+    let waited = tokio::time::timeout(Duration::from_secs(3600), call(&mut svc, Req::new(1))).await;
+    assert!(waited.is_err(), "still asleep an hour later: {waited:?}");
+    assert_eq!(asks.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
+
 // ---------------------------------------------------------------- R4
 
 /// A 60 s stall window. These calls wait through 429s: the pushback bound (R3) is

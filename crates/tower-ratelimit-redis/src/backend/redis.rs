@@ -402,7 +402,13 @@ impl GateKeys {
             // that process takes the request itself first (its own refund forgets
             // its refusal), where tokens come back with nearly every settle.
             let streak = match *known {
-                Some(prev) if refused && dim == 1 && prev.dim == 1 && sent < prev.until_ms => {
+                Some(prev)
+                    if refused
+                        && dim == 1
+                        && prev.dim == 1
+                        && prev.limits[..] == limits[..]
+                        && sent < prev.until_ms =>
+                {
                     prev.streak.saturating_add(1).min(MAX_TRUST_DOUBLINGS)
                 }
                 _ => 0,
