@@ -57,8 +57,9 @@ pub const ORDER_AGE_SCALE: Duration = Duration::from_secs(30);
 /// let now = Instant::now();
 /// let end = now + Duration::from_secs(60);
 /// assert_eq!(wake_at(now, end, now, 0), end); // alone
-/// let old = wake_at(now, end, now - Duration::from_secs(500), 1);
-/// let new = wake_at(now, end, now, 1);
+/// // Waiting since now (60 s old at the end), or since 50 s from now (10 s old).
+/// let old = wake_at(now, end, now, 1);
+/// let new = wake_at(now, end, now + Duration::from_secs(50), 1);
 /// assert!(end < old && old < new);
 /// assert!(new <= end + ORDER_SPAN);
 /// // A wait of 100 ms is stretched by 25 ms at most.

@@ -811,6 +811,9 @@ fn over_quota_until(name: &'static str, until: Instant, hits: Arc<AtomicUsize>) 
 /// went to sleep; the first to sleep, alone then, wakes at the end itself.
 #[tokio::test(start_paused = true)]
 async fn calls_waiting_for_one_end_wake_oldest_first() {
+    // A start 100 s back for the old call's wait (no Instant before the clock's own).
+    let long_ago = Instant::now();
+    tokio::time::sleep(Duration::from_secs(100)).await;
     let t0 = Instant::now();
     let end = t0 + Duration::from_secs(20);
     let sources = Sources::new();
@@ -833,7 +836,7 @@ async fn calls_waiting_for_one_end_wake_oldest_first() {
     };
     let first = spawn_call(0, None);
     let young = spawn_call(1, None);
-    let old = spawn_call(2, Some(t0 - Duration::from_secs(100)));
+    let old = spawn_call(2, Some(long_ago));
     let (first, young, old) = (first.await.unwrap(), young.await.unwrap(), old.await.unwrap());
     assert_eq!(first, end, "alone when it went to sleep");
     let last = end + pgw_core::fair::ORDER_SPAN;
@@ -856,7 +859,7 @@ async fn calls_waiting_for_one_end_wake_oldest_first() {
     tokio::time::sleep(Duration::from_secs(1)).await;
     dropped.abort();
     assert!(dropped.await.unwrap_err().is_cancelled());
-    let alone = spawn_call(0, Some(t1 - Duration::from_secs(100))).await.unwrap();
+    let alone = spawn_call(0, Some(long_ago)).await.unwrap();
     assert_eq!(alone, end, "the dropped call's count went with it");
 }
 
