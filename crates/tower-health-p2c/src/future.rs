@@ -379,9 +379,7 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
             // Every source is breaker-open: fail fast with the earliest (H7).
             return Poll::Ready(Err(Round::at(&mut self.round).earliest_open()));
         }
-        let history = self.history().cloned();
-        let call_deadline = history.as_ref().and_then(CallHistory::deadline);
-        let history = history.as_ref();
+        let call_deadline = self.history().and_then(CallHistory::deadline);
         let wait = begin_wait(&mut self.wait, self.config.max_wait, call_deadline);
         if wait.sleep.is_none() {
             let now = Instant::now();
@@ -391,12 +389,11 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
             // when that is past the deadline (`max_wait`, or the call's own), fail now
             // instead of sleeping until it.
             let wake_at = round.wake_after.map(|d| clock::saturating_after(now, d));
-            // The earliest wake-up is a quota's end alone (not a breaker's, nor a gate's
-            // backend asked again).
-            let quota_end = round.wake_after.is_some()
-                && round.quota_end == round.wake_after
-                && round.open.as_ref().map(|(d, _)| *d) != round.wake_after
-                && round.quota.as_ref().map(|(d, _)| *d) == round.wake_after;
+            // The earliest wake-up is a quota's end (not a gate's backend asked again),
+            // and no breaker reopens at that instant.
+            let quota_end = round.wake_after.is_some_and(|w| {
+                round.quota_end == Some(w) && round.open.as_ref().is_none_or(|(d, _)| *d != w)
+            });
             let hopeless = !paced && wake_at.is_some_and(|at| at > wait.deadline);
             if now >= wait.deadline || hopeless {
                 if round.held_back {
@@ -428,7 +425,11 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
                     // The calls woken by one quota's end (a hold, a window) go oldest
                     // first (`pgw_core::fair`). Not for a breaker's: its end admits one
                     // probe, whoever asks first.
-                    let since = history.map_or(wait.started, |h| h.waiting_since(wait.started));
+                    // The request's field, not `self.history()`: `wait` borrows `self`.
+                    let since = self
+                        .req
+                        .call_history()
+                        .map_or(wait.started, |h| h.waiting_since(wait.started));
                     at = pgw_core::fair::wake_at(now, at, since, self.snapshot.waiting.count());
                     wait.counted = Some(self.snapshot.waiting.enter());
                 }

@@ -352,9 +352,11 @@ impl<S, Req: CarriesHistory, C, R> Call<S, Req, C, R> {
     }
 
     /// `wait` from `now`, plus the call's place among the calls waiting beside it
-    /// ([`pgw_core::fair`]): by when it first waited; `wait` itself when none does.
+    /// ([`pgw_core::fair`]): by when it first waited (its stall clock, noted in its
+    /// history for the layers below); `wait` itself when none does.
     fn fair_wait(&mut self, wait: Duration, now: Instant) -> Duration {
-        let since = self.history().waiting_since(now);
+        let first = self.start_waiting(now).waiting_since;
+        let since = self.history().waiting_since(first);
         let Some(end) = now.checked_add(wait) else {
             return wait;
         };
