@@ -186,8 +186,9 @@ async fn one_round_trip_per_operation() {
         RedisBackend::new(conn.clone()),
     )
     .unwrap();
-    // Warm-up loads the scripts (NOSCRIPT -> SCRIPT LOAD, once per server).
-    l.acquire(1).await.unwrap().finish(Some(1)).await.unwrap();
+    // Warm-up loads the scripts (NOSCRIPT -> SCRIPT LOAD, once per server); its settle
+    // changes a count (1 token reserved, none used), so the settle script runs.
+    l.acquire(1).await.unwrap().finish(Some(0)).await.unwrap();
     l.hold(HoldScope::Both, Duration::from_millis(1)).await.unwrap();
     tokio::time::sleep(Duration::from_millis(5)).await;
     let mut info_conn = conn.clone();
@@ -299,6 +300,49 @@ async fn redis_commands_per_call() {
             "{name}: every lease released"
         );
     }
+}
+
+/// A settle that changes no count (the call used what it reserved, or no count is
+/// limited) only gives its lease back: one `ZREM` per scope with a concurrency quota,
+/// pipelined, no script. The slot is free for another process once it has answered.
+#[tokio::test]
+async fn a_lease_only_settle_is_one_zrem_per_scope_and_no_script() {
+    let (_server, conn) = private_redis().await;
+    let quota = Quota::unlimited().requests(10_000).concurrency(1);
+    let config = || {
+        RateLimitConfig::new("s1", quota)
+            .account("acct", quota)
+            .hold_refresh(Duration::from_secs(60))
+    };
+    let here = RateLimiter::new(config(), RedisBackend::new(conn.clone())).unwrap();
+    let elsewhere = RateLimiter::new(config(), RedisBackend::new(conn.clone())).unwrap();
+    // Warm-up: the admission and settle scripts loaded, holds read once.
+    here.acquire(0).await.unwrap().refund().await.unwrap();
+    const N: u64 = 20;
+    for _ in 0..N {
+        let permit = here.acquire(0).await.unwrap();
+        assert_eq!(
+            elsewhere.held().await.unwrap().leases(),
+            2,
+            "the slot of each scope is taken"
+        );
+        let (scripts0, all0) = commands(&conn).await;
+        permit.finish(None).await.unwrap();
+        let (scripts1, all1) = commands(&conn).await;
+        assert_eq!(scripts1 - scripts0, 0, "no script for a lease-only settle");
+        assert_eq!(all1 - all0, 2, "one ZREM per scope (source and account)");
+        assert_eq!(elsewhere.held().await.unwrap().leases(), 0, "free for everyone");
+    }
+    // Another process takes the slot given back.
+    elsewhere.acquire(0).await.unwrap().finish(None).await.unwrap();
+    // A settle that changes a count still runs the script (a refund here).
+    let permit = here.acquire(0).await.unwrap();
+    let (scripts0, _) = commands(&conn).await;
+    permit.refund().await.unwrap();
+    let (scripts1, _) = commands(&conn).await;
+    assert_eq!(scripts1 - scripts0, 1);
+    assert_eq!(here.held().await.unwrap().leases(), 0);
+    assert_eq!(here.stats().settle_failures, 0);
 }
 
 /// Waiting on Redis never polls: a wait for the window's end is one try at its end
