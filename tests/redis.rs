@@ -78,12 +78,8 @@ async fn a_tenant_settle_waits_for_redis_only_with_a_lease() {
         tpm,
         max_concurrency,
     };
-    let warm = pgw_server::KeyConfig {
-        rpm: Some(1000),
-        ..key("warm", None, Some(1))
-    };
     let ring = pgw_server::KeyRing::new(
-        &[key("tokens", Some(100), None), key("slots", None, Some(1)), warm],
+        &[key("tokens", Some(100), None), key("slots", None, Some(1))],
         &gateway,
     )
     .await
@@ -106,16 +102,6 @@ async fn a_tenant_settle_waits_for_redis_only_with_a_lease() {
     finish.await;
     // The slot is free for the next call.
     slots.admit(&req).await.unwrap().unwrap().finish(None).await;
-    // The settles above only gave a lease back (a `ZREM`, no script). A refund of a
-    // request counted, with a lease, runs the settle script and is awaited: the script
-    // is loaded on the server before the tokens-only settle below, sent without
-    // waiting (a first `EVALSHA` answered NOSCRIPT would land after the admission).
-    let refused: pgw_core::BoxError = Box::new(pgw_core::QuotaExceeded::new(
-        "rpm",
-        std::time::Duration::from_secs(1),
-    ));
-    let warm = ring.find("warm").unwrap();
-    warm.admit(&req).await.unwrap().unwrap().failed(&refused).await;
 
     let tokens = ring.find("tokens").unwrap();
     let permit = tokens.admit(&req).await.unwrap().unwrap();
@@ -124,7 +110,7 @@ async fn a_tenant_settle_waits_for_redis_only_with_a_lease() {
     redis.thaw();
     assert!(finished.is_some(), "a permit without a lease waited for Redis");
     // The tokens reserved and not used came back before this admission: it fits (the
-    // settle script was loaded above: a first EVALSHA answered NOSCRIPT is sent again,
+    // settle script is loaded by now: a first EVALSHA answered NOSCRIPT is sent again,
     // after whatever the caller sent meanwhile).
     let permit = tokens.admit(&req).await.unwrap().unwrap();
     permit.finish(None).await;

@@ -345,6 +345,31 @@ async fn a_lease_only_settle_is_one_zrem_per_scope_and_no_script() {
     assert_eq!(here.stats().settle_failures, 0);
 }
 
+/// A settle sent without waiting is the settle script's first use on a fresh server
+/// (its earlier settles gave only leases back, with `ZREM`s), and it still lands before
+/// the caller's next admission: the backend's first admission loaded the script.
+/// Without that, the `EVALSHA` answered NOSCRIPT and was sent again after the
+/// admission, which did not see the tokens given back.
+#[tokio::test]
+async fn a_detached_settle_lands_first_on_a_fresh_server() {
+    let (_server, conn) = private_redis().await;
+    let l = RateLimiter::new(
+        RateLimitConfig::new("s1", Quota::unlimited().tokens(100).concurrency(1))
+            .hold_refresh(Duration::from_secs(60)),
+        RedisBackend::new(conn.clone()),
+    )
+    .unwrap();
+    // Settles that change no count: leases given back, no script.
+    for _ in 0..3 {
+        l.acquire(0).await.unwrap().finish(None).await.unwrap();
+    }
+    let p = l.acquire(60).await.unwrap();
+    p.finish_detached(Some(0));
+    // 60 more fit only with the 60 reserved and not used given back.
+    l.acquire(60).await.unwrap().finish(Some(60)).await.unwrap();
+    assert_eq!(l.stats().settle_failures, 0);
+}
+
 /// Waiting on Redis never polls: a wait for the window's end is one try at its end
 /// (with jitter after it), and a wait for a slot backs off, doubling from the 50 ms
 /// hint: a second's wait costs a handful of tries, not twenty. Counted in `EVALSHA`

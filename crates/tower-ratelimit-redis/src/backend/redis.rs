@@ -107,6 +107,9 @@ struct HoldBook {
     /// by every limiter of the backend with that scope (the sources of one account
     /// share the account's).
     memos: Mutex<HashMap<String, Arc<ScopeMemo>>>,
+    /// Whether an admission through this backend has loaded the settle script on the
+    /// server (see [`RedisGate::load_settle`]).
+    settle_loaded: AtomicBool,
 }
 
 impl HoldBook {
@@ -161,6 +164,7 @@ impl RedisBackend {
                 ends: Mutex::new(HashMap::new()),
                 releases: Mutex::new(HashMap::new()),
                 memos: Mutex::new(HashMap::new()),
+                settle_loaded: AtomicBool::new(false),
             }),
         }
     }
@@ -354,6 +358,13 @@ impl GateKeys {
             *c = r.load(Ordering::Acquire);
         }
         counts
+    }
+
+    /// Whether a settle of this gate may change a count (a request or token quota in
+    /// some scope: `limits` holds rpm, tpm and concurrency per scope, -1 unlimited),
+    /// and so run the settle script.
+    fn settles_counts(&self) -> bool {
+        self.limits.chunks_exact(3).any(|l| l[0] >= 0 || l[1] >= 0)
     }
 
     /// Each scope's count of refunds this process sent, account first.
@@ -776,6 +787,23 @@ impl RedisGate {
         })
     }
 
+    /// Loads the settle script on the server, once per backend, in its first admission
+    /// that may need it. A settle is sent without being waited for
+    /// ([`Permit::finish_detached`](crate::Permit::finish_detached)): the first one on a
+    /// server, answered NOSCRIPT, was loaded and sent again after whatever the caller
+    /// sent meanwhile, so the caller's next admission did not see what it gave back.
+    /// The settles that only give a lease back send no script (`ZREM`s), so a process
+    /// may settle many calls before the script's first use. A failure is left to the
+    /// admission that follows (and the script is then loaded by its first use).
+    async fn load_settle(book: &HoldBook, conn: &RedisConn, timeout: Duration) {
+        let mut conn = conn.clone();
+        let loaded: Result<String, _> =
+            run("load", timeout, SETTLE.prepare_invoke().load_async(&mut conn)).await;
+        if loaded.is_ok() {
+            book.settle_loaded.store(true, Ordering::Relaxed);
+        }
+    }
+
     /// The settle of a permit whose counts stay as they are: only its lease goes, by a
     /// `ZREM` per scope with a concurrency quota, pipelined (one round trip, and no
     /// script: the settle script's `EVALSHA` was half of this settle's commands, and
@@ -896,8 +924,12 @@ impl Gate for RedisGate {
             cache: None,
             inner: self.inner.clone(),
         };
+        let load_settle = !book.settle_loaded.load(Ordering::Relaxed) && k.settles_counts();
         BackendFuture::Pending(Box::pin(async move {
             let _asking = asking;
+            if load_settle {
+                Self::load_settle(&book, &conn, inner.timeout).await;
+            }
             let reply = Self::ask_admission(inv, conn, inner.timeout, late, tokens, lease).await?;
             match reply.as_slice() {
                 // The script's window id is `now / window_ms`: the admission's own.
