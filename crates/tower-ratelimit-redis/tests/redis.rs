@@ -832,10 +832,15 @@ async fn a_refund_of_tokens_forgets_a_token_refusal_but_not_a_request_one() {
 
 /// A refusal answered after a refund was sent but judged before it landed is
 /// forgotten when the refund lands: the refund counts when it is sent and again when it
-/// lands. A refund in the background (`refund_detached`) is sent after an admission the
+/// lands. A refund in the background (`refund_detached`) lands after an admission the
 /// caller asks at once, which Redis refuses (the request is not back yet); once the
 /// refund has landed, the next admission asks Redis and is admitted. Before, the
 /// refusal was answered here for its sub-window (1 s).
+///
+/// The refund lands late as after a restart of Redis, which forgets its scripts: the
+/// settle script is flushed (the backend's first admission had loaded it), so the
+/// refund is answered NOSCRIPT and sent again after the admission, whose script is
+/// loaded again by another backend's admission that settles no count.
 #[tokio::test]
 async fn a_refusal_judged_before_a_refund_landed_is_forgotten_when_it_lands() {
     let (_server, conn) = private_redis().await;
@@ -843,6 +848,18 @@ async fn a_refusal_judged_before_a_refund_landed_is_forgotten_when_it_lands() {
     assert_eq!(config.sub_window_len(), Duration::from_secs(1));
     let l = RateLimiter::new(config, RedisBackend::new(conn.clone())).unwrap();
     let p = l.acquire(0).await.unwrap();
+    let mut c = conn.clone();
+    let () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let slots_only = RateLimiter::new(
+        RateLimitConfig::new("s2", Quota::unlimited().concurrency(1)),
+        RedisBackend::new(conn.clone()),
+    )
+    .unwrap();
+    slots_only.acquire(0).await.unwrap().finish(None).await.unwrap();
     p.refund_detached();
     let e = l.acquire(0).await.unwrap_err();
     assert!(
