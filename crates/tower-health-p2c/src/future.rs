@@ -55,8 +55,6 @@ struct Round {
     /// The best health (of the call's class) among sources refused as paced or over
     /// quota in this round: the bar a source must be credible against.
     soon_best: f64,
-    /// The earliest `retry_after` of a `QuotaExceeded` (not of a gate's backend down).
-    quota_end: Option<Duration>,
 }
 
 impl Round {
@@ -69,7 +67,6 @@ impl Round {
             paced: None,
             held_back: false,
             soon_best: 0.0,
-            quota_end: None,
         }
     }
 
@@ -92,7 +89,6 @@ impl Round {
             // A gate's own backend down: like a full quota, asked again shortly.
             NotAdmitted::QuotaExceeded(d) => {
                 self.all_open = false;
-                self.quota_end = Some(self.quota_end.map_or(d, |q| q.min(d)));
                 keep_earliest(&mut self.quota, d, err);
             }
             NotAdmitted::Unavailable => {
@@ -107,6 +103,18 @@ impl Round {
                 self.paced.get_or_insert(err);
             }
         }
+    }
+
+    /// Whether the earliest wake-up is a quota's end: the earliest of `quota` is then a
+    /// `QuotaExceeded` (not a gate's backend down, kept there too) ending at it, and no
+    /// breaker reopens at that instant.
+    fn quota_ends_first(&self) -> bool {
+        let (Some(w), Some((d, err))) = (self.wake_after, &self.quota) else {
+            return false;
+        };
+        *d == w
+            && matches!(NotAdmitted::of(&**err), Some(NotAdmitted::QuotaExceeded(_)))
+            && self.open.as_ref().is_none_or(|(o, _)| *o != w)
     }
 
     fn earliest_open(&mut self) -> BoxError {
@@ -389,11 +397,7 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
             // when that is past the deadline (`max_wait`, or the call's own), fail now
             // instead of sleeping until it.
             let wake_at = round.wake_after.map(|d| clock::saturating_after(now, d));
-            // The earliest wake-up is a quota's end (not a gate's backend asked again),
-            // and no breaker reopens at that instant.
-            let quota_end = round.wake_after.is_some_and(|w| {
-                round.quota_end == Some(w) && round.open.as_ref().is_none_or(|(d, _)| *d != w)
-            });
+            let quota_end = round.quota_ends_first();
             let hopeless = !paced && wake_at.is_some_and(|at| at > wait.deadline);
             if now >= wait.deadline || hopeless {
                 if round.held_back {
