@@ -98,13 +98,20 @@ impl PrivateRedis {
     /// cannot run, and must say so.
     #[must_use]
     pub fn start() -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .expect("a free loopback port");
-        let mut me = Self { port, child: None };
-        me.restart();
-        me
+        // A port found free may be taken before the server binds it (by another
+        // test's server, or as a client connection's local port): the server then
+        // exits, and another server may answer on that port. So: another port.
+        for _ in 0..20 {
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .map(|a| a.port())
+                .expect("a free loopback port");
+            let mut me = Self { port, child: None };
+            if me.try_start() {
+                return me;
+            }
+        }
+        panic!("no private redis-server of this test answered on 20 ports in a row");
     }
 
     /// The server's port.
@@ -124,6 +131,16 @@ impl PrivateRedis {
     /// # Panics
     /// As [`start`](Self::start).
     pub fn restart(&mut self) {
+        assert!(
+            self.try_start(),
+            "private redis-server could not start again on port {}",
+            self.port
+        );
+    }
+
+    /// Starts the server on its port; `true` once that server, the child started
+    /// here and no other process, answers `PING` (checked by its `process_id`).
+    fn try_start(&mut self) -> bool {
         self.stop();
         let child = std::process::Command::new(redis_server_bin())
             .args([
@@ -146,10 +163,23 @@ impl PrivateRedis {
             .stdout(std::process::Stdio::null())
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start redis-server ({e}); {HOW}"));
+        let pid = child.id();
         self.child = Some(child);
         for _ in 0..500 {
+            if let Some(c) = &mut self.child
+                && c.try_wait().is_ok_and(|exited| exited.is_some())
+            {
+                // It exited: the port was not free after all.
+                self.child = None;
+                return false;
+            }
             if ping(self.port) {
-                return;
+                let ours = query(self.port, "INFO server")
+                    .is_ok_and(|info| info.lines().any(|l| l.trim() == format!("process_id:{pid}")));
+                if !ours {
+                    self.stop();
+                }
+                return ours;
             }
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
@@ -278,4 +308,27 @@ fn ping(port: u16) -> bool {
     let _ = s.set_read_timeout(Some(std::time::Duration::from_millis(200)));
     let mut buf = [0u8; 16];
     s.write_all(b"PING\r\n").is_ok() && s.read(&mut buf).is_ok_and(|n| buf[..n].starts_with(b"+PONG"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PrivateRedis;
+
+    /// A server started on a port another test's server already holds is not taken
+    /// for this test's own: it exits (the port is in use), and the server answering
+    /// there has another `process_id`. Before, `PING` from the other server passed,
+    /// and the test used a server that went away when its owner ended.
+    #[test]
+    fn a_port_already_served_is_not_taken_for_ours() {
+        let first = PrivateRedis::start();
+        let mut second = PrivateRedis {
+            port: first.port(),
+            child: None,
+        };
+        assert!(!second.try_start(), "another test's server taken for ours");
+        assert!(second.child.is_none());
+        // And `start` finds a port of its own.
+        let third = PrivateRedis::start();
+        assert_ne!(third.port(), first.port());
+    }
 }
