@@ -239,9 +239,30 @@ pub fn round_trips() -> u64 {
     ROUND_TRIPS.load(Ordering::Relaxed)
 }
 
+/// Commands this process has sent to Redis through every [`RedisConn`]: see
+/// [`commands_sent`].
+static COMMANDS_SENT: AtomicU64 = AtomicU64::new(0);
+
+/// How many commands this process has sent to Redis through any [`RedisConn`] since it
+/// started: as [`round_trips`], but a pipeline counts its commands, not once. A
+/// script's `EVALSHA` is one command here, however many commands the script runs on
+/// the server; the server's own count (`INFO commandstats`) includes those.
+///
+/// ```
+/// let before = pgw_core::redis_conn::commands_sent();
+/// // ... calls through a gateway on the Redis backend ...
+/// let sent = pgw_core::redis_conn::commands_sent() - before;
+/// # assert_eq!(sent, 0);
+/// ```
+#[must_use]
+pub fn commands_sent() -> u64 {
+    COMMANDS_SENT.load(Ordering::Relaxed)
+}
+
 impl ConnectionLike for RedisConn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         ROUND_TRIPS.fetch_add(1, Ordering::Relaxed);
+        COMMANDS_SENT.fetch_add(1, Ordering::Relaxed);
         match self {
             Self::Standalone(c) => c.req_packed_command(cmd),
             Self::Cluster(c) => c.req_packed_command(cmd),
@@ -255,6 +276,7 @@ impl ConnectionLike for RedisConn {
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
         ROUND_TRIPS.fetch_add(1, Ordering::Relaxed);
+        COMMANDS_SENT.fetch_add(pipeline.len() as u64, Ordering::Relaxed);
         match self {
             Self::Standalone(c) => c.req_packed_commands(pipeline, offset, count),
             Self::Cluster(c) => c.req_packed_commands(pipeline, offset, count),

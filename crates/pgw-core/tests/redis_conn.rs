@@ -1,10 +1,13 @@
 //! `RedisConn` against the standalone test server and the 3-node cluster: a Lua script
 //! round-trips, and `round_trips` counts what this process sends (one per command, one
-//! per pipeline, one per script call the server already knows). One test in a binary of
+//! per pipeline, one per script call the server already knows), `commands_sent` the
+//! same with a pipeline's commands counted each. One test in a binary of
 //! its own: the counter is process-wide, and nothing else may send while it counts.
 #![cfg(feature = "redis")]
 
-use pgw_core::redis_conn::{DEFAULT_RESPONSE_TIMEOUT, RedisConn, RedisTarget, round_trips, run, scope_key};
+use pgw_core::redis_conn::{
+    DEFAULT_RESPONSE_TIMEOUT, RedisConn, RedisTarget, commands_sent, round_trips, run, scope_key,
+};
 
 #[tokio::test]
 async fn scripts_run_and_each_request_is_one_round_trip_standalone_and_cluster() {
@@ -53,6 +56,7 @@ async fn counts_one_per_request(target: &RedisTarget) {
     .unwrap();
 
     let before = round_trips();
+    let sent = commands_sent();
     let _: Option<String> = run(
         "test",
         DEFAULT_RESPONSE_TIMEOUT,
@@ -61,6 +65,7 @@ async fn counts_one_per_request(target: &RedisTarget) {
     .await
     .unwrap();
     assert_eq!(round_trips() - before, 1, "a command ({target})");
+    assert_eq!(commands_sent() - sent, 1, "a command ({target})");
 
     let mut pipe = redis::pipe();
     pipe.cmd("SET")
@@ -75,6 +80,11 @@ async fn counts_one_per_request(target: &RedisTarget) {
         .await
         .unwrap();
     assert_eq!(round_trips() - before, 2, "a pipeline of two commands ({target})");
+    assert_eq!(
+        commands_sent() - sent,
+        3,
+        "a pipeline of two commands, each counted ({target})"
+    );
 
     let n: i64 = run(
         "test",
@@ -88,5 +98,10 @@ async fn counts_one_per_request(target: &RedisTarget) {
         round_trips() - before,
         3,
         "a known script, however many commands it runs"
+    );
+    assert_eq!(
+        commands_sent() - sent,
+        4,
+        "a script call is one command sent, however many it runs ({target})"
     );
 }

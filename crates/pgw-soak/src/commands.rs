@@ -9,7 +9,9 @@
 //!
 //! The round trips are counted on the other side: each worker reads
 //! [`pgw_core::redis_conn::round_trips`] (every request its gateway sent: one per
-//! command, pipeline or script call), and the run sums them.
+//! command, pipeline or script call), and the run sums them; so are the commands sent
+//! ([`pgw_core::redis_conn::commands_sent`]: a pipeline's commands each, a script call
+//! once), what the gateways ask of Redis before the scripts' own commands.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -35,6 +37,10 @@ pub struct RedisCommands {
     /// Requests the run's processes sent to Redis (round trips), when they counted them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub round_trips: Option<u64>,
+    /// Commands the run's processes sent to Redis (a pipeline's each, a script call
+    /// once), when they counted them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sent: Option<u64>,
 }
 
 impl RedisCommands {
@@ -56,6 +62,7 @@ impl RedisCommands {
             calls,
             per_command,
             round_trips: None,
+            sent: None,
         }
     }
 
@@ -107,6 +114,14 @@ impl RedisCommands {
                 self.per_call(n)
             );
         }
+        if let Some(n) = self.sent {
+            let _ = writeln!(
+                out,
+                "redis commands sent: {n} for {} calls = {:.1} per call (by the gateways: a script call once, its own commands not)",
+                self.calls,
+                self.per_call(n)
+            );
+        }
         out
     }
 
@@ -127,6 +142,15 @@ impl RedisCommands {
                 md,
                 "Round trips, counted by the gateways (`pgw_core::redis_conn::round_trips`: one \
                  per command, pipeline or script call they sent): {n}, **{:.1} per call**.\n",
+                self.per_call(n)
+            );
+        }
+        if let Some(n) = self.sent {
+            let _ = writeln!(
+                md,
+                "Commands the gateways sent (`pgw_core::redis_conn::commands_sent`: a \
+                 pipeline's commands each, a script call once, the script's own commands \
+                 not): {n}, **{:.1} per call**.\n",
                 self.per_call(n)
             );
         }
@@ -218,12 +242,21 @@ mod tests {
         );
         assert!(c.markdown().contains("| `evalsha` | 20 | 2.50 |"));
         assert!(!c.terminal().contains("round trips"), "not counted: not shown");
+        assert!(!c.terminal().contains("sent"), "not counted: not shown");
     }
 
     #[test]
     fn round_trips_are_shown_per_call_when_counted() {
         let mut c = RedisCommands::between(&Counts::new(), &parse("cmdstat_evalsha:calls=30\n"), 8);
         c.round_trips = Some(52);
+        c.sent = Some(60);
+        assert!(
+            c.terminal()
+                .contains("redis commands sent: 60 for 8 calls = 7.5 per call"),
+            "{}",
+            c.terminal()
+        );
+        assert!(c.markdown().contains("60, **7.5 per call**"), "{}", c.markdown());
         assert!(
             c.terminal()
                 .contains("redis round trips: 52 for 8 calls = 6.5 per call"),

@@ -226,6 +226,7 @@ pub fn run_redis(scenario: &Scenario, opts: &RedisOptions) -> Result<RunOutcome,
     drop(rt);
     let mut run = merge(dir, &scenario, &real)?;
     commands.round_trips = run.redis_round_trips;
+    commands.sent = run.redis_commands_sent;
     fs::write(dir.join(COMMANDS_FILE), serde_json::to_vec_pretty(&commands)?)?;
     for (name, st) in stats.sources {
         run.accounting
@@ -278,13 +279,14 @@ fn merge(dir: &Path, scenario: &Scenario, real: &RealTime) -> Result<ProfileRun,
     for q in &mut merged.quotas {
         q.window_ms = real.window_ms;
     }
+    // Summed over the workers; unknown when one did not count.
+    let sum = |a: Option<u64>, b: Option<u64>| a.zip(b).map(|(a, b)| a + b);
     merged.redis_round_trips = Some(0);
+    merged.redis_commands_sent = Some(0);
     for i in 0..real.workers {
         let w = ProfileRun::load(dir, &worker_profile(i))?;
-        merged.redis_round_trips = merged
-            .redis_round_trips
-            .zip(w.redis_round_trips)
-            .map(|(a, b)| a + b);
+        merged.redis_round_trips = sum(merged.redis_round_trips, w.redis_round_trips);
+        merged.redis_commands_sent = sum(merged.redis_commands_sent, w.redis_commands_sent);
         merged.attempts.extend(w.attempts);
         merged.calls.extend(w.calls);
         if i == 0 {
@@ -362,6 +364,7 @@ pub fn run_worker(dir: &Path, index: u32) -> Result<(), BoxError> {
         // The calls' round trips, their settles in the background included; not the
         // reading of the books below.
         let round_trips = pgw_core::redis_conn::round_trips();
+        let commands_sent = pgw_core::redis_conn::commands_sent();
         let patience = Duration::from_secs_f64(scenario.client.total_s).mul_f64(real.time_scale);
         let accounting = built
             .settled_books(patience, Duration::from_millis(100), |_| {})
@@ -391,6 +394,7 @@ pub fn run_worker(dir: &Path, index: u32) -> Result<(), BoxError> {
             sources,
             time_scale: real.time_scale,
             redis_round_trips: Some(round_trips),
+            redis_commands_sent: Some(commands_sent),
         })
     })?;
     drop(rt);
@@ -421,7 +425,7 @@ mod tests {
     }
 
     #[test]
-    fn the_merge_sums_the_workers_round_trips_and_keeps_an_uncounted_one_unknown() {
+    fn the_merge_sums_the_workers_counts_and_keeps_an_uncounted_one_unknown() {
         let dir = std::env::temp_dir().join(format!("pgw-soak-merge-{}", std::process::id()));
         fs::create_dir_all(&dir).unwrap();
         let scenario = Scenario::p6(1);
@@ -438,15 +442,20 @@ mod tests {
             let w = ProfileRun {
                 profile: worker_profile(i),
                 redis_round_trips: n,
+                redis_commands_sent: n.map(|n| n * 3),
                 ..ProfileRun::default()
             };
             w.store(&dir).unwrap();
         };
         store(0, Some(30));
         store(1, Some(12));
-        assert_eq!(merge(&dir, &scenario, &real).unwrap().redis_round_trips, Some(42));
+        let merged = merge(&dir, &scenario, &real).unwrap();
+        assert_eq!(merged.redis_round_trips, Some(42));
+        assert_eq!(merged.redis_commands_sent, Some(126));
         store(1, None);
-        assert_eq!(merge(&dir, &scenario, &real).unwrap().redis_round_trips, None);
+        let merged = merge(&dir, &scenario, &real).unwrap();
+        assert_eq!(merged.redis_round_trips, None);
+        assert_eq!(merged.redis_commands_sent, None);
         fs::remove_dir_all(&dir).unwrap();
     }
 

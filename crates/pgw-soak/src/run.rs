@@ -178,6 +178,7 @@ pub fn run_profile_virtual(
             sources,
             time_scale: 1.0,
             redis_round_trips: None,
+            redis_commands_sent: None,
         })
     })?;
     drop(rt);

@@ -364,6 +364,11 @@ pub struct ProfileRun {
     /// ([`pgw_core::redis_conn::round_trips`]): the Redis mode's; `None` elsewhere.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub redis_round_trips: Option<u64>,
+    /// Commands the profile's processes sent to Redis over the calls of the run
+    /// ([`pgw_core::redis_conn::commands_sent`]: a pipeline's commands each, a script
+    /// call once): the Redis mode's; `None` elsewhere.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub redis_commands_sent: Option<u64>,
 }
 
 const fn unscaled() -> f64 {
@@ -384,6 +389,7 @@ impl Default for ProfileRun {
             sources: Vec::new(),
             time_scale: 1.0,
             redis_round_trips: None,
+            redis_commands_sent: None,
         }
     }
 }
