@@ -16,7 +16,7 @@ use pgw_server::{Server, ServerConfig, ServerSection};
 
 #[tokio::main]
 async fn main() -> Result<(), pgw_core::BoxError> {
-    pgw_server::init_logging(pgw_server::LogFormat::Text);
+    pgw_server::init_logging(pgw_server::LogFormat::Text)?;
     let (gateway_config, _sim) = pgw_examples::gateway_config().await?;
     let listen = std::env::var("PGW_LISTEN").unwrap_or_else(|_| "127.0.0.1:8080".into());
     let config = ServerConfig {

@@ -315,6 +315,16 @@ async fn keys_do_not_share_cached_answers_unless_told() {
             "shared {shared}"
         );
         assert_eq!(upstream_requests(&h), if shared { 1 } else { 2 });
+        // Asked to bypass: neither read nor stored, and the header says so.
+        let bypass = chat(Some(CLIENT_KEY)).header("x-pgw-cache", "no");
+        let (status, headers, _) = call(h.addr, bypass, chat_body("m", false)).await;
+        assert_eq!((status.as_u16(), cache_of(&headers).as_str()), (200, "bypass"));
+        assert_eq!(upstream_requests(&h), if shared { 2 } else { 3 });
+        let unknown = chat(Some(CLIENT_KEY)).header("x-pgw-cache", "off");
+        let (status, _, body) = call(h.addr, unknown, chat_body("m", false)).await;
+        assert_eq!(status, 400, "an unknown value is not read as `yes`");
+        let v = openai_error(&body, "invalid_header");
+        assert_eq!(v["error"]["param"], "x-pgw-cache");
     }
 }
 
@@ -971,7 +981,7 @@ async fn a_request_header_bounds_the_call() {
         "{took:?}"
     );
     let before = upstream_requests(&h);
-    for bad in ["0", "-5", "soon", "1.5", "86400001"] {
+    for bad in ["0", "-5", "soon", "1.5", "86400001", "+100", "0100"] {
         let req = chat(None).header("x-pgw-timeout-ms", bad);
         let (status, _, body) = call(h.addr, req, chat_body("m", false)).await;
         assert_eq!(status, 400, "{bad}");

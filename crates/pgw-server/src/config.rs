@@ -18,7 +18,7 @@
 //! [[server.keys]]
 //! label = "team-a"
 //! sha256 = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08" # pgw hash-key
-//! models = ["gpt-4o-mini"]     # empty or absent: every model
+//! models = ["gpt-4o-mini"]     # absent: every model (an empty list is refused)
 //! rpm = 600
 //! tpm = 200000
 //! max_concurrency = 8
@@ -104,8 +104,10 @@ pub struct KeyConfig {
     pub label: String,
     /// SHA-256 of the key, 64 lowercase or uppercase hex digits.
     pub sha256: String,
-    /// The models this key may name; empty: every model.
-    #[serde(default)]
+    /// The models this key may name (with `[models]`, each one of those); absent:
+    /// every model. An empty list is refused: read
+    /// as "every model", it would grant what it seems to deny.
+    #[serde(default, deserialize_with = "listed_models")]
     pub models: Vec<String>,
     /// Requests per rate window (the gateway's `ratelimit.window_s`, default 60 s); absent or 0: unlimited.
     #[serde(default)]
@@ -117,6 +119,18 @@ pub struct KeyConfig {
     /// Requests in flight at once; absent or 0: unlimited.
     #[serde(default)]
     pub max_concurrency: Option<u64>,
+}
+
+/// A key's `models`: a list of at least one name.
+fn listed_models<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    let models = Vec::<String>::deserialize(d)?;
+    if models.is_empty() {
+        return Err(serde::de::Error::custom(
+            "an empty list would allow every model: leave `models` out for every model, \
+             or name the ones this key may use",
+        ));
+    }
+    Ok(models)
 }
 
 impl fmt::Debug for KeyConfig {
@@ -361,6 +375,22 @@ fn threads(v: Option<usize>) -> Result<usize, ConfigError> {
     }
 }
 
+impl Settings {
+    /// Why these settings would not be served, if they would not: no virtual keys on
+    /// an address that is not loopback, without `allow_unauthenticated`. `pgw serve`
+    /// refuses to start and `pgw check` fails on it, in these words.
+    #[must_use]
+    pub fn unauthenticated_exposure(&self) -> Option<String> {
+        (self.keys.is_empty() && !self.listen.ip().is_loopback() && !self.allow_unauthenticated).then(|| {
+            format!(
+                "refusing to serve {} without authentication: configure [[server.keys]] \
+                 (see `pgw hash-key`) or pass --allow-unauthenticated",
+                self.listen
+            )
+        })
+    }
+}
+
 impl ServerSection {
     /// Fills in the defaults and checks every field.
     ///
@@ -531,16 +561,27 @@ impl ServerConfig {
             Some(toml::Value::Table(t)) => t,
             Some(_) => return Err(config_error("server", "must be a table")),
         };
-        let section: ServerSection = toml::Value::Table(server).try_into().map_err(|e| {
-            let mut err = pgw_stack::config::toml_error(&e, None);
-            if err.field() != "config" {
-                err = config_error(format!("server.{}", err.field()), err.reason().to_owned());
-            }
-            err
-        })?;
-        let server = section.settings()?;
+        let named = |e: ConfigError| pgw_stack::config::name_override(e, &overrides);
+        let section: ServerSection = pgw_stack::config::from_table(server, "server")
+            .map_err(|e| named(config_error(e.field().to_owned(), e.reason().to_owned())))?;
+        let server = section.settings().map_err(named)?;
         let rest = toml::to_string(&table).map_err(|e| config_error("config", e.to_string()))?;
-        let gateway = GatewayConfig::from_toml_str(&rest)?;
+        let gateway = GatewayConfig::from_toml_str(&rest).map_err(named)?;
+        // With [models], the gateway serves those names and no other; without, any name
+        // goes to a group (and upstream as the source's model), so none can be wrong.
+        let served = crate::routes::model_names(&gateway);
+        for (i, k) in server.keys.iter().enumerate() {
+            if let Some(m) = k
+                .models
+                .iter()
+                .find(|m| !gateway.models.is_empty() && !served.contains(m))
+            {
+                return Err(named(config_error(
+                    format!("server.keys[{i}].models"),
+                    format!("the gateway serves no model {m:?} (it serves {served:?})"),
+                )));
+            }
+        }
         Ok(Self { server, gateway })
     }
 }
@@ -595,6 +636,89 @@ mod tests {
         }
         let err = ServerConfig::from_toml_str("[[sources]]\nname = \"s1\"\nbase_url = \"x\"\n").unwrap_err();
         assert_eq!(err.field(), "sources[0].key", "{err}");
+    }
+
+    /// Type errors, unknown and missing fields are named by their whole path, the entry
+    /// of a list included, and a value set by an override names its variable.
+    #[test]
+    fn errors_name_the_whole_path() {
+        let hash = "ab".repeat(32);
+        let second = "[[sources]]\nname = \"s2\"\nbase_url = \"http://127.0.0.1:1/v1\"\nkey = \"sk-y\"\n";
+        let cases = [
+            (
+                "[server]\nmax_body_bytes = \"big\"\n".to_owned(),
+                "server.max_body_bytes",
+            ),
+            (
+                "[server]\nmax_body_bytes = -1\n".to_owned(),
+                "server.max_body_bytes",
+            ),
+            (
+                "[server]\nlog_format = \"yaml\"\n".to_owned(),
+                "server.log_format",
+            ),
+            (
+                format!("[[server.keys]]\nlabel = \"a\"\nsha256 = \"{hash}\"\nrpn = 1\n"),
+                "server.keys[0].rpn",
+            ),
+            (
+                format!("[[server.keys]]\nsha256 = \"{hash}\"\n"),
+                "server.keys[0].label",
+            ),
+            (
+                format!("[[server.keys]]\nlabel = \"a\"\nsha256 = \"{hash}\"\nrpm = -1\n"),
+                "server.keys[0].rpm",
+            ),
+            (format!("{second}rmp = 5\n"), "sources[1].rmp"),
+            (format!("{second}rpm = \"five\"\n"), "sources[1].rpm"),
+            (
+                "[[sources]]\nname = \"s2\"\nbase_url = \"http://127.0.0.1:1/v1\"\nkey = 12345678\n"
+                    .to_owned(),
+                "sources[1].key",
+            ),
+            ("[retry]\nmax_atempts = 3\n".to_owned(), "retry.max_atempts"),
+            ("[cache]\nwhen = \"sometimes\"\n".to_owned(), "cache.when"),
+        ];
+        for (extra, field) in cases {
+            // The second source's fields come last, so they land in its table.
+            let text = if extra.starts_with("[[sources]]") {
+                format!("{SOURCES}{extra}")
+            } else {
+                format!("{extra}\n{SOURCES}")
+            };
+            let err = ServerConfig::from_toml_str(&text).unwrap_err();
+            assert_eq!(err.field(), field, "{extra}: {err}");
+            assert!(
+                !err.to_string().contains("12345678"),
+                "a value is never shown: {err}"
+            );
+        }
+        let key = |models: &str, more: &str| {
+            format!(
+                "[[server.keys]]\nlabel = \"a\"\nsha256 = \"{hash}\"\nmodels = {models}\n\n{SOURCES}{more}"
+            )
+        };
+        let err = ServerConfig::from_toml_str(&key("[]", "")).unwrap_err();
+        assert_eq!(err.field(), "server.keys[0].models", "{err}");
+        assert!(err.reason().contains("every model"), "{err}");
+        // With [models], a key names those; without, any name goes to a group.
+        let models = "[models.gpt-4o]\nroutes = [{ source = \"s1\" }]\n";
+        let err = ServerConfig::from_toml_str(&key("[\"gpt-4o\", \"typo-model\"]", models)).unwrap_err();
+        assert_eq!(err.field(), "server.keys[0].models", "{err}");
+        assert!(err.reason().contains("typo-model"), "{err}");
+        ServerConfig::from_toml_str(&key("[\"gpt-4o\"]", models)).unwrap();
+        ServerConfig::from_toml_str(&key("[\"typo-model\"]", "")).unwrap();
+        let env = [("PGW__SERVER__MAX_BODY_BYTES".to_owned(), "abc".to_owned())];
+        let err = ServerConfig::from_toml_str_with_env(SOURCES, env).unwrap_err();
+        assert_eq!(err.field(), "server.max_body_bytes", "{err}");
+        assert!(
+            err.reason().contains("set by PGW__SERVER__MAX_BODY_BYTES"),
+            "{err}"
+        );
+        let env = [("PGW__SOURCES__0__RPM".to_owned(), "-1".to_owned())];
+        let err = ServerConfig::from_toml_str_with_env(SOURCES, env).unwrap_err();
+        assert_eq!(err.field(), "sources[0].rpm", "{err}");
+        assert!(err.reason().contains("set by PGW__SOURCES__0__RPM"), "{err}");
     }
 
     #[test]

@@ -97,16 +97,30 @@ pub fn install_metrics() -> Option<PrometheusHandle> {
         .clone()
 }
 
-/// Sets up logging: `RUST_LOG` (default `info`), as text or one JSON object per line.
-/// Does nothing when a subscriber is already set.
-pub fn init_logging(format: LogFormat) {
+/// Sets up logging: `RUST_LOG` (default `info`), as text or one JSON object per line,
+/// to standard output; text has colours only when that is a terminal (a journal or a
+/// file gets no escape codes). Does nothing when a subscriber is already set.
+///
+/// # Errors
+/// A `RUST_LOG` that is set but not a valid filter, quoted: it used to be ignored
+/// silently, logging at `info` whatever the operator asked.
+pub fn init_logging(format: LogFormat) -> Result<(), String> {
+    use std::io::IsTerminal;
     use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(v) if !v.trim().is_empty() => {
+            EnvFilter::try_new(&v).map_err(|e| format!("RUST_LOG={v:?} is not a log filter: {e}"))?
+        }
+        _ => EnvFilter::new("info"),
+    };
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::stdout().is_terminal());
     let _ = match format {
         LogFormat::Text => builder.try_init(),
         LogFormat::Json => builder.json().try_init(),
     };
+    Ok(())
 }
 
 /// Completes on SIGTERM or SIGINT (Ctrl-C), whichever comes first.

@@ -2,12 +2,12 @@
 //!
 //! ```text
 //! pgw serve --config pgw.toml [--listen 127.0.0.1:8080] [--allow-unauthenticated] [--log-format json]
-//! pgw check --config pgw.toml
+//! pgw check --config pgw.toml [--listen 127.0.0.1:8080] [--allow-unauthenticated]
 //! pgw hash-key [KEY]            # or the key on standard input
 //! ```
 
-use std::io::Read;
-use std::path::PathBuf;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -45,11 +45,18 @@ enum Command {
         #[arg(long, value_enum)]
         log_format: Option<LogFormat>,
     },
-    /// Validate a configuration and print it with its secrets redacted.
+    /// Validate a configuration as `pgw serve` would take it and print it with its
+    /// secrets redacted; exit 2 naming the first bad field.
     Check {
-        /// The configuration file.
+        /// The configuration file (TOML; `PGW__...` variables override it).
         #[arg(long, short)]
         config: PathBuf,
+        /// Listen address, overriding `server.listen`, as `pgw serve` would take it.
+        #[arg(long)]
+        listen: Option<String>,
+        /// Check as `pgw serve --allow-unauthenticated` would start.
+        #[arg(long)]
+        allow_unauthenticated: bool,
     },
     /// Print the SHA-256 of a virtual API key, as `[[server.keys]] sha256` stores it.
     HashKey {
@@ -61,18 +68,25 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Command::Check { config } => match ServerConfig::from_file(&config) {
-            Ok(cfg) => {
-                println!("{}: ok", config.display());
-                println!("{cfg:#?}");
-                ExitCode::SUCCESS
+        Command::Check {
+            config,
+            listen,
+            allow_unauthenticated,
+        } => {
+            let cfg = match load(&config, listen, allow_unauthenticated) {
+                Ok(cfg) => cfg,
+                Err(code) => return code,
+            };
+            if let Some(why) = cfg.server.unauthenticated_exposure() {
+                eprintln!("{}: {why}", config.display());
+                eprintln!("field: server.listen");
+                return ExitCode::from(2);
             }
-            Err(e) => {
-                eprintln!("{}: {e}", config.display());
-                eprintln!("field: {}", e.field());
-                ExitCode::from(2)
-            }
-        },
+            // A reader that stops early (`| head`) is not an error of the config.
+            let mut out = std::io::stdout().lock();
+            let _ = writeln!(out, "{}: ok", config.display()).and_then(|()| writeln!(out, "{cfg:#?}"));
+            ExitCode::SUCCESS
+        }
         Command::HashKey { key } => {
             let key = match key {
                 Some(k) => k,
@@ -98,24 +112,14 @@ fn main() -> ExitCode {
             allow_unauthenticated,
             log_format,
         } => {
-            let mut cfg = match ServerConfig::from_file(&config) {
-                Ok(c) => c,
-                Err(e) => {
-                    eprintln!("{}: {e}", config.display());
-                    return ExitCode::from(2);
-                }
+            let cfg = match load(&config, listen, allow_unauthenticated) {
+                Ok(cfg) => cfg,
+                Err(code) => return code,
             };
-            if let Some(l) = listen {
-                match l.parse() {
-                    Ok(addr) => cfg.server.listen = addr,
-                    Err(e) => {
-                        eprintln!("--listen {l:?}: {e}");
-                        return ExitCode::from(2);
-                    }
-                }
+            if let Err(e) = pgw_server::init_logging(log_format.unwrap_or(cfg.server.log_format)) {
+                eprintln!("pgw serve: {e}");
+                return ExitCode::from(2);
             }
-            cfg.server.allow_unauthenticated |= allow_unauthenticated;
-            pgw_server::init_logging(log_format.unwrap_or(cfg.server.log_format));
             // The first event loop; `Server::run` starts the other `server.threads - 1`.
             let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
                 Ok(r) => r,
@@ -127,7 +131,7 @@ fn main() -> ExitCode {
             match runtime.block_on(serve(cfg)) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
-                    tracing::error!(error = %e, "pgw serve failed");
+                    // Once, on standard error (the logs go to standard output).
                     eprintln!("pgw serve: {e}");
                     ExitCode::FAILURE
                 }
@@ -136,7 +140,31 @@ fn main() -> ExitCode {
     }
 }
 
+/// The configuration `pgw serve` and `pgw check` take: the file, its `PGW__...`
+/// overrides, then the command line's. On an error, printed naming the field, the exit
+/// code (2).
+fn load(path: &Path, listen: Option<String>, allow_unauthenticated: bool) -> Result<ServerConfig, ExitCode> {
+    if let Err(e) = std::fs::metadata(path) {
+        eprintln!("--config {}: cannot read it: {e}", path.display());
+        return Err(ExitCode::from(2));
+    }
+    let mut cfg = ServerConfig::from_file(path).map_err(|e| {
+        eprintln!("{}: {e}", path.display());
+        eprintln!("field: {}", e.field());
+        ExitCode::from(2)
+    })?;
+    if let Some(l) = listen {
+        cfg.server.listen = l.parse().map_err(|e| {
+            eprintln!("--listen {l:?}: {e}");
+            ExitCode::from(2)
+        })?;
+    }
+    cfg.server.allow_unauthenticated |= allow_unauthenticated;
+    Ok(cfg)
+}
+
 async fn serve(cfg: ServerConfig) -> Result<(), pgw_core::BoxError> {
+    tracing::info!(version = env!("CARGO_PKG_VERSION"), listen = %cfg.server.listen, "pgw starting");
     let metrics = pgw_server::install_metrics();
     let gateway = pgw_stack::Gateway::builder(cfg.gateway.clone())
         .transport(per_thread_transport)

@@ -150,10 +150,14 @@ fn call_timeout(headers: &HeaderMap) -> Result<Option<Duration>, ApiError> {
     let Some(v) = headers.get(TIMEOUT_HEADER) else {
         return Ok(None);
     };
+    // Digits only, no sign and no leading zero: `+100` and `0100` are not how a
+    // number of milliseconds is written, and `u64::from_str` took both.
     let ms = v
         .to_str()
         .ok()
-        .and_then(|s| s.trim().parse::<u64>().ok())
+        .map(str::trim)
+        .filter(|s| s.bytes().all(|b| b.is_ascii_digit()) && !s.starts_with('0'))
+        .and_then(|s| s.parse::<u64>().ok())
         .filter(|ms| (1..=MAX_TIMEOUT_MS).contains(ms));
     match ms {
         Some(ms) => Ok(Some(Duration::from_millis(ms))),
@@ -168,17 +172,28 @@ fn call_timeout(headers: &HeaderMap) -> Result<Option<Duration>, ApiError> {
     }
 }
 
-/// Whether the request asks to bypass the cache (neither read nor stored).
-fn skips_cache(headers: &HeaderMap) -> bool {
-    headers
-        .get(CACHE_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| {
-            matches!(
-                v.trim().to_ascii_lowercase().as_str(),
-                "no" | "bypass" | "no-store"
-            )
-        })
+/// Whether the request asks to bypass the cache (neither read nor stored):
+/// [`CACHE_HEADER`] `no`, `bypass` or `no-store`; `yes` or no header uses it. Any other
+/// value is a 400 naming the header: an `off` read as "use the cache" would serve what
+/// the caller asked not to be served.
+fn skips_cache(headers: &HeaderMap) -> Result<bool, ApiError> {
+    let Some(v) = headers.get(CACHE_HEADER) else {
+        return Ok(false);
+    };
+    match v.to_str().map(|v| v.trim().to_ascii_lowercase()).as_deref() {
+        Ok("no" | "bypass" | "no-store") => Ok(true),
+        Ok("yes") => Ok(false),
+        _ => {
+            let mut e = ApiError::invalid_request(
+                "invalid_header",
+                format!(
+                    "{CACHE_HEADER} must be `no` (or `bypass`, `no-store`) to bypass the cache, or `yes`"
+                ),
+            );
+            e.param = Some(CACHE_HEADER.to_owned());
+            Err(e)
+        }
+    }
 }
 
 /// The model names `/v1/models` lists: with `[models]`, the public names (what a caller
@@ -458,6 +473,10 @@ async fn chat(State(state): State<Arc<AppState>>, request: Request) -> Response 
         Ok(t) => t.and_then(|t| tokio::time::Instant::now().checked_add(t)),
         Err(e) => return e.into_response(),
     };
+    let no_cache = match skips_cache(headers) {
+        Ok(skip) => skip,
+        Err(e) => return e.into_response(),
+    };
     // Taken before the body is read, and held until the answer is complete (for a
     // stream: its last event), so streams count as in flight (tower's concurrency
     // limit would free the slot at the headers) and the bodies held in memory at once
@@ -521,7 +540,7 @@ async fn chat(State(state): State<Arc<AppState>>, request: Request) -> Response 
             .extensions_mut()
             .insert(pgw_stack::retry::CallDeadline(at));
     }
-    if skips_cache(headers) {
+    if no_cache {
         chat_call.extensions_mut().insert(pgw_stack::NoCache);
     }
     if let Some(t) = &tenant
@@ -559,7 +578,11 @@ async fn chat(State(state): State<Arc<AppState>>, request: Request) -> Response 
             let h = response.headers_mut();
             h.insert(
                 CACHE_HEADER,
-                HeaderValue::from_static(if answer.cache_hit { "hit" } else { "miss" }),
+                HeaderValue::from_static(match (answer.cache_hit, no_cache) {
+                    (true, _) => "hit",
+                    (false, true) => "bypass",
+                    (false, false) => "miss",
+                }),
             );
             if let Ok(g) = HeaderValue::from_str(&answer.group) {
                 h.insert("x-pgw-group", g);
@@ -668,10 +691,15 @@ mod tests {
         let with = |v: &'static str| {
             let mut h = HeaderMap::new();
             h.insert(CACHE_HEADER, HeaderValue::from_static(v));
-            skips_cache(&h)
+            skips_cache(&h).map_err(|e| e.param)
         };
-        assert!(with("no") && with(" Bypass ") && with("no-store"));
-        assert!(!with("yes") && !skips_cache(&HeaderMap::new()));
+        assert!(with("no").unwrap() && with(" Bypass ").unwrap() && with("no-store").unwrap());
+        assert!(!with("yes").unwrap() && !skips_cache(&HeaderMap::new()).unwrap());
+        assert_eq!(
+            with("off"),
+            Err(Some(CACHE_HEADER.to_owned())),
+            "not read as `yes`"
+        );
     }
 
     #[test]

@@ -78,18 +78,15 @@ impl Server {
         metrics: Option<PrometheusHandle>,
     ) -> Result<Self, BoxError> {
         let settings = config.server.clone();
-        if settings.keys.is_empty() && !settings.listen.ip().is_loopback() && !settings.allow_unauthenticated
-        {
-            return Err(Box::new(StartError(format!(
-                "refusing to serve {} without authentication: configure [[server.keys]] \
-                 (see `pgw hash-key`) or pass --allow-unauthenticated",
-                settings.listen
-            ))));
+        if let Some(why) = settings.unauthenticated_exposure() {
+            return Err(Box::new(StartError(why)));
         }
         let keys = KeyRing::new(&settings.keys, &config.gateway).await?;
         let state = AppState::new(gateway, &config.gateway, &settings, keys, metrics);
         let router = routes::router(state.clone(), settings.max_body_bytes);
-        let listener = TcpListener::bind(settings.listen).await?;
+        let listener = TcpListener::bind(settings.listen)
+            .await
+            .map_err(|e| StartError(format!("cannot listen on {}: {e}", settings.listen)))?;
         Ok(Self {
             listener,
             router,

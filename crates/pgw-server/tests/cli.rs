@@ -65,7 +65,23 @@ fn check_names_the_bad_field_and_fails() {
             GOOD.replace("key = \"sk-secret-upstream-key-123\"", "rpm = -1\nkey = \"k\""),
             "sources[0].rpm",
         ),
-        (GOOD.replace("[[sources]]", "[[sources]]\nbogus = 1"), "bogus"),
+        (
+            GOOD.replace("[[sources]]", "[[sources]]\nbogus = 1"),
+            "sources[0].bogus",
+        ),
+        (
+            GOOD.replace("[server]", "[server]\nmax_body_bytes = \"big\""),
+            "server.max_body_bytes",
+        ),
+        // What only the layers used to check, when `serve` built them.
+        (
+            format!("{GOOD}\n[breaker]\ncooldown_s = -3\n"),
+            "breaker.cooldown_s",
+        ),
+        (
+            format!("{GOOD}\n[aimd]\ndecrease_factor = 5\n"),
+            "aimd.decrease_factor",
+        ),
     ] {
         let path = file("bad", &bad);
         let out = pgw(&["check", "--config", path.to_str().unwrap()]);
@@ -76,6 +92,103 @@ fn check_names_the_bad_field_and_fails() {
     }
     let out = pgw(&["check", "--config", "/nonexistent/pgw.toml"]);
     assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("--config /nonexistent/pgw.toml: cannot read it"),
+        "{stderr}"
+    );
+}
+
+fn without_keys(listen: &str) -> String {
+    GOOD.replace("listen = \"127.0.0.1:8080\"", &format!("listen = \"{listen}\""))
+        .replace(
+            "[[server.keys]]\nlabel = \"team-a\"\nsha256 = \"9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08\"\n",
+            "",
+        )
+}
+
+#[test]
+fn check_refuses_what_serve_refuses_a_public_address_without_keys() {
+    let path = file("check-public", &without_keys("0.0.0.0:8080"));
+    let out = pgw(&["check", "--config", path.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("field: server.listen"), "{stderr}");
+    assert!(stderr.contains("--allow-unauthenticated"), "{stderr}");
+    let out = pgw(&[
+        "check",
+        "--config",
+        path.to_str().unwrap(),
+        "--allow-unauthenticated",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // The same flag as serve's: a loopback config checked for a public address.
+    let path = file("check-loopback", &without_keys("127.0.0.1:8080"));
+    let out = pgw(&[
+        "check",
+        "--config",
+        path.to_str().unwrap(),
+        "--listen",
+        "0.0.0.0:9",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+}
+
+#[test]
+fn check_into_a_closed_pipe_does_not_panic() {
+    let path = file("pipe", GOOD);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_pgw"))
+        .args(["check", "--config", path.to_str().unwrap()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take()); // `| head -0`
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+#[test]
+fn serve_names_a_bad_log_filter_and_the_address_it_cannot_listen_on() {
+    // 192.0.2.1 (TEST-NET-1) is no address of this machine: binding it fails at once.
+    let path = file("unbindable", &without_keys("192.0.2.1:9"));
+    let serve = |rust_log: &str| {
+        Command::new(env!("CARGO_BIN_EXE_pgw"))
+            .args([
+                "serve",
+                "--allow-unauthenticated",
+                "--config",
+                path.to_str().unwrap(),
+            ])
+            .env("RUST_LOG", rust_log)
+            .env_remove("PGW__SERVER__LISTEN")
+            .output()
+            .unwrap()
+    };
+    let out = serve("not a valid=filter[");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("RUST_LOG=\"not a valid=filter[\" is not a log filter"),
+        "{stderr}"
+    );
+    let out = serve("info");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("cannot listen on 192.0.2.1:9"), "{stderr}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        format!("{stdout}{stderr}").matches("cannot listen").count(),
+        1,
+        "said once: {stdout}{stderr}"
+    );
+    assert!(stdout.contains("pgw starting"), "{stdout}");
+    assert!(
+        !stdout.contains('\u{1b}'),
+        "no colour codes off a terminal: {stdout:?}"
+    );
 }
 
 #[test]

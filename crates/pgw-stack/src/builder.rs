@@ -29,7 +29,7 @@ use crate::config::{
 use crate::gateway::{Gateway, Group, Inner, SourceHandles, call_shape};
 use crate::route::{Plan, Pushback, QuotaHold, RouteHold, RouteHolds, RouteSpec};
 use crate::settings::{
-    aimd_config, balance_config, breaker_config, quota_hold, rate_limit_config, retry_config,
+    aimd_config, aimd_error, balance_config, breaker_config, quota_hold, rate_limit_config, retry_config,
 };
 use crate::source::{HealthViews, SourceBreaker, SourceLayer, SourceService, hold_layer, limit_layer};
 use crate::telemetry::{JsonlSink, PriceTable, Telemetry, TelemetrySink, TracingSink};
@@ -386,7 +386,7 @@ impl Wiring<'_> {
             )
         };
         let mut aimd = AimdLayer::new(aimd_config(cfg, max_conc))
-            .map_err(|e| config_error(format!("aimd ({at})"), e.to_string()))?
+            .map_err(|e| aimd_error(&at, &e))?
             .with_source(route.id.clone());
         for (i, signal) in wake.iter().enumerate() {
             aimd = if i == 0 {

@@ -327,7 +327,14 @@ impl SourceConfig {
     /// A [`ConfigError`] naming the field: missing key, bad timeout.
     pub fn settings(&self, at: &str) -> Result<SourceSettings, ConfigError> {
         let key = match (&self.key, &self.key_env) {
-            (Some(k), _) if !k.is_empty() => k.clone(),
+            (Some(_), Some(var)) => {
+                // Which would win is a guess the reader of the file should not make.
+                return Err(config_error(
+                    format!("{at}.key_env"),
+                    format!("`key` is set too: set one of `key` and `key_env` ({var}), not both"),
+                ));
+            }
+            (Some(k), None) if !k.is_empty() => k.clone(),
             (_, Some(var)) => match std::env::var(var) {
                 Ok(v) if !v.is_empty() => SecretKey::new(v),
                 _ => {
@@ -866,16 +873,14 @@ impl GatewayConfig {
         let mut overrides: Vec<(String, String)> =
             vars.into_iter().filter(|(k, _)| k.starts_with("PGW__")).collect();
         overrides.sort();
-        for (k, v) in overrides {
-            apply_override(&mut table, &k, &v)?;
+        for (k, v) in &overrides {
+            apply_override(&mut table, k, v)?;
         }
-        Self::from_table(table)
+        Self::from_table(table).map_err(|e| name_override(e, &overrides))
     }
 
     fn from_table(table: toml::Table) -> Result<Self, ConfigError> {
-        let cfg: Self = toml::Value::Table(table)
-            .try_into()
-            .map_err(|e| toml_error(&e, None))?;
+        let cfg: Self = from_table(table, "")?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -1030,7 +1035,10 @@ impl GatewayConfig {
                 ));
             }
         }
-        Ok(())
+        // What each layer is given, checked by the layer's own rules, so a config this
+        // passes is one `Gateway::builder(..).build()` takes (but for Redis and the
+        // telemetry file, which only a start can try).
+        crate::settings::check_layers(self)
     }
 
     fn validate_models(&self) -> Result<(), ConfigError> {
@@ -1155,6 +1163,93 @@ pub fn toml_error(e: &toml::de::Error, text: Option<&str>) -> ConfigError {
         })
         .unwrap_or_else(|| "config".to_owned());
     config_error(field, msg.trim().replace('\n', " "))
+}
+
+/// Reads `table` (a parsed file, `PGW__...` overrides applied) as `T`, naming the
+/// field of an error by its whole path under `prefix`: `sources[1].rpm` for a value of
+/// the wrong type, `sources[0].rmp` for an unknown field, `server.keys[0].label` for a
+/// missing one (with `prefix = "server"`). toml's own error names the innermost key at
+/// most, so a list of sources or keys left the entry to guess.
+///
+/// ```
+/// let text = "[[sources]]\nname = \"a\"\nbase_url = \"http://127.0.0.1:1/v1\"\n\
+///             [[sources]]\nname = \"b\"\nrmp = 5\n";
+/// let table: toml::Table = toml::from_str(text).unwrap();
+/// let err = pgw_stack::config::from_table::<pgw_stack::GatewayConfig>(table, "").unwrap_err();
+/// assert_eq!(err.field(), "sources[1].rmp");
+/// ```
+///
+/// # Errors
+/// A [`ConfigError`] naming the field's path, its value hidden (it may be a secret).
+pub fn from_table<T: serde::de::DeserializeOwned>(
+    table: toml::Table,
+    prefix: &str,
+) -> Result<T, ConfigError> {
+    serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| {
+        let path = e.path().to_string();
+        let named = toml_error(e.inner(), None);
+        let mut field: Vec<&str> = Vec::new();
+        if !prefix.is_empty() {
+            field.push(prefix);
+        }
+        if path != "." {
+            field.push(&path);
+        }
+        // An unknown or missing field's name is in the message, under the path of its
+        // table; for any other error the path ends at the field itself.
+        let inner = named.field();
+        if inner != "config" && path != inner && !path.ends_with(&format!(".{inner}")) {
+            field.push(named.field());
+        }
+        let field = if field.is_empty() {
+            "config".to_owned()
+        } else {
+            field.join(".")
+        };
+        config_error(field, named.reason().to_owned())
+    })
+}
+
+/// The field an override `PGW__A__0__B` sets, as errors name it: `a[0].b`.
+fn override_field(var: &str) -> Option<String> {
+    let rest = var.strip_prefix("PGW__")?;
+    let mut out = String::new();
+    for seg in rest.split("__") {
+        if !seg.is_empty() && seg.bytes().all(|b| b.is_ascii_digit()) {
+            out.push_str(&format!("[{seg}]"));
+        } else {
+            if !out.is_empty() {
+                out.push('.');
+            }
+            out.push_str(&seg.to_ascii_lowercase());
+        }
+    }
+    Some(out)
+}
+
+/// `err` with the variable that set its field, when an override did: a bad value
+/// given as `PGW__SERVER__MAX_BODY_BYTES=abc` is not in the file the user reads.
+///
+/// ```
+/// let text = "[[sources]]\nname = \"a\"\nbase_url = \"http://127.0.0.1:1/v1\"\nkey = \"sk-x\"\n";
+/// let env = [("PGW__SOURCES__0__RPM".to_string(), "lots".to_string())];
+/// let err = pgw_stack::GatewayConfig::from_toml_str_with_env(text, env).unwrap_err();
+/// assert_eq!(err.field(), "sources[0].rpm");
+/// assert!(err.reason().contains("set by PGW__SOURCES__0__RPM"), "{err}");
+/// ```
+#[must_use]
+pub fn name_override(err: ConfigError, overrides: &[(String, String)]) -> ConfigError {
+    let Some((var, _)) = overrides
+        .iter()
+        .find(|(k, _)| override_field(k).is_some_and(|f| f == err.field()))
+    else {
+        return err;
+    };
+    ConfigError::new(
+        err.component(),
+        err.field().to_owned(),
+        format!("{} (set by {var})", err.reason()),
+    )
 }
 
 /// serde's "invalid type: integer `8231945712345`, expected a string" without the

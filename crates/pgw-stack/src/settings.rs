@@ -53,6 +53,36 @@ pub(crate) fn retry_config(cfg: &GatewayConfig) -> Result<RetryConfig, ConfigErr
     Ok(c)
 }
 
+/// Every layer's configuration as the builder derives it, checked by the layer's own
+/// rules: the retry loop, the balancer, and per source its timeouts, breaker, quota
+/// hold, AIMD limit and rate limits. Errors name the gateway's field.
+pub(crate) fn check_layers(cfg: &GatewayConfig) -> Result<(), ConfigError> {
+    retry_config(cfg)?;
+    balance_config(cfg)?;
+    for (i, sc) in cfg.sources.iter().enumerate() {
+        let at = format!("sources[{i}]");
+        let settings = sc.settings(&at)?;
+        let max_conc = quota(&format!("{at}.max_concurrency"), sc.max_concurrency)?;
+        let breaker = breaker_config(cfg, max_conc, settings.timeouts.total)?;
+        quota_hold(cfg, &breaker)?;
+        aimd_config(cfg, max_conc)
+            .validate()
+            .map_err(|e| aimd_error(&at, &e))?;
+        rate_limit_config(cfg, sc, &at, crate::config::DEFAULT_KEY_PREFIX)?;
+    }
+    Ok(())
+}
+
+/// An error of tower-aimd's configuration of the source `at`, naming the gateway's
+/// field: `aimd.FIELD`, or the source's `max_concurrency` (the AIMD ceiling).
+pub(crate) fn aimd_error(at: &str, e: &ConfigError) -> ConfigError {
+    let field = match e.field() {
+        "max_concurrency" => format!("{at}.max_concurrency"),
+        f => format!("aimd.{f}"),
+    };
+    config_error(field, e.reason().to_owned())
+}
+
 /// A field of tower-retry-pushback's `RetryConfig` as this crate's config names it.
 fn retry_field(field: &str) -> String {
     match field {
@@ -292,7 +322,8 @@ mod tests {
         assert_eq!(choices("choices = 5").unwrap(), 5);
         // Text reads as a flag's value does.
         assert_eq!(choices("choices = \"3\"").unwrap(), 3);
-        let one = choices("choices = 1").unwrap_err();
+        // Refused when the config is read (so `pgw check` refuses it too).
+        let one = with("choices = 1").unwrap_err();
         assert_eq!(one.field(), "balance.choices", "{one}");
         assert!(one.to_string().contains("at least 2"), "{one}");
         for bad in ["choices = -3", "choices = \"most\"", "choices = 2.5"] {

@@ -16,7 +16,7 @@ fn err_of(text: &str) -> ConfigError {
 #[test]
 fn unknown_field_is_named() {
     let e = err_of(&format!("{GOOD}rpmm = 5\n"));
-    assert_eq!(e.field(), "rpmm", "{e}");
+    assert_eq!(e.field(), "sources[0].rpmm", "{e}");
     let e = err_of("colour = 1\n");
     assert_eq!(e.field(), "colour");
     let e = err_of(&format!("{GOOD}[retry]\nattempts = 2\n"));
@@ -32,6 +32,10 @@ fn missing_key_is_named() {
     );
     assert_eq!(e.field(), "sources[0].key_env");
     assert!(e.to_string().contains("PGW_TEST_SURELY_UNSET_VAR"));
+    let e = err_of(&format!("{GOOD}key_env = \"PATH\"\n"));
+    assert_eq!(e.field(), "sources[0].key_env", "{e}");
+    assert!(e.to_string().contains("not both"), "{e}");
+    assert!(!e.to_string().contains("sk-config-test"), "{e}");
 }
 
 #[test]
@@ -63,6 +67,33 @@ fn other_bad_values_are_named() {
     let e = err_of(&format!("{GOOD}key_header = \"api key\"\n"));
     assert_eq!(e.field(), "sources[0].key_header", "{e}");
     GatewayConfig::from_toml_str(&format!("{GOOD}key_header = \"api-key\"\n")).unwrap();
+}
+
+/// What a layer refuses at build time is refused by the config's own check, so `pgw
+/// check` passes nothing `pgw serve` then refuses to start with.
+#[test]
+fn layer_rules_are_checked_by_the_config() {
+    let cases = [
+        ("[breaker]\ncooldown_s = -3\n", "breaker.cooldown_s"),
+        ("[breaker]\ncooldown_s = nan\n", "breaker.cooldown_s"),
+        ("[breaker]\nfail_rate = 7\n", "breaker.fail_rate"),
+        ("[breaker]\nfail_threshold = 0\n", "breaker.fail_threshold"),
+        ("[breaker]\nwindow_s = -1\n", "breaker.window_s"),
+        ("[breaker]\nmax_cooldown_s = -1\n", "breaker.max_cooldown_s"),
+        ("[breaker]\nprobe_ttl_s = -1\n", "breaker.probe_ttl_s"),
+        ("[retry]\nmax_attempts = 0\n", "retry.max_attempts"),
+        (
+            "[retry]\nbase_backoff_s = 2\nmax_backoff_s = 1\n",
+            "retry.max_backoff_s",
+        ),
+        ("[balance]\nchoices = 0\n", "balance.choices"),
+        ("[aimd]\ndecrease_factor = 5\n", "aimd.decrease_factor"),
+        ("[aimd]\ninitial_limit = -1\n", "aimd.initial_limit"),
+    ];
+    for (section, field) in cases {
+        let e = err_of(&format!("{GOOD}{section}"));
+        assert_eq!(e.field(), field, "{section}: {e}");
+    }
 }
 
 #[test]

@@ -105,7 +105,7 @@ fn budget_and_throttle_errors_name_the_field() {
         ("[retry.budget]\nttl_s = 0.5", "retry.budget.ttl_s"),
         ("[retry.throttle]\nk = 0.5", "retry.throttle.k"),
         ("[retry.throttle]\nwindow_s = 1e9", "retry.throttle.window_s"),
-        ("[retry.throttle]\nkk = 2", "kk"),
+        ("[retry.throttle]\nkk = 2", "retry.throttle.kk"),
     ] {
         let err = config_error_of(&format!("{base}{extra}"));
         assert_eq!(err.field(), field, "{extra}: {err}");
