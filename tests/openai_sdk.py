@@ -22,6 +22,12 @@ def main():
     out = {"sdk_version": openai.__version__}
 
     out["models"] = [m.id for m in client.models.list()]
+    out["retrieved"] = client.models.retrieve(model).id
+    try:
+        client.models.retrieve("no-such-model")
+        out["missing"] = "found"
+    except openai.NotFoundError as e:
+        out["missing"] = e.code
 
     answer = client.chat.completions.create(
         model=model,

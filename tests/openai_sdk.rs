@@ -118,6 +118,8 @@ async fn the_official_openai_sdk_lists_completes_streams_and_is_refused_a_strang
     eprintln!("openai SDK {}", report["sdk_version"]);
 
     assert_eq!(report["models"], serde_json::json!(["default"]), "{report}");
+    assert_eq!(report["retrieved"], "default", "{report}");
+    assert_eq!(report["missing"], "model_not_found", "{report}");
     assert_eq!(report["json_content"], json_ref.as_str(), "{report}");
     assert_eq!(report["json_finish_reason"], "stop", "{report}");
     assert_eq!(

@@ -517,19 +517,31 @@ async fn a_connection_flood_past_the_cap_gets_503_while_calls_in_flight_finish()
     while upstream_requests(&h) < 2 {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    // Liveness and the metrics still answer past the cap (the metrics were 503: a
+    // flood was when the operator could not see it).
+    let shed = || async {
+        let (status, _, text) = call(h.addr, request("GET", "/metrics"), Bytes::new()).await;
+        assert_eq!(status, 200);
+        let text = String::from_utf8_lossy(&text).into_owned();
+        metric(&text, "pgw_server_shed_total", &[("reason", "connections")])
+    };
+    let before = shed().await;
     for _ in 0..5 {
         let (status, headers, body) = call(h.addr, chat(None), chat_body("m", false)).await;
         assert_eq!(status, 503);
         assert_eq!(headers["retry-after"], "2");
         openai_error(&body, "overloaded");
     }
-    // Liveness and the metrics still answer past the cap (the metrics were 503: a
-    // flood was when the operator could not see it).
-    let (status, _, _) = call(h.addr, request("GET", "/healthz"), Bytes::new()).await;
-    assert_eq!(status, 200);
-    let (status, _, text) = call(h.addr, request("GET", "/metrics"), Bytes::new()).await;
-    assert_eq!(status, 200);
-    assert!(String::from_utf8_lossy(&text).contains("pgw_server_shed_total"));
+    let refused = shed().await;
+    assert!(refused - before >= 5.0, "{before} -> {refused}");
+    for _ in 0..20 {
+        let (status, _, _) = call(h.addr, request("GET", "/healthz"), Bytes::new()).await;
+        assert_eq!(status, 200);
+    }
+    // Probes served past the cap are not refusals (each counted one, before). The
+    // counter is the process's: other tests of this binary may add a few meanwhile.
+    let probed = shed().await;
+    assert!(probed - refused < 20.0, "{refused} -> {probed}");
     for c in in_flight {
         let (status, ev) = c.await.unwrap();
         assert_eq!(status, 200);
@@ -747,7 +759,7 @@ fn assert_prometheus_text(text: &str) {
 // nothing here asserts on time.
 #[tokio::test]
 async fn metrics_parse_as_prometheus_text_and_move_when_calls_run() {
-    let keys = key_toml("metrics-tenant", CLIENT_KEY, "");
+    let keys = key_toml("metrics-tenant", CLIENT_KEY, "models = [\"m\"]\n");
     let h = start(&keys, vec![fast("s1")]).await;
     let scrape = || async {
         let (status, headers, body) = call(h.addr, request("GET", "/metrics"), Bytes::new()).await;
@@ -768,9 +780,19 @@ async fn metrics_parse_as_prometheus_text_and_move_when_calls_run() {
         let (status, _, _) = call(h.addr, chat(Some(CLIENT_KEY)), chat_body("m", stream)).await;
         assert_eq!(status, 200);
     }
+    // A model the key may not use is a call refused, and counted (it was not).
+    let (status, _, _) = call(
+        h.addr,
+        chat(Some(CLIENT_KEY)),
+        chat_body("not-for-this-key", false),
+    )
+    .await;
+    assert_eq!(status, 404);
     let after = scrape().await;
     assert_prometheus_text(&after);
     assert_eq!(metric(&after, "pgw_server_calls_total", &calls), 2.0, "{after}");
+    let refused = [("tenant", "metrics-tenant"), ("status", "404")];
+    assert_eq!(metric(&after, "pgw_server_calls_total", &refused), 1.0, "{after}");
     assert!(
         metric(
             &after,

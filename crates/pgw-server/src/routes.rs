@@ -228,6 +228,7 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
     let api = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
         .layer(
             ServiceBuilder::new()
                 .layer(RequestBodyLimitLayer::new(max_body_bytes))
@@ -500,20 +501,6 @@ async fn chat(State(state): State<Arc<AppState>>, request: Request) -> Response 
         Ok(r) => r,
         Err(r) => return rejection(&r).into_response(),
     };
-    if let Some(t) = &tenant
-        && !t.may_use(&request.model)
-    {
-        return ApiError::new(
-            StatusCode::NOT_FOUND,
-            "invalid_request_error",
-            "model_not_found",
-            format!(
-                "the model `{}` does not exist or this key may not use it",
-                request.model
-            ),
-        )
-        .into_response();
-    }
     let mut call = CallMetrics {
         recorded: false,
         tenant: tenant
@@ -523,6 +510,23 @@ async fn chat(State(state): State<Arc<AppState>>, request: Request) -> Response 
         started: Instant::now(),
         handles: Arc::clone(&state.handles),
     };
+    if let Some(t) = &tenant
+        && !t.may_use(&request.model)
+    {
+        // Counted as the gateway's own `model_not_found` is (it was not).
+        let mut err = ApiError::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "model_not_found",
+            format!(
+                "the model `{}` does not exist or this key may not use it",
+                request.model
+            ),
+        );
+        err.param = Some("model".to_owned());
+        call.finish(Some(&err));
+        return err.into_response();
+    }
     let permit = match &tenant {
         Some(t) => match t.admit(&request).await {
             Ok(p) => p,
@@ -608,25 +612,55 @@ async fn chat(State(state): State<Arc<AppState>>, request: Request) -> Response 
 }
 
 async fn models(State(state): State<Arc<AppState>>, request: Request) -> Response {
+    match visible_models(&state, request).await {
+        Ok(names) => {
+            let data: Vec<serde_json::Value> = names.iter().map(|id| model_object(id)).collect();
+            Json(serde_json::json!({"object": "list", "data": data})).into_response()
+        }
+        Err(refused) => refused,
+    }
+}
+
+/// `GET /v1/models/{id}` (the SDKs' `models.retrieve`): the model's object when the
+/// caller may see it, else 404 `model_not_found`, as a chat call naming it would get.
+async fn model(
+    State(state): State<Arc<AppState>>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+    request: Request,
+) -> Response {
+    match visible_models(&state, request).await {
+        Ok(names) if names.contains(&id) => Json(model_object(&id)).into_response(),
+        Ok(_) => {
+            let mut e = ApiError::new(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                "model_not_found",
+                format!("the model `{id}` does not exist or this key may not use it"),
+            );
+            e.param = Some("model".to_owned());
+            e.into_response()
+        }
+        Err(refused) => refused,
+    }
+}
+
+/// One model in the OpenAI list's shape.
+fn model_object(id: &str) -> serde_json::Value {
+    serde_json::json!({"id": id, "object": "model", "created": 0, "owned_by": "pgw"})
+}
+
+/// The models the caller may see: its key's, else every model the gateway lists; or
+/// the refusal (authentication, the body's limits).
+async fn visible_models(state: &AppState, request: Request) -> Result<Vec<String>, Response> {
     let (parts, body) = request.into_parts();
-    let tenant = match authenticate(&state, &parts.headers) {
-        Ok(t) => t,
-        Err(e) => return e.into_response(),
-    };
+    let tenant = authenticate(state, &parts.headers).map_err(IntoResponse::into_response)?;
     // Read and thrown away frame by frame: this route holds no in-flight slot, so it
     // keeps none of a body (a body is read at all so the connection stays reusable).
-    if let Err(refused) = body_read(&state, drain(body)).await {
-        return refused;
-    }
-    let names: Vec<&String> = match &tenant {
-        Some(t) if !t.models().is_empty() => t.models().iter().collect(),
-        _ => state.models.iter().collect(),
-    };
-    let data: Vec<serde_json::Value> = names
-        .into_iter()
-        .map(|id| serde_json::json!({"id": id, "object": "model", "created": 0, "owned_by": "pgw"}))
-        .collect();
-    Json(serde_json::json!({"object": "list", "data": data})).into_response()
+    body_read(state, drain(body)).await?;
+    Ok(match &tenant {
+        Some(t) if !t.models().is_empty() => t.models().to_vec(),
+        _ => state.models.to_vec(),
+    })
 }
 
 async fn healthz() -> Response {

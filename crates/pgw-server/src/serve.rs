@@ -405,8 +405,12 @@ fn accept(
         });
         return;
     }
-    metrics::counter!("pgw_server_shed_total", "reason" => "connections").increment(1);
+    // Counted per refusal: a request answered 503 on a connection past the cap, or a
+    // connection closed unanswered; a probe of /healthz or /metrics served past the cap
+    // is not one.
+    let shed = || metrics::counter!("pgw_server_shed_total", "reason" => "connections").increment(1);
     let Ok(slot) = Arc::clone(&ctx.refusing).try_acquire_owned() else {
+        shed();
         return; // dropping the stream closes it
     };
     let overloaded = ctx.overloaded.clone();
@@ -430,6 +434,7 @@ fn accept(
                 }
             })
         } else {
+            shed();
             Box::pin(std::future::ready(overloaded.clone().into_response()))
         };
         async move { Ok::<_, Infallible>(response.await) }
