@@ -12,6 +12,64 @@ use support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+/// A body that is not a chat request is a 400 in the client's terms: the field in
+/// `param`, the syntax error's line and column, no framework or Rust type names.
+#[tokio::test(start_paused = true)]
+async fn a_bad_body_is_named_in_the_clients_terms() {
+    let h = start("", vec![fast("s1")]).await;
+    let msgs = r#""messages":[{"role":"user","content":"hi"}]"#;
+    let cases = [
+        ("[1]".to_owned(), "invalid_request", None),
+        (
+            format!(r#"{{"model":"m",{msgs},"stream":"yes"}}"#),
+            "invalid_request",
+            Some("stream"),
+        ),
+        (
+            format!(r#"{{"model":"m",{msgs},"max_tokens":-5}}"#),
+            "invalid_request",
+            Some("max_tokens"),
+        ),
+        (
+            r#"{"model":"m","messages":"hi"}"#.to_owned(),
+            "invalid_request",
+            Some("messages"),
+        ),
+        (r#"{"model":"m"}"#.to_owned(), "invalid_request", Some("messages")),
+        (
+            r#"{"model":"m","messages":[{"content":"hi"}]}"#.to_owned(),
+            "invalid_request",
+            Some("messages[0].role"),
+        ),
+        ("{not json".to_owned(), "invalid_json", None),
+        (
+            format!(r#"{{"model":"m",{msgs}}} trailing"#),
+            "invalid_json",
+            None,
+        ),
+    ];
+    for (body, code, param) in cases {
+        for content_type in ["application/json", "application/json; charset=utf-8"] {
+            let req = request("POST", "/v1/chat/completions").header("content-type", content_type);
+            let (status, _, bytes) = call(h.addr, req, Bytes::from(body.clone())).await;
+            assert_eq!(status, 400, "{body}");
+            let v = openai_error(&bytes, code);
+            assert_eq!(
+                v["error"]["param"].as_str(),
+                param,
+                "{body} ({content_type}): {v}"
+            );
+            let message = v["error"]["message"].as_str().unwrap();
+            for internal in ["ChatRequest", "Failed to deserialize", "struct "] {
+                assert!(!message.contains(internal), "{body}: {message}");
+            }
+            if code == "invalid_json" {
+                assert!(message.contains("line 1 column"), "{message}");
+            }
+        }
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn every_framework_error_is_openai_json() {
     let h = start("max_body_bytes = 1024\n", vec![fast("s1")]).await;

@@ -442,21 +442,95 @@ impl Drop for CallMetrics {
 /// when that fails, or the content type is another one, does `Json` read it, for its
 /// rejection (its path-tracking deserializer names the field at fault, and costs
 /// about a third more on every request).
-async fn chat_request(headers: &HeaderMap, body: Bytes) -> Result<ChatRequest, JsonRejection> {
+async fn chat_request(headers: &HeaderMap, body: Bytes) -> Result<ChatRequest, ApiError> {
     let content_type = headers.get(header::CONTENT_TYPE);
-    if content_type.is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"application/json"))
-        && let Ok(request) = serde_json::from_slice(&body)
-    {
-        return Ok(request);
+    if content_type.is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"application/json")) {
+        return parse_chat(&body);
     }
     // `Json` looks at the content type and the body only.
-    let mut request = Request::new(Body::from(body));
+    let mut request = Request::new(Body::from(body.clone()));
     if let Some(v) = content_type {
         request.headers_mut().insert(header::CONTENT_TYPE, v.clone());
     }
-    Json::<ChatRequest>::from_request(request, &())
-        .await
-        .map(|Json(r)| r)
+    match Json::<ChatRequest>::from_request(request, &()).await {
+        Ok(Json(r)) => Ok(r),
+        // A JSON content type axum takes (`application/json; charset=utf-8`, `+json`)
+        // whose body it refused: this crate's own words, as for `application/json`.
+        Err(r)
+            if matches!(
+                r.status(),
+                StatusCode::BAD_REQUEST | StatusCode::UNPROCESSABLE_ENTITY
+            ) =>
+        {
+            parse_chat(&body)
+        }
+        Err(r) => Err(rejection(&r)),
+    }
+}
+
+/// A chat request from a JSON body, or the 400 a client can act on: `invalid_json`
+/// with the line and column of the syntax error, or `invalid_request` naming the
+/// field in `param` (`max_tokens`, `messages[0].content`), never serde's own type
+/// names ("expected struct ChatRequest").
+fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
+    let syntax = |e: &serde_json::Error| {
+        ApiError::invalid_request(
+            "invalid_json",
+            format!(
+                "the body is not valid JSON (line {} column {}): {}",
+                e.line(),
+                e.column(),
+                json_reason(e)
+            ),
+        )
+    };
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let request = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        let at = format!("line {} column {}", inner.line(), inner.column());
+        if inner.is_syntax() || inner.is_eof() {
+            return syntax(&inner);
+        }
+        // A missing field is named by its message, under the path of its object.
+        let missing = json_reason(&inner)
+            .strip_prefix("missing field `")
+            .and_then(|rest| rest.split_once('`'))
+            .map(|(name, _)| name.to_owned());
+        let path = match (missing, path.as_str()) {
+            (Some(name), ".") => name,
+            (Some(name), _) => format!("{path}.{name}"),
+            (None, _) => path,
+        };
+        let mut err = if path == "." {
+            ApiError::invalid_request(
+                "invalid_request",
+                format!(
+                    "the body must be a chat completion request, a JSON object ({at}): {}",
+                    json_reason(&inner)
+                ),
+            )
+        } else {
+            ApiError::invalid_request("invalid_request", format!("`{path}`: {}", json_reason(&inner)))
+        };
+        err.param = (path != ".").then_some(path);
+        err
+    })?;
+    de.end().map_err(|e| syntax(&e))?;
+    Ok(request)
+}
+
+/// serde_json's message without its position (said apart) and without the Rust type
+/// names it may carry (`expected struct ChatRequest` says nothing to a client).
+fn json_reason(e: &serde_json::Error) -> String {
+    let text = e.to_string();
+    let text = text
+        .rsplit_once(" at line ")
+        .map_or(text.as_str(), |(head, _)| head);
+    match text.split_once(", expected struct ") {
+        Some((head, _)) => format!("{head}, expected an object"),
+        None => text.to_owned(),
+    }
 }
 
 async fn chat(State(state): State<Arc<AppState>>, request: Request) -> Response {
@@ -499,7 +573,7 @@ async fn chat(State(state): State<Arc<AppState>>, request: Request) -> Response 
     };
     let request = match chat_request(headers, body).await {
         Ok(r) => r,
-        Err(r) => return rejection(&r).into_response(),
+        Err(e) => return e.into_response(),
     };
     let mut call = CallMetrics {
         recorded: false,
