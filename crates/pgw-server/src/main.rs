@@ -82,9 +82,20 @@ fn main() -> ExitCode {
                 eprintln!("field: server.listen");
                 return ExitCode::from(2);
             }
+            let effective = match cfg.gateway.effective() {
+                Ok(text) => text,
+                Err(e) => {
+                    eprintln!("{}: {e}", config.display());
+                    eprintln!("field: {}", e.field());
+                    return ExitCode::from(2);
+                }
+            };
             // A reader that stops early (`| head`) is not an error of the config.
             let mut out = std::io::stdout().lock();
-            let _ = writeln!(out, "{}: ok", config.display()).and_then(|()| writeln!(out, "{cfg:#?}"));
+            let _ = writeln!(out, "{}: ok", config.display())
+                .and_then(|()| writeln!(out, "# server, defaults filled in\n{:#?}", cfg.server))
+                .and_then(|()| writeln!(out, "# gateway, as read\n{:#?}", cfg.gateway))
+                .and_then(|()| writeln!(out, "# what each layer is given, defaults filled in\n{effective}"));
             ExitCode::SUCCESS
         }
         Command::HashKey { key } => {

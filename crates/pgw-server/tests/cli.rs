@@ -46,6 +46,9 @@ fn check_prints_the_effective_config_without_secrets() {
         "defaults are filled in: {stdout}"
     );
     assert!(stdout.contains("team-a"), "{stdout}");
+    // The gateway's defaults too, not `None`: the retry loop's, a source's timeouts.
+    assert!(stdout.contains("max_attempts: 3"), "{stdout}");
+    assert!(stdout.contains("first_token"), "{stdout}");
     assert!(!stdout.contains("sk-secret-upstream-key-123"), "{stdout}");
     assert!(!stdout.contains("9f86d081884c7d659a2feaa0c55ad015"), "{stdout}");
 }

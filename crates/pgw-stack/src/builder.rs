@@ -119,8 +119,8 @@ impl GatewayBuilder {
     /// Validates the configuration, connects the backend and composes the stack.
     ///
     /// # Errors
-    /// A [`ConfigError`] naming the field (an unreachable Redis names `redis_url`
-    /// and the address); a layer's configuration error.
+    /// A [`ConfigError`] naming the field; [`pgw_core::BackendUnavailable`] naming the
+    /// address when Redis does not answer; a layer's configuration error.
     pub async fn build(self) -> Result<Gateway, BoxError> {
         let cfg = self.config;
         cfg.validate()?;
@@ -262,8 +262,10 @@ fn telemetry(cfg: &GatewayConfig, mut sinks: Vec<Arc<dyn TelemetrySink>>) -> Res
     })
 }
 
-/// The Redis connection, when the backend is Redis.
-async fn connect(cfg: &GatewayConfig) -> Result<Option<RedisConn>, ConfigError> {
+/// The Redis connection, when the backend is Redis. A bad URL is a [`ConfigError`];
+/// a Redis that does not answer is [`pgw_core::BackendUnavailable`] naming the address
+/// (the config is fine: it was read as "invalid gateway config").
+async fn connect(cfg: &GatewayConfig) -> Result<Option<RedisConn>, BoxError> {
     if cfg.backend != BackendKind::Redis {
         return Ok(None);
     }
@@ -272,7 +274,11 @@ async fn connect(cfg: &GatewayConfig) -> Result<Option<RedisConn>, ConfigError> 
         RedisTarget::parse(url).map_err(|e| config_error("redis_url", crate::config::redact_in(&e, url)))?;
     let conn = RedisConn::connect(&target).await.map_err(|e| {
         let e = crate::config::redact_in(&e.to_string(), url);
-        config_error("redis_url", format!("cannot connect to {target}: {e}"))
+        pgw_core::BackendUnavailable::new(
+            "redis",
+            "connect",
+            format!("no answer from {target} (redis_url): {e}"),
+        )
     })?;
     Ok(Some(conn))
 }

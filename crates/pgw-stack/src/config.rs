@@ -1122,6 +1122,26 @@ impl GatewayConfig {
         Ok(())
     }
 
+    /// What each layer is given, every default filled in, as text (secrets redacted):
+    /// the retry loop, the balancer, the cache, then per source its client settings,
+    /// breaker, AIMD limit and rate limits. The config's own fields leave a default as
+    /// `None`; this says what it is.
+    ///
+    /// ```
+    /// let cfg = pgw_stack::GatewayConfig::from_toml_str(
+    ///     "[[sources]]\nname = \"s1\"\nbase_url = \"http://127.0.0.1:1/v1\"\nkey = \"sk-secret\"\n",
+    /// ).unwrap();
+    /// let text = cfg.effective().unwrap();
+    /// assert!(text.contains("max_attempts: 3"), "{text}");
+    /// assert!(!text.contains("sk-secret"));
+    /// ```
+    ///
+    /// # Errors
+    /// As [`validate`](Self::validate).
+    pub fn effective(&self) -> Result<String, ConfigError> {
+        crate::settings::effective(self)
+    }
+
     /// The fallback order: `fallback` if set, else groups in order of first appearance.
     #[must_use]
     pub fn group_order(&self) -> Vec<String> {

@@ -73,6 +73,49 @@ pub(crate) fn check_layers(cfg: &GatewayConfig) -> Result<(), ConfigError> {
     Ok(())
 }
 
+/// What each layer is given, every default filled in, as text: the retry loop, the
+/// balancer, the cache, then per source its client settings (timeouts; key redacted),
+/// breaker, AIMD limit and rate limits. `pgw check` prints it: the sections of the
+/// file leave a default as `None`.
+pub(crate) fn effective(cfg: &GatewayConfig) -> Result<String, ConfigError> {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let prefix = cfg
+        .key_prefix
+        .clone()
+        .unwrap_or_else(|| crate::config::DEFAULT_KEY_PREFIX.to_owned());
+    let _ = writeln!(out, "backend: {:?}, key_prefix: {prefix:?}", cfg.backend);
+    let _ = writeln!(out, "retry: {:#?}", retry_config(cfg)?);
+    let _ = writeln!(out, "balance: {:#?}", balance_config(cfg)?);
+    let ttl = secs("cache.ttl_s", cfg.cache.ttl_s)?
+        .unwrap_or_else(|| Duration::from_secs_f64(crate::config::DEFAULT_CACHE_TTL_S));
+    let _ = writeln!(
+        out,
+        "cache: enabled {}, when {:?}, ttl {ttl:?}, closed view of the breaker {:?}",
+        cfg.cache.enabled,
+        cfg.cache.when,
+        secs_or_off("breaker.closed_view_s", cfg.breaker.closed_view_s)?
+            .unwrap_or(tower_breaker_window::DEFAULT_CLOSED_VIEW),
+    );
+    for (i, sc) in cfg.sources.iter().enumerate() {
+        let at = format!("sources[{i}]");
+        let settings = sc.settings(&at)?;
+        let max_conc = quota(&format!("{at}.max_concurrency"), sc.max_concurrency)?;
+        let breaker = breaker_config(cfg, max_conc, settings.timeouts.total)?;
+        let _ = writeln!(out, "{at} ({}):", sc.name);
+        let _ = writeln!(out, "  client: {settings:#?}");
+        let _ = writeln!(out, "  quota hold: {:?}", quota_hold(cfg, &breaker)?);
+        let _ = writeln!(out, "  breaker: {breaker:#?}");
+        let _ = writeln!(out, "  aimd: {:#?}", aimd_config(cfg, max_conc));
+        let _ = writeln!(
+            out,
+            "  rate limit: {:#?}",
+            rate_limit_config(cfg, sc, &at, &prefix)?
+        );
+    }
+    Ok(out)
+}
+
 /// An error of tower-aimd's configuration of the source `at`, naming the gateway's
 /// field: `aimd.FIELD`, or the source's `max_concurrency` (the AIMD ceiling).
 pub(crate) fn aimd_error(at: &str, e: &ConfigError) -> ConfigError {
