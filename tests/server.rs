@@ -714,10 +714,13 @@ async fn shutdown_cuts_what_is_left_after_the_grace_period() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     h.stopped().await.unwrap();
-    // The stream was cut, not completed: no [DONE].
-    if let Ok(body) = stream.await.unwrap() {
-        assert!(!events(&body).iter().any(|e| e == "[DONE]"));
-    }
+    // The stream was cut, not completed: no [DONE], and an error event saying why (the
+    // connection was closed without one, which a client reads as a network fault).
+    let body = stream.await.unwrap().expect("the body ended, not the connection");
+    let ev = events(&body);
+    assert!(!ev.iter().any(|e| e == "[DONE]"), "{ev:?}");
+    let last: serde_json::Value = serde_json::from_str(ev.last().unwrap()).unwrap();
+    assert_eq!(last["error"]["code"], "shutting_down", "{ev:?}");
 }
 
 /// The names of this process's threads (Linux; empty elsewhere).

@@ -46,6 +46,9 @@ pub struct AppState {
     pub(crate) in_flight: Arc<Semaphore>,
     pub(crate) metrics: Option<PrometheusHandle>,
     pub(crate) draining: Arc<AtomicBool>,
+    /// Set when a shutdown's grace period is over: each stream still running ends
+    /// with an error event (the connections are closed right after).
+    pub(crate) grace_over: Arc<tokio::sync::watch::Sender<bool>>,
     pub(crate) redis_backend: bool,
     pub(crate) handles: Arc<CallHandles>,
 }
@@ -98,6 +101,7 @@ impl AppState {
             in_flight: Arc::new(Semaphore::new(settings.max_in_flight)),
             metrics,
             draining: Arc::new(AtomicBool::new(false)),
+            grace_over: Arc::new(tokio::sync::watch::Sender::new(false)),
             redis_backend: config.backend == BackendKind::Redis,
             handles: Arc::default(),
         }

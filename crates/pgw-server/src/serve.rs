@@ -126,7 +126,7 @@ impl Server {
             state,
             settings,
         } = self;
-        let shared = Arc::new(Shared::new(router, &settings));
+        let shared = Arc::new(Shared::new(router, &settings, Arc::clone(&state.grace_over)));
         tracing::info!(listen = %listener.local_addr()?, threads = settings.threads, "serving");
         // Dropping `stop` (this future was dropped, or a loop failed to start) stops the
         // loops as sending it does.
@@ -183,12 +183,14 @@ struct Shared {
     refusing: Arc<Semaphore>,
     overloaded: ApiError,
     grace: Duration,
+    /// Told when the grace period is over (see `AppState::grace_over`).
+    grace_over: Arc<watch::Sender<bool>>,
     /// See [`crate::config::Settings::write_timeout`].
     write_timeout: Duration,
 }
 
 impl Shared {
-    fn new(router: Router, settings: &Settings) -> Self {
+    fn new(router: Router, settings: &Settings, grace_over: Arc<watch::Sender<bool>>) -> Self {
         let mut http = http1::Builder::new();
         http.timer(TokioTimer::new())
             .header_read_timeout(settings.header_read_timeout)
@@ -211,6 +213,7 @@ impl Shared {
             )
             .retry_after(Some(settings.shed_retry_after)),
             grace: settings.shutdown_grace,
+            grace_over,
             write_timeout: settings.write_timeout,
         }
     }
@@ -320,8 +323,12 @@ async fn spawn_loop(
 /// second per loop costs far less.
 const TIMER_HEARTBEAT: Duration = Duration::from_secs(1);
 
+/// How long streams cut at the end of the grace period have to send their error event
+/// before their connections are closed.
+const CUT_FLUSH: Duration = Duration::from_secs(1);
+
 /// Accepts and serves connections until `stop` completes, then drains them for up to
-/// the grace period and closes what is left.
+/// the grace period, tells the streams still running to end, and closes what is left.
 async fn event_loop(shared: &Shared, listener: TcpListener, stop: impl Future<Output = ()>) {
     let graceful = GracefulShutdown::new();
     let mut tasks = JoinSet::new();
@@ -349,15 +356,19 @@ async fn event_loop(shared: &Shared, listener: TcpListener, stop: impl Future<Ou
         }
     }
     drop(listener);
-    if tokio::time::timeout(shared.grace, graceful.shutdown())
-        .await
-        .is_err()
-    {
-        tracing::warn!(
-            connections = tasks.len(),
-            "grace period over: closing what is left"
-        );
-        tasks.abort_all();
+    let drained = graceful.shutdown();
+    tokio::pin!(drained);
+    if tokio::time::timeout(shared.grace, &mut drained).await.is_err() {
+        // Streams still running end with an error event, so a client does not take a
+        // cut answer for a network fault; what has not ended soon after is closed.
+        shared.grace_over.send_replace(true);
+        if tokio::time::timeout(CUT_FLUSH, &mut drained).await.is_err() {
+            tracing::warn!(
+                connections = tasks.len(),
+                "grace period over: closing what is left"
+            );
+            tasks.abort_all();
+        }
     }
     while tasks.join_next().await.is_some() {}
 }

@@ -55,6 +55,8 @@ struct Call {
     /// How the stream ended (`Some(None)`: its end, `Some(Some(e))`: its error), when
     /// that was seen right after chunks that go out first.
     ended: Option<Option<BoxError>>,
+    /// The server's shutdown grace period is over (`AppState::grace_over`).
+    grace_over: tokio::sync::watch::Receiver<bool>,
     _slot: OwnedSemaphorePermit,
 }
 
@@ -102,18 +104,37 @@ fn chunk_event(chunk: &ChatChunk, out: &mut Vec<u8>) {
 impl Call {
     /// The call failed: one error event, then the end.
     async fn fail(&mut self, e: &BoxError) -> Bytes {
-        // A stream that went out was served: charged as a call that ran, whatever cut
-        // it (the call's deadline says it asked no provider of its own).
-        let served = matches!(self.phase, Phase::Streaming(_));
-        self.phase = Phase::Done;
         let err = ApiError::from_gateway(e, self.expose_sources);
         tracing::warn!(tenant = %self.metrics.tenant, status = err.status.as_u16(), code = ?err.code, error = %e, "streamed call failed");
-        self.metrics.finish(Some(&err));
+        self.end_with(&err, Some(e)).await
+    }
+
+    /// The server's grace period is over: the stream ends with an error event saying
+    /// so (503, `Retry-After` 1 s: another replica can take it).
+    async fn cut(&mut self) -> Bytes {
+        let err = ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            "shutting_down",
+            "the server is shutting down and its grace period is over: the answer was cut",
+        )
+        .retry_after(Some(Duration::from_secs(1)));
+        tracing::warn!(tenant = %self.metrics.tenant, "streamed call cut at the end of the shutdown grace period");
+        self.end_with(&err, None).await
+    }
+
+    /// The error event of `err`, the call's metrics and its tenant's permit settled:
+    /// a stream that went out was served (charged as a call that ran, whatever cut it:
+    /// the call's deadline says it asked no provider of its own); one that did not is
+    /// given back when `cause` says it was not attempted.
+    async fn end_with(&mut self, err: &ApiError, cause: Option<&BoxError>) -> Bytes {
+        let served = matches!(self.phase, Phase::Streaming(_));
+        self.phase = Phase::Done;
+        self.metrics.finish(Some(err));
         if let Some(p) = self.permit.take() {
-            if served {
-                p.finish(self.usage.as_ref().map(|u| u.total_tokens)).await;
-            } else {
-                p.failed(e).await;
+            match cause {
+                Some(e) if !served => p.failed(e).await,
+                _ => p.finish(self.usage.as_ref().map(|u| u.total_tokens)).await,
             }
         }
         event(&err.body())
@@ -207,6 +228,7 @@ impl Call {
                 Phase::Opening(opening) => {
                     tokio::select! {
                         biased;
+                        () = grace_over(&mut self.grace_over) => return Some(self.cut().await),
                         opened = opening => match opened {
                             Ok(chunks) => self.phase = Phase::Streaming(chunks),
                             Err(e) => return Some(self.fail(&e).await),
@@ -217,6 +239,7 @@ impl Call {
                 Phase::Streaming(chunks) => {
                     tokio::select! {
                         biased;
+                        () = grace_over(&mut self.grace_over) => return Some(self.cut().await),
                         item = chunks.next() => match item {
                             Some(Ok(chunk)) => {
                                 // Noted, not a timer reset per event (see `quiet`).
@@ -247,6 +270,14 @@ impl Call {
                 }
             }
         }
+    }
+}
+
+/// Completes when the server's shutdown grace period is over; never, should the
+/// server's state be gone (nothing can end the grace period then).
+async fn grace_over(rx: &mut tokio::sync::watch::Receiver<bool>) {
+    if rx.wait_for(|over| *over).await.is_err() {
+        std::future::pending::<()>().await;
     }
 }
 
@@ -302,6 +333,7 @@ pub(crate) async fn respond(
         expose_sources: state.expose_sources,
         metrics,
         ended: None,
+        grace_over: state.grace_over.subscribe(),
         _slot: slot,
     };
     // Boxed: `unfold` moves its state into each step's future and back out, and a
