@@ -66,6 +66,22 @@ impl RedisCommands {
         }
     }
 
+    /// The commands a stored Redis-mode run made (`redis-commands.json` in `dir`), or
+    /// `None` for a run without the file (the memory mode's).
+    ///
+    /// # Errors
+    /// The file is there but cannot be read or parsed, naming it.
+    pub fn load(dir: &std::path::Path) -> Result<Option<Self>, BoxError> {
+        let path = dir.join(crate::realtime::COMMANDS_FILE);
+        match std::fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice(&bytes)
+                .map(Some)
+                .map_err(|e| format!("{}: {e}", path.display()).into()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(format!("{}: {e}", path.display()).into()),
+        }
+    }
+
     /// Every command of the run.
     #[must_use]
     pub fn total(&self) -> u64 {
@@ -197,25 +213,87 @@ pub fn parse(info: &str) -> Counts {
 /// # Errors
 /// A bad URL, or a node that cannot be reached or read (named, password hidden).
 pub async fn read(url: &str) -> Result<Counts, BoxError> {
-    let nodes = match RedisTarget::parse(url)? {
-        RedisTarget::Standalone(u) => vec![u],
-        RedisTarget::Cluster(n) => n,
-    };
     let mut sum = Counts::new();
-    for node in nodes {
-        let named = |e: redis::RedisError| format!("INFO commandstats of {}: {e}", redact_url(&node));
-        let client = redis::Client::open(node.as_str()).map_err(named)?;
-        let mut conn = client.get_multiplexed_async_connection().await.map_err(named)?;
+    for (node, mut conn) in connect_nodes(url).await? {
         let info: String = redis::cmd("INFO")
             .arg("commandstats")
             .query_async(&mut conn)
             .await
-            .map_err(named)?;
+            .map_err(|e| format!("INFO commandstats of {node}: {e}"))?;
         for (k, n) in parse(&info) {
             *sum.entry(k).or_default() += n;
         }
     }
     Ok(sum)
+}
+
+/// A connection to every node of `url` (one for a standalone server), each with the
+/// node's address, password hidden.
+async fn connect_nodes(url: &str) -> Result<Vec<(String, redis::aio::MultiplexedConnection)>, BoxError> {
+    let nodes = match RedisTarget::parse(url)? {
+        RedisTarget::Standalone(u) => vec![u],
+        RedisTarget::Cluster(n) => n,
+    };
+    let mut out = Vec::with_capacity(nodes.len());
+    for node in nodes {
+        let shown = redact_url(&node);
+        let named = |e: redis::RedisError| format!("{shown}: {e}");
+        let client = redis::Client::open(node.as_str()).map_err(named)?;
+        let conn = client.get_multiplexed_async_connection().await.map_err(named)?;
+        out.push((shown, conn));
+    }
+    Ok(out)
+}
+
+/// The keys under `prefix` on every node of `url`; with `delete`, each unlinked as it
+/// is found. The run's own keys: a Redis-mode run starts only where there are none
+/// (another run's cache and breakers would be its state), and removes its own at the
+/// end (the cache's lived for hours).
+///
+/// # Errors
+/// A node that cannot be reached or scanned, named.
+pub async fn keys_under(url: &str, prefix: &str, delete: bool) -> Result<u64, BoxError> {
+    let mut pattern = String::with_capacity(prefix.len() + 1);
+    for c in prefix.chars() {
+        if "*?[]\\".contains(c) {
+            pattern.push('\\');
+        }
+        pattern.push(c);
+    }
+    pattern.push('*');
+    let mut found = 0;
+    for (node, mut conn) in connect_nodes(url).await? {
+        let named = |e: redis::RedisError| format!("SCAN of {node}: {e}");
+        let mut cursor = 0u64;
+        loop {
+            let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(&pattern)
+                .arg("COUNT")
+                .arg(1000)
+                .query_async(&mut conn)
+                .await
+                .map_err(named)?;
+            found += keys.len() as u64;
+            if delete {
+                // One key a command: a cluster node holds many slots.
+                for key in keys {
+                    let () = redis::cmd("UNLINK")
+                        .arg(&key)
+                        .query_async::<i64>(&mut conn)
+                        .await
+                        .map(|_| ())
+                        .map_err(named)?;
+                }
+            }
+            if next == 0 {
+                break;
+            }
+            cursor = next;
+        }
+    }
+    Ok(found)
 }
 
 #[cfg(test)]

@@ -48,8 +48,16 @@ struct Args {
     /// `soak-runs/matrix-<unix time>`).
     #[arg(long)]
     out: Option<PathBuf>,
-    /// Re-judge a stored run directory without traffic, rewriting its report.
-    #[arg(long, value_name = "RUN")]
+    /// Re-judge a stored run directory without traffic, rewriting its report (the
+    /// run's own scenario and profiles: no other flag applies).
+    #[arg(
+        long,
+        value_name = "RUN",
+        conflicts_with_all = [
+            "profiles", "seed", "calls", "workers", "concurrency", "scenario", "out",
+            "backend", "time_scale", "redis_url", "key_prefix", "balance_choices",
+        ]
+    )]
     rescore: Option<PathBuf>,
     /// State backend: `memory` (virtual time, one process) or `redis` (real time,
     /// `--workers` processes sharing one Redis, the simulator over HTTP on loopback;
@@ -94,6 +102,9 @@ fn real_main(args: &Args) -> Result<ExitCode, Box<dyn std::error::Error + Send +
     if let Some(dir) = &args.rescore {
         let scores = rescore(dir)?;
         print!("{}", report::terminal(&scores));
+        if let Some(c) = pgw_soak::commands::RedisCommands::load(dir)? {
+            print!("{}", c.terminal());
+        }
         println!("report: {}", dir.join("report.md").display());
         return Ok(verdict(&scores));
     }
@@ -106,10 +117,24 @@ fn real_main(args: &Args) -> Result<ExitCode, Box<dyn std::error::Error + Send +
         "memory" if args.time_scale.is_some() => {
             return Err("--time-scale: only with --backend redis (memory runs in virtual time)".into());
         }
+        "memory" if args.redis_url.is_some() || args.key_prefix.is_some() => {
+            return Err(
+                "--redis-url, --key-prefix: only with --backend redis (memory keeps no state in Redis)"
+                    .into(),
+            );
+        }
         "memory" => false,
         "redis" => true,
         other => return Err(format!("--backend: expected memory or redis, got {other:?}").into()),
     };
+    if let Some(p) = &args.profiles
+        && let Some(dup) = p
+            .iter()
+            .enumerate()
+            .find_map(|(i, k)| p[..i].contains(k).then_some(k))
+    {
+        return Err(format!("--profiles: {} is listed twice", dup.as_str()).into());
+    }
     if args.matrix {
         if redis {
             return Err("--matrix: runs in virtual time only (no --backend redis)".into());
@@ -140,6 +165,11 @@ fn real_main(args: &Args) -> Result<ExitCode, Box<dyn std::error::Error + Send +
         println!("{p}: skipped ({why})");
     }
     println!("report: {}", dir.join("report.md").display());
+    // pgw asked for and not run fails the run: a CI gate must not pass on nothing.
+    if outcome.skipped.iter().any(|(p, _)| *p == ProfileKind::Pgw) {
+        eprintln!("pgw-soak: the pgw profile could not run");
+        return Ok(ExitCode::FAILURE);
+    }
     Ok(verdict(&outcome.scores))
 }
 
@@ -163,14 +193,22 @@ fn apply_flags(args: &Args, scenario: &mut Scenario) {
     }
 }
 
-/// `--out`, or `soak-runs/<stem>-<unix time>`.
+/// `--out`, or `soak-runs/<stem>-<unix time>` (`-2`, `-3`, ... after it when a run of
+/// the same second has it: two runs wrote into one directory).
 fn run_dir(args: &Args, stem: &str) -> PathBuf {
     args.out.clone().unwrap_or_else(|| {
         // The directory name only; no duration is measured with the wall clock here.
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
-        PathBuf::from("soak-runs").join(format!("{stem}-{now}"))
+        let base = PathBuf::from("soak-runs").join(format!("{stem}-{now}"));
+        if !base.exists() {
+            return base;
+        }
+        (2..)
+            .map(|n| base.with_file_name(format!("{stem}-{now}-{n}")))
+            .find(|p| !p.exists())
+            .unwrap_or(base)
     })
 }
 

@@ -157,13 +157,35 @@ pub fn run_redis(scenario: &Scenario, opts: &RedisOptions) -> Result<RunOutcome,
     let mut scenario = scenario.clone();
     scenario.pool.time_scale = opts.time_scale;
     scenario.validate()?;
-    let dir = &opts.dir;
-    fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    fs::write(dir.join("scenario.json"), serde_json::to_vec_pretty(&scenario)?)?;
+    if opts.key_prefix.is_empty() {
+        return Err(
+            "--key-prefix: must not be empty (the run's keys would sit at the top of the database)".into(),
+        );
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
         .build()?;
+    // Before anything is written: an unreachable Redis left a directory that
+    // `--rescore` could not read.
+    let taken = rt
+        .block_on(crate::commands::keys_under(
+            &opts.redis_url,
+            &opts.key_prefix,
+            false,
+        ))
+        .map_err(|e| format!("--redis-url: {e}"))?;
+    if taken > 0 {
+        return Err(format!(
+            "--key-prefix {:?}: {taken} keys are there already (another run's cache and breakers \
+             would be this run's state): choose another prefix, or delete them",
+            opts.key_prefix
+        )
+        .into());
+    }
+    let dir = &opts.dir;
+    fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    fs::write(dir.join("scenario.json"), serde_json::to_vec_pretty(&scenario)?)?;
     let wall = std::time::Instant::now();
     let pool = pgw_sim::SimPool::new(scenario.pool.clone(), scenario.seed)?;
     let (sim_addr, server) = rt.block_on(pgw_sim::http::serve(
@@ -217,6 +239,19 @@ pub fn run_redis(scenario: &Scenario, opts: &RedisOptions) -> Result<RunOutcome,
     let settle = SETTLE.mul_f64(opts.time_scale).max(MIN_SETTLE);
     rt.block_on(async { tokio::time::sleep(settle).await });
     let after = rt.block_on(crate::commands::read(&opts.redis_url))?;
+    // The run's keys, now that the server's counts are read (the cache's would live
+    // for hours).
+    match rt.block_on(crate::commands::keys_under(
+        &opts.redis_url,
+        &opts.key_prefix,
+        true,
+    )) {
+        Ok(_) => {}
+        Err(e) => eprintln!(
+            "pgw-soak: the run's keys under {:?} were not removed: {e}",
+            opts.key_prefix
+        ),
+    }
     let mut commands = RedisCommands::between(&before, &after, scenario.calls);
     // Stored now, so a merge that fails below does not lose the server's counts, and
     // again with the round trips once merged.

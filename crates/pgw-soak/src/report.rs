@@ -161,15 +161,7 @@ pub fn markdown(info: &RunInfo, scores: &[Score]) -> String {
     let names = check_names(scores);
     for name in names {
         row(&mut md, name, &|s| match s.check(name) {
-            Some(c) => format!(
-                "{} {}",
-                match (c.pass, c.gating) {
-                    (true, _) => "PASS",
-                    (false, true) => "FAIL",
-                    (false, false) => "info",
-                },
-                c.detail
-            ),
+            Some(c) => format!("{} {}", c.label(), c.detail),
             None => "-".into(),
         });
     }
@@ -315,14 +307,7 @@ pub fn terminal(scores: &[Score]) -> String {
     let names = check_names(scores);
     for name in names {
         line(&mut out, name, &|s| {
-            s.check(name).map_or_else(
-                || "-".into(),
-                |c| match (c.pass, c.gating) {
-                    (true, _) => "PASS".into(),
-                    (false, true) => "FAIL".into(),
-                    (false, false) => "info".into(),
-                },
-            )
+            s.check(name).map_or_else(|| "-".into(), |c| c.label().into())
         });
     }
     line(&mut out, "verdict", &|s| {

@@ -315,11 +315,25 @@ pub fn rescore(dir: &Path) -> Result<Vec<Score>, BoxError> {
         let run = ProfileRun::load(dir, &p)?;
         scores.push(scoreboard::judge(&run, &expectations(&p, &scenario)));
     }
-    write_report(
-        dir,
-        &scenario.name,
-        &format!("{} (rescored)", describe(&scenario)),
-        &scores,
-    )?;
+    // A Redis-mode run keeps its description and its Redis commands (it was rewritten
+    // as a memory run, its commands section dropped).
+    let real = match fs::read(dir.join(crate::realtime::REALTIME_FILE)) {
+        Ok(bytes) => Some(
+            serde_json::from_slice::<crate::realtime::RealTime>(&bytes)
+                .map_err(|e| format!("{}/{}: {e}", dir.display(), crate::realtime::REALTIME_FILE))?,
+        ),
+        Err(_) => None,
+    };
+    let described = real.as_ref().map_or_else(
+        || describe(&scenario),
+        |r| crate::realtime::describe_redis(&scenario, r),
+    );
+    write_report(dir, &scenario.name, &format!("{described} (rescored)"), &scores)?;
+    if let Some(commands) = crate::commands::RedisCommands::load(dir)? {
+        let report = dir.join("report.md");
+        let mut md = fs::read_to_string(&report)?;
+        md.push_str(&commands.markdown());
+        fs::write(&report, md)?;
+    }
     Ok(scores)
 }

@@ -403,8 +403,11 @@ impl Scenario {
     /// # Errors
     /// A parse error (with its line) or the first invalid field.
     pub fn parse(text: &str, json: bool) -> Result<Self, String> {
+        // With the field's path: serde_json names only the line and column.
+        let named = |path: String, e: String| if path == "." { e } else { format!("{path}: {e}") };
         let s: Self = if json {
-            serde_json::from_str(text).map_err(|e| e.to_string())?
+            serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_str(text))
+                .map_err(|e| named(e.path().to_string(), e.into_inner().to_string()))?
         } else {
             toml::from_str(text).map_err(|e| e.to_string())?
         };
@@ -452,9 +455,25 @@ impl Scenario {
     /// # Errors
     /// A message naming the first bad field.
     pub fn validate(&self) -> Result<(), String> {
+        // The name becomes the default run directory's: no path, no hidden file.
+        if self.name.is_empty()
+            || self.name.starts_with('.')
+            || !self
+                .name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+        {
+            return Err(format!(
+                "name: {:?} must be letters, digits, '-', '_' or '.' (not first): it names the run directory",
+                self.name
+            ));
+        }
         self.pool.validate().map_err(|e| format!("pool: {e}"))?;
-        if self.calls == 0 {
-            return Err("calls: must be >= 1".into());
+        if !(1..=MAX_CALLS).contains(&self.calls) {
+            return Err(format!(
+                "calls: must be within 1..={MAX_CALLS}, got {}",
+                self.calls
+            ));
         }
         if self.workers == 0 {
             return Err("workers: must be >= 1".into());
@@ -471,7 +490,7 @@ impl Scenario {
             ("naive.cooldown_s", self.naive.cooldown_s),
         ] {
             if !(v.is_finite() && v > 0.0) {
-                return Err(format!("{name}: must be > 0, got {v}"));
+                return Err(format!("{name}: must be a finite number > 0, got {v}"));
             }
         }
         for (name, v) in [
@@ -479,13 +498,19 @@ impl Scenario {
             ("tower_stock.backoff_s", self.tower_stock.backoff_s),
         ] {
             if !(v.is_finite() && v >= 0.0) {
-                return Err(format!("{name}: must be >= 0, got {v}"));
+                return Err(format!("{name}: must be a finite number >= 0, got {v}"));
             }
         }
         if c.max_attempts == 0 {
             return Err("client.max_attempts: must be >= 1".into());
         }
         for (i, q) in c.quotas.iter().enumerate() {
+            if c.quotas[..i].iter().any(|o| o.source == q.source) {
+                return Err(format!(
+                    "client.quotas[{i}].source: {:?} has a quota already (one per source)",
+                    q.source
+                ));
+            }
             if !self.pool.sources.iter().any(|s| s.name == q.source) {
                 return Err(format!(
                     "client.quotas[{i}].source: {:?} is not in the pool",
@@ -506,7 +531,9 @@ impl Scenario {
         if let Arrival::Open { per_min } = self.arrival
             && !(per_min.is_finite() && per_min > 0.0)
         {
-            return Err(format!("arrival.open.per_min: must be > 0, got {per_min}"));
+            return Err(format!(
+                "arrival.open.per_min: must be a finite number > 0, got {per_min}"
+            ));
         }
         let t = &self.traffic;
         if t.mix.iter().any(|m| !(m.is_finite() && *m >= 0.0)) || t.mix.iter().sum::<f64>() <= 0.0 {
@@ -552,6 +579,10 @@ impl Scenario {
         Ok(())
     }
 }
+
+/// The most calls a scenario runs: the traffic plan is built whole before the run (a
+/// `--calls` of `u64::MAX` aborted on its allocation).
+pub const MAX_CALLS: u64 = 1_000_000;
 
 /// The scenario library: `(name, TOML)` of every file in `crates/pgw-soak/scenarios/`,
 /// compiled in so `--scenario NAME` works from any directory.
@@ -600,6 +631,34 @@ pub fn library() -> Result<Vec<Scenario>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What a new user's review found let through: a name that is a path, a call count
+    /// that aborted on its allocation, a quota given twice, a balancer that cannot be
+    /// built, a JSON type error without its field.
+    #[test]
+    fn names_counts_quotas_choices_and_json_types_are_checked() {
+        for name in ["../../esc", "x/y", "", ".hidden"] {
+            let mut bad = Scenario::p6(1);
+            bad.name = name.to_owned();
+            assert!(bad.validate().unwrap_err().starts_with("name:"), "{name:?}");
+        }
+        let mut bad = Scenario::p6(1);
+        bad.calls = u64::MAX;
+        assert!(bad.validate().unwrap_err().starts_with("calls:"));
+        bad.calls = MAX_CALLS;
+        bad.validate().unwrap();
+        let mut bad = Scenario::p6(1);
+        let again = bad.client.quotas[0].clone();
+        bad.client.quotas.push(again);
+        let e = bad.validate().unwrap_err();
+        assert!(e.contains("has a quota already"), "{e}");
+        for choices in ["1", "0"] {
+            let e = Scenario::parse(&format!("[pgw]\nbalance_choices = {choices}\n"), false).unwrap_err();
+            assert!(e.contains("at least 2"), "{choices}: {e}");
+        }
+        let e = Scenario::parse("{\"name\": \"j\", \"calls\": \"x\"}", true).unwrap_err();
+        assert!(e.starts_with("calls: invalid type"), "{e}");
+    }
 
     #[test]
     fn p6_is_valid_roundtrips_and_bad_fields_are_named() {

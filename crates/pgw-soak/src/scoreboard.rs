@@ -41,6 +41,20 @@ pub struct Check {
     pub detail: String,
 }
 
+impl Check {
+    /// How the scoreboard shows it: `PASS` or `FAIL` for a gating check, `info` for
+    /// another, whatever it measured (its detail says; a baseline's "success rate
+    /// PASS" at 28% read as a verdict).
+    #[must_use]
+    pub const fn label(&self) -> &'static str {
+        match (self.gating, self.pass) {
+            (true, true) => "PASS",
+            (true, false) => "FAIL",
+            (false, _) => "info",
+        }
+    }
+}
+
 /// One run of overlapping spans where a quota was exceeded, by its fullest span.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Violation {
@@ -187,8 +201,13 @@ pub fn judge(run: &ProfileRun, expect: &Expectations) -> Score {
             pass: (lo..=hi).contains(&success_rate),
             gating: false,
             detail: format!(
-                "{:.1}% in [{:.0}%, {:.0}%]",
+                "{:.1}%, {} [{:.0}%, {:.0}%]",
                 success_rate * 100.0,
+                if (lo..=hi).contains(&success_rate) {
+                    "inside"
+                } else {
+                    "outside"
+                },
                 lo * 100.0,
                 hi * 100.0
             ),
@@ -487,11 +506,16 @@ fn rss_check(run: &ProfileRun) -> Check {
     let warm = (total as f64 * RSS_WARMUP_FRACTION) as u64;
     let steady: Vec<_> = run.rss.iter().filter(|s| s.calls_done >= warm).collect();
     if steady.len() < 4 {
+        // Not measured, not failed: a run of a few calls is over before the samples
+        // that could judge it (it failed the verdict of a 100% run).
         return Check {
             name: "current RSS stable",
             pass: false,
-            gating: true,
-            detail: format!("only {} samples after warm-up", steady.len()),
+            gating: false,
+            detail: format!(
+                "not measured: only {} samples after warm-up (too short a run)",
+                steady.len()
+            ),
         };
     }
     let half = steady.len() / 2;
@@ -529,6 +553,21 @@ fn success_by_minute(run: &ProfileRun) -> Vec<(u64, u64, u64)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_gating_checks_say_pass_or_fail() {
+        let check = |pass, gating| Check {
+            name: "x",
+            pass,
+            gating,
+            detail: String::new(),
+        };
+        assert_eq!(check(true, true).label(), "PASS");
+        assert_eq!(check(false, true).label(), "FAIL");
+        // A baseline's success rate has no bar: it was shown PASS at any rate.
+        assert_eq!(check(true, false).label(), "info");
+        assert_eq!(check(false, false).label(), "info");
+    }
     use crate::telemetry::{Accounting, AttemptRow, CallRow, RssSample};
 
     fn attempt(call: &str, n: u32, source: &str, at_ms: u64, cache_hit: bool) -> AttemptRow {

@@ -49,6 +49,52 @@ fn redis_mode_two_worker_processes_keep_every_invariant() {
     };
     let out = run_redis(&scenario, &opts).unwrap();
     println!("{}", pgw_soak::report::terminal(&out.scores));
+    // The run removed its keys (the cache's lived for hours), and a prefix that has
+    // keys is refused before anything is written: its state would be the next run's.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let left = rt.block_on(pgw_soak::commands::keys_under(
+        &opts.redis_url,
+        &opts.key_prefix,
+        false,
+    ));
+    assert_eq!(left.unwrap(), 0, "keys left under {}", opts.key_prefix);
+    let taken = format!("{}taken:", opts.key_prefix);
+    rt.block_on(async {
+        let mut c = redis::Client::open(opts.redis_url.as_str())
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
+        let () = redis::cmd("SET")
+            .arg(format!("{taken}k"))
+            .arg(1)
+            .query_async(&mut c)
+            .await
+            .unwrap();
+    });
+    let again_dir = dir.with_extension("taken");
+    let refused = run_redis(
+        &scenario,
+        &RedisOptions {
+            key_prefix: taken.clone(),
+            dir: again_dir.clone(),
+            ..opts.clone()
+        },
+    )
+    .unwrap_err();
+    assert!(
+        refused.to_string().contains("keys are there already"),
+        "{refused}"
+    );
+    assert!(!again_dir.exists(), "nothing written for a refused run");
+    assert_eq!(
+        rt.block_on(pgw_soak::commands::keys_under(&opts.redis_url, &taken, true))
+            .unwrap(),
+        1
+    );
     let s = &out.scores[0];
     assert_eq!(s.profile, "pgw");
     assert_eq!(s.calls, CALLS);
@@ -101,5 +147,9 @@ fn redis_mode_two_worker_processes_keep_every_invariant() {
     // Offline re-judging of the merged rows gives the same verdict.
     let again = rescore(&dir).unwrap();
     assert_eq!(again[0].checks, s.checks);
+    // Rescored as what it was: a Redis-mode run, its commands section kept.
+    let md = std::fs::read_to_string(dir.join("report.md")).unwrap();
+    assert!(md.contains("Redis backend"), "{md}");
+    assert!(md.contains("## Redis commands"), "{md}");
     let _ = std::fs::remove_dir_all(&dir);
 }

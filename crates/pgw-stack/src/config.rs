@@ -587,20 +587,25 @@ impl fmt::Display for Choices {
     }
 }
 
-/// Reads `"all"` or a number (a command-line flag's value); the count is validated
-/// with the rest of `[balance]`.
+/// Reads `"all"` or a number of at least 2 (a command-line flag's value): a flag of 1
+/// used to pass here and leave the balancer unbuilt further on.
 impl std::str::FromStr for Choices {
     type Err = ConfigError;
 
     fn from_str(s: &str) -> Result<Self, ConfigError> {
         match s.trim() {
             "all" => Ok(Self::All),
-            n => n.parse().map(Self::Count).map_err(|_| {
-                config_error(
-                    "balance.choices",
-                    format!("{s:?} is neither a number of sources (at least 2) nor \"all\""),
-                )
-            }),
+            n => n
+                .parse::<usize>()
+                .ok()
+                .filter(|&n| n >= 2)
+                .map(Self::Count)
+                .ok_or_else(|| {
+                    config_error(
+                        "balance.choices",
+                        format!("{s:?} is neither a number of sources (at least 2) nor \"all\""),
+                    )
+                }),
         }
     }
 }
@@ -625,8 +630,10 @@ impl<'de> Deserialize<'de> for Choices {
             }
             fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Choices, E> {
                 usize::try_from(v)
+                    .ok()
+                    .filter(|&n| n >= 2)
                     .map(Choices::Count)
-                    .map_err(|_| E::invalid_value(serde::de::Unexpected::Unsigned(v), &self))
+                    .ok_or_else(|| E::invalid_value(serde::de::Unexpected::Unsigned(v), &self))
             }
             fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Choices, E> {
                 u64::try_from(v)

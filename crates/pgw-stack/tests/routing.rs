@@ -306,7 +306,7 @@ fn routing_config_errors_name_the_field() {
         ),
         (
             "[models.a]\nroutes = [{ source = \"p\", modle = \"x\" }]",
-            "modle",
+            "models.a.routes[0].modle",
         ),
     ];
     for (extra, field) in cases {
