@@ -477,6 +477,11 @@ async fn chat_request(headers: &HeaderMap, body: Bytes) -> Result<ChatRequest, A
 /// field in `param` (`max_tokens`, `messages[0].content`), never serde's own type
 /// names ("expected struct ChatRequest").
 fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
+    // The path is tracked only to name what is wrong: a wrapper on every value of the
+    // body costs a valid request about 2,300 instructions (callgrind).
+    if let Ok(request) = serde_json::from_slice(body) {
+        return Ok(request);
+    }
     let syntax = |e: &serde_json::Error| {
         ApiError::invalid_request(
             "invalid_json",
