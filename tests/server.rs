@@ -70,6 +70,40 @@ async fn a_bad_body_is_named_in_the_clients_terms() {
     }
 }
 
+/// A body past the limit from a client without a key is a 401, as any request of
+/// theirs: the key is checked first (tower-http's layer answered 413 before it).
+#[tokio::test(start_paused = true)]
+async fn the_key_is_checked_before_the_body_size() {
+    let keys = format!("max_body_bytes = 1024\n{}", key_toml("team-a", CLIENT_KEY, ""));
+    let h = start(&keys, vec![fast("s1")]).await;
+    let big = Bytes::from(vec![b' '; 4096]);
+    let (status, _, body) = call(h.addr, chat(None), big.clone()).await;
+    assert_eq!(status, 401);
+    openai_error(&body, "invalid_api_key");
+    let (status, _, body) = call(h.addr, chat(Some(CLIENT_KEY)), big).await;
+    assert_eq!(status, 413);
+    openai_error(&body, "request_too_large");
+}
+
+/// A chunked body (no `Content-Length`) past the limit is a 413 when the read reaches
+/// the limit.
+#[tokio::test(start_paused = true)]
+async fn a_chunked_body_past_the_limit_is_413() {
+    let h = start("max_body_bytes = 1024\n", vec![fast("s1")]).await;
+    let mut sock = TcpStream::connect(h.addr).await.unwrap();
+    let chunk = format!("800\r\n{}\r\n", " ".repeat(0x800));
+    let head = "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+                transfer-encoding: chunked\r\nconnection: close\r\n\r\n";
+    sock.write_all(format!("{head}{chunk}{chunk}0\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    sock.read_to_end(&mut answer).await.unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    assert!(answer.contains("request_too_large"), "{answer}");
+}
+
 #[tokio::test(start_paused = true)]
 async fn every_framework_error_is_openai_json() {
     let h = start("max_body_bytes = 1024\n", vec![fast("s1")]).await;

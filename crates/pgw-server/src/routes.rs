@@ -23,7 +23,6 @@ use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use tower::ServiceBuilder;
 use tower_http::catch_panic::CatchPanicLayer;
-use tower_http::limit::RequestBodyLimitLayer;
 use tower_http::trace::{DefaultMakeSpan, DefaultOnFailure, DefaultOnResponse, TraceLayer};
 
 use crate::auth::{KeyRing, Tenant};
@@ -43,6 +42,8 @@ pub struct AppState {
     pub(crate) sse_keep_alive: Duration,
     pub(crate) shed_retry_after: Duration,
     pub(crate) body_read_timeout: Duration,
+    /// `server.max_body_bytes`.
+    pub(crate) max_body_bytes: usize,
     pub(crate) in_flight: Arc<Semaphore>,
     pub(crate) metrics: Option<PrometheusHandle>,
     pub(crate) draining: Arc<AtomicBool>,
@@ -98,6 +99,7 @@ impl AppState {
             sse_keep_alive: settings.sse_keep_alive,
             shed_retry_after: settings.shed_retry_after,
             body_read_timeout: settings.body_read_timeout,
+            max_body_bytes: settings.max_body_bytes,
             in_flight: Arc::new(Semaphore::new(settings.max_in_flight)),
             metrics,
             draining: Arc::new(AtomicBool::new(false)),
@@ -235,9 +237,12 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         .route("/v1/models/{id}", get(model))
         .layer(
             ServiceBuilder::new()
-                .layer(RequestBodyLimitLayer::new(max_body_bytes))
-                // The limited body back to axum's own (what a `Route` between them did).
-                .map_request(|r: Request<_>| r.map(Body::new))
+                // The body limited as it is read (a chunked body past the limit is a
+                // 413 there); a `Content-Length` past it is refused by the handler once
+                // the key is checked (tower-http's layer answered 413 before the 401).
+                .map_request(move |r: Request<_>| {
+                    r.map(|b| Body::new(http_body_util::Limited::new(b, max_body_bytes)))
+                })
                 .layer(DefaultBodyLimit::disable()),
         );
     Router::new()
@@ -342,6 +347,18 @@ fn as_openai_error(response: Response) -> Response {
 }
 
 /// The tenant of the request: `Ok(None)` when no keys are configured.
+/// A 413 for a body whose `Content-Length` is past `max_body_bytes`, before it is read.
+fn declared_too_large(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    match declared {
+        Some(n) if n > state.max_body_bytes as u64 => Err(ApiError::of_status(StatusCode::PAYLOAD_TOO_LARGE)),
+        _ => Ok(()),
+    }
+}
+
 fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<Option<Arc<Tenant>>, ApiError> {
     if state.keys.is_empty() {
         return Ok(None);
@@ -552,6 +569,9 @@ async fn chat(State(state): State<Arc<AppState>>, request: Request) -> Response 
         Ok(t) => t,
         Err(e) => return e.into_response(),
     };
+    if let Err(e) = declared_too_large(&state, headers) {
+        return e.into_response();
+    }
     // Counted from the request's arrival: the body read and every wait are in it.
     let deadline = match call_timeout(headers) {
         Ok(t) => t.and_then(|t| tokio::time::Instant::now().checked_add(t)),
@@ -737,6 +757,7 @@ fn model_object(id: &str) -> serde_json::Value {
 async fn visible_models(state: &AppState, request: Request) -> Result<Vec<String>, Response> {
     let (parts, body) = request.into_parts();
     let tenant = authenticate(state, &parts.headers).map_err(IntoResponse::into_response)?;
+    declared_too_large(state, &parts.headers).map_err(IntoResponse::into_response)?;
     // Read and thrown away frame by frame: this route holds no in-flight slot, so it
     // keeps none of a body (a body is read at all so the connection stays reusable).
     body_read(state, drain(body)).await?;
