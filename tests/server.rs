@@ -85,6 +85,28 @@ async fn the_key_is_checked_before_the_body_size() {
     openai_error(&body, "request_too_large");
 }
 
+/// A call the cache does not take says `x-pgw-cache: off`, not `miss` (which the miss
+/// counter counts): here the cache is off, and with `when = "deterministic"` a request
+/// without `temperature = 0` is not taken.
+#[tokio::test(start_paused = true)]
+async fn a_call_the_cache_does_not_take_says_off() {
+    let h = start("", vec![fast("s1")]).await;
+    let (status, headers, _) = call(h.addr, chat(None), chat_body("m", false)).await;
+    assert_eq!(
+        (status.as_u16(), headers["x-pgw-cache"].to_str().unwrap()),
+        (200, "off")
+    );
+    let h = start_edited("", "", vec![fast("s1")], |t| {
+        t.replace("[cache]\nenabled = false", "[cache]\nwhen = \"deterministic\"")
+    })
+    .await;
+    let (status, headers, _) = call(h.addr, chat(None), chat_body("m", false)).await;
+    assert_eq!(
+        (status.as_u16(), headers["x-pgw-cache"].to_str().unwrap()),
+        (200, "off")
+    );
+}
+
 /// A chunked body (no `Content-Length`) past the limit is a 413 when the read reaches
 /// the limit.
 #[tokio::test(start_paused = true)]

@@ -657,6 +657,7 @@ async fn chat(State(state): State<Arc<AppState>>, request: Request) -> Response 
             .extensions_mut()
             .insert(pgw_stack::CachePartition(Arc::clone(&t.label)));
     }
+    let cached = state.gateway.caches(&chat_call);
     if chat_call.is_stream() {
         return sse::respond(&state, chat_call, permit, slot, call).await;
     }
@@ -685,10 +686,12 @@ async fn chat(State(state): State<Arc<AppState>>, request: Request) -> Response 
             let h = response.headers_mut();
             h.insert(
                 CACHE_HEADER,
-                HeaderValue::from_static(match (answer.cache_hit, no_cache) {
-                    (true, _) => "hit",
-                    (false, true) => "bypass",
-                    (false, false) => "miss",
+                HeaderValue::from_static(match (answer.cache_hit, no_cache, cached) {
+                    (true, _, _) => "hit",
+                    (false, true, _) => "bypass",
+                    (false, false, true) => "miss",
+                    // Not deterministic (or no cache): the cache was not asked.
+                    (false, false, false) => "off",
                 }),
             );
             if let Ok(g) = HeaderValue::from_str(&answer.group) {

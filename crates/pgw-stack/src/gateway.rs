@@ -255,6 +255,14 @@ impl Gateway {
         self.inner.models.keys().cloned().collect()
     }
 
+    /// Whether the response cache takes `call`: is read for it and stores its answer.
+    /// Not without a cache, with `NoCache` in its extensions, or, under `cache.when =
+    /// "deterministic"` (the default), when the request is not deterministic.
+    #[must_use]
+    pub fn caches(&self, call: &ChatCall) -> bool {
+        self.inner.cache.as_ref().is_some_and(|c| c.applies(call))
+    }
+
     /// The group names in fallback order (with `[models]`: the public model names).
     #[must_use]
     pub fn groups(&self) -> Vec<String> {
