@@ -313,8 +313,17 @@ pub fn terminal(scores: &[Score]) -> String {
     line(&mut out, "verdict", &|s| {
         if s.passed() { "PASS".into() } else { "FAIL".into() }
     });
+    out.push_str(TERMINAL_LEGEND);
     out
 }
+
+/// What the terminal table's terser rows mean (report.md says it at length).
+const TERMINAL_LEGEND: &str = "\
+(request errors against a source: provider answers that blame the request, and how \
+many a profile counted against the source; attempts / call: upstream attempts, cache \
+hits excluded, so below 1 with hits; PASS/FAIL: gating checks, info: measured, not \
+judged; the verdict is the gating checks')
+";
 
 /// One series of a chart: its polyline (none without points) and its legend entry
 /// (a swatch at `legend`, then `label`).
