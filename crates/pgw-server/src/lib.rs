@@ -87,7 +87,17 @@ pub fn install_metrics() -> Option<PrometheusHandle> {
             };
             let handle = recorder.handle();
             match metrics::set_global_recorder(recorder) {
-                Ok(()) => Some(handle),
+                Ok(()) => {
+                    // Counters a scrape should see from the start, at 0: a series that
+                    // appears only at its first event breaks `rate()` and alerts on
+                    // its absence (the cache's appeared after the first cacheable call).
+                    metrics::counter!("pgw_cache_hits_total").increment(0);
+                    metrics::counter!("pgw_cache_misses_total").increment(0);
+                    for reason in ["connections", "in_flight"] {
+                        metrics::counter!("pgw_server_shed_total", "reason" => reason).increment(0);
+                    }
+                    Some(handle)
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "a metrics recorder is already installed; no /metrics");
                     None

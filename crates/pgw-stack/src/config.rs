@@ -1140,6 +1140,7 @@ impl GatewayConfig {
     /// ).unwrap();
     /// let text = cfg.effective().unwrap();
     /// assert!(text.contains("max_attempts: 3"), "{text}");
+    /// assert!(text.contains("choices: all,"), "{text}");
     /// assert!(!text.contains("sk-secret"));
     /// ```
     ///

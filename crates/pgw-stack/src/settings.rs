@@ -86,7 +86,12 @@ pub(crate) fn effective(cfg: &GatewayConfig) -> Result<String, ConfigError> {
         .unwrap_or_else(|| crate::config::DEFAULT_KEY_PREFIX.to_owned());
     let _ = writeln!(out, "backend: {:?}, key_prefix: {prefix:?}", cfg.backend);
     let _ = writeln!(out, "retry: {:#?}", retry_config(cfg)?);
-    let _ = writeln!(out, "balance: {:#?}", balance_config(cfg)?);
+    // `choices: all` as the config writes it, not `CHOICES_ALL`'s `usize::MAX`.
+    let balance = format!("{:#?}", balance_config(cfg)?).replace(
+        &format!("choices: {},", tower_health_p2c::CHOICES_ALL),
+        "choices: all,",
+    );
+    let _ = writeln!(out, "balance: {balance}");
     let ttl = secs("cache.ttl_s", cfg.cache.ttl_s)?
         .unwrap_or_else(|| Duration::from_secs_f64(crate::config::DEFAULT_CACHE_TTL_S));
     let _ = writeln!(
