@@ -467,14 +467,53 @@ impl ProfileRun {
 /// The profiles stored in a run directory, in the order they were run.
 ///
 /// # Errors
-/// The directory cannot be read.
+/// `profiles.txt` cannot be read, lists no profile, or names one that is not a profile.
 pub fn stored_profiles(dir: &Path) -> std::io::Result<Vec<String>> {
     let order = fs::read_to_string(dir.join("profiles.txt"))
         .map_err(|e| std::io::Error::new(e.kind(), format!("{}/profiles.txt: {e}", dir.display())))?;
-    Ok(order
+    let names: Vec<String> = order
         .lines()
         .map(str::trim)
         .filter(|l| !l.is_empty())
         .map(str::to_owned)
-        .collect())
+        .collect();
+    // Said here: an empty list judged nothing and exited 0, and an unknown name was
+    // reported as its missing run file.
+    let bad = |why: String| std::io::Error::new(std::io::ErrorKind::InvalidData, why);
+    if names.is_empty() {
+        return Err(bad(format!("{}/profiles.txt: lists no profile", dir.display())));
+    }
+    if let Some(n) = names
+        .iter()
+        .find(|n| n.parse::<crate::profiles::ProfileKind>().is_err())
+    {
+        return Err(bad(format!(
+            "{}/profiles.txt: {n:?} is not a profile (naive, tower-stock, pgw, oracle)",
+            dir.display()
+        )));
+    }
+    Ok(names)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn profiles_txt_must_name_profiles() {
+        let dir = std::env::temp_dir().join(format!("pgw-soak-profiles-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let with = |text: &str| {
+            fs::write(dir.join("profiles.txt"), text).unwrap();
+            stored_profiles(&dir).map_err(|e| e.to_string())
+        };
+        assert_eq!(with("naive\n\npgw\n").unwrap(), ["naive", "pgw"]);
+        assert!(with("\n").unwrap_err().contains("lists no profile"));
+        assert!(
+            with("pgw\nbogus\n")
+                .unwrap_err()
+                .contains("\"bogus\" is not a profile")
+        );
+        fs::remove_dir_all(&dir).unwrap();
+    }
 }
