@@ -84,11 +84,7 @@ fn main() -> ExitCode {
             }
             let effective = match cfg.gateway.effective() {
                 Ok(text) => text,
-                Err(e) => {
-                    eprintln!("{}: {e}", config.display());
-                    eprintln!("field: {}", e.field());
-                    return ExitCode::from(2);
-                }
+                Err(e) => return refused(&config, &e),
             };
             // A reader that stops early (`| head`) is not an error of the config.
             let mut out = std::io::stdout().lock();
@@ -159,11 +155,7 @@ fn load(path: &Path, listen: Option<String>, allow_unauthenticated: bool) -> Res
         eprintln!("--config {}: cannot read it: {e}", path.display());
         return Err(ExitCode::from(2));
     }
-    let mut cfg = ServerConfig::from_file(path).map_err(|e| {
-        eprintln!("{}: {e}", path.display());
-        eprintln!("field: {}", e.field());
-        ExitCode::from(2)
-    })?;
+    let mut cfg = ServerConfig::from_file(path).map_err(|e| refused(path, &e))?;
     if let Some(l) = listen {
         cfg.server.listen = l.parse().map_err(|e| {
             eprintln!("--listen {l:?}: {e}");
@@ -172,6 +164,13 @@ fn load(path: &Path, listen: Option<String>, allow_unauthenticated: bool) -> Res
     }
     cfg.server.allow_unauthenticated |= allow_unauthenticated;
     Ok(cfg)
+}
+
+/// A config error printed for the operator, naming the field, and exit code 2.
+fn refused(path: &Path, e: &pgw_core::ConfigError) -> ExitCode {
+    eprintln!("{}: {e}", path.display());
+    eprintln!("field: {}", e.field());
+    ExitCode::from(2)
 }
 
 async fn serve(cfg: ServerConfig) -> Result<(), pgw_core::BoxError> {

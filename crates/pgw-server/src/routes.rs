@@ -617,16 +617,7 @@ async fn chat(State(state): State<Arc<AppState>>, request: Request) -> Response 
         && !t.may_use(&request.model)
     {
         // Counted as the gateway's own `model_not_found` is (it was not).
-        let mut err = ApiError::new(
-            StatusCode::NOT_FOUND,
-            "invalid_request_error",
-            "model_not_found",
-            format!(
-                "the model `{}` does not exist or this key may not use it",
-                request.model
-            ),
-        );
-        err.param = Some("model".to_owned());
+        let err = model_not_found(&request.model);
         call.finish(Some(&err));
         return err.into_response();
     }
@@ -736,18 +727,22 @@ async fn model(
 ) -> Response {
     match visible_models(&state, request).await {
         Ok(names) if names.contains(&id) => Json(model_object(&id)).into_response(),
-        Ok(_) => {
-            let mut e = ApiError::new(
-                StatusCode::NOT_FOUND,
-                "invalid_request_error",
-                "model_not_found",
-                format!("the model `{id}` does not exist or this key may not use it"),
-            );
-            e.param = Some("model".to_owned());
-            e.into_response()
-        }
+        Ok(_) => model_not_found(&id).into_response(),
         Err(refused) => refused,
     }
+}
+
+/// The 404 of a model the caller may not name: one the gateway does not serve, or its
+/// key may not use (the two are not told apart: a key learns nothing of others').
+fn model_not_found(model: &str) -> ApiError {
+    let mut e = ApiError::new(
+        StatusCode::NOT_FOUND,
+        "invalid_request_error",
+        "model_not_found",
+        format!("the model `{model}` does not exist or this key may not use it"),
+    );
+    e.param = Some("model".to_owned());
+    e
 }
 
 /// One model in the OpenAI list's shape.

@@ -276,16 +276,14 @@ pub async fn keys_under(url: &str, prefix: &str, delete: bool) -> Result<u64, Bo
                 .await
                 .map_err(named)?;
             found += keys.len() as u64;
-            if delete {
-                // One key a command: a cluster node holds many slots.
-                for key in keys {
-                    let () = redis::cmd("UNLINK")
-                        .arg(&key)
-                        .query_async::<i64>(&mut conn)
-                        .await
-                        .map(|_| ())
-                        .map_err(named)?;
+            if delete && !keys.is_empty() {
+                // One key a command (a cluster node holds many slots), a batch a round
+                // trip.
+                let mut pipe = redis::pipe();
+                for key in &keys {
+                    pipe.cmd("UNLINK").arg(key).ignore();
                 }
+                let () = pipe.query_async(&mut conn).await.map_err(named)?;
             }
             if next == 0 {
                 break;

@@ -54,29 +54,16 @@ pub(crate) fn retry_config(cfg: &GatewayConfig) -> Result<RetryConfig, ConfigErr
 }
 
 /// Every layer's configuration as the builder derives it, checked by the layer's own
-/// rules: the retry loop, the balancer, and per source its timeouts, breaker, quota
-/// hold, AIMD limit and rate limits. Errors name the gateway's field.
+/// rules (the derivation [`effective`] prints: one piece of code for both). Errors
+/// name the gateway's field.
 pub(crate) fn check_layers(cfg: &GatewayConfig) -> Result<(), ConfigError> {
-    retry_config(cfg)?;
-    balance_config(cfg)?;
-    for (i, sc) in cfg.sources.iter().enumerate() {
-        let at = format!("sources[{i}]");
-        let settings = sc.settings(&at)?;
-        let max_conc = quota(&format!("{at}.max_concurrency"), sc.max_concurrency)?;
-        let breaker = breaker_config(cfg, max_conc, settings.timeouts.total)?;
-        quota_hold(cfg, &breaker)?;
-        aimd_config(cfg, max_conc)
-            .validate()
-            .map_err(|e| aimd_error(&at, &e))?;
-        rate_limit_config(cfg, sc, &at, crate::config::DEFAULT_KEY_PREFIX)?;
-    }
-    Ok(())
+    effective(cfg).map(drop)
 }
 
 /// What each layer is given, every default filled in, as text: the retry loop, the
 /// balancer, the cache, then per source its client settings (timeouts; key redacted),
-/// breaker, AIMD limit and rate limits. `pgw check` prints it: the sections of the
-/// file leave a default as `None`.
+/// breaker, AIMD limit and rate limits, each checked by the layer's own rules.
+/// `pgw check` prints it: the sections of the file leave a default as `None`.
 pub(crate) fn effective(cfg: &GatewayConfig) -> Result<String, ConfigError> {
     use std::fmt::Write as _;
     let mut out = String::new();
@@ -111,7 +98,9 @@ pub(crate) fn effective(cfg: &GatewayConfig) -> Result<String, ConfigError> {
         let _ = writeln!(out, "  client: {settings:#?}");
         let _ = writeln!(out, "  quota hold: {:?}", quota_hold(cfg, &breaker)?);
         let _ = writeln!(out, "  breaker: {breaker:#?}");
-        let _ = writeln!(out, "  aimd: {:#?}", aimd_config(cfg, max_conc));
+        let aimd = aimd_config(cfg, max_conc);
+        aimd.validate().map_err(|e| aimd_error(&at, &e))?;
+        let _ = writeln!(out, "  aimd: {aimd:#?}");
         let _ = writeln!(
             out,
             "  rate limit: {:#?}",
