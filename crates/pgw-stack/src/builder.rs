@@ -26,7 +26,7 @@ use crate::config::{
     BackendKind, ConfigError, DEFAULT_CACHE_FALLBACK_TTL_S, DEFAULT_CACHE_MAX_ENTRIES, DEFAULT_CACHE_TTL_S,
     DEFAULT_KEY_PREFIX, GatewayConfig, SourceConfig, config_error, quota, secs, secs_or_off,
 };
-use crate::gateway::{Gateway, Group, Inner, SourceHandles, call_shape};
+use crate::gateway::{CallShape, Gateway, Group, Inner, SourceHandles};
 use crate::route::{Plan, Pushback, QuotaHold, RouteHold, RouteHolds, RouteSpec};
 use crate::settings::{
     aimd_config, aimd_error, balance_config, breaker_config, quota_hold, rate_limit_config, retry_config,
@@ -215,7 +215,7 @@ impl GatewayBuilder {
             let mut lb = HealthP2c::new(sources.clone(), balance_cfg)
                 .map_err(|e| config_error("balance", e.to_string()))?
                 .with_classifier(AnswerClassifier)
-                .with_class(call_shape);
+                .with_class(CallShape);
             let mut retry = retry.clone();
             if let Some(seed) = cfg.balance.seed {
                 lb = lb.with_seed(seed);

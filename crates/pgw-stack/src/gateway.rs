@@ -550,14 +550,30 @@ fn unknown_model(call_id: u64, model: &str) -> BoxError {
     .into()
 }
 
-/// The balancer's health class of a call: streamed calls (1) apart from the rest (0).
+/// What the balancer knows of a call: its health class and its size.
 ///
-/// A source's slow stream, cut by the inter-token watchdog, says nothing about its
-/// short answers, and the reverse: P6's `s5` answers short calls and fails 90% of its
-/// streams. One health EWMA per source would average the two and keep sending streams
-/// there.
-pub(crate) fn call_shape(call: &ChatCall) -> usize {
-    call_shape_of(call.is_stream())
+/// The class: streamed calls (1) apart from the rest (0). A source's slow stream, cut
+/// by the inter-token watchdog, says nothing about its short answers, and the reverse:
+/// P6's `s5` answers short calls and fails 90% of its streams. One health EWMA per
+/// source would average the two and keep sending streams there.
+///
+/// The size: the call's token estimate (prompt and completion budget, as the rate
+/// limiter reserves), so that a source that answered `context_length_exceeded` for a
+/// prompt is not offered prompts as large first (`tower_health_p2c::OVERSIZE_MEMORY`).
+/// Without it, the soak's mixed-8-sources pool sent about a hundred 75k-token prompts
+/// per run to the source with a 16k window, each a refusal costing that source's
+/// quota and the call's time.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct CallShape;
+
+impl tower_health_p2c::ClassOf<ChatCall> for CallShape {
+    fn class_of(&self, call: &ChatCall) -> usize {
+        call_shape_of(call.is_stream())
+    }
+
+    fn size_of(&self, call: &ChatCall) -> Option<u64> {
+        Some(call.estimate_tokens())
+    }
 }
 
 const fn call_shape_of(streamed: bool) -> usize {

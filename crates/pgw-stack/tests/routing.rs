@@ -252,6 +252,53 @@ async fn a_request_too_large_for_the_model_lands_on_its_context_fallback() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_route_that_refused_a_prompt_as_too_long_is_not_offered_one_as_long_first() {
+    // One model over two routes of different windows, the small one faster (the
+    // balancer prefers it): the first large prompt that meets the small window is
+    // moved to the large one; later ones go there first.
+    let small = pgw_sim::SourceConfig {
+        context_window: Some(4096),
+        ..serving("small", "m-8k")
+    };
+    let large = pgw_sim::SourceConfig {
+        context_window: Some(200_000),
+        ttft_s: pgw_sim::LogNormal::constant(3.0).into(),
+        ..serving("large", "m-200k")
+    };
+    let pool = pool(vec![small, large]);
+    let mut cfg = GatewayConfig::default();
+    cfg.sources.push(source("small"));
+    cfg.sources.push(source("large"));
+    cfg.models.insert(
+        "chat".into(),
+        model(&[("small", Some("m-8k")), ("large", Some("m-200k"))]),
+    );
+    let sink = MemorySink::new();
+    let gw = gateway(&pool, cfg, &sink).await;
+    for i in 0..10 {
+        gw.chat(ChatRequest::user("chat", format!("hello {i}")))
+            .await
+            .unwrap();
+    }
+    assert!(
+        pool.stats().sources["small"].received >= 5,
+        "short prompts prefer the fast source"
+    );
+    let long = "word ".repeat(8_000);
+    for i in 0..20 {
+        let mut big = ChatRequest::user("chat", format!("{long}{i}"));
+        big.max_tokens = Some(50);
+        let a = gw.chat(big).await.unwrap();
+        assert_eq!(a.source.as_ref().unwrap().as_str(), "large");
+    }
+    let refused = pool.stats().sources["small"].context_length_exceeded;
+    assert!(
+        refused <= 1,
+        "the small window refused {refused} of 20 large prompts"
+    );
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_model_falls_back_to_another_when_its_routes_fail() {
     let down = pgw_sim::SourceConfig {
         server_error_rate: 1.0.into(),

@@ -34,6 +34,15 @@ pub const HEALTH_CLASSES: usize = 4;
 /// does not move it.
 pub const DEPRIORITIZE_AFTER_FAILURES: u32 = 2;
 
+/// How long a source that refused a request as too large for it (a context window:
+/// `context_length_exceeded`) is not offered requests of that size or more first: 10
+/// minutes. It stays a last resort for them (tried only once every other source failed
+/// or cannot admit), and after this a request that large is offered again: a provider
+/// that raised its window gets them back at the cost of one refusal per 10 minutes.
+/// Sizes come from [`ClassOf::size_of`](crate::ClassOf::size_of); a success of a size
+/// lifts the mark for every size up to it.
+pub const OVERSIZE_MEMORY: Duration = Duration::from_secs(600);
+
 /// What an unmeasured source (no successful answer yet) counts as answering in, in the
 /// score's latency term: 1 s. LLM calls take seconds, so a new source is tried early
 /// without drawing a whole burst of calls on no evidence.

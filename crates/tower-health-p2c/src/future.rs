@@ -173,6 +173,8 @@ struct CallState<S, Req, C> {
     snapshot: Arc<Snapshot<S>>,
     /// The request's health class (see `HealthP2c::with_class`).
     class: usize,
+    /// The request's size, when its `ClassOf` gives one (`ClassOf::size_of`).
+    size: Option<u64>,
     plan: Plan,
     config: BalanceConfig,
     classifier: C,
@@ -328,6 +330,7 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
                 .filter_map(|a| a.source.clone())
                 .collect()
         });
+        let oversized = order::oversized(&self.snapshot.entries, self.size);
         let Plan::Full(order, pos, _) = &mut self.plan else {
             return;
         };
@@ -335,7 +338,8 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
         let class = self.class;
         let key = |i: usize| {
             let state = &entries[i].state;
-            (too_large.contains(state.id()), state.health(class))
+            let known = oversized.as_ref().is_some_and(|o| o[i]);
+            (known || too_large.contains(state.id()), state.health(class))
         };
         if let Some(rest) = order.get_mut(*pos..) {
             rest.sort_by(|&a, &b| {
@@ -358,14 +362,15 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
         let cursor = self.seed.wrapping_add(rounds) as usize;
         let class = self.class;
         let first = order::first(policy, self.config.choices, entries, class, &mut rng, || cursor);
-        self.plan = match self.history().filter(|h| !h.is_empty()) {
-            None => Plan::First(first),
-            Some(h) => {
-                let mut full = order::full(policy, entries, class, first);
-                let defer_at = order::deprioritize(policy, entries, class, &h.attempts(), &mut full);
-                Plan::Full(full, 0, defer_at)
-            }
-        };
+        let oversized = order::oversized(entries, self.size);
+        self.plan = order::plan(
+            policy,
+            entries,
+            class,
+            first,
+            self.req.call_history().filter(|h| !h.is_empty()),
+            oversized.as_deref(),
+        );
     }
 
     /// How long a source whose `poll_ready` is `Pending` is waited for before the
@@ -571,18 +576,37 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
             // and `CallState`'s drop gives it back).
             self.dispatched = None;
             let inflight = Inflight(Arc::clone(state));
-            let (class, history, classifier) = (self.class, self.history().cloned(), self.classifier.clone());
+            let (class, size, history, classifier) = (
+                self.class,
+                self.size,
+                self.history().cloned(),
+                self.classifier.clone(),
+            );
             // Judged after this poll: the recording in scope then is not this call's.
             self.classifier.defer(
                 &mut result,
                 Box::new(move |r| {
-                    judge::<Req, _, _>(&inflight.0, class, history.as_ref(), false, &classifier, r);
+                    judge::<Req, _, _>(
+                        &inflight.0,
+                        (class, size),
+                        history.as_ref(),
+                        false,
+                        &classifier,
+                        r,
+                    );
                 }),
             );
         } else {
             // Judged now, borrowing: no reference to take and give back. The count is
             // given back after (by `CallState`'s drop if judging panicked).
-            judge::<Req, _, _>(state, self.class, self.history(), true, &self.classifier, &result);
+            judge::<Req, _, _>(
+                state,
+                (self.class, self.size),
+                self.history(),
+                true,
+                &self.classifier,
+                &result,
+            );
             self.dispatched = None;
             self.dispatched_at = None;
             state.answered_and_ended();
@@ -614,10 +638,12 @@ pub(crate) fn heard_from<T>(state: &SourceState, result: &Result<T, BoxError>, a
 
 /// Records an attempt's outcome: the health sample of its class and the call's
 /// history; when the request carries none and `offer` (an attempt judged in the poll
-/// that runs it), the history of the call's [`Recording`] in scope.
+/// that runs it), the history of the call's [`Recording`] in scope. With the request's
+/// size (`shape`: its class and size), what the source fits: a refusal as too large,
+/// or a success.
 pub(crate) fn judge<Req: 'static, T, C>(
     state: &SourceState,
-    class: usize,
+    shape: (usize, Option<u64>),
     history: Option<&CallHistory>,
     offer: bool,
     classifier: &C,
@@ -625,9 +651,21 @@ pub(crate) fn judge<Req: 'static, T, C>(
 ) where
     C: Classify<T, BoxError>,
 {
+    let (class, size) = shape;
     let outcome = classifier.classify(result);
     if let Some(ok) = outcome.health_sample() {
         state.record(class, ok);
+    }
+    let too_large = result
+        .as_ref()
+        .err()
+        .is_some_and(|e| pgw_core::exceeds_source(&**e));
+    if let Some(size) = size {
+        if too_large {
+            state.refused_size(size, Instant::now());
+        } else if outcome.is_success() {
+            state.fitted_size(size);
+        }
     }
     let record = || {
         let err = result.as_ref().err();
@@ -635,7 +673,7 @@ pub(crate) fn judge<Req: 'static, T, C>(
             source: Some(state.id().clone()),
             outcome,
             timed_out: err.is_some_and(|e| pgw_core::is_timeout(&**e)),
-            too_large: err.is_some_and(|e| pgw_core::exceeds_source(&**e)),
+            too_large,
             status: err
                 .and_then(|e| pgw_core::UpstreamStatus::find(&**e))
                 .map(pgw_core::UpstreamStatus::status),
@@ -709,6 +747,7 @@ impl<S, F, Req, C> ResponseFuture<S, F, Req, C> {
         req: Req,
         snapshot: Arc<Snapshot<S>>,
         class: usize,
+        size: Option<u64>,
         plan: Plan,
         config: BalanceConfig,
         classifier: C,
@@ -720,6 +759,7 @@ impl<S, F, Req, C> ResponseFuture<S, F, Req, C> {
                 req,
                 snapshot,
                 class,
+                size,
                 plan,
                 config,
                 classifier,

@@ -1,9 +1,10 @@
 //! Ordering of sources per attempt: the policy's order, then in-call deprioritization.
 
-use pgw_core::AttemptRecord;
+use pgw_core::{AttemptRecord, CallHistory};
 use rand::Rng;
 use rand::rngs::SmallRng;
 
+use crate::future::Plan;
 use crate::sources::Entry;
 use crate::{CREDIBLE_HEALTH_RATIO, DEPRIORITIZE_AFTER_FAILURES, HEALTH_INITIAL, Policy};
 
@@ -158,8 +159,42 @@ pub(crate) fn full<S>(policy: Policy, entries: &[Entry<S>], class: usize, first:
     order
 }
 
+/// The sources a request of `size` is known too large for (they refused one as large
+/// within [`OVERSIZE_MEMORY`](crate::OVERSIZE_MEMORY)), by index: `None` when the
+/// request has no size or no source is (no allocation then).
+pub(crate) fn oversized<S>(entries: &[Entry<S>], size: Option<u64>) -> Option<Vec<bool>> {
+    let size = size?;
+    let first = entries.iter().position(|e| e.state.too_large_for(size))?;
+    let mut marks = vec![false; entries.len()];
+    for (i, e) in entries.iter().enumerate().skip(first) {
+        marks[i] = i == first || e.state.too_large_for(size);
+    }
+    Some(marks)
+}
+
+/// The plan of a round that starts with `first`: that candidate alone (the fast path)
+/// for a call with no attempt yet and no source known too large for it; else the full
+/// order, [`deprioritize`]d by the call's attempts and the sources known too large.
+pub(crate) fn plan<S>(
+    policy: Policy,
+    entries: &[Entry<S>],
+    class: usize,
+    first: usize,
+    history: Option<&CallHistory>,
+    oversized: Option<&[bool]>,
+) -> Plan {
+    if history.is_none() && oversized.is_none() {
+        return Plan::First(first);
+    }
+    let attempts = history.map(CallHistory::attempts).unwrap_or_default();
+    let mut full = full(policy, entries, class, first);
+    let defer_at = deprioritize(policy, entries, class, &attempts, oversized, &mut full);
+    Plan::Full(full, 0, defer_at)
+}
+
 /// In-call deprioritization: a source that failed `>= 2` times in this call (or
-/// timed out once, or did not fit the request) goes to the tail, with a health view
+/// timed out once, or did not fit the request, in this call or as `oversized` marks
+/// it) goes to the tail, with a health view
 /// only when a credible alternative exists (a source not yet failed in this call whose
 /// health is `>= 0.5 x` the failed one's). With a health view the order becomes: the
 /// sources credible for the class, then those that only failed twice, then the poor
@@ -172,11 +207,12 @@ pub(crate) fn deprioritize<S>(
     entries: &[Entry<S>],
     class: usize,
     attempts: &[AttemptRecord],
+    oversized: Option<&[bool]>,
     order: &mut Vec<usize>,
 ) -> usize {
     let mut fails = vec![0u32; entries.len()];
     let mut timed_out = vec![false; entries.len()];
-    let mut too_large = vec![false; entries.len()];
+    let mut too_large = oversized.map_or_else(|| vec![false; entries.len()], <[bool]>::to_vec);
     for a in attempts {
         let Some(src) = &a.source else { continue };
         let Some(i) = entries.iter().position(|e| e.state.id() == src) else {
@@ -472,20 +508,20 @@ mod tests {
         let es = entries(&[0.83, 0.1, 0.9]);
         let timeout = vec![record("s1", Outcome::Transient, true, false)];
         let mut order = vec![0, 2, 1];
-        deprioritize(Policy::HealthAware, &es, 0, &timeout, &mut order);
+        deprioritize(Policy::HealthAware, &es, 0, &timeout, None, &mut order);
         assert_eq!(order, vec![2, 1, 0], "s1 timed out: the credible s3 goes first");
         let mut order = vec![0, 2, 1];
-        deprioritize(Policy::HealthAware, &es, 0, &failed("s1", 1), &mut order);
+        deprioritize(Policy::HealthAware, &es, 0, &failed("s1", 1), None, &mut order);
         assert_eq!(order, vec![0, 2, 1], "one plain failure keeps s1 first");
         // Without a credible alternative the timed-out source stays where it is.
         let es = entries(&[0.83, 0.1]);
         let mut order = vec![0, 1];
-        deprioritize(Policy::HealthAware, &es, 0, &timeout, &mut order);
+        deprioritize(Policy::HealthAware, &es, 0, &timeout, None, &mut order);
         assert_eq!(order, vec![0, 1]);
         // A request too large for s1 sends it to the tail even so: it cannot serve it.
         let too_large = vec![record("s1", Outcome::Rejected, false, true)];
         let mut order = vec![0, 1];
-        deprioritize(Policy::HealthAware, &es, 0, &too_large, &mut order);
+        deprioritize(Policy::HealthAware, &es, 0, &too_large, None, &mut order);
         assert_eq!(order, vec![1, 0]);
     }
 
@@ -496,12 +532,12 @@ mod tests {
         // s1 healthy (0.83), s2 the 10% watchdog source.
         let es = entries(&[0.83, 0.1]);
         let mut order = vec![0, 1];
-        deprioritize(Policy::HealthAware, &es, 0, &failed("s1", 2), &mut order);
+        deprioritize(Policy::HealthAware, &es, 0, &failed("s1", 2), None, &mut order);
         assert_eq!(order, vec![0, 1], "no credible alternative: s1 stays first");
 
         let es = entries(&[0.83, 0.1, 0.9]);
         let mut order = vec![0, 2, 1];
-        deprioritize(Policy::HealthAware, &es, 0, &failed("s1", 2), &mut order);
+        deprioritize(Policy::HealthAware, &es, 0, &failed("s1", 2), None, &mut order);
         assert_eq!(
             order,
             vec![2, 0, 1],
@@ -512,7 +548,7 @@ mod tests {
         let mut order = vec![0, 1, 2, 3, 4];
         let mut hist = failed("s1", 2);
         hist.push(record("s4", Outcome::Transient, true, false));
-        let defer_at = deprioritize(Policy::HealthAware, &es, 0, &hist, &mut order);
+        let defer_at = deprioritize(Policy::HealthAware, &es, 0, &hist, None, &mut order);
         assert_eq!(order, vec![2, 0, 1, 4, 3]);
         assert_eq!(defer_at, 1, "only the credible s3 goes before the deferred");
 
@@ -520,7 +556,7 @@ mod tests {
         let mut order = vec![0, 2, 1];
         let mut hist = failed("s1", 1);
         hist.push(record("s1", Outcome::Invalid, false, false));
-        deprioritize(Policy::HealthAware, &es, 0, &hist, &mut order);
+        deprioritize(Policy::HealthAware, &es, 0, &hist, None, &mut order);
         assert_eq!(order, vec![0, 2, 1]);
 
         // A candidate that already failed once in this call is not credible.
@@ -528,14 +564,14 @@ mod tests {
         let mut hist = failed("s1", 2);
         hist.extend(failed("s2", 1));
         let mut order = vec![0, 1];
-        deprioritize(Policy::HealthAware, &es, 0, &hist, &mut order);
+        deprioritize(Policy::HealthAware, &es, 0, &hist, None, &mut order);
         assert_eq!(order, vec![0, 1]);
 
         // Without a health view: unconditional.
         for policy in [Policy::RoundRobin, Policy::LeastInflight] {
             let es = entries(&[0.83, 0.1]);
             let mut order = vec![0, 1];
-            deprioritize(policy, &es, 0, &failed("s1", 2), &mut order);
+            deprioritize(policy, &es, 0, &failed("s1", 2), None, &mut order);
             assert_eq!(order, vec![1, 0], "{policy}");
         }
     }

@@ -76,7 +76,7 @@ pub(crate) fn send<S, Req, C>(
         // hold goes back with the dropped judgement.
         let judging = classifier.clone();
         settle(&classifier, &mut result, move |r| {
-            judge::<Req, _, _>(&probing.0, class, None, false, &judging, r);
+            judge::<Req, _, _>(&probing.0, (class, None), None, false, &judging, r);
             drop(probing);
         });
     });

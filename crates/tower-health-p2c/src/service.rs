@@ -42,13 +42,25 @@ pub struct HealthP2c<S, C = OkIsSuccess, K = SingleClass> {
     seed: u64,
 }
 
-/// Which health class a request belongs to (see [`HealthP2c::with_class`]).
+/// What the balancer knows of a request before dispatching it: its health class (see
+/// [`HealthP2c::with_class`]) and, optionally, its size.
 ///
-/// Implemented by [`SingleClass`] (every request in class 0, the default) and by any
-/// `Fn(&Req) -> usize`.
+/// Implemented by [`SingleClass`] (every request in class 0, no size, the default) and
+/// by any `Fn(&Req) -> usize` (no size).
 pub trait ClassOf<Req> {
     /// The request's class, `0..HEALTH_CLASSES` (larger values share the last class).
     fn class_of(&self, req: &Req) -> usize;
+
+    /// The request's size, in any unit that grows with what a source may refuse as too
+    /// large (for chat calls: the estimated tokens, prompt and completion budget);
+    /// `None` (the default) when unknown. A source that refused a request as too large
+    /// for it ([`pgw_core::exceeds_source`]: a context window) is then not offered
+    /// requests of that size or more first, for
+    /// [`OVERSIZE_MEMORY`](crate::OVERSIZE_MEMORY): each process pays one refusal per
+    /// source, not one per large call.
+    fn size_of(&self, _req: &Req) -> Option<u64> {
+        None
+    }
 }
 
 /// Every request in class 0: one health EWMA per source.
@@ -213,6 +225,7 @@ where
         let snapshot = Arc::clone(&self.snapshot);
         let policy = self.config.policy;
         let class = self.class_of.class_of(&req).min(HEALTH_CLASSES - 1);
+        let size = self.class_of.size_of(&req);
         let plan = if snapshot.entries.is_empty() {
             Plan::Empty
         } else {
@@ -222,19 +235,20 @@ where
             let first = order::first(policy, choices, entries, class, &mut self.rng, || {
                 sources.cursor()
             });
-            match req.call_history().filter(|h| !h.is_empty()) {
-                None => Plan::First(first),
-                Some(h) => {
-                    let mut full = order::full(policy, entries, class, first);
-                    let defer_at = order::deprioritize(policy, entries, class, &h.attempts(), &mut full);
-                    Plan::Full(full, 0, defer_at)
-                }
-            }
+            order::plan(
+                policy,
+                entries,
+                class,
+                first,
+                req.call_history().filter(|h| !h.is_empty()),
+                order::oversized(entries, size).as_deref(),
+            )
         };
         ResponseFuture::new(
             req,
             snapshot,
             class,
+            size,
             plan,
             self.config,
             self.classifier.clone(),

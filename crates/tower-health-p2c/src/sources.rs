@@ -51,6 +51,13 @@ pub(crate) struct SourceState {
     probed_ns: AtomicU64,
     /// EWMA of the time to a successful answer, seconds, as f64 bits (0: none yet).
     latency_bits: AtomicU64,
+    /// The smallest request size the source refused as too large for it
+    /// ([`pgw_core::exceeds_source`]; `u64::MAX`: none), and when it last refused one
+    /// (nanoseconds after `epoch`): what [`too_large_for`](Self::too_large_for) judges.
+    too_large_from: AtomicU64,
+    too_large_ns: AtomicU64,
+    /// The largest request size the source answered with a success (0: none yet).
+    fits_up_to: AtomicU64,
     epoch: Instant,
     /// `epoch` in `pgw_core::clock::nanos`.
     epoch_ns: u64,
@@ -69,6 +76,9 @@ impl SourceState {
             timed_out_ns: AtomicU64::new(0),
             probed_ns: AtomicU64::new(0),
             latency_bits: AtomicU64::new(0),
+            too_large_from: AtomicU64::new(u64::MAX),
+            too_large_ns: AtomicU64::new(0),
+            fits_up_to: AtomicU64::new(0),
             epoch,
             epoch_ns: pgw_core::clock::nanos(epoch),
         }
@@ -250,6 +260,46 @@ impl SourceState {
                 Err(actual) => cur = actual,
             }
         }
+    }
+
+    /// The source refused a request of `size` as too large for it at `now` (a context
+    /// window): requests of that size or more are not offered to it first for
+    /// [`OVERSIZE_MEMORY`](crate::OVERSIZE_MEMORY).
+    pub(crate) fn refused_size(&self, size: u64, now: Instant) {
+        // `u64::MAX` means "none refused": a saturated estimate is stored just under it.
+        let size = size.min(u64::MAX - 1);
+        let now = self.ns_at(now);
+        if self.oversize_forgotten(now) {
+            self.too_large_from.store(size, Ordering::Relaxed);
+        } else {
+            self.too_large_from.fetch_min(size, Ordering::Relaxed);
+        }
+        self.too_large_ns.store(now, Ordering::Relaxed);
+    }
+
+    /// The source answered a request of `size` with a success: requests up to that
+    /// size fit it, whatever it refused before.
+    pub(crate) fn fitted_size(&self, size: u64) {
+        if self.fits_up_to.load(Ordering::Relaxed) < size {
+            self.fits_up_to.fetch_max(size, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether a request of `size` is known too large for the source: it refused one
+    /// of that size or less within [`OVERSIZE_MEMORY`](crate::OVERSIZE_MEMORY), and
+    /// never answered one as large. One load when it never refused any (the clock is
+    /// read only for a request that large).
+    pub(crate) fn too_large_for(&self, size: u64) -> bool {
+        let from = self.too_large_from.load(Ordering::Relaxed);
+        from != u64::MAX
+            && size >= from
+            && size > self.fits_up_to.load(Ordering::Relaxed)
+            && !self.oversize_forgotten(self.now_ns())
+    }
+
+    fn oversize_forgotten(&self, now_ns: u64) -> bool {
+        let memory = u64::try_from(crate::OVERSIZE_MEMORY.as_nanos()).unwrap_or(u64::MAX);
+        now_ns.saturating_sub(self.too_large_ns.load(Ordering::Relaxed)) >= memory
     }
 
     /// The source recovered at `at`, as a gate below judged it (see
@@ -651,6 +701,30 @@ impl<S> fmt::Debug for Sources<S> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_refused_size_is_known_too_large_until_a_success_or_the_memory_ends() {
+        let s = SourceState::new("small".into());
+        assert!(!s.too_large_for(u64::MAX), "nothing refused yet");
+        assert!(!s.too_large_for(0));
+        s.refused_size(5_000, Instant::now());
+        assert!(s.too_large_for(5_000) && s.too_large_for(80_000));
+        assert!(!s.too_large_for(4_999), "a smaller request was never refused");
+        s.refused_size(2_000, Instant::now());
+        assert!(s.too_large_for(2_000), "the smallest refusal counts");
+        // A success of 3000 says every size up to it fits, whatever was refused.
+        s.fitted_size(3_000);
+        assert!(!s.too_large_for(2_500) && !s.too_large_for(3_000));
+        assert!(s.too_large_for(3_001));
+        tokio::time::advance(crate::OVERSIZE_MEMORY - Duration::from_secs(1)).await;
+        assert!(s.too_large_for(5_000), "still within the memory");
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert!(!s.too_large_for(5_000), "forgotten: offered again");
+        // Refused again after it was forgotten: learnt from that refusal alone.
+        s.refused_size(9_000, Instant::now());
+        assert!(s.too_large_for(9_000));
+        assert!(!s.too_large_for(5_000), "the forgotten 2000 is not back");
+    }
 
     #[test]
     fn ewma_converges_and_score_has_a_floor() {
