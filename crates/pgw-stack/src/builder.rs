@@ -423,6 +423,7 @@ impl Wiring<'_> {
         let hold = RouteHold {
             source: limiter.clone(),
             route: route_hold.clone(),
+            upstream: route.upstream.clone(),
             pushback,
         };
         let layer = SourceLayer {

@@ -1,11 +1,12 @@
 //! Routes: a source serving one upstream model, the unit the breaker, the health
 //! EWMA and 429 holds are kept for; and [`RouteHolds`], the retry layer's hold hook
-//! that holds a route, or its account when the provider says the limit is the
-//! account's.
+//! that holds a route, every route of its account serving its model when the provider
+//! says the limit is that model's in the account, or the whole account when it says
+//! the limit is the account's.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 
 use pgw_core::{BoxError, Hold, HoldFuture, SourceId, UpstreamStatus};
@@ -153,39 +154,69 @@ pub(crate) fn route_id(source: &str, upstream: &str) -> SourceId {
     SourceId::from(format!("{source}/{upstream}"))
 }
 
+/// Whose limit a 429 met, as its message says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum LimitScope {
+    /// The key's or the deployment's own limit (or the message does not say): the
+    /// route alone is held.
+    Route = 0,
+    /// The model's limit in the organization or account ("Rate limit reached for
+    /// gpt-4o in organization org-1 on tokens per min"): every key of the account
+    /// shares it, so every route of the account serving that model is held.
+    ModelInAccount = 1,
+    /// The account's limit as a whole ("Rate limit reached for account acct-a"): every
+    /// source and model of it is held.
+    Account = 2,
+}
+
 /// What the last 429 of a route said about its scope: set by the attempt, read (and
 /// cleared) by the hold that follows it in the same call. Two calls' 429s on one route
 /// racing can swap their scopes; both are 429s of that route, so at worst one hold is
-/// a route's instead of the account's, and the account's next 429 says so again.
+/// narrower than it should be, and the account's next 429 says so again.
 #[derive(Clone, Debug, Default)]
-pub(crate) struct Pushback(Arc<AtomicBool>);
+pub(crate) struct Pushback(Arc<AtomicU8>);
 
 impl Pushback {
-    /// Notes a 429's error: account-wide or not.
+    /// Notes a 429's error: whose limit it met.
     pub(crate) fn note(&self, err: &(dyn std::error::Error + 'static), model: &str) {
-        self.0.store(account_wide(err, model), Ordering::Relaxed);
+        self.0.store(limit_scope(err, model) as u8, Ordering::Relaxed);
     }
 
-    fn take(&self) -> bool {
-        self.0.swap(false, Ordering::Relaxed)
+    fn take(&self) -> LimitScope {
+        match self.0.swap(LimitScope::Route as u8, Ordering::Relaxed) {
+            2 => LimitScope::Account,
+            1 => LimitScope::ModelInAccount,
+            _ => LimitScope::Route,
+        }
     }
 }
 
-/// Whether a 429 says the limit is the account's (organization's) as a whole, not the
-/// model's or the key's: its message names the organization or account and not the
-/// model asked (OpenAI: "Rate limit reached for gpt-4o in organization org-x on tokens
-/// per min" is that model's limit in the organization; "... for account a" is the
-/// account's).
+/// Whose limit a 429 met ([`LimitScope`]): the account's when its message names the
+/// organization or account ([`pgw_core::pushback_is_account_wide`]), as a whole unless
+/// it also names the model asked (OpenAI: "Rate limit reached for gpt-4o in
+/// organization org-x on tokens per min" is that model's limit in the organization,
+/// shared by every key of it; "... for account a" is the account's).
 ///
 /// ```text
-/// "Rate limit reached for account acct-a. Please slow down."          -> account
-/// "Rate limit reached for gpt-4o in organization org-1 on requests"   -> the route
-/// "Rate limit reached for requests on source s4"                      -> the route
+/// "Rate limit reached for account acct-a. Please slow down."          -> Account
+/// "Rate limit reached for gpt-4o in organization org-1 on requests"   -> ModelInAccount
+/// "Rate limit reached for requests on source s4"                      -> Route
 /// ```
-pub(crate) fn account_wide(err: &(dyn std::error::Error + 'static), model: &str) -> bool {
+///
+/// Holding only the route on a model's limit in the organization (as pgw did until
+/// 2026-12-04) left the account's other keys sending that model's short calls into the
+/// refilled quota: on the soak's account-429 storm (three keys of one organization, a
+/// 400k TPM limit, 100k-token prompts among short ones) a long prompt met a 429 at
+/// every try until its pushback bound ended it (111 calls of 37,500 over 25 seeds; 0
+/// with the model held on every key of the organization).
+pub(crate) fn limit_scope(err: &(dyn std::error::Error + 'static), model: &str) -> LimitScope {
     let Some(status) = UpstreamStatus::find(err) else {
-        return false;
+        return LimitScope::Route;
     };
+    if !pgw_core::pushback_is_account_wide(err) {
+        return LimitScope::Route;
+    }
     // The model as a word of the message, not a substring ("m" is in "limit").
     let message = status.message().to_ascii_lowercase();
     let model = model.to_ascii_lowercase();
@@ -193,7 +224,11 @@ pub(crate) fn account_wide(err: &(dyn std::error::Error + 'static), model: &str)
         && message
             .split(|c: char| c.is_whitespace() || matches!(c, ',' | ';' | '(' | ')' | '"' | '\''))
             .any(|w| w.trim_end_matches(['.', ':']) == model);
-    pgw_core::pushback_is_account_wide(err) && !names_model
+    if names_model {
+        LimitScope::ModelInAccount
+    } else {
+        LimitScope::Account
+    }
 }
 
 /// The long hold of a source whose account has no credit left (`insufficient_quota`,
@@ -238,14 +273,17 @@ pub(crate) struct RouteHold {
     pub(crate) source: RateLimiter,
     /// The route's own hold scope, when the route is not the whole source.
     pub(crate) route: Option<RateLimiter>,
+    /// The model the route sends upstream (`None`: the caller's).
+    pub(crate) upstream: Option<String>,
     /// The scope of the route's last 429.
     pub(crate) pushback: Pushback,
 }
 
 /// The retry layer's hold hook over every route: a 429 holds the route it came from
 /// (its source and upstream model), so the source's other models stay admitted; when
-/// the provider says the limit is the account's, it holds the account (every source
-/// and model of it). One round trip either way.
+/// the provider says the limit is that model's in the account, every route of the
+/// account serving that model (one round trip each, sent together); when it says the
+/// limit is the account's, the account (every source and model of it, one round trip).
 #[derive(Clone, Debug, Default)]
 pub(crate) struct RouteHolds {
     pub(crate) routes: Arc<HashMap<SourceId, RouteHold>>,
@@ -282,22 +320,46 @@ impl RouteHolds {
             let e: BoxError = Box::new(UnknownRoute(route.to_string()));
             return Box::pin(std::future::ready(Err(e)));
         };
-        let (limiter, scope) = match (r.pushback.take(), &r.route) {
+        let holds: Vec<(RateLimiter, HoldScope)> = match (r.pushback.take(), &r.route) {
             // The account's limit: every source and model of it (the source alone
             // when it has no account: the key's limit, all its models).
-            (true, Some(_)) => (r.source.clone(), HoldScope::Account),
-            (true, None) => (r.source.clone(), HoldScope::Both),
-            (false, Some(route)) => (route.clone(), HoldScope::Source),
-            (false, None) => (r.source.clone(), HoldScope::Source),
+            (LimitScope::Account, Some(_)) => vec![(r.source.clone(), HoldScope::Account)],
+            // Without `[models]` a route is its source, every model of it: the
+            // account's hold is the narrowest that holds the model on every key.
+            (LimitScope::Account | LimitScope::ModelInAccount, None) => {
+                vec![(r.source.clone(), HoldScope::Both)]
+            }
+            (LimitScope::ModelInAccount, Some(_)) => self.model_in_account(r),
+            (LimitScope::Route, Some(route)) => vec![(route.clone(), HoldScope::Source)],
+            (LimitScope::Route, None) => vec![(r.source.clone(), HoldScope::Source)],
         };
         Box::pin(async move {
-            let held = if overloaded {
-                limiter.hold_after_overload(scope, duration).await
-            } else {
-                limiter.hold(scope, duration).await
-            };
-            held.map(|_| ()).map_err(|e| Box::new(e) as BoxError)
+            let writes = holds.into_iter().map(|(limiter, scope)| async move {
+                if overloaded {
+                    limiter.hold_after_overload(scope, duration).await
+                } else {
+                    limiter.hold(scope, duration).await
+                }
+            });
+            for held in futures_util::future::join_all(writes).await {
+                held.map_err(|e| Box::new(e) as BoxError)?;
+            }
+            Ok(())
         })
+    }
+
+    /// The holds for a model's limit in `r`'s account: every route of the account
+    /// that serves `r`'s upstream model (`r` itself when its source has no account).
+    fn model_in_account(&self, r: &RouteHold) -> Vec<(RateLimiter, HoldScope)> {
+        let own = |h: &RouteHold| h.route.clone().unwrap_or_else(|| h.source.clone());
+        let Some(account) = r.source.config().account_name() else {
+            return vec![(own(r), HoldScope::Source)];
+        };
+        self.routes
+            .values()
+            .filter(|h| h.upstream == r.upstream && h.source.config().account_name() == Some(account))
+            .map(|h| (own(h), HoldScope::Source))
+            .collect()
     }
 }
 
@@ -319,23 +381,117 @@ mod tests {
     }
 
     #[test]
-    fn only_an_account_limit_that_names_no_model_is_account_wide() {
+    fn a_429_names_the_account_the_model_in_it_or_neither() {
         let account = too_many("Rate limit reached for account acct-a. Please slow down.");
-        assert!(account_wide(&*account, "gpt-4o"));
+        assert_eq!(limit_scope(&*account, "gpt-4o"), LimitScope::Account);
         let org = too_many("Rate limit reached for organization org-1 on requests per min (RPM)");
-        assert!(account_wide(&*org, "gpt-4o"));
+        assert_eq!(limit_scope(&*org, "gpt-4o"), LimitScope::Account);
         let model_in_org =
             too_many("Rate limit reached for gpt-4o in organization org-1 on tokens per min (TPM)");
-        assert!(!account_wide(&*model_in_org, "gpt-4o"));
+        assert_eq!(limit_scope(&*model_in_org, "gpt-4o"), LimitScope::ModelInAccount);
+        // Another model's limit named in the organization: not this model's, the
+        // organization's as far as this call can tell.
+        assert_eq!(limit_scope(&*model_in_org, "gpt-4o-mini"), LimitScope::Account);
         let key = too_many("Rate limit reached for requests on source s4");
-        assert!(!account_wide(&*key, "gpt-4o"));
+        assert_eq!(limit_scope(&*key, "gpt-4o"), LimitScope::Route);
         let plain: BoxError = "connection reset".into();
-        assert!(!account_wide(&*plain, "gpt-4o"));
+        assert_eq!(limit_scope(&*plain, "gpt-4o"), LimitScope::Route);
         // A one-letter model is a word, not a substring of "limit".
-        assert!(account_wide(
-            &*too_many("Rate limit reached for account acct. Please slow down."),
-            "m"
-        ));
+        assert_eq!(
+            limit_scope(
+                &*too_many("Rate limit reached for account acct. Please slow down."),
+                "m"
+            ),
+            LimitScope::Account
+        );
+    }
+
+    /// Routes as the builder makes them with `[models]`: each source's limiter (with
+    /// its account) and each route's own hold scope.
+    fn routes(specs: &[(&str, &str, Option<&str>)]) -> RouteHolds {
+        let backend = tower_ratelimit_redis::MemoryBackend::new();
+        let mut routes = HashMap::new();
+        for &(source, model, account) in specs {
+            let mut config = tower_ratelimit_redis::RateLimitConfig::new(
+                source,
+                tower_ratelimit_redis::Quota::unlimited(),
+            );
+            if let Some(a) = account {
+                config = config.account(a, tower_ratelimit_redis::Quota::unlimited());
+            }
+            let id = route_id(source, model);
+            let route = tower_ratelimit_redis::RateLimitConfig::new(
+                id.as_str(),
+                tower_ratelimit_redis::Quota::unlimited(),
+            );
+            routes.insert(
+                id,
+                RouteHold {
+                    source: RateLimiter::new(config, backend.clone()).unwrap(),
+                    route: Some(RateLimiter::new(route, backend.clone()).unwrap()),
+                    upstream: Some(model.to_owned()),
+                    pushback: Pushback::default(),
+                },
+            );
+        }
+        RouteHolds {
+            routes: Arc::new(routes),
+        }
+    }
+
+    async fn held(holds: &RouteHolds, route: &str) -> bool {
+        let r = &holds.routes[&SourceId::from(route)];
+        let route = r.route.as_ref().unwrap().acquire(0).await;
+        let source = r.source.acquire(0).await;
+        route.is_err() || source.is_err()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_models_limit_in_the_account_holds_that_model_on_every_key_of_it() {
+        let holds = routes(&[
+            ("k1", "gpt-4o", Some("org")),
+            ("k2", "gpt-4o", Some("org")),
+            ("k2", "gpt-4o-mini", Some("org")),
+            ("k3", "gpt-4o", Some("other")),
+        ]);
+        let first = SourceId::from("k1/gpt-4o");
+        holds.routes[&first].pushback.note(
+            &*too_many("Rate limit reached for gpt-4o in organization org on tokens per min (TPM)"),
+            "gpt-4o",
+        );
+        holds.hold(&first, Duration::from_secs(20)).await.unwrap();
+        assert!(held(&holds, "k1/gpt-4o").await);
+        assert!(
+            held(&holds, "k2/gpt-4o").await,
+            "the model on the account's other key"
+        );
+        assert!(
+            !held(&holds, "k2/gpt-4o-mini").await,
+            "another model of the account"
+        );
+        assert!(!held(&holds, "k3/gpt-4o").await, "the model on another account");
+        tokio::time::advance(Duration::from_secs(20)).await;
+        assert!(!held(&holds, "k2/gpt-4o").await, "for the time asked");
+
+        // The key's own limit holds the route alone.
+        holds.routes[&first].pushback.note(
+            &*too_many("Rate limit reached for requests on source k1"),
+            "gpt-4o",
+        );
+        holds.hold(&first, Duration::from_secs(20)).await.unwrap();
+        assert!(held(&holds, "k1/gpt-4o").await);
+        assert!(!held(&holds, "k2/gpt-4o").await);
+    }
+
+    #[test]
+    fn the_scope_noted_is_taken_once() {
+        let p = Pushback::default();
+        p.note(
+            &*too_many("Rate limit reached for gpt-4o in organization org-1 on tokens per min (TPM)"),
+            "gpt-4o",
+        );
+        assert_eq!(p.take(), LimitScope::ModelInAccount);
+        assert_eq!(p.take(), LimitScope::Route, "cleared by the hold that read it");
     }
 
     #[test]
