@@ -4,26 +4,13 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use pgw_core::{BoxError, CallHistory, CarriesHistory};
+mod common;
+
+use common::Req;
+use pgw_core::BoxError;
 use tower::util::BoxCloneSyncService;
 use tower::{Service, ServiceExt, service_fn};
 use tower_health_p2c::{BalanceConfig, HealthP2c, Sources};
-
-/// A request: streamed or not.
-#[derive(Clone, Default)]
-struct Req {
-    streamed: bool,
-    history: Option<CallHistory>,
-}
-
-impl CarriesHistory for Req {
-    fn call_history(&self) -> Option<&CallHistory> {
-        self.history.as_ref()
-    }
-    fn set_call_history(&mut self, h: CallHistory) {
-        self.history = Some(h);
-    }
-}
 
 type Svc = BoxCloneSyncService<Req, &'static str, BoxError>;
 
@@ -61,7 +48,7 @@ async fn a_source_failing_streams_keeps_its_short_call_share() {
             for i in 0..400 {
                 let req = Req {
                     streamed: i % 2 == 1,
-                    history: None,
+                    ..Req::default()
                 };
                 let _ = lb.ready().await.unwrap().call(req).await;
             }
@@ -80,7 +67,7 @@ async fn a_source_failing_streams_keeps_its_short_call_share() {
             for i in 0..400 {
                 let req = Req {
                     streamed: i % 2 == 1,
-                    history: None,
+                    ..Req::default()
                 };
                 let _ = lb.ready().await.unwrap().call(req).await;
             }

@@ -6,26 +6,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use pgw_core::{BoxError, CallHistory, CarriesHistory, Outcome, ProviderError, UpstreamStatus};
+mod common;
+
+use common::Req;
+use pgw_core::{BoxError, Outcome, ProviderError, UpstreamStatus};
 use tower::util::BoxCloneSyncService;
 use tower::{Service, ServiceExt, service_fn};
 use tower_health_p2c::{BalanceConfig, ClassOf, HealthP2c, OVERSIZE_MEMORY, Sources};
-
-/// A request of `size` tokens.
-#[derive(Clone, Default)]
-struct Req {
-    size: u64,
-    history: Option<CallHistory>,
-}
-
-impl CarriesHistory for Req {
-    fn call_history(&self) -> Option<&CallHistory> {
-        self.history.as_ref()
-    }
-    fn set_call_history(&mut self, h: CallHistory) {
-        self.history = Some(h);
-    }
-}
 
 /// Every request in class 0, sized by its `size`.
 #[derive(Clone, Copy)]
@@ -89,7 +76,10 @@ type Classifier = fn(&Result<&'static str, BoxError>) -> Outcome;
 
 async fn send<K: ClassOf<Req>>(lb: &mut HealthP2c<Svc, Classifier, K>, size: u64, n: usize) {
     for _ in 0..n {
-        let req = Req { size, history: None };
+        let req = Req {
+            size,
+            ..Req::default()
+        };
         let _ = lb.ready().await.unwrap().call(req).await;
     }
 }
