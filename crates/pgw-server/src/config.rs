@@ -569,17 +569,15 @@ impl ServerConfig {
         let gateway = GatewayConfig::from_toml_str(&rest).map_err(named)?;
         // With [models], the gateway serves those names and no other; without, any name
         // goes to a group (and upstream as the source's model), so none can be wrong.
-        let served = crate::routes::model_names(&gateway);
-        for (i, k) in server.keys.iter().enumerate() {
-            if let Some(m) = k
-                .models
-                .iter()
-                .find(|m| !gateway.models.is_empty() && !served.contains(m))
-            {
-                return Err(named(config_error(
-                    format!("server.keys[{i}].models"),
-                    format!("the gateway serves no model {m:?} (it serves {served:?})"),
-                )));
+        if !gateway.models.is_empty() {
+            let served = crate::routes::model_names(&gateway);
+            for (i, k) in server.keys.iter().enumerate() {
+                if let Some(m) = k.models.iter().find(|m| !served.contains(m)) {
+                    return Err(named(config_error(
+                        format!("server.keys[{i}].models"),
+                        format!("the gateway serves no model {m:?} (it serves {served:?})"),
+                    )));
+                }
             }
         }
         Ok(Self { server, gateway })

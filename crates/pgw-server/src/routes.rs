@@ -346,7 +346,6 @@ fn as_openai_error(response: Response) -> Response {
     Response::from_parts(parts, body)
 }
 
-/// The tenant of the request: `Ok(None)` when no keys are configured.
 /// A 413 for a body whose `Content-Length` is past `max_body_bytes`, before it is read.
 fn declared_too_large(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
     let declared = headers
@@ -359,6 +358,7 @@ fn declared_too_large(state: &AppState, headers: &HeaderMap) -> Result<(), ApiEr
     }
 }
 
+/// The tenant of the request: `Ok(None)` when no keys are configured.
 fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<Option<Arc<Tenant>>, ApiError> {
     if state.keys.is_empty() {
         return Ok(None);

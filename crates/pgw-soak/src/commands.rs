@@ -72,14 +72,7 @@ impl RedisCommands {
     /// # Errors
     /// The file is there but cannot be read or parsed, naming it.
     pub fn load(dir: &std::path::Path) -> Result<Option<Self>, BoxError> {
-        let path = dir.join(crate::realtime::COMMANDS_FILE);
-        match std::fs::read(&path) {
-            Ok(bytes) => serde_json::from_slice(&bytes)
-                .map(Some)
-                .map_err(|e| format!("{}: {e}", path.display()).into()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(format!("{}: {e}", path.display()).into()),
-        }
+        crate::telemetry::read_json_if_there(&dir.join(crate::realtime::COMMANDS_FILE))
     }
 
     /// Every command of the run.

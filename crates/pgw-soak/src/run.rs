@@ -317,15 +317,8 @@ pub fn rescore(dir: &Path) -> Result<Vec<Score>, BoxError> {
     }
     // A Redis-mode run keeps its description and its Redis commands (it was rewritten
     // as a memory run, its commands section dropped).
-    let path = dir.join(crate::realtime::REALTIME_FILE);
-    let real = match fs::read(&path) {
-        Ok(bytes) => Some(
-            serde_json::from_slice::<crate::realtime::RealTime>(&bytes)
-                .map_err(|e| format!("{}: {e}", path.display()))?,
-        ),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-        Err(e) => return Err(format!("{}: {e}", path.display()).into()),
-    };
+    let real: Option<crate::realtime::RealTime> =
+        crate::telemetry::read_json_if_there(&dir.join(crate::realtime::REALTIME_FILE))?;
     let described = real.as_ref().map_or_else(
         || describe(&scenario),
         |r| crate::realtime::describe_redis(&scenario, r),

@@ -196,18 +196,15 @@ pub fn judge(run: &ProfileRun, expect: &Expectations) -> Score {
     let mut checks = Vec::new();
     checks.push(success_check(success_rate, ok, calls, expect));
     if let Some((lo, hi)) = expect.success_band {
+        let inside = (lo..=hi).contains(&success_rate);
         checks.push(Check {
             name: "calibration band",
-            pass: (lo..=hi).contains(&success_rate),
+            pass: inside,
             gating: false,
             detail: format!(
                 "{:.1}%, {} [{:.0}%, {:.0}%]",
                 success_rate * 100.0,
-                if (lo..=hi).contains(&success_rate) {
-                    "inside"
-                } else {
-                    "outside"
-                },
+                if inside { "inside" } else { "outside" },
                 lo * 100.0,
                 hi * 100.0
             ),
@@ -553,6 +550,7 @@ fn success_by_minute(run: &ProfileRun) -> Vec<(u64, u64, u64)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::telemetry::{Accounting, AttemptRow, CallRow, RssSample};
 
     #[test]
     fn only_gating_checks_say_pass_or_fail() {
@@ -568,7 +566,6 @@ mod tests {
         assert_eq!(check(true, false).label(), "info");
         assert_eq!(check(false, false).label(), "info");
     }
-    use crate::telemetry::{Accounting, AttemptRow, CallRow, RssSample};
 
     fn attempt(call: &str, n: u32, source: &str, at_ms: u64, cache_hit: bool) -> AttemptRow {
         AttemptRow {

@@ -464,6 +464,24 @@ impl ProfileRun {
     }
 }
 
+/// The JSON file at `path` read as `T`, or `None` when there is no such file (a run
+/// that did not write it: `redis-commands.json` and `realtime.json` are the Redis
+/// mode's only).
+///
+/// # Errors
+/// The file is there but cannot be read or parsed, naming it.
+pub(crate) fn read_json_if_there<T: for<'de> Deserialize<'de>>(
+    path: &Path,
+) -> Result<Option<T>, pgw_core::BoxError> {
+    match fs::read(path) {
+        Ok(bytes) => serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|e| format!("{}: {e}", path.display()).into()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(format!("{}: {e}", path.display()).into()),
+    }
+}
+
 /// The profiles stored in a run directory, in the order they were run.
 ///
 /// # Errors

@@ -323,24 +323,19 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
         if !self.config.policy.has_health_view() {
             return;
         }
-        let too_large: Vec<pgw_core::SourceId> = self.history().map_or_else(Vec::new, |h| {
-            h.attempts()
-                .iter()
-                .filter(|a| a.too_large)
-                .filter_map(|a| a.source.clone())
-                .collect()
-        });
-        let oversized = order::oversized(&self.snapshot.entries, self.size);
+        let entries = &self.snapshot.entries;
+        let attempts = self
+            .req
+            .call_history()
+            .map(CallHistory::attempts)
+            .unwrap_or_default();
+        let oversized = order::oversized(entries, self.size);
+        let too_large = order::too_large(entries, &attempts, oversized.as_deref());
         let Plan::Full(order, pos, _) = &mut self.plan else {
             return;
         };
-        let entries = &self.snapshot.entries;
         let class = self.class;
-        let key = |i: usize| {
-            let state = &entries[i].state;
-            let known = oversized.as_ref().is_some_and(|o| o[i]);
-            (known || too_large.contains(state.id()), state.health(class))
-        };
+        let key = |i: usize| (too_large[i], entries[i].state.health(class));
         if let Some(rest) = order.get_mut(*pos..) {
             rest.sort_by(|&a, &b| {
                 let (la, ha) = key(a);

@@ -172,6 +172,26 @@ pub(crate) fn oversized<S>(entries: &[Entry<S>], size: Option<u64>) -> Option<Ve
     Some(marks)
 }
 
+/// The sources the request does not fit, by index: those it was too large for in this
+/// call (`attempts`) and those known too large for its size (`oversized`).
+pub(crate) fn too_large<S>(
+    entries: &[Entry<S>],
+    attempts: &[AttemptRecord],
+    oversized: Option<&[bool]>,
+) -> Vec<bool> {
+    let mut marks = oversized.map_or_else(|| vec![false; entries.len()], <[bool]>::to_vec);
+    for a in attempts.iter().filter(|a| a.too_large) {
+        if let Some(i) = a.source.as_ref().and_then(|src| index_of(entries, src)) {
+            marks[i] = true;
+        }
+    }
+    marks
+}
+
+fn index_of<S>(entries: &[Entry<S>], source: &pgw_core::SourceId) -> Option<usize> {
+    entries.iter().position(|e| e.state.id() == source)
+}
+
 /// The plan of a round that starts with `first`: that candidate alone (the fast path)
 /// for a call with no attempt yet and no source known too large for it; else the full
 /// order, [`deprioritize`]d by the call's attempts and the sources known too large.
@@ -212,13 +232,11 @@ pub(crate) fn deprioritize<S>(
 ) -> usize {
     let mut fails = vec![0u32; entries.len()];
     let mut timed_out = vec![false; entries.len()];
-    let mut too_large = oversized.map_or_else(|| vec![false; entries.len()], <[bool]>::to_vec);
+    let too_large = too_large(entries, attempts, oversized);
     for a in attempts {
-        let Some(src) = &a.source else { continue };
-        let Some(i) = entries.iter().position(|e| e.state.id() == src) else {
+        let Some(i) = a.source.as_ref().and_then(|src| index_of(entries, src)) else {
             continue;
         };
-        too_large[i] |= a.too_large;
         if a.outcome.health_sample() == Some(false) {
             fails[i] += 1;
             timed_out[i] |= a.timed_out;
