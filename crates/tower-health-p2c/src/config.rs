@@ -56,6 +56,17 @@ pub const MIN_LATENCY_S: f64 = 0.001;
 /// failed twice gave the call's next attempt to a source that succeeded 10% of the time.
 pub const CREDIBLE_HEALTH_RATIO: f64 = 0.5;
 
+/// A source is poor for a class, and no fallback for a wait, when its health is below
+/// this share of the best health among the sources refused as over quota in the same
+/// round: 0.25. When a call's wait for a credible source ends ([`DEFAULT_MAX_WAIT`]),
+/// the sources held back go next, but not the poor ones while a source that answers
+/// four times as often is over a quota that ends: the call returns that quota's
+/// refusal and waits for its end (a retry layer above waits it out; `tower-retry-pushback`
+/// bounds that wait). In the P6 pool, streams released after a 30 s wait went to the
+/// source whose watchdog cuts nine streams in ten; each of them spent one of the call's
+/// attempts and the shared account's quota on it.
+pub const POOR_HEALTH_RATIO: f64 = 0.25;
+
 /// Default bound on how long a call waits when no source is admitted. The retry
 /// layer's stall guard usually decides earlier; this keeps the balancer alone
 /// from waiting forever.

@@ -23,7 +23,7 @@ use crate::error::{NoSources, NoneAdmitted, SilentCut};
 use crate::order;
 use crate::probe;
 use crate::sources::{Dispatch, Snapshot, SourceState};
-use crate::{BalanceConfig, CREDIBLE_HEALTH_RATIO, MIN_WAKE_WAIT, SILENT_TIMEOUTS};
+use crate::{BalanceConfig, CREDIBLE_HEALTH_RATIO, MIN_WAKE_WAIT, POOR_HEALTH_RATIO, SILENT_TIMEOUTS};
 
 /// Which sources this round still has to try.
 pub(crate) enum Plan {
@@ -55,6 +55,9 @@ struct Round {
     /// The best health (of the call's class) among sources refused as paced or over
     /// quota in this round: the bar a source must be credible against.
     soon_best: f64,
+    /// The best health (of the call's class) among sources refused as over quota in
+    /// this round: the bar a source must not be poor against ([`POOR_HEALTH_RATIO`]).
+    quota_best: f64,
 }
 
 impl Round {
@@ -67,6 +70,7 @@ impl Round {
             paced: None,
             held_back: false,
             soon_best: 0.0,
+            quota_best: 0.0,
         }
     }
 
@@ -319,6 +323,8 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
     /// call but answers most calls of its class is a better last attempt than one that
     /// fails most (P6: streams' third attempts went to the source whose watchdog cuts
     /// nine streams in ten, while the one with a few empty answers waited at the tail).
+    /// A poor source ([`POOR_HEALTH_RATIO`]) is left out while a source refused as over
+    /// quota answers four times as often: the call waits for that quota's end instead.
     fn order_released(&mut self) {
         if !self.config.policy.has_health_view() {
             return;
@@ -336,13 +342,21 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
         };
         let class = self.class;
         let key = |i: usize| (too_large[i], entries[i].state.health(class));
-        if let Some(rest) = order.get_mut(*pos..) {
-            rest.sort_by(|&a, &b| {
-                let (la, ha) = key(a);
-                let (lb, hb) = key(b);
-                la.cmp(&lb).then(hb.total_cmp(&ha))
-            });
-        }
+        let Some(rest) = order.get_mut(*pos..) else {
+            return;
+        };
+        rest.sort_by(|&a, &b| {
+            let (la, ha) = key(a);
+            let (lb, hb) = key(b);
+            la.cmp(&lb).then(hb.total_cmp(&ha))
+        });
+        let poor_below = POOR_HEALTH_RATIO * self.round.as_ref().map_or(0.0, |r| r.quota_best);
+        let start = *pos;
+        let mut k = start;
+        order.retain(|&i| {
+            k += 1;
+            k <= start || too_large[i] || entries[i].state.health(class) >= poor_below
+        });
     }
 
     /// Orders the sources afresh for the next round.
@@ -547,6 +561,9 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
                         let h = state.health(self.class);
                         let round = Round::at(&mut self.round);
                         round.soon_best = round.soon_best.max(h);
+                        if matches!(na, NotAdmitted::QuotaExceeded(_)) {
+                            round.quota_best = round.quota_best.max(h);
+                        }
                     }
                     self.dispatched = None;
                     self.dispatched_at = None;

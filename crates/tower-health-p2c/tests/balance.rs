@@ -15,7 +15,8 @@ use tower::util::BoxCloneSyncService;
 use tower::{Service, ServiceExt, service_fn};
 use tower_aimd::{AimdConfig, AimdLayer};
 use tower_health_p2c::{
-    BalanceConfig, HEALTH_CLASSES, HealthP2c, NoSources, NoneAdmitted, Policy, SilentCut, Sources,
+    BalanceConfig, HEALTH_CLASSES, HealthP2c, NoSources, NoneAdmitted, POOR_HEALTH_RATIO, Policy, SilentCut,
+    Sources,
 };
 use tower_layer::Layer;
 
@@ -966,6 +967,57 @@ async fn a_poor_source_waits_behind_a_briefly_refused_healthy_one() {
     // briefly refused: the first waited for the quota, the rest found it open.
     assert!(served.iter().all(|(s, _)| *s == "good"), "{served:?}");
     assert_eq!(served[0].1, Duration::from_secs(3), "{served:?}");
+}
+
+/// `POOR_HEALTH_RATIO`: when the wait for a credible source over quota ends, the sources
+/// held back go next, but not one with under a quarter of its health: the call ends
+/// with the quota's refusal (a retry layer above waits for its end). One below the
+/// credible bar but above the poor one is still released to.
+#[tokio::test(start_paused = true)]
+async fn a_poor_source_is_no_fallback_for_a_quota_that_ends() {
+    for (failures, want_poor_used) in [(8, false), (4, true)] {
+        let (sources, flags) = named(&["good", "weak"]);
+        degrade(&sources, &flags, 1, failures).await; // weak: 0.8^8 = 0.17 or 0.8^4 = 0.41
+        let (good, weak) = (
+            sources.view("good").unwrap().health(),
+            sources.view("weak").unwrap().health(),
+        );
+        assert!(weak < 0.5 * good, "not credible: {weak} vs {good}");
+        assert_eq!(
+            weak < POOR_HEALTH_RATIO * good,
+            !want_poor_used,
+            "{weak} vs {good}"
+        );
+        // `good` over quota for 100 s, past `max_wait` (30 s): the wait is hopeless.
+        let good_hits = Arc::new(AtomicUsize::new(0));
+        sources.insert(
+            "good".into(),
+            over_quota_until(
+                "good",
+                Instant::now() + Duration::from_secs(100),
+                Arc::clone(&good_hits),
+            ),
+        );
+        for seed in 0..6 {
+            let mut lb = balancer(&sources, Policy::HealthAware).with_seed(seed);
+            let t0 = Instant::now();
+            let got = lb.ready().await.unwrap().call(Req::default()).await;
+            assert_eq!(t0.elapsed(), Duration::ZERO, "no wait for a hopeless end");
+            if want_poor_used {
+                assert_eq!(got.unwrap(), "weak", "seed {seed}");
+            } else {
+                let err = got.unwrap_err();
+                assert!(err.is::<NoneAdmitted>(), "seed {seed}: {err}");
+                match NotAdmitted::of(&*err) {
+                    Some(NotAdmitted::QuotaExceeded(d)) => {
+                        assert_eq!(d, Duration::from_secs(100), "the quota's end, seed {seed}");
+                    }
+                    other => panic!("seed {seed}: {other:?}"),
+                }
+            }
+        }
+        assert_eq!(good_hits.load(Ordering::SeqCst), 0);
+    }
 }
 
 /// A source a gate below saw recover (`SourceHealth::recovered`) is healthy again at
