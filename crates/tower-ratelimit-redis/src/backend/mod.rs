@@ -190,8 +190,8 @@ impl ScopeKind {
 }
 
 /// A concurrency lease id, unique in this process (the Redis backend adds a process
-/// nonce).
-pub(crate) type LeaseId = u64;
+/// nonce). Never 0, so an `Option<LeaseId>` (in every permit) takes 8 bytes.
+pub(crate) type LeaseId = std::num::NonZeroU64;
 
 /// The backend's answer to an admission.
 #[derive(Debug)]

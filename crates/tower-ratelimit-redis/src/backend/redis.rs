@@ -618,7 +618,7 @@ impl fmt::Debug for RedisGate {
 }
 
 fn lease_member(id: LeaseId) -> String {
-    unique_id(id)
+    unique_id(id.get())
 }
 
 fn millis(v: i64) -> Duration {
