@@ -57,12 +57,13 @@ pub const MIN_LATENCY_S: f64 = 0.001;
 pub const CREDIBLE_HEALTH_RATIO: f64 = 0.5;
 
 /// A source is poor for a class, and no fallback for a wait, when its health is below
-/// this share of the best health among the sources refused as over quota in the same
-/// round: 0.25. When a call's wait for a credible source ends ([`DEFAULT_MAX_WAIT`]),
-/// the sources held back go next, but not the poor ones while a source that answers
-/// four times as often is over a quota that ends: the call returns that quota's
-/// refusal and waits for its end (a retry layer above waits it out; `tower-retry-pushback`
-/// bounds that wait). In the P6 pool, streams released after a 30 s wait went to the
+/// this share of the best health among the sources refused as over a quota that ends
+/// within `max_wait` ([`DEFAULT_MAX_WAIT`]) in the same round: 0.25. When a call's wait
+/// for a credible source ends, the sources held back go next, but not the poor ones
+/// while a source that answers four times as often is over such a quota: the call
+/// returns that quota's refusal and waits for its end (a retry layer above waits it
+/// out; `tower-retry-pushback` bounds that wait). A longer quota (an account out of
+/// credit, held for minutes) leaves the poor source its attempt. In the P6 pool, streams released after a 30 s wait went to the
 /// source whose watchdog cuts nine streams in ten; each of them spent one of the call's
 /// attempts and the shared account's quota on it.
 pub const POOR_HEALTH_RATIO: f64 = 0.25;

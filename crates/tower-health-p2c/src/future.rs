@@ -55,8 +55,9 @@ struct Round {
     /// The best health (of the call's class) among sources refused as paced or over
     /// quota in this round: the bar a source must be credible against.
     soon_best: f64,
-    /// The best health (of the call's class) among sources refused as over quota in
-    /// this round: the bar a source must not be poor against ([`POOR_HEALTH_RATIO`]).
+    /// The best health (of the call's class) among sources refused as over a quota
+    /// that ends within `max_wait` in this round: the bar a source must not be poor
+    /// against ([`POOR_HEALTH_RATIO`]).
     quota_best: f64,
 }
 
@@ -324,7 +325,8 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
     /// fails most (P6: streams' third attempts went to the source whose watchdog cuts
     /// nine streams in ten, while the one with a few empty answers waited at the tail).
     /// A poor source ([`POOR_HEALTH_RATIO`]) is left out while a source refused as over
-    /// quota answers four times as often: the call waits for that quota's end instead.
+    /// a quota ending within `max_wait` answers four times as often: the call waits for
+    /// that quota's end instead.
     fn order_released(&mut self) {
         if !self.config.policy.has_health_view() {
             return;
@@ -561,7 +563,12 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
                         let h = state.health(self.class);
                         let round = Round::at(&mut self.round);
                         round.soon_best = round.soon_best.max(h);
-                        if matches!(na, NotAdmitted::QuotaExceeded(_)) {
+                        // A quota that ends within `max_wait`: one more wait reaches it.
+                        // A longer one (an account out of credit, held for minutes)
+                        // leaves even a poor source worth its attempt.
+                        if let NotAdmitted::QuotaExceeded(d) = na
+                            && d <= self.config.max_wait
+                        {
                             round.quota_best = round.quota_best.max(h);
                         }
                     }

@@ -969,13 +969,37 @@ async fn a_poor_source_waits_behind_a_briefly_refused_healthy_one() {
     assert_eq!(served[0].1, Duration::from_secs(3), "{served:?}");
 }
 
-/// `POOR_HEALTH_RATIO`: when the wait for a credible source over quota ends, the sources
-/// held back go next, but not one with under a quarter of its health: the call ends
-/// with the quota's refusal (a retry layer above waits for its end). One below the
-/// credible bar but above the poor one is still released to.
+/// Over quota until `first`, then again (a second hold) until `second`: each refusal
+/// says when the hold it meets ends.
+fn held_twice(name: &'static str, first: Instant, second: Instant) -> Svc {
+    BoxCloneSyncService::new(service_fn(move |_: Req| {
+        let now = Instant::now();
+        let result: Result<&'static str, BoxError> = if now < first {
+            Err(Box::new(QuotaExceeded::new("rpm", first - now)))
+        } else if now < second {
+            Err(Box::new(QuotaExceeded::new("rpm", second - now)))
+        } else {
+            Ok(name)
+        };
+        async move { result }
+    }))
+}
+
+/// `POOR_HEALTH_RATIO`: when the wait for a credible source over quota ends (its next
+/// hold ends past `max_wait` from the call's first wait), the sources held back go
+/// next, but not one with under a quarter of its health while that quota ends within
+/// `max_wait`: the call ends with the quota's refusal (a retry layer above waits for
+/// its end). One below the credible bar but above the poor one is released to, and so
+/// is a poor one when the quota ends past `max_wait` (an account out of credit).
 #[tokio::test(start_paused = true)]
 async fn a_poor_source_is_no_fallback_for_a_quota_that_ends() {
-    for (failures, want_poor_used) in [(8, false), (4, true)] {
+    let max_wait = Duration::from_secs(10);
+    // (failures of `weak`, the second hold's length, whether `weak` answers)
+    for (failures, second_hold, want_weak) in [
+        (8, Duration::from_secs(8), false),
+        (4, Duration::from_secs(8), true),
+        (8, Duration::from_secs(100), true),
+    ] {
         let (sources, flags) = named(&["good", "weak"]);
         degrade(&sources, &flags, 1, failures).await; // weak: 0.8^8 = 0.17 or 0.8^4 = 0.41
         let (good, weak) = (
@@ -983,40 +1007,36 @@ async fn a_poor_source_is_no_fallback_for_a_quota_that_ends() {
             sources.view("weak").unwrap().health(),
         );
         assert!(weak < 0.5 * good, "not credible: {weak} vs {good}");
+        assert_eq!(weak < POOR_HEALTH_RATIO * good, failures == 8, "{weak} vs {good}");
+        // `good`: held 8 s (within `max_wait`: the call waits), then again.
+        let t0 = Instant::now();
+        let first = t0 + Duration::from_secs(8);
+        sources.insert("good".into(), held_twice("good", first, first + second_hold));
+        let mut lb = HealthP2c::new(
+            sources.clone(),
+            BalanceConfig {
+                max_wait,
+                ..BalanceConfig::default()
+            },
+        )
+        .unwrap();
+        let got = lb.ready().await.unwrap().call(Req::default()).await;
+        let case = format!("weak {weak:.2}, second hold {second_hold:?}");
         assert_eq!(
-            weak < POOR_HEALTH_RATIO * good,
-            !want_poor_used,
-            "{weak} vs {good}"
+            t0.elapsed(),
+            Duration::from_secs(8),
+            "waited for the first hold: {case}"
         );
-        // `good` over quota for 100 s, past `max_wait` (30 s): the wait is hopeless.
-        let good_hits = Arc::new(AtomicUsize::new(0));
-        sources.insert(
-            "good".into(),
-            over_quota_until(
-                "good",
-                Instant::now() + Duration::from_secs(100),
-                Arc::clone(&good_hits),
-            ),
-        );
-        for seed in 0..6 {
-            let mut lb = balancer(&sources, Policy::HealthAware).with_seed(seed);
-            let t0 = Instant::now();
-            let got = lb.ready().await.unwrap().call(Req::default()).await;
-            assert_eq!(t0.elapsed(), Duration::ZERO, "no wait for a hopeless end");
-            if want_poor_used {
-                assert_eq!(got.unwrap(), "weak", "seed {seed}");
-            } else {
-                let err = got.unwrap_err();
-                assert!(err.is::<NoneAdmitted>(), "seed {seed}: {err}");
-                match NotAdmitted::of(&*err) {
-                    Some(NotAdmitted::QuotaExceeded(d)) => {
-                        assert_eq!(d, Duration::from_secs(100), "the quota's end, seed {seed}");
-                    }
-                    other => panic!("seed {seed}: {other:?}"),
-                }
+        if want_weak {
+            assert_eq!(got.unwrap(), "weak", "{case}");
+        } else {
+            let err = got.unwrap_err();
+            assert!(err.is::<NoneAdmitted>(), "{case}: {err}");
+            match NotAdmitted::of(&*err) {
+                Some(NotAdmitted::QuotaExceeded(d)) => assert_eq!(d, second_hold, "{case}"),
+                other => panic!("{case}: {other:?}"),
             }
         }
-        assert_eq!(good_hits.load(Ordering::SeqCst), 0);
     }
 }
 
