@@ -277,6 +277,7 @@ where
             admission,
             start: Instant::now(),
             done: false,
+            probe: call.is_probe_copy(),
         };
         // A balancer's probe copy runs on its own time, not the call's.
         let refused = if call.is_probe_copy() {
@@ -365,6 +366,8 @@ struct Record {
     admission: Option<(Duration, u64)>,
     start: Instant,
     done: bool,
+    /// A copy sent off the call's path ([`AttemptTelemetry::probe`]).
+    probe: bool,
 }
 
 /// The model an attempt's cost is priced by: the source's override, else the asked one.
@@ -415,6 +418,7 @@ impl Record {
                 .and_then(UpstreamStatus::provider)
                 .and_then(|p| p.code.clone().or_else(|| p.kind.clone())),
             cache_hit: false,
+            probe: self.probe,
         });
     }
 }

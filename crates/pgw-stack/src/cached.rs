@@ -316,6 +316,7 @@ pub(crate) fn replay(telemetry: &Telemetry, call_id: u64, hit: &CachedAnswer) ->
         status: None,
         code: None,
         cache_hit: true,
+        probe: false,
     });
     GatewayAnswer {
         call_id,

@@ -58,6 +58,10 @@ pub struct AttemptTelemetry {
     pub code: Option<String>,
     /// Whether the answer came from the cache.
     pub cache_hit: bool,
+    /// Whether the attempt was a probe: a copy of the call's request sent off its path
+    /// (a breaker's half-open probe, or the balancer's probe of a silent or abandoned
+    /// source), whose answer the call never sees. Numbered among the call's attempts.
+    pub probe: bool,
 }
 
 /// Where attempt records go.
@@ -236,6 +240,7 @@ mod tests {
             status: None,
             code: None,
             cache_hit: false,
+            probe: false,
         }
     }
 

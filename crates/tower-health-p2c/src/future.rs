@@ -282,6 +282,77 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
         true
     }
 
+    /// Recovery of an abandoned source: a source not credible for this call's class
+    /// nor for the default class 0 (under [`CREDIBLE_HEALTH_RATIO`] x the best one's
+    /// health in each) that no call has used for
+    /// `probe_every` gets a copy of this call's request off its path (at most one per
+    /// source per `probe_every`, shared with the silent-source probe), judged like any
+    /// attempt. A gate below that sees the source recover says so
+    /// ([`SourceHealth::recovered`](crate::SourceHealth::recovered): pgw-stack's breaker
+    /// does when its half-open probe succeeds), and its health is whole again; a
+    /// success alone moves it as one sample (a source failing nine calls of a shape in
+    /// ten answers some probes too). Without it a source that failed hard was asked again only
+    /// when every better source refused: in a pool with room to spare, never (the
+    /// flapping soak at 4 calls in flight sent nothing to a source back from its
+    /// outage in seven recoveries of seven). Its gates decide what reaches it: an open
+    /// breaker refuses the copy, or sends it as its half-open probe. Looked for by one
+    /// dispatching call per `probe_every / 4`; the others pay a load and a compare.
+    fn probe_abandoned(&mut self, dispatched: usize, at: Instant)
+    where
+        S: Service<Req> + Clone + Send + 'static,
+        S::Future: Send + 'static,
+        S::Error: Into<BoxError>,
+        S::Response: Send + 'static,
+        Req: Clone + Send + 'static,
+        C: Classify<S::Response, BoxError> + Clone + Send + 'static,
+    {
+        let (Some(every), Some(after)) = (self.config.probe_every, self.config.silent_after) else {
+            return;
+        };
+        let entries = &self.snapshot.entries;
+        // Without a health view every source gets its turn: none is abandoned.
+        if !self.config.policy.has_health_view()
+            || entries.len() < 2
+            || !self.snapshot.explore_due(clock::nanos(at), every / 4)
+        {
+            return;
+        }
+        let class = self.class;
+        let bar =
+            |c: usize| CREDIBLE_HEALTH_RATIO * entries.iter().map(|e| e.state.health(c)).fold(0.0, f64::max);
+        let (bar, default_bar) = (bar(class), bar(0));
+        for i in 0..entries.len() {
+            let state = &self.snapshot.entries[i].state;
+            // Not credible for this call's class nor for the default one: a source that
+            // serves one shape of call and fails another (P6's stream-cutting source)
+            // is not abandoned, and a lucky probe of the shape it fails must not give
+            // it back every class's health.
+            if i == dispatched
+                || state.health(class) >= bar
+                || state.health(0) >= default_bar
+                || !state.quiet_for(every)
+                || !state.probe_turn(at, every)
+            {
+                continue;
+            }
+            if self.req.call_history().is_none()
+                && let Some(history) = Recording::adopt::<Req>()
+            {
+                self.req.set_call_history(history);
+            }
+            let entry = &self.snapshot.entries[i];
+            probe::send(
+                &entry.state,
+                at,
+                entry.state.cut_age(after).unwrap_or(after),
+                entry.service.clone(),
+                self.req.clone(),
+                class,
+                self.classifier.clone(),
+            );
+        }
+    }
+
     fn next_candidate(&mut self) -> Option<usize> {
         let entries = &self.snapshot.entries;
         if let Plan::FirstTried(i) = self.plan {
@@ -837,7 +908,6 @@ where
                                 .refuse(NotAdmitted::CircuitOpen(after), Box::new(open));
                             continue;
                         }
-                        let entry = &this.ctx.snapshot.entries[i];
                         let now = Instant::now();
                         // The scope first: it turns `now` into nanoseconds once, for
                         // the count below and the gates the dispatch passes.
@@ -845,6 +915,8 @@ where
                             Some(scope) => scope.update(now),
                             None => dispatched_here = Some(clock::Dispatched::enter(now)),
                         }
+                        this.ctx.probe_abandoned(i, now);
+                        let entry = &this.ctx.snapshot.entries[i];
                         entry.state.inc(now);
                         this.ctx.dispatched = Some(i);
                         this.ctx.dispatched_at = Some(now);

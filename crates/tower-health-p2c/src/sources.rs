@@ -168,6 +168,15 @@ impl SourceState {
         quiet >= u64::try_from(after.as_nanos()).unwrap_or(u64::MAX)
     }
 
+    /// Whether nothing was heard from the source (nor was it dispatched to while idle)
+    /// for `after`: no call has used it for that long.
+    pub(crate) fn quiet_for(&self, after: Duration) -> bool {
+        let quiet = self
+            .now_ns()
+            .saturating_sub(self.heard_ns.load(Ordering::Relaxed));
+        quiet >= u64::try_from(after.as_nanos()).unwrap_or(u64::MAX)
+    }
+
     /// When the source was last heard from (or went from idle to busy).
     pub(crate) fn heard_at(&self) -> Instant {
         let heard = Duration::from_nanos(self.heard_ns.load(Ordering::Relaxed));
@@ -508,6 +517,34 @@ pub(crate) struct Snapshot<S> {
     pub(crate) wake: Arc<Notify>,
     /// The calls waiting for a round's earliest `retry_after` (any snapshot of the set).
     pub(crate) waiting: Arc<pgw_core::fair::Waiting>,
+    /// When the set's poor, quiet sources are next looked for ([`Snapshot::explore_due`]).
+    pub(crate) explore: Arc<ExploreClock>,
+}
+
+/// When a call dispatching an attempt next looks for sources to probe off its path
+/// (nanoseconds on `pgw_core::clock`, shared by every snapshot of a set).
+#[derive(Debug, Default)]
+pub(crate) struct ExploreClock(AtomicU64);
+
+impl<S> Snapshot<S> {
+    /// Whether the call dispatching at `now_ns` is the one to look for sources to probe:
+    /// at most one call per `every` does (a load and a compare for the others).
+    pub(crate) fn explore_due(&self, now_ns: u64, every: Duration) -> bool {
+        let next = self.explore.0.load(Ordering::Relaxed);
+        if now_ns < next {
+            return false;
+        }
+        let every = u64::try_from(every.as_nanos()).unwrap_or(u64::MAX);
+        self.explore
+            .0
+            .compare_exchange(
+                next,
+                now_ns.saturating_add(every),
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            )
+            .is_ok()
+    }
 }
 
 struct Inner<S> {
@@ -515,6 +552,7 @@ struct Inner<S> {
     version: AtomicU64,
     wake: Arc<Notify>,
     waiting: Arc<pgw_core::fair::Waiting>,
+    explore: Arc<ExploreClock>,
     cursor: AtomicUsize,
     clones: AtomicU64,
 }
@@ -561,16 +599,19 @@ impl<S> Sources<S> {
     pub fn new() -> Self {
         let wake = Arc::new(Notify::new());
         let waiting = Arc::new(pgw_core::fair::Waiting::new());
+        let explore = Arc::new(ExploreClock::default());
         Self {
             inner: Arc::new(Inner {
                 current: RwLock::new(Arc::new(Snapshot {
                     entries: Vec::new(),
                     wake: Arc::clone(&wake),
                     waiting: Arc::clone(&waiting),
+                    explore: Arc::clone(&explore),
                 })),
                 version: AtomicU64::new(0),
                 wake,
                 waiting,
+                explore,
                 cursor: AtomicUsize::new(0),
                 clones: AtomicU64::new(0),
             }),
@@ -650,6 +691,7 @@ impl<S: Clone> Sources<S> {
                 entries,
                 wake: Arc::clone(&self.inner.wake),
                 waiting: Arc::clone(&self.inner.waiting),
+                explore: Arc::clone(&self.inner.explore),
             });
             self.inner.version.fetch_add(1, Ordering::Release);
         }

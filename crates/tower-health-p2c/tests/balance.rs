@@ -1040,6 +1040,95 @@ async fn a_poor_source_is_no_fallback_for_a_quota_that_ends() {
     }
 }
 
+/// Failing until `fail` is cleared, counting the calls and, of them, the probe copies
+/// the balancer sent off a caller's path; like a breaker below, it tells the balancer
+/// the source recovered when a probe copy succeeds (`SourceHealth::recovered`).
+fn counted(
+    name: &'static str,
+    fail: Arc<AtomicBool>,
+    (calls, probes): (Arc<AtomicUsize>, Arc<AtomicUsize>),
+    view: Arc<std::sync::OnceLock<tower_health_p2c::SourceHealth>>,
+) -> Svc {
+    BoxCloneSyncService::new(service_fn(move |req: Req| {
+        calls.fetch_add(1, Ordering::SeqCst);
+        let probe = req.is_probe_copy();
+        if probe {
+            probes.fetch_add(1, Ordering::SeqCst);
+        }
+        let failing = fail.load(Ordering::SeqCst);
+        if probe && !failing {
+            view.get().expect("set").recovered();
+        }
+        async move {
+            if failing {
+                Err::<&str, BoxError>("fail".into())
+            } else {
+                Ok(name)
+            }
+        }
+    }))
+}
+
+/// A source that failed until no call went there any more (its health far under the
+/// healthy one's, which always admits) gets a copy of a passing call's request once
+/// per `probe_every` while it stays quiet; when the copy succeeds, the gate below says
+/// it recovered and the calls go back. Without it, a source back from an outage in a
+/// pool with room to spare was never asked again (nor its breaker's half-open probe
+/// sent).
+#[tokio::test(start_paused = true)]
+async fn an_abandoned_source_is_probed_and_gets_calls_back_when_it_answers() {
+    let fail = Arc::new(AtomicBool::new(true));
+    let (calls, probes) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let sources = Sources::new();
+    sources.insert(
+        "good".into(),
+        fixed(Ok("good"), Duration::ZERO, Arc::new(AtomicUsize::new(0))),
+    );
+    let view = Arc::new(std::sync::OnceLock::new());
+    sources.insert(
+        "back".into(),
+        counted(
+            "back",
+            Arc::clone(&fail),
+            (Arc::clone(&calls), Arc::clone(&probes)),
+            Arc::clone(&view),
+        ),
+    );
+    let _ = view.set(sources.view("back").unwrap());
+    // Round robin visits `back` while it fails: its health falls far under `good`'s.
+    let mut rr = balancer(&sources, Policy::RoundRobin);
+    for _ in 0..30 {
+        let _ = rr.ready().await.unwrap().call(Req::default()).await;
+    }
+    assert!(sources.view("back").unwrap().health() < 0.1);
+    let mut lb = balancer(&sources, Policy::HealthAware);
+    let call_each_second = |lb: &mut HealthP2c<Svc>, secs: u64| {
+        let mut lb = lb.clone();
+        async move {
+            let mut served = Vec::new();
+            for _ in 0..secs {
+                served.push(lb.ready().await.unwrap().call(Req::default()).await.unwrap());
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            served
+        }
+    };
+    // Still failing: one copy per `probe_every` (10 s) of quiet reaches it (looked for
+    // every 2.5 s: one each 10-12.5 s), and no call.
+    let before = calls.load(Ordering::SeqCst);
+    let served = call_each_second(&mut lb, 60).await;
+    assert!(served.iter().all(|s| *s == "good"), "{served:?}");
+    let probed = probes.load(Ordering::SeqCst);
+    assert_eq!(calls.load(Ordering::SeqCst) - before, probed, "only probe copies");
+    assert!((4..=6).contains(&probed), "one per 10-12.5 s over 60 s: {probed}");
+    // Back: the next probe succeeds within `probe_every`, and calls go there again.
+    fail.store(false, Ordering::SeqCst);
+    let served = call_each_second(&mut lb, 30).await;
+    let first_back = served.iter().position(|s| *s == "back").expect("calls go back");
+    assert!(first_back <= 13, "back within 12.5 s of healing: {first_back} s");
+    assert!(sources.view("back").unwrap().health() > 0.9);
+}
+
 /// A source a gate below saw recover (`SourceHealth::recovered`) is healthy again at
 /// once: it no longer waits behind a healthier source that is only briefly refused
 /// (the call before `recovered` waited, see the test above).
