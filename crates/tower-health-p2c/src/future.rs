@@ -297,6 +297,7 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
     /// outage in seven recoveries of seven). Its gates decide what reaches it: an open
     /// breaker refuses the copy, or sends it as its half-open probe. Looked for by one
     /// dispatching call per `probe_every / 4`; the others pay a load and a compare.
+    #[inline]
     fn probe_abandoned(&mut self, dispatched: usize, at: Instant)
     where
         S: Service<Req> + Clone + Send + 'static,
@@ -309,14 +310,29 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
         let (Some(every), Some(after)) = (self.config.probe_every, self.config.silent_after) else {
             return;
         };
-        let entries = &self.snapshot.entries;
         // Without a health view every source gets its turn: none is abandoned.
-        if !self.config.policy.has_health_view()
-            || entries.len() < 2
-            || !self.snapshot.explore_due(clock::nanos(at), every / 4)
+        if self.config.policy.has_health_view()
+            && self.snapshot.entries.len() >= 2
+            && self.snapshot.explore_due(clock::nanos(at), every / 4)
         {
-            return;
+            self.send_abandoned_probes(dispatched, at, every, after);
         }
+    }
+
+    /// [`probe_abandoned`](Self::probe_abandoned)'s look for the sources, once per
+    /// `probe_every / 4`: kept out of the dispatch's code.
+    #[cold]
+    #[inline(never)]
+    fn send_abandoned_probes(&mut self, dispatched: usize, at: Instant, every: Duration, after: Duration)
+    where
+        S: Service<Req> + Clone + Send + 'static,
+        S::Future: Send + 'static,
+        S::Error: Into<BoxError>,
+        S::Response: Send + 'static,
+        Req: Clone + Send + 'static,
+        C: Classify<S::Response, BoxError> + Clone + Send + 'static,
+    {
+        let entries = &self.snapshot.entries;
         let class = self.class;
         let bar =
             |c: usize| CREDIBLE_HEALTH_RATIO * entries.iter().map(|e| e.state.health(c)).fold(0.0, f64::max);

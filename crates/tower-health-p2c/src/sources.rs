@@ -529,6 +529,7 @@ pub(crate) struct ExploreClock(AtomicU64);
 impl<S> Snapshot<S> {
     /// Whether the call dispatching at `now_ns` is the one to look for sources to probe:
     /// at most one call per `every` does (a load and a compare for the others).
+    #[inline]
     pub(crate) fn explore_due(&self, now_ns: u64, every: Duration) -> bool {
         let next = self.explore.0.load(Ordering::Relaxed);
         if now_ns < next {
