@@ -235,140 +235,6 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
         })
     }
 
-    /// Whether source `i` is silent for this call: attempts in flight and nothing
-    /// heard for `after`, or [`SILENT_TIMEOUTS`] timeouts since it last answered. In
-    /// the second case it is probed: without
-    /// [`probe_every`](BalanceConfig::probe_every) by a fresh call, which goes there
-    /// itself; with it, by a detached probe (a copy of this call's request, at most one
-    /// per `probe_every`), and every call is refused.
-    fn refuses_silent(&mut self, i: usize, after: Duration) -> bool
-    where
-        S: Service<Req> + Clone + Send + 'static,
-        S::Future: Send + 'static,
-        S::Error: Into<BoxError>,
-        S::Response: Send + 'static,
-        Req: Clone + Send + 'static,
-        C: Classify<S::Response, BoxError> + Clone + Send + 'static,
-    {
-        let entry = &self.snapshot.entries[i];
-        if !entry.state.timed_out_since_heard(SILENT_TIMEOUTS) {
-            return entry.state.silent(after);
-        }
-        let Some(every) = self.config.probe_every else {
-            return entry.state.silent(after) || self.failed_before();
-        };
-        // The turn first: a call that finds the source silent between two probes pays
-        // no copy of anything.
-        let at = Instant::now();
-        if entry.state.probe_turn(at, every) {
-            if self.req.call_history().is_none()
-                && let Some(history) = Recording::adopt::<Req>()
-            {
-                // The probe numbers its attempt in the call's history, like the call's
-                // own attempts: the copy carries it past this poll.
-                self.req.set_call_history(history);
-            }
-            let entry = &self.snapshot.entries[i];
-            probe::send(
-                &entry.state,
-                at,
-                entry.state.cut_age(after).unwrap_or(after),
-                entry.service.clone(),
-                self.req.clone(),
-                self.class,
-                self.classifier.clone(),
-            );
-        }
-        true
-    }
-
-    /// Recovery of an abandoned source: a source not credible for this call's class
-    /// nor for the default class 0 (under [`CREDIBLE_HEALTH_RATIO`] x the best one's
-    /// health in each) that no call has used for
-    /// `probe_every` gets a copy of this call's request off its path (at most one per
-    /// source per `probe_every`, shared with the silent-source probe), judged like any
-    /// attempt. A gate below that sees the source recover says so
-    /// ([`SourceHealth::recovered`](crate::SourceHealth::recovered): pgw-stack's breaker
-    /// does when its half-open probe succeeds), and its health is whole again; a
-    /// success alone moves it as one sample (a source failing nine calls of a shape in
-    /// ten answers some probes too). Without it a source that failed hard was asked again only
-    /// when every better source refused: in a pool with room to spare, never (the
-    /// flapping soak at 4 calls in flight sent nothing to a source back from its
-    /// outage in seven recoveries of seven). Its gates decide what reaches it: an open
-    /// breaker refuses the copy, or sends it as its half-open probe. Looked for by one
-    /// dispatching call per `probe_every / 4`; the others pay a load and a compare.
-    #[inline]
-    fn probe_abandoned(&mut self, dispatched: usize, at: Instant)
-    where
-        S: Service<Req> + Clone + Send + 'static,
-        S::Future: Send + 'static,
-        S::Error: Into<BoxError>,
-        S::Response: Send + 'static,
-        Req: Clone + Send + 'static,
-        C: Classify<S::Response, BoxError> + Clone + Send + 'static,
-    {
-        let (Some(every), Some(after)) = (self.config.probe_every, self.config.silent_after) else {
-            return;
-        };
-        // Without a health view every source gets its turn: none is abandoned.
-        if self.config.policy.has_health_view()
-            && self.snapshot.entries.len() >= 2
-            && self.snapshot.explore_due(clock::nanos(at), every / 4)
-        {
-            self.send_abandoned_probes(dispatched, at, every, after);
-        }
-    }
-
-    /// [`probe_abandoned`](Self::probe_abandoned)'s look for the sources, once per
-    /// `probe_every / 4`: kept out of the dispatch's code.
-    #[cold]
-    #[inline(never)]
-    fn send_abandoned_probes(&mut self, dispatched: usize, at: Instant, every: Duration, after: Duration)
-    where
-        S: Service<Req> + Clone + Send + 'static,
-        S::Future: Send + 'static,
-        S::Error: Into<BoxError>,
-        S::Response: Send + 'static,
-        Req: Clone + Send + 'static,
-        C: Classify<S::Response, BoxError> + Clone + Send + 'static,
-    {
-        let entries = &self.snapshot.entries;
-        let class = self.class;
-        let bar =
-            |c: usize| CREDIBLE_HEALTH_RATIO * entries.iter().map(|e| e.state.health(c)).fold(0.0, f64::max);
-        let (bar, default_bar) = (bar(class), bar(0));
-        for i in 0..entries.len() {
-            let state = &self.snapshot.entries[i].state;
-            // Not credible for this call's class nor for the default one: a source that
-            // serves one shape of call and fails another (P6's stream-cutting source)
-            // is not abandoned, and a lucky probe of the shape it fails must not give
-            // it back every class's health.
-            if i == dispatched
-                || state.health(class) >= bar
-                || state.health(0) >= default_bar
-                || !state.quiet_for(every)
-                || !state.probe_turn(at, every)
-            {
-                continue;
-            }
-            if self.req.call_history().is_none()
-                && let Some(history) = Recording::adopt::<Req>()
-            {
-                self.req.set_call_history(history);
-            }
-            let entry = &self.snapshot.entries[i];
-            probe::send(
-                &entry.state,
-                at,
-                entry.state.cut_age(after).unwrap_or(after),
-                entry.service.clone(),
-                self.req.clone(),
-                class,
-                self.classifier.clone(),
-            );
-        }
-    }
-
     fn next_candidate(&mut self) -> Option<usize> {
         let entries = &self.snapshot.entries;
         if let Plan::FirstTried(i) = self.plan {
@@ -718,6 +584,120 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
             state.answered_and_ended();
         }
         Some(result)
+    }
+}
+
+/// The probes a call sends off its path: what they need of the services, the
+/// requests and the classifier to run on a spawned task.
+impl<S, Req, C> CallState<S, Req, C>
+where
+    S: Service<Req> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<BoxError>,
+    S::Response: Send + 'static,
+    Req: CarriesHistory + Clone + Send + 'static,
+    C: Classify<S::Response, BoxError> + Clone + Send + 'static,
+{
+    /// Whether source `i` is silent for this call: attempts in flight and nothing
+    /// heard for `after`, or [`SILENT_TIMEOUTS`] timeouts since it last answered. In
+    /// the second case it is probed: without
+    /// [`probe_every`](BalanceConfig::probe_every) by a fresh call, which goes there
+    /// itself; with it, by a detached probe (a copy of this call's request, at most one
+    /// per `probe_every`), and every call is refused.
+    fn refuses_silent(&mut self, i: usize, after: Duration) -> bool {
+        let entry = &self.snapshot.entries[i];
+        if !entry.state.timed_out_since_heard(SILENT_TIMEOUTS) {
+            return entry.state.silent(after);
+        }
+        let Some(every) = self.config.probe_every else {
+            return entry.state.silent(after) || self.failed_before();
+        };
+        // The turn first: a call that finds the source silent between two probes pays
+        // no copy of anything.
+        let at = Instant::now();
+        if entry.state.probe_turn(at, every) {
+            self.send_probe(i, at, after);
+        }
+        true
+    }
+
+    /// Sends a copy of this call's request to source `i` off the call's path (its probe
+    /// turn taken), given up after as long as an attempt there may run before a cut.
+    fn send_probe(&mut self, i: usize, at: Instant, after: Duration) {
+        if self.req.call_history().is_none()
+            && let Some(history) = Recording::adopt::<Req>()
+        {
+            // The probe numbers its attempt in the call's history, like the call's own
+            // attempts: the copy carries it past this poll.
+            self.req.set_call_history(history);
+        }
+        let entry = &self.snapshot.entries[i];
+        probe::send(
+            &entry.state,
+            at,
+            entry.state.cut_age(after).unwrap_or(after),
+            entry.service.clone(),
+            self.req.clone(),
+            self.class,
+            self.classifier.clone(),
+        );
+    }
+
+    /// Recovery of an abandoned source: a source not credible for this call's class
+    /// nor for the default class 0 (under [`CREDIBLE_HEALTH_RATIO`] x the best one's
+    /// health in each) that no call has used for
+    /// `probe_every` gets a copy of this call's request off its path (at most one per
+    /// source per `probe_every`, shared with the silent-source probe), judged like any
+    /// attempt. A gate below that sees the source recover says so
+    /// ([`SourceHealth::recovered`](crate::SourceHealth::recovered): pgw-stack's breaker
+    /// does when its half-open probe succeeds), and its health is whole again; a
+    /// success alone moves it as one sample (a source failing nine calls of a shape in
+    /// ten answers some probes too). Without it a source that failed hard was asked again only
+    /// when every better source refused: in a pool with room to spare, never (the
+    /// flapping soak at 4 calls in flight sent nothing to a source back from its
+    /// outage in seven recoveries of seven). Its gates decide what reaches it: an open
+    /// breaker refuses the copy, or sends it as its half-open probe. Looked for by one
+    /// dispatching call per `probe_every / 4`; the others pay a load and a compare.
+    #[inline]
+    fn probe_abandoned(&mut self, dispatched: usize, at: Instant) {
+        let (Some(every), Some(after)) = (self.config.probe_every, self.config.silent_after) else {
+            return;
+        };
+        // Without a health view every source gets its turn: none is abandoned.
+        if self.config.policy.has_health_view()
+            && self.snapshot.entries.len() >= 2
+            && self.snapshot.explore_due(clock::nanos(at), every / 4)
+        {
+            self.send_abandoned_probes(dispatched, at, every, after);
+        }
+    }
+
+    /// [`probe_abandoned`](Self::probe_abandoned)'s look for the sources, once per
+    /// `probe_every / 4`: kept out of the dispatch's code.
+    #[cold]
+    #[inline(never)]
+    fn send_abandoned_probes(&mut self, dispatched: usize, at: Instant, every: Duration, after: Duration) {
+        let entries = &self.snapshot.entries;
+        let class = self.class;
+        let bar =
+            |c: usize| CREDIBLE_HEALTH_RATIO * entries.iter().map(|e| e.state.health(c)).fold(0.0, f64::max);
+        let (bar, default_bar) = (bar(class), bar(0));
+        for i in 0..entries.len() {
+            let state = &self.snapshot.entries[i].state;
+            // Not credible for this call's class nor for the default one: a source that
+            // serves one shape of call and fails another (P6's stream-cutting source)
+            // is not abandoned, and a lucky probe of the shape it fails must not give
+            // it back every class's health.
+            if i == dispatched
+                || state.health(class) >= bar
+                || state.health(0) >= default_bar
+                || !state.quiet_for(every)
+                || !state.probe_turn(at, every)
+            {
+                continue;
+            }
+            self.send_probe(i, at, after);
+        }
     }
 }
 
