@@ -280,7 +280,7 @@ where
             probe: call.is_probe_copy(),
         };
         // A balancer's probe copy runs on its own time, not the call's.
-        let refused = if call.is_probe_copy() {
+        let refused = if record.probe {
             None
         } else {
             call.extensions().get::<RefusedTime>().cloned()

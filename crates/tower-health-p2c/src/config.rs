@@ -63,9 +63,10 @@ pub const CREDIBLE_HEALTH_RATIO: f64 = 0.5;
 /// while a source that answers four times as often is over such a quota: the call
 /// returns that quota's refusal and waits for its end (a retry layer above waits it
 /// out; `tower-retry-pushback` bounds that wait). A longer quota (an account out of
-/// credit, held for minutes) leaves the poor source its attempt. In the P6 pool, streams released after a 30 s wait went to the
-/// source whose watchdog cuts nine streams in ten; each of them spent one of the call's
-/// attempts and the shared account's quota on it.
+/// credit, held for minutes) leaves the poor source its attempt. In the P6 pool,
+/// streams released after a 30 s wait went to the source whose watchdog cuts nine
+/// streams in ten; each of them spent one of the call's attempts and the shared
+/// account's quota on it.
 pub const POOR_HEALTH_RATIO: f64 = 0.25;
 
 /// Default bound on how long a call waits when no source is admitted. The retry

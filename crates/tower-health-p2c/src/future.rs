@@ -645,19 +645,20 @@ where
 
     /// Recovery of an abandoned source: a source not credible for this call's class
     /// nor for the default class 0 (under [`CREDIBLE_HEALTH_RATIO`] x the best one's
-    /// health in each) that no call has used for
-    /// `probe_every` gets a copy of this call's request off its path (at most one per
-    /// source per `probe_every`, shared with the silent-source probe), judged like any
-    /// attempt. A gate below that sees the source recover says so
-    /// ([`SourceHealth::recovered`](crate::SourceHealth::recovered): pgw-stack's breaker
-    /// does when its half-open probe succeeds), and its health is whole again; a
-    /// success alone moves it as one sample (a source failing nine calls of a shape in
-    /// ten answers some probes too). Without it a source that failed hard was asked again only
-    /// when every better source refused: in a pool with room to spare, never (the
-    /// flapping soak at 4 calls in flight sent nothing to a source back from its
-    /// outage in seven recoveries of seven). Its gates decide what reaches it: an open
-    /// breaker refuses the copy, or sends it as its half-open probe. Looked for by one
-    /// dispatching call per `probe_every / 4`; the others pay a load and a compare.
+    /// health in each) that no call has used for `probe_every` gets a copy of this
+    /// call's request off its path (at most one per source per `probe_every`, shared
+    /// with the silent-source probe), judged like any attempt. A gate below that sees
+    /// the source recover says so ([`SourceHealth::recovered`](crate::SourceHealth::recovered):
+    /// pgw-stack's breaker does when its half-open probe succeeds), and its health is
+    /// whole again; a success alone moves it as one sample (a source failing nine calls
+    /// of a shape in ten answers some probes too).
+    ///
+    /// Without it a source that failed hard was asked again only when every better
+    /// source refused: in a pool with room to spare, never (the flapping soak at 4
+    /// calls in flight sent nothing to a source back from its outage in seven
+    /// recoveries of seven). Its gates decide what reaches it: an open breaker refuses
+    /// the copy, or sends it as its half-open probe. Looked for by one dispatching call
+    /// per `probe_every / 4`; the others pay a load and a compare.
     #[inline]
     fn probe_abandoned(&mut self, dispatched: usize, at: Instant) {
         let (Some(every), Some(after)) = (self.config.probe_every, self.config.silent_after) else {
@@ -686,8 +687,8 @@ where
             let state = &self.snapshot.entries[i].state;
             // Not credible for this call's class nor for the default one: a source that
             // serves one shape of call and fails another (P6's stream-cutting source)
-            // is not abandoned, and a lucky probe of the shape it fails must not give
-            // it back every class's health.
+            // is not abandoned, and probes of the shape it fails would spend its
+            // account's quota for one lucky success in ten.
             if i == dispatched
                 || state.health(class) >= bar
                 || state.health(0) >= default_bar

@@ -159,13 +159,7 @@ impl SourceState {
     /// fresh call to it). Streams that answered and still run do not count: a source
     /// streaming one long answer is busy, not silent.
     pub(crate) fn silent(&self, after: Duration) -> bool {
-        if self.load.load(Ordering::Relaxed) >> AWAITED_SHIFT == 0 {
-            return false;
-        }
-        let quiet = self
-            .now_ns()
-            .saturating_sub(self.heard_ns.load(Ordering::Relaxed));
-        quiet >= u64::try_from(after.as_nanos()).unwrap_or(u64::MAX)
+        self.load.load(Ordering::Relaxed) >> AWAITED_SHIFT != 0 && self.quiet_for(after)
     }
 
     /// Whether nothing was heard from the source (nor was it dispatched to while idle)
@@ -517,7 +511,7 @@ pub(crate) struct Snapshot<S> {
     pub(crate) wake: Arc<Notify>,
     /// The calls waiting for a round's earliest `retry_after` (any snapshot of the set).
     pub(crate) waiting: Arc<pgw_core::fair::Waiting>,
-    /// When the set's poor, quiet sources are next looked for ([`Snapshot::explore_due`]).
+    /// When the set's abandoned sources are next looked for ([`Snapshot::explore_due`]).
     pub(crate) explore: Arc<ExploreClock>,
 }
 
