@@ -877,7 +877,17 @@ fn assert_prometheus_text(text: &str) {
 #[tokio::test]
 async fn metrics_parse_as_prometheus_text_and_move_when_calls_run() {
     let keys = key_toml("metrics-tenant", CLIENT_KEY, "models = [\"m\"]\n");
-    let h = start(&keys, vec![fast("s1")]).await;
+    // Behind a hard limit of 600 requests a minute (ten a second refill), so its answers
+    // carry `x-ratelimit-*` headers.
+    let limited = pgw_sim::SourceConfig {
+        limits: pgw_sim::HardLimits {
+            rpm: Some(600),
+            ..pgw_sim::HardLimits::default()
+        }
+        .into(),
+        ..fast("s1")
+    };
+    let h = start(&keys, vec![limited]).await;
     let scrape = || async {
         let (status, headers, body) = call(h.addr, request("GET", "/metrics"), Bytes::new()).await;
         assert_eq!(status, 200);
@@ -919,6 +929,20 @@ async fn metrics_parse_as_prometheus_text_and_move_when_calls_run() {
     );
     assert_eq!(metric(&after, "pgw_breaker_state", &[("source", "s1")]), 0.0);
     assert!(after.contains("pgw_aimd_limit{source=\"s1\"}"), "{after}");
+    // The provider's count after the last answer: two requests taken, and what refilled
+    // meanwhile (under a minute: less than the whole limit).
+    let left = metric(
+        &after,
+        "pgw_provider_remaining",
+        &[("source", "s1"), ("limit", "requests")],
+    );
+    assert!((1.0..=599.0).contains(&left), "{after}");
+    assert!(
+        !after
+            .lines()
+            .any(|l| l.starts_with("pgw_provider_remaining{") && l.contains("limit=\"tokens\"")),
+        "no TPM limit, no tokens figure: {after}"
+    );
     assert!(
         after.contains("gen_ai_client_operation_duration_seconds_bucket"),
         "{after}"

@@ -164,6 +164,9 @@ pub struct AttemptStats {
     pub usage: Option<Usage>,
     /// Whether the upstream streamed the answer.
     pub streamed: bool,
+    /// What the provider's `x-ratelimit-*` headers said is left of its limits, when it
+    /// sent them.
+    pub headroom: Option<pgw_core::headroom::Headroom>,
 }
 
 /// The verdict of one successful attempt: the complete answer, the chunks it was

@@ -394,6 +394,7 @@ where
     let t = prepared.settings.timeouts;
     let mut stats = AttemptStats {
         source: Some(prepared.settings.id.clone()),
+        headroom: pgw_core::headroom::Headroom::from_headers(&parts.headers),
         ..AttemptStats::default()
     };
     let (response, chunks, body) = if stream && is_event_stream(&parts.headers) {

@@ -11,7 +11,8 @@
 //!   [`classify_response`] (a refusal or a content filter's verdict is an answer);
 //! - the *not admitted* errors a gate answers before dispatch ([`CircuitOpen`],
 //!   [`QuotaExceeded`], [`Paced`]) and [`NotAdmitted::of`] to recognise them;
-//! - [`retry_after`] parsing, defensive against garbage;
+//! - [`retry_after`] parsing, defensive against garbage, and [`headroom`]: what a
+//!   provider's `x-ratelimit-*` headers say is left of its limits;
 //! - [`SourceId`], the name of a source, and [`CallHistory`], the in-call record the
 //!   retry layer and the balancer share;
 //! - [`clock::now`]: one clock read per dispatch, shared by the gates it passes through;
@@ -38,6 +39,7 @@ mod classify;
 pub mod clock;
 pub mod error;
 pub mod fair;
+pub mod headroom;
 mod history;
 mod hold;
 mod http_classify;

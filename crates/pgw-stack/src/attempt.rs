@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use pgw_client::{AnswerClassifier, ChatAnswer, ChatCall};
+use pgw_core::headroom::{Headroom, Remaining};
 use pgw_core::openai::Usage;
 use pgw_core::sync::lock;
 use pgw_core::{BoxError, CarriesHistory, Classify, InvalidResponse, Outcome, SourceId, UpstreamStatus};
@@ -335,9 +336,9 @@ where
                 if streamed && let Some(cut) = cut_after_start(committed, r) {
                     cuts.record(cut);
                 }
-                let (ttft, usage) = match r {
-                    Ok(a) => (a.stats.ttft, a.stats.usage.as_ref()),
-                    Err(_) => (None, None),
+                let (ttft, usage, headroom) = match r {
+                    Ok(a) => (a.stats.ttft, a.stats.usage.as_ref(), a.stats.headroom),
+                    Err(_) => (None, None, None),
                 };
                 let upstream = r.as_ref().err().and_then(|e| UpstreamStatus::find(&**e));
                 record.emit(
@@ -346,6 +347,7 @@ where
                     usage,
                     r.as_ref().err().map(ToString::to_string),
                     upstream,
+                    headroom,
                 );
             });
             result
@@ -396,8 +398,11 @@ impl Record {
         usage: Option<&Usage>,
         error: Option<String>,
         upstream: Option<&UpstreamStatus>,
+        headroom: Option<Headroom>,
     ) {
         self.done = true;
+        let remaining =
+            |f: fn(&Headroom) -> Option<Remaining>| headroom.as_ref().and_then(f).map(|r| r.remaining);
         let admission = self.admission;
         self.telemetry.emit(&AttemptTelemetry {
             call_id: self.call_id,
@@ -419,6 +424,8 @@ impl Record {
                 .and_then(|p| p.code.clone().or_else(|| p.kind.clone())),
             cache_hit: false,
             probe: self.probe,
+            provider_remaining_requests: remaining(|h| h.requests),
+            provider_remaining_tokens: remaining(|h| h.tokens),
         });
     }
 }
@@ -431,6 +438,7 @@ impl Drop for Record {
                 None,
                 None,
                 Some("attempt cancelled before its verdict".to_owned()),
+                None,
                 None,
             );
         }

@@ -259,6 +259,7 @@ fn telemetry(cfg: &GatewayConfig, mut sinks: Vec<Arc<dyn TelemetrySink>>) -> Res
         sinks: Arc::new(sinks),
         prices: Arc::new(PriceTable::new(cfg.prices.clone())),
         attempts: Arc::default(),
+        remaining: Arc::default(),
     })
 }
 

@@ -317,6 +317,8 @@ pub(crate) fn replay(telemetry: &Telemetry, call_id: u64, hit: &CachedAnswer) ->
         code: None,
         cache_hit: true,
         probe: false,
+        provider_remaining_requests: None,
+        provider_remaining_tokens: None,
     });
     GatewayAnswer {
         call_id,

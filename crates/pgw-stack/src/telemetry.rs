@@ -8,7 +8,7 @@ use std::io::{self, LineWriter, Write};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use metrics::Counter;
+use metrics::{Counter, Gauge};
 use pgw_core::openai::Usage;
 use pgw_core::sync::lock;
 use pgw_core::{MetricHandles, SourceId};
@@ -62,6 +62,11 @@ pub struct AttemptTelemetry {
     /// (a breaker's half-open probe, or the balancer's probe of a silent or abandoned
     /// source), whose answer the call never sees. Numbered among the call's attempts.
     pub probe: bool,
+    /// Requests the provider said were left of its limit after this answer
+    /// (`x-ratelimit-remaining-requests`, [`pgw_core::headroom`]), when it said so.
+    pub provider_remaining_requests: Option<u64>,
+    /// Tokens the provider said were left (`x-ratelimit-remaining-tokens`).
+    pub provider_remaining_tokens: Option<u64>,
 }
 
 /// Where attempt records go.
@@ -193,6 +198,10 @@ pub(crate) struct Telemetry {
     pub(crate) prices: Arc<PriceTable>,
     /// `pgw_attempts_total` by source, outcome and cache hit (every attempt updates it).
     pub(crate) attempts: Arc<MetricHandles<Counter, 3>>,
+    /// `pgw_provider_remaining` by source and limit (`requests`, `tokens`): what the
+    /// provider's `x-ratelimit-remaining-*` headers said on the source's last answer
+    /// that carried them.
+    pub(crate) remaining: Arc<MetricHandles<Gauge, 2>>,
 }
 
 impl Telemetry {
@@ -212,6 +221,23 @@ impl Telemetry {
                 },
             )
             .increment(1);
+        for (limit, left) in [
+            ("requests", record.provider_remaining_requests),
+            ("tokens", record.provider_remaining_tokens),
+        ] {
+            if let Some(left) = left {
+                #[allow(clippy::cast_precision_loss)] // a gauge is a float
+                self.remaining
+                    .get([source, limit], |[source, limit]| {
+                        metrics::gauge!(
+                            "pgw_provider_remaining",
+                            "source" => source.to_owned(),
+                            "limit" => limit.to_owned(),
+                        )
+                    })
+                    .set(left as f64);
+            }
+        }
         for s in self.sinks.iter() {
             s.record(record);
         }
@@ -241,6 +267,8 @@ mod tests {
             code: None,
             cache_hit: false,
             probe: false,
+            provider_remaining_requests: None,
+            provider_remaining_tokens: None,
         }
     }
 

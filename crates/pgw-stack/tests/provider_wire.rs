@@ -332,3 +332,44 @@ async fn insufficient_quota_holds_the_source_long_then_probes_it_once() {
         "the probe closed it"
     );
 }
+
+/// What a provider's `x-ratelimit-remaining-*` headers say is left reaches the
+/// attempt's record (and the `pgw_provider_remaining` gauge with it); a provider
+/// without them leaves the fields empty.
+#[tokio::test(start_paused = true)]
+async fn the_providers_remaining_limits_reach_the_attempt_records() {
+    let limited = pgw_sim::SourceConfig {
+        limits: pgw_sim::HardLimits {
+            rpm: Some(10),
+            tpm: Some(100_000),
+            ..pgw_sim::HardLimits::default()
+        }
+        .into(),
+        ..serving("a")
+    };
+    let pool = pool(vec![limited, serving("b")]);
+    let sink = MemorySink::new();
+    let gw = gateway(&pool, &sink).await;
+    // Sent together: no time passes between the two calls on `a` for its bucket to
+    // refill.
+    let calls = (0..4).map(|_| gw.chat(ChatRequest::user("gpt-4o", "hi")));
+    for answer in futures_util::future::join_all(calls).await {
+        answer.unwrap();
+    }
+    let records = sink.records();
+    let on = |s: &str| -> Vec<_> {
+        records
+            .iter()
+            .filter(|r| r.source.as_ref().is_some_and(|id| id.as_str() == s))
+            .map(|r| (r.provider_remaining_requests, r.provider_remaining_tokens))
+            .collect()
+    };
+    // Round robin: two calls each. A full bucket of 10 loses one request per call.
+    let mut a = on("a");
+    a.sort_unstable();
+    assert_eq!(a.len(), 2, "{records:?}");
+    assert_eq!((a[0].0, a[1].0), (Some(8), Some(9)), "{a:?}");
+    let (t0, t1) = (a[0].1.unwrap(), a[1].1.unwrap());
+    assert!(t1 < 100_000 && t0 < t1, "tokens spent: {a:?}");
+    assert_eq!(on("b"), vec![(None, None); 2], "no headers, no figures");
+}
