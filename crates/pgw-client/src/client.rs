@@ -528,13 +528,31 @@ async fn status_error(
     let bytes = read_body(body, deadline, t, MAX_ERROR_BODY)
         .await
         .unwrap_or_default();
-    let status = error_status(parts.status, retry_after, &bytes, prepared.settings.key.as_ref());
+    let mut status = error_status(parts.status, retry_after, &bytes, prepared.settings.key.as_ref());
+    if retry_after.is_none() && parts.status == http::StatusCode::TOO_MANY_REQUESTS {
+        let hint = pushback_hint(&parts.headers, &status);
+        status = status.with_retry_after(hint);
+    }
     // The source's model override replaced the caller's: an unknown model is ours.
     if prepared.settings.model.is_some() {
         status.with_source_model()
     } else {
         status
     }
+}
+
+/// How long a 429 without `Retry-After` asks to wait, in the provider's other words:
+/// the wait its message names (OpenAI: "Please try again in 4s."), else the time its
+/// `x-ratelimit-*` headers say the exhausted limit needs to take one more request
+/// ([`pgw_core::headroom::Headroom::exhausted_for`]). `None` when neither says: the
+/// retry layer's short jittered backoff then applies.
+fn pushback_hint(headers: &http::HeaderMap, status: &UpstreamStatus) -> Option<Duration> {
+    let named = status
+        .provider()
+        .map(|p| p.message.as_str())
+        .or_else(|| Some(status.message()))
+        .and_then(pgw_core::retry_after::from_message);
+    named.or_else(|| pgw_core::headroom::Headroom::from_headers(headers)?.exhausted_for(None))
 }
 
 /// A provider's error inside a 2xx answer (a JSON body, or a stream's event) as an
@@ -555,7 +573,15 @@ pub(crate) fn error_in_answer(
         .filter(|c| (400..=599).contains(c))
         .and_then(|c| http::StatusCode::from_u16(c).ok())
         .unwrap_or(http::StatusCode::BAD_GATEWAY);
-    Some(provider_status(status, None, p, key, context))
+    let status = provider_status(status, None, p, key, context);
+    // A rate limit in an answer has no headers of its own: the wait its message names.
+    if pgw_core::classify_upstream(&status).is_rate_limited() {
+        let hint = status
+            .provider()
+            .and_then(|p| pgw_core::retry_after::from_message(&p.message));
+        return Some(status.with_retry_after(hint));
+    }
+    Some(status)
 }
 
 /// `text` scrubbed of `key`, then cut to [`MAX_ERROR_MESSAGE`] bytes. In that order: a

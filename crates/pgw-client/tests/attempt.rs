@@ -478,6 +478,61 @@ async fn non_2xx_carries_status_retry_after_and_scrubbed_message() {
     assert!(r.unwrap_err().to_string().contains("plain text refusal"));
 }
 
+/// OpenAI sends no `Retry-After` on most 429s: the wait it names in its message, else
+/// the one its `x-ratelimit-*` headers imply, is the 429's hint; `Retry-After` wins.
+#[tokio::test(start_paused = true)]
+async fn a_429_without_retry_after_waits_what_the_message_or_headers_say() {
+    let p = Provider::default();
+    let pushback = |r: &Result<pgw_client::ChatAnswer, BoxError>| match outcome(r) {
+        Outcome::RateLimited { retry_after } => retry_after,
+        other => panic!("not pushback: {other:?}"),
+    };
+    let openai = r#"{"error":{"message":"Rate limit reached for gpt-4o in organization org-1 on tokens per min (TPM): Limit 30000, Used 29000, Requested 3000. Please try again in 4.5s. Visit https://platform.openai.com/account/rate-limits to learn more.","type":"tokens","param":null,"code":"rate_limit_exceeded"}}"#;
+    let headers = [
+        ("x-ratelimit-limit-requests", "10"),
+        ("x-ratelimit-remaining-requests", "0"),
+        ("x-ratelimit-reset-requests", "20s"),
+    ];
+
+    // The message names the wait.
+    let r = p
+        .client(json(429, openai), timeouts())
+        .oneshot(plain_call())
+        .await;
+    assert_eq!(pushback(&r), Some(Duration::from_millis(4500)));
+
+    // No wait in the message: the headers' (one request of ten refills in 2 s).
+    let mut s = json(429, r#"{"error":{"message":"slow down","type":"requests"}}"#);
+    s.headers.extend(headers.map(|(k, v)| (k, v.to_owned())));
+    let r = p.client(s, timeouts()).oneshot(plain_call()).await;
+    assert_eq!(pushback(&r), Some(Duration::from_secs(2)));
+
+    // Retry-After wins over both.
+    let mut s = json(429, openai);
+    s.headers.extend(headers.map(|(k, v)| (k, v.to_owned())));
+    s.headers.push(("retry-after", "7".into()));
+    let r = p.client(s, timeouts()).oneshot(plain_call()).await;
+    assert_eq!(pushback(&r), Some(Duration::from_secs(7)));
+
+    // Neither: no hint (the retry layer's backoff applies).
+    let r = p
+        .client(json(429, r#"{"error":{"message":"slow down"}}"#), timeouts())
+        .oneshot(plain_call())
+        .await;
+    assert_eq!(pushback(&r), None);
+
+    // Only a 429's message is read so: a 400 naming a wait is still the request's.
+    let r = p
+        .client(
+            json(400, r#"{"error":{"message":"bad. try again in 4s"}}"#),
+            timeouts(),
+        )
+        .oneshot(plain_call())
+        .await;
+    let e = r.as_ref().unwrap_err().downcast_ref::<UpstreamStatus>().unwrap();
+    assert_eq!(e.retry_after(), None);
+}
+
 #[tokio::test(start_paused = true)]
 async fn empty_completion_is_an_error() {
     let p = Provider::default();
@@ -1059,12 +1114,18 @@ async fn a_providers_error_in_a_2xx_answer_is_classified_by_its_code() {
     let event = |body: &str| sse(vec![(Duration::ZERO, Bytes::from(format!("data: {body}\n\n")))]);
     let r = p
         .client(
-            event(r#"{"error":{"message":"Rate limit reached for gpt-4o on requests per min (RPM)","type":"requests","param":null,"code":"rate_limit_exceeded"}}"#),
+            event(r#"{"error":{"message":"Rate limit reached for gpt-4o on requests per min (RPM). Please try again in 1.5s.","type":"requests","param":null,"code":"rate_limit_exceeded"}}"#),
             timeouts(),
         )
         .oneshot(stream_call())
         .await;
-    assert!(matches!(outcome(&r), Outcome::RateLimited { .. }), "{r:?}");
+    assert_eq!(
+        outcome(&r),
+        Outcome::RateLimited {
+            retry_after: Some(Duration::from_millis(1500))
+        },
+        "the wait the message names: {r:?}"
+    );
     assert!(r.unwrap_err().to_string().contains("mid-stream"));
     let r = p
         .client(

@@ -456,10 +456,21 @@ impl UpstreamStatus {
         self.status
     }
 
-    /// The parsed `Retry-After` hint, if the upstream sent one.
+    /// The wait the upstream asked for: its parsed `Retry-After`, or one it named
+    /// otherwise ([`Self::with_retry_after`]).
     #[must_use]
     pub const fn retry_after(&self) -> Option<Duration> {
         self.retry_after
+    }
+
+    /// Sets the wait the upstream asked for when it said so otherwise than with
+    /// `Retry-After`: in its message ("Please try again in 4s",
+    /// [`crate::retry_after::from_message`]) or in its `x-ratelimit-*` headers
+    /// ([`crate::headroom`]). `None` leaves the status without a hint.
+    #[must_use]
+    pub const fn with_retry_after(mut self, retry_after: Option<Duration>) -> Self {
+        self.retry_after = retry_after;
+        self
     }
 
     /// The provider's error message.

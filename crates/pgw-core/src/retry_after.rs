@@ -95,6 +95,33 @@ pub fn from_headers(headers: &http::HeaderMap, now: SystemTime) -> Option<Durati
         .and_then(|v| parse_retry_after(v, now))
 }
 
+/// Reads the wait a provider's 429 message names, as OpenAI writes it: "Rate limit
+/// reached for gpt-4o in organization org-1 on tokens per min (TPM): Limit 30000, Used
+/// 29000, Requested 3000. Please try again in 4s." (`4s`, `1.234s`, `250ms`, `6m0s`:
+/// [`crate::headroom::parse_reset`]). The last "try again in" wins; `None` when the
+/// message names no readable wait. OpenAI sends no `Retry-After` on most 429s: this and
+/// the `x-ratelimit-*` headers ([`crate::headroom`]) are what it says.
+///
+/// ```
+/// use std::time::Duration;
+/// use pgw_core::retry_after::from_message;
+///
+/// let m = "Rate limit reached for gpt-4o on requests per min (RPM): Limit 3, Used 3, \
+///          Requested 1. Please try again in 20s. Visit https://platform.openai.com/...";
+/// assert_eq!(from_message(m), Some(Duration::from_secs(20)));
+/// assert_eq!(from_message("Please try again later."), None);
+/// ```
+#[must_use]
+pub fn from_message(message: &str) -> Option<Duration> {
+    const AT: &str = "try again in ";
+    let lower = message.to_ascii_lowercase();
+    let at = lower.rfind(AT)? + AT.len();
+    let word = message[at..].split_whitespace().next()?;
+    // The sentence's full stop or a comma is not part of the duration ("4s." "1.5s,").
+    let word = word.trim_end_matches(['.', ',', ';', ')']);
+    crate::headroom::parse_reset(word)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -133,6 +160,31 @@ mod tests {
     }
 
     #[test]
+    fn waits_named_in_a_message() {
+        let cases: &[(&str, Option<Duration>)] = &[
+            ("Please try again in 4s.", Some(Duration::from_secs(4))),
+            (
+                "... Please try again in 1.234s. Visit https://x",
+                Some(Duration::from_millis(1234)),
+            ),
+            ("Please try again in 250ms.", Some(Duration::from_millis(250))),
+            ("Please Try Again In 6m0s", Some(Duration::from_secs(360))),
+            (
+                "try again in 2s, or in 5s. Try again in 3s.",
+                Some(Duration::from_secs(3)),
+            ),
+            ("Please try again later.", None),
+            ("Please try again in a moment.", None),
+            ("Please try again in ", None),
+            ("try again in -4s", None),
+            ("", None),
+        ];
+        for (m, want) in cases {
+            assert_eq!(from_message(m), *want, "message {m:?}");
+        }
+    }
+
+    #[test]
     fn headers_prefer_ms() {
         let mut h = http::HeaderMap::new();
         h.insert("retry-after", "7".parse().unwrap());
@@ -150,6 +202,11 @@ mod tests {
             }
             if let Some(d) = parse_retry_after_ms(&s) {
                 prop_assert!(d <= MAX_RETRY_AFTER);
+            }
+            for m in [s.clone(), format!("Please try again in {s}")] {
+                if let Some(d) = from_message(&m) {
+                    prop_assert!(d <= MAX_RETRY_AFTER);
+                }
             }
         }
 
