@@ -13,20 +13,22 @@
 
 use std::time::Duration;
 
+use http::HeaderName;
+
 use crate::retry_after::MAX_RETRY_AFTER;
 
-/// The requests limit's headers: limit, remaining, reset.
-const REQUESTS: [&str; 3] = [
-    "x-ratelimit-limit-requests",
-    "x-ratelimit-remaining-requests",
-    "x-ratelimit-reset-requests",
+/// The requests limit's headers: remaining, limit, reset.
+const REQUESTS: [HeaderName; 3] = [
+    HeaderName::from_static("x-ratelimit-remaining-requests"),
+    HeaderName::from_static("x-ratelimit-limit-requests"),
+    HeaderName::from_static("x-ratelimit-reset-requests"),
 ];
 
-/// The tokens limit's headers: limit, remaining, reset.
-const TOKENS: [&str; 3] = [
-    "x-ratelimit-limit-tokens",
-    "x-ratelimit-remaining-tokens",
-    "x-ratelimit-reset-tokens",
+/// The tokens limit's headers: remaining, limit, reset.
+const TOKENS: [HeaderName; 3] = [
+    HeaderName::from_static("x-ratelimit-remaining-tokens"),
+    HeaderName::from_static("x-ratelimit-limit-tokens"),
+    HeaderName::from_static("x-ratelimit-reset-tokens"),
 ];
 
 /// One limit's headers: what is left, the limit, and the time until it is whole.
@@ -93,17 +95,20 @@ impl Headroom {
     /// ```
     #[must_use]
     pub fn from_headers(headers: &http::HeaderMap) -> Option<Self> {
-        let read = |[limit, remaining, reset]: [&str; 3]| -> Option<Remaining> {
-            let get = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).map(str::trim);
+        // Pre-parsed names (no name parsing per answer), `remaining` first: an answer
+        // without the headers costs two lookups.
+        let read = |[remaining, limit, reset]: &[HeaderName; 3]| -> Option<Remaining> {
+            let get = |name| headers.get(name).and_then(|v| v.to_str().ok()).map(str::trim);
+            let remaining = get(remaining)?.parse::<u64>().ok()?;
             Some(Remaining {
                 limit: get(limit).and_then(|v| v.parse::<u64>().ok()),
-                remaining: get(remaining)?.parse::<u64>().ok()?,
+                remaining,
                 reset: get(reset).and_then(parse_reset),
             })
         };
         let out = Self {
-            requests: read(REQUESTS),
-            tokens: read(TOKENS),
+            requests: read(&REQUESTS),
+            tokens: read(&TOKENS),
         };
         (out.requests.is_some() || out.tokens.is_some()).then_some(out)
     }

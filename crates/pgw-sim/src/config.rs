@@ -289,6 +289,12 @@ pub struct SourceConfig {
     /// The key's own hard limits (default none). Schedulable.
     #[serde(skip_serializing_if = "is_default")]
     pub limits: Schedule<HardLimits>,
+    /// Whether this source's hard-limit 429s (its key's or its account's) carry the
+    /// exact wait in `retry-after` and `retry-after-ms` (default true). False answers
+    /// as OpenAI does: the wait only in the message ("Please try again in 1.5s.") and
+    /// the `x-ratelimit-*` headers.
+    #[serde(skip_serializing_if = "is_true")]
+    pub limit_retry_after: bool,
     /// The models the source serves; a request naming another gets 404
     /// `model_not_found` (default `None`: any model).
     #[serde(skip_serializing_if = "is_default")]
@@ -372,6 +378,7 @@ impl fmt::Debug for SourceConfig {
             .field("completion", &self.completion)
             .field("stall", &self.stall)
             .field("limits", &self.limits)
+            .field("limit_retry_after", &self.limit_retry_after)
             .field("models", &self.models)
             .field("context_window", &self.context_window)
             .field("content_policy_rate", &self.content_policy_rate)
@@ -427,6 +434,7 @@ impl Default for SourceConfig {
             completion: CompletionConfig::default(),
             stall: StallConfig::default().into(),
             limits: Schedule::default(),
+            limit_retry_after: true,
             models: None,
             context_window: None,
             content_policy_rate: Schedule::default(),
@@ -1009,6 +1017,12 @@ fn rate(field: &str, v: f64) -> Result<(), ConfigError> {
     } else {
         Err(config_error(field, format!("must be within [0, 1], got {v}")))
     }
+}
+
+/// Serde's `skip_serializing_if` for a flag that defaults to true.
+#[allow(clippy::trivially_copy_pass_by_ref)] // serde passes a reference
+const fn is_true(v: &bool) -> bool {
+    *v
 }
 
 #[cfg(test)]

@@ -650,7 +650,7 @@ impl Inner {
                         // Refused at the edge, at once: the hint is exact on arrival.
                         delay: Duration::ZERO,
                         retry_after_s: None,
-                        retry_exact: r.wait.map(|w| w.mul_f64(scale)),
+                        retry_exact: r.wait.filter(|_| cfg.limit_retry_after).map(|w| w.mul_f64(scale)),
                         time_scale: scale,
                         rpm_limit: None,
                     };
