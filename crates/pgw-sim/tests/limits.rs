@@ -27,17 +27,26 @@ fn pool(v: serde_json::Value) -> SimPool {
     SimPool::new(serde_json::from_value::<PoolConfig>(v).unwrap(), 3).unwrap()
 }
 
+/// Sends seven requests to source `k` of `p` (not awaited: admitted, in flight) and an
+/// eighth, read: a bucket of 7 RPM refuses it.
+async fn seven_then_one(
+    p: &SimPool,
+) -> (
+    Vec<<pgw_sim::SimService as Service<http::Request<Bytes>>>::Future>,
+    common::Raw,
+) {
+    let mut svc = p.service("k").unwrap();
+    let admitted = (0..7).map(|_| svc.call(json_request(&chat(10), None))).collect();
+    let refused = read(svc.call(json_request(&chat(10), None)).await.unwrap()).await;
+    (admitted, refused)
+}
+
 /// `limit_retry_after = false`: the 429 of a hard limit as OpenAI sends it, the wait only
 /// in the message and the `x-ratelimit-*` headers.
 #[tokio::test(start_paused = true)]
 async fn a_limit_without_retry_after_names_its_wait_in_the_message_only() {
     let p = pool(json!({"sources": [{"name": "k", "limits": {"rpm": 7}, "limit_retry_after": false}]}));
-    let mut svc = p.service("k").unwrap();
-    let mut admitted = Vec::new();
-    for _ in 0..7 {
-        admitted.push(svc.call(json_request(&chat(10), None)));
-    }
-    let refused = read(svc.call(json_request(&chat(10), None)).await.unwrap()).await;
+    let (admitted, refused) = seven_then_one(&p).await;
     assert_eq!(refused.status, 429);
     assert_eq!(refused.header("retry-after"), None);
     assert_eq!(refused.header("retry-after-ms"), None);
@@ -53,12 +62,7 @@ async fn an_rpm_bucket_announces_its_exact_refill_and_keeps_its_word() {
     // 7 per minute: one request every 60/7 s = 8.571428572 s (rounded up to the ns).
     let p = pool(json!({"sources": [{"name": "k", "limits": {"rpm": 7}}]}));
     let start = Instant::now();
-    let mut svc = p.service("k").unwrap();
-    let mut admitted = Vec::new();
-    for _ in 0..7 {
-        admitted.push(svc.call(json_request(&chat(10), None)));
-    }
-    let refused = read(svc.call(json_request(&chat(10), None)).await.unwrap()).await;
+    let (admitted, refused) = seven_then_one(&p).await;
     assert_eq!(refused.status, 429);
     assert_eq!(
         start.elapsed(),
