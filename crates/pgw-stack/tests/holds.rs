@@ -119,3 +119,65 @@ async fn an_account_limit_holds_every_source_of_the_account() {
     );
     call.abort();
 }
+
+/// A 429 without `Retry-After` (OpenAI's way: the wait only in its message and its
+/// `x-ratelimit-*` headers) holds its source for the wait the provider named, not for
+/// a guessed backoff of half a second.
+#[tokio::test(start_paused = true)]
+async fn a_429_without_retry_after_holds_for_the_wait_its_message_names() {
+    // `a` takes one request a minute and answers the second 429 "Please try again in
+    // 5X.XXXs." with no Retry-After.
+    let limited = pgw_sim::SourceConfig {
+        limits: pgw_sim::HardLimits {
+            rpm: Some(1),
+            ..pgw_sim::HardLimits::default()
+        }
+        .into(),
+        limit_retry_after: false,
+        ..pgw_sim::SourceConfig {
+            account: None,
+            ..fast("a")
+        }
+    };
+    let mut b = fast("b");
+    b.account = None;
+    let pool = SimPool::new(
+        PoolConfig {
+            sources: vec![limited, b],
+            bad_prompt_rate: 0.0,
+            ..PoolConfig::default()
+        },
+        5,
+    )
+    .unwrap();
+    let mut cfg = GatewayConfig::default();
+    cfg.cache.enabled = false;
+    cfg.balance.policy = Some("round_robin".into());
+    for name in pool.sources() {
+        cfg.sources.push(SourceConfig::new(
+            name.as_str(),
+            format!("http://sim.invalid/{name}/v1"),
+            SecretKey::new(KEY),
+        ));
+    }
+    let gw = support::sim_gateway(&pool, cfg, &MemorySink::default()).await;
+    let start = tokio::time::Instant::now();
+    for _ in 0..3 {
+        gw.chat(ChatRequest::user("m", "hi")).await.unwrap();
+    }
+    let stats = pool.stats();
+    assert_eq!(
+        stats.sources["a"].answered.get(&429).copied(),
+        Some(1),
+        "{stats:?}"
+    );
+    let a = gw.sources().iter().find(|h| h.source.as_str() == "a").unwrap();
+    let held = a.limiter.held().await.unwrap().source.hold_ends_in;
+    // The bucket refills its one request a minute after the first was taken (at the
+    // start): the hold ends then, to the millisecond the message names.
+    let ends = held.map(|d| (start.elapsed() + d).as_secs_f64());
+    assert!(
+        ends.is_some_and(|s| (59.9..=60.01).contains(&s)),
+        "held until the named end, a minute after the start: {ends:?} s"
+    );
+}
