@@ -528,9 +528,11 @@ async fn status_error(
     let bytes = read_body(body, deadline, t, MAX_ERROR_BODY)
         .await
         .unwrap_or_default();
-    let mut status = error_status(parts.status, retry_after, &bytes, prepared.settings.key.as_ref());
+    let headroom = pgw_core::headroom::Headroom::from_headers(&parts.headers);
+    let mut status = error_status(parts.status, retry_after, &bytes, prepared.settings.key.as_ref())
+        .with_headroom(headroom);
     if retry_after.is_none() && parts.status == http::StatusCode::TOO_MANY_REQUESTS {
-        let hint = pushback_hint(&parts.headers, &status);
+        let hint = pushback_hint(headroom, &status);
         status = status.with_retry_after(hint);
     }
     // The source's model override replaced the caller's: an unknown model is ours.
@@ -546,13 +548,16 @@ async fn status_error(
 /// `x-ratelimit-*` headers say the exhausted limit needs to take one more request
 /// ([`pgw_core::headroom::Headroom::exhausted_for`]). `None` when neither says: the
 /// retry layer's short jittered backoff then applies.
-fn pushback_hint(headers: &http::HeaderMap, status: &UpstreamStatus) -> Option<Duration> {
+fn pushback_hint(
+    headroom: Option<pgw_core::headroom::Headroom>,
+    status: &UpstreamStatus,
+) -> Option<Duration> {
     let named = status
         .provider()
         .map(|p| p.message.as_str())
         .or_else(|| Some(status.message()))
         .and_then(pgw_core::retry_after::from_message);
-    named.or_else(|| pgw_core::headroom::Headroom::from_headers(headers)?.exhausted_for(None))
+    named.or_else(|| headroom?.exhausted_for(None))
 }
 
 /// A provider's error inside a 2xx answer (a JSON body, or a stream's event) as an

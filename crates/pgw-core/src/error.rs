@@ -400,6 +400,7 @@ pub struct UpstreamStatus {
     message: String,
     provider: Option<ProviderError>,
     source_model: bool,
+    headroom: Option<crate::headroom::Headroom>,
 }
 
 impl UpstreamStatus {
@@ -411,6 +412,7 @@ impl UpstreamStatus {
             message: message.into(),
             provider: None,
             source_model: false,
+            headroom: None,
         }
     }
 
@@ -435,6 +437,20 @@ impl UpstreamStatus {
     pub fn with_provider(mut self, provider: ProviderError) -> Self {
         self.provider = Some(provider);
         self
+    }
+
+    /// Attaches what the answer's `x-ratelimit-*` headers said is left of the
+    /// provider's limits ([`crate::headroom`]): on a 429, usually nothing.
+    #[must_use]
+    pub const fn with_headroom(mut self, headroom: Option<crate::headroom::Headroom>) -> Self {
+        self.headroom = headroom;
+        self
+    }
+
+    /// What the answer's `x-ratelimit-*` headers said is left, when they were there.
+    #[must_use]
+    pub const fn headroom(&self) -> Option<crate::headroom::Headroom> {
+        self.headroom
     }
 
     /// Finds an `UpstreamStatus` in `err` or its source chain.

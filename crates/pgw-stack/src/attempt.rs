@@ -336,11 +336,12 @@ where
                 if streamed && let Some(cut) = cut_after_start(committed, r) {
                     cuts.record(cut);
                 }
+                let upstream = r.as_ref().err().and_then(|e| UpstreamStatus::find(&**e));
+                // What the provider said is left: on its answer, or on its refusal.
                 let (ttft, usage, headroom) = match r {
                     Ok(a) => (a.stats.ttft, a.stats.usage.as_ref(), a.stats.headroom),
-                    Err(_) => (None, None, None),
+                    Err(_) => (None, None, upstream.and_then(UpstreamStatus::headroom)),
                 };
-                let upstream = r.as_ref().err().and_then(|e| UpstreamStatus::find(&**e));
                 record.emit(
                     AnswerClassifier.classify(r).as_str(),
                     ttft,

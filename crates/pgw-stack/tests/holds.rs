@@ -160,7 +160,8 @@ async fn a_429_without_retry_after_holds_for_the_wait_its_message_names() {
             SecretKey::new(KEY),
         ));
     }
-    let gw = support::sim_gateway(&pool, cfg, &MemorySink::default()).await;
+    let sink = MemorySink::default();
+    let gw = support::sim_gateway(&pool, cfg, &sink).await;
     let start = tokio::time::Instant::now();
     for _ in 0..3 {
         gw.chat(ChatRequest::user("m", "hi")).await.unwrap();
@@ -180,4 +181,12 @@ async fn a_429_without_retry_after_holds_for_the_wait_its_message_names() {
         ends.is_some_and(|s| (59.9..=60.01).contains(&s)),
         "held until the named end, a minute after the start: {ends:?} s"
     );
+    // The refusal's record says what its headers said: nothing left.
+    let refused: Vec<_> = sink
+        .records()
+        .into_iter()
+        .filter(|r| r.outcome == "rate_limited")
+        .map(|r| r.provider_remaining_requests)
+        .collect();
+    assert_eq!(refused, [Some(0)]);
 }
