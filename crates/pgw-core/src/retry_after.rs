@@ -95,12 +95,13 @@ pub fn from_headers(headers: &http::HeaderMap, now: SystemTime) -> Option<Durati
         .and_then(|v| parse_retry_after(v, now))
 }
 
-/// Reads the wait a provider's 429 message names, as OpenAI writes it: "Rate limit
-/// reached for gpt-4o in organization org-1 on tokens per min (TPM): Limit 30000, Used
-/// 29000, Requested 3000. Please try again in 4s." (`4s`, `1.234s`, `250ms`, `6m0s`:
-/// [`crate::headroom::parse_reset`]). The last "try again in" wins; `None` when the
-/// message names no readable wait. OpenAI sends no `Retry-After` on most 429s: this and
-/// the `x-ratelimit-*` headers ([`crate::headroom`]) are what it says.
+/// Reads the wait a provider's 429 message names, as the providers write it: OpenAI
+/// and Groq "Please try again in 4s." (`4s`, `1.234s`, `250ms`, `6m0s`:
+/// [`crate::headroom::parse_reset`]), Gemini "Please retry in 37.94s.", Azure OpenAI
+/// "Please retry after 6 seconds." (a number and a unit word: `seconds`, `ms`,
+/// `milliseconds`, `minutes`). The last such phrase wins; `None` when the message names
+/// no readable wait. OpenAI sends no `Retry-After` on most 429s: this and the
+/// `x-ratelimit-*` headers ([`crate::headroom`]) are what it says.
 ///
 /// ```
 /// use std::time::Duration;
@@ -109,17 +110,34 @@ pub fn from_headers(headers: &http::HeaderMap, now: SystemTime) -> Option<Durati
 /// let m = "Rate limit reached for gpt-4o on requests per min (RPM): Limit 3, Used 3, \
 ///          Requested 1. Please try again in 20s. Visit https://platform.openai.com/...";
 /// assert_eq!(from_message(m), Some(Duration::from_secs(20)));
+/// assert_eq!(from_message("Please retry after 6 seconds."), Some(Duration::from_secs(6)));
 /// assert_eq!(from_message("Please try again later."), None);
 /// ```
 #[must_use]
 pub fn from_message(message: &str) -> Option<Duration> {
-    const AT: &str = "try again in ";
+    const PHRASES: [&str; 3] = ["try again in ", "retry in ", "retry after "];
+    // Lowercased: ASCII only, so every byte offset is kept.
     let lower = message.to_ascii_lowercase();
-    let at = lower.rfind(AT)? + AT.len();
-    let word = message[at..].split_whitespace().next()?;
+    let at = PHRASES
+        .iter()
+        .filter_map(|p| lower.rfind(p).map(|i| i + p.len()))
+        .max()?;
     // The sentence's full stop or a comma is not part of the duration ("4s." "1.5s,").
-    let word = word.trim_end_matches(['.', ',', ';', ')']);
-    crate::headroom::parse_reset(word)
+    let mut words = lower[at..]
+        .split_whitespace()
+        .map(|w| w.trim_end_matches(['.', ',', ';', ')']));
+    let first = words.next()?;
+    if first.bytes().all(|b| b.is_ascii_digit() || b == b'.') {
+        // A bare number: its unit is the next word, if it names one.
+        let scale = match words.next() {
+            Some("ms" | "millisecond" | "milliseconds") => 1e-3,
+            Some("minute" | "minutes" | "min" | "mins") => 60.0,
+            _ => 1.0,
+        };
+        let secs: f64 = first.parse().ok()?;
+        return seconds_f64(secs * scale);
+    }
+    crate::headroom::parse_reset(first)
 }
 
 #[cfg(test)]
@@ -173,6 +191,15 @@ mod tests {
                 "try again in 2s, or in 5s. Try again in 3s.",
                 Some(Duration::from_secs(3)),
             ),
+            ("Please retry in 37.5s.", Some(Duration::from_millis(37_500))),
+            ("Please retry after 6 seconds.", Some(Duration::from_secs(6))),
+            ("Please retry after 1 second", Some(Duration::from_secs(1))),
+            ("retry after 250 ms", Some(Duration::from_millis(250))),
+            ("retry after 2 minutes.", Some(Duration::from_secs(120))),
+            ("retry after 7", Some(Duration::from_secs(7))),
+            ("Please retry after some time.", None),
+            ("retry in a few seconds", None),
+            ("retry after 99999999999 minutes", Some(MAX_RETRY_AFTER)),
             ("Please try again later.", None),
             ("Please try again in a moment.", None),
             ("Please try again in ", None),
