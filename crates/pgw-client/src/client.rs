@@ -552,12 +552,14 @@ fn pushback_hint(
     headroom: Option<pgw_core::headroom::Headroom>,
     status: &UpstreamStatus,
 ) -> Option<Duration> {
-    let named = status
-        .provider()
-        .map(|p| p.message.as_str())
-        .or_else(|| Some(status.message()))
-        .and_then(pgw_core::retry_after::from_message);
-    named.or_else(|| headroom?.exhausted_for(None))
+    named_wait(status).or_else(|| headroom?.exhausted_for(None))
+}
+
+/// The wait the provider's message names ([`pgw_core::retry_after::from_message`]): its
+/// error's message, else the status's own text.
+fn named_wait(status: &UpstreamStatus) -> Option<Duration> {
+    let message = status.provider().map_or(status.message(), |p| p.message.as_str());
+    pgw_core::retry_after::from_message(message)
 }
 
 /// A provider's error inside a 2xx answer (a JSON body, or a stream's event) as an
@@ -581,9 +583,7 @@ pub(crate) fn error_in_answer(
     let status = provider_status(status, None, p, key, context);
     // A rate limit in an answer has no headers of its own: the wait its message names.
     if pgw_core::classify_upstream(&status).is_rate_limited() {
-        let hint = status
-            .provider()
-            .and_then(|p| pgw_core::retry_after::from_message(&p.message));
+        let hint = named_wait(&status);
         return Some(status.with_retry_after(hint));
     }
     Some(status)

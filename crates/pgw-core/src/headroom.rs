@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use http::HeaderName;
 
-use crate::retry_after::MAX_RETRY_AFTER;
+use crate::retry_after::{MAX_RETRY_AFTER, seconds_f64};
 
 /// The requests limit's headers: remaining, limit, reset.
 const REQUESTS: [HeaderName; 3] = [
@@ -168,7 +168,7 @@ pub fn parse_reset(value: &str) -> Option<Duration> {
         return None;
     }
     if let Ok(secs) = v.parse::<f64>() {
-        return seconds(secs);
+        return seconds_f64(secs);
     }
     let mut total = 0.0_f64;
     let mut rest = v;
@@ -193,14 +193,7 @@ pub fn parse_reset(value: &str) -> Option<Duration> {
         total += number * scale;
         rest = &rest[unit_len..];
     }
-    seconds(total)
-}
-
-fn seconds(secs: f64) -> Option<Duration> {
-    if !secs.is_finite() || secs < 0.0 {
-        return None;
-    }
-    Some(Duration::from_secs_f64(secs.min(MAX_RETRY_AFTER.as_secs_f64())))
+    seconds_f64(total)
 }
 
 #[cfg(test)]

@@ -68,7 +68,8 @@ pub fn parse_retry_after_ms(value: &str) -> Option<Duration> {
     seconds_f64(ms / 1000.0)
 }
 
-fn seconds_f64(secs: f64) -> Option<Duration> {
+/// `secs` as a wait: `None` when negative or not finite, clamped to [`MAX_RETRY_AFTER`].
+pub(crate) fn seconds_f64(secs: f64) -> Option<Duration> {
     if !secs.is_finite() || secs < 0.0 {
         return None;
     }
