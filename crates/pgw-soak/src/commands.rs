@@ -7,6 +7,12 @@
 //! is what the server does. The counts are the server's: a Redis shared with other
 //! clients during the run counts their commands too (give the run its own server).
 //!
+//! The server's CPU time is read the same way (`INFO cpu`: `used_cpu_user` plus
+//! `used_cpu_sys`, every node summed): what the run cost the Redis, parsing and I/O
+//! included, which a count of commands does not weigh (a script's `EVALSHA` costs
+//! 20-130 us, a `GET` 1). It includes the server's own housekeeping while the run lasts
+//! (about 1.5 ms a second on the machine the README's figures come from).
+//!
 //! The round trips are counted on the other side: each worker reads
 //! [`pgw_core::redis_conn::round_trips`] (every request its gateway sent: one per
 //! command, pipeline or script call), and the run sums them; so are the commands sent
@@ -41,6 +47,10 @@ pub struct RedisCommands {
     /// once), when they counted them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sent: Option<u64>,
+    /// The server's CPU time over the run, seconds (`INFO cpu`, user plus system, every
+    /// node), when read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_s: Option<f64>,
 }
 
 impl RedisCommands {
@@ -63,7 +73,17 @@ impl RedisCommands {
             per_command,
             round_trips: None,
             sent: None,
+            cpu_s: None,
         }
+    }
+
+    /// The server's CPU time per call of the run, microseconds, when read.
+    #[must_use]
+    #[allow(clippy::cast_precision_loss)]
+    pub fn cpu_us_per_call(&self) -> Option<f64> {
+        self.cpu_s
+            .filter(|_| self.calls > 0)
+            .map(|s| s * 1e6 / self.calls as f64)
     }
 
     /// The commands a stored Redis-mode run made (`redis-commands.json` in `dir`), or
@@ -131,6 +151,14 @@ impl RedisCommands {
                 self.per_call(n)
             );
         }
+        if let (Some(s), Some(us)) = (self.cpu_s, self.cpu_us_per_call()) {
+            let _ = writeln!(
+                out,
+                "redis cpu: {:.0} ms for {} calls = {us:.0} us per call (the server's user + system time, housekeeping included)",
+                s * 1e3,
+                self.calls,
+            );
+        }
         out
     }
 
@@ -161,6 +189,15 @@ impl RedisCommands {
                  pipeline's commands each, a script call once, the script's own commands \
                  not): {n}, **{:.1} per call**.\n",
                 self.per_call(n)
+            );
+        }
+        if let (Some(s), Some(us)) = (self.cpu_s, self.cpu_us_per_call()) {
+            let _ = writeln!(
+                md,
+                "The server's CPU time (`INFO cpu`, `used_cpu_user` + `used_cpu_sys`, every \
+                 node; its housekeeping while the run lasts included): {:.0} ms, **{us:.0} us \
+                 per call**.\n",
+                s * 1e3
             );
         }
         md.push_str("| command | calls | per call |\n|---|---:|---:|\n");
@@ -200,13 +237,54 @@ pub fn parse(info: &str) -> Counts {
     out
 }
 
-/// Reads `INFO commandstats` of every node of `url` (a standalone server, or each
-/// node a `redis+cluster://` URL names) and sums them.
+/// The server's CPU seconds so far from the `used_cpu_user` and `used_cpu_sys` lines
+/// of `INFO cpu` (`None` when either is missing or not a number).
+///
+/// ```
+/// let s = pgw_soak::commands::parse_cpu("# CPU\r\nused_cpu_sys:1.25\r\nused_cpu_user:2.5\r\nused_cpu_sys_children:9\r\n");
+/// assert_eq!(s, Some(3.75));
+/// ```
+#[must_use]
+pub fn parse_cpu(info: &str) -> Option<f64> {
+    let field = |name: &str| {
+        info.lines()
+            .find_map(|l| l.trim().strip_prefix(name)?.strip_prefix(':'))
+            .and_then(|v| v.parse::<f64>().ok())
+            .filter(|v| v.is_finite() && *v >= 0.0)
+    };
+    Some(field("used_cpu_user")? + field("used_cpu_sys")?)
+}
+
+/// What one reading of the run's Redis saw: every node's commands, summed.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Reading {
+    /// `INFO commandstats`, summed.
+    pub commands: Counts,
+    /// `INFO cpu`'s user plus system seconds, summed (`None` when a node's could not
+    /// be parsed).
+    pub cpu_s: Option<f64>,
+}
+
+impl RedisCommands {
+    /// The commands and the server's CPU time between two readings, for `calls` calls.
+    #[must_use]
+    pub fn between_readings(before: &Reading, after: &Reading, calls: u64) -> Self {
+        let mut c = Self::between(&before.commands, &after.commands, calls);
+        c.cpu_s = before.cpu_s.zip(after.cpu_s).map(|(b, a)| (a - b).max(0.0));
+        c
+    }
+}
+
+/// Reads `INFO commandstats` and `INFO cpu` of every node of `url` (a standalone
+/// server, or each node a `redis+cluster://` URL names) and sums them.
 ///
 /// # Errors
 /// A bad URL, or a node that cannot be reached or read (named, password hidden).
-pub async fn read(url: &str) -> Result<Counts, BoxError> {
-    let mut sum = Counts::new();
+pub async fn read(url: &str) -> Result<Reading, BoxError> {
+    let mut sum = Reading {
+        commands: Counts::new(),
+        cpu_s: Some(0.0),
+    };
     for (node, mut conn) in connect_nodes(url).await? {
         let info: String = redis::cmd("INFO")
             .arg("commandstats")
@@ -214,8 +292,14 @@ pub async fn read(url: &str) -> Result<Counts, BoxError> {
             .await
             .map_err(|e| format!("INFO commandstats of {node}: {e}"))?;
         for (k, n) in parse(&info) {
-            *sum.entry(k).or_default() += n;
+            *sum.commands.entry(k).or_default() += n;
         }
+        let cpu: String = redis::cmd("INFO")
+            .arg("cpu")
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| format!("INFO cpu of {node}: {e}"))?;
+        sum.cpu_s = sum.cpu_s.zip(parse_cpu(&cpu)).map(|(a, b)| a + b);
     }
     Ok(sum)
 }
@@ -333,8 +417,44 @@ mod tests {
             c.terminal()
         );
         assert!(c.markdown().contains("52, **6.5 per call**"), "{}", c.markdown());
+        assert!(!c.terminal().contains("redis cpu"), "not read: not shown");
+        c.cpu_s = Some(0.004);
+        assert!(
+            c.terminal()
+                .contains("redis cpu: 4 ms for 8 calls = 500 us per call"),
+            "{}",
+            c.terminal()
+        );
+        assert!(
+            c.markdown().contains("4 ms, **500 us per call**"),
+            "{}",
+            c.markdown()
+        );
         let back: RedisCommands = serde_json::from_str(&serde_json::to_string(&c).unwrap()).unwrap();
         assert_eq!(back, c);
+    }
+
+    #[test]
+    fn the_cpu_between_two_readings_needs_both() {
+        let at = |cmds: &str, cpu: &str| Reading {
+            commands: parse(cmds),
+            cpu_s: parse_cpu(cpu),
+        };
+        let before = at("cmdstat_get:calls=1\n", "used_cpu_user:1.0\nused_cpu_sys:0.5\n");
+        let after = at("cmdstat_get:calls=5\n", "used_cpu_user:1.25\nused_cpu_sys:0.75\n");
+        let c = RedisCommands::between_readings(&before, &after, 4);
+        assert_eq!(c.total(), 4);
+        assert!((c.cpu_s.unwrap() - 0.5).abs() < 1e-9);
+        assert!((c.cpu_us_per_call().unwrap() - 125_000.0).abs() < 1e-6);
+        let blind = at("", "used_cpu_user:x\nused_cpu_sys:1\n");
+        assert_eq!(blind.cpu_s, None, "a field that is not a number is no reading");
+        assert_eq!(RedisCommands::between_readings(&blind, &after, 4).cpu_s, None);
+        assert_eq!(parse_cpu("used_cpu_user:1\n"), None, "both fields or none");
+        assert_eq!(
+            parse_cpu("used_cpu_user_children:3\nused_cpu_sys:1\nused_cpu_user:2\n"),
+            Some(3.0)
+        );
+        assert_eq!(RedisCommands::default().cpu_us_per_call(), None);
     }
 
     #[test]

@@ -252,7 +252,7 @@ pub fn run_redis(scenario: &Scenario, opts: &RedisOptions) -> Result<RunOutcome,
             opts.key_prefix
         ),
     }
-    let mut commands = RedisCommands::between(&before, &after, scenario.calls);
+    let mut commands = RedisCommands::between_readings(&before, &after, scenario.calls);
     // Stored now, so a merge that fails below does not lose the server's counts, and
     // again with the round trips once merged.
     fs::write(dir.join(COMMANDS_FILE), serde_json::to_vec_pretty(&commands)?)?;
