@@ -56,6 +56,29 @@ async fn redis_down_is_503_with_retry_after_and_not_ready() {
     assert_eq!(status, 503);
 }
 
+/// A scrape while Redis hangs answers within one backend timeout, not one per route:
+/// the breakers' views are read concurrently (each bounded by the 500 ms response
+/// timeout), and the server answers with the gauges it has after 2 s at most. Read one
+/// route at a time, 20 routes took 10 s, past Prometheus's scrape timeout. The bound
+/// asserted (5 s) is a liveness bound with a wide margin, not a speed goal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_answer_while_redis_hangs() {
+    let redis = pgw_test_support::PrivateRedis::start();
+    let top = format!("backend = \"redis\"\nredis_url = \"{}\"\n", redis.url());
+    let sources = (1..=20).map(|i| fast(&format!("s{i}"))).collect();
+    let h = start_with(&top, "", sources).await;
+    // The first scrape refreshes the gauges: with Redis hung, one breaker view per
+    // route times out.
+    redis.freeze();
+    let started = std::time::Instant::now();
+    let (status, _, body) = call(h.addr, request("GET", "/metrics"), bytes::Bytes::new()).await;
+    let took = started.elapsed();
+    redis.thaw();
+    assert_eq!(status, 200);
+    assert!(String::from_utf8_lossy(&body).contains("pgw_aimd_limit"));
+    assert!(took < std::time::Duration::from_secs(5), "a scrape took {took:?}");
+}
+
 /// A tenant's settle is off the answer's path unless it holds a lease: with Redis not
 /// answering, finishing a tokens-only permit returns at once (before, the answer waited
 /// for the round trip, up to the settle's timeout), and the settle still lands ahead of

@@ -70,6 +70,29 @@ async fn a_bad_body_is_named_in_the_clients_terms() {
     }
 }
 
+/// A body between axum's own 2 MiB default and the server's `max_body_bytes` (8 MiB)
+/// passes whatever JSON content type it is sent as: with parameters it was read by
+/// axum's `Json`, under axum's limit, and refused as too large.
+#[tokio::test(start_paused = true)]
+async fn a_body_over_axums_default_limit_passes_as_any_json_type() {
+    let h = start("", vec![fast("s1")]).await;
+    let mut req = pgw_core::openai::ChatRequest::user("m", "hello there");
+    req.max_tokens = Some(40);
+    let mut v = serde_json::to_value(&req).unwrap();
+    v["metadata"] = serde_json::json!({ "blob": "x".repeat(3 << 20) });
+    let body = Bytes::from(serde_json::to_vec(&v).unwrap());
+    assert!(body.len() > 3 << 20);
+    for content_type in [
+        "application/json",
+        "application/json; charset=utf-8",
+        "application/vnd.api+json",
+    ] {
+        let req = request("POST", "/v1/chat/completions").header("content-type", content_type);
+        let (status, _, bytes) = call(h.addr, req, body.clone()).await;
+        assert_eq!(status, 200, "{content_type}: {}", String::from_utf8_lossy(&bytes));
+    }
+}
+
 /// A body past the limit from a client without a key is a 401, as any request of
 /// theirs: the key is checked first (tower-http's layer answered 413 before it).
 #[tokio::test(start_paused = true)]
@@ -361,6 +384,69 @@ async fn models_lists_the_groups_in_the_openai_shape() {
     assert_eq!(v["data"][0]["object"], "model");
     assert!(v["data"][0]["created"].is_u64());
     assert!(v["data"][0]["owned_by"].is_string());
+}
+
+/// A key's `max_concurrency` is held on this process from before its body is read: a
+/// key trickling a body holds its one slot, its next call is a 429 before any body is
+/// read, and another key's call is served (the key's calls used to take the server's
+/// in-flight slots first, and its quota was asked only once a body was read).
+#[tokio::test(start_paused = true)]
+async fn a_keys_concurrency_is_held_before_its_body_is_read() {
+    const OTHER_KEY: &str = "pgw-client-key-other";
+    let keys = format!(
+        "max_in_flight = 2\n{}{}",
+        key_toml("slow", CLIENT_KEY, "max_concurrency = 1\n"),
+        key_toml("other", OTHER_KEY, "")
+    );
+    let h = start(&keys, vec![fast("s1")]).await;
+    // Headers, and a body that does not come.
+    let mut sock = TcpStream::connect(h.addr).await.unwrap();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+         authorization: Bearer {CLIENT_KEY}\r\ncontent-length: 100\r\n\r\n"
+    );
+    sock.write_all(head.as_bytes()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    for _ in 0..3 {
+        let (status, headers, body) = call(h.addr, chat(Some(CLIENT_KEY)), chat_body("m", false)).await;
+        assert_eq!(status, 429, "{}", String::from_utf8_lossy(&body));
+        openai_error(&body, "rate_limit_exceeded");
+        assert!(headers.contains_key("retry-after"));
+    }
+    // The server's second in-flight slot is still there for another key.
+    let (status, _, body) = call(h.addr, chat(Some(OTHER_KEY)), chat_body("m", false)).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    // The slot comes back with the trickling call's end.
+    drop(sock);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let (status, _, body) = call(h.addr, chat(Some(CLIENT_KEY)), chat_body("m", false)).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+}
+
+/// A model id with a `/` (`meta-llama/Llama-3.1-8B-Instruct`, as vLLM and OpenRouter
+/// name models) is retrieved by its path: `{id}` matched one segment only, and such an
+/// id was the fallback's 404 "no such endpoint".
+#[tokio::test(start_paused = true)]
+async fn a_model_id_with_a_slash_is_retrieved() {
+    let h = start_with(
+        "[models.\"meta-llama/Llama-3.1-8B-Instruct\"]\nroutes = [{ source = \"s1\" }]\n",
+        "",
+        vec![fast("s1")],
+    )
+    .await;
+    let path = "/v1/models/meta-llama/Llama-3.1-8B-Instruct";
+    let (status, _, body) = call(h.addr, request("GET", path), Bytes::new()).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v["id"], "meta-llama/Llama-3.1-8B-Instruct");
+    let (status, _, body) = call(
+        h.addr,
+        request("GET", "/v1/models/meta-llama/other"),
+        Bytes::new(),
+    )
+    .await;
+    assert_eq!(status, 404);
+    openai_error(&body, "model_not_found");
 }
 
 #[tokio::test(start_paused = true)]

@@ -9,11 +9,12 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use pgw_core::BoxError;
 use pgw_core::openai::ChatRequest;
 use pgw_core::redis_conn::RedisTarget;
+use pgw_core::{BoxError, QuotaExceeded};
 use pgw_stack::{BackendKind, GatewayConfig};
 use sha2::{Digest, Sha256};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tower_ratelimit_redis::{
     Backend, MemoryBackend, Permit, Quota, RateLimitConfig, RateLimiter, RedisBackend, Renewal,
 };
@@ -45,6 +46,9 @@ pub struct Tenant {
     pub label: Arc<str>,
     models: Vec<String>,
     limiter: Option<RateLimiter>,
+    /// The key's `max_concurrency` on this process: taken before the server's own
+    /// in-flight slot and the body read ([`Tenant::local_slot`]).
+    slots: Option<Arc<Semaphore>>,
 }
 
 impl fmt::Debug for Tenant {
@@ -61,6 +65,28 @@ impl Tenant {
     #[must_use]
     pub fn may_use(&self, model: &str) -> bool {
         self.models.is_empty() || self.models.iter().any(|m| m == model)
+    }
+
+    /// One of the key's `max_concurrency` slots on this process, held as the server's
+    /// in-flight slot is (from before the body is read to the answer's end); `Ok(None)`
+    /// for a key without `max_concurrency`. Every replica's calls of the key count
+    /// against its quota, so a process already holding `max_concurrency` of them
+    /// would be refused by the quota too: refused here before the body is read, a key
+    /// trickling bodies cannot take the server's in-flight slots from the other keys
+    /// (they were taken first, the quota asked only once a body was read).
+    ///
+    /// # Errors
+    /// `QuotaExceeded` (concurrency) with `retry_after`, when every slot is held.
+    pub fn local_slot(&self, retry_after: Duration) -> Result<Option<OwnedSemaphorePermit>, BoxError> {
+        let Some(slots) = &self.slots else {
+            return Ok(None);
+        };
+        match Arc::clone(slots).try_acquire_owned() {
+            Ok(p) => Ok(Some(p)),
+            Err(_) => Err(Box::new(
+                QuotaExceeded::new("concurrency", retry_after).with_scope(format!("tenant:{}", self.label)),
+            )),
+        }
     }
 
     /// Whether the tenant has a model list (else every model).
@@ -205,6 +231,11 @@ impl KeyRing {
                     label: k.label.as_str().into(),
                     models: k.models.clone(),
                     limiter,
+                    slots: nonzero(k.max_concurrency).map(|n| {
+                        Arc::new(Semaphore::new(
+                            usize::try_from(n).unwrap_or(Semaphore::MAX_PERMITS),
+                        ))
+                    }),
                 }),
             );
         }

@@ -376,6 +376,21 @@ fn threads(v: Option<usize>) -> Result<usize, ConfigError> {
 }
 
 impl Settings {
+    /// Checks what [`ServerSection::settings`] checks of the fields a caller building
+    /// `Settings` by hand could get wrong so that serving would panic: `threads` in
+    /// `1..=`[`MAX_THREADS`], `max_connections` and `max_in_flight` in `1..=`[`MAX_CAP`],
+    /// `max_body_bytes` at least 1. [`crate::Server::bind`] calls it.
+    ///
+    /// # Errors
+    /// A [`ConfigError`] naming the field.
+    pub fn check(&self) -> Result<(), ConfigError> {
+        threads(Some(self.threads))?;
+        cap("server.max_connections", Some(self.max_connections), 1)?;
+        cap("server.max_in_flight", Some(self.max_in_flight), 1)?;
+        positive("server.max_body_bytes", Some(self.max_body_bytes), 1)?;
+        Ok(())
+    }
+
     /// Why these settings would not be served, if they would not: no virtual keys on
     /// an address that is not loopback, without `allow_unauthenticated`. `pgw serve`
     /// refuses to start and `pgw check` fails on it, in these words.
@@ -409,6 +424,14 @@ impl ServerSection {
             let at = format!("server.keys[{i}]");
             if k.label.trim().is_empty() {
                 return Err(config_error(format!("{at}.label"), "must not be empty"));
+            }
+            if k.label.contains(['{', '}']) {
+                // The label names the tenant's quota scope in Redis, where braces
+                // delimit a Cluster hash tag (the limiter refuses it at start).
+                return Err(config_error(
+                    format!("{at}.label"),
+                    "must not contain '{' or '}' (they delimit Redis Cluster hash tags)",
+                ));
             }
             if !labels.insert(k.label.as_str()) {
                 return Err(config_error(
@@ -639,6 +662,23 @@ mod tests {
     /// Type errors, unknown and missing fields are named by their whole path, the entry
     /// of a list included, and a value set by an override names its variable.
     #[test]
+    fn settings_built_by_hand_are_checked_before_serving() {
+        let good = ServerConfig::from_toml_str(SOURCES).unwrap().server;
+        good.check().unwrap();
+        let bad = |edit: fn(&mut Settings), field: &str| {
+            let mut s = good.clone();
+            edit(&mut s);
+            assert_eq!(s.check().unwrap_err().field(), field);
+        };
+        bad(|s| s.threads = 0, "server.threads");
+        bad(|s| s.threads = MAX_THREADS + 1, "server.threads");
+        bad(|s| s.max_in_flight = 0, "server.max_in_flight");
+        bad(|s| s.max_in_flight = usize::MAX, "server.max_in_flight");
+        bad(|s| s.max_connections = MAX_CAP + 1, "server.max_connections");
+        bad(|s| s.max_body_bytes = 0, "server.max_body_bytes");
+    }
+
+    #[test]
     fn errors_name_the_whole_path() {
         let hash = "ab".repeat(32);
         let second = "[[sources]]\nname = \"s2\"\nbase_url = \"http://127.0.0.1:1/v1\"\nkey = \"sk-y\"\n";
@@ -673,6 +713,10 @@ mod tests {
                 "[[sources]]\nname = \"s2\"\nbase_url = \"http://127.0.0.1:1/v1\"\nkey = 12345678\n"
                     .to_owned(),
                 "sources[1].key",
+            ),
+            (
+                format!("[[server.keys]]\nlabel = \"team{{a}}\"\nsha256 = \"{hash}\"\nrpm = 5\n"),
+                "server.keys[0].label",
             ),
             ("[retry]\nmax_atempts = 3\n".to_owned(), "retry.max_atempts"),
             ("[cache]\nwhen = \"sometimes\"\n".to_owned(), "cache.when"),

@@ -412,6 +412,7 @@ const LABELLED_CODES: &[&str] = &[
     "deadline_exceeded",
     "draining",
     "internal_error",
+    "invalid_header",
     "invalid_api_key",
     "invalid_body",
     "invalid_json",
@@ -424,6 +425,8 @@ const LABELLED_CODES: &[&str] = &[
     "rejected",
     "request_timeout",
     "request_too_large",
+    "shutting_down",
+    "stalled",
     "tokens_exceed_quota",
     "unsupported_media_type",
     "upstream_failed",
@@ -594,5 +597,87 @@ mod tests {
         assert_eq!(e.status, StatusCode::NOT_FOUND);
         assert_eq!(e.code.as_deref(), Some("model_not_found"));
         assert_eq!(e.param.as_deref(), Some("model"));
+    }
+
+    /// Every code the server writes keeps its own `error_type` label: those of
+    /// `of_status`, and every string literal passed as the code to `ApiError::new`
+    /// (after its status) or `ApiError::invalid_request` in the crate's sources. A
+    /// code missing from [`LABELLED_CODES`] was counted as `other` (`stalled` and
+    /// `shutting_down` were), and an alert on it never fired.
+    #[test]
+    fn every_code_the_server_writes_keeps_its_label() {
+        for s in 100..600u16 {
+            let status = StatusCode::from_u16(s).unwrap();
+            let e = ApiError::of_status(status);
+            assert_ne!(code_label(e.code.as_deref()), "other", "{s}");
+        }
+        let sources = [
+            include_str!("auth.rs"),
+            include_str!("config.rs"),
+            include_str!("error.rs"),
+            include_str!("lib.rs"),
+            include_str!("main.rs"),
+            include_str!("routes.rs"),
+            include_str!("serve.rs"),
+            include_str!("sse.rs"),
+            include_str!("stall.rs"),
+            include_str!("track.rs"),
+        ];
+        // Argument `n` of the call whose arguments start `args`, when it is a string
+        // literal (top-level commas split them; the literals here have no escapes).
+        let literal_arg = |args: &str, n: usize| -> Option<String> {
+            let (mut depth, mut quoted, mut start, mut k) = (0i32, false, 0, 0);
+            for (i, c) in args.char_indices() {
+                match c {
+                    '"' => quoted = !quoted,
+                    _ if quoted => {}
+                    '(' | '[' | '{' => depth += 1,
+                    ')' | ']' | '}' if depth == 0 => {
+                        return (k == n)
+                            .then(|| args[start..i].trim().to_owned())?
+                            .strip_prefix('"')?
+                            .strip_suffix('"')
+                            .map(str::to_owned);
+                    }
+                    ')' | ']' | '}' => depth -= 1,
+                    ',' if depth == 0 => {
+                        if k == n {
+                            let a = args[start..i].trim();
+                            return a.strip_prefix('"')?.strip_suffix('"').map(str::to_owned);
+                        }
+                        k += 1;
+                        start = i + 1;
+                    }
+                    _ => {}
+                }
+            }
+            None
+        };
+        let mut codes = Vec::new();
+        for src in sources {
+            for (at, call) in src
+                .match_indices("ApiError::new(")
+                .chain(src.match_indices("Self::new("))
+            {
+                let args = &src[at + call.len()..];
+                if args.trim_start().starts_with("StatusCode::") {
+                    codes.extend(literal_arg(args, 2));
+                }
+            }
+            for (at, call) in src.match_indices("ApiError::invalid_request(") {
+                codes.extend(literal_arg(&src[at + call.len()..], 0));
+            }
+        }
+        for must in ["stalled", "shutting_down", "deadline_exceeded", "invalid_json"] {
+            assert!(
+                codes.iter().any(|c| c == must),
+                "the scan finds {must}: {codes:?}"
+            );
+        }
+        let unlabelled: Vec<_> = codes
+            .iter()
+            .filter(|c| code_label(Some(c)) != c.as_str())
+            .collect();
+        assert!(unlabelled.is_empty(), "not in LABELLED_CODES: {unlabelled:?}");
     }
 }

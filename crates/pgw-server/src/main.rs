@@ -181,7 +181,51 @@ async fn serve(cfg: ServerConfig) -> Result<(), pgw_core::BoxError> {
         .build()
         .await?;
     let server = Server::bind(&cfg, gateway, metrics).await?;
-    server.run(pgw_server::shutdown_signal()).await
+    server.run(first_signal()).await
+}
+
+/// Exit code after a second signal during a shutdown: 130, a shell's for SIGINT.
+const FORCED_EXIT: i32 = 130;
+
+/// The first SIGTERM or SIGINT starts the graceful shutdown; a second one, while it
+/// drains, ends the process at once (exit code 130). tokio's signal handling replaces
+/// the default action, so without this a second Ctrl-C was ignored for the whole
+/// `shutdown_delay_s` + `shutdown_grace_s`, and only SIGKILL stopped the process.
+///
+/// Both signals are listened to from the start, so a second one sent as soon as the
+/// first is taken (the log's "SIGINT received") is not missed.
+#[cfg(unix)]
+async fn first_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut interrupt), Ok(mut terminate)) =
+        (signal(SignalKind::interrupt()), signal(SignalKind::terminate()))
+    else {
+        // No signal handling: the portable listener (which waits forever without it).
+        pgw_server::shutdown_signal().await;
+        return;
+    };
+    tokio::select! {
+        _ = interrupt.recv() => tracing::info!("SIGINT received"),
+        _ = terminate.recv() => tracing::info!("SIGTERM received"),
+    }
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = interrupt.recv() => {}
+            _ = terminate.recv() => {}
+        }
+        tracing::warn!("second signal: exiting now, without draining");
+        std::process::exit(FORCED_EXIT);
+    });
+}
+
+#[cfg(not(unix))]
+async fn first_signal() {
+    pgw_server::shutdown_signal().await;
+    tokio::spawn(async {
+        pgw_server::shutdown_signal().await;
+        tracing::warn!("second signal: exiting now, without draining");
+        std::process::exit(FORCED_EXIT);
+    });
 }
 
 /// Each event loop's calls take upstream connections from a pool of that loop's thread,

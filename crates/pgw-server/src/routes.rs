@@ -19,7 +19,7 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use pgw_core::MetricHandles;
 use pgw_core::openai::ChatRequest;
 use pgw_stack::{BackendKind, Gateway, GatewayConfig};
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tower::ServiceBuilder;
 use tower_http::catch_panic::CatchPanicLayer;
@@ -52,6 +52,17 @@ pub struct AppState {
     pub(crate) grace_over: Arc<tokio::sync::watch::Sender<bool>>,
     pub(crate) redis_backend: bool,
     pub(crate) handles: Arc<CallHandles>,
+    /// When `/metrics` last refreshed the gateway's gauges (`None`: never); locked
+    /// while one refreshes.
+    pub(crate) metrics_refreshed: Arc<tokio::sync::Mutex<Option<tokio::time::Instant>>>,
+}
+
+/// What a call holds from before its body is read to its answer's end: one of the
+/// server's `max_in_flight` slots and, for a key with `max_concurrency`, one of its
+/// slots on this process ([`crate::auth::Tenant::local_slot`]).
+pub(crate) struct Slot {
+    _global: OwnedSemaphorePermit,
+    _tenant: Option<OwnedSemaphorePermit>,
 }
 
 /// The handles of the series every call updates (see [`MetricHandles`]).
@@ -106,6 +117,7 @@ impl AppState {
             grace_over: Arc::new(tokio::sync::watch::Sender::new(false)),
             redis_backend: config.backend == BackendKind::Redis,
             handles: Arc::default(),
+            metrics_refreshed: Arc::default(),
         }
     }
 
@@ -234,7 +246,7 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
     let api = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/models", get(models))
-        .route("/v1/models/{id}", get(model))
+        .route("/v1/models/{*id}", get(model))
         .layer(
             ServiceBuilder::new()
                 // The body limited as it is read (a chunked body past the limit is a
@@ -396,6 +408,18 @@ pub(crate) struct CallMetrics {
 const CANCELLED_STATUS: &str = "499";
 
 impl CallMetrics {
+    /// The metrics of a call of `tenant` (`anonymous` without one) naming `model` (its
+    /// label: [`AppState::model_label`]), started now.
+    fn new(state: &AppState, tenant: Option<&Tenant>, model: String) -> Self {
+        Self {
+            recorded: false,
+            tenant: tenant.map_or_else(|| Arc::from("anonymous"), |t| Arc::clone(&t.label)),
+            model,
+            started: Instant::now(),
+            handles: Arc::clone(&state.handles),
+        }
+    }
+
     /// Records the end of the call: `gen_ai_client_operation_duration_seconds` and
     /// `pgw_server_calls_total`.
     pub(crate) fn finish(&mut self, error: Option<&ApiError>) {
@@ -459,34 +483,42 @@ impl Drop for CallMetrics {
 
 /// The chat request in `body`, as axum's `Json` extractor reads it.
 ///
-/// A body sent as plain `application/json` is parsed with serde_json alone; only
-/// when that fails, or the content type is another one, does `Json` read it, for its
-/// rejection (its path-tracking deserializer names the field at fault, and costs
-/// about a third more on every request).
+/// A body sent with a JSON content type (`application/json`, with parameters such as
+/// `; charset=utf-8` or not, or `application/*+json`, as `Json` takes them) is parsed
+/// with serde_json alone, under the server's own body limit. Any other content type is
+/// refused by `Json` itself, for its rejection (415), without the body: `Json` run
+/// on the body applied axum's own 2 MiB limit, and a 3 MB request sent as
+/// `application/json; charset=utf-8` was a 413 where plain `application/json` passed.
 async fn chat_request(headers: &HeaderMap, body: Bytes) -> Result<ChatRequest, ApiError> {
     let content_type = headers.get(header::CONTENT_TYPE);
-    if content_type.is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"application/json")) {
+    if content_type.is_some_and(|v| is_json(v.as_bytes())) {
         return parse_chat(&body);
     }
-    // `Json` looks at the content type and the body only.
-    let mut request = Request::new(Body::from(body.clone()));
+    // `Json` looks at the content type before the body: an empty one is enough.
+    let mut request = Request::new(Body::empty());
     if let Some(v) = content_type {
         request.headers_mut().insert(header::CONTENT_TYPE, v.clone());
     }
     match Json::<ChatRequest>::from_request(request, &()).await {
-        Ok(Json(r)) => Ok(r),
-        // A JSON content type axum takes (`application/json; charset=utf-8`, `+json`)
-        // whose body it refused: this crate's own words, as for `application/json`.
-        Err(r)
-            if matches!(
-                r.status(),
-                StatusCode::BAD_REQUEST | StatusCode::UNPROCESSABLE_ENTITY
-            ) =>
-        {
-            parse_chat(&body)
-        }
+        // Not reached: `Json` takes the content types `is_json` takes.
+        Ok(_) => parse_chat(&body),
         Err(r) => Err(rejection(&r)),
     }
+}
+
+/// A JSON content type as axum's `Json` takes it: `application/json` or
+/// `application/<anything>+json`, any parameters after `;`, any case.
+fn is_json(content_type: &[u8]) -> bool {
+    let essence = content_type
+        .split(|b| *b == b';')
+        .next()
+        .unwrap_or_default()
+        .trim_ascii()
+        .to_ascii_lowercase();
+    essence == b"application/json"
+        || essence
+            .strip_prefix(b"application/")
+            .is_some_and(|sub| sub.len() > b"+json".len() && sub.ends_with(b"+json"))
 }
 
 /// A chat request from a JSON body, or the 400 a client can act on: `invalid_json`
@@ -581,11 +613,23 @@ async fn chat(State(state): State<Arc<AppState>>, request: Request) -> Response 
         Ok(skip) => skip,
         Err(e) => return e.into_response(),
     };
+    // The key's own slot on this process first (its `max_concurrency`), so a key
+    // whose bodies trickle in holds no more of the server's slots than its quota.
+    let tenant_slot = match tenant.as_deref().map(|t| t.local_slot(state.shed_retry_after)) {
+        Some(Err(e)) => {
+            // The model is not read yet: counted as `other`.
+            let err = state.call_error(&e);
+            CallMetrics::new(&state, tenant.as_deref(), "other".to_owned()).finish(Some(&err));
+            return err.into_response();
+        }
+        Some(Ok(s)) => s,
+        None => None,
+    };
     // Taken before the body is read, and held until the answer is complete (for a
     // stream: its last event), so streams count as in flight (tower's concurrency
     // limit would free the slot at the headers) and the bodies held in memory at once
     // are at most `max_in_flight` (not `max_connections`) times `max_body_bytes`.
-    let Ok(slot) = Arc::clone(&state.in_flight).try_acquire_owned() else {
+    let Ok(global) = Arc::clone(&state.in_flight).try_acquire_owned() else {
         metrics::counter!("pgw_server_shed_total", "reason" => "in_flight").increment(1);
         return ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -596,6 +640,10 @@ async fn chat(State(state): State<Arc<AppState>>, request: Request) -> Response 
         .retry_after(Some(state.shed_retry_after))
         .into_response();
     };
+    let slot = Slot {
+        _global: global,
+        _tenant: tenant_slot,
+    };
     let body = match read_body(&state, body).await {
         Ok(b) => b,
         Err(refused) => return refused,
@@ -604,15 +652,7 @@ async fn chat(State(state): State<Arc<AppState>>, request: Request) -> Response 
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
-    let mut call = CallMetrics {
-        recorded: false,
-        tenant: tenant
-            .as_ref()
-            .map_or_else(|| Arc::from("anonymous"), |t| Arc::clone(&t.label)),
-        model: state.model_label(&request.model),
-        started: Instant::now(),
-        handles: Arc::clone(&state.handles),
-    };
+    let mut call = CallMetrics::new(&state, tenant.as_deref(), state.model_label(&request.model));
     if let Some(t) = &tenant
         && !t.may_use(&request.model)
     {
@@ -803,13 +843,35 @@ async fn readyz(State(state): State<Arc<AppState>>) -> Response {
     Json(serde_json::json!({"status": "ready"})).into_response()
 }
 
+/// How long a scrape waits for the gateway's gauges to be refreshed before it answers
+/// with the ones it has: 2 s (as `/readyz`'s probe), under Prometheus's default scrape
+/// timeout (10 s).
+const METRICS_REFRESH_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The least time between two refreshes of the gateway's gauges: 1 s. `/metrics` needs
+/// no key and answers past the connection cap, and on the Redis backend a refresh is a
+/// round trip per route: scrapes closer together than this (or while one refreshes)
+/// answer the gauges as they are.
+const METRICS_REFRESH_EVERY: Duration = Duration::from_secs(1);
+
 /// Prometheus text; the gateway's gauges (breaker state, AIMD limit, health, inflight,
-/// quota) are refreshed first.
+/// quota) are refreshed first, at most once per [`METRICS_REFRESH_EVERY`] and for at
+/// most [`METRICS_REFRESH_TIMEOUT`].
 async fn metrics_text(State(state): State<Arc<AppState>>) -> Response {
     let Some(handle) = &state.metrics else {
         return ApiError::of_status(StatusCode::NOT_FOUND).into_response();
     };
-    state.gateway.refresh_metrics().await;
+    if let Ok(mut last) = state.metrics_refreshed.try_lock()
+        && last.is_none_or(|at| at.elapsed() >= METRICS_REFRESH_EVERY)
+    {
+        if tokio::time::timeout(METRICS_REFRESH_TIMEOUT, state.gateway.refresh_metrics())
+            .await
+            .is_err()
+        {
+            tracing::warn!("/metrics: the gauges' refresh took over 2 s; answered without it");
+        }
+        *last = Some(tokio::time::Instant::now());
+    }
     handle.run_upkeep();
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
@@ -836,6 +898,31 @@ mod tests {
             Err(Some(CACHE_HEADER.to_owned())),
             "not read as `yes`"
         );
+    }
+
+    #[test]
+    fn a_json_content_type_is_read_as_axum_reads_it() {
+        for yes in [
+            "application/json",
+            "Application/JSON",
+            "application/json; charset=utf-8",
+            " application/json ;charset=UTF-8",
+            "application/vnd.api+json",
+            "application/merge-patch+json; x=y",
+        ] {
+            assert!(is_json(yes.as_bytes()), "{yes}");
+        }
+        for no in [
+            "",
+            "text/plain",
+            "application/jsonx",
+            "application/+json",
+            "text/json",
+            "application/json-seq",
+            "json",
+        ] {
+            assert!(!is_json(no.as_bytes()), "{no}");
+        }
     }
 
     #[test]

@@ -69,15 +69,17 @@ impl Server {
     /// [`crate::install_metrics`]).
     ///
     /// # Errors
-    /// A [`StartError`] when no virtual keys are configured and the address is not
-    /// loopback without `allow_unauthenticated`; a bind error; Redis unreachable for
-    /// tenant quotas.
+    /// A `ConfigError` naming a field of `config.server` that cannot be served
+    /// ([`Settings::check`](crate::config::Settings::check)); a [`StartError`] when no
+    /// virtual keys are configured and the address is not loopback without
+    /// `allow_unauthenticated`; a bind error; Redis unreachable for tenant quotas.
     pub async fn bind(
         config: &ServerConfig,
         gateway: Gateway,
         metrics: Option<PrometheusHandle>,
     ) -> Result<Self, BoxError> {
         let settings = config.server.clone();
+        settings.check()?;
         if let Some(why) = settings.unauthenticated_exposure() {
             return Err(Box::new(StartError(why)));
         }

@@ -28,7 +28,6 @@ use futures_util::StreamExt;
 use pgw_core::BoxError;
 use pgw_core::openai::{ChatChunk, Usage};
 use pgw_stack::ChatStream;
-use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::{Instant, Interval, MissedTickBehavior};
 
 use crate::error::ApiError;
@@ -57,7 +56,7 @@ struct Call {
     ended: Option<Option<BoxError>>,
     /// The server's shutdown grace period is over (`AppState::grace_over`).
     grace_over: tokio::sync::watch::Receiver<bool>,
-    _slot: OwnedSemaphorePermit,
+    _slot: crate::routes::Slot,
 }
 
 const KEEP_ALIVE: &[u8] = b": keep-alive\n\n";
@@ -287,7 +286,7 @@ pub(crate) async fn respond(
     state: &AppState,
     request: pgw_stack::ChatCall,
     mut permit: Option<TenantPermit>,
-    slot: OwnedSemaphorePermit,
+    slot: crate::routes::Slot,
     mut metrics: CallMetrics,
 ) -> Response {
     let gateway = state.gateway.clone();

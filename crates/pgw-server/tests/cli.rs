@@ -226,3 +226,93 @@ fn serve_refuses_a_public_address_without_keys() {
     assert!(!out.status.success());
     assert!(stderr.contains("--allow-unauthenticated"), "{stderr}");
 }
+
+/// A second SIGINT while `pgw serve` drains a call ends it at once with exit code
+/// 130; the first only starts the drain (here of a call whose upstream never answers,
+/// with a grace of ten minutes).
+#[cfg(unix)]
+#[test]
+fn a_second_signal_ends_the_drain_at_once() {
+    use std::io::{BufRead, BufReader};
+    use std::net::{TcpListener, TcpStream};
+    // An upstream that accepts and never answers: the call stays in flight.
+    let upstream = TcpListener::bind("127.0.0.1:0").unwrap();
+    let up = upstream.local_addr().unwrap();
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let cfg = format!(
+        "[server]\nlisten = \"127.0.0.1:{port}\"\nshutdown_grace_s = 600\n\n[cache]\nenabled = false\n\n\
+         [[sources]]\nname = \"s1\"\nbase_url = \"http://{up}/v1\"\nkey = \"k\"\n"
+    );
+    let path = file("drain", &cfg);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_pgw"))
+        .args(["serve", "--config", path.to_str().unwrap()])
+        .env("RUST_LOG", "info")
+        .env_remove("PGW__SERVER__LISTEN")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    // A bound on a hung test, not a timing assertion: the child is killed after 120 s.
+    let (done, bound) = std::sync::mpsc::channel::<()>();
+    let watchdog = std::thread::spawn(move || {
+        if matches!(
+            bound.recv_timeout(std::time::Duration::from_secs(120)),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout)
+        ) {
+            let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+        }
+    });
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut log = String::new();
+    wait_for(&mut lines, &mut log, "serving");
+    let body = r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
+    let mut client = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(
+        client,
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    // In flight once the gateway connected to the upstream.
+    let (_held, _) = upstream.accept().unwrap();
+    let interrupt = || {
+        let ok = Command::new("kill")
+            .args(["-INT", &pid.to_string()])
+            .status()
+            .unwrap();
+        assert!(ok.success());
+    };
+    interrupt();
+    wait_for(&mut lines, &mut log, "draining");
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "the first signal only drains: {log}"
+    );
+    interrupt();
+    let status = child.wait().unwrap();
+    drop(done);
+    watchdog.join().unwrap();
+    assert_eq!(status.code(), Some(130), "{status:?}: {log}");
+    wait_for(&mut lines, &mut log, "second signal: exiting now");
+}
+
+/// Reads log lines into `log` until one contains `what`.
+fn wait_for(lines: &mut impl Iterator<Item = std::io::Result<String>>, log: &mut String, what: &str) {
+    loop {
+        let Some(line) = lines.next() else {
+            panic!("no {what:?} in the log: {log}");
+        };
+        let line = line.unwrap();
+        log.push_str(&line);
+        log.push('\n');
+        if line.contains(what) {
+            return;
+        }
+    }
+}

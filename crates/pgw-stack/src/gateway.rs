@@ -378,12 +378,18 @@ impl Gateway {
     /// `source/model` with it), but `pgw_quota_admitted`, the source's own limiter
     /// (shared by its routes), labelled with the source's name. Call it periodically
     /// (one backend read per route).
+    ///
+    /// The breakers' views are read concurrently: on the Redis backend each is a round
+    /// trip bounded by the backend's response timeout, so a refresh while Redis is
+    /// unreachable takes one timeout, not one per route (20 routes took 10 s, past
+    /// Prometheus's scrape timeout). A view that fails leaves its gauge as it was.
     pub async fn refresh_metrics(&self) {
+        let views = futures_util::future::join_all(self.inner.handles.iter().map(|h| h.breaker.view())).await;
         let mut quotas = std::collections::HashSet::new();
-        for h in &self.inner.handles {
+        for (h, view) in self.inner.handles.iter().zip(views) {
             // One series per route (with `[models]`, a source has one per model).
             let source = h.route.to_string();
-            if let Ok(view) = h.breaker.view().await {
+            if let Ok(view) = view {
                 let state = match view.state {
                     BreakerState::Closed => 0.0,
                     BreakerState::HalfOpen => 1.0,
