@@ -7,7 +7,7 @@ use std::time::Duration;
 use futures_core::Stream;
 use http_body::Body;
 use pgw_core::BoxError;
-use pgw_core::openai::{ChatChunk, Usage};
+use pgw_core::openai::{ChatChunk, MAX_STREAMED_INDEX, Usage};
 use pgw_core::sse::{SseDecoder, SseEvent};
 use tokio::time::{Instant, Sleep};
 
@@ -55,12 +55,18 @@ pub struct ChunkStream {
     finished: bool,
     /// Every choice seen finished: the end may come.
     complete: bool,
-    /// Indices of the choices seen, and whether each finished.
-    seen: Vec<(u32, bool)>,
+    /// Per choice index (at most [`MAX_STREAMED_INDEX`]): whether it finished,
+    /// `None` before it is seen.
+    seen: Vec<Option<bool>>,
+    /// Choices seen, and how many of them finished.
+    choices: (usize, usize),
     parsed: u64,
     skipped: u64,
     /// Bytes of the body read so far.
     read: usize,
+    /// The last poll handed out a chunk: until the next poll, the time is the
+    /// consumer's, not the source's.
+    delivered: bool,
     /// Scrubbed from the errors the stream ends with (a provider may echo it).
     key: Option<crate::SecretKey>,
 }
@@ -105,9 +111,11 @@ impl ChunkStream {
             finished: false,
             complete: false,
             seen: Vec::new(),
+            choices: (0, 0),
             parsed: 0,
             skipped: 0,
             read: 0,
+            delivered: false,
             key: None,
         };
         s.arm(
@@ -150,15 +158,42 @@ impl ChunkStream {
     /// several choices (`n > 1`), one finished while another still runs is not the
     /// whole answer: a stream that ends then was cut. A provider that ignores `n` and
     /// streams one choice is whole at its finish reason.
-    fn note_choices(&mut self, chunk: &ChatChunk) {
+    ///
+    /// Noted after the answer looked whole too: a choice first seen then makes it
+    /// incomplete again (with `n = 2`, choice 1 starting after choice 0 finished, then
+    /// a reset, was taken for a whole answer). Constant time per choice: an event of a
+    /// million choices must not hold the executor.
+    ///
+    /// # Errors
+    /// A choice index past [`MAX_STREAMED_INDEX`].
+    fn note_choices(&mut self, chunk: &ChatChunk) -> Result<(), BoxError> {
         for c in &chunk.choices {
+            let i = usize::try_from(c.index).unwrap_or(usize::MAX);
+            if i > MAX_STREAMED_INDEX {
+                return Err(MalformedResponse::new(format!(
+                    "stream chunk names choice {i} (at most {MAX_STREAMED_INDEX})"
+                ))
+                .into());
+            }
+            if self.seen.len() <= i {
+                self.seen.resize(i + 1, None);
+            }
             let finished = c.finish_reason.is_some();
-            match self.seen.iter_mut().find(|(i, _)| *i == c.index) {
-                Some((_, done)) => *done |= finished,
-                None => self.seen.push((c.index, finished)),
+            match self.seen[i] {
+                None => {
+                    self.seen[i] = Some(finished);
+                    self.choices.0 += 1;
+                    self.choices.1 += usize::from(finished);
+                }
+                Some(false) if finished => {
+                    self.seen[i] = Some(true);
+                    self.choices.1 += 1;
+                }
+                Some(_) => {}
             }
         }
-        self.complete = self.seen.iter().all(|(_, done)| *done);
+        self.complete = self.choices.0 > 0 && self.choices.1 == self.choices.0;
+        Ok(())
     }
 
     /// Time from dispatch to the first token, once it arrived.
@@ -306,8 +341,8 @@ impl ChunkStream {
         if self.first_token_at.is_none() && token {
             self.first_token_at = Some(now);
         }
-        if !chunk.choices.is_empty() && !self.complete {
-            self.note_choices(&chunk);
+        if !chunk.choices.is_empty() {
+            self.note_choices(&chunk)?;
         }
         if self.first_token_at.is_some() {
             let limit = self.timeouts.inter_token;
@@ -326,11 +361,25 @@ impl Stream for ChunkStream {
         if this.finished {
             return Poll::Ready(None);
         }
+        if std::mem::take(&mut this.delivered) && this.armed.0 == Watchdog::InterToken {
+            // The consumer came back after the inter-token limit (a slow client of a
+            // passed-through stream: nothing read the body meanwhile). That silence
+            // was its own; the source's is counted from now. Cut here, a healthy
+            // source was failed for a slow reader.
+            let now = Instant::now();
+            if now >= this.due {
+                let limit = this.timeouts.inter_token;
+                this.arm(after(now, limit), Watchdog::InterToken, limit);
+            }
+        }
         loop {
             match this.decoder.next_event() {
                 Some(SseEvent::Done) => return this.end(cx, "[DONE]"),
                 Some(SseEvent::Data(data)) => match this.on_data(data) {
-                    Ok(Some(chunk)) => return Poll::Ready(Some(Ok(chunk))),
+                    Ok(Some(chunk)) => {
+                        this.delivered = true;
+                        return Poll::Ready(Some(Ok(chunk)));
+                    }
                     Ok(None) => continue,
                     Err(e) => return this.fail(e),
                 },

@@ -942,6 +942,50 @@ async fn a_passed_through_stream_is_answered_at_its_first_output_and_judged_at_i
     assert_eq!(ended.lock().unwrap().clone(), Some(Ok("one two".to_owned())));
 }
 
+/// A consumer that reads a passed-through stream slowly (a caller on a slow link: the
+/// body is not read while it is away) is not taken for a stalled source: the
+/// inter-token silence is counted from when it comes back. It was cut as the source's
+/// failure, the healthy source's breaker and health paying for a slow reader.
+#[tokio::test(start_paused = true)]
+async fn a_slow_consumer_of_a_passed_through_stream_is_no_stall() {
+    let p = Provider::default();
+    let script = sse(vec![
+        (Duration::from_millis(50), chunk("one ", false)),
+        (Duration::from_millis(500), chunk("two", false)),
+        (Duration::from_millis(500), chunk("", true)),
+        (Duration::ZERO, usage_chunk()),
+    ]);
+    let mut call = stream_call();
+    call.extensions_mut().insert(pgw_client::PassThrough);
+    let answer = p.client(script, timeouts()).oneshot(call).await.unwrap();
+    let mut tail = answer.tail.as_ref().unwrap().take().unwrap();
+    // Away for 2.5 inter-token limits before reading on.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let mut rest = String::new();
+    while let Some(c) = tail.next().await {
+        let c = c.unwrap();
+        rest.push_str(
+            c.choices
+                .first()
+                .and_then(|c| c.delta.content.as_deref())
+                .unwrap_or(""),
+        );
+    }
+    assert_eq!(rest, "two");
+
+    // A source silent past the limit while the consumer waits is still cut.
+    let script = sse(vec![
+        (Duration::from_millis(50), chunk("one ", false)),
+        (Duration::from_secs(3), chunk("two", false)),
+    ]);
+    let mut call = stream_call();
+    call.extensions_mut().insert(pgw_client::PassThrough);
+    let answer = p.client(script, timeouts()).oneshot(call).await.unwrap();
+    let mut tail = answer.tail.as_ref().unwrap().take().unwrap();
+    let err = tail.next().await.unwrap().unwrap_err();
+    assert!(err.to_string().contains("inter"), "{err}");
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_pass_through_error_event_before_the_first_output_fails_the_attempt() {
     let p = Provider::default();
@@ -1241,4 +1285,67 @@ async fn a_stream_of_two_choices_is_whole_only_when_both_finish() {
     ];
     let answer = p.client(sse(one), timeouts()).oneshot(two()).await.unwrap();
     assert_eq!(answer.content(), "a", "n ignored: one choice, whole");
+
+    // Choice 1 first seen after choice 0 finished (the answer looked whole then),
+    // then `[DONE]`: choice 1 never finished, a cut (it was taken for the answer).
+    let late = vec![
+        (
+            Duration::ZERO,
+            ev(r#"{"choices":[{"index":0,"delta":{"content":"a"},"finish_reason":"stop"}]}"#),
+        ),
+        (
+            Duration::ZERO,
+            ev(r#"{"choices":[{"index":1,"delta":{"content":"b"}}]}"#),
+        ),
+        (Duration::ZERO, Bytes::from_static(pgw_core::sse::DONE.as_bytes())),
+    ];
+    let r = p.client(sse(late), timeouts()).oneshot(two()).await;
+    let err = r.as_ref().unwrap_err();
+    assert!(err.to_string().contains("before a finish_reason"), "{err}");
+}
+
+/// A chunk naming a choice index past `MAX_STREAMED_INDEX` is malformed, and one event
+/// of a hundred thousand choices is judged in linear time (a list searched per choice
+/// held the executor for seconds).
+#[tokio::test(start_paused = true)]
+async fn a_stream_naming_too_many_choices_is_malformed() {
+    let p = Provider::default();
+    let call = || {
+        let mut req = ChatRequest::user("m", "hi");
+        req.stream = true;
+        ChatCall::new(req)
+    };
+    let far = format!(
+        "data: {{\"choices\":[{{\"index\":{},\"delta\":{{\"content\":\"a\"}}}}]}}\n\n",
+        pgw_core::openai::MAX_STREAMED_INDEX + 1
+    );
+    let r = p
+        .client(sse(vec![(Duration::ZERO, Bytes::from(far))]), timeouts())
+        .oneshot(call())
+        .await;
+    let err = r.as_ref().unwrap_err();
+    assert!(err.to_string().contains("names choice 1025"), "{err}");
+    assert_eq!(outcome(&r), Outcome::Transient);
+    // A hundred thousand choices within the index bound, in one event.
+    let many: Vec<String> = (0..100_000)
+        .map(|i| format!(r#"{{"index":{},"delta":{{}}}}"#, i % 1000))
+        .collect();
+    let event = format!("data: {{\"choices\":[{}]}}\n\n", many.join(","));
+    let stop = r#"data: {"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":"stop"}]}
+
+"#;
+    let r = p
+        .client(
+            sse(vec![
+                (Duration::ZERO, Bytes::from(event)),
+                (Duration::ZERO, Bytes::from_static(stop.as_bytes())),
+                (Duration::ZERO, Bytes::from_static(pgw_core::sse::DONE.as_bytes())),
+            ]),
+            timeouts(),
+        )
+        .oneshot(call())
+        .await;
+    // 999 choices never finished: a cut, not an answer.
+    let err = r.as_ref().unwrap_err();
+    assert!(err.to_string().contains("before a finish_reason"), "{err}");
 }

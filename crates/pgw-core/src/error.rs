@@ -347,9 +347,18 @@ pub struct ProviderError {
 
 impl ProviderError {
     /// Reads the error of an error body; `None` when the body is not a JSON error.
+    ///
+    /// Takes OpenAI's `{"error": {...}}` (and a bare string `error`), Anthropic's
+    /// `{"type": "error", "error": {...}}`, a top-level `message`, and Gemini's
+    /// OpenAI-compatible endpoint's list of one, `[{"error": {"code": 400, "message":
+    /// ..., "status": "INVALID_ARGUMENT"}}]`, whose `status` stands for the `type`.
     #[must_use]
     pub fn parse(body: &[u8]) -> Option<Self> {
-        let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+        let mut v: serde_json::Value = serde_json::from_slice(body).ok()?;
+        if let serde_json::Value::Array(items) = &mut v {
+            // Gemini's list of errors: the first one.
+            v = std::mem::take(items.first_mut()?);
+        }
         let text = |v: Option<&serde_json::Value>| match v? {
             serde_json::Value::String(s) => Some(s.clone()),
             serde_json::Value::Number(n) => Some(n.to_string()),
@@ -362,7 +371,7 @@ impl ProviderError {
             }),
             Some(e @ serde_json::Value::Object(_)) => Some(Self {
                 message: text(e.get("message")).unwrap_or_else(|| e.to_string()),
-                kind: text(e.get("type")),
+                kind: text(e.get("type")).or_else(|| text(e.get("status"))),
                 code: text(e.get("code")),
                 param: text(e.get("param")),
             }),

@@ -19,6 +19,7 @@ use crate::{Classify, Outcome};
 /// | 429 | `RateLimited { retry_after }` |
 /// | 401, 402, 403, 404 | `SourceDead` (bad or revoked key, no credit, a wrong path: nobody gets through this source) |
 /// | 408, 409, 425 | `Transient` (timing, may pass on a retry) |
+/// | 498 | `Transient` (Groq's `capacity_exceeded`: its flex tier is full, retry later) |
 /// | 400, 413, 422 and other 4xx | `Rejected` (the request itself is bad) |
 /// | 503 and 529 (overloaded) with a `Retry-After` | `RateLimited { retry_after }`: the source said when to come back (RFC 9110, 10.2.3), pushback like a 429's |
 /// | 5xx (503 and 529 without `Retry-After` included), 1xx, 3xx | `Transient` |
@@ -29,7 +30,7 @@ pub fn classify_status(status: StatusCode, retry_after: Option<std::time::Durati
         429 => Outcome::RateLimited { retry_after },
         503 | 529 if retry_after.is_some() => Outcome::RateLimited { retry_after },
         401..=404 => Outcome::SourceDead,
-        408 | 409 | 425 => Outcome::Transient,
+        408 | 409 | 425 | 498 => Outcome::Transient,
         400..=499 => Outcome::Rejected,
         _ => Outcome::Transient,
     }
@@ -73,7 +74,31 @@ const MEANINGS: &[(&str, Meaning)] = &[
     ("rate_limit_exceeded", Meaning::RateLimited),
     ("rate_limit_error", Meaning::RateLimited),
     ("overloaded_error", Meaning::Transient),
+    // Groq's 498 (its flex tier at capacity).
+    ("capacity_exceeded", Meaning::Transient),
+    // Google's status words, Gemini's `status` beside a numeric code.
+    ("UNAUTHENTICATED", Meaning::SourceDead),
+    ("PERMISSION_DENIED", Meaning::SourceDead),
+    ("RESOURCE_EXHAUSTED", Meaning::RateLimited),
+    ("UNAVAILABLE", Meaning::Transient),
 ];
+
+/// What an error message alone says of the source, whatever its code and status:
+/// the account has no credit (Anthropic's 400 "Your credit balance is too low to
+/// access the Anthropic API", OpenRouter's "Insufficient credits"), or the key is not
+/// one (Gemini's 400 `INVALID_ARGUMENT` "API key not valid. Please pass a valid API
+/// key."). Without it such a 400 was `Rejected`: the call failed at once, and the
+/// source, never counted against, kept every call it was offered.
+fn meaning_of_message(message: &str) -> Option<Meaning> {
+    let m = message.to_ascii_lowercase();
+    if m.contains("credit balance is too low") || m.contains("insufficient credits") {
+        Some(Meaning::QuotaExhausted)
+    } else if m.contains("api key not valid") || m.contains("api_key_invalid") {
+        Some(Meaning::SourceDead)
+    } else {
+        None
+    }
+}
 
 fn meaning(name: Option<&str>) -> Option<Meaning> {
     let name = name?;
@@ -105,6 +130,9 @@ pub(crate) fn names_a_request_too_large(message: &str) -> bool {
         || m.contains("maximum context length")
         || m.contains("context length exceeded")
         || m.contains("prompt is too long")
+        // Gemini: "The input token count (1048577) exceeds the maximum number of
+        // tokens allowed (1048576)."
+        || m.contains("exceeds the maximum number of tokens")
         || (m.contains("request too large") && (m.contains("tokens per min") || m.contains("tpm")))
 }
 
@@ -124,10 +152,11 @@ fn names_a_moderation_refusal(message: &str) -> bool {
 /// | `context_length_exceeded`, `content_policy_violation`, `content_filter` | `Rejected` |
 /// | a message saying the request does not fit the source (context length, one request over the whole tokens-per-minute limit: OpenAI's 429 "Request too large", whatever its code; a feature its model lacks: OpenRouter's 404 "No endpoints found that support tool use") | `Rejected` (and [`crate::exceeds_source`]: another source may take it) |
 /// | a 403 whose message is a moderation refusal ("flagged") | `Rejected` (the request, not the key) |
-/// | `insufficient_quota` (429, billing), `invalid_api_key`, `authentication_error`, `permission_error` | `SourceDead` |
-/// | `rate_limit_exceeded`, `rate_limit_error` | `RateLimited { retry_after }` |
-/// | `overloaded_error`, 503 or 529 with a `Retry-After` | `RateLimited { retry_after }` (the source said when it can take more: held until then, as after a 429) |
-/// | `overloaded_error`, 503 or 529 without one | `Transient` |
+/// | `insufficient_quota` (429, billing), `invalid_api_key`, `authentication_error`, `permission_error`, Google's `UNAUTHENTICATED` and `PERMISSION_DENIED` | `SourceDead` |
+/// | without a known code: a message saying the account has no credit (Anthropic's 400 "credit balance is too low", "insufficient credits") or the key is not valid (Gemini's 400 "API key not valid") | `SourceDead` |
+/// | `rate_limit_exceeded`, `rate_limit_error`, Google's `RESOURCE_EXHAUSTED` | `RateLimited { retry_after }` |
+/// | `overloaded_error` (also Groq's `capacity_exceeded`, Google's `UNAVAILABLE`), 503 or 529 with a `Retry-After` | `RateLimited { retry_after }` (the source said when it can take more: held until then, as after a 429) |
+/// | `overloaded_error` (and the same), 503 or 529 without one | `Transient` |
 /// | anything else | by status ([`classify_status`]) |
 ///
 /// ```
@@ -145,8 +174,10 @@ fn names_a_moderation_refusal(message: &str) -> bool {
 pub fn classify_upstream(err: &UpstreamStatus) -> Outcome {
     let status = err.status();
     let provider = err.provider();
-    let by_name = provider.and_then(|p| meaning(p.code.as_deref()).or_else(|| meaning(p.kind.as_deref())));
     let message = provider.map_or(err.message(), |p| p.message.as_str());
+    let by_name = provider
+        .and_then(|p| meaning(p.code.as_deref()).or_else(|| meaning(p.kind.as_deref())))
+        .or_else(|| meaning_of_message(message));
     let unknown_model = by_name == Some(Meaning::UnknownModel)
         || (by_name.is_none() && status == StatusCode::NOT_FOUND && names_a_missing_model(message));
     if unknown_model {
@@ -183,7 +214,8 @@ pub fn classify_upstream(err: &UpstreamStatus) -> Outcome {
 }
 
 /// Whether `err`'s chain holds a provider's answer saying the account has no credit
-/// left (`insufficient_quota`, `billing_hard_limit_reached`, by `code` or `type`).
+/// left (`insufficient_quota`, `billing_hard_limit_reached`, by `code` or `type`; or,
+/// without a known code, a message saying so: Anthropic's "credit balance is too low").
 /// Such a source is `SourceDead` ([`classify_upstream`]) and stays dead until someone
 /// pays: the gateway holds it far longer than a breaker's cooldown.
 ///
@@ -205,7 +237,9 @@ pub fn is_quota_exhausted(err: &(dyn Error + 'static)) -> bool {
     let Some(p) = UpstreamStatus::find(err).and_then(UpstreamStatus::provider) else {
         return false;
     };
-    let by_name = meaning(p.code.as_deref()).or_else(|| meaning(p.kind.as_deref()));
+    let by_name = meaning(p.code.as_deref())
+        .or_else(|| meaning(p.kind.as_deref()))
+        .or_else(|| meaning_of_message(&p.message));
     by_name == Some(Meaning::QuotaExhausted)
 }
 
@@ -551,6 +585,38 @@ mod tests {
                 r#"{"error":{"message":"No endpoints found matching your data policy.","code":404}}"#,
                 Outcome::SourceDead,
             ),
+            // Anthropic out of credit: a 400 whose message says so, coded as a bad
+            // request. The source is dead (and for long), not the request.
+            (
+                400,
+                r#"{"type":"error","error":{"type":"invalid_request_error","message":"Your credit balance is too low to access the Anthropic API. Please go to Plans & Billing to upgrade or purchase credits."}}"#,
+                Outcome::SourceDead,
+            ),
+            // Gemini's OpenAI-compatible endpoint: a list of one error, `status` for
+            // the type. A key that is not one is a dead source.
+            (
+                400,
+                r#"[{"error":{"code":400,"message":"API key not valid. Please pass a valid API key.","status":"INVALID_ARGUMENT","details":[{"@type":"type.googleapis.com/google.rpc.ErrorInfo","reason":"API_KEY_INVALID"}]}}]"#,
+                Outcome::SourceDead,
+            ),
+            (
+                403,
+                r#"[{"error":{"code":403,"message":"Method doesn't allow unregistered callers.","status":"PERMISSION_DENIED"}}]"#,
+                Outcome::SourceDead,
+            ),
+            (
+                400,
+                r#"[{"error":{"code":400,"message":"The input token count (1048577) exceeds the maximum number of tokens allowed (1048576).","status":"INVALID_ARGUMENT"}}]"#,
+                Outcome::Rejected,
+            ),
+            // Groq's flex tier at capacity: overloaded, so pushback when it says when
+            // to come back (every row here has a Retry-After), else retried elsewhere.
+            (
+                498,
+                r#"{"error":{"message":"Flex tier capacity exceeded. This is a known issue and we're working on fixing it.","type":"internal_server_error","code":"capacity_exceeded"}}"#,
+                Outcome::RateLimited { retry_after: ra },
+            ),
+            (498, r#"{"error":"busy"}"#, Outcome::Transient),
         ];
         for (i, (status, body, want)) in rows.iter().enumerate() {
             let mut e = UpstreamStatus::new(StatusCode::from_u16(*status).unwrap(), ra, "");
@@ -573,7 +639,7 @@ mod tests {
             // Only billing says the source is dead for long.
             assert_eq!(
                 is_quota_exhausted(&*boxed),
-                body.contains("insufficient_quota"),
+                body.contains("insufficient_quota") || body.contains("credit balance is too low"),
                 "{status} {body}"
             );
         }
@@ -598,6 +664,11 @@ mod tests {
             r#"{"object":"error","message":"This model's maximum context length is 4096 tokens.","code":400}"#,
         );
         assert!(crate::exceeds_source(&*vllm));
+        let gemini = error(
+            400,
+            r#"[{"error":{"code":400,"message":"The input token count (1048577) exceeds the maximum number of tokens allowed (1048576).","status":"INVALID_ARGUMENT"}}]"#,
+        );
+        assert!(crate::exceeds_source(&*gemini));
         // The account's own rate limit still holds the account.
         let busy = error(
             429,
@@ -632,6 +703,12 @@ mod tests {
                 Outcome::Success,
             ),
             (r#"{"choices":[]}"#, Outcome::Transient),
+            // A reasoning model that spent `max_tokens` thinking: the caller's limit,
+            // answered as the provider sent it.
+            (
+                r#"{"choices":[{"message":{"role":"assistant","content":""},"finish_reason":"length"}],"usage":{"completion_tokens":100,"completion_tokens_details":{"reasoning_tokens":100}}}"#,
+                Outcome::Success,
+            ),
         ];
         for (json, want) in rows {
             assert_eq!(OpenAiClassifier.classify(&Ok(parse(json))), want, "{json}");

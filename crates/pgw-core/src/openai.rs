@@ -252,10 +252,17 @@ impl Choice {
         self.finish_reason.as_deref() == Some(FINISH_CONTENT_FILTER) || self.message.refusal().is_some()
     }
 
-    /// Whether the choice is an answer: text, a tool call, or a decline.
+    /// Whether the choice is an answer: text, a tool call, a decline, or an answer cut
+    /// by the caller's token limit (`finish_reason: "length"`), even empty: a reasoning
+    /// model (o-series, R1) that spends `max_tokens` thinking answers nothing, and
+    /// another source would spend them the same way. The caller gets it as the
+    /// provider sent it, as from the provider itself; it is no failure of the source.
     #[must_use]
     pub fn has_output(&self) -> bool {
-        self.message.content.has_output() || self.message.calls_tool() || self.is_declined()
+        self.message.content.has_output()
+            || self.message.calls_tool()
+            || self.is_declined()
+            || self.finish_reason.as_deref() == Some("length")
     }
 }
 
@@ -292,9 +299,9 @@ impl ChatResponse {
         self.choices.first().map_or("", |c| c.message.text())
     }
 
-    /// True when no choice is an answer (no text, no tool call, no decline): the
-    /// "200 with an empty completion" failure, measured at 14-17% of the answers of a
-    /// healthy production source.
+    /// True when no choice is an answer (no text, no tool call, no decline, none cut
+    /// by the token limit: [`Choice::has_output`]): the "200 with an empty completion"
+    /// failure, measured at 14-17% of the answers of a healthy production source.
     #[must_use]
     pub fn is_empty_completion(&self) -> bool {
         !self.choices.iter().any(Choice::has_output)
@@ -533,8 +540,9 @@ impl ChunkAccumulator {
     }
 }
 
-/// The largest choice or tool-call index a stream may name: 1024.
-const MAX_STREAMED_INDEX: usize = 1024;
+/// The largest choice or tool-call index a stream may name: 1024. A chunk naming a
+/// larger one is malformed (a slot per index up to it would be kept).
+pub const MAX_STREAMED_INDEX: usize = 1024;
 
 fn set_non_null(into: &mut Map<String, Value>, from: &Map<String, Value>) {
     for (k, v) in from {

@@ -306,8 +306,12 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
             la.cmp(&lb).then(hb.total_cmp(&ha))
         });
         let poor_below = POOR_HEALTH_RATIO * self.round.as_ref().map_or(0.0, |r| r.quota_best);
+        // The sources already offered (before `pos`) stay where they are, so `pos`
+        // still points at the first one not offered. (Counted from `pos`, every
+        // position passed it and a poor source already refused was dropped, shifting
+        // the next one under `pos`: never offered.)
         let start = *pos;
-        let mut k = start;
+        let mut k = 0;
         order.retain(|&i| {
             k += 1;
             k <= start || too_large[i] || entries[i].state.health(class) >= poor_below

@@ -1040,6 +1040,67 @@ async fn a_poor_source_is_no_fallback_for_a_quota_that_ends() {
     }
 }
 
+/// When the wait for a credible source ends, the release keeps the sources already
+/// offered in the round where they were: a poor one already refused (here `a`, its
+/// breaker open) was dropped from the order, shifting the next source under the
+/// round's position, and that source (`b`, above the poor bar) was never offered: the
+/// call failed `NoneAdmitted` while `b` would have answered.
+#[tokio::test(start_paused = true)]
+async fn a_poor_source_already_refused_does_not_hide_the_next_one_at_release() {
+    // Whatever the draw: the call is answered (by `b`, or by `c` when the draw offered
+    // it first, before any refusal), never refused while `b` would answer. A fresh
+    // pool per seed: `b`'s success would make it credible for the next call.
+    let mut released_after_a = 0;
+    for seed in 0..32 {
+        let (sources, flags) = named(&["a", "q", "b", "c"]);
+        // `a` and `c` fail 7 times (0.8^7 = 0.21: poor), `b` the last 4 (0.41: not
+        // credible, not poor), `q` never.
+        let mut rr = balancer(&sources, Policy::RoundRobin);
+        for (failing, rounds) in [(&[0, 3][..], 3), (&[0, 2, 3][..], 4)] {
+            for &i in failing {
+                flags[i].store(true, Ordering::SeqCst);
+            }
+            for _ in 0..rounds * flags.len() {
+                let _ = rr.ready().await.unwrap().call(Req::default()).await;
+            }
+        }
+        for f in &flags {
+            f.store(false, Ordering::SeqCst);
+        }
+        let health = |n: &str| sources.view(n).unwrap().health();
+        assert!(health("a") < POOR_HEALTH_RATIO * health("q"));
+        assert!(health("b") < 0.5 * health("q") && health("b") >= POOR_HEALTH_RATIO * health("q"));
+        let t0 = Instant::now();
+        let a_hits = Arc::new(AtomicUsize::new(0));
+        let hits = Arc::clone(&a_hits);
+        sources.insert(
+            "a".into(),
+            BoxCloneSyncService::new(service_fn(move |_: Req| {
+                hits.fetch_add(1, Ordering::SeqCst);
+                async { Err::<&str, BoxError>(Box::new(CircuitOpen::new(Duration::from_secs(60)))) }
+            })),
+        );
+        // `q` over quota for 20 s: within `max_wait` (30 s), past the call's deadline.
+        sources.insert(
+            "q".into(),
+            over_quota_until("q", t0 + Duration::from_secs(20), Arc::new(AtomicUsize::new(0))),
+        );
+        let mut lb = balancer(&sources, Policy::HealthAware).with_seed(seed);
+        let (req, history) = with_history();
+        history.set_deadline(t0 + Duration::from_secs(5));
+        match lb.ready().await.unwrap().call(req).await {
+            Ok("b") => released_after_a += a_hits.load(Ordering::SeqCst),
+            Ok(other) => assert_eq!(other, "c", "seed {seed}"),
+            Err(e) => panic!("seed {seed}: {e}"),
+        }
+        assert_eq!(t0.elapsed(), Duration::ZERO, "nothing waited past the deadline");
+    }
+    assert!(
+        released_after_a > 0,
+        "no draw offered `a` first: the case is not exercised"
+    );
+}
+
 /// Failing until `fail` is cleared, counting the calls and, of them, the probe copies
 /// the balancer sent off a caller's path; like a breaker below, it tells the balancer
 /// the source recovered when a probe copy succeeds (`SourceHealth::recovered`).
