@@ -846,7 +846,13 @@ impl Permit {
         let tokens = i64::try_from(self.admission.tokens).unwrap_or(i64::MAX);
         let (requests, tokens) = match ending {
             Ending::Finished(None) => (0, 0),
-            Ending::Finished(Some(used)) => (0, i64::try_from(used).unwrap_or(i64::MAX) - tokens),
+            // A provider's absurd usage (`total_tokens` near 2^64) is charged as
+            // `MAX_QUOTA`: already past any window's quota, and inside the range the
+            // backends count exactly (Lua numbers are exact to 2^53 only).
+            Ending::Finished(Some(used)) => (
+                0,
+                i64::try_from(used.min(crate::config::MAX_QUOTA)).unwrap_or(i64::MAX) - tokens,
+            ),
             Ending::Refunded => (-1, -tokens),
         };
         self.admission.limiter.settle(Settle {

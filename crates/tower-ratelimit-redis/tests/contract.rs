@@ -157,6 +157,27 @@ async fn tpm_reconcile_up_and_down(h: Harness) {
     assert!(p.admission().window() > w);
 }
 
+/// A provider's absurd usage (`u64::MAX` tokens) is charged as `MAX_QUOTA`: the
+/// window is spent, and once it leaves the span the count is exact again (charged
+/// whole, its departure left a rounding error in the Redis window's running total,
+/// Lua numbers being exact to 2^53 only).
+async fn absurd_usage_is_charged_as_max_quota(h: Harness) {
+    let l = h.limiter(h.config("s1", Quota::unlimited().tokens(100)));
+    h.align(W).await;
+    // A small count in one sub-window, the absurd one in a later one: their sum in
+    // the running total is what a rounding would spoil.
+    l.acquire(7).await.unwrap().finish(Some(7)).await.unwrap();
+    tokio::time::sleep(SUB * 3).await;
+    let p = l.acquire(10).await.unwrap();
+    p.finish(Some(u64::MAX)).await.unwrap();
+    let err = l.acquire(0).await.unwrap_err();
+    assert_eq!(refused(&err).dimension(), "tpm");
+    tokio::time::sleep(refused(&err).retry_after()).await;
+    // The whole quota fits again: nothing of the charge is left over.
+    let p = admitted_after_waits(&h, &l, 100).await;
+    p.finish(Some(100)).await.unwrap();
+}
+
 /// A process that dies holds its slot only until the lease TTL; a renewed lease lives on.
 async fn lease_expiry_after_crash(h: Harness) {
     let ttl = Duration::from_millis(400);
@@ -637,6 +658,7 @@ contract!(
     overrun_charged_where_it_lands,
     all_or_nothing,
     tpm_reconcile_up_and_down,
+    absurd_usage_is_charged_as_max_quota,
     lease_expiry_after_crash,
     retry_after_at_span_edge,
     oversize_request_rejected,

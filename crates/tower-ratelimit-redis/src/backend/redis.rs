@@ -685,15 +685,23 @@ impl RedisGate {
 
     /// The verdict on the cached holds at local instant `at` (a limiter with nothing
     /// else to enforce): the longest hold wins, account first on ties, as in the script.
+    ///
+    /// The ends are read before the clock offset, with `Acquire`: every writer stores
+    /// the offset the answer brought before it publishes an end (`Release`), so an end
+    /// read here comes with its offset. Read the other way round, the first hold a
+    /// process learned could meet the offset's initial 0 and wait 54 years.
     fn judge_cached(book: &HoldBook, k: &GateKeys, at: Instant) -> Verdict {
-        let now = book.server_ms(at);
-        let mut worst: Option<(usize, i64)> = None;
+        let mut latest: Option<(usize, i64)> = None;
         for (i, end) in k.ends.iter().enumerate() {
-            let wait = end.load(Ordering::Relaxed).saturating_sub(now);
-            if wait > 0 && worst.is_none_or(|(_, w)| wait > w) {
-                worst = Some((i, wait));
+            let end = end.load(Ordering::Acquire);
+            if latest.is_none_or(|(_, e)| end > e) {
+                latest = Some((i, end));
             }
         }
+        let now = book.server_ms(at);
+        let worst = latest
+            .map(|(i, end)| (i, end.saturating_sub(now)))
+            .filter(|&(_, wait)| wait > 0);
         match worst {
             Some((i, wait)) => {
                 Verdict::Refused(Box::new(hold_refusal(now + wait, wait).with_scope(&*k.labels[i])))
@@ -729,7 +737,7 @@ impl RedisGate {
             }
             book.saw_server(*now, Instant::now());
             for (slot, &end) in inner.ends.iter().zip(ends) {
-                slot.fetch_max(end, Ordering::Relaxed);
+                slot.fetch_max(end, Ordering::Release);
             }
             cache
                 .refreshed_ms
@@ -977,7 +985,7 @@ impl Gate for RedisGate {
                     if *dim_no == 4 {
                         // A hold: every limiter of the backend honours it from now on.
                         book.saw_server(*server_now, Instant::now());
-                        inner.ends[i].fetch_max(server_now.saturating_add(*wait), Ordering::Relaxed);
+                        inner.ends[i].fetch_max(server_now.saturating_add(*wait), Ordering::Release);
                     } else {
                         inner.remember(i, *dim_no, sent, *wait, tokens, refunds, released, true);
                     }
@@ -1106,7 +1114,7 @@ impl Gate for RedisGate {
                     // already there stays, with its reason (its end's parity).
                     book.saw_server(*now, Instant::now());
                     for (end, until) in ends.iter().zip(untils) {
-                        end.fetch_max(*until, Ordering::Relaxed);
+                        end.fetch_max(*until, Ordering::Release);
                     }
                     Ok(millis(untils.iter().copied().fold(*now, i64::max)))
                 }
