@@ -699,7 +699,13 @@ pub fn chunks_of(r: &ChatResponse) -> Vec<ChatChunk> {
                 index: c.index,
                 delta: Delta {
                     role: Some(c.message.role.clone()),
-                    content: c.message.content.as_text().map(str::to_owned),
+                    // A delta carries a string: an answer in parts (Mistral's
+                    // reasoning models answer `[{"type":"text","text":...}]`) is
+                    // replayed as the text of its text parts, not as no text.
+                    content: match &c.message.content {
+                        Content::Parts(parts) => Some(parts.iter().filter_map(ContentPart::text).collect()),
+                        other => other.as_text().map(str::to_owned),
+                    },
                     extra,
                 },
                 finish_reason: c.finish_reason.clone(),
@@ -886,6 +892,21 @@ mod tests {
 
     /// A response with every field OpenAI sends that pgw does not type.
     const ECHOED: &str = r#"{"id":"chatcmpl-1","object":"chat.completion","created":7,"model":"gpt-4o","choices":[{"index":0,"message":{"role":"assistant","content":"hi","refusal":null,"annotations":[]},"logprobs":{"content":[{"token":"hi","logprob":-0.25,"bytes":[104,105],"top_logprobs":[]}],"refusal":null},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4,"prompt_tokens_details":{"cached_tokens":0},"completion_tokens_details":{"reasoning_tokens":0,"accepted_prediction_tokens":0}},"system_fingerprint":"fp_1","service_tier":"default","x_provider":{"a":1}}"#;
+
+    #[test]
+    fn an_answer_in_parts_replays_its_text() {
+        let r: ChatResponse = serde_json::from_str(
+            r#"{"id":"c","choices":[{"index":0,"message":{"role":"assistant","content":[{"type":"thinking","thinking":[{"type":"text","text":"hmm"}]},{"type":"text","text":"Hello "},{"type":"text","text":"world"}]},"finish_reason":"stop"}]}"#,
+        )
+        .unwrap();
+        let chunks = chunks_of(&r);
+        assert_eq!(chunks[0].choices[0].delta.content.as_deref(), Some("Hello world"));
+        let mut acc = ChunkAccumulator::default();
+        for c in &chunks {
+            acc.push(c);
+        }
+        assert_eq!(acc.finish().content(), "Hello world");
+    }
 
     #[test]
     fn untyped_response_fields_survive_the_trip() {

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use pgw_client::{ChatAnswer, ChatCall};
-use pgw_core::openai::ChatChunk;
+use pgw_core::openai::{ChatChunk, ChatResponse};
 use pgw_core::sync::lock;
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -184,14 +184,19 @@ impl CacheFlow {
         }
     }
 
-    /// The TTL of an answer from the group at `position` in the call's chain
-    /// (`context`: in its context-window fallback chain).
-    pub(crate) const fn ttl_for(&self, position: usize, context: bool) -> Duration {
-        if position == 0 || context {
-            self.ttl
-        } else {
-            self.fallback_ttl
-        }
+    /// The TTL of an answer: `ttl` when it came from the call's first group (or from
+    /// the context fallback of that group: `primary`), else `fallback_ttl`, so it is
+    /// not served long after the primary recovered.
+    pub(crate) const fn ttl_for(&self, primary: bool) -> Duration {
+        if primary { self.ttl } else { self.fallback_ttl }
+    }
+
+    /// The TTL an answer is stored for: a declined or content-filtered one (a refusal,
+    /// `finish_reason: "content_filter"` on any choice) only `fallback_ttl`: one
+    /// provider's verdict absorbs a burst of the same prompt, but does not stand for
+    /// the pool's for `ttl` (another source's filter may answer it).
+    fn kept_for(&self, response: &ChatResponse, ttl: Duration) -> Duration {
+        kept_for(response, ttl, self.fallback_ttl)
     }
 
     /// Stores `answer` under `key` and hands it to the flight's followers. A stream
@@ -208,8 +213,11 @@ impl CacheFlow {
         match &answer.tail {
             Some(tail) => {
                 let cache = Arc::clone(&self.cache);
+                let fallback_ttl = self.fallback_ttl;
                 tail.on_end(Box::new(move |end| {
                     if let Ok(done) = end {
+                        // Its verdict is known at its end only.
+                        let ttl = kept_for(&done.response, ttl, fallback_ttl);
                         let cached = Arc::new(CachedAnswer {
                             response: done.response.clone(),
                             chunks: Vec::new(),
@@ -257,6 +265,7 @@ impl CacheFlow {
                 // answer does not wait for the store (B12): a store that is not done
                 // at once (Redis) finishes in a task of its own, with the flight, whose
                 // followers meanwhile wait as before.
+                let ttl = self.kept_for(&cached.response, ttl);
                 let put = self.cache.put(key, Arc::clone(&cached), ttl);
                 let finish = move || {
                     if let Some(f) = flight {
@@ -270,6 +279,17 @@ impl CacheFlow {
             }
         }
     }
+}
+
+/// See [`CacheFlow::kept_for`]: `ttl`, or at most `fallback_ttl` for a
+/// declined or content-filtered answer.
+fn kept_for(response: &ChatResponse, ttl: Duration, fallback_ttl: Duration) -> Duration {
+    let filtered = response.is_declined()
+        || response
+            .choices
+            .iter()
+            .any(|c| c.finish_reason.as_deref() == Some("content_filter"));
+    if filtered { ttl.min(fallback_ttl) } else { ttl }
 }
 
 /// Runs `put`, then `finish` (the flight handed over after the store, so a call

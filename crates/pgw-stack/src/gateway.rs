@@ -458,6 +458,10 @@ impl Service<ChatCall> for Gateway {
             let mut failures = Vec::new();
             let mut chain = route.chain.as_slice();
             let mut context = false;
+            // The context chain took over from the call's first group (too large for
+            // it): its answers are kept as the first group's. Taken over from a
+            // fallback (the first group failed otherwise), as a fallback's.
+            let mut context_of_primary = false;
             let mut next = 0;
             while let Some(&g) = chain.get(next) {
                 next += 1;
@@ -468,7 +472,8 @@ impl Service<ChatCall> for Gateway {
                         inner.progress.record_success();
                         let source = answer.stats.source.clone();
                         if let Some((cache, key, flight)) = cached.take() {
-                            let ttl = cache.ttl_for(next - 1, context);
+                            let primary = if context { context_of_primary } else { next == 1 };
+                            let ttl = cache.ttl_for(primary);
                             cache
                                 .store(key, &answer, group.name.to_string(), ttl, flight)
                                 .await;
@@ -493,6 +498,7 @@ impl Service<ChatCall> for Gateway {
                         tracing::debug!(call = call_id, group = %group.name, error = %e, "group failed");
                         failures.push((group.name.to_string(), e));
                         if too_large && !context && !route.context.is_empty() {
+                            context_of_primary = next == 1;
                             (chain, context, next) = (route.context.as_slice(), true, 0);
                         } else if too_large && context {
                             // The next model of the context chain.

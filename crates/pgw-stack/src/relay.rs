@@ -258,11 +258,18 @@ impl Relay {
                         self.text.push_str(t);
                     }
                     // A prefill continues one choice's text: not a tool call's
-                    // arguments, nor several choices.
-                    self.text_only &= c
-                        .choices
-                        .iter()
-                        .all(|ch| ch.index == 0 && !ch.delta.extra.contains_key("tool_calls"));
+                    // arguments (`tool_calls`, the legacy `function_call`), a refusal,
+                    // reasoning (`reasoning_content`, `reasoning`) or anything else a
+                    // delta carries beside its text (the prefill holds the text only:
+                    // the continuation would start those over), nor several choices.
+                    self.text_only &= c.choices.iter().all(|ch| {
+                        ch.index == 0
+                            && ch
+                                .delta
+                                .extra
+                                .values()
+                                .all(|v| v.is_null() || v.as_array().is_some_and(Vec::is_empty))
+                    });
                     return Some((Ok(c), self));
                 }
                 continue;

@@ -204,6 +204,105 @@ async fn a_fallback_groups_answer_is_kept_only_briefly() {
     assert!(gw.chat(at(0.0, "q")).await.unwrap().cache_hit);
 }
 
+/// An answer of the context fallback is kept the full TTL only when the call's first
+/// group was too large for the request; reached from a fallback group (the first one
+/// down), it is a fallback's answer, kept `fallback_ttl_s`: it would outlive the
+/// first group's recovery.
+#[tokio::test(start_paused = true)]
+async fn a_context_fallback_reached_from_a_fallback_is_kept_only_briefly() {
+    use pgw_stack::{ModelConfig, RouteConfig};
+    let down = pgw_sim::SourceConfig {
+        server_error_rate: 1.0.into(),
+        ..pgw_sim::SourceConfig::quick("down")
+    };
+    let small = pgw_sim::SourceConfig {
+        context_window: Some(4096),
+        ..pgw_sim::SourceConfig::quick("small")
+    };
+    let large = pgw_sim::SourceConfig {
+        context_window: Some(200_000),
+        ..pgw_sim::SourceConfig::quick("large")
+    };
+    let sources = [down, small, large];
+    let routed = |source: &str| ModelConfig {
+        routes: vec![RouteConfig {
+            source: source.into(),
+            model: None,
+        }],
+        ..ModelConfig::default()
+    };
+    let big = |model: &str| {
+        let mut r = at(0.0, "a long one");
+        r.model = model.into();
+        r.max_tokens = Some(100_000);
+        r
+    };
+    for from_first in [false, true] {
+        // Every source of the gateway is in a route: `down` only when it is used.
+        let pool = pool(if from_first {
+            sources[1..].to_vec()
+        } else {
+            sources.to_vec()
+        });
+        let gw = gateway(
+            &pool,
+            |c| {
+                c.cache.fallback_ttl_s = Some(20.0);
+                // `a`: down, then `b` (too small); or `a` too small itself.
+                let mut first = routed(if from_first { "small" } else { "down" });
+                if !from_first {
+                    first.fallback = vec!["b".into()];
+                }
+                first.context_fallback = vec!["c".into()];
+                c.models.insert("a".into(), first);
+                c.models.insert("b".into(), routed("small"));
+                c.models.insert("c".into(), routed("large"));
+            },
+            &MemorySink::new(),
+        )
+        .await;
+        let a = gw.chat(big("a")).await.unwrap();
+        assert_eq!(a.group, "c", "the context fallback answered");
+        tokio::time::advance(Duration::from_secs(10)).await;
+        assert!(gw.chat(big("a")).await.unwrap().cache_hit, "within the short TTL");
+        tokio::time::advance(Duration::from_secs(15)).await;
+        assert_eq!(
+            gw.chat(big("a")).await.unwrap().cache_hit,
+            from_first,
+            "past the short TTL: kept only when the first group was too large"
+        );
+    }
+}
+
+/// A content filter's verdict is kept only `fallback_ttl_s`: it absorbs a burst of the
+/// same prompt, but one provider's filter does not answer for the pool for the whole
+/// TTL (another source may take the prompt). Streamed or not.
+#[tokio::test(start_paused = true)]
+async fn a_content_filters_verdict_is_kept_only_briefly() {
+    let filtering = pgw_sim::SourceConfig {
+        content_filter_rate: 1.0.into(),
+        ..pgw_sim::SourceConfig::quick("a")
+    };
+    let pool = pool(vec![filtering]);
+    let gw = gateway(&pool, |c| c.cache.fallback_ttl_s = Some(20.0), &MemorySink::new()).await;
+    for (i, stream) in [false, true].into_iter().enumerate() {
+        let mut req = at(0.0, &format!("filtered {i}"));
+        req.stream = stream;
+        let a = gw.chat(req.clone()).await.unwrap();
+        assert!(a.answer.response.is_declined() && !a.cache_hit);
+        tokio::time::advance(Duration::from_secs(10)).await;
+        assert!(
+            gw.chat(req.clone()).await.unwrap().cache_hit,
+            "within the short TTL"
+        );
+        tokio::time::advance(Duration::from_secs(15)).await;
+        assert!(
+            !gw.chat(req).await.unwrap().cache_hit,
+            "stream {stream}: past the short TTL the sources are asked again"
+        );
+    }
+}
+
 fn pool_of_one() -> SimPool {
     pool(vec![pgw_sim::SourceConfig::quick("a")])
 }
