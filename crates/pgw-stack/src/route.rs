@@ -217,18 +217,34 @@ pub(crate) fn limit_scope(err: &(dyn std::error::Error + 'static), model: &str) 
     if !pgw_core::pushback_is_account_wide(err) {
         return LimitScope::Route;
     }
-    // The model as a word of the message, not a substring ("m" is in "limit").
+    // The model as a word of the message, not a substring ("m" is in "limit"), in any
+    // of its spellings ([`same_model`]).
     let message = status.message().to_ascii_lowercase();
     let model = model.to_ascii_lowercase();
     let names_model = !model.is_empty()
         && message
             .split(|c: char| c.is_whitespace() || matches!(c, ',' | ';' | '(' | ')' | '"' | '\''))
-            .any(|w| w.trim_end_matches(['.', ':']) == model);
+            .any(|w| same_model(w.trim_end_matches(['.', ':']), &model));
     if names_model {
         LimitScope::ModelInAccount
     } else {
         LimitScope::Account
     }
+}
+
+/// Whether `word` of a 429's message names `model` (both lowercase): the same name,
+/// or the model's family when the model is a dated snapshot of it (OpenAI names
+/// `gpt-4o` in "Rate limit reached for gpt-4o in organization ..." when
+/// `gpt-4o-2024-08-06` was asked; `gpt-3.5-turbo-0125` is `gpt-3.5-turbo`'s), also
+/// with the `default-` OpenAI's older messages put before it. Another model of the
+/// family (`gpt-4o-mini`) is not the same one: its limit is its own.
+fn same_model(word: &str, model: &str) -> bool {
+    let word = word.strip_prefix("default-").unwrap_or(word);
+    word == model
+        || model
+            .strip_prefix(word)
+            .and_then(|rest| rest.strip_prefix('-'))
+            .is_some_and(|date| !date.is_empty() && date.bytes().all(|b| b.is_ascii_digit() || b == b'-'))
 }
 
 /// The long hold of a source whose account has no credit left (`insufficient_quota`,
@@ -392,6 +408,23 @@ mod tests {
         // Another model's limit named in the organization: not this model's, the
         // organization's as far as this call can tell.
         assert_eq!(limit_scope(&*model_in_org, "gpt-4o-mini"), LimitScope::Account);
+        // The model asked as a dated snapshot of the family the message names: its
+        // limit (it held the whole account, every model of it).
+        assert_eq!(
+            limit_scope(&*model_in_org, "gpt-4o-2024-08-06"),
+            LimitScope::ModelInAccount
+        );
+        let older = too_many(
+            "Rate limit reached for default-gpt-3.5-turbo in organization org-1 on requests per min.",
+        );
+        assert_eq!(
+            limit_scope(&*older, "gpt-3.5-turbo-0125"),
+            LimitScope::ModelInAccount
+        );
+        assert_eq!(
+            limit_scope(&*older, "gpt-3.5-turbo-instruct"),
+            LimitScope::Account
+        );
         let key = too_many("Rate limit reached for requests on source s4");
         assert_eq!(limit_scope(&*key, "gpt-4o"), LimitScope::Route);
         let plain: BoxError = "connection reset".into();
