@@ -41,14 +41,29 @@ pub trait Hold: Send + Sync {
             self.hold_source(source, duration)
         }
     }
+
+    /// Whether a hold placed here keeps the source not admitted (the gates below
+    /// refuse it until the hold ends). Default `true`. A hook that enforces nothing
+    /// ([`NoHold`]) says `false`, and the retry layer treats it as no hook at all: it
+    /// sleeps through the pushback itself, instead of sending the next attempt at
+    /// once to a source nothing holds (back to back, for as long as the call may wait).
+    fn enforces(&self) -> bool {
+        true
+    }
 }
 
-/// A hold that does nothing: the default when no limiter is present.
+/// A hold that does nothing: the default when no limiter is present. It enforces
+/// nothing ([`Hold::enforces`] is `false`): a retry layer given it sleeps through a
+/// pushback as without a hook.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct NoHold;
 
 impl Hold for NoHold {
     fn hold(&self, _source: &SourceId, _duration: Duration) -> HoldFuture {
         Box::pin(std::future::ready(Ok(())))
+    }
+
+    fn enforces(&self) -> bool {
+        false
     }
 }

@@ -122,10 +122,11 @@ impl<C, R> RetryLayer<C, R> {
     ///
     /// Without a hold hook, or when the service below did not record a source, the layer
     /// sleeps `max(Retry-After, backoff)` itself before the next attempt; so it does if
-    /// the hold fails (logged as a warning).
+    /// the hold fails (logged as a warning), and with a hook that enforces nothing
+    /// ([`Hold::enforces`] `false`: `pgw_core::NoHold`), which is no hook.
     #[must_use]
     pub fn hold(mut self, hold: Arc<dyn Hold>) -> Self {
-        self.shared.hold = Some(hold);
+        self.shared.hold = hold.enforces().then_some(hold);
         self
     }
 

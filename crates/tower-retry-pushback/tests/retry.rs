@@ -1523,6 +1523,22 @@ async fn a_failed_hold_falls_back_to_sleeping_through_the_pushback() {
     assert!(t[1] - t[0] >= Duration::from_secs(9), "{:?}", t[1] - t[0]);
 }
 
+/// A hook that enforces nothing (`NoHold`) is no hook: the layer sleeps through the
+/// 429's `Retry-After` itself. Taken for a hold, it sent the next attempt at once to
+/// the source nothing held, back to back for as long as the call could wait.
+#[tokio::test(start_paused = true)]
+async fn a_hold_that_enforces_nothing_is_slept_through() {
+    let s1 = Upstream::with(vec![rl(9), Ok(Ans::Ok)]);
+    let router = Router::new(vec![("s1", s1.clone())], TestHold::default());
+    let mut svc = layer(RetryConfig::default())
+        .hold(Arc::new(pgw_core::NoHold))
+        .layer(router.clone());
+    assert_eq!(call(&mut svc, Req::new(1)).await.unwrap(), Ans::Ok);
+    let t = router.times_of("s1");
+    assert_eq!(t.len(), 2);
+    assert!(t[1] - t[0] >= Duration::from_secs(9), "{:?}", t[1] - t[0]);
+}
+
 /// A failed hold is slept through by the same bound as a sleep without a hook: a 429
 /// asking for 100 s, past `max_pushback_wait` (60 s by default), ends the call with
 /// `PushbackExhausted` after the one attempt, as it does without a hook (it slept the
