@@ -235,7 +235,7 @@ pub struct SourceConfig {
     /// name the bare key (`"api-key"`, `"x-api-key"`; not one the client sets itself,
     /// such as `"content-type"`). Default: `"api-key"` for an Azure OpenAI host
     /// (`*.openai.azure.com`, `*.cognitiveservices.azure.com`, `*.openai.azure.us`,
-    /// `*.openai.azure.cn`), else `"authorization"`.
+    /// `*.cognitiveservices.azure.us`, `*.openai.azure.cn`), else `"authorization"`.
     #[serde(default)]
     pub key_header: Option<String>,
 }
