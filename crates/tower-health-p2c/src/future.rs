@@ -144,6 +144,10 @@ struct Wait {
     deadline: Instant,
     /// Enabled before the round it guards, so a release during that round wakes us.
     armed: Option<Pin<Box<OwnedNotified>>>,
+    /// `armed` was dropped when an attempt went out: the next arming is not followed
+    /// by a round at once (a release meanwhile is a permit of the `Notify`, so it is
+    /// not missed; a round at once would spin on a source refusing at each attempt).
+    disarmed: bool,
     sleep: Option<Pin<Box<Sleep>>>,
     /// Counted among the set's waiting calls while `sleep` waits for a `retry_after`.
     counted: Option<pgw_core::fair::Counted>,
@@ -162,6 +166,7 @@ fn begin_wait(wait: &mut Option<Box<Wait>>, max_wait: Duration, call_deadline: O
             // The call's own deadline, when sooner: a wake-up past it is hopeless.
             deadline: call_deadline.map_or(max_wait, |d| d.min(max_wait)),
             armed: None,
+            disarmed: false,
             sleep: None,
             counted: None,
             rounds: 0,
@@ -384,6 +389,11 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
                 let waited = now - wait.started;
                 let last = round.last_error();
                 return Poll::Ready(Err(Box::new(NoneAdmitted::new(waited, last))));
+            }
+            if paced && wait.armed.is_none() && std::mem::take(&mut wait.disarmed) {
+                // Armed again after an attempt: a release since then is the `Notify`'s
+                // permit, and this listener completes at once on it.
+                wait.armed = Some(armed(&self.snapshot));
             }
             if paced && wait.armed.is_none() {
                 // Arm, then try once more at once: a slot released between a refusal
@@ -923,7 +933,19 @@ where
                         this.ctx.dispatched_at = Some(now);
                         let req = &this.ctx.req;
                         match entry.dispatch(cx, || req.clone()) {
-                            Dispatch::Called(fut) => this.state.set(State::Calling { fut }),
+                            Dispatch::Called(fut) => {
+                                // An attempt out: no longer listening for releases. A
+                                // listener kept (armed again when the call woke) stayed
+                                // first in line and took the next release while the
+                                // attempt ran, a waiting call sleeping on until its poll;
+                                // dropped, a release it got goes on to the next waiter.
+                                if let Some(wait) = this.ctx.wait.as_mut()
+                                    && wait.armed.take().is_some()
+                                {
+                                    wait.disarmed = true;
+                                }
+                                this.state.set(State::Calling { fut });
+                            }
                             Dispatch::Own(svc) => this.state.set(State::Ready { svc, patience: None }),
                             Dispatch::Refused(e) => {
                                 if let Some(r) = this.ctx.finish(Err(e.into()), true) {
@@ -965,6 +987,12 @@ where
                     }
                     Poll::Ready(Ok(())) => {
                         let fut = svc.call(this.ctx.req.clone());
+                        // As a call dispatched at once (above).
+                        if let Some(wait) = this.ctx.wait.as_mut()
+                            && wait.armed.take().is_some()
+                        {
+                            wait.disarmed = true;
+                        }
                         this.state.set(State::Calling { fut });
                     }
                     Poll::Ready(Err(e)) => {

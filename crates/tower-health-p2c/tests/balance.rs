@@ -278,6 +278,65 @@ async fn all_breaker_open_fails_at_once_with_the_earliest_retry_after() {
     );
 }
 
+/// A call that waited and then dispatched no longer listens for releases: a slot
+/// freed while its attempt runs wakes a call still waiting. Before, the dispatched
+/// call's listener (armed again when it woke) stayed first in line and took the
+/// release; the waiting call slept until its poll or `max_wait` (here 500 s).
+#[tokio::test(start_paused = true)]
+async fn a_release_wakes_a_waiting_call_not_one_already_dispatched() {
+    let sources: Sources<Svc> = Sources::new();
+    let gate = AimdLayer::new(AimdConfig {
+        initial_limit: 2.0,
+        // Two slots for good: successes do not raise it.
+        max_concurrency: Some(2),
+        ..AimdConfig::default()
+    })
+    .unwrap()
+    .with_source("s1".into())
+    .with_release_signal(sources.wake_signal())
+    .shedding();
+    // Attempts of 10 s, 15 s and then 20 s.
+    let n = Arc::new(AtomicUsize::new(0));
+    let inner = BoxCloneSyncService::new(service_fn(move |_: Req| {
+        let i = n.fetch_add(1, Ordering::SeqCst) as u64;
+        async move {
+            tokio::time::sleep(Duration::from_secs([10, 15, 20, 10][i.min(3) as usize])).await;
+            Ok::<_, BoxError>("done")
+        }
+    }));
+    sources.insert("s1".into(), BoxCloneSyncService::new(gate.layer(inner)));
+    let lb = HealthP2c::new(
+        sources.clone(),
+        BalanceConfig {
+            paced_poll: Duration::from_secs(1000),
+            max_wait: Duration::from_secs(500),
+            ..BalanceConfig::default()
+        },
+    )
+    .unwrap();
+    let t0 = Instant::now();
+    // Two busy calls: slots free at t = 10 s and t = 15 s.
+    let busy: Vec<_> = (0..2)
+        .map(|_| tokio::spawn(lb.clone().oneshot(Req::default())))
+        .collect();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // `a` waits, is woken at 10 s and runs until 30 s.
+    let a = tokio::spawn(lb.clone().oneshot(Req::default()));
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    // `b` waits from 11 s: the slot freed at 15 s is its.
+    let b = lb.clone().oneshot(Req::default()).await.unwrap();
+    assert_eq!(b, "done");
+    assert_eq!(
+        t0.elapsed(),
+        Duration::from_secs(25),
+        "woken at 15 s, not by a poll"
+    );
+    a.await.unwrap().unwrap();
+    for c in busy {
+        c.await.unwrap().unwrap();
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn all_paced_waits_for_a_release_and_consumes_nothing() {
     let sources: Sources<Svc> = Sources::new();
