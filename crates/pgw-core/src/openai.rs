@@ -59,6 +59,9 @@ pub const FINISH_CONTENT_FILTER: &str = "content_filter";
 /// model behind it failed mid-answer): the answer is cut short, not complete.
 pub const FINISH_ERROR: &str = "error";
 
+/// The `finish_reason` of an answer cut by the caller's token limit (`max_tokens`).
+pub const FINISH_LENGTH: &str = "length";
+
 /// One message of a chat.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ChatMessage {
@@ -262,7 +265,7 @@ impl Choice {
         self.message.content.has_output()
             || self.message.calls_tool()
             || self.is_declined()
-            || self.finish_reason.as_deref() == Some("length")
+            || self.finish_reason.as_deref() == Some(FINISH_LENGTH)
     }
 }
 

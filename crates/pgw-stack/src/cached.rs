@@ -288,7 +288,7 @@ fn kept_for(response: &ChatResponse, ttl: Duration, fallback_ttl: Duration) -> D
         || response
             .choices
             .iter()
-            .any(|c| c.finish_reason.as_deref() == Some("content_filter"));
+            .any(|c| c.finish_reason.as_deref() == Some(pgw_core::openai::FINISH_CONTENT_FILTER));
     if filtered { ttl.min(fallback_ttl) } else { ttl }
 }
 

@@ -323,6 +323,18 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
         });
     }
 
+    /// An attempt is out: the call no longer listens for releases. A listener kept
+    /// (armed again when the call woke) stayed first in line and took the next release
+    /// while the attempt ran, a waiting call sleeping on until its poll; dropped, a
+    /// release it got goes on to the next waiter.
+    fn disarm(&mut self) {
+        if let Some(wait) = self.wait.as_mut()
+            && wait.armed.take().is_some()
+        {
+            wait.disarmed = true;
+        }
+    }
+
     /// Orders the sources afresh for the next round.
     fn new_round(&mut self, rounds: u64) {
         if let Some(round) = &mut self.round {
@@ -934,16 +946,7 @@ where
                         let req = &this.ctx.req;
                         match entry.dispatch(cx, || req.clone()) {
                             Dispatch::Called(fut) => {
-                                // An attempt out: no longer listening for releases. A
-                                // listener kept (armed again when the call woke) stayed
-                                // first in line and took the next release while the
-                                // attempt ran, a waiting call sleeping on until its poll;
-                                // dropped, a release it got goes on to the next waiter.
-                                if let Some(wait) = this.ctx.wait.as_mut()
-                                    && wait.armed.take().is_some()
-                                {
-                                    wait.disarmed = true;
-                                }
+                                this.ctx.disarm();
                                 this.state.set(State::Calling { fut });
                             }
                             Dispatch::Own(svc) => this.state.set(State::Ready { svc, patience: None }),
@@ -987,12 +990,7 @@ where
                     }
                     Poll::Ready(Ok(())) => {
                         let fut = svc.call(this.ctx.req.clone());
-                        // As a call dispatched at once (above).
-                        if let Some(wait) = this.ctx.wait.as_mut()
-                            && wait.armed.take().is_some()
-                        {
-                            wait.disarmed = true;
-                        }
+                        this.ctx.disarm();
                         this.state.set(State::Calling { fut });
                     }
                     Poll::Ready(Err(e)) => {
