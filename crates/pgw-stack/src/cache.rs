@@ -318,10 +318,13 @@ impl MemoryCache {
 
 impl ResponseCache for MemoryCache {
     fn get(&self, key: CacheKey) -> BoxFuture<'static, Option<Arc<CachedAnswer>>> {
+        let now = Instant::now();
         let hit = match self.inner.get(&key) {
-            Some(stored) if stored.expires > Instant::now() => Some(stored.answer),
+            Some(stored) if stored.expires > now => Some(stored.answer),
             Some(_) => {
-                self.inner.remove(&key);
+                // Only while it is still the expired entry: a `put` that landed since
+                // the read is fresh and stays.
+                self.inner.remove_if(&key, |s| s.expires <= now);
                 None
             }
             None => None,

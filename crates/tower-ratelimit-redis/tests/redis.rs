@@ -1355,6 +1355,110 @@ async fn an_admission_answered_after_its_timeout_is_undone() {
     assert_eq!(l.held().await.unwrap().leases(), 0);
 }
 
+/// A loopback proxy to a Redis server that passes everything both ways, except that
+/// once `cut` is set it takes the server's next answer and closes the client's
+/// connection instead of passing it on: a question that ran whose answer was lost.
+struct CuttingProxy {
+    port: u16,
+    cut: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl CuttingProxy {
+    async fn start(upstream: u16) -> Self {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let cut = Arc::new(AtomicBool::new(false));
+        let cutting = Arc::clone(&cut);
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await else {
+                    return;
+                };
+                let cut = Arc::clone(&cutting);
+                tokio::spawn(async move {
+                    let (mut from_client, mut to_client) = client.into_split();
+                    let (mut from_server, mut to_server) = server.into_split();
+                    let up = tokio::spawn(async move {
+                        let _ = tokio::io::copy(&mut from_client, &mut to_server).await;
+                    });
+                    let mut buf = vec![0u8; 64 * 1024];
+                    loop {
+                        let n = match from_server.read(&mut buf).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => n,
+                        };
+                        if cut.swap(false, Ordering::SeqCst) || to_client.write_all(&buf[..n]).await.is_err()
+                        {
+                            break;
+                        }
+                    }
+                    up.abort();
+                });
+            }
+        });
+        Self { port, cut }
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    fn cut_next_answer(&self) {
+        self.cut.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// An admission whose answer is lost to a broken connection (the script ran: its lease
+/// is in the zset) gives its lease back at once, blindly: with concurrency 1 and a
+/// minute's lease TTL, the next admission is not refused for that minute. Its request
+/// stays charged (whether the script ran is not known to the process).
+#[tokio::test]
+async fn an_admission_answered_with_an_error_gives_its_lease_back() {
+    let server = PrivateRedis::start();
+    let proxy = CuttingProxy::start(server.port()).await;
+    let conn = RedisConn::connect(&RedisTarget::Standalone(proxy.url()))
+        .await
+        .unwrap();
+    let config = RateLimitConfig::new("s1", Quota::unlimited().requests(10).concurrency(1))
+        .lease_ttl(Duration::from_secs(60));
+    let l = RateLimiter::new(config, RedisBackend::new(conn)).unwrap();
+    // The scripts loaded and the connection set up before the cut.
+    l.acquire(1).await.unwrap().refund().await.unwrap();
+
+    proxy.cut_next_answer();
+    let err = l.acquire(1).await.unwrap_err();
+    assert!(err.is::<BackendUnavailable>(), "{err}");
+    let mut back = None;
+    for _ in 0..200 {
+        if let Ok(p) = l.acquire(1).await {
+            back = Some(p);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let p = back.expect("the lost admission's lease was given back: its slot is free");
+    assert_eq!(l.held().await.unwrap().leases(), 1, "only this admission's lease");
+    p.finish(None).await.unwrap();
+    // The lost admission's request was counted by the script that ran and stays: with
+    // the last one, two (the first was refunded), so a limit of 2 on the same scope
+    // is full.
+    let direct = RedisConn::connect(&RedisTarget::Standalone(server.url()))
+        .await
+        .unwrap();
+    let counted = RateLimiter::new(
+        RateLimitConfig::new("s1", Quota::unlimited().requests(2)),
+        RedisBackend::new(direct),
+    )
+    .unwrap();
+    let refused = counted.acquire(1).await.unwrap_err();
+    assert!(
+        refused.is::<pgw_core::QuotaExceeded>(),
+        "2 requests counted: {refused}"
+    );
+}
+
 /// A request count refused again before its wait ended is trusted twice as long each
 /// time, up to its wait: a call polling a full window asks Redis a handful of times,
 /// not once a sub-window. RPM 1 over a 6 s window (100 ms sub-windows), the request

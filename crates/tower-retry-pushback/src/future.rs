@@ -723,6 +723,9 @@ where
                         this.call.start_waiting(Instant::now()).last_error = Some(e.into());
                         Next::Finish(this.call.fail(Reason::ServiceFailed))
                     } else if !this.call.shared.throttle_admits() {
+                        // What the service's readiness reserved goes now, not when
+                        // the caller drops this future.
+                        *this.service = None;
                         Next::Finish(this.call.fail(Reason::Throttled))
                     } else if let Some(req) = this.call.next.take() {
                         this.call.sent();

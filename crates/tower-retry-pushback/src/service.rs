@@ -151,6 +151,11 @@ pub struct Retry<S, C = OkIsSuccess, R = ByClone> {
     /// prototype was taken: the next `call` or `clone` takes it again (a clone, from
     /// `&self`, then clears this).
     changed: AtomicBool,
+    /// The adaptive throttle's verdict on the next call, drawn by `poll_ready` before
+    /// it asks `inner` (so a refused call leaves nothing `inner` reserved for it held
+    /// until the next call), taken by `call`. `None`: not drawn yet (no throttle, or
+    /// `call` without `poll_ready`: drawn there).
+    throttle_verdict: Option<bool>,
 }
 
 impl<S: Clone> Retry<S> {
@@ -170,6 +175,7 @@ impl<S: Clone, C, R> Retry<S, C, R> {
             inner,
             core: Arc::new(Core { shared, proto }),
             changed: AtomicBool::new(false),
+            throttle_verdict: None,
         }
     }
 }
@@ -224,6 +230,7 @@ impl<S: Clone, C, R> Clone for Retry<S, C, R> {
             inner: self.inner.clone(),
             core: Arc::clone(&self.core),
             changed: AtomicBool::new(false),
+            throttle_verdict: None,
         }
     }
 }
@@ -250,6 +257,19 @@ where
     type Future = ResponseFuture<S, Req, C, R>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        // The throttle first, once per call: a call it refuses needs nothing from
+        // `inner`, and a readiness `inner` reserved (a concurrency permit, a
+        // balancer's pick) would stay reserved until the next call. A verdict drawn
+        // here and never used (the service dropped before `call`) counts one attempt
+        // in the throttle's window that was not made.
+        if self.core.throttle.is_some() {
+            let admits = *self
+                .throttle_verdict
+                .get_or_insert_with(|| self.core.throttle_admits());
+            if !admits {
+                return Poll::Ready(Ok(()));
+            }
+        }
         self.inner.poll_ready(cx).map_err(Into::into)
     }
 
@@ -315,7 +335,11 @@ where
             deadline_at,
             recording,
         };
-        if !shared.throttle_admits() {
+        let admits = self
+            .throttle_verdict
+            .take()
+            .unwrap_or_else(|| shared.throttle_admits());
+        if !admits {
             let attempts = req.call_history().map(CallHistory::attempts).unwrap_or_default();
             let err = RetryError::new(Reason::Throttled, attempts, None);
             return ResponseFuture::failed(shared, start, Box::new(err));

@@ -1060,6 +1060,40 @@ async fn adaptive_throttling_drops_attempts_locally() {
     assert!(throttle.drop_probability(now) > 0.99);
 }
 
+/// A call the throttle refuses leaves nothing reserved below: the verdict is drawn
+/// before the inner service is asked to be ready, so a concurrency permit its
+/// readiness would have taken stays free for everyone else (before, it was held by
+/// the refused call's service until its next call).
+#[tokio::test(start_paused = true)]
+async fn a_throttled_call_holds_no_permit_of_the_service_below() {
+    use futures_util::FutureExt;
+    use tower::limit::ConcurrencyLimit;
+    use tower_retry_pushback::ThrottleConfig;
+    let upstream = Upstream::always(Ans::Transient);
+    let layer = layer(RetryConfig {
+        max_attempts: 1,
+        throttle: Some(ThrottleConfig::default()),
+        ..RetryConfig::default()
+    });
+    let limited = ConcurrencyLimit::new(upstream.clone(), 1);
+    // Another handle on the same single permit.
+    let mut other = limited.clone();
+    let mut svc = layer.layer(limited);
+    let mut throttled = false;
+    for _ in 0..1000 {
+        let err = call(&mut svc, Req::new(1)).await.unwrap_err();
+        if retry_error(&err).reason() == Reason::Throttled {
+            throttled = true;
+            break;
+        }
+    }
+    assert!(throttled, "with every attempt failing the throttle refuses one");
+    assert!(
+        other.ready().now_or_never().is_some(),
+        "the permit is free after the throttled call"
+    );
+}
+
 // ---------------------------------------------------------------- R7 and deadlines
 
 #[tokio::test(start_paused = true)]

@@ -647,7 +647,18 @@ impl RedisGate {
     ) -> Result<Vec<i64>, BackendUnavailable> {
         let mut question = Box::pin(async move { inv.invoke_async::<Vec<i64>>(&mut conn).await });
         match tokio::time::timeout(timeout, question.as_mut()).await {
-            Ok(reply) => reply.map_err(|e| BackendUnavailable::new("redis", "admit", e)),
+            Ok(Ok(reply)) => Ok(reply),
+            Ok(Err(e)) => {
+                // Whether the script ran is unknown (a connection that broke after the
+                // question went out, an error part-way through): its lease is given
+                // back blindly, which is right either way (a lease it never took is
+                // not there to remove). Its request and tokens stay charged: giving
+                // back what may never have been counted would let a window overfill.
+                if let Some(lease) = lease {
+                    late.release_in_background(lease);
+                }
+                Err(BackendUnavailable::new("redis", "admit", e))
+            }
             Err(_) => {
                 if let Ok(rt) = tokio::runtime::Handle::try_current() {
                     rt.spawn(async move {
@@ -810,6 +821,26 @@ impl RedisGate {
         if loaded.is_ok() {
             book.settle_loaded.store(true, Ordering::Relaxed);
         }
+    }
+
+    /// Gives `lease` back in a task of its own (when a runtime is at hand), logging a
+    /// failure: the lease of an admission whose answer was an error.
+    fn release_in_background(self, lease: LeaseId) {
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        rt.spawn(async move {
+            match self.release(lease).await {
+                Ok(()) => {
+                    tracing::debug!(scopes = ?self.inner.labels, "the lease of an admission answered with an error: given back");
+                }
+                Err(e) => tracing::warn!(
+                    scopes = ?self.inner.labels,
+                    error = %e,
+                    "giving back the lease of an admission answered with an error failed; it stays until its TTL"
+                ),
+            }
+        });
     }
 
     /// The settle of a permit whose counts stay as they are: only its lease goes, by a
