@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime};
 use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
 use futures_util::future::BoxFuture;
-use http::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE, HOST, HeaderName, HeaderValue};
+use http::header::{ACCEPT, CONTENT_TYPE, HOST, HeaderName, HeaderValue};
 use http_body_util::BodyExt;
 use pgw_core::openai::{ChatMessage, ChatResponse, ChunkAccumulator, FINISH_ERROR};
 use pgw_core::{BoxError, EmptyCompletion, ProviderError, SourceId, UpstreamStatus};
@@ -21,7 +21,7 @@ use tower_service::Service;
 use crate::error::{MalformedResponse, Watchdog, WatchdogCut};
 use crate::settings::after;
 use crate::{
-    AttemptStats, BadSettings, ChatAnswer, ChatCall, ChunkStream, HyperTransport, KeyHeader, SourceSettings,
+    AttemptStats, BadSettings, ChatAnswer, ChatCall, ChunkStream, HyperTransport, SourceSettings,
     UpstreamBody,
 };
 
@@ -144,20 +144,7 @@ impl<T> UpstreamClient<T> {
     /// valid header value).
     pub fn new(settings: SourceSettings, transport: T) -> Result<Self, BadSettings> {
         let endpoint = settings.endpoint()?;
-        let authorization = match &settings.key {
-            Some(key) => {
-                let (name, value) = match &settings.key_header {
-                    KeyHeader::Bearer => (AUTHORIZATION, format!("Bearer {}", key.expose())),
-                    KeyHeader::Named(name) => (name.clone(), key.expose().to_owned()),
-                };
-                let mut v = HeaderValue::try_from(value).map_err(|_| {
-                    BadSettings::new(&settings.id, "key", "contains characters not allowed in a header")
-                })?;
-                v.set_sensitive(true);
-                Some((name, v))
-            }
-            None => None,
-        };
+        let authorization = settings.authorization()?;
         Ok(Self {
             transport,
             prepared: Arc::new(Prepared {

@@ -3,6 +3,8 @@
 //! empty completions [`pgw_core::EmptyCompletion`]).
 
 use std::fmt;
+
+use pgw_core::BoxError;
 use std::time::Duration;
 
 /// Which watchdog cut the attempt.
@@ -107,6 +109,48 @@ impl fmt::Display for MalformedResponse {
 
 impl std::error::Error for MalformedResponse {}
 
+/// An HTTP transport's error (connect, TLS, a connection reset mid-body) whose
+/// `Display` tells its whole chain of causes: hyper's own says `client error
+/// (Connect)` or `error reading a body from connection` and keeps the reason (refused,
+/// a DNS failure, a certificate it rejects, a reset) in its sources, which the logs,
+/// the telemetry's `error` field and a failed call's `last error` never showed.
+/// `source()` is the transport's error itself, so what walks the chain
+/// (`pgw_core::is_timeout`) still finds what is in it.
+#[derive(Debug)]
+pub struct TransportError {
+    inner: BoxError,
+}
+
+impl TransportError {
+    /// Wraps a transport's error.
+    pub fn new(inner: impl Into<BoxError>) -> Self {
+        Self { inner: inner.into() }
+    }
+}
+
+impl fmt::Display for TransportError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut told = self.inner.to_string();
+        let mut cause = self.inner.source();
+        while let Some(c) = cause {
+            let text = c.to_string();
+            // An error that already repeats its cause's text is not told twice.
+            if !text.is_empty() && !told.contains(&text) {
+                told.push_str(": ");
+                told.push_str(&text);
+            }
+            cause = c.source();
+        }
+        f.write_str(&told)
+    }
+}
+
+impl std::error::Error for TransportError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.inner)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -119,5 +163,30 @@ mod tests {
         }
         let bad: pgw_core::BoxError = Box::new(MalformedResponse::new("garbage"));
         assert!(!pgw_core::is_timeout(&*bad));
+    }
+
+    #[derive(Debug)]
+    struct Outer(std::io::Error);
+
+    impl fmt::Display for Outer {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("client error (Connect)")
+        }
+    }
+
+    impl std::error::Error for Outer {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+
+    #[test]
+    fn a_transport_error_tells_its_causes_and_keeps_its_chain() {
+        let refused = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "connection refused");
+        let err = TransportError::new(Outer(refused));
+        assert_eq!(err.to_string(), "client error (Connect): connection refused");
+        let timed_out = std::io::Error::new(std::io::ErrorKind::TimedOut, "timed out");
+        let err: pgw_core::BoxError = Box::new(TransportError::new(Outer(timed_out)));
+        assert!(pgw_core::is_timeout(&*err), "the chain is still walked");
     }
 }

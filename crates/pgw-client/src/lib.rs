@@ -46,7 +46,7 @@ mod transport;
 
 pub use call::{AnswerClassifier, AttemptStats, CallId, ChatAnswer, ChatCall};
 pub use client::{MAX_KEPT_CHUNK_BYTES, MAX_KEPT_CHUNKS, UpstreamClient};
-pub use error::{MalformedResponse, Watchdog, WatchdogCut};
+pub use error::{MalformedResponse, TransportError, Watchdog, WatchdogCut};
 pub use secret::SecretKey;
 pub use settings::{
     BadSettings, DEFAULT_CONNECT_TIMEOUT, DEFAULT_FIRST_TOKEN_TIMEOUT, DEFAULT_INTER_TOKEN_TIMEOUT,

@@ -127,6 +127,32 @@ impl SourceSettings {
         self
     }
 
+    /// The header carrying the key (`Authorization: Bearer KEY`, or the named header
+    /// with the key alone), marked sensitive; `None` without a key. `pgw check` calls
+    /// it, so a key that cannot be sent fails there, as the client would.
+    ///
+    /// # Errors
+    /// [`BadSettings`] naming `key` when it is not a valid header value (a control
+    /// character, a trailing newline from a secret file).
+    pub fn authorization(&self) -> Result<Option<(http::HeaderName, http::HeaderValue)>, BadSettings> {
+        let Some(key) = &self.key else {
+            return Ok(None);
+        };
+        let (name, value) = match &self.key_header {
+            KeyHeader::Bearer => (http::header::AUTHORIZATION, format!("Bearer {}", key.expose())),
+            KeyHeader::Named(name) => (name.clone(), key.expose().to_owned()),
+        };
+        let mut v = http::HeaderValue::try_from(value).map_err(|_| {
+            BadSettings::new(
+                &self.id,
+                "key",
+                "contains characters not allowed in a header (a trailing newline?)",
+            )
+        })?;
+        v.set_sensitive(true);
+        Ok(Some((name, v)))
+    }
+
     /// The URL the client posts to: `base_url` with `/chat/completions` added to its
     /// path; a query (Azure's `?api-version=...`) stays after it.
     ///

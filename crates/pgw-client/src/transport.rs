@@ -17,6 +17,8 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use pgw_core::BoxError;
+
+use crate::error::TransportError;
 use thread_local::ThreadLocal;
 use tower::util::BoxCloneSyncService;
 use tower_service::Service;
@@ -41,8 +43,19 @@ where
 {
     BoxCloneSyncService::new(tower::ServiceExt::map_response(
         transport,
-        |r: http::Response<B>| r.map(|b| b.map_err(Into::into).boxed_unsync()),
+        |r: http::Response<B>| r.map(|b| b.map_err(told).boxed_unsync()),
     ))
+}
+
+/// A body's error as the layers above see it: hyper's (a reset, a broken chunk) with
+/// its causes told (see [`TransportError`]).
+fn told(e: impl Into<BoxError>) -> BoxError {
+    let e = e.into();
+    if e.is::<hyper::Error>() {
+        Box::new(TransportError::new(e))
+    } else {
+        e
+    }
 }
 
 type Connector = ConnectTimeout<hyper_rustls::HttpsConnector<HttpConnector>>;
@@ -212,7 +225,8 @@ impl Service<http::Request<Bytes>> for HyperTransport {
 
     fn call(&mut self, req: http::Request<Bytes>) -> Self::Future {
         let fut = self.client().request(req.map(Full::new));
-        fut.map(|r| r.map_err(|e| Box::new(e) as BoxError)).boxed()
+        fut.map(|r| r.map_err(|e| Box::new(TransportError::new(e)) as BoxError))
+            .boxed()
     }
 }
 
@@ -318,6 +332,24 @@ mod tests {
         assert!(pgw_core::is_timeout(&*err), "{err:?}");
         assert!(start.elapsed() <= Duration::from_secs(2), "{:?}", start.elapsed());
         held.abort();
+    }
+
+    /// A refused connect says so in the error's text (hyper-util's own says only
+    /// `client error (Connect)`).
+    #[tokio::test]
+    async fn a_refused_connect_tells_why() {
+        // A port that was free a moment ago: nothing listens there.
+        let addr = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .unwrap();
+        let transport = HyperTransport::new(Duration::from_secs(2)).unwrap();
+        let req = http::Request::get(format!("http://{addr}/"))
+            .body(Bytes::new())
+            .unwrap();
+        let err = transport.oneshot(req).await.unwrap_err();
+        let text = err.to_string();
+        assert!(text.starts_with("client error (Connect): "), "{text}");
+        assert!(text.to_lowercase().contains("refused"), "{text}");
     }
 
     #[test]

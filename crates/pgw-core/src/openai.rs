@@ -24,19 +24,42 @@ where
     Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
 }
 
-/// Unix seconds as an integer, a float (`1.7e9`) or `null` (0).
+/// A JSON number as a `u64`: an integer as it is, a float truncated toward zero; a
+/// negative or non-finite number, or one past `u64::MAX`, is `None`.
+fn number_u64(n: &serde_json::Number) -> Option<u64> {
+    n.as_u64().or_else(|| {
+        n.as_f64()
+            .filter(|f| f.is_finite() && *f >= 0.0 && *f < 1.8e19)
+            .map(|f| f as u64)
+    })
+}
+
+/// Unix seconds as an integer, a float (`1.7e9`) or `null` (0); a negative or
+/// out-of-range time reads as 0.
 fn unix_seconds<'de, D: serde::Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
-    Ok(match Option::<serde_json::Number>::deserialize(d)? {
-        Some(n) => n
-            .as_u64()
-            // Truncated toward zero; a negative or out-of-range time reads as 0.
-            .or_else(|| {
-                n.as_f64()
-                    .filter(|f| f.is_finite() && *f >= 0.0 && *f < 1.8e19)
-                    .map(|f| f as u64)
-            })
-            .unwrap_or(0),
-        None => 0,
+    Ok(Option::<serde_json::Number>::deserialize(d)?
+        .as_ref()
+        .and_then(number_u64)
+        .unwrap_or(0))
+}
+
+/// A token count as a provider writes it: an integer, a float (`12.0`), `null` (0,
+/// as gateways in front of some providers send), a negative number (0). A count past
+/// `u64::MAX` is `u64::MAX` (the limiter caps what it charges).
+fn token_count<'de, D: serde::Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    Ok(Option::<serde_json::Number>::deserialize(d)?
+        .as_ref()
+        .map_or(0, count_u64))
+}
+
+/// A count: as [`number_u64`], a negative number 0 and one past `u64::MAX` `u64::MAX`.
+fn count_u64(n: &serde_json::Number) -> u64 {
+    number_u64(n).unwrap_or_else(|| {
+        if n.as_f64().is_some_and(|f| f > 0.0) {
+            u64::MAX
+        } else {
+            0
+        }
     })
 }
 
@@ -124,8 +147,13 @@ pub struct ChatRequest {
     /// newer spelling, stays in `extra` and counts the same in the estimate).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_tokens: Option<u64>,
-    /// Whether the answer is streamed as server-sent events.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    /// Whether the answer is streamed as server-sent events (`null` reads as `false`,
+    /// as OpenAI's API takes it).
+    #[serde(
+        default,
+        deserialize_with = "null_as_default",
+        skip_serializing_if = "std::ops::Not::not"
+    )]
     pub stream: bool,
     /// Fields this crate does not interpret (temperature, tools, response_format, ...).
     #[serde(flatten)]
@@ -159,14 +187,36 @@ impl ChatRequest {
     }
 
     /// The completion budget the estimate counts: the larger of `max_tokens` and
-    /// `max_completion_tokens` when either is set, else [`DEFAULT_MAX_TOKENS_ESTIMATE`].
+    /// `max_completion_tokens` when either is set (the latter as an integer or a float,
+    /// `1e6`; past `u64::MAX`, `u64::MAX`), else [`DEFAULT_MAX_TOKENS_ESTIMATE`]; times
+    /// the choices asked for (`n`, at most [`MAX_CHOICES_ESTIMATE`]), each of which may
+    /// spend it.
+    ///
+    /// ```
+    /// let mut req = pgw_core::openai::ChatRequest::user("m", "hi");
+    /// req.extra.insert("max_completion_tokens".into(), serde_json::json!(1e3));
+    /// req.extra.insert("n".into(), serde_json::json!(3));
+    /// assert_eq!(req.completion_budget(), 3000);
+    /// ```
     #[must_use]
     pub fn completion_budget(&self) -> u64 {
-        let newer = self.extra.get("max_completion_tokens").and_then(Value::as_u64);
-        match (self.max_tokens, newer) {
+        let newer = self
+            .extra
+            .get("max_completion_tokens")
+            .and_then(Value::as_number)
+            .map(count_u64);
+        let one = match (self.max_tokens, newer) {
             (None, None) => DEFAULT_MAX_TOKENS_ESTIMATE,
             (a, b) => a.unwrap_or(0).max(b.unwrap_or(0)),
-        }
+        };
+        let choices = self
+            .extra
+            .get("n")
+            .and_then(Value::as_number)
+            .and_then(number_u64)
+            .unwrap_or(1)
+            .clamp(1, MAX_CHOICES_ESTIMATE);
+        one.saturating_mul(choices)
     }
 
     /// The token reservation made before dispatch: prompt bytes /
@@ -189,17 +239,22 @@ impl ChatRequest {
     }
 }
 
-/// Token usage reported by the provider.
+/// The most choices (`n`) the completion budget counts: OpenAI's own bound on `n`.
+pub const MAX_CHOICES_ESTIMATE: u64 = 128;
+
+/// Token usage reported by the provider. A count written as `null`, a float or a
+/// negative number is read (0, truncated, 0), not refused: an answer is not lost to
+/// a gateway's way of writing its usage.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Usage {
     /// Tokens of the prompt.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "token_count")]
     pub prompt_tokens: u64,
     /// Tokens of the completion.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "token_count")]
     pub completion_tokens: u64,
     /// Their sum.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "token_count")]
     pub total_tokens: u64,
     /// Fields this crate does not interpret (`completion_tokens_details`,
     /// `prompt_tokens_details`, ...).
@@ -739,6 +794,23 @@ mod tests {
             r#"{"reasoning_details":[{"type":"reasoning.text","text":"hm"}]}"#
         ));
         assert!(delta(r#"{"refusal":"no"}"#));
+    }
+
+    /// Usage counts written as `null`, floats or negative numbers are read, not
+    /// refused (the answer around them was lost: "body is not a chat completion");
+    /// `"stream": null` is a request that does not stream.
+    #[test]
+    fn odd_usage_counts_and_a_null_stream_are_read() {
+        let body = r#"{"id":"c","object":"chat.completion","created":1,"model":"m",
+            "choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],
+            "usage":{"prompt_tokens":5,"completion_tokens":null,"total_tokens":7.0}}"#;
+        let r: ChatResponse = serde_json::from_str(body).unwrap();
+        let u = r.usage.unwrap();
+        assert_eq!((u.prompt_tokens, u.completion_tokens, u.total_tokens), (5, 0, 7));
+        let u: Usage = serde_json::from_str(r#"{"prompt_tokens":-3,"completion_tokens":1e30}"#).unwrap();
+        assert_eq!((u.prompt_tokens, u.completion_tokens), (0, u64::MAX));
+        let req: ChatRequest = serde_json::from_str(r#"{"model":"m","messages":[],"stream":null}"#).unwrap();
+        assert!(!req.stream);
     }
 
     #[test]

@@ -51,10 +51,14 @@ impl RedisTarget {
     ///     RedisTarget::Cluster(vec!["redis://127.0.0.1:7000".into(), "redis://127.0.0.1:7001".into()])
     /// );
     /// assert!(RedisTarget::parse("http://x").is_err());
+    /// // Not a URL: its password is not repeated in the error.
+    /// let err = RedisTarget::parse("cache.test:6380,password=hunter2,ssl=True").unwrap_err();
+    /// assert!(!err.contains("hunter2"), "{err}");
     /// ```
     ///
     /// # Errors
-    /// A message naming the URL when the scheme is neither.
+    /// A message naming the scheme expected when the URL has none of them (the URL's
+    /// text up to its first `:` only).
     pub fn parse(url: &str) -> Result<Self, String> {
         if let Some(rest) = url.strip_prefix("redis+cluster://") {
             let nodes: Vec<String> = rest
@@ -70,9 +74,18 @@ impl RedisTarget {
         } else if url.starts_with("redis://") || url.starts_with("rediss://") || url.starts_with("unix://") {
             Ok(Self::Standalone(url.to_owned()))
         } else {
+            // Not a URL: what follows its first `:` is not shown, since a password
+            // may be anywhere in it (`host:6380,password=...,ssl=True`, the
+            // connection-string form of other clients, or a mistyped scheme).
+            let lead: String = url
+                .split(':')
+                .next()
+                .unwrap_or_default()
+                .chars()
+                .take(40)
+                .collect();
             Err(format!(
-                "redis url {:?} must start with redis://, rediss://, unix:// or redis+cluster://",
-                redact_url(url)
+                "redis url (starting {lead:?}; the rest not shown) must start with redis://, rediss://, unix:// or redis+cluster://"
             ))
         }
     }
@@ -175,7 +188,11 @@ impl RedisConn {
                     .set_number_of_retries(1)
                     .set_max_delay(Duration::from_millis(200));
                 let fut = ConnectionManager::new_with_config(client, config);
-                match tokio::time::timeout(connect_timeout + response_timeout.min(connect_timeout), fut).await
+                match tokio::time::timeout(
+                    connect_timeout.saturating_add(response_timeout.min(connect_timeout)),
+                    fut,
+                )
+                .await
                 {
                     Ok(r) => r.map(Self::Standalone).map_err(fail),
                     Err(_) => Err(BackendUnavailable::new(
@@ -193,7 +210,11 @@ impl RedisConn {
                     .build()
                     .map_err(fail)?;
                 let fut = client.get_async_connection();
-                match tokio::time::timeout(connect_timeout + response_timeout.min(connect_timeout), fut).await
+                match tokio::time::timeout(
+                    connect_timeout.saturating_add(response_timeout.min(connect_timeout)),
+                    fut,
+                )
+                .await
                 {
                     Ok(r) => r.map(Self::Cluster).map_err(fail),
                     Err(_) => Err(BackendUnavailable::new(

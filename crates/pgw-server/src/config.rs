@@ -379,7 +379,8 @@ impl Settings {
     /// Checks what [`ServerSection::settings`] checks of the fields a caller building
     /// `Settings` by hand could get wrong so that serving would panic: `threads` in
     /// `1..=`[`MAX_THREADS`], `max_connections` and `max_in_flight` in `1..=`[`MAX_CAP`],
-    /// `max_body_bytes` at least 1. [`crate::Server::bind`] calls it.
+    /// `max_body_bytes` at least 1, every duration at most ten years
+    /// ([`pgw_stack::config::MAX_DURATION_S`]). [`crate::Server::bind`] calls it.
     ///
     /// # Errors
     /// A [`ConfigError`] naming the field.
@@ -388,6 +389,26 @@ impl Settings {
         cap("server.max_connections", Some(self.max_connections), 1)?;
         cap("server.max_in_flight", Some(self.max_in_flight), 1)?;
         positive("server.max_body_bytes", Some(self.max_body_bytes), 1)?;
+        // Settings built by hand may say `Duration::MAX` for "never": the deadlines
+        // hyper and the keep-alive comments compute from them (`now + d`) would
+        // overflow the clock on every connection. Ten years, as the file's bound.
+        let longest = Duration::from_secs_f64(pgw_stack::config::MAX_DURATION_S);
+        for (field, d) in [
+            ("server.header_read_timeout_s", self.header_read_timeout),
+            ("server.body_read_timeout_s", self.body_read_timeout),
+            ("server.write_timeout_s", self.write_timeout),
+            ("server.shed_retry_after_s", self.shed_retry_after),
+            ("server.shutdown_grace_s", self.shutdown_grace),
+            ("server.shutdown_delay_s", self.shutdown_delay),
+            ("server.sse_keep_alive_s", self.sse_keep_alive),
+        ] {
+            if d > longest {
+                return Err(config_error(
+                    field,
+                    format!("must be at most ten years (got {d:?})"),
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -676,6 +697,11 @@ mod tests {
         bad(|s| s.max_in_flight = usize::MAX, "server.max_in_flight");
         bad(|s| s.max_connections = MAX_CAP + 1, "server.max_connections");
         bad(|s| s.max_body_bytes = 0, "server.max_body_bytes");
+        bad(
+            |s| s.header_read_timeout = Duration::MAX,
+            "server.header_read_timeout_s",
+        );
+        bad(|s| s.sse_keep_alive = Duration::MAX, "server.sse_keep_alive_s");
     }
 
     #[test]

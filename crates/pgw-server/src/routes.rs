@@ -830,7 +830,15 @@ async fn readyz(State(state): State<Arc<AppState>>) -> Response {
         && let Some(h) = state.gateway.sources().first()
     {
         let probe = tokio::time::timeout(Duration::from_secs(2), h.limiter.held()).await;
-        if !matches!(probe, Ok(Ok(_))) {
+        let why = match probe {
+            Ok(Ok(_)) => None,
+            Ok(Err(e)) => Some(e.to_string()),
+            Err(_) => Some("no answer within 2 s".to_owned()),
+        };
+        if let Some(why) = why {
+            // The probe's caller hears only "unreachable"; the log says why (the
+            // error names the redacted target).
+            tracing::warn!(error = %why, "readyz: the shared-state backend is unreachable");
             return ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "service_unavailable",

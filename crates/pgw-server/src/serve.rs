@@ -80,6 +80,9 @@ impl Server {
     ) -> Result<Self, BoxError> {
         let settings = config.server.clone();
         settings.check()?;
+        // A configuration built by hand, not read from a file: its gateway part is
+        // checked here too (the tenants' quotas are built from it).
+        config.gateway.validate()?;
         if let Some(why) = settings.unauthenticated_exposure() {
             return Err(Box::new(StartError(why)));
         }
@@ -136,14 +139,23 @@ impl Server {
         let serving = Arc::new(watch::Sender::new(0usize));
         let mut exited = Vec::with_capacity(settings.threads - 1);
         if settings.threads > 1 {
-            let shared_socket = listener.into_std()?;
+            let shared_socket = listener.into_std().map_err(|e| {
+                StartError(format!(
+                    "cannot share the listening socket between event loops: {e}"
+                ))
+            })?;
             for i in 1..settings.threads {
-                let socket = shared_socket.try_clone()?;
+                let socket = shared_socket.try_clone().map_err(|e| {
+                    StartError(format!(
+                        "cannot share the listening socket with event loop {i}: {e}"
+                    ))
+                })?;
                 let guard = Serving::new(&serving);
                 let thread = spawn_loop(i, socket, Arc::clone(&shared), stopped.clone(), guard);
                 exited.push(thread.await?);
             }
-            listener = TcpListener::from_std(shared_socket)?;
+            listener = TcpListener::from_std(shared_socket)
+                .map_err(|e| StartError(format!("cannot listen on the shared socket: {e}")))?;
         }
         let guard = Serving::new(&serving);
         let signal = async {
@@ -302,6 +314,11 @@ async fn spawn_loop(
             });
             drop(runtime);
             drop(exited);
+        })
+        .map_err(|e| {
+            StartError(format!(
+                "cannot start event loop {i} (server.threads = a thread each): {e}"
+            ))
         })?;
     match ready.await {
         Ok(Ok(())) => Ok(LoopThread { done, thread }),

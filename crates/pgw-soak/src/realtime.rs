@@ -38,6 +38,10 @@ pub const COMMANDS_FILE: &str = "redis-commands.json";
 /// The file the parent writes for its workers.
 pub const REALTIME_FILE: &str = "realtime.json";
 
+/// The environment variable the parent gives its workers the Redis URL in (the run
+/// directory's `realtime.json` keeps it without its password).
+pub const REDIS_URL_ENV: &str = "PGW_SOAK_WORKER_REDIS_URL";
+
 /// Scenario time given to the books to settle after the last call, before the time
 /// scale (as in virtual time: 5 s); at least [`MIN_SETTLE`] of real time.
 const SETTLE: Duration = Duration::from_secs(5);
@@ -47,7 +51,8 @@ const MIN_SETTLE: Duration = Duration::from_millis(500);
 /// What the parent tells its workers (stored as `realtime.json`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RealTime {
-    /// The shared Redis (`redis://...` or `redis+cluster://...`).
+    /// The shared Redis (`redis://...` or `redis+cluster://...`), its password
+    /// hidden: the workers get the URL itself in [`REDIS_URL_ENV`].
     pub redis_url: String,
     /// Prefix of every Redis key of the run.
     pub key_prefix: String,
@@ -193,7 +198,7 @@ pub fn run_redis(scenario: &Scenario, opts: &RedisOptions) -> Result<RunOutcome,
         SocketAddr::from(([127, 0, 0, 1], 0)),
     ))?;
     let real = RealTime {
-        redis_url: opts.redis_url.clone(),
+        redis_url: pgw_core::redis_conn::redact_url(&opts.redis_url),
         key_prefix: opts.key_prefix.clone(),
         sim_addr,
         time_scale: opts.time_scale,
@@ -216,6 +221,7 @@ pub fn run_redis(scenario: &Scenario, opts: &RedisOptions) -> Result<RunOutcome,
             .arg(i.to_string())
             .arg("--out")
             .arg(dir)
+            .env(REDIS_URL_ENV, &opts.redis_url)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .spawn()
@@ -351,6 +357,8 @@ pub fn run_worker(dir: &Path, index: u32) -> Result<(), BoxError> {
     if index >= real.workers {
         return Err(format!("--worker-index: {index} >= workers {}", real.workers).into());
     }
+    let redis_url = std::env::var(REDIS_URL_ENV)
+        .map_err(|_| format!("{REDIS_URL_ENV} is not set: a worker is started by the parent run"))?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -364,7 +372,7 @@ pub fn run_worker(dir: &Path, index: u32) -> Result<(), BoxError> {
         let sources: Vec<String> = scenario.pool.sources.iter().map(|s| s.name.clone()).collect();
         let recorder = Recorder::in_memory(clock, sources.clone());
         let w = RedisWorker {
-            redis_url: real.redis_url.clone(),
+            redis_url: redis_url.clone(),
             key_prefix: real.key_prefix.clone(),
             sim_addr: real.sim_addr,
             time_scale: real.time_scale,

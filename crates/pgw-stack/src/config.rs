@@ -361,6 +361,9 @@ impl SourceConfig {
         }
         s.endpoint()
             .map_err(|e| config_error(format!("{at}.base_url"), e.to_string()))?;
+        let key_field = if self.key_env.is_some() { "key_env" } else { "key" };
+        s.authorization()
+            .map_err(|e| config_error(format!("{at}.{key_field}"), e.to_string()))?;
         Ok(s)
     }
 }
@@ -1284,7 +1287,7 @@ pub fn name_override(err: ConfigError, overrides: &[(String, String)]) -> Config
 /// value: the field may be a secret (a numeric key written without quotes), and the
 /// line number and the expected type say enough.
 fn hide_unexpected_value(message: &str) -> String {
-    for lead in ["invalid type: ", "invalid value: "] {
+    for lead in ["invalid type: ", "invalid value: ", "unknown variant "] {
         let Some(start) = message.find(lead).map(|i| i + lead.len()) else {
             continue;
         };
@@ -1294,7 +1297,13 @@ fn hide_unexpected_value(message: &str) -> String {
             continue;
         };
         let kind = rest[..quote].trim_end();
-        return format!("{}{kind} (value not shown){}", &message[..start], &rest[end..]);
+        let head = &message[..start];
+        return if kind.is_empty() {
+            // `unknown variant `redis://:pw@h`, expected one of ...`
+            format!("{}(value not shown){}", head, &rest[end..])
+        } else {
+            format!("{head}{kind} (value not shown){}", &rest[end..])
+        };
     }
     message.to_owned()
 }

@@ -309,6 +309,25 @@ pub(crate) fn rate_limit_config(
     if let Some(d) = secs("ratelimit.lease_ttl_s", cfg.ratelimit.lease_ttl_s)? {
         c = c.lease_ttl(d);
     }
+    // Checked here, by the limiter's own rules, so `pgw check` fails where `pgw serve`
+    // would, naming the gateway's field.
+    c.validate().map_err(|e| {
+        let field = match (e.field(), sc.account.as_deref()) {
+            ("source", _) => format!("{at}.name"),
+            ("source.requests", _) => format!("{at}.rpm"),
+            ("source.tokens", _) => format!("{at}.tpm"),
+            ("source.concurrency", _) => format!("{at}.max_concurrency"),
+            ("account", _) => format!("{at}.account"),
+            ("account.requests", Some(a)) => format!("accounts.{a}.rpm"),
+            ("account.tokens", Some(a)) => format!("accounts.{a}.tpm"),
+            ("account.concurrency", Some(a)) => format!("accounts.{a}.max_concurrency"),
+            ("window" | "sub_windows", _) => "ratelimit.window_s".to_owned(),
+            ("lease_ttl", _) => "ratelimit.lease_ttl_s".to_owned(),
+            ("key_prefix", _) => "key_prefix".to_owned(),
+            (other, _) => format!("ratelimit.{other}"),
+        };
+        config_error(field, e.reason().to_owned())
+    })?;
     Ok(c)
 }
 

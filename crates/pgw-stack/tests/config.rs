@@ -71,6 +71,18 @@ fn other_bad_values_are_named() {
 
 /// What a layer refuses at build time is refused by the config's own check, so `pgw
 /// check` passes nothing `pgw serve` then refuses to start with.
+/// What the client or the limiter would refuse at start is refused by the config
+/// (`pgw check`), naming the field: a key that is not a valid header value (a secret
+/// file's trailing newline), a source quota past the limiter's bound.
+#[test]
+fn what_serving_would_refuse_is_named_by_the_config() {
+    let e = err_of("[[sources]]\nname = \"s1\"\nbase_url = \"http://127.0.0.1:9/v1\"\nkey = \"sk-1\\n\"\n");
+    assert_eq!(e.field(), "sources[0].key", "{e}");
+    assert!(!e.to_string().contains("sk-1"), "{e}");
+    let e = err_of(&format!("{GOOD}rpm = 2000000000000000\n"));
+    assert_eq!(e.field(), "sources[0].rpm", "{e}");
+}
+
 #[test]
 fn layer_rules_are_checked_by_the_config() {
     let cases = [
@@ -89,6 +101,9 @@ fn layer_rules_are_checked_by_the_config() {
         ("[balance]\nchoices = 0\n", "balance.choices"),
         ("[aimd]\ndecrease_factor = 5\n", "aimd.decrease_factor"),
         ("[aimd]\ninitial_limit = -1\n", "aimd.initial_limit"),
+        // The rate limiter's own rules, named by the gateway's fields.
+        ("[ratelimit]\nwindow_s = 0.0005\n", "ratelimit.window_s"),
+        ("[ratelimit]\nwindow_s = 60.0001\n", "ratelimit.window_s"),
     ];
     for (section, field) in cases {
         let e = err_of(&format!("{GOOD}{section}"));

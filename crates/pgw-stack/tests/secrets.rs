@@ -143,4 +143,16 @@ fn a_secret_in_a_base_url_or_a_numeric_key_never_prints() {
     let text = format!("{err} / {err:?}");
     assert!(!text.contains("8231945712345"), "{text}");
     assert!(text.contains("integer (value not shown)"), "{text}");
+    // A Redis URL given where a variant name goes (`backend = $REDIS_URL`).
+    let err = GatewayConfig::from_toml_str(
+        "backend = \"redis://:hunter2-SECRET@cache.test:6379\"\n[[sources]]\nname = \"a\"\nbase_url = \"http://127.0.0.1:9/v1\"\nkey = \"k\"\n",
+    )
+    .unwrap_err();
+    let text = format!("{err} / {err:?}");
+    assert!(!text.contains("SECRET"), "{text}");
+    assert!(text.contains("unknown variant (value not shown)"), "{text}");
+    // An `@` in the query is not taken for the end of user info with the key after it.
+    let url = "https://llm.test/v1?user=ops@corp.test&key=AIza-SECRET-3";
+    let text = format!("{:?}", SourceConfig::new("s1", url, SecretKey::new(KEY)));
+    assert!(!text.contains("SECRET"), "{text}");
 }

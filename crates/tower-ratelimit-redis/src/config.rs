@@ -329,7 +329,21 @@ impl RateLimitConfig {
         Duration::from_millis(sub_window_ms(window_ms(self.window), self.sub_windows))
     }
 
-    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
+    /// Checks every field as [`RateLimiter::new`](crate::RateLimiter::new) does: a
+    /// program that builds its configuration from its own (a config file) checks it
+    /// before it starts anything.
+    ///
+    /// ```
+    /// use tower_ratelimit_redis::{Quota, RateLimitConfig};
+    ///
+    /// assert!(RateLimitConfig::new("s1", Quota::unlimited().requests(60)).validate().is_ok());
+    /// let err = RateLimitConfig::new("s{1}", Quota::unlimited()).validate().unwrap_err();
+    /// assert_eq!(err.field(), "source");
+    /// ```
+    ///
+    /// # Errors
+    /// A [`ConfigError`] naming the field (`source`, `account.requests`, `window`, ...).
+    pub fn validate(&self) -> Result<(), ConfigError> {
         check_name("source", self.source.as_str())?;
         self.source_quota.validate("source")?;
         if let Some((a, q)) = &self.account {

@@ -894,7 +894,7 @@ impl Permit {
     /// [`BackendUnavailable`] (also logged and counted in
     /// [`LimiterStats::settle_failures`]).
     pub async fn finish(self, used_tokens: Option<u64>) -> Result<(), BackendUnavailable> {
-        self.end(Ending::Finished(used_tokens)).await
+        Awaited(Some(self.end(Ending::Finished(used_tokens)))).await
     }
 
     /// The call was not admitted below (not an attempt): the request and its tokens are
@@ -904,7 +904,7 @@ impl Permit {
     /// # Errors
     /// As [`finish`](Self::finish).
     pub async fn refund(self) -> Result<(), BackendUnavailable> {
-        self.end(Ending::Refunded).await
+        Awaited(Some(self.end(Ending::Refunded))).await
     }
 
     /// [`finish`](Self::finish) in the background: the settle is sent now (polled once,
@@ -1002,6 +1002,35 @@ impl Drop for Permit {
             lease: Some(lease),
         });
         detach(fut);
+    }
+}
+
+/// A permit's ending awaited by its caller ([`Permit::finish`], [`Permit::refund`]).
+/// Dropped before it completed (the caller went away: a client that hung up, a
+/// stream aborted at the end of a shutdown's grace), what is left of it goes on in
+/// the background: the permit's lease was taken from it at the first poll, and the
+/// command may not be on the connection yet (a reconnect, a script to load again),
+/// so the slot would otherwise stay taken until the lease's TTL.
+struct Awaited(Option<BackendFuture<Result<(), BackendUnavailable>>>);
+
+impl Future for Awaited {
+    type Output = Result<(), BackendUnavailable>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let Some(fut) = self.0.as_mut() else {
+            return Poll::Ready(Ok(()));
+        };
+        let out = ready!(Pin::new(fut).poll(cx));
+        self.0 = None;
+        Poll::Ready(out)
+    }
+}
+
+impl Drop for Awaited {
+    fn drop(&mut self) {
+        if let Some(fut) = self.0.take() {
+            detach(fut);
+        }
     }
 }
 

@@ -118,13 +118,13 @@ where
         {
             // Others wait already: behind them, first come first served.
             if let Err(e) = limiter.check_size(tokens) {
-                return ResponseFuture::failed(Box::new(e));
+                return self.failed(Box::new(e));
             }
             let inner = take_ready(&mut self.inner);
             return ResponseFuture::behind(shared, inner, req, tokens, max_wait, wait);
         }
         match limiter.start_now(tokens) {
-            Err(e) => ResponseFuture::failed(Box::new(e)),
+            Err(e) => self.failed(Box::new(e)),
             // The memory backend answers at once: dispatch on the service made ready
             // by `poll_ready`, no clone.
             Ok(Started::Now(ticket, verdict)) => match limiter.conclude_now(ticket, verdict) {
@@ -170,9 +170,22 @@ where
                 let inner = take_ready(&mut self.inner);
                 ResponseFuture::waiting(shared, inner, req, tokens, max_wait, *q)
             }
-            (_, Ok(q)) => ResponseFuture::failed(q),
-            (_, Err(e)) => ResponseFuture::failed(e),
+            (_, Ok(q)) => self.failed(q),
+            (_, Err(e)) => self.failed(e),
         }
+    }
+
+    /// A call refused here: the service `poll_ready` made ready is dropped (a clone
+    /// stays), so what its readiness reserved below (a concurrency permit, a slot) is
+    /// given back now, not held until this service's next call.
+    #[cold]
+    #[inline(never)]
+    fn failed<Req>(&mut self, e: BoxError) -> ResponseFuture<S, Req, E, U, O>
+    where
+        S: Service<Req> + Clone,
+    {
+        drop(take_ready(&mut self.inner));
+        ResponseFuture::failed(e)
     }
 }
 

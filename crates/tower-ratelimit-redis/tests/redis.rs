@@ -1459,6 +1459,44 @@ async fn an_admission_answered_with_an_error_gives_its_lease_back() {
     );
 }
 
+/// A `finish` whose caller goes away before it completed still releases the lease:
+/// here its settle script had to be loaded again (the server flushed its scripts), and
+/// the future was dropped after the first `NOSCRIPT` answer, before the script was
+/// loaded and sent again. The rest goes on in the background; before, the slot stayed
+/// taken for the lease's TTL (a minute).
+#[tokio::test]
+async fn a_finish_dropped_half_way_still_releases_its_lease() {
+    use futures_util::FutureExt;
+    let (server, conn) = private_redis().await;
+    let config = RateLimitConfig::new("s1", Quota::unlimited().tokens(1000).concurrency(1))
+        .lease_ttl(Duration::from_secs(60));
+    let l = RateLimiter::new(config, RedisBackend::new(conn)).unwrap();
+    let p = l.acquire(10).await.unwrap();
+    let direct = RedisConn::connect(&RedisTarget::Standalone(server.url()))
+        .await
+        .unwrap();
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query_async(&mut direct.clone())
+        .await
+        .unwrap();
+    let mut finishing = Box::pin(p.finish(Some(5)));
+    assert!((&mut finishing).now_or_never().is_none(), "asked Redis");
+    // The NOSCRIPT answer comes back; nobody polls the settle again.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    drop(finishing);
+    let mut freed = false;
+    for _ in 0..200 {
+        if let Ok(p) = l.acquire(1).await {
+            p.refund().await.unwrap();
+            freed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(freed, "the dropped finish's lease was released in the background");
+}
+
 /// A request count refused again before its wait ended is trusted twice as long each
 /// time, up to its wait: a call polling a full window asks Redis a handful of times,
 /// not once a sub-window. RPM 1 over a 6 s window (100 ms sub-windows), the request

@@ -55,6 +55,29 @@ async fn sheds_with_quota_exceeded_and_stays_ready() {
     assert_eq!(l.stats().refused, 1);
 }
 
+/// A refused call leaves nothing reserved below: a concurrency permit the inner
+/// service's readiness took is free at once (before, the refusing service held it
+/// until its next call).
+#[tokio::test(start_paused = true)]
+async fn a_refused_call_holds_no_permit_of_the_service_below() {
+    use futures_util::FutureExt;
+    let l = limiter(Quota::unlimited().requests(1));
+    let limited =
+        tower::limit::ConcurrencyLimit::new(service_fn(|_: ()| async { Ok::<_, BoxError>("ok") }), 1);
+    let mut other = limited.clone();
+    let mut svc = RateLimitLayer::new(l.clone())
+        .token_estimate(NoTokens)
+        .usage(NoTokens)
+        .layer(limited);
+    assert_eq!(svc.ready().await.unwrap().call(()).await.unwrap(), "ok");
+    let err = svc.ready().await.unwrap().call(()).await.unwrap_err();
+    assert!(err.is::<QuotaExceeded>(), "{err}");
+    assert!(
+        other.ready().now_or_never().is_some(),
+        "the permit is free after the refused call"
+    );
+}
+
 /// Default chat hooks: reserve prompt/3 + max_tokens, reconcile to reported usage.
 #[tokio::test(start_paused = true)]
 async fn chat_estimate_reserved_and_reconciled() {

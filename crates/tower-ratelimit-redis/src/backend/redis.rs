@@ -121,7 +121,8 @@ impl HoldBook {
     /// is an underestimate by the answer's flight, so holds are judged to end late,
     /// never early.
     fn saw_server(&self, now: i64, at: Instant) {
-        self.offset_ms.store(now - self.local_ms(at), Ordering::Relaxed);
+        self.offset_ms
+            .store(now.saturating_sub(self.local_ms(at)), Ordering::Relaxed);
     }
 
     fn end_of(&self, key: &str) -> Arc<AtomicI64> {
