@@ -186,9 +186,21 @@ async fn every_framework_error_is_openai_json() {
             "method_not_allowed",
         ),
     ];
+    let mut ids = std::collections::HashSet::new();
     for (req, body, status, code) in cases {
         let (got, headers, bytes) = call(h.addr, req, body).await;
         assert_eq!(got.as_u16(), status, "{}", String::from_utf8_lossy(&bytes));
+        // Every answer names its request, each with an id of its own.
+        let id = headers["x-request-id"].to_str().unwrap().to_owned();
+        assert!(
+            id.len() == 20 && id.starts_with("req_") && id[4..].bytes().all(|b| b.is_ascii_hexdigit()),
+            "{id}"
+        );
+        assert!(ids.insert(id), "ids are unique");
+        assert!(
+            !headers.contains_key("x-should-retry"),
+            "{code}: a 4xx says nothing"
+        );
         assert!(
             headers["content-type"]
                 .to_str()
@@ -221,10 +233,12 @@ async fn chat_answers_json_and_streams_sse_ending_with_done() {
             .is_some_and(|c| !c.is_empty())
     );
 
+    let cache = headers["x-pgw-cache"].clone();
     let (status, headers, body) = call(h.addr, chat(None), chat_body("m", true)).await;
     assert_eq!(status, 200);
     assert_eq!(headers["content-type"], "text/event-stream");
     assert_eq!(headers["x-pgw-group"], "default", "streams say who answered too");
+    assert_eq!(headers["x-pgw-cache"], cache, "and what the cache did");
     assert!(!headers.contains_key("x-pgw-source"));
     let ev = events(&body);
     assert_eq!(ev.last().map(String::as_str), Some("[DONE]"), "{ev:?}");
@@ -262,6 +276,33 @@ async fn a_stream_failing_before_its_head_went_out_is_an_ordinary_error_answer()
         !String::from_utf8_lossy(&body).contains("dead"),
         "source names stay hidden: {v}"
     );
+}
+
+/// A 502 (every attempt failed upstream) tells the OpenAI SDKs not to retry: the
+/// gateway has tried already, and the SDKs' own two retries would triple the attempts.
+/// A 503 with `Retry-After` (every circuit open) leaves the SDK its retry.
+#[tokio::test(start_paused = true)]
+async fn a_502_says_the_sdk_should_not_retry() {
+    let failing = pgw_sim::SourceConfig {
+        server_error_rate: 1.0.into(),
+        ..fast("s1")
+    };
+    let h = start("", vec![failing]).await;
+    let (status, headers, body) = call(h.addr, chat(None), chat_body("m", false)).await;
+    assert_eq!(status, 502, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(headers["x-should-retry"], "false");
+    let mut saw_503 = false;
+    for _ in 0..20 {
+        let (status, headers, _) = call(h.addr, chat(None), chat_body("m", false)).await;
+        if status == 503 {
+            assert!(!headers.contains_key("x-should-retry"));
+            assert!(headers.contains_key("retry-after"));
+            saw_503 = true;
+            break;
+        }
+        assert_eq!(headers["x-should-retry"], "false", "{status}");
+    }
+    assert!(saw_503, "the source's breaker opened: 503");
 }
 
 #[tokio::test(start_paused = true)]

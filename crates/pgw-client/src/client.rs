@@ -677,4 +677,33 @@ mod tests {
         let own = serde_json::json!({"include_usage": false});
         assert_eq!(body_of(false, Some(own.clone()))["stream_options"], own);
     }
+
+    /// The caller's JSON goes upstream with its keys in the caller's order, at every
+    /// depth: a structured output's schema is filled in its fields' order (reasoning
+    /// before answer), which sorted keys silently changed.
+    #[test]
+    fn the_callers_key_order_reaches_the_provider() {
+        let settings = SourceSettings::new("s1", "http://127.0.0.1:9/v1");
+        let transport = tower::service_fn(|_: http::Request<Bytes>| async {
+            Err::<http::Response<crate::UpstreamBody>, BoxError>("unused".into())
+        });
+        let client = UpstreamClient::new(settings, transport).unwrap();
+        let json = r#"{"model":"m","messages":[{"role":"user","content":"hi"}],
+            "response_format":{"type":"json_schema","json_schema":{"name":"a","schema":{
+            "type":"object","properties":{"reasoning":{"type":"string"},"answer":{"type":"string"}}}}},
+            "temperature":0}"#;
+        let req: pgw_core::openai::ChatRequest = serde_json::from_str(json).unwrap();
+        let built = client.prepared.build(&ChatCall::new(req), false).unwrap();
+        let sent = std::str::from_utf8(built.body()).unwrap();
+        let (r, a) = (
+            sent.find("\"reasoning\"").unwrap(),
+            sent.find("\"answer\"").unwrap(),
+        );
+        assert!(r < a, "{sent}");
+        let (rf, t) = (
+            sent.find("\"response_format\"").unwrap(),
+            sent.find("\"temperature\"").unwrap(),
+        );
+        assert!(rf < t, "{sent}");
+    }
 }

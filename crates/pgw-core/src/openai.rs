@@ -134,6 +134,13 @@ impl ChatMessage {
         };
         present("tool_calls") || present("function_call")
     }
+
+    /// Whether the message carries audio (`audio` with `modalities: ["audio"]`, whose
+    /// `content` is `null`: the transcript is inside the audio object).
+    #[must_use]
+    pub fn carries_audio(&self) -> bool {
+        matches!(self.extra.get("audio"), Some(Value::Object(o)) if !o.is_empty())
+    }
 }
 
 /// A chat completion request (`POST /v1/chat/completions`).
@@ -310,7 +317,7 @@ impl Choice {
         self.finish_reason.as_deref() == Some(FINISH_CONTENT_FILTER) || self.message.refusal().is_some()
     }
 
-    /// Whether the choice is an answer: text, a tool call, a decline, or an answer cut
+    /// Whether the choice is an answer: text, a tool call, audio, a decline, or an answer cut
     /// by the caller's token limit (`finish_reason: "length"`), even empty: a reasoning
     /// model (o-series, R1) that spends `max_tokens` thinking answers nothing, and
     /// another source would spend them the same way. The caller gets it as the
@@ -319,6 +326,7 @@ impl Choice {
     pub fn has_output(&self) -> bool {
         self.message.content.has_output()
             || self.message.calls_tool()
+            || self.message.carries_audio()
             || self.is_declined()
             || self.finish_reason.as_deref() == Some(FINISH_LENGTH)
     }
@@ -370,10 +378,9 @@ impl ChatResponse {
     #[must_use]
     pub fn is_declined(&self) -> bool {
         self.choices.iter().any(Choice::is_declined)
-            && !self
-                .choices
-                .iter()
-                .any(|c| c.message.content.has_output() || c.message.calls_tool())
+            && !self.choices.iter().any(|c| {
+                c.message.content.has_output() || c.message.calls_tool() || c.message.carries_audio()
+            })
     }
 }
 
@@ -811,6 +818,21 @@ mod tests {
         assert_eq!((u.prompt_tokens, u.completion_tokens), (0, u64::MAX));
         let req: ChatRequest = serde_json::from_str(r#"{"model":"m","messages":[],"stream":null}"#).unwrap();
         assert!(!req.stream);
+    }
+
+    /// An audio answer (`modalities: ["text", "audio"]`) has `content: null` and its
+    /// transcript inside `audio`: an answer, not an empty completion.
+    #[test]
+    fn an_audio_answer_is_an_answer() {
+        let audio = r#""audio":{"id":"audio_1","data":"UklG","expires_at":1,"transcript":"hi"}"#;
+        let body = format!(
+            r#"{{"id":"c","object":"chat.completion","created":1,"model":"m","choices":[{{"index":0,
+            "message":{{"role":"assistant","content":null,{audio}}},"finish_reason":"stop"}}]}}"#
+        );
+        let r: ChatResponse = serde_json::from_str(&body).unwrap();
+        assert!(!r.is_empty_completion());
+        let r: ChatResponse = serde_json::from_str(&body.replace(audio, r#""audio":null"#)).unwrap();
+        assert!(r.is_empty_completion());
     }
 
     #[test]

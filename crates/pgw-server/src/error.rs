@@ -392,12 +392,27 @@ pub(crate) fn find<'a, T: std::error::Error + 'static>(
     None
 }
 
+/// The header the OpenAI SDKs read before retrying (`false`: do not).
+pub(crate) const SHOULD_RETRY_HEADER: &str = "x-should-retry";
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let retry = self.retry_after_header();
+        let no_retry = matches!(
+            self.status,
+            StatusCode::INTERNAL_SERVER_ERROR | StatusCode::BAD_GATEWAY | StatusCode::GATEWAY_TIMEOUT
+        );
         let mut response = (self.status, Json(self.body())).into_response();
         if let Some(v) = retry {
             response.headers_mut().insert(header::RETRY_AFTER, v);
+        }
+        if no_retry {
+            // The gateway has retried already (every source of the chain, up to its
+            // attempts), or the caller's deadline passed: the OpenAI SDKs, which retry
+            // 5xx twice by default, are told not to multiply the attempts.
+            response
+                .headers_mut()
+                .insert(SHOULD_RETRY_HEADER, HeaderValue::from_static("false"));
         }
         response
     }

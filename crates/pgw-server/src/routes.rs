@@ -23,7 +23,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tower::ServiceBuilder;
 use tower_http::catch_panic::CatchPanicLayer;
-use tower_http::trace::{DefaultMakeSpan, DefaultOnFailure, DefaultOnResponse, TraceLayer};
+use tower_http::trace::{DefaultOnFailure, DefaultOnResponse, TraceLayer};
 
 use crate::auth::{KeyRing, Tenant};
 use crate::config::Settings;
@@ -154,6 +154,57 @@ impl AppState {
 /// (`x-pgw-cache: hit` or `miss`).
 pub(crate) const CACHE_HEADER: &str = "x-pgw-cache";
 
+/// What the cache did for a call, as [`CACHE_HEADER`] tells it: `hit`, `bypass` (the
+/// caller said not to use it), `miss`, or `off` (a call the cache is not asked for:
+/// not deterministic, or no cache).
+pub(crate) fn cache_verdict(hit: bool, bypassed: bool, cacheable: bool) -> HeaderValue {
+    HeaderValue::from_static(match (hit, bypassed, cacheable) {
+        (true, _, _) => "hit",
+        (false, true, _) => "bypass",
+        (false, false, true) => "miss",
+        (false, false, false) => "off",
+    })
+}
+
+/// The header naming a request: `req_` and 16 hex digits, also the `call` of its logs
+/// and telemetry records (the gateway call's id).
+pub(crate) const REQUEST_ID_HEADER: &str = "x-request-id";
+
+/// The id of one request to the server: a random prefix per process (24 bits) and a
+/// counter (40 bits), so ids from the replicas behind one balancer do not collide in
+/// practice. Every response carries it in [`REQUEST_ID_HEADER`]; the chat call made
+/// for the request has it as its call id.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RequestId(pub(crate) u64);
+
+impl RequestId {
+    fn next() -> Self {
+        use std::hash::{BuildHasher, Hasher};
+        use std::sync::atomic::AtomicU64;
+        static PREFIX: std::sync::LazyLock<u64> = std::sync::LazyLock::new(|| {
+            // A process-random value without a dependency: std's hasher keys.
+            (std::hash::RandomState::new().build_hasher().finish() & 0xff_ffff) << 40
+        });
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        Self(*PREFIX | (NEXT.fetch_add(1, Ordering::Relaxed) & ((1 << 40) - 1)))
+    }
+
+    fn header(self) -> HeaderValue {
+        HeaderValue::from_str(&format!("req_{:016x}", self.0)).unwrap_or(HeaderValue::from_static("req_"))
+    }
+}
+
+/// Gives every request a [`RequestId`] (an extension, for the handlers and the
+/// request's log span) and its response the id's header, whatever answered it (a
+/// handler, a framework error, a panic caught).
+async fn with_request_id(mut request: Request, next: axum::middleware::Next) -> Response {
+    let id = RequestId::next();
+    request.extensions_mut().insert(id);
+    let mut response = next.run(request).await;
+    response.headers_mut().insert(REQUEST_ID_HEADER, id.header());
+    response
+}
+
 /// The request header that bounds the call: `x-pgw-timeout-ms: 30000` gives it 30 s
 /// from its arrival, for every wait and attempt (the sooner of it and the gateway's
 /// `retry.max_call_duration_s`); past it the answer is 504 `deadline_exceeded`.
@@ -266,9 +317,19 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         .method_not_allowed_fallback(|| async { ApiError::of_status(StatusCode::METHOD_NOT_ALLOWED) })
         .layer(
             ServiceBuilder::new()
+                .layer(axum::middleware::from_fn(with_request_id))
                 .layer(
                     TraceLayer::new_for_http()
-                        .make_span_with(DefaultMakeSpan::new().level(tracing::Level::INFO))
+                        .make_span_with(|r: &Request| {
+                            let id = r.extensions().get::<RequestId>().map_or(0, |i| i.0);
+                            tracing::info_span!(
+                                "request",
+                                method = %r.method(),
+                                uri = %r.uri(),
+                                version = ?r.version(),
+                                id = %format_args!("req_{id:016x}"),
+                            )
+                        })
                         .on_response(DefaultOnResponse::new().level(tracing::Level::INFO))
                         // Every 5xx is a "failure" to tower-http, logged at ERROR: a shed
                         // 503 or an upstream's 502 is not the server's error, and the
@@ -673,6 +734,9 @@ async fn chat(State(state): State<Arc<AppState>>, request: Request) -> Response 
         None => None,
     };
     let mut chat_call = pgw_stack::ChatCall::new(request);
+    if let Some(id) = parts.extensions.get::<RequestId>() {
+        chat_call = chat_call.with_call_id(pgw_stack::client::CallId(id.0));
+    }
     if let Some(at) = deadline {
         chat_call
             .extensions_mut()
@@ -690,7 +754,7 @@ async fn chat(State(state): State<Arc<AppState>>, request: Request) -> Response 
     }
     let cached = state.gateway.caches(&chat_call);
     if chat_call.is_stream() {
-        return sse::respond(&state, chat_call, permit, slot, call).await;
+        return sse::respond(&state, chat_call, permit, slot, call, (no_cache, cached)).await;
     }
     let result = tower::ServiceExt::oneshot(state.gateway.clone(), chat_call).await;
     drop(slot);
@@ -715,16 +779,7 @@ async fn chat(State(state): State<Arc<AppState>>, request: Request) -> Response 
                 None => Json(&answer.answer.response).into_response(),
             };
             let h = response.headers_mut();
-            h.insert(
-                CACHE_HEADER,
-                HeaderValue::from_static(match (answer.cache_hit, no_cache, cached) {
-                    (true, _, _) => "hit",
-                    (false, true, _) => "bypass",
-                    (false, false, true) => "miss",
-                    // Not deterministic (or no cache): the cache was not asked.
-                    (false, false, false) => "off",
-                }),
-            );
+            h.insert(CACHE_HEADER, cache_verdict(answer.cache_hit, no_cache, cached));
             if let Ok(g) = HeaderValue::from_str(&answer.group) {
                 h.insert("x-pgw-group", g);
             }

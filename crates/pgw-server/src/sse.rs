@@ -288,6 +288,7 @@ pub(crate) async fn respond(
     mut permit: Option<TenantPermit>,
     slot: crate::routes::Slot,
     mut metrics: CallMetrics,
+    (bypassed, cacheable): (bool, bool),
 ) -> Response {
     let gateway = state.gateway.clone();
     let mut opening: Opening = Box::pin(async move { gateway.stream_call(request).await });
@@ -300,6 +301,11 @@ pub(crate) async fn respond(
                     .source()
                     .filter(|_| state.expose_sources)
                     .and_then(|s| HeaderValue::from_str(s.as_str()).ok()),
+                Some(crate::routes::cache_verdict(
+                    stream.cache_hit(),
+                    bypassed,
+                    cacheable,
+                )),
             );
             (Phase::Streaming(stream), who)
         }
@@ -314,7 +320,8 @@ pub(crate) async fn respond(
             return err.into_response();
         }
         // A full interval of silence already: the first comment goes out with the head.
-        Err(_) => (Phase::Opening(opening), (None, None)),
+        // (What the cache did is not known yet either: no header says it.)
+        Err(_) => (Phase::Opening(opening), (None, None, None)),
     };
     let first_tick = match phase {
         Phase::Opening(_) => Instant::now(),
@@ -352,10 +359,13 @@ pub(crate) async fn respond(
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     // Tells nginx-style proxies not to buffer the stream.
     h.insert("x-accel-buffering", HeaderValue::from_static("no"));
-    if let (Some(g), source) = who {
+    if let (Some(g), source, cache) = who {
         h.insert("x-pgw-group", g);
         if let Some(s) = source {
             h.insert("x-pgw-source", s);
+        }
+        if let Some(c) = cache {
+            h.insert(crate::routes::CACHE_HEADER, c);
         }
     }
     response

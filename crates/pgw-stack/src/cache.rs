@@ -76,7 +76,9 @@ impl CacheKey {
             #[serde(skip_serializing_if = "Option::is_none")]
             partition: Option<&'a str>,
         }
-        // serde_json maps are sorted (no `preserve_order`), so the bytes are canonical.
+        // serde_json keeps each object's keys in the order the caller wrote them
+        // (`preserve_order`: a JSON schema's field order is what a model fills in
+        // first), so a request with its keys in another order is another key.
         let bytes = serde_json::to_vec(&Canon {
             route,
             model: &req.model,

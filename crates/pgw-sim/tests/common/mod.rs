@@ -14,6 +14,10 @@ use tower_service::Service;
 
 /// What the test client saw.
 #[derive(Clone, Debug, PartialEq)]
+#[allow(
+    clippy::large_enum_variant,
+    reason = "a test's record of one answer, made a few times per test"
+)]
 pub enum Seen {
     /// A 200 with the answer (accumulated for streams), the time to headers and the
     /// longest gap between frames.
