@@ -64,7 +64,11 @@ impl Limiter {
     }
 
     pub(crate) fn limit(&self) -> f64 {
-        f64::from_bits(self.limit_bits.load(Ordering::Relaxed))
+        // SeqCst, as the growth's store and the `refused` count: a waiter counts its
+        // refusal, then reads the limit; a growth stores the limit, then reads the
+        // count. With a weaker order on either side both could miss the other (the
+        // store-buffer pattern: on ARM a growth could leave its new slot idle).
+        f64::from_bits(self.limit_bits.load(Ordering::SeqCst))
     }
 
     pub(crate) fn inflight(&self) -> usize {
@@ -223,15 +227,16 @@ impl Limiter {
     }
 
     fn update(&self, f: impl Fn(f64) -> f64) {
-        let mut cur = self.limit_bits.load(Ordering::Relaxed);
+        let mut cur = self.limit_bits.load(Ordering::SeqCst);
         loop {
             let next = f(f64::from_bits(cur)).to_bits();
             if next == cur {
                 return;
             }
+            // SeqCst: see `limit`.
             match self
                 .limit_bits
-                .compare_exchange_weak(cur, next, Ordering::Relaxed, Ordering::Relaxed)
+                .compare_exchange_weak(cur, next, Ordering::SeqCst, Ordering::SeqCst)
             {
                 Ok(_) => {
                     // A whole slot more: it wakes one waiter, as a release does.
