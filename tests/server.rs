@@ -193,7 +193,7 @@ async fn every_framework_error_is_openai_json() {
         // Every answer names its request, each with an id of its own.
         let id = headers["x-request-id"].to_str().unwrap().to_owned();
         assert!(
-            id.len() == 20 && id.starts_with("req_") && id[4..].bytes().all(|b| b.is_ascii_hexdigit()),
+            id.starts_with("req_") && id.len() > 4 && id[4..].bytes().all(|b| b.is_ascii_digit()),
             "{id}"
         );
         assert!(ids.insert(id), "ids are unique");

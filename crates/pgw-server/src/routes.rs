@@ -166,8 +166,9 @@ pub(crate) fn cache_verdict(hit: bool, bypassed: bool, cacheable: bool) -> Heade
     })
 }
 
-/// The header naming a request: `req_` and 16 hex digits, also the `call` of its logs
-/// and telemetry records (the gateway call's id).
+/// The header naming a request: `req_` and the request's id in decimal, which is also
+/// the `id` of its log span and the `call` of its telemetry records (the gateway
+/// call's id).
 pub(crate) const REQUEST_ID_HEADER: &str = "x-request-id";
 
 /// The id of one request to the server: a random prefix per process (16 bits) and a
@@ -190,8 +191,15 @@ impl RequestId {
         Self(*PREFIX | (NEXT.fetch_add(1, Ordering::Relaxed) & ((1 << 37) - 1)))
     }
 
+    /// `req_` and the id in decimal digits, as the telemetry's `call` writes it.
     fn header(self) -> HeaderValue {
-        HeaderValue::from_str(&format!("req_{:016x}", self.0)).unwrap_or(HeaderValue::from_static("req_"))
+        // Digits written on the stack: one copy into the header, no `String`.
+        let mut digits = itoa::Buffer::new();
+        let mut buf = [0u8; 4 + 20];
+        let text = digits.format(self.0).as_bytes();
+        buf[..4].copy_from_slice(b"req_");
+        buf[4..4 + text.len()].copy_from_slice(text);
+        HeaderValue::from_bytes(&buf[..4 + text.len()]).unwrap_or(HeaderValue::from_static("req_"))
     }
 }
 
@@ -328,7 +336,7 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
                                 method = %r.method(),
                                 uri = %r.uri(),
                                 version = ?r.version(),
-                                id = %format_args!("req_{id:016x}"),
+                                id,
                             )
                         })
                         .on_response(DefaultOnResponse::new().level(tracing::Level::INFO))
@@ -960,9 +968,9 @@ mod tests {
             ids.iter().all(|i| i.0 >> 37 == ids[0].0 >> 37),
             "one prefix per process"
         );
-        let h = ids[0].header();
-        let text = h.to_str().unwrap();
-        assert!(text.len() == 20 && text.starts_with("req_"), "{text}");
+        for id in [RequestId(0), RequestId(7), RequestId((1 << 53) - 1), ids[0]] {
+            assert_eq!(id.header().to_str().unwrap(), format!("req_{}", id.0));
+        }
     }
 
     #[test]
