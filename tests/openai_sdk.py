@@ -36,6 +36,8 @@ def main():
     )
     out["json_content"] = answer.choices[0].message.content
     out["json_finish_reason"] = answer.choices[0].finish_reason
+    # The SDK's request id, read from the answer's `x-request-id`.
+    out["json_request_id"] = answer._request_id
 
     stream = client.chat.completions.create(
         model=model,
@@ -70,6 +72,7 @@ def main():
             "code": e.code,
             "type": e.type,
             "message": e.message,
+            "request_id": e.request_id,
         }
 
     print(json.dumps(out), flush=True)

@@ -139,4 +139,10 @@ async fn the_official_openai_sdk_lists_completes_streams_and_is_refused_a_strang
     assert_eq!(refused["status"], 401, "{report}");
     assert_eq!(refused["code"], "invalid_api_key", "{report}");
     assert_eq!(refused["type"], "authentication_error", "{report}");
+    // The SDK reads the request ids, the refusal's too, each its own.
+    let ids = [&report["json_request_id"], &refused["request_id"]];
+    for id in ids {
+        assert!(id.as_str().is_some_and(|i| i.starts_with("req_")), "{report}");
+    }
+    assert_ne!(ids[0], ids[1], "{report}");
 }
