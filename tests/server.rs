@@ -1104,11 +1104,15 @@ async fn past_the_connection_cap_liveness_answers_and_readiness_refuses() {
     }
     // The only connection is taken: the process is up (an orchestrator must not
     // restart it) but full (a balancer must not send more).
-    let (status, _, body) = call(h.addr, request("GET", "/healthz"), Bytes::new()).await;
+    let (status, headers, body) = call(h.addr, request("GET", "/healthz"), Bytes::new()).await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
-    let (status, _, body) = call(h.addr, request("GET", "/readyz"), Bytes::new()).await;
+    let (status, shed, body) = call(h.addr, request("GET", "/readyz"), Bytes::new()).await;
     assert_eq!(status, 503);
     openai_error(&body, "overloaded");
+    // Answered outside the router, each still names itself.
+    for h in [&headers, &shed] {
+        assert!(h["x-request-id"].to_str().unwrap().starts_with("req_"), "{h:?}");
+    }
     for c in in_flight {
         assert_eq!(c.await.unwrap().0, 200);
     }

@@ -271,12 +271,14 @@ fn stream_options(extra: &Map<String, Value>, stream: bool) -> (Option<Value>, O
     match extra.get("stream_options") {
         None => (Some(serde_json::json!({"include_usage": true})), None),
         Some(Value::Object(o)) if o.get("include_usage") == Some(&Value::Bool(true)) => (None, None),
-        Some(Value::Object(o)) => {
-            let mut o = o.clone();
-            o.insert("include_usage".into(), Value::Bool(true));
+        Some(Value::Object(_)) => {
+            // Set in place: the caller's options keep their place among the caller's
+            // keys (a removal would move the last key into it).
             let mut rest = extra.clone();
-            rest.remove("stream_options");
-            (Some(Value::Object(o)), Some(rest))
+            if let Some(Value::Object(o)) = rest.get_mut("stream_options") {
+                o.insert("include_usage".into(), Value::Bool(true));
+            }
+            (None, Some(rest))
         }
         // Not an object: the provider will say what it thinks of it.
         Some(_) => (None, None),
@@ -705,5 +707,19 @@ mod tests {
             sent.find("\"temperature\"").unwrap(),
         );
         assert!(rf < t, "{sent}");
+        // A streamed request's own `stream_options` gets `include_usage` where it is.
+        let json = r#"{"model":"m","messages":[],"stream":true,"stream_options":{"x":1},"seed":1,"top_p":1}"#;
+        let req: pgw_core::openai::ChatRequest = serde_json::from_str(json).unwrap();
+        let built = client.prepared.build(&ChatCall::new(req), true).unwrap();
+        let sent = std::str::from_utf8(built.body()).unwrap();
+        let at = |k: &str| sent.find(&format!("\"{k}\"")).unwrap();
+        assert!(
+            at("stream_options") < at("seed") && at("seed") < at("top_p"),
+            "{sent}"
+        );
+        assert!(
+            sent.contains(r#""stream_options":{"x":1,"include_usage":true}"#),
+            "{sent}"
+        );
     }
 }

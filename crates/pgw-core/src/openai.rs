@@ -195,15 +195,17 @@ impl ChatRequest {
 
     /// The completion budget the estimate counts: the larger of `max_tokens` and
     /// `max_completion_tokens` when either is set (the latter as an integer or a float,
-    /// `1e6`; past `u64::MAX`, `u64::MAX`), else [`DEFAULT_MAX_TOKENS_ESTIMATE`]; times
-    /// the choices asked for (`n`, at most [`MAX_CHOICES_ESTIMATE`]), each of which may
-    /// spend it.
+    /// `1e6`; past `u64::MAX`, `u64::MAX`) times the choices asked for (`n`, at most
+    /// [`MAX_CHOICES_ESTIMATE`]), each of which may spend it; else
+    /// [`DEFAULT_MAX_TOKENS_ESTIMATE`], whatever `n`.
     ///
     /// ```
     /// let mut req = pgw_core::openai::ChatRequest::user("m", "hi");
     /// req.extra.insert("max_completion_tokens".into(), serde_json::json!(1e3));
     /// req.extra.insert("n".into(), serde_json::json!(3));
     /// assert_eq!(req.completion_budget(), 3000);
+    /// req.extra.remove("max_completion_tokens");
+    /// assert_eq!(req.completion_budget(), pgw_core::openai::DEFAULT_MAX_TOKENS_ESTIMATE);
     /// ```
     #[must_use]
     pub fn completion_budget(&self) -> u64 {
@@ -213,7 +215,9 @@ impl ChatRequest {
             .and_then(Value::as_number)
             .map(count_u64);
         let one = match (self.max_tokens, newer) {
-            (None, None) => DEFAULT_MAX_TOKENS_ESTIMATE,
+            // Not multiplied by `n`: a default guess for several choices, at 1024 a
+            // choice, could pass a small token quota and never be admitted.
+            (None, None) => return DEFAULT_MAX_TOKENS_ESTIMATE,
             (a, b) => a.unwrap_or(0).max(b.unwrap_or(0)),
         };
         let choices = self

@@ -4,7 +4,9 @@
 /// and the value of every query parameter `secret` names (`?key=sk-1` -> `?key=***`).
 /// The user info is found on the whole URL first: a password may hold a `?`. So an
 /// `@` in the query (`?user=ops@corp.com&key=sk-1`) hides everything before it as if
-/// it were user info, and what follows it is still read as query parameters.
+/// it were user info, and what follows it is read as query parameters. Parameters are
+/// split at every `&` and every `?` after the first: a `key=` is hidden wherever a
+/// stray `?` put it.
 ///
 /// ```
 /// use pgw_core::redact::redact_url_with;
@@ -14,39 +16,52 @@
 ///     redact_url_with("https://llm.test/v1?user=ops@corp.com&key=sk-1", key),
 ///     "https://***@corp.com&key=***"
 /// );
+/// assert_eq!(
+///     redact_url_with("https://h/v1?u=a@b&key=sk-1&r=c?d", key),
+///     "https://***@b&key=***&r=c?d"
+/// );
 /// assert_eq!(redact_url_with("redis://:p?w@h:6379?key=1", key), "redis://***@h:6379?key=***");
+/// assert_eq!(redact_url_with("https://h/v1?a=b?key=sk-1", key), "https://h/v1?a=b?key=***");
 /// ```
 pub fn redact_url_with(url: &str, secret: impl Fn(&str) -> bool) -> String {
-    let (mut out, rest, in_query) = match (url.find("://"), url.rfind('@')) {
+    let (mut out, rest, after_query) = match (url.find("://"), url.rfind('@')) {
         (Some(s), Some(at)) if at > s + 3 => (
             format!("{}://***@", &url[..s]),
             &url[at + 1..],
-            // The `@` may have been in the query: then so is what follows it (up to
-            // a `?` of its own, which only a password holding one explains).
-            url[s + 3..at].contains('?') && !url[at + 1..].contains('?'),
+            // A `?` before the `@`: what follows may be query (an `@` in a value) or
+            // the host (a password holding a `?`); read as parameters either way.
+            url[s + 3..at].contains('?'),
         ),
         _ => (String::new(), url, false),
     };
-    let (base, query) = match rest.split_once('?') {
-        Some((b, q)) => (b, Some(q)),
-        None if in_query => ("", Some(rest)),
-        None => (rest, None),
-    };
-    out.push_str(base);
-    if let Some(query) = query {
-        if !in_query {
-            out.push('?');
+    match (after_query, rest.find('?')) {
+        (true, _) => mask_params(&mut out, rest, &secret),
+        (false, Some(q)) => {
+            out.push_str(&rest[..=q]);
+            mask_params(&mut out, &rest[q + 1..], &secret);
         }
-        let params: Vec<String> = query
-            .split('&')
-            .map(|p| match p.split_once('=') {
-                Some((k, _)) if secret(k) => format!("{k}=***"),
-                _ => p.to_owned(),
-            })
-            .collect();
-        out.push_str(&params.join("&"));
+        (false, None) => out.push_str(rest),
     }
     out
+}
+
+/// Appends `query` to `out` with the value of every `k=v` whose `k` is `secret` hidden,
+/// its parts split at `&` and `?` (kept as they were).
+fn mask_params(out: &mut String, query: &str, secret: &impl Fn(&str) -> bool) {
+    for part in query.split_inclusive(['&', '?']) {
+        let (body, sep) = match part.strip_suffix(['&', '?']) {
+            Some(body) => (body, &part[body.len()..]),
+            None => (part, ""),
+        };
+        match body.split_once('=') {
+            Some((k, _)) if secret(k) => {
+                out.push_str(k);
+                out.push_str("=***");
+            }
+            _ => out.push_str(body),
+        }
+        out.push_str(sep);
+    }
 }
 
 /// A provider's base URL as it may be printed: the user info hidden, and every query

@@ -52,8 +52,10 @@ impl RedisTarget {
     /// );
     /// assert!(RedisTarget::parse("http://x").is_err());
     /// // Not a URL: its password is not repeated in the error.
-    /// let err = RedisTarget::parse("cache.test:6380,password=hunter2,ssl=True").unwrap_err();
-    /// assert!(!err.contains("hunter2"), "{err}");
+    /// for bad in ["cache.test:6380,password=hunter2,ssl=True", "h,password=hunter2", "hunter2"] {
+    ///     let err = RedisTarget::parse(bad).unwrap_err();
+    ///     assert!(!err.contains("hunter2"), "{err}");
+    /// }
     /// ```
     ///
     /// # Errors
@@ -74,18 +76,20 @@ impl RedisTarget {
         } else if url.starts_with("redis://") || url.starts_with("rediss://") || url.starts_with("unix://") {
             Ok(Self::Standalone(url.to_owned()))
         } else {
-            // Not a URL: what follows its first `:` is not shown, since a password
-            // may be anywhere in it (`host:6380,password=...,ssl=True`, the
-            // connection-string form of other clients, or a mistyped scheme).
-            let lead: String = url
-                .split(':')
-                .next()
-                .unwrap_or_default()
-                .chars()
-                .take(40)
-                .collect();
+            // Not a URL: only what comes before its first `:` (or `,` `;` `@` `/` `=`
+            // `?`) is shown, since a password may be anywhere after it
+            // (`host:6380,password=...,ssl=True`, the connection-string form of other
+            // clients, or a mistyped scheme); a value with none of them may be the
+            // password itself, and is not shown at all.
+            let shown = match url.find([':', ',', ';', '@', '/', '=', '?']) {
+                Some(i) => format!(
+                    "starting {:?}; the rest",
+                    url[..i].chars().take(40).collect::<String>()
+                ),
+                None => "its value".to_owned(),
+            };
             Err(format!(
-                "redis url (starting {lead:?}; the rest not shown) must start with redis://, rediss://, unix:// or redis+cluster://"
+                "redis url ({shown} not shown) must start with redis://, rediss://, unix:// or redis+cluster://"
             ))
         }
     }

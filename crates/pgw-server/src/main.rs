@@ -175,13 +175,17 @@ fn refused(path: &Path, e: &pgw_core::ConfigError) -> ExitCode {
 
 async fn serve(cfg: ServerConfig) -> Result<(), pgw_core::BoxError> {
     tracing::info!(version = env!("CARGO_PKG_VERSION"), listen = %cfg.server.listen, "pgw starting");
+    // The handlers first, before anything is served: a signal that came between
+    // "serving" and the first poll of a lazily registered handler took the default
+    // action and killed the process without a drain.
+    let shutdown = first_signal();
     let metrics = pgw_server::install_metrics();
     let gateway = pgw_stack::Gateway::builder(cfg.gateway.clone())
         .transport(per_thread_transport)
         .build()
         .await?;
     let server = Server::bind(&cfg, gateway, metrics).await?;
-    server.run(first_signal()).await
+    server.run(shutdown).await
 }
 
 /// Exit code after a second signal during a shutdown: 130, a shell's for SIGINT.
@@ -192,30 +196,32 @@ const FORCED_EXIT: i32 = 130;
 /// the default action, so without this a second Ctrl-C was ignored for the whole
 /// `shutdown_delay_s` + `shutdown_grace_s`, and only SIGKILL stopped the process.
 ///
-/// Both signals are listened to from the start, so a second one sent as soon as the
-/// first is taken (the log's "SIGINT received") is not missed.
+/// Both signals are listened to from the call (not from the future's first poll), so
+/// neither the first nor a second one sent as soon as the first is taken (the log's
+/// "SIGINT received") is missed.
 #[cfg(unix)]
-async fn first_signal() {
+fn first_signal() -> impl Future<Output = ()> + Send {
     use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut interrupt), Ok(mut terminate)) =
-        (signal(SignalKind::interrupt()), signal(SignalKind::terminate()))
-    else {
-        // No signal handling: the portable listener (which waits forever without it).
-        pgw_server::shutdown_signal().await;
-        return;
-    };
-    tokio::select! {
-        _ = interrupt.recv() => tracing::info!("SIGINT received"),
-        _ = terminate.recv() => tracing::info!("SIGTERM received"),
-    }
-    tokio::spawn(async move {
+    let registered = (signal(SignalKind::interrupt()), signal(SignalKind::terminate()));
+    async move {
+        let (Ok(mut interrupt), Ok(mut terminate)) = registered else {
+            // No signal handling: the portable listener (which waits forever without it).
+            pgw_server::shutdown_signal().await;
+            return;
+        };
         tokio::select! {
-            _ = interrupt.recv() => {}
-            _ = terminate.recv() => {}
+            _ = interrupt.recv() => tracing::info!("SIGINT received"),
+            _ = terminate.recv() => tracing::info!("SIGTERM received"),
         }
-        tracing::warn!("second signal: exiting now, without draining");
-        std::process::exit(FORCED_EXIT);
-    });
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = interrupt.recv() => {}
+                _ = terminate.recv() => {}
+            }
+            tracing::warn!("second signal: exiting now, without draining");
+            std::process::exit(FORCED_EXIT);
+        });
+    }
 }
 
 #[cfg(not(unix))]

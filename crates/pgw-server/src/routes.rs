@@ -172,23 +172,29 @@ pub(crate) fn cache_verdict(hit: bool, bypassed: bool, cacheable: bool) -> Heade
 pub(crate) const REQUEST_ID_HEADER: &str = "x-request-id";
 
 /// The id of one request to the server: a random prefix per process (16 bits) and a
-/// counter (37 bits: 1,000 requests a second for four years), so ids from the replicas
-/// behind one balancer rarely collide, and every id stays below 2^53, read exactly by
-/// any JSON reader of the telemetry (`call`). Every response carries it in
+/// counter (37 bits, from a random start: 1,000 requests a second for four years
+/// before it comes round), so ids from the replicas behind one balancer rarely collide,
+/// and every id stays below 2^53, read exactly by any JSON reader of the telemetry
+/// (`call`). Every response carries it in
 /// [`REQUEST_ID_HEADER`]; the chat call made for the request has it as its call id.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct RequestId(pub(crate) u64);
 
 impl RequestId {
-    fn next() -> Self {
+    pub(crate) fn next() -> Self {
         use std::hash::{BuildHasher, Hasher};
         use std::sync::atomic::AtomicU64;
-        static PREFIX: std::sync::LazyLock<u64> = std::sync::LazyLock::new(|| {
-            // A process-random value without a dependency: std's hasher keys.
-            (std::hash::RandomState::new().build_hasher().finish() & 0xffff) << 37
+        const COUNTER: u64 = (1 << 37) - 1;
+        // A process-random prefix and starting point (std's hasher keys: random
+        // without a dependency), so two processes that draw the same prefix, at once
+        // or one after the other's restart, still give out different ids.
+        static START: std::sync::LazyLock<(u64, u64)> = std::sync::LazyLock::new(|| {
+            let r = std::hash::RandomState::new().build_hasher().finish();
+            ((r >> 48) << 37, r & COUNTER)
         });
-        static NEXT: AtomicU64 = AtomicU64::new(1);
-        Self(*PREFIX | (NEXT.fetch_add(1, Ordering::Relaxed) & ((1 << 37) - 1)))
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let (prefix, start) = *START;
+        Self(prefix | (start.wrapping_add(NEXT.fetch_add(1, Ordering::Relaxed)) & COUNTER))
     }
 
     /// `req_` and the id in decimal digits, as the telemetry's `call` writes it.
@@ -205,12 +211,79 @@ impl RequestId {
 
 /// Gives every request a [`RequestId`] (an extension, for the handlers and the
 /// request's log span) and its response the id's header, whatever answered it (a
-/// handler, a framework error, a panic caught).
-async fn with_request_id(mut request: Request, next: axum::middleware::Next) -> Response {
-    let id = RequestId::next();
-    request.extensions_mut().insert(id);
-    let mut response = next.run(request).await;
-    response.headers_mut().insert(REQUEST_ID_HEADER, id.header());
+/// handler, a framework error, a panic caught). A plain layer: nothing is cloned per
+/// request.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct RequestIdLayer;
+
+impl<S> tower::Layer<S> for RequestIdLayer {
+    type Service = WithRequestId<S>;
+
+    fn layer(&self, inner: S) -> WithRequestId<S> {
+        WithRequestId { inner }
+    }
+}
+
+/// The service of [`RequestIdLayer`].
+#[derive(Clone, Debug)]
+pub(crate) struct WithRequestId<S> {
+    inner: S,
+}
+
+impl<S, B, RB> tower::Service<http::Request<B>> for WithRequestId<S>
+where
+    S: tower::Service<http::Request<B>, Response = http::Response<RB>>,
+{
+    type Response = http::Response<RB>;
+    type Error = S::Error;
+    type Future = RequestIdFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut request: http::Request<B>) -> Self::Future {
+        let id = RequestId::next();
+        request.extensions_mut().insert(id);
+        RequestIdFuture {
+            inner: self.inner.call(request),
+            id,
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// The response future of [`WithRequestId`]: the inner one's, with the id's header.
+    pub(crate) struct RequestIdFuture<F> {
+        #[pin]
+        inner: F,
+        id: RequestId,
+    }
+}
+
+impl<F, E, RB> std::future::Future for RequestIdFuture<F>
+where
+    F: std::future::Future<Output = Result<http::Response<RB>, E>>,
+{
+    type Output = Result<http::Response<RB>, E>;
+
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        let this = self.project();
+        let mut response = std::task::ready!(this.inner.poll(cx))?;
+        response.headers_mut().insert(REQUEST_ID_HEADER, this.id.header());
+        std::task::Poll::Ready(Ok(response))
+    }
+}
+
+/// A response made outside the router (past the connection cap) with a request id of
+/// its own.
+pub(crate) fn with_new_request_id(mut response: Response) -> Response {
+    response
+        .headers_mut()
+        .insert(REQUEST_ID_HEADER, RequestId::next().header());
     response
 }
 
@@ -326,7 +399,7 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         .method_not_allowed_fallback(|| async { ApiError::of_status(StatusCode::METHOD_NOT_ALLOWED) })
         .layer(
             ServiceBuilder::new()
-                .layer(axum::middleware::from_fn(with_request_id))
+                .layer(RequestIdLayer)
                 .layer(
                     TraceLayer::new_for_http()
                         .make_span_with(|r: &Request| {
@@ -417,6 +490,9 @@ fn as_openai_error(response: Response) -> Response {
     let fresh = ApiError::of_status(status).into_response();
     let (fresh_parts, body) = fresh.into_parts();
     parts.headers.remove(header::CONTENT_LENGTH);
+    if let Some(v) = fresh_parts.headers.get(crate::error::SHOULD_RETRY_HEADER) {
+        parts.headers.insert(crate::error::SHOULD_RETRY_HEADER, v.clone());
+    }
     parts.headers.insert(
         header::CONTENT_TYPE,
         fresh_parts
@@ -957,7 +1033,7 @@ mod tests {
     use super::*;
 
     /// Request ids are distinct, below 2^53 (exact in any JSON reader), share their
-    /// process's prefix, and read `req_` and 16 hex digits.
+    /// process's prefix, and read `req_` and the id in decimal.
     #[test]
     fn request_ids_are_unique_json_safe_and_well_formed() {
         let ids: Vec<RequestId> = (0..1000).map(|_| RequestId::next()).collect();

@@ -453,7 +453,9 @@ fn accept(
         let get = req.method() == http::Method::GET;
         let path = req.uri().path();
         let response: std::pin::Pin<Box<dyn Future<Output = _> + Send>> = if get && path == "/healthz" {
-            Box::pin(std::future::ready(crate::routes::healthy()))
+            Box::pin(std::future::ready(crate::routes::with_new_request_id(
+                crate::routes::healthy(),
+            )))
         } else if get && path == "/metrics" {
             let router = router.clone();
             Box::pin(async move {
@@ -465,7 +467,9 @@ fn accept(
             })
         } else {
             shed();
-            Box::pin(std::future::ready(overloaded.clone().into_response()))
+            Box::pin(std::future::ready(crate::routes::with_new_request_id(
+                overloaded.clone().into_response(),
+            )))
         };
         async move { Ok::<_, Infallible>(response.await) }
     });

@@ -69,8 +69,6 @@ fn other_bad_values_are_named() {
     GatewayConfig::from_toml_str(&format!("{GOOD}key_header = \"api-key\"\n")).unwrap();
 }
 
-/// What a layer refuses at build time is refused by the config's own check, so `pgw
-/// check` passes nothing `pgw serve` then refuses to start with.
 /// What the client or the limiter would refuse at start is refused by the config
 /// (`pgw check`), naming the field: a key that is not a valid header value (a secret
 /// file's trailing newline), a source quota past the limiter's bound.
@@ -83,6 +81,8 @@ fn what_serving_would_refuse_is_named_by_the_config() {
     assert_eq!(e.field(), "sources[0].rpm", "{e}");
 }
 
+/// What a layer refuses at build time is refused by the config's own check, so `pgw
+/// check` passes nothing `pgw serve` then refuses to start with.
 #[test]
 fn layer_rules_are_checked_by_the_config() {
     let cases = [

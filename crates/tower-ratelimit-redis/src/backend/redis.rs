@@ -652,10 +652,12 @@ impl RedisGate {
             Ok(Err(e)) => {
                 // Whether the script ran is unknown (a connection that broke after the
                 // question went out, an error part-way through): its lease is given
-                // back blindly, which is right either way (a lease it never took is
-                // not there to remove). Its request and tokens stay charged: giving
-                // back what may never have been counted would let a window overfill.
-                if let Some(lease) = lease {
+                // back blindly (a lease it never took is not there to remove). Not
+                // when the connection was refused: the question never went out, and
+                // an outage would double every failing admission. Its request and
+                // tokens stay charged: giving back what may never have been counted
+                // would let a window overfill.
+                if let Some(lease) = lease.filter(|_| !e.is_connection_refusal()) {
                     late.release_in_background(lease);
                 }
                 Err(BackendUnavailable::new("redis", "admit", e))
@@ -831,11 +833,14 @@ impl RedisGate {
             return;
         };
         rt.spawn(async move {
-            match self.release(lease).await {
+            // Not counted as a release: it may free nothing, and the count would
+            // make this process forget the slot refusals it remembers.
+            match self.zrem_lease(lease).await {
                 Ok(()) => {
                     tracing::debug!(scopes = ?self.inner.labels, "the lease of an admission answered with an error: given back");
                 }
-                Err(e) => tracing::warn!(
+                // Redis is failing already: its admissions say so, at their level.
+                Err(e) => tracing::debug!(
                     scopes = ?self.inner.labels,
                     error = %e,
                     "giving back the lease of an admission answered with an error failed; it stays until its TTL"
@@ -850,6 +855,21 @@ impl RedisGate {
     /// two in five settles of the Redis-mode soak change no count). With nothing to
     /// give back, a lease already gone changes nothing either.
     fn release(&self, lease: LeaseId) -> BackendFuture<Result<(), BackendUnavailable>> {
+        let done = self.zrem_lease(lease);
+        let k = Arc::clone(&self.inner);
+        BackendFuture::Pending(Box::pin(async move {
+            let done = done.await;
+            // As the settle script's landing: counted whether or not the answer came.
+            k.count_release();
+            done
+        }))
+    }
+
+    /// Removes `lease` from every lease zset of the gate (one pipelined round trip).
+    fn zrem_lease(
+        &self,
+        lease: LeaseId,
+    ) -> impl Future<Output = Result<(), BackendUnavailable>> + Send + 'static {
         let k = &*self.inner;
         let member = lease_member(lease);
         let mut pipe = redis::pipe();
@@ -858,13 +878,7 @@ impl RedisGate {
         }
         let mut conn = self.conn.clone();
         let timeout = k.timeout;
-        let k = Arc::clone(&self.inner);
-        BackendFuture::Pending(Box::pin(async move {
-            let done: Result<(), _> = run("settle", timeout, pipe.query_async(&mut conn)).await;
-            // As the settle script's landing: counted whether or not the answer came.
-            k.count_release();
-            done
-        }))
+        async move { run("settle", timeout, pipe.query_async(&mut conn)).await }
     }
 
     /// Forgets the remembered concurrency refusals of this gate's scopes: the next
