@@ -945,10 +945,7 @@ where
                         this.ctx.dispatched_at = Some(now);
                         let req = &this.ctx.req;
                         match entry.dispatch(cx, || req.clone()) {
-                            Dispatch::Called(fut) => {
-                                this.ctx.disarm();
-                                this.state.set(State::Calling { fut });
-                            }
+                            Dispatch::Called(fut) => this.state.set(State::Calling { fut }),
                             Dispatch::Own(svc) => this.state.set(State::Ready { svc, patience: None }),
                             Dispatch::Refused(e) => {
                                 if let Some(r) = this.ctx.finish(Err(e.into()), true) {
@@ -990,7 +987,6 @@ where
                     }
                     Poll::Ready(Ok(())) => {
                         let fut = svc.call(this.ctx.req.clone());
-                        this.ctx.disarm();
                         this.state.set(State::Calling { fut });
                     }
                     Poll::Ready(Err(e)) => {
@@ -1005,6 +1001,10 @@ where
                     let result = match fut.poll(cx) {
                         Poll::Ready(r) => r.map_err(Into::into),
                         Poll::Pending => {
+                            // The attempt is out (not refused at once by a gate below,
+                            // which keeps the call waiting with the listener it has):
+                            // no longer listening for releases.
+                            this.ctx.disarm();
                             let cut = ready!(this.ctx.poll_cut(cx));
                             // Dropping the attempt gives back what its gates hold (A4).
                             this.state.set(State::Next);
