@@ -26,6 +26,9 @@ pub(crate) struct Limiter {
     /// served): one freed slot, one wake-up, not a herd; and nothing (no lock) on the
     /// path where nobody was refused.
     refused: AtomicUsize,
+    /// Refusals ever counted (never taken back): a slot given back unused answers a
+    /// refusal only if one was counted while it was held (see [`Permit::unused`]).
+    marked: AtomicU64,
     signal: Arc<Notify>,
     /// Further release signals, each woken with `signal`: a source under several
     /// balancers (one route in two model groups) wakes one waiter of each.
@@ -52,6 +55,7 @@ impl Limiter {
             episode: AtomicU64::new(0),
             inflight: AtomicUsize::new(0),
             refused: AtomicUsize::new(0),
+            marked: AtomicU64::new(0),
             signal,
             also,
             floor: config.min_limit,
@@ -125,6 +129,7 @@ impl Limiter {
         // Dekker-style: count the refusal, then re-check. A release that the re-check
         // does not see comes later in the SeqCst order and therefore sees the count.
         self.refused.fetch_add(1, Ordering::SeqCst);
+        self.marked.fetch_add(1, Ordering::SeqCst);
         if self.try_acquire() {
             // Admitted after all: the refusal is withdrawn (unless a release took it
             // already, whose wake-up then finds a waiter who re-checks, or is kept
@@ -259,12 +264,32 @@ pub(crate) struct Permit {
     limiter: Arc<Limiter>,
     /// The congestion episode the request is sent in.
     episode: u64,
+    /// The limiter's count of refusals ever counted when the slot was taken; `None`
+    /// once given back unused with none counted since (its drop then wakes nobody).
+    marked: Option<u64>,
 }
 
 impl Permit {
     pub(crate) fn new(limiter: Arc<Limiter>) -> Self {
         let episode = limiter.episode();
-        Self { limiter, episode }
+        let marked = Some(limiter.marked.load(Ordering::SeqCst));
+        Self {
+            limiter,
+            episode,
+            marked,
+        }
+    }
+
+    /// Gives the slot back unused (the service below refused in `poll_ready`): it
+    /// wakes a waiter only if someone was refused while it was held. A refusal counted
+    /// before it was taken was not caused by it, and is answered by a real release:
+    /// waking for it here woke a balancer round that met the same refusal below, which
+    /// gave its slot back again, one round after another while old refusals were
+    /// counted.
+    pub(crate) fn unused(mut self) {
+        if self.marked == Some(self.limiter.marked.load(Ordering::SeqCst)) {
+            self.marked = None;
+        }
     }
 
     /// Feeds the request's outcome to its limiter, in the episode it was sent in.
@@ -275,7 +300,11 @@ impl Permit {
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        self.limiter.release();
+        if self.marked.is_some() {
+            self.limiter.release();
+        } else {
+            self.limiter.inflight.fetch_sub(1, Ordering::SeqCst);
+        }
     }
 }
 

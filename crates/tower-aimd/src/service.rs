@@ -166,8 +166,11 @@ where
         }
         let ready = self.inner.poll_ready(cx).map_err(Into::into);
         if matches!(ready, Poll::Ready(Err(_))) {
-            // Not admitted below: the slot goes back at once.
-            self.permit = None;
+            // Not admitted below: the slot goes back at once, waking a waiter only
+            // for a refusal counted while it was held.
+            if let Some(p) = self.permit.take() {
+                p.unused();
+            }
         }
         ready
     }

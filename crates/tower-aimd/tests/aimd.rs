@@ -74,6 +74,76 @@ async fn shed_mode_answers_paced_with_the_source_and_fires_the_signal() {
     assert_eq!(h.inflight(), 0);
 }
 
+/// A slot taken in `poll_ready` and given back because the service below refused (a
+/// gate that knows its quota is full) wakes nobody for refusals counted before it
+/// was taken: they are a real release's to answer. Before, each such give-back took
+/// an old refusal and woke a balancer round, which met the same refusal below and
+/// gave its slot back again: one round after another while old refusals were counted.
+/// A refusal counted while the slot was held is still answered.
+#[tokio::test(start_paused = true)]
+async fn a_slot_given_back_unused_wakes_only_for_refusals_while_it_was_held() {
+    let signal = Arc::new(tokio::sync::Notify::new());
+    let layer = AimdLayer::new(one_slot())
+        .unwrap()
+        .with_source(SourceId::from("s1"))
+        .with_release_signal(Arc::clone(&signal))
+        .shedding();
+    let h = layer.handle();
+    let ok = || service_fn(|_: &str| async { Ok::<_, BoxError>("ok") });
+    // `a` holds the only slot; three sheds count three refusals.
+    let mut a = layer.layer(ok());
+    assert!(matches!(a.ready().now_or_never(), Some(Ok(_))));
+    for _ in 0..3 {
+        let mut b = layer.layer(ok());
+        let _ = b.ready().await.unwrap().call("shed").await.unwrap_err();
+    }
+    // A real release answers one of them (the signal's permit, taken here).
+    assert_eq!(a.call("one").await.unwrap(), "ok");
+    assert!(Arc::clone(&signal).notified_owned().now_or_never().is_some());
+    // A gate below that refuses in `poll_ready`: the slot goes back, nobody is woken.
+    let mut c = layer.layer(Refusing(Arc::new(|| {})));
+    assert!(matches!(c.ready().now_or_never(), Some(Err(_))));
+    assert_eq!(h.inflight(), 0);
+    assert!(
+        Arc::clone(&signal).notified_owned().now_or_never().is_none(),
+        "an old refusal woke a round"
+    );
+    // Someone refused while the slot was held (shed by another service of the layer,
+    // from inside the gate's `poll_ready`): the give-back answers it.
+    let other = layer.clone();
+    let mut d = layer.layer(Refusing(Arc::new(move || {
+        let mut b = other.layer(service_fn(|_: &str| async { Ok::<_, BoxError>("ok") }));
+        assert!(
+            matches!(b.ready().now_or_never(), Some(Ok(_))),
+            "shed: ready to answer Paced"
+        );
+    })));
+    assert!(matches!(d.ready().now_or_never(), Some(Err(_))));
+    assert!(
+        Arc::clone(&signal).notified_owned().now_or_never().is_some(),
+        "a refusal while the slot was held is woken"
+    );
+}
+
+/// A service that refuses every `poll_ready` (`Paced`), after running its hook.
+#[derive(Clone)]
+struct Refusing(Arc<dyn Fn() + Send + Sync>);
+
+impl Service<&'static str> for Refusing {
+    type Response = &'static str;
+    type Error = BoxError;
+    type Future = std::future::Ready<Result<&'static str, BoxError>>;
+
+    fn poll_ready(&mut self, _cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), BoxError>> {
+        (self.0)();
+        std::task::Poll::Ready(Err(Box::new(Paced::new())))
+    }
+
+    fn call(&mut self, _req: &'static str) -> Self::Future {
+        std::future::ready(Err("not ready".into()))
+    }
+}
+
 /// A source under two balancers (one route in two model groups): a freed slot wakes a
 /// waiter of each, set before or after `with_source` (which starts a fresh limiter).
 #[tokio::test(start_paused = true)]
