@@ -3,9 +3,9 @@
 //! empty completions [`pgw_core::EmptyCompletion`]).
 
 use std::fmt;
+use std::time::Duration;
 
 use pgw_core::BoxError;
-use std::time::Duration;
 
 /// Which watchdog cut the attempt.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -17,11 +17,11 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use pgw_core::BoxError;
-
-use crate::error::TransportError;
 use thread_local::ThreadLocal;
 use tower::util::BoxCloneSyncService;
 use tower_service::Service;
+
+use crate::error::TransportError;
 
 /// The body type of a [`BoxTransport`]'s responses.
 pub type UpstreamBody = UnsyncBoxBody<Bytes, BoxError>;

@@ -141,6 +141,13 @@ impl ChatMessage {
     pub fn carries_audio(&self) -> bool {
         matches!(self.extra.get("audio"), Some(Value::Object(o)) if !o.is_empty())
     }
+
+    /// Whether the message answers: text, a tool call or audio (a decline or a cut
+    /// by the token limit is judged on the choice, [`Choice::has_output`]).
+    #[must_use]
+    pub fn answers(&self) -> bool {
+        self.content.has_output() || self.calls_tool() || self.carries_audio()
+    }
 }
 
 /// A chat completion request (`POST /v1/chat/completions`).
@@ -328,11 +335,7 @@ impl Choice {
     /// provider sent it, as from the provider itself; it is no failure of the source.
     #[must_use]
     pub fn has_output(&self) -> bool {
-        self.message.content.has_output()
-            || self.message.calls_tool()
-            || self.message.carries_audio()
-            || self.is_declined()
-            || self.finish_reason.as_deref() == Some(FINISH_LENGTH)
+        self.message.answers() || self.is_declined() || self.finish_reason.as_deref() == Some(FINISH_LENGTH)
     }
 }
 
@@ -381,10 +384,7 @@ impl ChatResponse {
     /// answer: a final answer for the caller, not a failure of the source.
     #[must_use]
     pub fn is_declined(&self) -> bool {
-        self.choices.iter().any(Choice::is_declined)
-            && !self.choices.iter().any(|c| {
-                c.message.content.has_output() || c.message.calls_tool() || c.message.carries_audio()
-            })
+        self.choices.iter().any(Choice::is_declined) && !self.choices.iter().any(|c| c.message.answers())
     }
 }
 

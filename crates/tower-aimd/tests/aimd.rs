@@ -46,11 +46,7 @@ async fn wait_mode_is_pending_until_a_slot_frees() {
 #[tokio::test(start_paused = true)]
 async fn shed_mode_answers_paced_with_the_source_and_fires_the_signal() {
     let signal = Arc::new(tokio::sync::Notify::new());
-    let layer = AimdLayer::new(one_slot())
-        .unwrap()
-        .with_source(SourceId::from("s1"))
-        .with_release_signal(Arc::clone(&signal))
-        .shedding();
+    let layer = one_slot_shedding(&signal);
     let h = layer.handle();
     let (mut a, mut handle) = mock::spawn_layer::<&str, &str, _>(layer.clone());
     let mut b = layer.layer(service_fn(|_: &str| async { Ok::<_, BoxError>("never") }));
@@ -83,11 +79,7 @@ async fn shed_mode_answers_paced_with_the_source_and_fires_the_signal() {
 #[tokio::test(start_paused = true)]
 async fn a_slot_given_back_unused_wakes_only_for_refusals_while_it_was_held() {
     let signal = Arc::new(tokio::sync::Notify::new());
-    let layer = AimdLayer::new(one_slot())
-        .unwrap()
-        .with_source(SourceId::from("s1"))
-        .with_release_signal(Arc::clone(&signal))
-        .shedding();
+    let layer = one_slot_shedding(&signal);
     let h = layer.handle();
     let ok = || service_fn(|_: &str| async { Ok::<_, BoxError>("ok") });
     // `a` holds the only slot; three sheds count three refusals.
@@ -112,7 +104,7 @@ async fn a_slot_given_back_unused_wakes_only_for_refusals_while_it_was_held() {
     // from inside the gate's `poll_ready`): the give-back answers it.
     let other = layer.clone();
     let mut d = layer.layer(Refusing(Arc::new(move || {
-        let mut b = other.layer(service_fn(|_: &str| async { Ok::<_, BoxError>("ok") }));
+        let mut b = other.layer(ok());
         assert!(
             matches!(b.ready().now_or_never(), Some(Ok(_))),
             "shed: ready to answer Paced"
@@ -123,6 +115,15 @@ async fn a_slot_given_back_unused_wakes_only_for_refusals_while_it_was_held() {
         Arc::clone(&signal).notified_owned().now_or_never().is_some(),
         "a refusal while the slot was held is woken"
     );
+}
+
+/// One slot in shed mode, source `s1`, releases signalled on `signal`.
+fn one_slot_shedding(signal: &Arc<tokio::sync::Notify>) -> AimdLayer {
+    AimdLayer::new(one_slot())
+        .unwrap()
+        .with_source(SourceId::from("s1"))
+        .with_release_signal(Arc::clone(signal))
+        .shedding()
 }
 
 /// A service that refuses every `poll_ready` (`Paced`), after running its hook.
