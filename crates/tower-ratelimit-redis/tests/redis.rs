@@ -162,7 +162,9 @@ impl Monitor {
 }
 
 /// Exactly one round trip per admission, per settle and per hold, counted by the
-/// server (INFO commandstats on a private server nobody else uses).
+/// server (INFO commandstats on a private server nobody else uses). A settle that
+/// gives only tokens back is its lease's `ZREM`s (pipelined, one per scope with a
+/// concurrency quota); the next admission's script gives the tokens back.
 #[tokio::test]
 async fn one_round_trip_per_operation() {
     let server = PrivateRedis::start();
@@ -213,14 +215,15 @@ async fn one_round_trip_per_operation() {
     let seen = monitor.client_commands();
     let after = info(&mut info_conn).await;
     let evalsha = calls(&after, "evalsha") - calls(&before, "evalsha");
-    assert_eq!(evalsha, 2 * N + 1, "admit + settle per call, one per hold");
-    assert_eq!(seen.len() as u64, 2 * N + 1, "client commands: {seen:?}");
-    assert!(seen.iter().all(|c| c == "evalsha"), "{seen:?}");
+    assert_eq!(evalsha, N + 1, "an admission per call, one per hold");
+    let zrem = seen.iter().filter(|c| *c == "zrem").count() as u64;
+    assert_eq!(zrem, 2 * N, "a ZREM per scope per settle: {seen:?}");
+    assert_eq!(seen.len() as u64, 3 * N + 1, "client commands: {seen:?}");
+    assert!(seen.iter().all(|c| c == "evalsha" || c == "zrem"), "{seen:?}");
 }
 
-/// Round trips (`EVALSHA`: the limiter sends nothing else) and every command in total
-/// (scripts' own included) the server has run, from `INFO commandstats`, leaving out
-/// the `INFO`s that read them.
+/// Scripts (`EVALSHA`) and every command in total (scripts' own included) the server
+/// has run, from `INFO commandstats`, leaving out the `INFO`s that read them.
 async fn commands(conn: &RedisConn) -> (u64, u64) {
     let mut c = conn.clone();
     let info: String = redis::cmd("INFO")
@@ -240,10 +243,11 @@ async fn commands(conn: &RedisConn) -> (u64, u64) {
     (calls(&info, "evalsha"), total)
 }
 
-/// Redis round trips and commands per call through the layer, for a limiter with
-/// nothing to enforce, RPM only, and RPM + TPM + concurrency in the source and its
-/// account: none, one (admission), two (admission + settle, which the answer does not
-/// wait for). Printed for the README.
+/// Redis scripts and commands per call through the layer, for a limiter with nothing
+/// to enforce, RPM only, and RPM + TPM + concurrency in the source and its account:
+/// none, one (admission), one (admission; the settle, which the answer does not wait
+/// for, is a `ZREM` per scope, and the tokens it gives back ride with the next
+/// admission). Printed for the README.
 #[tokio::test]
 async fn redis_commands_per_call() {
     let server = PrivateRedis::start();
@@ -263,10 +267,10 @@ async fn redis_commands_per_call() {
         (
             "rpm+tpm+concurrency, account",
             RateLimitConfig::new("s2", full).account("acct", full),
-            2,
+            1,
         ),
     ];
-    for (name, config, round_trips) in cases {
+    for (name, config, scripts) in cases {
         // Long enough that no background hold refresh falls inside the measurement.
         let config = config.hold_refresh(Duration::from_secs(60));
         let l = RateLimiter::new(config, RedisBackend::new(conn.clone())).unwrap();
@@ -277,21 +281,21 @@ async fn redis_commands_per_call() {
         // Warm-up: loads the scripts, reads the holds once.
         svc.ready().await.unwrap().call(()).await.unwrap();
         tokio::time::sleep(Duration::from_millis(50)).await;
-        let (rt0, all0) = commands(&conn).await;
+        let (sc0, all0) = commands(&conn).await;
         const N: u64 = 50;
         for _ in 0..N {
             svc.ready().await.unwrap().call(()).await.unwrap();
         }
         // The settles finish in the background.
         tokio::time::sleep(Duration::from_millis(100)).await;
-        let (rt1, all1) = commands(&conn).await;
+        let (sc1, all1) = commands(&conn).await;
         #[allow(clippy::cast_precision_loss)]
         let per_call = (all1 - all0) as f64 / N as f64;
         println!(
-            "{name}: {} round trips, {per_call:.1} commands per call",
-            (rt1 - rt0) / N
+            "{name}: {} scripts, {per_call:.1} commands per call",
+            (sc1 - sc0) / N
         );
-        assert_eq!(rt1 - rt0, round_trips * N, "{name}");
+        assert_eq!(sc1 - sc0, scripts * N, "{name}");
         assert_eq!(l.stats().admitted, N + 1);
         assert_eq!(l.stats().settle_failures, 0);
         assert_eq!(
@@ -345,6 +349,86 @@ async fn a_lease_only_settle_is_one_zrem_per_scope_and_no_script() {
     assert_eq!(here.stats().settle_failures, 0);
 }
 
+/// A settle that gives only tokens back (the call used fewer than its estimate) runs
+/// no script: the next admission this process sends carries the tokens, and gives them
+/// back before its checks, even when it is refused. Here another process sees them
+/// once this one's refused admission carried them.
+#[tokio::test]
+async fn a_token_refund_rides_with_the_next_admission_even_a_refused_one() {
+    let (_server, conn) = private_redis().await;
+    // Sub-windows of 6 s: no flush of the deferred refund falls inside the test.
+    let config = || {
+        RateLimitConfig::new("s1", Quota::unlimited().tokens(100).concurrency(1))
+            .window(Duration::from_secs(60))
+            .sub_windows(10)
+            .hold_refresh(Duration::from_secs(60))
+    };
+    let here = RateLimiter::new(config(), RedisBackend::new(conn.clone())).unwrap();
+    let elsewhere = RateLimiter::new(config(), RedisBackend::new(conn.clone())).unwrap();
+    // Warm-up: the scripts loaded.
+    here.acquire(0).await.unwrap().refund().await.unwrap();
+    let p = here.acquire(90).await.unwrap();
+    let (s0, all0) = commands(&conn).await;
+    p.finish(Some(0)).await.unwrap();
+    let (s1, all1) = commands(&conn).await;
+    assert_eq!(s1 - s0, 0, "no script for a settle that gives only tokens back");
+    assert_eq!(all1 - all0, 1, "its lease's ZREM");
+    // Not given back yet: 90 of 100 still count for everyone else.
+    let e = elsewhere.acquire(20).await.unwrap_err();
+    assert!(e.to_string().contains("tpm"), "{e}");
+    // The other process takes the slot; this one's next admission is refused for it,
+    // and carries the refund all the same.
+    let slot = elsewhere.acquire(0).await.unwrap();
+    let (s0, _) = commands(&conn).await;
+    let e = here.acquire(5).await.unwrap_err();
+    assert!(e.to_string().contains("concurrency"), "{e}");
+    let (s1, _) = commands(&conn).await;
+    assert_eq!(s1 - s0, 1, "the refused admission went to Redis");
+    slot.finish(None).await.unwrap();
+    // The whole quota is free again: the 90 came back with the refused admission.
+    elsewhere
+        .acquire(100)
+        .await
+        .expect("the refund landed with the refused admission")
+        .finish(Some(100))
+        .await
+        .unwrap();
+    assert_eq!(here.stats().settle_failures, 0);
+}
+
+/// A deferred token refund that no admission carries lands on its own within a
+/// quarter window (a settle script the first deferral schedules): a process that goes
+/// quiet does not keep its unused estimate counted for the rest of the window.
+#[tokio::test]
+async fn a_deferred_token_refund_lands_within_a_quarter_window_without_an_admission() {
+    let (_server, conn) = private_redis().await;
+    // Four sub-windows of 1 s: the refund is sent after one. Without it, the 90
+    // would count for 4 s and more.
+    let config = || {
+        RateLimitConfig::new("s1", Quota::unlimited().tokens(100))
+            .window(Duration::from_secs(4))
+            .sub_windows(4)
+            .hold_refresh(Duration::from_secs(60))
+    };
+    let here = RateLimiter::new(config(), RedisBackend::new(conn.clone())).unwrap();
+    let elsewhere = RateLimiter::new(config(), RedisBackend::new(conn.clone())).unwrap();
+    let p = here.acquire(90).await.unwrap();
+    p.finish(Some(10)).await.unwrap();
+    let e = elsewhere.acquire(20).await.unwrap_err();
+    assert!(e.to_string().contains("tpm"), "80 not given back yet: {e}");
+    let (s0, _) = commands(&conn).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let (s1, _) = commands(&conn).await;
+    assert_eq!(s1 - s0, 1, "one settle script sent the deferred refund");
+    elsewhere
+        .acquire(90)
+        .await
+        .expect("10 used + 90 fit once the refund landed")
+        .finish(Some(90))
+        .await
+        .unwrap();
+}
+
 /// A settle sent without waiting is the settle script's first use on a fresh server
 /// (its earlier settles gave only leases back, with `ZREM`s), and it still lands before
 /// the caller's next admission: the backend's first admission loaded the script.
@@ -363,9 +447,11 @@ async fn a_detached_settle_lands_first_on_a_fresh_server() {
     for _ in 0..3 {
         l.acquire(0).await.unwrap().finish(None).await.unwrap();
     }
+    // A refund (the call was not admitted below) runs the settle script. (Tokens
+    // alone given back would ride with the next admission, no script.)
     let p = l.acquire(60).await.unwrap();
-    p.finish_detached(Some(0));
-    // 60 more fit only with the 60 reserved and not used given back.
+    p.refund_detached();
+    // 60 more fit only with the 60 reserved given back.
     l.acquire(60).await.unwrap().finish(Some(60)).await.unwrap();
     assert_eq!(l.stats().settle_failures, 0);
 }
@@ -1497,13 +1583,13 @@ async fn a_finish_dropped_half_way_still_releases_its_lease() {
     assert!(freed, "the dropped finish's lease was released in the background");
 }
 
-/// A request count refused again before its wait ended is trusted twice as long each
-/// time, up to its wait: a call polling a full window asks Redis a handful of times,
-/// not once a sub-window. RPM 1 over a 6 s window (100 ms sub-windows), the request
-/// held by another process: 1.5 s of polling every 20 ms asks at 0 ms, then about
-/// 100, 300, 700 and 1500 ms (16 questions at one a sub-window).
+/// A request count's refusal is trusted for its whole wait (until the oldest
+/// sub-window leaves): a call polling it asks Redis once, not once a sub-window. RPM 1
+/// over a 6 s window (100 ms sub-windows), the request held by another process: 1.5 s
+/// of polling every 20 ms asks once (16 questions at one a sub-window, 5 with the
+/// trust doubling at each refusal, as before 2026-12-05).
 #[tokio::test]
-async fn a_request_count_refused_again_is_trusted_twice_as_long() {
+async fn a_request_count_refusal_is_trusted_for_its_whole_wait() {
     let (_server, conn) = private_redis().await;
     let config = RateLimitConfig::new("s1", Quota::unlimited().requests(1)).window(Duration::from_secs(6));
     assert_eq!(config.sub_window_len(), Duration::from_millis(100));
@@ -1518,20 +1604,18 @@ async fn a_request_count_refused_again_is_trusted_twice_as_long() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let (after, _) = commands(&conn).await;
-    let asked = after - before;
-    assert!((3..=7).contains(&asked), "{asked} questions in 1.5 s");
+    assert_eq!(after - before, 1, "one question in 1.5 s");
     held.finish(None).await.unwrap();
 }
 
-/// A window refusal this process remembers is trusted one sub-window at most: another
-/// process's refund (a request given back, tokens used below their estimate) frees it
-/// unseen here. Two processes on one RPM of 1: B's request refunded, A asked again
-/// after a sub-window (100 ms of a 6 s window) and was admitted; before, A refused
-/// from its memory for the whole window.
+/// A token refusal this process remembers is trusted one sub-window at most: another
+/// process's refund (tokens used below their estimate, a call refunded) frees it
+/// unseen here. Two processes on one TPM of 1000: B's 900 refunded, A asked again
+/// after a sub-window (100 ms of a 6 s window) and was admitted.
 #[tokio::test]
-async fn a_remembered_window_refusal_is_trusted_one_sub_window() {
+async fn a_remembered_token_refusal_is_trusted_one_sub_window() {
     let (_server, conn) = private_redis().await;
-    let config = RateLimitConfig::new("s1", Quota::unlimited().requests(1).tokens(1000))
+    let config = RateLimitConfig::new("s1", Quota::unlimited().requests(10).tokens(1000))
         .window(Duration::from_secs(6));
     let sub = config.sub_window_len();
     assert_eq!(sub, Duration::from_millis(100));
@@ -1539,15 +1623,18 @@ async fn a_remembered_window_refusal_is_trusted_one_sub_window() {
     let a = RateLimiter::new(config.clone(), RedisBackend::new(conn.clone())).unwrap();
     let b = RateLimiter::new(config, RedisBackend::new(conn.clone())).unwrap();
     let held = b.acquire(900).await.unwrap();
-    let refused = a.acquire(10).await.unwrap_err();
-    assert!(refused.to_string().contains("rpm"), "{refused}");
+    let refused = a.acquire(200).await.unwrap_err();
+    assert!(refused.to_string().contains("tpm"), "{refused}");
     held.refund().await.unwrap();
     // At once, A still answers from its memory (no round trip).
-    assert!(a.acquire(10).await.is_err());
+    let (before, _) = commands(&conn).await;
+    assert!(a.acquire(200).await.is_err());
+    let (after, _) = commands(&conn).await;
+    assert_eq!(after, before, "answered from memory");
     tokio::time::sleep(sub + Duration::from_millis(20)).await;
     let p = a
-        .acquire(10)
+        .acquire(200)
         .await
-        .expect("asked again after a sub-window: the request is back");
+        .expect("asked again after a sub-window: the tokens are back");
     p.finish(None).await.unwrap();
 }

@@ -261,6 +261,7 @@ impl RedisBackend {
                 timeout: config.response_timeout,
                 has_account,
                 last_refusal: AtomicU64::new(0),
+                deferred: Mutex::default(),
             }),
         }
     }
@@ -307,6 +308,54 @@ struct GateKeys {
     /// The last refusal's dimension (the script's number) and scope index, `dim << 8 |
     /// scope`: what a local refusal while others ask names.
     last_refusal: AtomicU64,
+    /// Token refunds deferred to this gate's next admission (see [`Deferred`]).
+    deferred: Mutex<Deferred>,
+}
+
+/// Token refunds of settles that changed no other count (the call used fewer tokens
+/// than its estimate: nearly every settle), deferred to the gate's next admission,
+/// whose script gives them back before its checks: the settle itself is then only its
+/// lease's `ZREM`s (one command a scope instead of a script of five to seven; Redis-mode
+/// P6: about 4 of 27 Redis commands per call). Until they land, the window counts the
+/// estimate: more than was used, never less, so a quota holds; only this process's
+/// next admission sees them at once (it carries them, and gives them back even when it
+/// is refused). They land within a quarter window ([`deferral_subs`]) all the same:
+/// the first one deferred schedules a settle script that sends whatever no admission
+/// carried by then ([`RedisGate::flush_deferred`]).
+///
+/// One entry per sub-window of admission (server ms, aligned down to it), tokens
+/// negative; at most [`MAX_DEFERRED`] entries (past that they are sent at once).
+#[derive(Debug, Default)]
+struct Deferred {
+    refunds: Vec<(i64, i64)>,
+    /// A flush is scheduled.
+    armed: bool,
+}
+
+/// The sub-windows of admission a gate keeps deferred refunds for before it sends them
+/// (a call lasting longer than a sub-window settles in a later one than it was
+/// admitted in, so a busy gate holds a few): 16.
+const MAX_DEFERRED: usize = 16;
+
+/// How many sub-windows a deferred refund waits for an admission to carry it before
+/// it is sent on its own: a quarter of the window, rounded up (3 of the default 10).
+///
+/// A sub-window was too short: P6's Redis mode admits to each source about every 1.2
+/// sub-windows, so half the refunds went by a flush (a settle script each, as before)
+/// and the settles' commands fell by a fifth instead of four fifths.
+const fn deferral_subs(subs: i64) -> i64 {
+    let q = (subs + 3) / 4;
+    if q < 1 { 1 } else { q }
+}
+
+impl Deferred {
+    /// Adds `tokens` (negative) given back to the sub-window starting at `at`.
+    fn add(&mut self, at: i64, tokens: i64) {
+        match self.refunds.iter_mut().find(|(a, _)| *a == at) {
+            Some((_, t)) => *t = t.saturating_add(tokens),
+            None => self.refunds.push((at, tokens)),
+        }
+    }
 }
 
 /// How soon an admission refused because others are asking Redis for the room its
@@ -368,6 +417,12 @@ impl GateKeys {
         self.limits.chunks_exact(3).any(|l| l[0] >= 0 || l[1] >= 0)
     }
 
+    /// Whether some scope of this gate has a token quota (a count of tokens to give
+    /// back).
+    fn limits_tokens(&self) -> bool {
+        self.limits.chunks_exact(3).any(|l| l[1] >= 0)
+    }
+
     /// Each scope's count of refunds this process sent, account first.
     fn refund_counts(&self) -> [u64; 2] {
         let mut counts = [0; 2];
@@ -393,7 +448,6 @@ impl GateKeys {
         tokens: u64,
         refunds: [u64; 2],
         released: [u64; 2],
-        refused: bool,
     ) {
         let (Some(memo), Some(limits)) = (self.memos.get(i), self.limits.get(3 * i..3 * i + 3)) else {
             return;
@@ -406,27 +460,14 @@ impl GateKeys {
         let mut known = lock(&memo.refused);
         // Checked again under the lock a refund takes.
         if !since(memo.refunds.load(Ordering::Acquire)) {
-            // Other processes give back too (a refund, tokens used below their
-            // estimate): a window refusal is trusted for one sub-window, then one
-            // admission asks again; its wait is still answered whole. A request count
-            // refused again before its wait ended is trusted twice as long each time
-            // (up to its wait): another process's refund of a request is rare, and
-            // that process takes the request itself first (its own refund forgets
-            // its refusal), where tokens come back with nearly every settle.
-            let streak = match *known {
-                Some(prev)
-                    if refused
-                        && dim == 1
-                        && prev.dim == 1
-                        && prev.limits[..] == limits[..]
-                        && sent < prev.until_ms =>
-                {
-                    prev.streak.saturating_add(1).min(MAX_TRUST_DOUBLINGS)
-                }
-                _ => 0,
-            };
-            let trusted = if matches!(dim, 1 | 2) {
-                wait.min(self.sub_ms.max(1) << streak)
+            // Other processes give back too: a token refusal is trusted for one
+            // sub-window, then one admission asks again (tokens come back with nearly
+            // every settle; its wait is still answered whole). A request count is
+            // trusted for its whole wait, until the oldest sub-window leaves: another
+            // process's refund of a request is rare, and that process takes the
+            // request itself first (its own refund forgets its refusal).
+            let trusted = if dim == 2 {
+                wait.min(self.sub_ms.max(1))
             } else {
                 wait
             };
@@ -437,7 +478,6 @@ impl GateKeys {
                 tokens,
                 released: released.get(i).copied().unwrap_or(0),
                 limits: [limits[0], limits[1], limits[2]],
-                streak,
             });
         }
     }
@@ -469,12 +509,12 @@ impl GateKeys {
 ///
 /// What it answers, and for how long:
 /// - a request count (`rpm`, dimension 1) frees when the oldest sub-window leaves, or
-///   when another process gives a request back (a refund, unseen here): trusted for
-///   one sub-window, then one admission asks again; refused again before its wait
-///   ended, twice as long each time, up to the wait ([`MAX_TRUST_DOUBLINGS`]);
-/// - tokens (`tpm`, 2): the same (another process's call using fewer tokens than it
-///   reserved gives the rest back), for an admission asking at least as many tokens
-///   (a smaller one may fit);
+///   when another process gives a request back (a refund, unseen here, and rare):
+///   trusted for its whole wait;
+/// - tokens (`tpm`, 2) come back with nearly every settle of another process (a call
+///   using fewer than it reserved): trusted for one sub-window, then one admission
+///   asks again; only for an admission asking at least as many tokens (a smaller one
+///   may fit);
 /// - a concurrency slot (3) frees when a lease ends: until the earliest lease's expiry
 ///   or the slot hint, while this process gives back no lease of that scope (another
 ///   process's release is seen when the memory ends: at most the slot hint late);
@@ -494,7 +534,7 @@ struct Refusal {
     /// Until when (local ms since the book's base), counted from when it was asked.
     until_ms: i64,
     /// Until when it is answered without a round trip: `until_ms`, or one sub-window
-    /// after the question for a window's refusal (another process's refund frees it
+    /// after the question for a token refusal (another process's refund frees it
     /// unseen).
     trusted_ms: i64,
     /// The dimension, as the script numbers it.
@@ -506,16 +546,7 @@ struct Refusal {
     /// The scope's quota as the refused limiter asked for it (rpm, tpm, concurrency;
     /// -1 unlimited): another limiter with a different quota for the scope asks.
     limits: [i64; 3],
-    /// A request count's refusals in a row, each asked before the last one's wait
-    /// ended: it is trusted `sub-window << streak` (see [`MAX_TRUST_DOUBLINGS`]).
-    streak: u32,
 }
-
-/// How often a request count's refusal, refused again before its wait ended, doubles
-/// the time it is trusted: up to 6 times (64 sub-windows, more than any window), so a
-/// call waiting a whole window for a request asks Redis about 7 times, not once a
-/// sub-window (60).
-const MAX_TRUST_DOUBLINGS: u32 = 6;
 
 impl Refusal {
     /// Whether it still refuses an admission of `tokens` at `at_ms` through limiter `k`,
@@ -602,6 +633,7 @@ fn hold_refusal(end: i64, wait: i64) -> QuotaExceeded {
 }
 
 /// One limiter's keys in a [`RedisBackend`].
+#[derive(Clone)]
 pub(crate) struct RedisGate {
     conn: RedisConn,
     book: Arc<HoldBook>,
@@ -616,6 +648,18 @@ impl fmt::Debug for RedisGate {
             .field("scopes", &self.inner.labels)
             .finish_non_exhaustive()
     }
+}
+
+/// Takes the gate's deferred refunds into a script's arguments (their count, then
+/// each sub-window and its tokens, as `admit.lua` and `settle.lua` read them), and
+/// answers them.
+fn carry_deferred(inv: &mut redis::ScriptInvocation<'static>, k: &GateKeys) -> Vec<(i64, i64)> {
+    let carried = std::mem::take(&mut lock(&k.deferred).refunds);
+    inv.arg(carried.len());
+    for (at, tokens) in &carried {
+        inv.arg(*at).arg(*tokens);
+    }
+    carried
 }
 
 fn lease_member(id: LeaseId) -> String {
@@ -638,6 +682,11 @@ impl RedisGate {
     /// given back through `late`), instead of staying charged for its window and its
     /// lease TTL. The connection must wait longer than `timeout` for an answer for
     /// that (`RedisConn::connect` waits [`pgw_core::redis_conn::LATE_ANSWER_WAIT`]).
+    ///
+    /// `carried`: the deferred refunds the question carries. Put back when the
+    /// connection was refused (the question never went out); lost otherwise on an
+    /// error (the script may have run them): the window then counts them until they
+    /// leave it, more than was used, never less.
     async fn ask_admission(
         inv: redis::ScriptInvocation<'static>,
         mut conn: RedisConn,
@@ -645,11 +694,18 @@ impl RedisGate {
         late: Self,
         tokens: u64,
         lease: Option<LeaseId>,
+        carried: Vec<(i64, i64)>,
     ) -> Result<Vec<i64>, BackendUnavailable> {
         let mut question = Box::pin(async move { inv.invoke_async::<Vec<i64>>(&mut conn).await });
         match tokio::time::timeout(timeout, question.as_mut()).await {
             Ok(Ok(reply)) => Ok(reply),
             Ok(Err(e)) => {
+                if e.is_connection_refusal() && !carried.is_empty() {
+                    let mut deferred = lock(&late.inner.deferred);
+                    for (at, t) in carried {
+                        deferred.add(at, t);
+                    }
+                }
                 // Whether the script ran is unknown (a connection that broke after the
                 // question went out, an error part-way through): its lease is given
                 // back blindly (a lease it never took is not there to remove). Not
@@ -881,6 +937,74 @@ impl RedisGate {
         async move { run("settle", timeout, pipe.query_async(&mut conn)).await }
     }
 
+    /// Defers a refund of `tokens` (negative) admitted at server ms `at_ms` to the
+    /// next admission (see [`Deferred`]), scheduling a flush [`deferral_subs`]
+    /// sub-windows from now if none is, or flushing at once past [`MAX_DEFERRED`]
+    /// sub-windows of admission.
+    fn defer_refund(&self, at_ms: i64, tokens: i64) {
+        let k = &*self.inner;
+        let sub = k.sub_ms.max(1);
+        let mut deferred = lock(&k.deferred);
+        deferred.add(at_ms - at_ms.rem_euclid(sub), tokens);
+        let now = deferred.refunds.len() > MAX_DEFERRED;
+        if deferred.armed && !now {
+            return;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            // No runtime to send them from: the next admission carries them.
+            return;
+        };
+        deferred.armed = true;
+        drop(deferred);
+        let gate = self.clone();
+        let wait = if now {
+            Duration::ZERO
+        } else {
+            millis(sub.saturating_mul(deferral_subs(k.subs)))
+        };
+        rt.spawn(async move {
+            tokio::time::sleep(wait).await;
+            gate.flush_deferred().await;
+        });
+    }
+
+    /// Sends the refunds no admission carried (the settle script, with no lease and
+    /// no delta of its own). A failure is logged: they stay counted for their window.
+    async fn flush_deferred(&self) {
+        let k = &*self.inner;
+        {
+            let mut deferred = lock(&k.deferred);
+            deferred.armed = false;
+            if deferred.refunds.is_empty() {
+                return;
+            }
+        }
+        let mut inv = SETTLE.prepare_invoke();
+        for key in &k.settle_keys {
+            inv.key(key);
+        }
+        inv.arg(k.n)
+            .arg(k.sub_ms)
+            .arg(k.subs)
+            .arg(0)
+            .arg(0)
+            .arg(0)
+            .arg("");
+        for l in &k.limits {
+            inv.arg(*l);
+        }
+        carry_deferred(&mut inv, k);
+        let mut conn = self.conn.clone();
+        let sent: Result<i64, _> = run("settle", k.timeout, inv.invoke_async(&mut conn)).await;
+        if let Err(e) = sent {
+            tracing::warn!(
+                scopes = ?k.labels,
+                error = %e,
+                "giving back deferred token refunds failed; they stay counted for their window"
+            );
+        }
+    }
+
     /// Forgets the remembered concurrency refusals of this gate's scopes: the next
     /// admission asks Redis. For a waiter's last try before its deadline: a lease
     /// another process ended since is unseen here, and the memory may outlast the wait.
@@ -973,10 +1097,8 @@ impl Gate for RedisGate {
         let inner = self.inner.clone();
         let book = self.book.clone();
         let late = Self {
-            conn: self.conn.clone(),
-            book: self.book.clone(),
             cache: None,
-            inner: self.inner.clone(),
+            ..self.clone()
         };
         let load_settle = !book.settle_loaded.load(Ordering::Relaxed) && k.settles_counts();
         BackendFuture::Pending(Box::pin(async move {
@@ -984,7 +1106,10 @@ impl Gate for RedisGate {
             if load_settle {
                 Self::load_settle(&book, &conn, inner.timeout).await;
             }
-            let reply = Self::ask_admission(inv, conn, inner.timeout, late, tokens, lease).await?;
+            // Taken as the question goes out: an admission dropped before it asks
+            // leaves them to the next.
+            let carried = carry_deferred(&mut inv, &inner);
+            let reply = Self::ask_admission(inv, conn, inner.timeout, late, tokens, lease, carried).await?;
             match reply.as_slice() {
                 // The script's window id is `now / window_ms`: the admission's own.
                 [1, now, _win, scope, dim_no, wait, rooms @ ..] => {
@@ -1008,7 +1133,7 @@ impl Gate for RedisGate {
                             u64::try_from(*dim_no << 8).unwrap_or(0) | i as u64,
                             Ordering::Relaxed,
                         );
-                        inner.remember(i, *dim_no, sent, *wait, tokens, refunds, released, false);
+                        inner.remember(i, *dim_no, sent, *wait, tokens, refunds, released);
                     }
                     Ok(Verdict::Admitted {
                         at: nanos(millis(*now)),
@@ -1033,7 +1158,7 @@ impl Gate for RedisGate {
                         book.saw_server(*server_now, Instant::now());
                         inner.ends[i].fetch_max(server_now.saturating_add(*wait), Ordering::Release);
                     } else {
-                        inner.remember(i, *dim_no, sent, *wait, tokens, refunds, released, true);
+                        inner.remember(i, *dim_no, sent, *wait, tokens, refunds, released);
                     }
                     let refusal = if *dim_no == 4 {
                         hold_refusal(server_now.saturating_add(*wait), *wait)
@@ -1063,8 +1188,26 @@ impl Gate for RedisGate {
         if released {
             k.count_release();
         }
-        if let Some(lease) = s.lease.filter(|_| s.requests == 0 && s.tokens == 0) {
-            return self.release(lease);
+        // Tokens matter only to a scope with a token quota. A settle that changes no
+        // request count and charges no tokens sends no script: tokens given back are
+        // deferred (see [`Deferred`]), so an admission this process sends next carries
+        // them (even one sent before this settle's future runs), and the lease goes by
+        // `ZREM`s.
+        //
+        // Unlike the settle script's, such a refund does not depend on the lease being
+        // still there: that rule keeps a settle applied twice (resent by a cluster
+        // client that lost its answer) from giving back twice, and a deferred refund
+        // leaves this process once, with whatever carries it. So a lease that expired
+        // before its settle gets its unused tokens back too.
+        let tokens = if k.limits_tokens() { s.tokens } else { 0 };
+        if s.requests == 0 && tokens <= 0 {
+            if tokens < 0 {
+                self.defer_refund(i64::try_from(s.at.as_millis()).unwrap_or(i64::MAX), tokens);
+            }
+            return match s.lease {
+                Some(lease) => self.release(lease),
+                None => BackendFuture::ready(Ok(())),
+            };
         }
         let mut inv = SETTLE.prepare_invoke();
         for key in &k.settle_keys {
@@ -1075,7 +1218,7 @@ impl Gate for RedisGate {
             .arg(k.subs)
             .arg(u64::try_from(s.at.as_millis()).unwrap_or(u64::MAX))
             .arg(s.requests)
-            .arg(s.tokens)
+            .arg(tokens)
             .arg(s.lease.map(lease_member).unwrap_or_default());
         for l in &k.limits {
             inv.arg(*l);
@@ -1085,6 +1228,8 @@ impl Gate for RedisGate {
         // One reference for the counts when it lands and the warning.
         let k = Arc::clone(&self.inner);
         BackendFuture::Pending(Box::pin(async move {
+            // Refunds deferred so far go along.
+            carry_deferred(&mut inv, &k);
             let applied: Result<i64, _> = run("settle", timeout, inv.invoke_async(&mut conn)).await;
             // Counted whether or not the answer came: a settle that timed out may still
             // run, and a count too many only forgets a refusal (one more question).

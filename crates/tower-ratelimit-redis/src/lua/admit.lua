@@ -7,7 +7,10 @@
 --   c  zset of concurrency leases, scored by expiry (ms)
 --   h  hold: the instant (ms) until which the scope is not admitted
 -- ARGV: nscopes, window_ms, sub_ms, subs, tokens, lease_id ('' = no lease),
---       lease_ttl_ms, slot_hint_ms, then per scope: rpm, tpm, concurrency (-1 = unlimited)
+--       lease_ttl_ms, slot_hint_ms, then per scope: rpm, tpm, concurrency (-1 = unlimited),
+--       then m and m pairs (admitted_ms, tokens < 0): token refunds of earlier settles
+--       of these scopes that the process deferred to this admission (see settle.lua),
+--       given back (to each scope with a tpm) before the checks, refused or not.
 -- Returns {1, now_ms, window, scope_index, dimension, wait_ms, room...} when admitted
 --         (window: the aligned window's id, a label; dimension 0, or what this
 --         admission filled: 1 its last request, 3 its last slot, and how long until it
@@ -32,6 +35,15 @@ local lease = ARGV[6]
 local ttl = tonumber(ARGV[7])
 local hint = tonumber(ARGV[8])
 local cur = math.floor(now / g)
+
+local base = 9 + 3 * n
+local m = tonumber(ARGV[base]) or 0
+local backs, ats = {}, {}
+for j = 1, m do
+  local at = math.floor(tonumber(ARGV[base + 2 * j - 1]) / g)
+  backs[j] = {at, tonumber(ARGV[base + 2 * j])}
+  ats[j] = at
+end
 
 local worst_dim, worst_scope, worst_wait = 0, 0, -1
 local function refuse(i, dim, wait)
@@ -58,13 +70,18 @@ for i = 0, n - 1 do
     refuse(i, 4, hold - now)
   end
   if rpm >= 0 or tpm >= 0 then
-    local st = read(w, cur, k)
+    local st = read(w, cur, k, ats)
     windows[i] = st
+    if tpm >= 0 then
+      for j = 1, m do
+        back(st, 't', backs[j][1], backs[j][2])
+      end
+    end
     if rpm >= 0 and st.r + 1 > rpm then
-      refuse(i, 1, wait_for(w, 'r', st.r, 1, rpm, cur, k, g, now))
+      refuse(i, 1, wait_for(w, 'r', st.r, 1, rpm, cur, k, g, now, st.cell))
     end
     if tpm >= 0 and st.t + tokens > tpm then
-      refuse(i, 2, wait_for(w, 't', st.t, tokens, tpm, cur, k, g, now))
+      refuse(i, 2, wait_for(w, 't', st.t, tokens, tpm, cur, k, g, now, st.cell))
     end
   end
   if conc >= 0 then
@@ -84,6 +101,14 @@ for i = 0, n - 1 do
   end
 end
 if worst_dim > 0 then
+  if m > 0 then
+    -- Refused, but the refunds it carried are given back.
+    for i = 0, n - 1 do
+      if windows[i] then
+        write(KEYS[3 * i + 1], windows[i], cur, k, g)
+      end
+    end
+  end
   return {0, now, worst_scope, worst_dim, worst_wait}
 end
 

@@ -6,7 +6,10 @@
 --
 -- KEYS, two per scope: w (window hash), c (lease zset)
 -- ARGV: nscopes, sub_ms, subs, admitted_ms, delta_requests, delta_tokens,
---       lease_id ('' = none), then per scope: rpm, tpm, concurrency (-1 = unlimited)
+--       lease_id ('' = none), then per scope: rpm, tpm, concurrency (-1 = unlimited),
+--       then m and m pairs (admitted_ms, tokens < 0): token refunds of earlier settles
+--       that the process deferred (their leases went by ZREM), given back to each
+--       scope with a tpm whatever this settle's lease says.
 -- Returns 1, or 2 when a refund was not given back because the lease was gone.
 -- Only what a scope limits is touched; the clock is read only when a count changes.
 -- Applied once: a settle whose lease is already gone gives nothing back (see below).
@@ -17,6 +20,15 @@ local at = math.floor(tonumber(ARGV[4]) / g)
 local dr = tonumber(ARGV[5])
 local dt = tonumber(ARGV[6])
 local lease = ARGV[7]
+local base = 8 + 3 * n
+local m = tonumber(ARGV[base]) or 0
+local ats = {at}
+local backs = {}
+for j = 1, m do
+  local b = math.floor(tonumber(ARGV[base + 2 * j - 1]) / g)
+  backs[j] = {b, tonumber(ARGV[base + 2 * j])}
+  ats[j + 1] = b
+end
 -- The lease is released first. A settle that finds it in none of the zsets that should
 -- hold it was already applied (a cluster client resends a script whose answer it lost)
 -- or its lease expired and was purged: what it gives back is not given back again (a
@@ -45,15 +57,21 @@ for i = 0, n - 1 do
   local r = 0
   local tk = 0
   if tonumber(ARGV[8 + 3 * i]) >= 0 then r = dr end
-  if tonumber(ARGV[9 + 3 * i]) >= 0 then tk = dt end
-  if r ~= 0 or tk ~= 0 then
+  local tpm = tonumber(ARGV[9 + 3 * i]) >= 0
+  if tpm then tk = dt end
+  if r ~= 0 or tk ~= 0 or (tpm and m > 0) then
     if not cur then
       local t = redis.call('TIME')
       cur = math.floor((tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)) / g)
     end
-    local st = read(w, cur, k, at)
+    local st = read(w, cur, k, ats)
     if r < 0 then back(st, 'r', at, r) end
     if tk < 0 then back(st, 't', at, tk) end
+    if tpm then
+      for j = 1, m do
+        back(st, 't', backs[j][1], backs[j][2])
+      end
+    end
     if r > 0 then add(st, 'r', cur, r) end
     if tk > 0 then add(st, 't', cur, tk) end
     write(w, st, cur, k, g)

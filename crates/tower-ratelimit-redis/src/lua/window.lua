@@ -28,16 +28,20 @@
 -- one window and two sub-windows of it are left, not at every write.
 
 -- Reads hash q at sub-window cur, with the cells of sub-windows cur and, when given,
--- at. Drops, in the state it answers (written by write()), the sub-windows no longer
--- live. The state: r, t (totals), l (newest written; false: no live hash), o (oldest
+-- at (one sub-window, or a list of them). Drops, in the state it answers (written by
+-- write()), the sub-windows no longer live. The state: r, t (totals), l (newest written; false: no live hash), o (oldest
 -- kept), e, ce, z, cell (field -> count), dirty (fields changed), moved (o moved on),
 -- drop (fields to delete), dead (a hash whose every sub-window left: deleted by
 -- write()).
 local function read(q, cur, k, at)
   local f = {'o', 'r', 't', 'l', 'e', 'ce', 'z', 'r' .. cur, 't' .. cur}
-  if at and at ~= cur then
-    f[#f + 1] = 'r' .. at
-    f[#f + 1] = 't' .. at
+  local seen = {[cur] = true}
+  for _, b in ipairs(type(at) == 'table' and at or {at}) do
+    if not seen[b] then
+      seen[b] = true
+      f[#f + 1] = 'r' .. b
+      f[#f + 1] = 't' .. b
+    end
   end
   local v = redis.call('HMGET', q, unpack(f))
   local oldest = cur - k
@@ -146,8 +150,9 @@ end
 
 -- How long until hash q has room for need more of count c ('r' or 't') within limit,
 -- given its total: until the first sub-window whose departure frees enough leaves.
--- Read only when refusing.
-local function wait_for(q, c, total, need, limit, cur, k, g, now)
+-- Read only when refusing. cell, when given, holds counts changed since they were
+-- read and not yet written (a refund applied before the checks).
+local function wait_for(q, c, total, need, limit, cur, k, g, now, cell)
   local excess = total + need - limit
   local f = {}
   for b = cur - k, cur do
@@ -156,7 +161,8 @@ local function wait_for(q, c, total, need, limit, cur, k, g, now)
   local v = redis.call('HMGET', q, unpack(f))
   local freed = 0
   for i = 1, #v do
-    freed = freed + (tonumber(v[i]) or 0)
+    local changed = cell and cell[f[i]]
+    freed = freed + (changed or tonumber(v[i]) or 0)
     if freed >= excess then
       -- Sub-window cur - k + i - 1 leaves at (cur + i) * g.
       return (cur + i) * g - now
