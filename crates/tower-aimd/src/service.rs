@@ -30,10 +30,46 @@ pub struct Aimd<S, C = OkIsSuccess> {
     mode: Mode,
     classifier: C,
     permit: Option<Permit>,
-    notified: Option<Pin<Box<OwnedNotified>>>,
+    /// Mode::Wait: waiting for a release, with a refusal counted.
+    waiting: Option<Waiting>,
     /// Mode::Shed: `poll_ready` found no slot; the next `call` answers `Paced`
     /// without calling the inner service (which was not polled ready).
     shed: bool,
+}
+
+/// A waiter's registration on the release signal and the refusal it counted. Dropped
+/// before its wake-up came (admitted by another path, or the service dropped while it
+/// waits), it withdraws that refusal, so no release wakes anyone for it; woken, the
+/// release took the refusal already.
+struct Waiting {
+    notified: Option<Pin<Box<OwnedNotified>>>,
+    limiter: Arc<Limiter>,
+}
+
+impl Waiting {
+    /// Whether the wake-up came (then nothing is left to withdraw).
+    fn poll_woken(&mut self, cx: &mut Context<'_>) -> bool {
+        let woken = self
+            .notified
+            .as_mut()
+            .is_none_or(|n| n.as_mut().poll(cx).is_ready());
+        if woken {
+            self.notified = None;
+        }
+        woken
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        if let Some(n) = self.notified.take() {
+            // Deregistered first: a wake-up that came meanwhile passes on to the next
+            // waiter (tokio's `Notified`), whose refusal the withdrawal below then
+            // stands for.
+            drop(n);
+            self.limiter.take_refusal();
+        }
+    }
 }
 
 impl<S> Aimd<S> {
@@ -56,7 +92,7 @@ impl<S, C> Aimd<S, C> {
             mode,
             classifier,
             permit: None,
-            notified: None,
+            waiting: None,
             shed: false,
         }
     }
@@ -96,19 +132,16 @@ impl<S, C> Aimd<S, C> {
         loop {
             // A wake-up is taken before the slot: a `Notified` dropped with its wake-up
             // unread would pass it on to the next waiter, who would find no slot.
-            if let Some(n) = self.notified.as_mut()
-                && n.as_mut().poll(cx).is_ready()
-            {
-                self.notified = None;
+            if self.waiting.as_mut().is_some_and(|w| w.poll_woken(cx)) {
+                self.waiting = None;
             }
             if self.limiter.try_acquire() {
-                if self.notified.take().is_some() {
-                    // Admitted before our wake-up came: withdraw the refusal it was for.
-                    self.limiter.take_refusal();
-                }
+                // Admitted before our wake-up came: dropping the wait withdraws the
+                // refusal it was for.
+                self.waiting = None;
                 break;
             }
-            if self.notified.is_some() {
+            if self.waiting.is_some() {
                 return Poll::Pending;
             }
             // Enable before marking, so a release between our refusal and our poll
@@ -118,9 +151,11 @@ impl<S, C> Aimd<S, C> {
             if self.limiter.acquire_or_mark() {
                 break;
             }
-            self.notified = Some(n);
+            self.waiting = Some(Waiting {
+                notified: Some(n),
+                limiter: Arc::clone(&self.limiter),
+            });
         }
-        self.notified = None;
         self.permit = Some(Permit::new(Arc::clone(&self.limiter)));
         Poll::Ready(())
     }

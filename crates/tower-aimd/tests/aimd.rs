@@ -117,6 +117,31 @@ async fn a_slot_given_back_unused_wakes_only_for_refusals_while_it_was_held() {
     );
 }
 
+/// A Wait-mode service dropped while it waits for a slot withdraws its refusal: the
+/// next release wakes nobody for a call that is gone. Before, the refusal stayed
+/// counted, and the release woke a waiter for it (here, with none left, it left the
+/// signal a permit: the next waiter to come would have been woken for nothing).
+#[tokio::test(start_paused = true)]
+async fn a_waiter_dropped_while_waiting_withdraws_its_refusal() {
+    let signal = Arc::new(tokio::sync::Notify::new());
+    let layer = AimdLayer::new(one_slot())
+        .unwrap()
+        .with_release_signal(Arc::clone(&signal));
+    let h = layer.handle();
+    let ok = || service_fn(|_: &str| async { Ok::<_, BoxError>("ok") });
+    let mut a = layer.layer(ok());
+    assert!(matches!(a.ready().now_or_never(), Some(Ok(_))));
+    let mut b = layer.layer(ok());
+    assert!(b.ready().now_or_never().is_none(), "limit 1 reached: b waits");
+    drop(b);
+    assert_eq!(a.call("one").await.unwrap(), "ok");
+    assert_eq!(h.inflight(), 0);
+    assert!(
+        Arc::clone(&signal).notified_owned().now_or_never().is_none(),
+        "the release woke someone for the dropped waiter"
+    );
+}
+
 /// One slot in shed mode, source `s1`, releases signalled on `signal`.
 fn one_slot_shedding(signal: &Arc<tokio::sync::Notify>) -> AimdLayer {
     AimdLayer::new(one_slot())
