@@ -92,7 +92,7 @@ impl Limiter {
     }
 
     /// Wakes one waiter of each release signal.
-    fn wake_one(&self) {
+    pub(crate) fn wake_one(&self) {
         self.signal.notify_one();
         for s in &self.also {
             s.notify_one();

@@ -62,10 +62,21 @@ impl Waiting {
 
 impl Drop for Waiting {
     fn drop(&mut self) {
-        if let Some(n) = self.notified.take() {
-            // Deregistered first: a wake-up that came meanwhile passes on to the next
-            // waiter (tokio's `Notified`), whose refusal the withdrawal below then
-            // stands for.
+        let Some(mut n) = self.notified.take() else {
+            return;
+        };
+        if n.as_mut()
+            .poll(&mut Context::from_waker(std::task::Waker::noop()))
+            .is_ready()
+        {
+            // Woken already: the release took this refusal. Its freed slot goes to
+            // the next waiter with a refusal counted, as a release would wake it
+            // (dropped unread, tokio's `Notified` would pass the wake-up on even with
+            // nobody waiting, left as a permit that wakes the next waiter for nothing).
+            if self.limiter.take_refusal() {
+                self.limiter.wake_one();
+            }
+        } else {
             drop(n);
             self.limiter.take_refusal();
         }

@@ -140,6 +140,24 @@ async fn a_waiter_dropped_while_waiting_withdraws_its_refusal() {
         Arc::clone(&signal).notified_owned().now_or_never().is_none(),
         "the release woke someone for the dropped waiter"
     );
+    // Dropped after its wake-up came and before it read it: the wake-up is not left
+    // to the signal as a permit (nobody else waits). A fresh limit of 1 (the success
+    // above grew this one).
+    let layer = AimdLayer::new(one_slot())
+        .unwrap()
+        .with_release_signal(Arc::clone(&signal));
+    let h = layer.handle();
+    let mut c = layer.layer(ok());
+    assert!(matches!(c.ready().now_or_never(), Some(Ok(_))));
+    let mut d = layer.layer(ok());
+    assert!(d.ready().now_or_never().is_none(), "d waits");
+    assert_eq!(c.call("two").await.unwrap(), "ok");
+    drop(d);
+    assert_eq!(h.inflight(), 0);
+    assert!(
+        Arc::clone(&signal).notified_owned().now_or_never().is_none(),
+        "the dropped waiter's wake-up was left for nobody"
+    );
 }
 
 /// One slot in shed mode, source `s1`, releases signalled on `signal`.

@@ -888,7 +888,9 @@ impl Permit {
     /// reservation is reconciled and the lease released, in one round trip. Tokens
     /// reserved and not used go back to the sub-window of admission (while it still
     /// counts); tokens used beyond the estimate are charged where the settle lands,
-    /// so they count against every span from now on.
+    /// so they count against every span from now on. On standalone Redis, tokens given
+    /// back alone ride with this limiter's next admission instead (or a settle script
+    /// a quarter window later): until then other processes count the estimate.
     ///
     /// # Errors
     /// [`BackendUnavailable`] (also logged and counted in

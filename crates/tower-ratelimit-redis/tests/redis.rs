@@ -396,6 +396,30 @@ async fn a_token_refund_rides_with_the_next_admission_even_a_refused_one() {
     assert_eq!(here.stats().settle_failures, 0);
 }
 
+/// On a cluster, whose client may run a script twice, tokens given back go by the
+/// settle script at once (its lease check keeps a second run from giving back again),
+/// not with the next admission (which has no lease to tell a second run by): another
+/// process sees them at once.
+#[tokio::test]
+async fn on_a_cluster_a_token_refund_goes_at_once() {
+    let h = Harness::redis(common::cluster(), "cluster_token_refund").await;
+    let config = h
+        .config("s1", Quota::unlimited().tokens(100).concurrency(2))
+        .window(Duration::from_secs(60));
+    let here = h.limiter(config.clone());
+    let elsewhere = h.other_process(config).unwrap();
+    let p = here.acquire(90).await.unwrap();
+    p.finish(Some(0)).await.unwrap();
+    elsewhere
+        .acquire(100)
+        .await
+        .expect("the 90 given back at once")
+        .finish(Some(100))
+        .await
+        .unwrap();
+    assert_eq!(here.stats().settle_failures, 0);
+}
+
 /// A deferred token refund that no admission carries lands on its own within a
 /// quarter window (a settle script the first deferral schedules): a process that goes
 /// quiet does not keep its unused estimate counted for the rest of the window.

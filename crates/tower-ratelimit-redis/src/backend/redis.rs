@@ -317,11 +317,14 @@ struct GateKeys {
 /// whose script gives them back before its checks: the settle itself is then only its
 /// lease's `ZREM`s (one command a scope instead of a script of five to seven; Redis-mode
 /// P6: about 4 of 27 Redis commands per call). Until they land, the window counts the
-/// estimate: more than was used, never less, so a quota holds; only this process's
+/// estimate: more than was used, never less, so a quota holds; only this limiter's
 /// next admission sees them at once (it carries them, and gives them back even when it
-/// is refused). They land within a quarter window ([`deferral_subs`]) all the same:
-/// the first one deferred schedules a settle script that sends whatever no admission
-/// carried by then ([`RedisGate::flush_deferred`]).
+/// is refused), not another process nor a sibling limiter of the same account (its
+/// admissions ask without them). They land within a quarter window
+/// ([`deferral_subs`]) all the same: the first one deferred schedules a settle script
+/// that sends whatever no admission carried by then ([`RedisGate::flush_deferred`]).
+/// Standalone Redis only (see [`RedisGate::settle`]: a cluster client may run a script
+/// twice).
 ///
 /// One entry per sub-window of admission (server ms, aligned down to it), tokens
 /// negative; at most [`MAX_DEFERRED`] entries (past that they are sent at once).
@@ -650,16 +653,31 @@ impl fmt::Debug for RedisGate {
     }
 }
 
-/// Takes the gate's deferred refunds into a script's arguments (their count, then
-/// each sub-window and its tokens, as `admit.lua` and `settle.lua` read them), and
-/// answers them.
+/// Takes the gate's deferred refunds into a script's arguments (see [`refund_args`]),
+/// and answers them.
 fn carry_deferred(inv: &mut redis::ScriptInvocation<'static>, k: &GateKeys) -> Vec<(i64, i64)> {
     let carried = std::mem::take(&mut lock(&k.deferred).refunds);
-    inv.arg(carried.len());
-    for (at, tokens) in &carried {
+    refund_args(inv, &carried);
+    carried
+}
+
+/// Refunds as `admit.lua` and `settle.lua` read them: their count, then each
+/// sub-window of admission (server ms) and its tokens.
+fn refund_args(inv: &mut redis::ScriptInvocation<'static>, refunds: &[(i64, i64)]) {
+    inv.arg(refunds.len());
+    for (at, tokens) in refunds {
         inv.arg(*at).arg(*tokens);
     }
-    carried
+}
+
+/// A scheduled flush of a gate's deferred refunds: clears the gate's `armed` flag when
+/// dropped, whether the flush ran or its task was dropped with its runtime.
+struct Armed(RedisGate);
+
+impl Drop for Armed {
+    fn drop(&mut self) {
+        lock(&self.0.inner.deferred).armed = false;
+    }
 }
 
 fn lease_member(id: LeaseId) -> String {
@@ -701,10 +719,7 @@ impl RedisGate {
             Ok(Ok(reply)) => Ok(reply),
             Ok(Err(e)) => {
                 if e.is_connection_refusal() && !carried.is_empty() {
-                    let mut deferred = lock(&late.inner.deferred);
-                    for (at, t) in carried {
-                        deferred.add(at, t);
-                    }
+                    late.put_back(carried);
                 }
                 // Whether the script ran is unknown (a connection that broke after the
                 // question went out, an error part-way through): its lease is given
@@ -938,14 +953,21 @@ impl RedisGate {
     }
 
     /// Defers a refund of `tokens` (negative) admitted at server ms `at_ms` to the
-    /// next admission (see [`Deferred`]), scheduling a flush [`deferral_subs`]
-    /// sub-windows from now if none is, or flushing at once past [`MAX_DEFERRED`]
-    /// sub-windows of admission.
+    /// next admission (see [`Deferred`]).
     fn defer_refund(&self, at_ms: i64, tokens: i64) {
+        let sub = self.inner.sub_ms.max(1);
+        self.put_back(vec![(at_ms - at_ms.rem_euclid(sub), tokens)]);
+    }
+
+    /// Adds refunds (sub-window of admission, tokens) to the deferred ones, scheduling
+    /// a flush [`deferral_subs`] sub-windows from now if none is, or flushing at once
+    /// past [`MAX_DEFERRED`] sub-windows of admission.
+    fn put_back(&self, refunds: Vec<(i64, i64)>) {
         let k = &*self.inner;
-        let sub = k.sub_ms.max(1);
         let mut deferred = lock(&k.deferred);
-        deferred.add(at_ms - at_ms.rem_euclid(sub), tokens);
+        for (at, tokens) in refunds {
+            deferred.add(at, tokens);
+        }
         let now = deferred.refunds.len() > MAX_DEFERRED;
         if deferred.armed && !now {
             return;
@@ -956,15 +978,17 @@ impl RedisGate {
         };
         deferred.armed = true;
         drop(deferred);
-        let gate = self.clone();
         let wait = if now {
             Duration::ZERO
         } else {
-            millis(sub.saturating_mul(deferral_subs(k.subs)))
+            millis(k.sub_ms.max(1).saturating_mul(deferral_subs(k.subs)))
         };
+        // Disarmed however the task ends (run, or dropped with its runtime), so a
+        // later refund schedules another.
+        let armed = Armed(self.clone());
         rt.spawn(async move {
             tokio::time::sleep(wait).await;
-            gate.flush_deferred().await;
+            armed.0.flush_deferred().await;
         });
     }
 
@@ -972,12 +996,13 @@ impl RedisGate {
     /// no delta of its own). A failure is logged: they stay counted for their window.
     async fn flush_deferred(&self) {
         let k = &*self.inner;
-        {
+        let refunds = {
             let mut deferred = lock(&k.deferred);
             deferred.armed = false;
-            if deferred.refunds.is_empty() {
-                return;
-            }
+            std::mem::take(&mut deferred.refunds)
+        };
+        if refunds.is_empty() {
+            return;
         }
         let mut inv = SETTLE.prepare_invoke();
         for key in &k.settle_keys {
@@ -993,7 +1018,7 @@ impl RedisGate {
         for l in &k.limits {
             inv.arg(*l);
         }
-        carry_deferred(&mut inv, k);
+        refund_args(&mut inv, &refunds);
         let mut conn = self.conn.clone();
         let sent: Result<i64, _> = run("settle", k.timeout, inv.invoke_async(&mut conn)).await;
         if let Err(e) = sent {
@@ -1194,13 +1219,15 @@ impl Gate for RedisGate {
         // them (even one sent before this settle's future runs), and the lease goes by
         // `ZREM`s.
         //
-        // Unlike the settle script's, such a refund does not depend on the lease being
-        // still there: that rule keeps a settle applied twice (resent by a cluster
-        // client that lost its answer) from giving back twice, and a deferred refund
-        // leaves this process once, with whatever carries it. So a lease that expired
-        // before its settle gets its unused tokens back too.
+        // Not on a cluster: its client resends a script whose connection dropped after
+        // Redis ran it, and the script carrying the refunds (an admission, a settle, a
+        // flush) has no lease to tell a second run by, so it would give them back
+        // twice (the settle script's own refund finds its lease gone the second time
+        // and gives nothing back). A standalone connection sends a script once. There,
+        // such a refund does not depend on the lease being still there: a lease that
+        // expired before its settle gets its unused tokens back too.
         let tokens = if k.limits_tokens() { s.tokens } else { 0 };
-        if s.requests == 0 && tokens <= 0 {
+        if s.requests == 0 && (tokens == 0 || (tokens < 0 && !self.conn.is_cluster())) {
             if tokens < 0 {
                 self.defer_refund(i64::try_from(s.at.as_millis()).unwrap_or(i64::MAX), tokens);
             }
