@@ -661,6 +661,33 @@ fn carry_deferred(inv: &mut redis::ScriptInvocation<'static>, k: &GateKeys) -> V
     carried
 }
 
+/// The settle script on gate `k`'s keys, up to its limits (`settle.lua`'s arguments
+/// but the refunds it carries): the sub-window of admission `at_ms` (server ms), the
+/// changes of requests and tokens, and the lease (`""`: none).
+fn settle_invocation(
+    k: &GateKeys,
+    at_ms: u64,
+    requests: i64,
+    tokens: i64,
+    lease: String,
+) -> redis::ScriptInvocation<'static> {
+    let mut inv = SETTLE.prepare_invoke();
+    for key in &k.settle_keys {
+        inv.key(key);
+    }
+    inv.arg(k.n)
+        .arg(k.sub_ms)
+        .arg(k.subs)
+        .arg(at_ms)
+        .arg(requests)
+        .arg(tokens)
+        .arg(lease);
+    for l in &k.limits {
+        inv.arg(*l);
+    }
+    inv
+}
+
 /// Refunds as `admit.lua` and `settle.lua` read them: their count, then each
 /// sub-window of admission (server ms) and its tokens.
 fn refund_args(inv: &mut redis::ScriptInvocation<'static>, refunds: &[(i64, i64)]) {
@@ -1004,20 +1031,7 @@ impl RedisGate {
         if refunds.is_empty() {
             return;
         }
-        let mut inv = SETTLE.prepare_invoke();
-        for key in &k.settle_keys {
-            inv.key(key);
-        }
-        inv.arg(k.n)
-            .arg(k.sub_ms)
-            .arg(k.subs)
-            .arg(0)
-            .arg(0)
-            .arg(0)
-            .arg("");
-        for l in &k.limits {
-            inv.arg(*l);
-        }
+        let mut inv = settle_invocation(k, 0, 0, 0, String::new());
         refund_args(&mut inv, &refunds);
         let mut conn = self.conn.clone();
         let sent: Result<i64, _> = run("settle", k.timeout, inv.invoke_async(&mut conn)).await;
@@ -1236,20 +1250,13 @@ impl Gate for RedisGate {
                 None => BackendFuture::ready(Ok(())),
             };
         }
-        let mut inv = SETTLE.prepare_invoke();
-        for key in &k.settle_keys {
-            inv.key(key);
-        }
-        inv.arg(k.n)
-            .arg(k.sub_ms)
-            .arg(k.subs)
-            .arg(u64::try_from(s.at.as_millis()).unwrap_or(u64::MAX))
-            .arg(s.requests)
-            .arg(tokens)
-            .arg(s.lease.map(lease_member).unwrap_or_default());
-        for l in &k.limits {
-            inv.arg(*l);
-        }
+        let mut inv = settle_invocation(
+            k,
+            u64::try_from(s.at.as_millis()).unwrap_or(u64::MAX),
+            s.requests,
+            tokens,
+            s.lease.map(lease_member).unwrap_or_default(),
+        );
         let mut conn = self.conn.clone();
         let timeout = k.timeout;
         // One reference for the counts when it lands and the warning.
