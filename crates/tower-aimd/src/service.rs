@@ -73,6 +73,10 @@ impl Drop for Waiting {
             // the next waiter with a refusal counted, as a release would wake it
             // (dropped unread, tokio's `Notified` would pass the wake-up on even with
             // nobody waiting, left as a permit that wakes the next waiter for nothing).
+            // A wake-up that came just as this waiter took a slot anyway (admitted by
+            // `try_acquire`) is passed on too: the next waiter may find no slot and
+            // count its refusal again, where a wake-up kept back could leave a slot
+            // idle.
             if self.limiter.take_refusal() {
                 self.limiter.wake_one();
             }

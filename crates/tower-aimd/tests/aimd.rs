@@ -158,6 +158,25 @@ async fn a_waiter_dropped_while_waiting_withdraws_its_refusal() {
         Arc::clone(&signal).notified_owned().now_or_never().is_none(),
         "the dropped waiter's wake-up was left for nobody"
     );
+    // With another waiter behind it, the wake-up goes on to that one. A fresh limit
+    // of 1 again; the slot is freed by a drop, not a success, so it stays 1.
+    let layer = AimdLayer::new(one_slot())
+        .unwrap()
+        .with_release_signal(Arc::clone(&signal));
+    let h = layer.handle();
+    let mut c = layer.layer(ok());
+    assert!(matches!(c.ready().now_or_never(), Some(Ok(_))));
+    let (mut d, _hd) = mock::spawn_layer::<&str, &str, _>(layer.clone());
+    let (mut e, _he) = mock::spawn_layer::<&str, &str, _>(layer.clone());
+    assert!(d.poll_ready().is_pending());
+    assert!(e.poll_ready().is_pending());
+    drop(c);
+    assert!(d.is_woken(), "the first waiter was woken");
+    assert!(!e.is_woken());
+    drop(d);
+    assert!(e.is_woken(), "its wake-up went on to the next waiter");
+    assert!(e.poll_ready().is_ready());
+    assert_eq!(h.inflight(), 1);
 }
 
 /// One slot in shed mode, source `s1`, releases signalled on `signal`.

@@ -426,11 +426,11 @@ async fn on_a_cluster_a_token_refund_goes_at_once() {
 #[tokio::test]
 async fn a_deferred_token_refund_lands_within_a_quarter_window_without_an_admission() {
     let (_server, conn) = private_redis().await;
-    // Four sub-windows of 1 s: the refund is sent after one. Without it, the 90
-    // would count for 4 s and more.
+    // Four sub-windows of 2 s: the refund is sent after one. Without it, the 90
+    // would count for 8 s and more.
     let config = || {
         RateLimitConfig::new("s1", Quota::unlimited().tokens(100))
-            .window(Duration::from_secs(4))
+            .window(Duration::from_secs(8))
             .sub_windows(4)
             .hold_refresh(Duration::from_secs(60))
     };
@@ -441,7 +441,7 @@ async fn a_deferred_token_refund_lands_within_a_quarter_window_without_an_admiss
     let e = elsewhere.acquire(20).await.unwrap_err();
     assert!(e.to_string().contains("tpm"), "80 not given back yet: {e}");
     let (s0, _) = commands(&conn).await;
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
     let (s1, _) = commands(&conn).await;
     assert_eq!(s1 - s0, 1, "one settle script sent the deferred refund");
     elsewhere

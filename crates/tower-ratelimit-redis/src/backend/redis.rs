@@ -697,13 +697,20 @@ fn refund_args(inv: &mut redis::ScriptInvocation<'static>, refunds: &[(i64, i64)
     }
 }
 
-/// A scheduled flush of a gate's deferred refunds: clears the gate's `armed` flag when
-/// dropped, whether the flush ran or its task was dropped with its runtime.
-struct Armed(RedisGate);
+/// A scheduled flush of a gate's deferred refunds: clears the gate's `armed` flag if
+/// its task is dropped (with its runtime) before the flush took the refunds. Once it
+/// took them, the flag is another flush's.
+struct Armed {
+    gate: RedisGate,
+    /// The flush has not taken the refunds yet.
+    live: bool,
+}
 
 impl Drop for Armed {
     fn drop(&mut self) {
-        lock(&self.0.inner.deferred).armed = false;
+        if self.live {
+            lock(&self.gate.inner.deferred).armed = false;
+        }
     }
 }
 
@@ -1012,20 +1019,26 @@ impl RedisGate {
         };
         // Disarmed however the task ends (run, or dropped with its runtime), so a
         // later refund schedules another.
-        let armed = Armed(self.clone());
+        let mut armed = Armed {
+            gate: self.clone(),
+            live: true,
+        };
         rt.spawn(async move {
             tokio::time::sleep(wait).await;
-            armed.0.flush_deferred().await;
+            Self::flush_deferred(&mut armed).await;
         });
     }
 
     /// Sends the refunds no admission carried (the settle script, with no lease and
-    /// no delta of its own). A failure is logged: they stay counted for their window.
-    async fn flush_deferred(&self) {
-        let k = &*self.inner;
+    /// no delta of its own), disarming the gate as it takes them (a refund deferred
+    /// meanwhile schedules the next flush). A failure is logged: they stay counted for
+    /// their window.
+    async fn flush_deferred(armed: &mut Armed) {
+        let k = &*armed.gate.inner;
         let refunds = {
             let mut deferred = lock(&k.deferred);
             deferred.armed = false;
+            armed.live = false;
             std::mem::take(&mut deferred.refunds)
         };
         if refunds.is_empty() {
@@ -1033,7 +1046,7 @@ impl RedisGate {
         }
         let mut inv = settle_invocation(k, 0, 0, 0, String::new());
         refund_args(&mut inv, &refunds);
-        let mut conn = self.conn.clone();
+        let mut conn = armed.gate.conn.clone();
         let sent: Result<i64, _> = run("settle", k.timeout, inv.invoke_async(&mut conn)).await;
         if let Err(e) = sent {
             tracing::warn!(
@@ -1237,7 +1250,9 @@ impl Gate for RedisGate {
         // Redis ran it, and the script carrying the refunds (an admission, a settle, a
         // flush) has no lease to tell a second run by, so it would give them back
         // twice (the settle script's own refund finds its lease gone the second time
-        // and gives nothing back). A standalone connection sends a script once. There,
+        // and gives nothing back, when it has a lease: a limiter with no concurrency
+        // quota is not protected, see the README). A standalone connection sends a
+        // script once. There,
         // such a refund does not depend on the lease being still there: a lease that
         // expired before its settle gets its unused tokens back too.
         let tokens = if k.limits_tokens() { s.tokens } else { 0 };
