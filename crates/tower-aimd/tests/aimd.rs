@@ -124,9 +124,7 @@ async fn a_slot_given_back_unused_wakes_only_for_refusals_while_it_was_held() {
 #[tokio::test(start_paused = true)]
 async fn a_waiter_dropped_while_waiting_withdraws_its_refusal() {
     let signal = Arc::new(tokio::sync::Notify::new());
-    let layer = AimdLayer::new(one_slot())
-        .unwrap()
-        .with_release_signal(Arc::clone(&signal));
+    let layer = one_slot_waiting(&signal);
     let h = layer.handle();
     let ok = || service_fn(|_: &str| async { Ok::<_, BoxError>("ok") });
     let mut a = layer.layer(ok());
@@ -143,9 +141,7 @@ async fn a_waiter_dropped_while_waiting_withdraws_its_refusal() {
     // Dropped after its wake-up came and before it read it: the wake-up is not left
     // to the signal as a permit (nobody else waits). A fresh limit of 1 (the success
     // above grew this one).
-    let layer = AimdLayer::new(one_slot())
-        .unwrap()
-        .with_release_signal(Arc::clone(&signal));
+    let layer = one_slot_waiting(&signal);
     let h = layer.handle();
     let mut c = layer.layer(ok());
     assert!(matches!(c.ready().now_or_never(), Some(Ok(_))));
@@ -160,9 +156,7 @@ async fn a_waiter_dropped_while_waiting_withdraws_its_refusal() {
     );
     // With another waiter behind it, the wake-up goes on to that one. A fresh limit
     // of 1 again; the slot is freed by a drop, not a success, so it stays 1.
-    let layer = AimdLayer::new(one_slot())
-        .unwrap()
-        .with_release_signal(Arc::clone(&signal));
+    let layer = one_slot_waiting(&signal);
     let h = layer.handle();
     let mut c = layer.layer(ok());
     assert!(matches!(c.ready().now_or_never(), Some(Ok(_))));
@@ -179,12 +173,17 @@ async fn a_waiter_dropped_while_waiting_withdraws_its_refusal() {
     assert_eq!(h.inflight(), 1);
 }
 
-/// One slot in shed mode, source `s1`, releases signalled on `signal`.
-fn one_slot_shedding(signal: &Arc<tokio::sync::Notify>) -> AimdLayer {
+/// One slot in wait mode, releases signalled on `signal`.
+fn one_slot_waiting(signal: &Arc<tokio::sync::Notify>) -> AimdLayer {
     AimdLayer::new(one_slot())
         .unwrap()
-        .with_source(SourceId::from("s1"))
         .with_release_signal(Arc::clone(signal))
+}
+
+/// One slot in shed mode, source `s1`, releases signalled on `signal`.
+fn one_slot_shedding(signal: &Arc<tokio::sync::Notify>) -> AimdLayer {
+    one_slot_waiting(signal)
+        .with_source(SourceId::from("s1"))
         .shedding()
 }
 

@@ -36,14 +36,7 @@ local ttl = tonumber(ARGV[7])
 local hint = tonumber(ARGV[8])
 local cur = math.floor(now / g)
 
-local base = 9 + 3 * n
-local m = tonumber(ARGV[base]) or 0
-local backs, ats = {}, {}
-for j = 1, m do
-  local at = math.floor(tonumber(ARGV[base + 2 * j - 1]) / g)
-  backs[j] = {at, tonumber(ARGV[base + 2 * j])}
-  ats[j] = at
-end
+local backs, ats = carried(9 + 3 * n, g)
 
 local worst_dim, worst_scope, worst_wait = 0, 0, -1
 local function refuse(i, dim, wait)
@@ -73,9 +66,7 @@ for i = 0, n - 1 do
     local st = read(w, cur, k, ats)
     windows[i] = st
     if tpm >= 0 then
-      for j = 1, m do
-        back(st, 't', backs[j][1], backs[j][2])
-      end
+      give_back(st, backs)
     end
     if rpm >= 0 and st.r + 1 > rpm then
       refuse(i, 1, wait_for(w, 'r', st.r, 1, rpm, cur, k, g, now, st.cell))
@@ -101,7 +92,7 @@ for i = 0, n - 1 do
   end
 end
 if worst_dim > 0 then
-  if m > 0 then
+  if #backs > 0 then
     -- Refused, but the refunds it carried are given back.
     for i = 0, n - 1 do
       if windows[i] then

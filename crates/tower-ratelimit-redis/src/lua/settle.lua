@@ -20,15 +20,8 @@ local at = math.floor(tonumber(ARGV[4]) / g)
 local dr = tonumber(ARGV[5])
 local dt = tonumber(ARGV[6])
 local lease = ARGV[7]
-local base = 8 + 3 * n
-local m = tonumber(ARGV[base]) or 0
-local ats = {at}
-local backs = {}
-for j = 1, m do
-  local b = math.floor(tonumber(ARGV[base + 2 * j - 1]) / g)
-  backs[j] = {b, tonumber(ARGV[base + 2 * j])}
-  ats[j + 1] = b
-end
+local backs, ats = carried(8 + 3 * n, g)
+ats[#ats + 1] = at
 -- The lease is released first. A settle that finds it in none of the zsets that should
 -- hold it was already applied (a cluster client resends a script whose answer it lost)
 -- or its lease expired and was purged: what it gives back is not given back again (a
@@ -59,7 +52,7 @@ for i = 0, n - 1 do
   if tonumber(ARGV[8 + 3 * i]) >= 0 then r = dr end
   local tpm = tonumber(ARGV[9 + 3 * i]) >= 0
   if tpm then tk = dt end
-  if r ~= 0 or tk ~= 0 or (tpm and m > 0) then
+  if r ~= 0 or tk ~= 0 or (tpm and #backs > 0) then
     if not cur then
       local t = redis.call('TIME')
       cur = math.floor((tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)) / g)
@@ -68,9 +61,7 @@ for i = 0, n - 1 do
     if r < 0 then back(st, 'r', at, r) end
     if tk < 0 then back(st, 't', at, tk) end
     if tpm then
-      for j = 1, m do
-        back(st, 't', backs[j][1], backs[j][2])
-      end
+      give_back(st, backs)
     end
     if r > 0 then add(st, 'r', cur, r) end
     if tk > 0 then add(st, 't', cur, tk) end

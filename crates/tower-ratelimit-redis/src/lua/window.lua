@@ -29,10 +29,10 @@
 
 -- Reads hash q at sub-window cur, with the cells of sub-windows cur and, when given,
 -- at (one sub-window, or a list of them). Drops, in the state it answers (written by
--- write()), the sub-windows no longer live. The state: r, t (totals), l (newest written; false: no live hash), o (oldest
--- kept), e, ce, z, cell (field -> count), dirty (fields changed), moved (o moved on),
--- drop (fields to delete), dead (a hash whose every sub-window left: deleted by
--- write()).
+-- write()), the sub-windows no longer live. The state: r, t (totals), l (newest
+-- written; false: no live hash), o (oldest kept), e, ce, z, cell (field -> count),
+-- dirty (fields changed), moved (o moved on), drop (fields to delete), dead (a hash
+-- whose every sub-window left: deleted by write()).
 local function read(q, cur, k, at)
   local f = {'o', 'r', 't', 'l', 'e', 'ce', 'z', 'r' .. cur, 't' .. cur}
   local seen = {[cur] = true}
@@ -118,6 +118,27 @@ local function back(st, c, at, d)
   st.cell[f] = nv
   st.dirty[f] = true
   st[c] = st[c] + (nv - v)
+end
+
+-- The token refunds a script carries, deferred by the process (see Deferred in
+-- src/backend/redis.rs): ARGV[base] = m, then m pairs (admitted_ms, tokens < 0).
+-- Answers them as {sub-window, tokens}, and their sub-windows (for read()).
+local function carried(base, g)
+  local m = tonumber(ARGV[base]) or 0
+  local backs, ats = {}, {}
+  for j = 1, m do
+    local b = math.floor(tonumber(ARGV[base + 2 * j - 1]) / g)
+    backs[j] = {b, tonumber(ARGV[base + 2 * j])}
+    ats[j] = b
+  end
+  return backs, ats
+end
+
+-- Gives back the tokens of carried() refunds to state st.
+local function give_back(st, backs)
+  for _, r in ipairs(backs) do
+    back(st, 't', r[1], r[2])
+  end
 end
 
 -- Writes what read() moved (and deletes what it dropped) and the cells add() and back()
