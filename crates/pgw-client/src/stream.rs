@@ -18,8 +18,9 @@ use crate::{Timeouts, UpstreamBody};
 /// The chunks of a streamed answer as they arrive, decoded from server-sent events.
 ///
 /// Three watchdogs run on tokio's clock while it is polled: no first token within
-/// `first_token` of dispatch, a gap longer than `inter_token` between two chunks once
-/// the answer started, or the attempt running past `total`, each end the stream with a
+/// `first_token` of dispatch, a gap longer than `inter_token` between two chunks with
+/// output once the answer started (an empty delta sent as a keep-alive does not count),
+/// or the attempt running past `total`, each end the stream with a
 /// [`WatchdogCut`] error (outcome `Transient`).
 ///
 /// The end is the provider's word that the answer is complete: `data: [DONE]` or the
@@ -32,13 +33,17 @@ use crate::{Timeouts, UpstreamBody};
 /// `type` decide the outcome as in an error answer (a rate limit is pushback, a
 /// context window moves on). An event that is not
 /// a chunk among chunks that are is skipped and counted ([`ChunkStream::skipped`],
-/// metric `pgw_stream_chunks_skipped_total`): the answer goes on. After the first
+/// metric `pgw_stream_chunks_skipped_total`): the answer goes on. One that names
+/// `choices` but cannot be read (broken JSON included, but not half an event: that
+/// one is a provider's hiccup, skipped) ends it with a [`MalformedResponse`]: its text
+/// would be missing from an answer that looked whole. After the first
 /// error or the end the stream yields `None`; dropping it closes the connection.
 /// Each chunk keeps its event's payload as [`ChatChunk::raw`].
 ///
-/// A "token" for the first-token watchdog is a chunk carrying text or a finish reason:
-/// a provider that sends the role chunk at once and then nothing is still cut at
-/// `first_token`.
+/// A "token" for the first-token and inter-token watchdogs is a chunk carrying output
+/// ([`Delta::carries_output`](pgw_core::openai::Delta::carries_output)) or a finish
+/// reason: a provider that sends the role chunk at once and then nothing is still cut
+/// at `first_token`.
 pub struct ChunkStream {
     body: UpstreamBody,
     decoder: SseDecoder,
@@ -305,10 +310,13 @@ impl ChunkStream {
                 {
                     return Err(status.into());
                 }
-                if e.is_data() && data.contains("\"choices\"") {
-                    // Well-formed JSON with choices this crate cannot read: skipped,
-                    // its text would be lost from an answer that still looked whole.
-                    // (Broken JSON, a provider's hiccup, is skipped as before.)
+                if !e.is_eof() && data.contains("\"choices\"") {
+                    // A whole chunk this crate cannot read (choices of another shape, or
+                    // a raw control character in a delta, a syntax error): skipped, its
+                    // text would be lost from an answer that still looked whole. Half
+                    // an event (it ends mid-value: a provider's hiccup, the text going
+                    // on in the next chunks) and an event without choices are skipped
+                    // below.
                     let msg =
                         crate::client::clean(format!("unreadable stream chunk: {e}"), self.key.as_ref());
                     return Err(MalformedResponse::new(msg).into());
@@ -344,7 +352,10 @@ impl ChunkStream {
         if !chunk.choices.is_empty() {
             self.note_choices(&chunk)?;
         }
-        if self.first_token_at.is_some() {
+        // Only output pushes the inter-token cut on: a stalled answer whose provider
+        // keeps sending empty deltas (`data: {}`, a role-only or `""` delta as a
+        // keep-alive) is cut at `inter_token`, not at `total`.
+        if self.first_token_at.is_some() && token {
             let limit = self.timeouts.inter_token;
             self.arm(after(now, limit), Watchdog::InterToken, limit);
         }

@@ -388,6 +388,33 @@ async fn inter_token_stall_is_cut() {
     assert_eq!(outcome(&r), Outcome::Transient);
 }
 
+/// Empty deltas a stalled provider keeps sending (`{}`, a role-only or `""` delta)
+/// are no output: the inter-token cut comes `inter_token` after the last text, not at
+/// `total`.
+#[tokio::test(start_paused = true)]
+async fn keep_alive_chunks_do_not_push_the_inter_token_cut_on() {
+    let p = Provider::default();
+    let role =
+        Bytes::from_static(b"data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\"}}]}\n\n");
+    let empty = Bytes::from_static(b"data: {}\n\n");
+    let mut frames = vec![(Duration::from_millis(100), chunk("a", false))];
+    // A keep-alive every 700 ms for seven seconds, then the rest: the cut comes first.
+    for i in 0..10 {
+        let beat = match i % 3 {
+            0 => role.clone(),
+            1 => empty.clone(),
+            _ => chunk("", false),
+        };
+        frames.push((Duration::from_millis(700), beat));
+    }
+    frames.push((Duration::ZERO, chunk("b", true)));
+    let started = Instant::now();
+    let r = p.client(sse(frames), timeouts()).oneshot(stream_call()).await;
+    assert_eq!(cut_of(&r), Watchdog::InterToken);
+    // Head at 100 ms, "a" at 200 ms, cut 2 s (inter_token) later.
+    assert_eq!(started.elapsed(), Duration::from_millis(200 + 2000));
+}
+
 #[tokio::test(start_paused = true)]
 async fn black_hole_is_cut_by_first_token_or_total() {
     let p = Provider::default();
@@ -1086,6 +1113,20 @@ async fn a_chunk_with_nulls_keeps_its_text_and_an_unreadable_one_fails() {
     let r = p.client(script, timeouts()).oneshot(stream_call()).await;
     let err = r.as_ref().unwrap_err();
     assert!(err.to_string().contains("unreadable stream chunk"), "{err}");
+
+    // Broken JSON that names choices (a raw tab in the text is a syntax error) fails
+    // too: skipped, "b" would be missing from an answer ending "a" + "d".
+    let broken =
+        Bytes::from_static(b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"b\tc\"}}]}\n\n");
+    let script = sse(vec![
+        (Duration::ZERO, chunk("a", false)),
+        (Duration::ZERO, broken),
+        (Duration::ZERO, chunk("d", true)),
+    ]);
+    let r = p.client(script, timeouts()).oneshot(stream_call()).await;
+    let err = r.as_ref().unwrap_err();
+    assert!(err.to_string().contains("unreadable stream chunk"), "{err}");
+    assert!(err.is::<MalformedResponse>(), "{err}");
 }
 
 /// A key the provider echoes across the message's cut is scrubbed before the cut, so

@@ -27,6 +27,10 @@ pub enum SseEvent {
 /// The largest event the decoder buffers: 16 MiB. Beyond it the stream is garbage.
 pub const MAX_EVENT_BYTES: usize = 16 << 20;
 
+/// A line buffer grown past this (64 KiB, far above a chat chunk's few hundred bytes)
+/// by one long line split across body frames is freed, not kept for the next lines.
+const KEPT_LINE_CAPACITY: usize = 64 << 10;
+
 /// The UTF-8 byte order mark, skipped at the start of a stream.
 const BOM: &[u8] = b"\xEF\xBB\xBF";
 
@@ -143,7 +147,13 @@ impl SseDecoder {
             } else {
                 self.line.extend_from_slice(&bytes[..i]);
                 on_line(&mut self.data, &mut self.events, &self.line)?;
-                self.line.clear();
+                if self.line.capacity() > KEPT_LINE_CAPACITY {
+                    // One huge line (up to MAX_EVENT_BYTES) must not pin its buffer for
+                    // the rest of a long stream.
+                    self.line = Vec::new();
+                } else {
+                    self.line.clear();
+                }
             }
             let cr = bytes[i] == b'\r';
             bytes = &bytes[i + 1..];
@@ -449,6 +459,25 @@ mod tests {
             n += 1;
         }
         assert_eq!(n, MAX_EVENT_BYTES / small.len() + 10);
+    }
+
+    /// A long line split across feeds grows the line buffer; once the line ends, a
+    /// buffer that large is freed, not kept for the rest of the stream.
+    #[test]
+    fn a_long_split_line_does_not_pin_its_buffer() {
+        let mut d = SseDecoder::default();
+        let text = "x".repeat(1 << 20);
+        d.feed(format!("data: {}", &text[..1000]).as_bytes()).unwrap();
+        d.feed(text[1000..].as_bytes()).unwrap();
+        assert!(d.line.capacity() >= 1 << 20);
+        d.feed(b"\n\n").unwrap();
+        assert_eq!(d.next_event(), Some(SseEvent::Data(text)));
+        assert!(d.line.capacity() <= KEPT_LINE_CAPACITY, "{}", d.line.capacity());
+        // A short line split across feeds keeps its small buffer.
+        d.feed(b"data: {\"a\"").unwrap();
+        d.feed(b":1}\n\n").unwrap();
+        assert_eq!(d.next_event(), Some(SseEvent::Data("{\"a\":1}".into())));
+        assert!(d.line.capacity() > 0);
     }
 
     #[test]
