@@ -291,6 +291,26 @@ impl Usage {
             extra: Map::new(),
         }
     }
+
+    /// The tokens a quota is charged for this usage: `total_tokens`, or the prompt's
+    /// and the completion's together when that is more (a provider that leaves
+    /// `total_tokens` out, or writes it `null`, reads as 0 there); `None` when all of
+    /// them are 0 (`"usage": {}`): nothing was reported, and a quota keeps its
+    /// estimate instead of giving the whole reservation back.
+    ///
+    /// ```
+    /// use pgw_core::openai::Usage;
+    /// assert_eq!(Usage::new(9, 5, 14).charged(), Some(14));
+    /// assert_eq!(Usage::new(9, 5, 0).charged(), Some(14));
+    /// assert_eq!(Usage::new(0, 0, 0).charged(), None);
+    /// ```
+    #[must_use]
+    pub fn charged(&self) -> Option<u64> {
+        let n = self
+            .total_tokens
+            .max(self.prompt_tokens.saturating_add(self.completion_tokens));
+        (n > 0).then_some(n)
+    }
 }
 
 /// One choice of a non-streaming answer.

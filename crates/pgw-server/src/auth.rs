@@ -44,7 +44,7 @@ pub fn hash_key(key: &str) -> String {
 pub struct Tenant {
     /// The key's label.
     pub label: Arc<str>,
-    models: Vec<String>,
+    models: Arc<[String]>,
     limiter: Option<RateLimiter>,
     /// The key's `max_concurrency` on this process: taken before the server's own
     /// in-flight slot and the body read ([`Tenant::local_slot`]).
@@ -93,6 +93,13 @@ impl Tenant {
     #[must_use]
     pub fn models(&self) -> &[String] {
         &self.models
+    }
+
+    /// The key's model list as the gateway takes it on a call (so a fallback chain
+    /// does not lead to a model the key may not use); `None` without a list.
+    #[must_use]
+    pub fn allowed_models(&self) -> Option<pgw_stack::AllowedModels> {
+        (!self.models.is_empty()).then(|| pgw_stack::AllowedModels(Arc::clone(&self.models)))
     }
 
     /// Admits one call of `request` under the tenant's quota (shedding: refused at once
@@ -229,7 +236,7 @@ impl KeyRing {
                 k.sha256.to_ascii_lowercase(),
                 Arc::new(Tenant {
                     label: k.label.as_str().into(),
-                    models: k.models.clone(),
+                    models: k.models.as_slice().into(),
                     limiter,
                     slots: nonzero(k.max_concurrency).map(|n| {
                         Arc::new(Semaphore::new(

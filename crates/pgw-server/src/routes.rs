@@ -17,7 +17,7 @@ use http_body_util::BodyExt;
 use metrics::{Counter, Histogram};
 use metrics_exporter_prometheus::PrometheusHandle;
 use pgw_core::MetricHandles;
-use pgw_core::openai::ChatRequest;
+use pgw_core::openai::{ChatRequest, Usage};
 use pgw_stack::{BackendKind, Gateway, GatewayConfig};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
@@ -596,7 +596,7 @@ impl CallMetrics {
     }
 
     /// Records token usage: `gen_ai_client_token_usage`.
-    pub(crate) fn tokens(&self, usage: &pgw_core::openai::Usage) {
+    pub(crate) fn tokens(&self, usage: &Usage) {
         #[allow(clippy::cast_precision_loss)]
         for (kind, n) in [
             ("input", usage.prompt_tokens),
@@ -830,6 +830,9 @@ async fn chat(State(state): State<Arc<AppState>>, request: Request) -> Response 
     if no_cache {
         chat_call.extensions_mut().insert(pgw_stack::NoCache);
     }
+    if let Some(allowed) = tenant.as_deref().and_then(Tenant::allowed_models) {
+        chat_call.extensions_mut().insert(allowed);
+    }
     if let Some(t) = &tenant
         && !state.share_cache_across_keys
     {
@@ -850,7 +853,7 @@ async fn chat(State(state): State<Arc<AppState>>, request: Request) -> Response 
                 call.tokens(u);
             }
             if let Some(p) = permit {
-                p.finish(usage.map(|u| u.total_tokens)).await;
+                p.finish(usage.as_ref().and_then(Usage::charged)).await;
             }
             call.finish(None);
             // The provider's body as it came, when there is one: byte for byte, and no

@@ -133,7 +133,7 @@ impl Call {
         if let Some(p) = self.permit.take() {
             match cause {
                 Some(e) if !served => p.failed(e).await,
-                _ => p.finish(self.usage.as_ref().map(|u| u.total_tokens)).await,
+                _ => p.finish(self.usage.as_ref().and_then(Usage::charged)).await,
             }
         }
         event(&err.body())
@@ -151,7 +151,7 @@ impl Call {
         }
         self.metrics.finish(None);
         if let Some(p) = self.permit.take() {
-            p.finish(self.usage.as_ref().map(|u| u.total_tokens)).await;
+            p.finish(self.usage.as_ref().and_then(Usage::charged)).await;
         }
         Bytes::from_static(DONE)
     }

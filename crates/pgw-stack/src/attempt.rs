@@ -454,7 +454,7 @@ pub(crate) struct AnswerUsage;
 
 impl tower_ratelimit_redis::UsageReport<ChatAnswer> for AnswerUsage {
     fn tokens_used(&self, res: &ChatAnswer) -> Option<u64> {
-        res.stats.usage.as_ref().map(|u| u.total_tokens)
+        res.stats.usage.as_ref().and_then(Usage::charged)
     }
 
     fn in_progress(&self, res: &ChatAnswer) -> bool {

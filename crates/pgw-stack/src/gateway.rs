@@ -463,9 +463,18 @@ impl Service<ChatCall> for Gateway {
             // fallback (the first group failed otherwise), as a fallback's.
             let mut context_of_primary = false;
             let mut next = 0;
+            let allowed = call.extensions().get::<AllowedModels>().cloned();
             while let Some(&g) = chain.get(next) {
                 next += 1;
                 let group = &inner.groups[g];
+                if let Some(allowed) = &allowed
+                    && !inner.models.is_empty()
+                    && !allowed.permits(&group.name)
+                {
+                    // A fallback (or context-window fallback) to a model the caller
+                    // may not use: not taken.
+                    continue;
+                }
                 let result = group.service.clone().oneshot(call.clone()).await;
                 match result {
                     Ok(answer) => {
@@ -539,6 +548,34 @@ impl Inner {
             return Some(&self.all);
         }
         self.models.get(model)
+    }
+}
+
+/// The public models (the `[models]` names) a call may be answered by: a call that
+/// carries it goes down its model's fallback and context-window fallback chains only
+/// to models in the list. A server puts it on the calls of an API key limited to
+/// some models, so a key allowed `small` is not answered by `large` when `small`
+/// falls back to it. Without `[models]` the gateway does not route by model and the
+/// list is not consulted.
+///
+/// ```
+/// use std::sync::Arc;
+/// use pgw_stack::{AllowedModels, ChatCall};
+/// use pgw_stack::core::openai::ChatRequest;
+///
+/// let mut call = ChatCall::new(ChatRequest::user("small", "hello"));
+/// let allowed = AllowedModels(Arc::from(vec!["small".to_owned()]));
+/// assert!(allowed.permits("small") && !allowed.permits("large"));
+/// call.extensions_mut().insert(allowed);
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AllowedModels(pub Arc<[String]>);
+
+impl AllowedModels {
+    /// Whether `model` is in the list.
+    #[must_use]
+    pub fn permits(&self, model: &str) -> bool {
+        self.0.iter().any(|m| m == model)
     }
 }
 

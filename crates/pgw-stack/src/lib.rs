@@ -49,7 +49,7 @@ pub use cache::{CacheKey, CachePartition, CachedAnswer, MemoryCache, NoCache, Re
 pub use config::{
     BackendKind, CacheWhen, Choices, ConfigError, GatewayConfig, ModelConfig, RouteConfig, SourceConfig,
 };
-pub use gateway::{Gateway, GatewayAnswer, GatewayError, SourceHandles};
+pub use gateway::{AllowedModels, Gateway, GatewayAnswer, GatewayError, SourceHandles};
 /// The chunks equivalent to a non-streamed answer (moved to [`pgw_core::openai`],
 /// beside the `ChunkAccumulator` that folds them back).
 pub use pgw_core::openai::chunks_of;

@@ -251,6 +251,57 @@ async fn a_request_too_large_for_the_model_lands_on_its_context_fallback() {
     assert_eq!(status.code(), Some("context_length_exceeded"));
 }
 
+/// A call limited to some models (an API key's list, `AllowedModels`) is not carried
+/// by a fallback chain to another: the provider's answer comes back instead, and the
+/// other model's source is never asked.
+#[tokio::test(start_paused = true)]
+async fn a_call_limited_to_its_model_does_not_fall_back_to_another() {
+    let small = pgw_sim::SourceConfig {
+        context_window: Some(4096),
+        ..serving("small", "m-8k")
+    };
+    let large = serving("large", "m-200k");
+    let pool = pool(vec![small, large]);
+    let mut cfg = GatewayConfig::default();
+    cfg.sources.push(source("small"));
+    cfg.sources.push(source("large"));
+    let mut short = model(&[("small", Some("m-8k"))]);
+    short.context_fallback = vec!["long".into()];
+    cfg.models.insert("chat".into(), short);
+    cfg.models
+        .insert("long".into(), model(&[("large", Some("m-200k"))]));
+    let sink = MemorySink::new();
+    let gw = gateway(&pool, cfg, &sink).await;
+    let big = || {
+        let mut r = ChatRequest::user("chat", "a long one");
+        r.max_tokens = Some(100_000);
+        pgw_stack::ChatCall::new(r)
+    };
+
+    let mut limited = big();
+    limited
+        .extensions_mut()
+        .insert(pgw_stack::AllowedModels(Arc::from(vec!["chat".to_owned()])));
+    let err = tower::ServiceExt::oneshot(gw.clone(), limited).await.unwrap_err();
+    let status = UpstreamStatus::find(&*err).unwrap();
+    assert_eq!(status.code(), Some("context_length_exceeded"));
+    assert_eq!(
+        pool.stats().sources["large"].received,
+        0,
+        "the fallback's source not asked"
+    );
+
+    // Allowed both (or no list): the context fallback answers, as before.
+    let mut both = big();
+    both.extensions_mut()
+        .insert(pgw_stack::AllowedModels(Arc::from(vec![
+            "chat".to_owned(),
+            "long".to_owned(),
+        ])));
+    let a = tower::ServiceExt::oneshot(gw.clone(), both).await.unwrap();
+    assert_eq!(a.group, "long");
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_route_that_refused_a_prompt_as_too_long_is_not_offered_one_as_long_first() {
     // One model over two routes of different windows, the small one faster (the

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use pgw_core::openai::{ChatRequest, ChatResponse};
+use pgw_core::openai::{ChatRequest, ChatResponse, Usage};
 
 use crate::Admission;
 
@@ -122,7 +122,7 @@ pub trait ReportsUsage {
 
 impl ReportsUsage for ChatResponse {
     fn tokens_used(&self) -> Option<u64> {
-        self.usage.as_ref().map(|u| u.total_tokens)
+        self.usage.as_ref().and_then(Usage::charged)
     }
 }
 
@@ -155,7 +155,8 @@ impl<Req: EstimateTokens> TokenEstimate<Req> for ChatEstimate {
     }
 }
 
-/// The default usage reader: [`ReportsUsage`] on the response (chat answers: `usage.total_tokens`).
+/// The default usage reader: [`ReportsUsage`] on the response (chat answers:
+/// [`Usage::charged`], `total_tokens` or the prompt's and completion's sum).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ChatUsage;
 
@@ -188,4 +189,24 @@ pub struct NoObserver;
 
 impl<Req> AdmissionObserver<Req> for NoObserver {
     fn on_admission(&self, _req: &Req, _admission: &Admission) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A provider that leaves `total_tokens` out or `null` (read as 0) is charged its
+    /// prompt and completion tokens, and `"usage": {}` keeps the estimate: before,
+    /// both settled to 0 and gave the whole reservation back.
+    #[test]
+    fn a_usage_without_its_total_is_charged_its_parts_and_an_empty_one_keeps_the_estimate() {
+        let answer = |usage: Usage| ChatResponse {
+            usage: Some(usage),
+            ..ChatResponse::default()
+        };
+        assert_eq!(ChatUsage.tokens_used(&answer(Usage::new(9, 5, 0))), Some(14));
+        assert_eq!(ChatUsage.tokens_used(&answer(Usage::new(9, 5, 20))), Some(20));
+        assert_eq!(ChatUsage.tokens_used(&answer(Usage::default())), None);
+        assert_eq!(ChatUsage.tokens_used(&ChatResponse::default()), None);
+    }
 }
