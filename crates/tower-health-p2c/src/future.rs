@@ -335,6 +335,17 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
         }
     }
 
+    /// How long a wait for a quota's end can still be: `max_wait` (the retry layer
+    /// above waits a quota out and asks again, with a fresh `max_wait`), or the time to
+    /// the call's deadline when sooner.
+    fn wait_left(&self) -> Duration {
+        let deadline = self.history().and_then(CallHistory::deadline);
+        deadline.map_or(self.config.max_wait, |d| {
+            d.saturating_duration_since(Instant::now())
+                .min(self.config.max_wait)
+        })
+    }
+
     /// Orders the sources afresh for the next round.
     fn new_round(&mut self, rounds: u64) {
         if let Some(round) = &mut self.round {
@@ -540,13 +551,15 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
                 Some(na) => {
                     if !matches!(na, NotAdmitted::CircuitOpen(_) | NotAdmitted::Never) {
                         let h = state.health(self.class);
+                        let wait_left = self.wait_left();
                         let round = Round::at(&mut self.round);
                         round.soon_best = round.soon_best.max(h);
-                        // A quota that ends within `max_wait`: one more wait reaches it.
-                        // A longer one (an account out of credit, held for minutes)
+                        // A quota that ends within `max_wait`, or the call's deadline
+                        // when sooner: one more wait reaches it. A longer one (an account
+                        // out of credit, held for minutes; or past the call's deadline)
                         // leaves even a poor source worth its attempt.
                         if let NotAdmitted::QuotaExceeded(d) = na
-                            && d <= self.config.max_wait
+                            && d <= wait_left
                         {
                             round.quota_best = round.quota_best.max(h);
                         }

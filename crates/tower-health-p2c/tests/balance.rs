@@ -1099,6 +1099,40 @@ async fn a_poor_source_is_no_fallback_for_a_quota_that_ends() {
     }
 }
 
+/// The same with a call due before the credible source's quota ends: that quota is
+/// out of the call's reach, so it does not make the poor source "no fallback". Before,
+/// the quota was weighed against `max_wait` alone, the poor source was dropped, and the
+/// call failed at once with the quota's refusal (which the retry layer above could not
+/// wait out either).
+#[tokio::test(start_paused = true)]
+async fn a_quota_past_the_calls_deadline_leaves_the_poor_source_its_attempt() {
+    let (sources, flags) = named(&["good", "weak"]);
+    degrade(&sources, &flags, 1, 8).await; // weak: 0.8^8 = 0.17, poor
+    let t0 = Instant::now();
+    let first = t0 + Duration::from_secs(8);
+    sources.insert(
+        "good".into(),
+        held_twice("good", first, first + Duration::from_secs(8)),
+    );
+    let mut lb = HealthP2c::new(
+        sources.clone(),
+        BalanceConfig {
+            max_wait: Duration::from_secs(10),
+            ..BalanceConfig::default()
+        },
+    )
+    .unwrap();
+    let (req, history) = with_history();
+    history.set_deadline(t0 + Duration::from_secs(4));
+    let got = lb.ready().await.unwrap().call(req).await;
+    assert_eq!(
+        got.unwrap(),
+        "weak",
+        "the quota ends past the deadline: weak is tried"
+    );
+    assert_eq!(t0.elapsed(), Duration::ZERO);
+}
+
 /// When the wait for a credible source ends, the release keeps the sources already
 /// offered in the round where they were: a poor one already refused (here `a`, its
 /// breaker open) was dropped from the order, shifting the next source under the
