@@ -475,12 +475,25 @@ fn is_event_stream(headers: &http::HeaderMap) -> bool {
 /// Reads a whole body: each frame within `inter_token` of the previous, all by
 /// `deadline`, at most `max` bytes.
 async fn read_body(
-    mut body: UpstreamBody,
+    body: UpstreamBody,
     deadline: Instant,
     t: crate::Timeouts,
     max: usize,
 ) -> Result<Bytes, BoxError> {
     let mut buf = BytesMut::new();
+    read_into(&mut buf, body, deadline, t, max).await?;
+    Ok(buf.freeze())
+}
+
+/// [`read_body`] into `buf`, which keeps what arrived (at most `max` bytes) when it
+/// fails: a body cut by a watchdog, or past `max`.
+async fn read_into(
+    buf: &mut BytesMut,
+    mut body: UpstreamBody,
+    deadline: Instant,
+    t: crate::Timeouts,
+    max: usize,
+) -> Result<(), BoxError> {
     loop {
         let stall = after(Instant::now(), t.inter_token);
         let (limit, cut) = if stall < deadline {
@@ -490,10 +503,11 @@ async fn read_body(
         };
         match timeout_at(limit, body.frame()).await {
             Err(_) => return Err(cut.into()),
-            Ok(None) => return Ok(buf.freeze()),
+            Ok(None) => return Ok(()),
             Ok(Some(frame)) => {
                 if let Ok(data) = frame?.into_data() {
                     if buf.len() + data.len() > max {
+                        buf.extend_from_slice(&data[..max - buf.len()]);
                         return Err(MalformedResponse::new(format!("body larger than {max} bytes")).into());
                     }
                     buf.extend_from_slice(&data);
@@ -514,9 +528,11 @@ async fn status_error(
     // The message is a courtesy: read it briefly, never let it hold the attempt.
     let deadline =
         after(start, t.total).min(after(Instant::now(), t.inter_token.min(Duration::from_secs(5))));
-    let bytes = read_body(body, deadline, t, MAX_ERROR_BODY)
-        .await
-        .unwrap_or_default();
+    // What arrived is read whatever stopped it: a body past MAX_ERROR_BODY (a
+    // validation error echoing the input) or slow to come still says, in its first
+    // bytes, what went wrong ("maximum context length ...").
+    let mut bytes = BytesMut::new();
+    let _ = read_into(&mut bytes, body, deadline, t, MAX_ERROR_BODY).await;
     let headroom = pgw_core::headroom::Headroom::from_headers(&parts.headers);
     let mut status = error_status(parts.status, retry_after, &bytes, prepared.settings.key.as_ref())
         .with_headroom(headroom);

@@ -1129,6 +1129,23 @@ async fn a_chunk_with_nulls_keeps_its_text_and_an_unreadable_one_fails() {
     assert!(err.is::<MalformedResponse>(), "{err}");
 }
 
+/// An error body past the 64 KiB read for it (a validation error echoing the whole
+/// input) is classified on what was read: its first bytes name the context window, so
+/// the call may move to a source with a larger one. Before, the whole body was dropped
+/// and the 400 was a plain `Rejected`.
+#[tokio::test(start_paused = true)]
+async fn an_oversized_error_body_is_classified_on_its_first_bytes() {
+    let p = Provider::default();
+    let body = format!(
+        r#"{{"error":{{"message":"This model's maximum context length is 8192 tokens. However, your messages resulted in 90000 tokens.","type":"invalid_request_error","param":"messages","code":"context_length_exceeded","input":"{}"}}}}"#,
+        "x".repeat(100 << 10)
+    );
+    let r = p.client(json(400, &body), timeouts()).oneshot(plain_call()).await;
+    let err = r.as_ref().unwrap_err();
+    assert_eq!(outcome(&r), Outcome::Rejected);
+    assert!(pgw_core::exceeds_source(&**err), "{err}");
+}
+
 /// A key the provider echoes across the message's cut is scrubbed before the cut, so
 /// not even its first bytes reach the caller.
 #[tokio::test(start_paused = true)]

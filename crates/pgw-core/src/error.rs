@@ -345,13 +345,24 @@ pub struct ProviderError {
     pub param: Option<String>,
 }
 
+/// The first `reason` in a Google error's `details` (`google.rpc.ErrorInfo`).
+fn google_reason(e: &serde_json::Value) -> Option<String> {
+    e.get("details")?
+        .as_array()?
+        .iter()
+        .find_map(|d| d.get("reason")?.as_str())
+        .map(str::to_owned)
+}
+
 impl ProviderError {
     /// Reads the error of an error body; `None` when the body is not a JSON error.
     ///
     /// Takes OpenAI's `{"error": {...}}` (and a bare string `error`), Anthropic's
     /// `{"type": "error", "error": {...}}`, a top-level `message`, and Gemini's
     /// OpenAI-compatible endpoint's list of one, `[{"error": {"code": 400, "message":
-    /// ..., "status": "INVALID_ARGUMENT"}}]`, whose `status` stands for the `type`.
+    /// ..., "status": "INVALID_ARGUMENT"}}]`, whose `status` stands for the `type` and
+    /// whose `details[].reason` (`API_KEY_INVALID`), when there is one, for a numeric
+    /// `code`.
     #[must_use]
     pub fn parse(body: &[u8]) -> Option<Self> {
         let mut v: serde_json::Value = serde_json::from_slice(body).ok()?;
@@ -372,7 +383,14 @@ impl ProviderError {
             Some(e @ serde_json::Value::Object(_)) => Some(Self {
                 message: text(e.get("message")).unwrap_or_else(|| e.to_string()),
                 kind: text(e.get("type")).or_else(|| text(e.get("status"))),
-                code: text(e.get("code")),
+                // Google's numeric `code` is the HTTP status again: the reason of its
+                // `details` (`API_KEY_INVALID`) is the code that says something.
+                code: match e.get("code") {
+                    None | Some(serde_json::Value::Number(_)) => {
+                        google_reason(e).or_else(|| text(e.get("code")))
+                    }
+                    code => text(code),
+                },
                 param: text(e.get("param")),
             }),
             _ => Some(Self {

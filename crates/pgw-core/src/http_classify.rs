@@ -81,6 +81,11 @@ const MEANINGS: &[(&str, Meaning)] = &[
     ("PERMISSION_DENIED", Meaning::SourceDead),
     ("RESOURCE_EXHAUSTED", Meaning::RateLimited),
     ("UNAVAILABLE", Meaning::Transient),
+    // Gemini's reasons (`details[].reason`) and a key, region or billing state the
+    // source cannot serve anyone in: a 400 `INVALID_ARGUMENT` "API key expired", a
+    // 400 `FAILED_PRECONDITION` "User location is not supported for the API use".
+    ("API_KEY_INVALID", Meaning::SourceDead),
+    ("FAILED_PRECONDITION", Meaning::SourceDead),
 ];
 
 /// What an error message alone says of the source, whatever its code and status:
@@ -93,7 +98,10 @@ fn meaning_of_message(message: &str) -> Option<Meaning> {
     let m = message.to_ascii_lowercase();
     if m.contains("credit balance is too low") || m.contains("insufficient credits") {
         Some(Meaning::QuotaExhausted)
-    } else if m.contains("api key not valid") || m.contains("api_key_invalid") {
+    } else if m.contains("api key not valid")
+        || m.contains("api key expired")
+        || m.contains("api_key_invalid")
+    {
         Some(Meaning::SourceDead)
     } else {
         None
@@ -152,8 +160,8 @@ fn names_a_moderation_refusal(message: &str) -> bool {
 /// | `context_length_exceeded`, `content_policy_violation`, `content_filter` | `Rejected` |
 /// | a message saying the request does not fit the source (context length, one request over the whole tokens-per-minute limit: OpenAI's 429 "Request too large", whatever its code; a feature its model lacks: OpenRouter's 404 "No endpoints found that support tool use") | `Rejected` (and [`crate::exceeds_source`]: another source may take it) |
 /// | a 403 whose message is a moderation refusal ("flagged") | `Rejected` (the request, not the key) |
-/// | `insufficient_quota` (429, billing), `invalid_api_key`, `authentication_error`, `permission_error`, Google's `UNAUTHENTICATED` and `PERMISSION_DENIED` | `SourceDead` |
-/// | without a known code: a message saying the account has no credit (Anthropic's 400 "credit balance is too low", "insufficient credits") or the key is not valid (Gemini's 400 "API key not valid") | `SourceDead` |
+/// | `insufficient_quota` (429, billing), `invalid_api_key`, `authentication_error`, `permission_error`, Google's `UNAUTHENTICATED`, `PERMISSION_DENIED` and `FAILED_PRECONDITION` (a region it does not serve), Gemini's reason `API_KEY_INVALID` (also an expired key) | `SourceDead` |
+/// | without a known code: a message saying the account has no credit (Anthropic's 400 "credit balance is too low", "insufficient credits") or the key is not valid (Gemini's 400 "API key not valid", "API key expired") | `SourceDead` |
 /// | `rate_limit_exceeded`, `rate_limit_error`, Google's `RESOURCE_EXHAUSTED` | `RateLimited { retry_after }` |
 /// | `overloaded_error` (also Groq's `capacity_exceeded`, Google's `UNAVAILABLE`), 503 or 529 with a `Retry-After` | `RateLimited { retry_after }` (the source said when it can take more: held until then, as after a 429) |
 /// | `overloaded_error` (and the same), 503 or 529 without one | `Transient` |
@@ -602,6 +610,24 @@ mod tests {
             (
                 403,
                 r#"[{"error":{"code":403,"message":"Method doesn't allow unregistered callers.","status":"PERMISSION_DENIED"}}]"#,
+                Outcome::SourceDead,
+            ),
+            // An expired key says so in its details' reason (and its message); a
+            // region the API does not serve is a precondition of the source. Both
+            // were `Rejected` (a 400): every call failed at once, no failover.
+            (
+                400,
+                r#"[{"error":{"code":400,"message":"API key expired. Please renew the API key.","status":"INVALID_ARGUMENT","details":[{"@type":"type.googleapis.com/google.rpc.ErrorInfo","reason":"API_KEY_INVALID","domain":"googleapis.com"}]}}]"#,
+                Outcome::SourceDead,
+            ),
+            (
+                400,
+                r#"[{"error":{"code":400,"message":"The key has expired.","status":"INVALID_ARGUMENT","details":[{"@type":"type.googleapis.com/google.rpc.ErrorInfo","reason":"API_KEY_INVALID"}]}}]"#,
+                Outcome::SourceDead,
+            ),
+            (
+                400,
+                r#"[{"error":{"code":400,"message":"User location is not supported for the API use.","status":"FAILED_PRECONDITION"}}]"#,
                 Outcome::SourceDead,
             ),
             (
