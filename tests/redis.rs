@@ -32,6 +32,28 @@ async fn a_tenants_quota_holds_across_two_servers_on_one_redis() {
     }
 }
 
+/// `/readyz` needs no key and is never shed: a client looping on it gets the last
+/// probe's answer within a second, not a Redis round trip per request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_probes_redis_at_most_once_a_second() {
+    let redis = pgw_test_support::PrivateRedis::start();
+    let top = format!("backend = \"redis\"\nredis_url = \"{}\"\n", redis.url());
+    let h = start_with(&top, "", vec![fast("s1")]).await;
+    // The first probe loads its script (a second EVALSHA after NOSCRIPT).
+    let (status, _, _) = call(h.addr, request("GET", "/readyz"), bytes::Bytes::new()).await;
+    assert_eq!(status, 200);
+    let before = redis.command_calls("evalsha");
+    let started = std::time::Instant::now();
+    for _ in 0..20 {
+        let (status, _, _) = call(h.addr, request("GET", "/readyz"), bytes::Bytes::new()).await;
+        assert_eq!(status, 200);
+    }
+    let probes = redis.command_calls("evalsha") - before;
+    // At most one probe per second begun (before: one per request, 20).
+    let most = started.elapsed().as_secs() + 1;
+    assert!(probes <= most, "{probes} probes in {:?}", started.elapsed());
+}
+
 /// Redis gone: a call on the Redis backend is refused with 503 `backend_unavailable`
 /// and a `Retry-After` (the server's shed hint: the outage's end is not known), and
 /// `/readyz` says so.

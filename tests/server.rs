@@ -906,6 +906,46 @@ async fn shutdown_cuts_what_is_left_after_the_grace_period() {
     assert_eq!(last["error"]["code"], "shutting_down", "{ev:?}");
 }
 
+/// A call still waiting for its answer when the grace period ends (a non-streamed
+/// one, or a stream before its head: the keep-alive interval is longer than the
+/// grace) is answered 503 `shutting_down` with `Retry-After`, not reset when the
+/// connection is closed.
+#[tokio::test(start_paused = true)]
+async fn a_call_without_an_answer_at_the_end_of_the_grace_period_is_answered_503() {
+    for streamed in [false, true] {
+        let mut h = start(
+            "shutdown_grace_s = 5\nsse_keep_alive_s = 30\n",
+            vec![slow("s1", 60.0)],
+        )
+        .await;
+        let addr = h.addr;
+        let waiting = tokio::spawn(async move {
+            let resp = send(
+                addr,
+                chat(None).body(Full::new(chat_body("m", streamed))).unwrap(),
+            )
+            .await;
+            let status = resp.status();
+            let retry = resp.headers().get("retry-after").cloned();
+            let body = resp.into_body().collect().await.unwrap().to_bytes();
+            (status, retry, body)
+        });
+        while upstream_requests(&h) < 1 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        h.stopped().await.unwrap();
+        let (status, retry, body) = waiting.await.unwrap();
+        assert_eq!(
+            status,
+            503,
+            "streamed {streamed}: {}",
+            String::from_utf8_lossy(&body)
+        );
+        assert_eq!(retry.unwrap(), "1", "streamed {streamed}");
+        openai_error(&body, "shutting_down");
+    }
+}
+
 /// The names of this process's threads (Linux; empty elsewhere).
 fn thread_names() -> Vec<String> {
     std::fs::read_dir("/proc/self/task")

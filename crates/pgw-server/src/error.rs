@@ -42,6 +42,10 @@ pub struct ApiError {
     pub param: Option<String>,
     /// Sent as `Retry-After` (whole seconds, rounded up).
     pub retry_after: Option<Duration>,
+    /// Sent as `x-should-retry: false`: the same request cannot succeed on a retry (the
+    /// provider refused the request itself), whatever its status. Also sent for every
+    /// 500, 502 and 504 (the gateway retried already).
+    pub no_retry: bool,
 }
 
 impl ApiError {
@@ -54,7 +58,21 @@ impl ApiError {
             code: Some(code.to_owned()),
             param: None,
             retry_after: None,
+            no_retry: false,
         }
+    }
+
+    /// 503 `shutting_down`: the server's shutdown grace period ended before the call
+    /// did (`what` happened to it); ask again in a second, another replica answers.
+    #[must_use]
+    pub fn shutting_down(what: &str) -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            "shutting_down",
+            format!("the server is shutting down and its grace period is over: {what}"),
+        )
+        .retry_after(Some(Duration::from_secs(1)))
     }
 
     /// Sets the `Retry-After` hint.
@@ -162,10 +180,16 @@ impl ApiError {
             },
             None => &**err,
         };
-        if let Some(r) = last.downcast_ref::<RetryError>() {
-            return Self::from_retry(r, &detail);
+        let mut answer = match last.downcast_ref::<RetryError>() {
+            Some(r) => Self::from_retry(r, &detail),
+            None => Self::from_refusal(last, &detail),
+        };
+        if !expose_sources {
+            // A provider's message passed through names the operator's organization
+            // ("... in organization org-AbC123 on tokens per min"): not the caller's.
+            answer.message = hide_organizations(&answer.message);
         }
-        Self::from_refusal(last, &detail)
+        answer
     }
 
     fn from_retry(r: &RetryError, detail: &dyn Fn(String) -> String) -> Self {
@@ -294,14 +318,20 @@ impl ApiError {
                     code: p.code.clone(),
                     param: p.param.clone(),
                     retry_after: None,
+                    // A 429 "Request too large for ... tokens per min" (or a 408/409)
+                    // is one the OpenAI SDKs would send twice more, through the whole
+                    // fallback chain again, to the same refusal.
+                    no_retry: true,
                 };
             }
-            return Self::new(
+            let mut err = Self::new(
                 status,
                 "invalid_request_error",
                 "rejected",
                 detail(u.message().to_owned()),
             );
+            err.no_retry = true;
+            return err;
         }
         Self::invalid_request("rejected", detail("the request was rejected".into()))
     }
@@ -392,24 +422,50 @@ pub(crate) fn find<'a, T: std::error::Error + 'static>(
     None
 }
 
+/// `message` with every OpenAI organization id (`org-` and at least six letters or
+/// digits) written `org-***`.
+fn hide_organizations(message: &str) -> String {
+    let mut out = String::with_capacity(message.len());
+    let mut rest = message;
+    while let Some(i) = rest.find("org-") {
+        let id = rest[i + 4..]
+            .bytes()
+            .take_while(u8::is_ascii_alphanumeric)
+            .count();
+        // A word that only starts with "org-" (a model, a path) is kept.
+        let starts_word = !rest[..i].ends_with(|c: char| c.is_ascii_alphanumeric() || c == '-');
+        if id >= 6 && starts_word {
+            out.push_str(&rest[..i]);
+            out.push_str("org-***");
+        } else {
+            out.push_str(&rest[..i + 4 + id]);
+        }
+        rest = &rest[i + 4 + id..];
+    }
+    out.push_str(rest);
+    out
+}
+
 /// The header the OpenAI SDKs read before retrying (`false`: do not).
 pub(crate) const SHOULD_RETRY_HEADER: &str = "x-should-retry";
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let retry = self.retry_after_header();
-        let no_retry = matches!(
-            self.status,
-            StatusCode::INTERNAL_SERVER_ERROR | StatusCode::BAD_GATEWAY | StatusCode::GATEWAY_TIMEOUT
-        );
+        let no_retry = self.no_retry
+            || matches!(
+                self.status,
+                StatusCode::INTERNAL_SERVER_ERROR | StatusCode::BAD_GATEWAY | StatusCode::GATEWAY_TIMEOUT
+            );
         let mut response = (self.status, Json(self.body())).into_response();
         if let Some(v) = retry {
             response.headers_mut().insert(header::RETRY_AFTER, v);
         }
         if no_retry {
             // The gateway has retried already (every source of the chain, up to its
-            // attempts), or the caller's deadline passed: the OpenAI SDKs, which retry
-            // 5xx twice by default, are told not to multiply the attempts.
+            // attempts), or the caller's deadline passed, or the provider refused the
+            // request itself: the OpenAI SDKs, which retry 408, 409, 429 and 5xx twice
+            // by default, are told not to multiply the attempts.
             response
                 .headers_mut()
                 .insert(SHOULD_RETRY_HEADER, HeaderValue::from_static("false"));
@@ -612,6 +668,58 @@ mod tests {
         assert_eq!(e.status, StatusCode::NOT_FOUND);
         assert_eq!(e.code.as_deref(), Some("model_not_found"));
         assert_eq!(e.param.as_deref(), Some("model"));
+    }
+
+    /// OpenAI's 429 for one request over the whole tokens-per-minute limit is the
+    /// request's fault (`Rejected`): the caller gets the provider's 429 with
+    /// `x-should-retry: false` (the SDKs would send it twice more through the whole
+    /// chain), and without the operator's organization id unless `expose_sources`.
+    #[tokio::test(start_paused = true)]
+    async fn a_request_too_large_is_not_retried_by_the_sdk_and_hides_the_organization() {
+        use pgw_stack::retry::{RetryConfig, RetryLayer};
+        use tower::{Layer, ServiceExt};
+
+        let layer = RetryLayer::new(RetryConfig::default())
+            .unwrap()
+            .classifier(pgw_core::OpenAiClassifier);
+        let upstream = tower::service_fn(|_: pgw_stack::ChatCall| async {
+            let p = ProviderError::parse(
+                br#"{"error":{"message":"Request too large for gpt-4o in organization org-AbC123xyz on tokens per min (TPM): Limit 30000, Requested 50000.","type":"tokens","param":null,"code":"rate_limit_exceeded"}}"#,
+            )
+            .unwrap();
+            let status = UpstreamStatus::new(StatusCode::TOO_MANY_REQUESTS, None, "").with_provider(p);
+            Err::<pgw_core::openai::ChatResponse, BoxError>(Box::new(status))
+        });
+        let call = pgw_stack::ChatCall::new(pgw_core::openai::ChatRequest::user("m", "hi"));
+        let err = layer.layer(upstream).oneshot(call).await.unwrap_err();
+
+        let e = ApiError::from_gateway(&err, false);
+        assert_eq!(e.status, StatusCode::TOO_MANY_REQUESTS, "{}", e.message);
+        assert!(
+            e.message.contains("organization org-*** on tokens"),
+            "{}",
+            e.message
+        );
+        assert!(!e.message.contains("AbC123xyz"), "{}", e.message);
+        let response = e.into_response();
+        assert_eq!(response.headers()[SHOULD_RETRY_HEADER], "false");
+        assert!(response.headers().get(header::RETRY_AFTER).is_none());
+
+        let exposed = ApiError::from_gateway(&err, true);
+        assert!(exposed.message.contains("org-AbC123xyz"), "{}", exposed.message);
+    }
+
+    #[test]
+    fn organization_ids_are_hidden_and_nothing_else() {
+        for (given, want) in [
+            ("in organization org-AbC123xyz on", "in organization org-*** on"),
+            ("org-1234567 and org-abcdefg.", "org-*** and org-***."),
+            ("model my-org-model and org-abc", "model my-org-model and org-abc"),
+            ("no org here", "no org here"),
+            ("trailing org-", "trailing org-"),
+        ] {
+            assert_eq!(hide_organizations(given), want, "{given}");
+        }
     }
 
     /// Every code the server writes keeps its own `error_type` label: those of

@@ -134,25 +134,46 @@ pub fn init_logging(format: LogFormat) -> Result<(), String> {
 }
 
 /// Completes on SIGTERM or SIGINT (Ctrl-C), whichever comes first.
-pub async fn shutdown_signal() {
-    let interrupt = async {
-        if tokio::signal::ctrl_c().await.is_err() {
-            std::future::pending::<()>().await;
-        }
-    };
+///
+/// The signals are listened to from the call, not from the future's first poll
+/// (when it is called inside a tokio runtime): a signal sent between the call and
+/// the first poll (the other event loops already accepting) is not taken by its
+/// default action, which ends the process with nothing drained.
+pub fn shutdown_signal() -> impl Future<Output = ()> + Send + 'static {
     #[cfg(unix)]
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
+    let registered = tokio::runtime::Handle::try_current().ok().map(|_| {
+        use tokio::signal::unix::{SignalKind, signal};
+        (signal(SignalKind::interrupt()), signal(SignalKind::terminate()))
+    });
+    async move {
+        #[cfg(unix)]
+        if let Some((Ok(mut interrupt), Ok(mut terminate))) = registered {
+            tokio::select! {
+                _ = interrupt.recv() => tracing::info!("SIGINT received"),
+                _ = terminate.recv() => tracing::info!("SIGTERM received"),
             }
-            Err(_) => std::future::pending::<()>().await,
+            return;
         }
-    };
-    #[cfg(not(unix))]
-    let terminate = std::future::pending::<()>();
-    tokio::select! {
-        () = interrupt => tracing::info!("SIGINT received"),
-        () = terminate => tracing::info!("SIGTERM received"),
+        // Called outside a runtime (or not on unix): listened to from here.
+        let interrupt = async {
+            if tokio::signal::ctrl_c().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        };
+        #[cfg(unix)]
+        let terminate = async {
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(mut s) => {
+                    s.recv().await;
+                }
+                Err(_) => std::future::pending::<()>().await,
+            }
+        };
+        #[cfg(not(unix))]
+        let terminate = std::future::pending::<()>();
+        tokio::select! {
+            () = interrupt => tracing::info!("SIGINT received"),
+            () = terminate => tracing::info!("SIGTERM received"),
+        }
     }
 }

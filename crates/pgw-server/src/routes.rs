@@ -25,7 +25,7 @@ use tower::ServiceBuilder;
 use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::trace::{DefaultOnFailure, DefaultOnResponse, TraceLayer};
 
-use crate::auth::{KeyRing, Tenant};
+use crate::auth::{KeyRing, Tenant, TenantPermit};
 use crate::config::Settings;
 use crate::error::ApiError;
 use crate::sse;
@@ -55,6 +55,8 @@ pub struct AppState {
     /// When `/metrics` last refreshed the gateway's gauges (`None`: never); locked
     /// while one refreshes.
     pub(crate) metrics_refreshed: Arc<tokio::sync::Mutex<Option<tokio::time::Instant>>>,
+    /// `/readyz`'s last probe of the backend; locked while one runs.
+    pub(crate) readiness: Arc<tokio::sync::Mutex<Option<Probe>>>,
 }
 
 /// What a call holds from before its body is read to its answer's end: one of the
@@ -118,6 +120,7 @@ impl AppState {
             redis_backend: config.backend == BackendKind::Redis,
             handles: Arc::default(),
             metrics_refreshed: Arc::default(),
+            readiness: Arc::default(),
         }
     }
 
@@ -737,6 +740,19 @@ fn json_reason(e: &serde_json::Error) -> String {
     }
 }
 
+/// The answer of a call the shutdown's grace period ended before anything of it was
+/// sent: 503 `shutting_down` with `Retry-After`. The tenant stays charged its estimate
+/// (the provider may have run the request).
+pub(crate) async fn cut_before_answer(mut metrics: CallMetrics, permit: Option<TenantPermit>) -> Response {
+    let err = ApiError::shutting_down("the call was cut before its answer");
+    tracing::warn!(tenant = %metrics.tenant, "call cut at the end of the shutdown grace period");
+    metrics.finish(Some(&err));
+    if let Some(p) = permit {
+        p.finish(None).await;
+    }
+    err.into_response()
+}
+
 async fn chat(State(state): State<Arc<AppState>>, request: Request) -> Response {
     let (parts, body) = request.into_parts();
     let headers = &parts.headers;
@@ -844,7 +860,16 @@ async fn chat(State(state): State<Arc<AppState>>, request: Request) -> Response 
     if chat_call.is_stream() {
         return sse::respond(&state, chat_call, permit, slot, call, (no_cache, cached)).await;
     }
-    let result = tower::ServiceExt::oneshot(state.gateway.clone(), chat_call).await;
+    let mut grace = state.grace_over.subscribe();
+    let result = tokio::select! {
+        result = tower::ServiceExt::oneshot(state.gateway.clone(), chat_call) => result,
+        () = crate::sse::grace_over(&mut grace) => {
+            // The upstream call is dropped (cancelled, its slots given back), and the
+            // caller answered, not reset when the connection is closed a moment later.
+            drop(slot);
+            return cut_before_answer(call, permit).await;
+        }
+    };
     drop(slot);
     match result {
         Ok(mut answer) => {
@@ -957,8 +982,18 @@ pub(crate) fn healthy() -> Response {
     Json(serde_json::json!({"status": "ok"})).into_response()
 }
 
+/// A probe of the backend by `/readyz`: when, and what was wrong (`None`: ready).
+pub(crate) type Probe = (tokio::time::Instant, Option<String>);
+
+/// The least time between two probes of the backend by `/readyz`: 1 s. `/readyz` needs
+/// no key and is never shed: probes closer together than this, or while one runs,
+/// get its answer, so a client looping on it makes at most one Redis round trip a
+/// second per process (before, one per request).
+const READY_PROBE_EVERY: Duration = Duration::from_secs(1);
+
 /// Ready when not draining and, on the Redis backend, the backend answers (one read of
-/// the first source's limiter state, at most 2 s).
+/// the first source's limiter state, at most 2 s, at most once per
+/// [`READY_PROBE_EVERY`]).
 async fn readyz(State(state): State<Arc<AppState>>) -> Response {
     if state.draining.load(Ordering::Relaxed) {
         return ApiError::new(
@@ -972,16 +1007,27 @@ async fn readyz(State(state): State<Arc<AppState>>) -> Response {
     if state.redis_backend
         && let Some(h) = state.gateway.sources().first()
     {
-        let probe = tokio::time::timeout(Duration::from_secs(2), h.limiter.held()).await;
-        let why = match probe {
-            Ok(Ok(_)) => None,
-            Ok(Err(e)) => Some(e.to_string()),
-            Err(_) => Some("no answer within 2 s".to_owned()),
+        let mut last = state.readiness.lock().await;
+        let why = match &*last {
+            Some((at, why)) if at.elapsed() < READY_PROBE_EVERY => why.clone(),
+            _ => {
+                let probe = tokio::time::timeout(Duration::from_secs(2), h.limiter.held()).await;
+                let why = match probe {
+                    Ok(Ok(_)) => None,
+                    Ok(Err(e)) => Some(e.to_string()),
+                    Err(_) => Some("no answer within 2 s".to_owned()),
+                };
+                if let Some(why) = &why {
+                    // The probe's caller hears only "unreachable"; the log says why
+                    // (the error names the redacted target).
+                    tracing::warn!(error = %why, "readyz: the shared-state backend is unreachable");
+                }
+                *last = Some((tokio::time::Instant::now(), why.clone()));
+                why
+            }
         };
-        if let Some(why) = why {
-            // The probe's caller hears only "unreachable"; the log says why (the
-            // error names the redacted target).
-            tracing::warn!(error = %why, "readyz: the shared-state backend is unreachable");
+        drop(last);
+        if why.is_some() {
             return ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "service_unavailable",

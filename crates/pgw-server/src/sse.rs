@@ -111,13 +111,7 @@ impl Call {
     /// The server's grace period is over: the stream ends with an error event saying
     /// so (503, `Retry-After` 1 s: another replica can take it).
     async fn cut(&mut self) -> Bytes {
-        let err = ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "service_unavailable",
-            "shutting_down",
-            "the server is shutting down and its grace period is over: the answer was cut",
-        )
-        .retry_after(Some(Duration::from_secs(1)));
+        let err = ApiError::shutting_down("the answer was cut");
         tracing::warn!(tenant = %self.metrics.tenant, "streamed call cut at the end of the shutdown grace period");
         self.end_with(&err, None).await
     }
@@ -274,7 +268,7 @@ impl Call {
 
 /// Completes when the server's shutdown grace period is over; never, should the
 /// server's state be gone (nothing can end the grace period then).
-async fn grace_over(rx: &mut tokio::sync::watch::Receiver<bool>) {
+pub(crate) async fn grace_over(rx: &mut tokio::sync::watch::Receiver<bool>) {
     if rx.wait_for(|over| *over).await.is_err() {
         std::future::pending::<()>().await;
     }
@@ -293,7 +287,18 @@ pub(crate) async fn respond(
     let gateway = state.gateway.clone();
     let mut opening: Opening = Box::pin(async move { gateway.stream_call(request).await });
     let every = state.sse_keep_alive.max(Duration::from_millis(1));
-    let (phase, who) = match tokio::time::timeout(every, &mut opening).await {
+    let mut grace = state.grace_over.subscribe();
+    let first = tokio::select! {
+        first = tokio::time::timeout(every, &mut opening) => first,
+        () = grace_over(&mut grace) => {
+            // Nothing sent yet: the call is answered, not reset when the connection
+            // is closed a moment later.
+            drop(opening);
+            drop(slot);
+            return crate::routes::cut_before_answer(metrics, permit).await;
+        }
+    };
+    let (phase, who) = match first {
         Ok(Ok(stream)) => {
             let who = (
                 HeaderValue::from_str(stream.group()).ok(),
