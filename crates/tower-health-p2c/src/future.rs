@@ -486,28 +486,35 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
         };
         let state = &self.snapshot.entries[i].state;
         loop {
-            // A source never measured gives no measure of a slow answer: its attempts
-            // are left to their own timeouts (its first may be a long generation).
-            let Some(age) = state.cut_age(after) else {
-                return Poll::Pending;
-            };
-            let heard = state.heard_at();
-            let old_enough = clock::saturating_after(at, age);
-            // Swallowed: the source timed out attempts since this one was sent and then
-            // answered one sent after it, so it is not silent, but this attempt's
-            // request is likely lost (a black hole that healed after taking it).
-            let due = if state.swallowed(at) {
-                old_enough
-            } else {
-                old_enough.max(clock::saturating_after(heard, after))
-            };
             let now = Instant::now();
-            if now >= due {
-                return Poll::Ready(Box::new(SilentCut::new(
-                    now.saturating_duration_since(heard),
-                    now.saturating_duration_since(at),
-                )));
-            }
+            let due = match state.cut_age(after) {
+                // A source never measured gives no measure of a slow answer: its attempts
+                // are left to their own timeouts (its first may be a long generation).
+                // Looked at again every `silent_after`: once other attempts' answers
+                // measured it, this one is judged too (sent at a cold start to a source
+                // that then went dark, it ran to its own timeout).
+                None => clock::saturating_after(now, after),
+                Some(age) => {
+                    let heard = state.heard_at();
+                    let old_enough = clock::saturating_after(at, age);
+                    // Swallowed: the source timed out attempts since this one was sent
+                    // and then answered one sent after it, so it is not silent, but
+                    // this attempt's request is likely lost (a black hole that healed
+                    // after taking it).
+                    let due = if state.swallowed(at) {
+                        old_enough
+                    } else {
+                        old_enough.max(clock::saturating_after(heard, after))
+                    };
+                    if now >= due {
+                        return Poll::Ready(Box::new(SilentCut::new(
+                            now.saturating_duration_since(heard),
+                            now.saturating_duration_since(at),
+                        )));
+                    }
+                    due
+                }
+            };
             let sleep = match &mut self.cut {
                 Some(s) => {
                     if s.deadline() != due {

@@ -1572,6 +1572,25 @@ fn scripted(script: Vec<(u64, bool)>) -> Svc {
 /// old, though the source is not silent any more. Before, it was cut only once the
 /// source had been quiet for `silent_after` again, and with traffic answered, never
 /// before its own timeout.
+/// An attempt sent before the source was ever measured is judged once it is: the
+/// source answers one later call in 1 s and then nothing, and the first attempt, still
+/// hanging, is cut once silent for `silent_after` (60 s) instead of running to its own
+/// 180 s. Before, an attempt to a source unmeasured at its dispatch was never looked
+/// at again.
+#[tokio::test(start_paused = true)]
+async fn an_attempt_sent_before_the_first_measure_is_judged_once_there_is_one() {
+    let sources = Sources::new();
+    sources.insert(SourceId::from("s"), scripted(vec![(180, false), (1, true)]));
+    let lb = balancer(&sources, Policy::HealthAware);
+    let cold = spawn_timed(&lb);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(spawn_timed(&lb).await, (Duration::from_secs(1), Ok("ok")));
+    // Heard at t = 2 s: silent for 60 s at t = 62 s, the attempt 62 s old.
+    let at = Duration::from_secs(62);
+    assert_eq!(cold.await, (at, Err(Some((Duration::from_secs(60), at)))));
+    assert_eq!(sources.views()[0].inflight(), 0);
+}
+
 #[tokio::test(start_paused = true)]
 async fn an_attempt_a_healed_black_hole_swallowed_is_cut_once_old_enough() {
     // Measured at 1 s; then `swallowed` (t = 1 s) and `dropped` (t = 2 s, timing out
