@@ -63,6 +63,8 @@ struct Records {
     len: AtomicUsize,
     /// How many attempts were numbered ([`CallHistory::next_attempt`]).
     numbered: AtomicU32,
+    /// How many of them were probes ([`CallHistory::next_probe`]): never recorded here.
+    probes: AtomicU32,
     list: Mutex<List>,
 }
 
@@ -136,11 +138,30 @@ impl CallHistory {
             .saturating_add(1)
     }
 
+    /// Numbers a probe as it is sent: a copy of this call's request sent off its path
+    /// (a breaker's half-open probe, the balancer's probe of a silent source), numbered
+    /// among the call's attempts ([`next_attempt`](Self::next_attempt)) but never
+    /// recorded in its history, so not counted in [`in_flight`](Self::in_flight).
+    pub fn next_probe(&self) -> u32 {
+        self.inner.probes.fetch_add(1, Ordering::Relaxed);
+        self.next_attempt()
+    }
+
     /// How many attempts were numbered as sent ([`next_attempt`](Self::next_attempt)),
-    /// whether or not they ended: more than [`len`](Self::len) while one is in flight.
+    /// probes included, whether or not they ended.
     #[must_use]
     pub fn sent(&self) -> u32 {
         self.inner.numbered.load(Ordering::Relaxed)
+    }
+
+    /// Whether one of the call's own attempts was sent and has not been recorded yet:
+    /// numbered, probes aside, more than [`len`](Self::len).
+    #[must_use]
+    pub fn in_flight(&self) -> bool {
+        let own = self
+            .sent()
+            .saturating_sub(self.inner.probes.load(Ordering::Relaxed));
+        own as usize > self.len()
     }
 
     /// Sets the call's deadline: the instant after which it may not wait (the retry

@@ -253,8 +253,13 @@ where
         let pushback = self.pushback.clone();
         let quota_hold = self.quota_hold.clone();
         // A first attempt sent without a history is numbered by the retry layer's
-        // recording of it (`pgw_core::Recording`).
-        let attempt = pgw_core::Recording::next_attempt::<ChatCall>(call.call_history());
+        // recording of it (`pgw_core::Recording`). A probe copy is numbered as one, so
+        // a deadline cutting the call while it waits does not take it for its own
+        // attempt in flight.
+        let attempt = match call.call_history() {
+            Some(h) if call.is_probe_copy() => h.next_probe(),
+            history => pgw_core::Recording::next_attempt::<ChatCall>(history),
+        };
         let admission = call
             .extensions()
             .get::<AdmissionCell>()

@@ -169,8 +169,11 @@ impl Pushback {
 
 impl<S, Req, C, R> Call<S, Req, C, R> {
     /// The call ended (or was dropped): no longer retrying, and a retry drawn for an
-    /// attempt it never sent goes back to the budget.
+    /// attempt it never sent goes back to the budget: one drawn during a backoff, or
+    /// one dispatched that was still waiting for an admission below (never numbered:
+    /// it asked no provider) when the deadline or the caller ended the call.
     fn uncount(&mut self) {
+        let sent = self.history.as_ref().is_some_and(CallHistory::in_flight);
         let Some(slow) = &mut self.slow else {
             return;
         };
@@ -178,10 +181,11 @@ impl<S, Req, C, R> Call<S, Req, C, R> {
             self.shared.counters.retrying.fetch_sub(1, Ordering::Relaxed);
             self.shared.progress.unwatch();
         }
-        if let Some(withdrawal) = slow.withdrawn.take()
-            && let Some(budget) = &self.shared.budget
-        {
-            budget.refund(withdrawal, Instant::now());
+        let unsent = if sent { None } else { slow.dispatched.take() };
+        if let Some(budget) = &self.shared.budget {
+            for withdrawal in [slow.withdrawn.take(), unsent].into_iter().flatten() {
+                budget.refund(withdrawal, Instant::now());
+            }
         }
     }
 
@@ -284,10 +288,11 @@ impl<S, Req: CarriesHistory, C, R> Call<S, Req, C, R> {
     /// service below, [`pgw_core::Recording::next_attempt`]) and not recorded, it is
     /// recorded now, timed out at an unknown source, so the verdict says a provider
     /// was asked (a server charges the caller for it, as for any attempt). An attempt
-    /// still waiting for an admission below was never numbered and is not recorded.
+    /// still waiting for an admission below was never numbered and is not recorded, nor
+    /// is a probe sent with a copy of the call's request (numbered, never recorded).
     fn record_cut_attempt(&mut self) {
         let history = self.history();
-        if history.sent() as usize > history.len() {
+        if history.in_flight() {
             history.push(pgw_core::AttemptRecord {
                 source: None,
                 outcome: pgw_core::Outcome::Transient,

@@ -3,6 +3,7 @@
 mod support;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use pgw_core::{BoxError, CallHistory, CarriesHistory, CircuitOpen, Outcome, Paced, QuotaExceeded, SourceId};
@@ -891,6 +892,40 @@ fn budget_of_ten() -> RetryLayer<TestClassifier> {
     })
 }
 
+/// A retry dispatched but still waiting for an admission below (never numbered: it
+/// asked no provider) when the call's deadline ends it goes back to the budget, as one
+/// drawn during a backoff does. Before, it stayed spent: calls cut while waiting
+/// drained the budget that other calls' retries need.
+#[tokio::test(start_paused = true)]
+async fn a_retry_cut_before_it_was_sent_goes_back_to_the_budget() {
+    let n = Arc::new(AtomicUsize::new(0));
+    let layer = layer(RetryConfig {
+        base_backoff: Duration::from_secs(1),
+        max_call_duration: Some(Duration::from_secs(5)),
+        retry_budget: Some(tower_retry_pushback::RetryBudgetConfig {
+            ratio: 0.0,
+            min_retries_per_sec: 1,
+            ..tower_retry_pushback::RetryBudgetConfig::default()
+        }),
+        ..RetryConfig::default()
+    });
+    let budget = layer.retry_budget().unwrap().clone();
+    let mut svc = layer.layer(tower::service_fn(move |req: Req| {
+        let first = n.fetch_add(1, Ordering::SeqCst) == 0;
+        async move {
+            if first {
+                let _ = pgw_core::Recording::next_attempt::<Req>(req.call_history());
+                return Ok(Ans::Transient);
+            }
+            // The retry waits for an admission below: never numbered.
+            std::future::pending::<Result<Ans, BoxError>>().await
+        }
+    }));
+    let err = call(&mut svc, Req::new(1)).await.unwrap_err();
+    assert_eq!(retry_error(&err).reason(), Reason::DeadlineExceeded);
+    assert_eq!(budget.counts(Instant::now()).1, 0, "the retry was never sent");
+}
+
 /// Twenty calls' one failed attempt each, then a call failing once and answering.
 fn twenty_failures_then_a_retry() -> Upstream {
     let mut answers: Vec<Result<Ans, BoxError>> = (0..21).map(|_| Ok(Ans::Transient)).collect();
@@ -1201,8 +1236,13 @@ async fn an_attempt_cut_by_the_deadline_is_in_the_verdict_when_it_was_sent() {
             ..RetryConfig::default()
         })
         .layer(tower::service_fn(move |req: Req| async move {
+            let history = req.call_history();
             if sent {
-                let _ = pgw_core::Recording::next_attempt::<Req>(req.call_history());
+                let _ = pgw_core::Recording::next_attempt::<Req>(history);
+            } else if let Some(h) = history {
+                // A probe sent with a copy of the request (a silent source's), while
+                // the call itself waits for an admission: numbered, not the call's.
+                let _ = h.next_probe();
             }
             std::future::pending::<Result<Ans, BoxError>>().await
         }));
