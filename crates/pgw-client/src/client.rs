@@ -594,6 +594,16 @@ pub(crate) fn error_in_answer(
     Some(status)
 }
 
+/// A stream's `event: error`: the provider's error when its data is one
+/// ([`error_in_answer`]), else a 502 whose message is the data (scrubbed, cut),
+/// starting with `context`.
+pub(crate) fn error_event(data: &[u8], key: Option<&crate::SecretKey>, context: &str) -> UpstreamStatus {
+    error_in_answer(data, key, context).unwrap_or_else(|| {
+        let text = format!("{context}{}", String::from_utf8_lossy(data).trim());
+        UpstreamStatus::new(http::StatusCode::BAD_GATEWAY, None, clean(text, key))
+    })
+}
+
 /// `text` scrubbed of `key`, then cut to [`MAX_ERROR_MESSAGE`] bytes. In that order: a
 /// key echoed across the cut would otherwise survive as its first bytes.
 pub(crate) fn clean(text: String, key: Option<&crate::SecretKey>) -> String {

@@ -386,6 +386,13 @@ impl Stream for ChunkStream {
         loop {
             match this.decoder.next_event() {
                 Some(SseEvent::Done) => return this.end(cx, "[DONE]"),
+                Some(SseEvent::Error(data)) => {
+                    // `event: error`: the provider's error whatever its data (`data:
+                    // Overloaded` was skipped as a chunk that did not parse, and the
+                    // stream ended as a plain cut, its message lost).
+                    let status = crate::client::error_event(data.as_bytes(), this.key.as_ref(), MID_STREAM);
+                    return this.fail(status.into());
+                }
                 Some(SseEvent::Data(data)) => match this.on_data(data) {
                     Ok(Some(chunk)) => {
                         this.delivered = true;

@@ -1146,6 +1146,29 @@ async fn an_oversized_error_body_is_classified_on_its_first_bytes() {
     assert!(pgw_core::exceeds_source(&**err), "{err}");
 }
 
+/// An `event: error` whose data is not JSON (`data: Overloaded`) is the provider's
+/// error with its message, not a chunk that failed to parse and was skipped (the
+/// stream then ended as a plain cut, the message lost).
+#[tokio::test(start_paused = true)]
+async fn an_error_event_with_plain_text_is_the_providers_error() {
+    let p = Provider::default();
+    let script = sse(vec![
+        (Duration::ZERO, chunk("a", false)),
+        (
+            Duration::ZERO,
+            Bytes::from_static(b"event: error\ndata: Overloaded\n\n"),
+        ),
+        (Duration::ZERO, chunk("b", true)),
+    ]);
+    let r = p.client(script, timeouts()).oneshot(stream_call()).await;
+    let err = r.as_ref().unwrap_err();
+    let status = err
+        .downcast_ref::<UpstreamStatus>()
+        .expect("the provider's error");
+    assert!(status.message().contains("Overloaded"), "{err}");
+    assert_eq!(outcome(&r), Outcome::Transient);
+}
+
 /// A key the provider echoes across the message's cut is scrubbed before the cut, so
 /// not even its first bytes reach the caller.
 #[tokio::test(start_paused = true)]

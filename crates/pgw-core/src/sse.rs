@@ -5,10 +5,12 @@
 //! HTML, "Server-sent events"): lines end with CR, LF or CRLF; a UTF-8 byte order mark at
 //! the very start of the stream is skipped; a line starting with `:` is a comment; a line
 //! without a colon is a field with an empty value; one space after the colon is removed;
-//! an empty line dispatches the event. Only the `data` field is surfaced: `event`, `id`,
-//! `retry` and unknown fields are ignored (an `event: error` still surfaces its data,
-//! which is how providers send errors in a stream), and an event without a `data` field
-//! is not dispatched. An event the stream ends in the middle of is discarded.
+//! an empty line dispatches the event. Only the `data` field is surfaced, and whether the
+//! event's type (`event:`) is `error`, which is how some providers send an error in a
+//! stream (its data then need not be JSON: `event: error` / `data: Overloaded`); `id`,
+//! `retry`, other event types and unknown fields are ignored, and an event without a
+//! `data` field is not dispatched. An event the stream ends in the middle of is
+//! discarded.
 //!
 //! The work is linear in the stream's size: each byte is looked at once by the line
 //! scan, however the stream is split into `feed` calls.
@@ -20,6 +22,9 @@ use std::collections::VecDeque;
 pub enum SseEvent {
     /// The `data:` payload of an event (lines joined with `\n`).
     Data(String),
+    /// The `data:` payload of an event of type `error` (`event: error`): the provider's
+    /// error, whatever its data looks like.
+    Error(String),
     /// The `data: [DONE]` terminator.
     Done,
 }
@@ -46,8 +51,12 @@ const BOM: &[u8] = b"\xEF\xBB\xBF";
 /// assert_eq!(d.next_event(), Some(SseEvent::Done));
 ///
 /// // CR, LF and CRLF line ends, comments, other fields, `data` without a colon.
-/// d.feed(b": keep-alive\r\nevent: error\rdata:a\r\ndata\n\n").unwrap();
+/// d.feed(b": keep-alive\r\nid: 7\rdata:a\r\ndata\n\n").unwrap();
 /// assert_eq!(d.next_event(), Some(SseEvent::Data("a\n".into())));
+///
+/// // An event of type `error`.
+/// d.feed(b"event: error\ndata: Overloaded\n\n").unwrap();
+/// assert_eq!(d.next_event(), Some(SseEvent::Error("Overloaded".into())));
 /// ```
 #[derive(Debug, Default)]
 pub struct SseDecoder {
@@ -58,6 +67,8 @@ pub struct SseDecoder {
     data: Vec<u8>,
     /// Complete events not yet taken.
     events: VecDeque<SseEvent>,
+    /// The current event's type is `error`.
+    error_event: bool,
     /// The last byte fed was a CR that ended a line: an LF first in the next feed is the
     /// rest of that line end, not an empty line.
     after_cr: bool,
@@ -143,10 +154,20 @@ impl SseDecoder {
         }
         while let Some(i) = self.find_line_end(bytes) {
             if self.line.is_empty() {
-                on_line(&mut self.data, &mut self.events, &bytes[..i])?;
+                on_line(
+                    &mut self.data,
+                    &mut self.error_event,
+                    &mut self.events,
+                    &bytes[..i],
+                )?;
             } else {
                 self.line.extend_from_slice(&bytes[..i]);
-                on_line(&mut self.data, &mut self.events, &self.line)?;
+                on_line(
+                    &mut self.data,
+                    &mut self.error_event,
+                    &mut self.events,
+                    &self.line,
+                )?;
                 if self.line.capacity() > KEPT_LINE_CAPACITY {
                     // One huge line (up to MAX_EVENT_BYTES) must not pin its buffer for
                     // the rest of a long stream.
@@ -184,8 +205,14 @@ impl SseDecoder {
 }
 
 /// Interprets one line (without its line end): an empty line dispatches the event.
-fn on_line(data: &mut Vec<u8>, events: &mut VecDeque<SseEvent>, line: &[u8]) -> Result<(), EventTooLarge> {
+fn on_line(
+    data: &mut Vec<u8>,
+    error: &mut bool,
+    events: &mut VecDeque<SseEvent>,
+    line: &[u8],
+) -> Result<(), EventTooLarge> {
     if line.is_empty() {
+        let error = std::mem::take(error);
         if data.is_empty() {
             return Ok(());
         }
@@ -194,7 +221,9 @@ fn on_line(data: &mut Vec<u8>, events: &mut VecDeque<SseEvent>, line: &[u8]) -> 
             Ok(text) => text,
             Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
         };
-        events.push_back(if text.trim() == "[DONE]" {
+        events.push_back(if error {
+            SseEvent::Error(text)
+        } else if text.trim() == "[DONE]" {
             SseEvent::Done
         } else {
             SseEvent::Data(text)
@@ -209,8 +238,10 @@ fn on_line(data: &mut Vec<u8>, events: &mut VecDeque<SseEvent>, line: &[u8]) -> 
         }
         None => (line, &b""[..]),
     };
-    // `event`, `id`, `retry` and unknown fields: only the data is surfaced.
-    if field == b"data" {
+    // `id`, `retry` and unknown fields: only the data and an error type are surfaced.
+    if field == b"event" {
+        *error = value == b"error";
+    } else if field == b"data" {
         if data.len() + value.len() + 1 > MAX_EVENT_BYTES {
             return Err(EventTooLarge);
         }
@@ -394,12 +425,21 @@ mod tests {
     }
 
     #[test]
-    fn an_error_event_surfaces_its_data() {
+    fn an_error_event_surfaces_its_data_as_an_error() {
         let stream = b"event: error\ndata: {\"error\":{\"message\":\"overloaded\"}}\n\n";
         assert_eq!(
             events(&[stream]),
-            vec![data("{\"error\":{\"message\":\"overloaded\"}}")]
+            vec![SseEvent::Error("{\"error\":{\"message\":\"overloaded\"}}".into())]
         );
+        // The type is the event's: the next one, without it, is data again; another
+        // type is data too.
+        let stream = b"event: error\ndata: Overloaded\n\ndata: x\n\nevent: ping\ndata: y\n\n";
+        assert_eq!(
+            events(&[stream]),
+            vec![SseEvent::Error("Overloaded".into()), data("x"), data("y")]
+        );
+        // An error type without data is not dispatched, and does not carry over.
+        assert_eq!(events(&[b"event: error\n\ndata: z\n\n"]), vec![data("z")]);
     }
 
     #[test]
@@ -621,7 +661,18 @@ mod tests {
                         return None;
                     }
                     let joined = values.join("\n");
-                    Some(if joined.trim() == "[DONE]" {
+                    // The event's type is its last `event` line's value.
+                    let error = event
+                        .iter()
+                        .rev()
+                        .find_map(|(l, _)| match l {
+                            Line::Other("event", value) => Some(value.as_deref() == Some("error")),
+                            _ => None,
+                        })
+                        .unwrap_or(false);
+                    Some(if error {
+                        SseEvent::Error(joined)
+                    } else if joined.trim() == "[DONE]" {
                         SseEvent::Done
                     } else {
                         SseEvent::Data(joined)

@@ -77,6 +77,7 @@ async fn a_stream_served_over_http_is_parsed_chunk_by_chunk() {
                     chunks += 1;
                 }
                 SseEvent::Done => done = true,
+                SseEvent::Error(e) => panic!("an error event: {e}"),
             }
         }
     }

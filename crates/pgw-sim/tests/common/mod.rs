@@ -120,6 +120,7 @@ pub async fn call(
             match ev {
                 SseEvent::Data(d) => acc.push(&serde_json::from_str::<ChatChunk>(&d).unwrap()),
                 SseEvent::Done => done = true,
+                SseEvent::Error(e) => panic!("an error event: {e}"),
             }
         }
     }
