@@ -384,11 +384,13 @@ impl ProviderError {
                 message: text(e.get("message")).unwrap_or_else(|| e.to_string()),
                 kind: text(e.get("type")).or_else(|| text(e.get("status"))),
                 // Google's numeric `code` is the HTTP status again: the reason of its
-                // `details` (`API_KEY_INVALID`) is the code that says something.
+                // `details`, when it is one pgw knows (`API_KEY_INVALID`), is the code
+                // that says something. Another reason leaves the number, which an error
+                // inside a 2xx answer is given as its status.
                 code: match e.get("code") {
-                    None | Some(serde_json::Value::Number(_)) => {
-                        google_reason(e).or_else(|| text(e.get("code")))
-                    }
+                    None | Some(serde_json::Value::Number(_)) => google_reason(e)
+                        .filter(|r| crate::http_classify::is_known_code(r))
+                        .or_else(|| text(e.get("code"))),
                     code => text(code),
                 },
                 param: text(e.get("param")),

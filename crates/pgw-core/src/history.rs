@@ -158,10 +158,20 @@ impl CallHistory {
     /// numbered, probes aside, more than [`len`](Self::len).
     #[must_use]
     pub fn in_flight(&self) -> bool {
-        let own = self
-            .sent()
-            .saturating_sub(self.inner.probes.load(Ordering::Relaxed));
-        own as usize > self.len()
+        self.own_sent() > self.len()
+    }
+
+    /// Whether every attempt is recorded and every one recorded was numbered as sent
+    /// (probes aside): none in flight, and the service that sends them numbers them
+    /// (one that numbers none leaves fewer numbered than recorded).
+    #[must_use]
+    pub fn all_recorded(&self) -> bool {
+        self.own_sent() == self.len()
+    }
+
+    fn own_sent(&self) -> usize {
+        self.sent()
+            .saturating_sub(self.inner.probes.load(Ordering::Relaxed)) as usize
     }
 
     /// Sets the call's deadline: the instant after which it may not wait (the retry

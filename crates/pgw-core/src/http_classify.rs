@@ -108,6 +108,11 @@ fn meaning_of_message(message: &str) -> Option<Meaning> {
     }
 }
 
+/// Whether `code` is a provider code or type whose meaning pgw knows ([`MEANINGS`]).
+pub(crate) fn is_known_code(code: &str) -> bool {
+    meaning(Some(code)).is_some()
+}
+
 fn meaning(name: Option<&str>) -> Option<Meaning> {
     let name = name?;
     MEANINGS.iter().find(|(n, _)| *n == name).map(|(_, m)| *m)

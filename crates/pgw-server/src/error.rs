@@ -422,9 +422,12 @@ pub(crate) fn find<'a, T: std::error::Error + 'static>(
     None
 }
 
-/// `message` with every OpenAI organization id (`org-` and at least six letters or
-/// digits) written `org-***`.
+/// `message` with every OpenAI organization id (`org-` and at least 16 letters or
+/// digits: OpenAI's are 24) written `org-***`.
 fn hide_organizations(message: &str) -> String {
+    /// The fewest letters or digits after `org-` taken for an id ("an org-specific
+    /// limit", a model `org-llama3-70b`, are words).
+    const ORG_ID_LEN: usize = 16;
     let mut out = String::with_capacity(message.len());
     let mut rest = message;
     while let Some(i) = rest.find("org-") {
@@ -434,7 +437,7 @@ fn hide_organizations(message: &str) -> String {
             .count();
         // A word that only starts with "org-" (a model, a path) is kept.
         let starts_word = !rest[..i].ends_with(|c: char| c.is_ascii_alphanumeric() || c == '-');
-        if id >= 6 && starts_word {
+        if id >= ORG_ID_LEN && starts_word {
             out.push_str(&rest[..i]);
             out.push_str("org-***");
         } else {
@@ -684,7 +687,7 @@ mod tests {
             .classifier(pgw_core::OpenAiClassifier);
         let upstream = tower::service_fn(|_: pgw_stack::ChatCall| async {
             let p = ProviderError::parse(
-                br#"{"error":{"message":"Request too large for gpt-4o in organization org-AbC123xyz on tokens per min (TPM): Limit 30000, Requested 50000.","type":"tokens","param":null,"code":"rate_limit_exceeded"}}"#,
+                br#"{"error":{"message":"Request too large for gpt-4o in organization org-AbC123xyzAbC123xyzAb on tokens per min (TPM): Limit 30000, Requested 50000.","type":"tokens","param":null,"code":"rate_limit_exceeded"}}"#,
             )
             .unwrap();
             let status = UpstreamStatus::new(StatusCode::TOO_MANY_REQUESTS, None, "").with_provider(p);
@@ -706,15 +709,30 @@ mod tests {
         assert!(response.headers().get(header::RETRY_AFTER).is_none());
 
         let exposed = ApiError::from_gateway(&err, true);
-        assert!(exposed.message.contains("org-AbC123xyz"), "{}", exposed.message);
+        assert!(
+            exposed.message.contains("org-AbC123xyzAbC123xyzAb"),
+            "{}",
+            exposed.message
+        );
     }
 
     #[test]
     fn organization_ids_are_hidden_and_nothing_else() {
         for (given, want) in [
-            ("in organization org-AbC123xyz on", "in organization org-*** on"),
-            ("org-1234567 and org-abcdefg.", "org-*** and org-***."),
+            (
+                "in organization org-AbC123xyzAbC123xyzAb on",
+                "in organization org-*** on",
+            ),
+            (
+                "org-1234567890123456 and org-abcdefghijklmnopqrstuvwx.",
+                "org-*** and org-***.",
+            ),
             ("model my-org-model and org-abc", "model my-org-model and org-abc"),
+            (
+                "an org-specific limit, org-llama3-70b",
+                "an org-specific limit, org-llama3-70b",
+            ),
+            ("é org-AbC123xyzAbC123xyzAb é", "é org-*** é"),
             ("no org here", "no org here"),
             ("trailing org-", "trailing org-"),
         ] {

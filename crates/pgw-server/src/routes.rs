@@ -862,6 +862,8 @@ async fn chat(State(state): State<Arc<AppState>>, request: Request) -> Response 
     }
     let mut grace = state.grace_over.subscribe();
     let result = tokio::select! {
+        // The answer first: one ready with the grace's end is still given.
+        biased;
         result = tower::ServiceExt::oneshot(state.gateway.clone(), chat_call) => result,
         () = crate::sse::grace_over(&mut grace) => {
             // The upstream call is dropped (cancelled, its slots given back), and the

@@ -289,6 +289,8 @@ pub(crate) async fn respond(
     let every = state.sse_keep_alive.max(Duration::from_millis(1));
     let mut grace = state.grace_over.subscribe();
     let first = tokio::select! {
+        // The stream first: one ready with the grace's end is still given.
+        biased;
         first = tokio::time::timeout(every, &mut opening) => first,
         () = grace_over(&mut grace) => {
             // Nothing sent yet: the call is answered, not reset when the connection

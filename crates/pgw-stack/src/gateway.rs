@@ -431,14 +431,27 @@ impl Service<ChatCall> for Gateway {
             let Some(route) = inner.chain_of(&call.request().model) else {
                 return Err(unknown_model(call_id, &call.request().model));
             };
+            let allowed = call.extensions().get::<AllowedModels>().cloned();
+            // With `[models]`, a call may use the models of its list only: the one it
+            // names first (as if it did not exist, as OpenAI answers a key without it).
+            let allowed = allowed.filter(|_| !inner.models.is_empty());
+            if allowed
+                .as_ref()
+                .is_some_and(|a| !a.permits(&call.request().model))
+            {
+                return Err(unknown_model(call_id, &call.request().model));
+            }
             let mut cached = None;
             if let Some(cache) = inner.cache.as_ref().filter(|c| c.applies(&call)) {
                 let partition = call.extensions().get::<CachePartition>().map(|p| &*p.0);
                 let key = CacheKey::in_partition(call.request(), &route.route_key, partition);
                 let validator = call.extensions().get::<Validator>().or(inner.validator.as_ref());
+                // A stored answer of a model the call may not use (a fallback's, stored
+                // for a caller allowed it, with the cache shared across keys) is not one.
                 let usable = |hit: &CachedAnswer| {
-                    validator
-                        .is_none_or(|v| hit.response.is_declined() || v.0.validate(&hit.response).is_ok())
+                    allowed.as_ref().is_none_or(|a| a.permits(&hit.group))
+                        && validator
+                            .is_none_or(|v| hit.response.is_declined() || v.0.validate(&hit.response).is_ok())
                 };
                 let follow = Follow {
                     progress: &inner.progress,
@@ -463,12 +476,10 @@ impl Service<ChatCall> for Gateway {
             // fallback (the first group failed otherwise), as a fallback's.
             let mut context_of_primary = false;
             let mut next = 0;
-            let allowed = call.extensions().get::<AllowedModels>().cloned();
             while let Some(&g) = chain.get(next) {
                 next += 1;
                 let group = &inner.groups[g];
                 if let Some(allowed) = &allowed
-                    && !inner.models.is_empty()
                     && !allowed.permits(&group.name)
                 {
                     // A fallback (or context-window fallback) to a model the caller

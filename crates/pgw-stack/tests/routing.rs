@@ -300,6 +300,17 @@ async fn a_call_limited_to_its_model_does_not_fall_back_to_another() {
         ])));
     let a = tower::ServiceExt::oneshot(gw.clone(), both).await.unwrap();
     assert_eq!(a.group, "long");
+
+    // A call naming a model outside its list: as if that model did not exist.
+    let mut other = big();
+    other
+        .extensions_mut()
+        .insert(pgw_stack::AllowedModels(Arc::from(vec!["long".to_owned()])));
+    let err = tower::ServiceExt::oneshot(gw.clone(), other).await.unwrap_err();
+    assert_eq!(
+        UpstreamStatus::find(&*err).unwrap().code(),
+        Some("model_not_found")
+    );
 }
 
 #[tokio::test(start_paused = true)]

@@ -1567,11 +1567,6 @@ fn scripted(script: Vec<(u64, bool)>) -> Svc {
     }))
 }
 
-/// A black hole that heals: an attempt it swallowed (attempts timed out since it was
-/// sent, and the source then answered one sent after it) is cut once `silent_after`
-/// old, though the source is not silent any more. Before, it was cut only once the
-/// source had been quiet for `silent_after` again, and with traffic answered, never
-/// before its own timeout.
 /// An attempt sent before the source was ever measured is judged once it is: the
 /// source answers one later call in 1 s and then nothing, and the first attempt, still
 /// hanging, is cut once silent for `silent_after` (60 s) instead of running to its own
@@ -1591,6 +1586,11 @@ async fn an_attempt_sent_before_the_first_measure_is_judged_once_there_is_one() 
     assert_eq!(sources.views()[0].inflight(), 0);
 }
 
+/// A black hole that heals: an attempt it swallowed (attempts timed out since it was
+/// sent, and the source then answered one sent after it) is cut once `silent_after`
+/// old, though the source is not silent any more. Before, it was cut only once the
+/// source had been quiet for `silent_after` again, and with traffic answered, never
+/// before its own timeout.
 #[tokio::test(start_paused = true)]
 async fn an_attempt_a_healed_black_hole_swallowed_is_cut_once_old_enough() {
     // Measured at 1 s; then `swallowed` (t = 1 s) and `dropped` (t = 2 s, timing out

@@ -173,7 +173,10 @@ impl<S, Req, C, R> Call<S, Req, C, R> {
     /// one dispatched that was still waiting for an admission below (never numbered:
     /// it asked no provider) when the deadline or the caller ended the call.
     fn uncount(&mut self) {
-        let sent = self.history.as_ref().is_some_and(CallHistory::in_flight);
+        // Not sent only when the service below numbers its attempts (every attempt
+        // recorded was numbered) and this one was not: a service that numbers none
+        // cannot say, and its retry counts as sent.
+        let unsent = self.history.as_ref().is_some_and(CallHistory::all_recorded);
         let Some(slow) = &mut self.slow else {
             return;
         };
@@ -181,7 +184,10 @@ impl<S, Req, C, R> Call<S, Req, C, R> {
             self.shared.counters.retrying.fetch_sub(1, Ordering::Relaxed);
             self.shared.progress.unwatch();
         }
-        let unsent = if sent { None } else { slow.dispatched.take() };
+        // Taken either way: decided once (the deadline's cut records the attempt, and
+        // the drop that follows must not read it as unsent).
+        let dispatched = slow.dispatched.take();
+        let unsent = dispatched.filter(|_| unsent);
         if let Some(budget) = &self.shared.budget {
             for withdrawal in [slow.withdrawn.take(), unsent].into_iter().flatten() {
                 budget.refund(withdrawal, Instant::now());

@@ -895,35 +895,44 @@ fn budget_of_ten() -> RetryLayer<TestClassifier> {
 /// A retry dispatched but still waiting for an admission below (never numbered: it
 /// asked no provider) when the call's deadline ends it goes back to the budget, as one
 /// drawn during a backoff does. Before, it stayed spent: calls cut while waiting
-/// drained the budget that other calls' retries need.
+/// drained the budget that other calls' retries need. One that was sent (numbered)
+/// stays spent, also through the drop that follows the cut; so does one sent to a
+/// service that numbers no attempt (nothing tells that it was not sent).
 #[tokio::test(start_paused = true)]
 async fn a_retry_cut_before_it_was_sent_goes_back_to_the_budget() {
-    let n = Arc::new(AtomicUsize::new(0));
-    let layer = layer(RetryConfig {
-        base_backoff: Duration::from_secs(1),
-        max_call_duration: Some(Duration::from_secs(5)),
-        retry_budget: Some(tower_retry_pushback::RetryBudgetConfig {
-            ratio: 0.0,
-            min_retries_per_sec: 1,
-            ..tower_retry_pushback::RetryBudgetConfig::default()
-        }),
-        ..RetryConfig::default()
-    });
-    let budget = layer.retry_budget().unwrap().clone();
-    let mut svc = layer.layer(tower::service_fn(move |req: Req| {
-        let first = n.fetch_add(1, Ordering::SeqCst) == 0;
-        async move {
-            if first {
-                let _ = pgw_core::Recording::next_attempt::<Req>(req.call_history());
-                return Ok(Ans::Transient);
+    // (the service numbers its attempts, the retry was sent, retries left counted)
+    for (numbers, retry_sent, spent) in [(true, false, 0), (true, true, 1), (false, false, 1)] {
+        let n = Arc::new(AtomicUsize::new(0));
+        let layer = layer(RetryConfig {
+            base_backoff: Duration::from_secs(1),
+            max_call_duration: Some(Duration::from_secs(5)),
+            retry_budget: Some(tower_retry_pushback::RetryBudgetConfig {
+                ratio: 0.0,
+                min_retries_per_sec: 1,
+                ..tower_retry_pushback::RetryBudgetConfig::default()
+            }),
+            ..RetryConfig::default()
+        });
+        let budget = layer.retry_budget().unwrap().clone();
+        let mut svc = layer.layer(tower::service_fn(move |req: Req| {
+            let first = n.fetch_add(1, Ordering::SeqCst) == 0;
+            async move {
+                if numbers && (first || retry_sent) {
+                    let _ = pgw_core::Recording::next_attempt::<Req>(req.call_history());
+                }
+                if first {
+                    return Ok(Ans::Transient);
+                }
+                // The retry hangs: waiting for an admission below, or sent and silent.
+                std::future::pending::<Result<Ans, BoxError>>().await
             }
-            // The retry waits for an admission below: never numbered.
-            std::future::pending::<Result<Ans, BoxError>>().await
-        }
-    }));
-    let err = call(&mut svc, Req::new(1)).await.unwrap_err();
-    assert_eq!(retry_error(&err).reason(), Reason::DeadlineExceeded);
-    assert_eq!(budget.counts(Instant::now()).1, 0, "the retry was never sent");
+        }));
+        let err = call(&mut svc, Req::new(1)).await.unwrap_err();
+        assert_eq!(retry_error(&err).reason(), Reason::DeadlineExceeded);
+        drop(svc);
+        let case = format!("numbers {numbers}, retry sent {retry_sent}");
+        assert_eq!(budget.counts(Instant::now()).1, spent, "{case}");
+    }
 }
 
 /// Twenty calls' one failed attempt each, then a call failing once and answering.
