@@ -204,8 +204,9 @@ async fn a_typo_in_the_model_touches_no_source() {
     }
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_request_too_large_for_the_model_lands_on_its_context_fallback() {
+/// Model `chat` on a source with a 4k window, its context fallback `long` on one with
+/// a 200k window.
+async fn chat_with_a_long_context_fallback() -> (SimPool, MemorySink, Gateway) {
     let small = pgw_sim::SourceConfig {
         context_window: Some(4096),
         ..serving("small", "m-8k")
@@ -225,6 +226,12 @@ async fn a_request_too_large_for_the_model_lands_on_its_context_fallback() {
         .insert("long".into(), model(&[("large", Some("m-200k"))]));
     let sink = MemorySink::new();
     let gw = gateway(&pool, cfg, &sink).await;
+    (pool, sink, gw)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_too_large_for_the_model_lands_on_its_context_fallback() {
+    let (pool, sink, gw) = chat_with_a_long_context_fallback().await;
 
     let fits = gw.chat(ChatRequest::user("chat", "hello")).await.unwrap();
     assert_eq!(fits.group, "chat");
@@ -256,22 +263,7 @@ async fn a_request_too_large_for_the_model_lands_on_its_context_fallback() {
 /// other model's source is never asked.
 #[tokio::test(start_paused = true)]
 async fn a_call_limited_to_its_model_does_not_fall_back_to_another() {
-    let small = pgw_sim::SourceConfig {
-        context_window: Some(4096),
-        ..serving("small", "m-8k")
-    };
-    let large = serving("large", "m-200k");
-    let pool = pool(vec![small, large]);
-    let mut cfg = GatewayConfig::default();
-    cfg.sources.push(source("small"));
-    cfg.sources.push(source("large"));
-    let mut short = model(&[("small", Some("m-8k"))]);
-    short.context_fallback = vec!["long".into()];
-    cfg.models.insert("chat".into(), short);
-    cfg.models
-        .insert("long".into(), model(&[("large", Some("m-200k"))]));
-    let sink = MemorySink::new();
-    let gw = gateway(&pool, cfg, &sink).await;
+    let (pool, _sink, gw) = chat_with_a_long_context_fallback().await;
     let big = || {
         let mut r = ChatRequest::user("chat", "a long one");
         r.max_tokens = Some(100_000);
