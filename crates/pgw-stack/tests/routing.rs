@@ -231,7 +231,7 @@ async fn chat_with_a_long_context_fallback() -> (SimPool, MemorySink, Gateway) {
 
 #[tokio::test(start_paused = true)]
 async fn a_request_too_large_for_the_model_lands_on_its_context_fallback() {
-    let (pool, sink, gw) = chat_with_a_long_context_fallback().await;
+    let (pool, _sink, gw) = chat_with_a_long_context_fallback().await;
 
     let fits = gw.chat(ChatRequest::user("chat", "hello")).await.unwrap();
     assert_eq!(fits.group, "chat");
