@@ -345,12 +345,14 @@ pub struct ProviderError {
     pub param: Option<String>,
 }
 
-/// The first `reason` in a Google error's `details` (`google.rpc.ErrorInfo`).
+/// The first `reason` in a Google error's `details` (`google.rpc.ErrorInfo`) that pgw
+/// knows the meaning of.
 fn google_reason(e: &serde_json::Value) -> Option<String> {
     e.get("details")?
         .as_array()?
         .iter()
-        .find_map(|d| d.get("reason")?.as_str())
+        .filter_map(|d| d.get("reason")?.as_str())
+        .find(|r| crate::http_classify::is_known_code(r))
         .map(str::to_owned)
 }
 
@@ -388,9 +390,9 @@ impl ProviderError {
                 // that says something. Another reason leaves the number, which an error
                 // inside a 2xx answer is given as its status.
                 code: match e.get("code") {
-                    None | Some(serde_json::Value::Number(_)) => google_reason(e)
-                        .filter(|r| crate::http_classify::is_known_code(r))
-                        .or_else(|| text(e.get("code"))),
+                    None | Some(serde_json::Value::Number(_)) => {
+                        google_reason(e).or_else(|| text(e.get("code")))
+                    }
                     code => text(code),
                 },
                 param: text(e.get("param")),
@@ -759,6 +761,28 @@ pub fn is_timeout(err: &(dyn Error + 'static)) -> bool {
 
 #[cfg(test)]
 mod tests {
+    /// A Google error's numeric code gives way to the first reason of its details that
+    /// pgw knows; an unknown reason leaves the number (an error inside a 2xx answer
+    /// takes it as its status).
+    #[test]
+    fn a_google_reason_stands_for_the_code_only_when_known() {
+        let body = |reasons: &str| {
+            format!(
+                r#"[{{"error":{{"code":400,"message":"m","status":"INVALID_ARGUMENT","details":[{reasons}]}}}}]"#
+            )
+        };
+        let code = |b: String| ProviderError::parse(b.as_bytes()).unwrap().code;
+        assert_eq!(
+            code(body(r#"{"reason":"SOMETHING_NEW"}"#)).as_deref(),
+            Some("400")
+        );
+        assert_eq!(
+            code(body(r#"{"reason":"SOMETHING_NEW"},{"reason":"API_KEY_INVALID"}"#)).as_deref(),
+            Some("API_KEY_INVALID")
+        );
+        assert_eq!(code(body(r#"{"@type":"x"}"#)).as_deref(), Some("400"));
+    }
+
     use super::*;
 
     #[derive(Debug)]

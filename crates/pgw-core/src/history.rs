@@ -19,7 +19,7 @@ use std::any::TypeId;
 use std::cell::{Cell, RefCell};
 use std::fmt;
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::time::Instant;
@@ -61,11 +61,21 @@ pub struct CallHistory {
 struct Records {
     /// How many attempts are recorded: written under the lock, read without it.
     len: AtomicUsize,
-    /// How many attempts were numbered ([`CallHistory::next_attempt`]).
-    numbered: AtomicU32,
-    /// How many of them were probes ([`CallHistory::next_probe`]): never recorded here.
-    probes: AtomicU32,
+    /// How many attempts were numbered ([`CallHistory::next_attempt`]), in the low 32
+    /// bits, and how many of them were probes ([`CallHistory::next_probe`], never
+    /// recorded here) in the high 32: one word, so a reader never sees a probe counted
+    /// in one and not yet in the other.
+    numbered: AtomicU64,
     list: Mutex<List>,
+}
+
+/// One probe in [`Records::numbered`]'s high 32 bits.
+const PROBE: u64 = 1 << 32;
+
+/// The attempts numbered, out of [`Records::numbered`]'s word.
+#[allow(clippy::cast_possible_truncation)]
+const fn low(word: u64) -> u32 {
+    word as u32
 }
 
 /// The attempts, oldest first: the first inline, the others after it; and the call's
@@ -117,7 +127,10 @@ impl CallHistory {
     /// [`Recording`] before the history was made).
     fn numbered(numbered: u32) -> Self {
         let history = Self::new();
-        history.inner.numbered.store(numbered, Ordering::Relaxed);
+        history
+            .inner
+            .numbered
+            .store(u64::from(numbered), Ordering::Relaxed);
         history
     }
 
@@ -132,10 +145,7 @@ impl CallHistory {
     /// whatever order they end in (the balancer's detached probe of a silent source,
     /// sent with a copy of this call's request, runs beside the call's own attempts).
     pub fn next_attempt(&self) -> u32 {
-        self.inner
-            .numbered
-            .fetch_add(1, Ordering::Relaxed)
-            .saturating_add(1)
+        low(self.inner.numbered.fetch_add(1, Ordering::Relaxed)).saturating_add(1)
     }
 
     /// Numbers a probe as it is sent: a copy of this call's request sent off its path
@@ -143,35 +153,23 @@ impl CallHistory {
     /// among the call's attempts ([`next_attempt`](Self::next_attempt)) but never
     /// recorded in its history, so not counted in [`in_flight`](Self::in_flight).
     pub fn next_probe(&self) -> u32 {
-        self.inner.probes.fetch_add(1, Ordering::Relaxed);
-        self.next_attempt()
+        low(self.inner.numbered.fetch_add(PROBE | 1, Ordering::Relaxed)).saturating_add(1)
     }
 
     /// How many attempts were numbered as sent ([`next_attempt`](Self::next_attempt)),
     /// probes included, whether or not they ended.
     #[must_use]
     pub fn sent(&self) -> u32 {
-        self.inner.numbered.load(Ordering::Relaxed)
+        low(self.inner.numbered.load(Ordering::Relaxed))
     }
 
     /// Whether one of the call's own attempts was sent and has not been recorded yet:
     /// numbered, probes aside, more than [`len`](Self::len).
     #[must_use]
     pub fn in_flight(&self) -> bool {
-        self.own_sent() > self.len()
-    }
-
-    /// Whether every attempt is recorded and every one recorded was numbered as sent
-    /// (probes aside): none in flight, and the service that sends them numbers them
-    /// (one that numbers none leaves fewer numbered than recorded).
-    #[must_use]
-    pub fn all_recorded(&self) -> bool {
-        self.own_sent() == self.len()
-    }
-
-    fn own_sent(&self) -> usize {
-        self.sent()
-            .saturating_sub(self.inner.probes.load(Ordering::Relaxed)) as usize
+        let word = self.inner.numbered.load(Ordering::Relaxed);
+        let own = low(word).saturating_sub(u32::try_from(word >> 32).unwrap_or(u32::MAX));
+        own as usize > self.len()
     }
 
     /// Sets the call's deadline: the instant after which it may not wait (the retry

