@@ -156,13 +156,6 @@ impl CallHistory {
         low(self.inner.numbered.fetch_add(PROBE | 1, Ordering::Relaxed)).saturating_add(1)
     }
 
-    /// How many attempts were numbered as sent ([`next_attempt`](Self::next_attempt)),
-    /// probes included, whether or not they ended.
-    #[must_use]
-    pub fn sent(&self) -> u32 {
-        low(self.inner.numbered.load(Ordering::Relaxed))
-    }
-
     /// Whether one of the call's own attempts was sent and has not been recorded yet:
     /// numbered, probes aside, more than [`len`](Self::len).
     #[must_use]

@@ -44,7 +44,8 @@ pub fn hash_key(key: &str) -> String {
 pub struct Tenant {
     /// The key's label.
     pub label: Arc<str>,
-    models: Arc<[String]>,
+    /// The models the key may use; `None`: every model.
+    models: Option<pgw_stack::AllowedModels>,
     limiter: Option<RateLimiter>,
     /// The key's `max_concurrency` on this process: taken before the server's own
     /// in-flight slot and the body read ([`Tenant::local_slot`]).
@@ -64,7 +65,7 @@ impl Tenant {
     /// Whether this tenant may name `model`.
     #[must_use]
     pub fn may_use(&self, model: &str) -> bool {
-        self.models.is_empty() || self.models.iter().any(|m| m == model)
+        self.models.as_ref().is_none_or(|m| m.permits(model))
     }
 
     /// One of the key's `max_concurrency` slots on this process, held as the server's
@@ -92,14 +93,14 @@ impl Tenant {
     /// Whether the tenant has a model list (else every model).
     #[must_use]
     pub fn models(&self) -> &[String] {
-        &self.models
+        self.models.as_ref().map_or(&[], |m| &m.0)
     }
 
     /// The key's model list as the gateway takes it on a call (so a fallback chain
     /// does not lead to a model the key may not use); `None` without a list.
     #[must_use]
     pub fn allowed_models(&self) -> Option<pgw_stack::AllowedModels> {
-        (!self.models.is_empty()).then(|| pgw_stack::AllowedModels(Arc::clone(&self.models)))
+        self.models.clone()
     }
 
     /// Admits one call of `request` under the tenant's quota (shedding: refused at once
@@ -236,7 +237,8 @@ impl KeyRing {
                 k.sha256.to_ascii_lowercase(),
                 Arc::new(Tenant {
                     label: k.label.as_str().into(),
-                    models: k.models.as_slice().into(),
+                    models: (!k.models.is_empty())
+                        .then(|| pgw_stack::AllowedModels(k.models.as_slice().into())),
                     limiter,
                     slots: nonzero(k.max_concurrency).map(|n| {
                         Arc::new(Semaphore::new(

@@ -346,7 +346,7 @@ pub(crate) async fn respond(
         expose_sources: state.expose_sources,
         metrics,
         ended: None,
-        grace_over: state.grace_over.subscribe(),
+        grace_over: grace,
         _slot: slot,
     };
     // Boxed: `unfold` moves its state into each step's future and back out, and a
