@@ -11,7 +11,8 @@ use futures_util::future::BoxFuture;
 use pgw_client::{ChatAnswer, ChatCall, PassThrough};
 use pgw_core::openai::{ChatChunk, ChatRequest, chunks_of};
 use pgw_core::{
-    BoxError, CallHistory, CarriesHistory, ProviderError, SourceId, UpstreamStatus, exceeds_source,
+    BoxError, CallHistory, CarriesHistory, NotAdmitted, ProviderError, SourceId, UpstreamStatus,
+    exceeds_source,
 };
 use tower::ServiceExt;
 use tower_aimd::AimdHandle;
@@ -515,6 +516,15 @@ impl Service<ChatCall> for Gateway {
                             && verdict
                                 .and_then(RetryError::last_error)
                                 .is_some_and(|l| exceeds_source(l));
+                        // Every source of the group refused the call for good without
+                        // an attempt (larger than a whole window's token quota, or a
+                        // continuation none of them can prefill): the group's limits,
+                        // not the request's fault, so the next group is asked.
+                        let never_here = reason == Some(Reason::Rejected)
+                            && verdict
+                                .and_then(RetryError::last_error)
+                                .and_then(|l| NotAdmitted::of(l))
+                                == Some(NotAdmitted::Never);
                         tracing::debug!(call = call_id, group = %group.name, error = %e, "group failed");
                         failures.push((group.name.to_string(), e));
                         if too_large && !context && !route.context.is_empty() {
@@ -522,6 +532,8 @@ impl Service<ChatCall> for Gateway {
                             (chain, context, next) = (route.context.as_slice(), true, 0);
                         } else if too_large && context {
                             // The next model of the context chain.
+                        } else if never_here {
+                            // The next group of the chain.
                         } else if matches!(reason, Some(Reason::Rejected | Reason::DeadlineExceeded)) {
                             break;
                         }

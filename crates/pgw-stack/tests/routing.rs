@@ -375,6 +375,34 @@ async fn a_model_falls_back_to_another_when_its_routes_fail() {
     assert_eq!(b.group, "backup");
 }
 
+/// A request larger than a whole window of every primary route's token quota can
+/// never be admitted there: the model's fallback takes it (the quota is the group's,
+/// not the request's fault), without an attempt on the primary.
+#[tokio::test(start_paused = true)]
+async fn a_request_over_every_primary_quota_goes_to_the_fallback() {
+    let pool = pool(vec![serving("a", "big"), serving("b", "small")]);
+    let mut cfg = GatewayConfig::default();
+    let mut tight = source("a");
+    tight.tpm = Some(1000);
+    cfg.sources.push(tight);
+    cfg.sources.push(source("b"));
+    let mut primary = model(&[("a", Some("big"))]);
+    primary.fallback = vec!["backup".into()];
+    cfg.models.insert("primary".into(), primary);
+    cfg.models.insert("backup".into(), model(&[("b", Some("small"))]));
+    let gw = gateway(&pool, cfg, &MemorySink::new()).await;
+
+    let mut small = ChatRequest::user("primary", "hi");
+    small.max_tokens = Some(100);
+    let fits = gw.chat(small).await.unwrap();
+    assert_eq!(fits.group, "primary", "a request within the quota stays");
+    let mut large = ChatRequest::user("primary", "hi");
+    large.max_tokens = Some(5000);
+    let a = gw.chat(large).await.unwrap();
+    assert_eq!(a.group, "backup", "never admitted by the primary: its fallback answered");
+    assert_eq!(received(&pool, "a"), 1, "no attempt on the primary");
+}
+
 #[test]
 fn routing_config_errors_name_the_field() {
     let base = r#"
