@@ -237,6 +237,44 @@ impl ChatRequest {
         one.saturating_mul(choices)
     }
 
+    /// Takes `used` tokens off the caller's completion limits (`max_tokens` and
+    /// `max_completion_tokens`, each that is set): what a continuation of an answer
+    /// that already has `used` tokens may still spend, as a provider counts the limit
+    /// after an assistant prefill. `false`, with the request unchanged, when a limit
+    /// has nothing left (or `max_completion_tokens` is not a count). Without a limit
+    /// there is nothing to take: `true`.
+    ///
+    /// ```
+    /// let mut req = pgw_core::openai::ChatRequest::user("m", "hi");
+    /// req.max_tokens = Some(60);
+    /// req.extra.insert("max_completion_tokens".into(), serde_json::json!(80));
+    /// assert!(req.spend_completion_tokens(20));
+    /// assert_eq!(req.max_tokens, Some(40));
+    /// assert_eq!(req.extra["max_completion_tokens"], 60);
+    /// assert!(!req.spend_completion_tokens(40), "max_tokens would be 0");
+    /// assert_eq!(req.max_tokens, Some(40));
+    /// ```
+    #[must_use]
+    pub fn spend_completion_tokens(&mut self, used: u64) -> bool {
+        let left = |limit: Option<u64>| limit.map(|l| l.checked_sub(used).filter(|&n| n > 0));
+        let newer = self
+            .extra
+            .get("max_completion_tokens")
+            .filter(|v| !v.is_null())
+            .map(|v| v.as_number().and_then(number_u64));
+        let (older, newer) = match (left(self.max_tokens), newer.map(left)) {
+            (Some(None), _) | (_, Some(Some(None) | None)) => return false,
+            (older, newer) => (older.flatten(), newer.flatten().flatten()),
+        };
+        if older.is_some() {
+            self.max_tokens = older;
+        }
+        if let Some(n) = newer {
+            self.extra.insert("max_completion_tokens".into(), n.into());
+        }
+        true
+    }
+
     /// The token reservation made before dispatch: prompt bytes /
     /// [`BYTES_PER_TOKEN_ESTIMATE`] + [`IMAGE_PART_TOKENS_ESTIMATE`] per image part +
     /// [`completion_budget`](Self::completion_budget). Saturates at `u64::MAX` (a

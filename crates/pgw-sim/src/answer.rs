@@ -135,7 +135,13 @@ fn content(plan: &AnswerPlan, rng: &mut SmallRng) -> String {
     if plan.empty {
         return String::new();
     }
-    let n = usize::try_from(plan.tokens).unwrap_or(usize::MAX);
+    // A continuation's `tokens` come after its prefill's words, as a provider counts
+    // `max_tokens` from the end of the prefill: the text is drawn whole (the same
+    // words on every prefill source) and the prefill's part taken off.
+    let prefilled = plan.prefix.as_deref().map_or(0, |p| p.split_whitespace().count());
+    let n = usize::try_from(plan.tokens)
+        .unwrap_or(usize::MAX)
+        .saturating_add(prefilled);
     let mut words = String::with_capacity(n * 7);
     for i in 0..n {
         if i > 0 {

@@ -353,8 +353,9 @@ pub struct SourceConfig {
     /// The source continues a trailing assistant message (an assistant prefill) instead
     /// of answering it: its text depends only on the prompt before that message (the
     /// same words on every source that sets this), and a request ending with an
-    /// assistant message that is a prefix of that text gets only the rest (default
-    /// false). Token counts stay the source's own draw.
+    /// assistant message that is a prefix of that text gets only the rest, its own
+    /// token draw long, as a provider counts `max_tokens` after the prefill (default
+    /// false).
     #[serde(skip_serializing_if = "is_default")]
     pub accepts_prefill: bool,
 }

@@ -145,6 +145,7 @@ impl ChatStream {
             queue: queue.into(),
             tail,
             text: String::new(),
+            text_chunks: 0,
             include_usage,
             continued: 0,
             ended: false,
@@ -229,6 +230,9 @@ struct Relay {
     tail: Option<TailStream>,
     /// The first choice's text the caller received: the prefix of a continuation.
     text: String,
+    /// The chunks of [`text`](Self::text) that carried some: the tokens the caller
+    /// received, for the continuation's `max_tokens`.
+    text_chunks: u64,
     /// [`ChatStream::usage`].
     usage: Arc<std::sync::Mutex<Option<Usage>>>,
     include_usage: bool,
@@ -254,8 +258,11 @@ impl Relay {
                     *pgw_core::sync::lock(&self.usage) = Some(u.clone());
                 }
                 if let Some(c) = for_caller(c, self.include_usage, self.continued > 0) {
-                    if let Some(t) = c.choices.first().and_then(|ch| ch.delta.content.as_deref()) {
+                    if let Some(t) = c.choices.first().and_then(|ch| ch.delta.content.as_deref())
+                        && !t.is_empty()
+                    {
                         self.text.push_str(t);
+                        self.text_chunks += 1;
                     }
                     // A prefill continues one choice's text: not a tool call's
                     // arguments (`tool_calls`, the legacy `function_call`), a refusal,
@@ -334,8 +341,13 @@ impl Relay {
         if self.continued >= MAX_CONTINUATIONS || !self.gateway.inner.accepts_prefill || !self.text_only {
             return None;
         }
-        self.continued += 1;
         let mut request = self.call.request().clone();
+        // The caller's completion budget counts what it received already: a provider
+        // counts `max_tokens` from the end of the prefill.
+        if !request.spend_completion_tokens(self.relayed_tokens()) {
+            return None;
+        }
+        self.continued += 1;
         request
             .messages
             .push(ChatMessage::new("assistant", self.text.clone()));
@@ -357,6 +369,19 @@ impl Relay {
                 None
             }
         }
+    }
+}
+
+impl Relay {
+    /// The completion tokens the caller received, counted low: the chunks with text
+    /// or the words, whichever is more. Each is at most the tokens (a chunk holds at
+    /// least one, a word one or more): exact where each chunk is a token (OpenAI,
+    /// vLLM), under by a word's extra tokens where chunks carry several. A
+    /// continuation may so go a little past the caller's limit, but never ends an
+    /// answer short of it.
+    fn relayed_tokens(&self) -> u64 {
+        let words = u64::try_from(self.text.split_whitespace().count()).unwrap_or(u64::MAX);
+        self.text_chunks.max(words)
     }
 }
 

@@ -432,8 +432,15 @@ async fn a_continuation_keeps_the_callers_cache_partition() {
     let prefix: String = chunks[..cut].iter().map(text).collect();
     assert!(!prefix.is_empty() && content.starts_with(&prefix));
     // The continuation's request, asked by another tenant (unpartitioned): not
-    // answered from the first tenant's continuation.
+    // answered from the first tenant's continuation. It asks for what is left of the
+    // caller's `max_tokens` (the tokens relayed counted as the relay counts them).
+    let relayed = chunks[..cut]
+        .iter()
+        .filter(|c| !text(c).is_empty())
+        .count()
+        .max(prefix.split_whitespace().count());
     let mut continuation = asked;
+    continuation.max_tokens = Some(TOKENS - u64::try_from(relayed).unwrap());
     continuation
         .messages
         .push(pgw_core::openai::ChatMessage::new("assistant", prefix.clone()));
