@@ -559,9 +559,20 @@ impl fmt::Display for UpstreamStatus {
 impl Error for UpstreamStatus {}
 
 /// A response arrived but the caller's validator refused it (outcome `Invalid`).
+/// The provider still billed it: its usage, when the answer reported one, stays
+/// with the error for telemetry and for the token quota's settle.
+///
+/// ```
+/// use pgw_core::InvalidResponse;
+/// use pgw_core::openai::Usage;
+/// let usage = Usage { prompt_tokens: 9, completion_tokens: 30, total_tokens: 39, ..Usage::default() };
+/// let e = InvalidResponse::new("not json").with_usage(Some(usage.clone()));
+/// assert_eq!((e.reason(), e.usage()), ("not json", Some(&usage)));
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct InvalidResponse {
     reason: String,
+    usage: Option<crate::openai::Usage>,
 }
 
 impl InvalidResponse {
@@ -569,13 +580,40 @@ impl InvalidResponse {
     pub fn new(reason: impl Into<String>) -> Self {
         Self {
             reason: reason.into(),
+            usage: None,
         }
+    }
+
+    /// The refused answer's usage, as it reported it.
+    #[must_use]
+    pub fn with_usage(mut self, usage: Option<crate::openai::Usage>) -> Self {
+        self.usage = usage;
+        self
     }
 
     /// Why the validator refused the answer.
     #[must_use]
     pub fn reason(&self) -> &str {
         &self.reason
+    }
+
+    /// The refused answer's usage, if it reported one.
+    #[must_use]
+    pub const fn usage(&self) -> Option<&crate::openai::Usage> {
+        self.usage.as_ref()
+    }
+
+    /// The usage of the refused answer in `err`'s chain, if any.
+    #[must_use]
+    pub fn usage_in<'a>(err: &'a (dyn Error + 'static)) -> Option<&'a crate::openai::Usage> {
+        let mut cur = Some(err);
+        while let Some(e) = cur {
+            if let Some(i) = e.downcast_ref::<Self>() {
+                return i.usage();
+            }
+            cur = e.source();
+        }
+        None
     }
 }
 

@@ -322,7 +322,8 @@ where
                 && !answer.response.is_declined()
                 && let Err(reason) = v.0.validate(&answer.response)
             {
-                result = Err(InvalidResponse::new(reason).into());
+                let usage = answer.stats.usage.clone();
+                result = Err(InvalidResponse::new(reason).with_usage(usage).into());
             }
             if let Err(e) = &result
                 && AnswerClassifier.classify(&result).is_rate_limited()
@@ -345,7 +346,12 @@ where
                 // What the provider said is left: on its answer, or on its refusal.
                 let (ttft, usage, headroom) = match r {
                     Ok(a) => (a.stats.ttft, a.stats.usage.as_ref(), a.stats.headroom),
-                    Err(_) => (None, None, upstream.and_then(UpstreamStatus::headroom)),
+                    // A refused answer was billed: its usage is the attempt's.
+                    Err(e) => (
+                        None,
+                        InvalidResponse::usage_in(&**e),
+                        upstream.and_then(UpstreamStatus::headroom),
+                    ),
                 };
                 record.emit(
                     AnswerClassifier.classify(r).as_str(),
@@ -460,6 +466,10 @@ pub(crate) struct AnswerUsage;
 impl tower_ratelimit_redis::UsageReport<ChatAnswer> for AnswerUsage {
     fn tokens_used(&self, res: &ChatAnswer) -> Option<u64> {
         res.stats.usage.as_ref().and_then(Usage::charged)
+    }
+
+    fn tokens_used_by_error(&self, err: &BoxError) -> Option<u64> {
+        InvalidResponse::usage_in(&**err).and_then(Usage::charged)
     }
 
     fn in_progress(&self, res: &ChatAnswer) -> bool {

@@ -325,6 +325,12 @@ async fn a_structured_call_is_reasked_after_an_invalid_answer(b: Backend, t: &st
         recs.iter().map(|r| r.outcome).collect::<Vec<_>>(),
         ["invalid", "success"]
     );
+    // The refused answer was billed: its record keeps the usage it reported.
+    assert!(
+        recs[0].completion_tokens.is_some_and(|n| n > 0) && recs[0].prompt_tokens.is_some(),
+        "{:?}",
+        recs[0]
+    );
 
     // JSON mode through the typed helper.
     #[derive(serde::Deserialize)]

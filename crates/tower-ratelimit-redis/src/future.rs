@@ -361,7 +361,7 @@ fn ending<R, U: UsageReport<R>>(usage: &U, out: &Result<R, BoxError>) -> Ending 
     match out {
         Ok(res) => Ending::Finished(usage.tokens_used(res)),
         Err(e) if NotAdmitted::of(&**e).is_some() => Ending::Refunded,
-        Err(_) => Ending::Finished(None),
+        Err(e) => Ending::Finished(usage.tokens_used_by_error(e)),
     }
 }
 
@@ -398,4 +398,34 @@ fn out_of_time(refused: &QuotaExceeded, now: Instant, deadline: Instant) -> bool
             && now
                 .checked_add(refused.retry_after())
                 .is_none_or(|t| t > deadline))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Reports no usage on answers and 7 tokens on every error.
+    struct BilledErrors;
+
+    impl UsageReport<()> for BilledErrors {
+        fn tokens_used(&self, (): &()) -> Option<u64> {
+            None
+        }
+
+        fn tokens_used_by_error(&self, _: &BoxError) -> Option<u64> {
+            Some(7)
+        }
+    }
+
+    #[test]
+    fn a_failed_call_whose_error_reports_usage_is_charged_it() {
+        let billed = ending(&BilledErrors, &Err("refused by a validator".into()));
+        assert!(matches!(billed, Ending::Finished(Some(7))), "{billed:?}");
+        // The default: an error says nothing, the estimate stays charged.
+        let plain = ending(&|(): &()| Some(3), &Err("upstream 500".into()));
+        assert!(matches!(plain, Ending::Finished(None)), "{plain:?}");
+        // A refusal from below is still refunded, whatever the report says.
+        let refused: BoxError = Box::new(pgw_core::Paced::new());
+        assert!(matches!(ending(&BilledErrors, &Err(refused)), Ending::Refunded));
+    }
 }

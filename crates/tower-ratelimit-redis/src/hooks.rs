@@ -37,6 +37,14 @@ pub trait UsageReport<Res> {
     /// Tokens the call really used, if the response says.
     fn tokens_used(&self, res: &Res) -> Option<u64>;
 
+    /// Tokens a call that failed still used, if its error says (a provider's answer
+    /// refused above the provider, by a validator, was billed). The default: none, so
+    /// the estimate stays charged.
+    fn tokens_used_by_error(&self, err: &pgw_core::BoxError) -> Option<u64> {
+        let _ = err;
+        None
+    }
+
     /// Whether `res` is still running. The default: every response is final.
     fn in_progress(&self, res: &Res) -> bool {
         let _ = res;
