@@ -281,7 +281,16 @@ where
                     }
                     self.readiness = Readiness::Idle;
                 }
-                Readiness::Admitted(_) => return self.inner.poll_ready(cx).map_err(Into::into),
+                Readiness::Admitted(_) => {
+                    let ready = ready!(self.inner.poll_ready(cx)).map_err(Into::into);
+                    if ready.is_err() {
+                        // The service below cannot take a call: the admission (a
+                        // probe's lease) is given back now, not held for as long as
+                        // the caller keeps this service.
+                        self.readiness = Readiness::Idle;
+                    }
+                    return Poll::Ready(ready);
+                }
                 Readiness::Refused(_) => return Poll::Ready(Ok(())),
             }
         }

@@ -179,7 +179,16 @@ impl GateState {
             return Effect::Stale;
         }
         if ticket.is_probe() {
-            if !self.open || ticket.probe != self.probe_id || self.probe_until == 0 {
+            if !self.open {
+                return Effect::Nothing;
+            }
+            let current = ticket.probe == self.probe_id && self.probe_until != 0;
+            // An earlier probe of this open period, whose lease expired and was
+            // issued again (an answer or a stream that outlived `probe_ttl`): its
+            // success still shows the source answers, so it closes; any other verdict
+            // is the current probe's to give. Else a source whose answers all take
+            // longer than the lease would never close while calls keep coming.
+            if !current && !(verdict == BreakerVerdict::Success && ticket.probe <= self.probe_id) {
                 return Effect::Nothing;
             }
             return match verdict {

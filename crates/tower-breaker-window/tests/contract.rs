@@ -256,7 +256,7 @@ mod cases {
         assert_eq!((v.state, v.streak), (BreakerState::Open, 0));
     }
 
-    /// (9) An expired probe lease is re-issued; the old probe's verdict and any
+    /// (9) An expired probe lease is re-issued; the old probe's failure and any
     /// stale-epoch record change nothing; a probe without a verdict releases at once.
     pub(super) async fn c9_probe_lease_expiry_and_fencing(env: impl Env) {
         let u = env.unit();
@@ -287,11 +287,11 @@ mod cases {
             "lease re-issued"
         );
         let before = still(&g).await;
-        g.record(first, BreakerVerdict::Success).await;
+        g.record(first, BreakerVerdict::Failure).await;
         assert_eq!(
             still(&g).await,
             before,
-            "the expired probe's verdict changes nothing"
+            "the expired probe's failure changes nothing: the current probe decides"
         );
 
         // B3: ending the probe with no verdict lets the next admission probe at once.
@@ -307,6 +307,30 @@ mod cases {
         g.record(third, BreakerVerdict::Failure).await;
         g.record(old, BreakerVerdict::Failure).await;
         assert_eq!(still(&g).await, closed, "stale tickets cannot reopen");
+    }
+
+    /// (9b) A probe whose answer outlives its lease still closes the breaker with its
+    /// success, though a later probe holds the lease: a source whose every answer takes
+    /// longer than `probe_ttl` is not kept open while calls keep coming.
+    pub(super) async fn c9_a_late_probe_success_closes(env: impl Env) {
+        let u = env.unit();
+        let g = env.gate("s", &cfg(&env, 1).probe_ttl(u * 2).build().unwrap());
+        call(&g, F).await;
+        let opened = still(&g).await;
+        env.pass(u).await;
+        let first = admit(&g).await;
+        env.pass(u * 2).await; // the first probe is still running; its lease expires
+        let second = admit(&g).await;
+        assert!(second.is_probe() && second.probe() != first.probe());
+        g.record(first, BreakerVerdict::Success).await;
+        let closed = still(&g).await;
+        assert_eq!(
+            (closed.state, closed.epoch),
+            (BreakerState::Closed, opened.epoch + 1),
+            "the late probe's success closed the breaker"
+        );
+        g.record(second, BreakerVerdict::Failure).await;
+        assert_eq!(still(&g).await, closed, "the later probe's verdict is stale");
     }
 }
 
@@ -354,6 +378,10 @@ macro_rules! contract_suite {
             #[$test]
             async fn c9_probe_lease_expiry_and_fencing() {
                 cases::c9_probe_lease_expiry_and_fencing($env("c9").await).await;
+            }
+            #[$test]
+            async fn c9_a_late_probe_success_closes() {
+                cases::c9_a_late_probe_success_closes($env("c9b").await).await;
             }
         }
     };

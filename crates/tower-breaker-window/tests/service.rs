@@ -153,6 +153,53 @@ async fn service_dropped_after_poll_ready_releases_the_probe() {
     assert_eq!(clone.ready().await.unwrap().call(Act::Ok).await.unwrap(), "ok");
 }
 
+/// An inner service that fails `poll_ready` takes no call: the probe admitted for it
+/// is given back at once, even while the caller keeps the service.
+#[tokio::test(start_paused = true)]
+async fn a_failed_inner_poll_ready_releases_the_probe() {
+    let env = MemEnv::new();
+    let layer = BreakerLayer::new(env.backend(), "s", &cfg(&env, 1).build().unwrap());
+    open_then_half_open(&env, &layer).await;
+    let mut svc = layer.layer(FailsReadyOnce {
+        inner: service_fn(act),
+        failed: false,
+    });
+    let err = svc.ready().await.err().expect("the inner service failed poll_ready");
+    assert_eq!(err.to_string(), "worker gone");
+    assert!(
+        !layer.handle().view().await.unwrap().probe_in_flight,
+        "the probe is released while the service is kept"
+    );
+    let mut other = layer.layer(service_fn(act));
+    assert_eq!(other.ready().await.unwrap().call(Act::Ok).await.unwrap(), "ok");
+    assert_eq!(layer.handle().view().await.unwrap().state, BreakerState::Closed);
+    drop(svc);
+}
+
+/// A service whose first `poll_ready` fails (a `Buffer` whose worker died).
+struct FailsReadyOnce<S> {
+    inner: S,
+    failed: bool,
+}
+
+impl<S: Service<Act, Error = BoxError>> Service<Act> for FailsReadyOnce<S> {
+    type Response = S::Response;
+    type Error = BoxError;
+    type Future = S::Future;
+
+    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), BoxError>> {
+        if !self.failed {
+            self.failed = true;
+            return std::task::Poll::Ready(Err("worker gone".into()));
+        }
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Act) -> Self::Future {
+        self.inner.call(req)
+    }
+}
+
 /// A panic in the probe's inner future unwinds through the response future, which
 /// releases the lease.
 #[tokio::test(start_paused = true)]

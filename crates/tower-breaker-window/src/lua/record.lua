@@ -42,7 +42,14 @@ local function trip(s)
 end
 
 if ticket_probe ~= 0 then
-  if (not open) or ticket_probe ~= (tonumber(g[4]) or 0) or (tonumber(g[5]) or 0) == 0 then
+  if not open then
+    return 0
+  end
+  -- An earlier probe of this open period (its lease expired and was issued again)
+  -- still closes on a success; any other verdict is the current probe's to give.
+  local probe_id = tonumber(g[4]) or 0
+  local current = ticket_probe == probe_id and (tonumber(g[5]) or 0) ~= 0
+  if not current and not (verdict == 's' and ticket_probe <= probe_id) then
     return 0
   end
   if verdict == 's' then
