@@ -54,7 +54,7 @@ pub use gateway::{AllowedModels, Gateway, GatewayAnswer, GatewayError, SourceHan
 /// beside the `ChunkAccumulator` that folds them back).
 pub use pgw_core::openai::chunks_of;
 pub use relay::ChatStream;
-pub use settings::GATEWAY_CHOICES;
+pub use settings::{DEFAULT_MAX_CALL_DURATION, GATEWAY_CHOICES};
 pub use source::SourceService;
 pub use telemetry::{AttemptTelemetry, JsonlSink, MemorySink, PriceTable, TelemetrySink, TracingSink};
 pub use validate::{JsonValidator, Validate, Validator, json_text};

@@ -14,6 +14,11 @@ use crate::config::{
     config_error, quota, secs, secs_or_off,
 };
 
+/// `retry.max_call_duration_s` when the config leaves it out: every call has a
+/// deadline (DESIGN section 7), and this one is the OpenAI SDKs' own default request
+/// timeout (600 s), past which a caller using them has given up.
+pub const DEFAULT_MAX_CALL_DURATION: Duration = Duration::from_secs(600);
+
 pub(crate) fn retry_config(cfg: &GatewayConfig) -> Result<RetryConfig, ConfigError> {
     let r = &cfg.retry;
     let d = RetryConfig::default();
@@ -25,7 +30,9 @@ pub(crate) fn retry_config(cfg: &GatewayConfig) -> Result<RetryConfig, ConfigErr
         stall_window: secs("retry.stall_window_s", r.stall_window_s)?.unwrap_or(d.stall_window),
         max_pushback_wait: secs("retry.max_pushback_wait_s", r.max_pushback_wait_s)?
             .unwrap_or(d.max_pushback_wait),
-        max_call_duration: secs("retry.max_call_duration_s", r.max_call_duration_s)?.or(d.max_call_duration),
+        max_call_duration: Some(
+            secs("retry.max_call_duration_s", r.max_call_duration_s)?.unwrap_or(DEFAULT_MAX_CALL_DURATION),
+        ),
         retry_budget: match &r.budget {
             None => None,
             Some(b) => {

@@ -65,6 +65,26 @@ async fn a_call_deadline_cuts_a_black_hole_and_releases_everything() {
     assert_eq!(sink.records()[0].outcome, "cancelled");
 }
 
+/// Every call has a deadline (DESIGN section 7): without one of its own or in the
+/// config, a call to a source that never answers (an hour-long attempt timeout)
+/// ends at the default, 600 s, the OpenAI SDKs' own request timeout.
+#[tokio::test(start_paused = true)]
+async fn a_call_has_a_deadline_by_default() {
+    let (_pool, gw, _sink) = one_black_hole(|c| {
+        c.cache.enabled = false;
+        c.sources[0].total_timeout_s = Some(3600.0);
+    })
+    .await;
+    let t0 = Instant::now();
+    let err = gw.chat(ChatRequest::user("m", "hello")).await.unwrap_err();
+    assert_eq!(t0.elapsed(), pgw_stack::DEFAULT_MAX_CALL_DURATION);
+    assert_eq!(t0.elapsed(), Duration::from_secs(600));
+    assert!(
+        matches!(last_reason(&*err), Some(Reason::DeadlineExceeded)),
+        "{err}"
+    );
+}
+
 /// One black hole and the cache on: the first call leads, hanging for the 180 s attempt
 /// timeout. An identical call that arrives meanwhile follows it only while something in
 /// the process answers: a minute without a success and it goes on alone, where the
