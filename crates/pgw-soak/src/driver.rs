@@ -84,6 +84,16 @@ pub fn is_valid_structured(content: &str) -> bool {
     )
 }
 
+/// The `finish_reason`s of a complete answer: it stopped by itself (`stop`), at the
+/// caller's token budget (`length`: what the caller asked for), or to call tools
+/// (`tool_calls`). The simulator ends every complete answer with `stop`, streamed or
+/// not, structured or not; the profiles' caches keep the answer as it came.
+pub const COMPLETE_FINISH_REASONS: [&str; 3] = ["stop", "length", "tool_calls"];
+
+/// The cause of a call whose answer has text but no `finish_reason` of a complete
+/// answer ([`COMPLETE_FINISH_REASONS`]): it was cut before its end.
+pub const UNFINISHED: &str = "unfinished";
+
 /// The driver's verdict on one call's result: `Ok(())` for a valid answer, else the
 /// cause of the failure.
 ///
@@ -93,10 +103,20 @@ pub fn judge_answer(structured: bool, result: &Result<ChatResponse, BoxError>) -
     match result {
         Ok(r) if provider_verdict(r).is_some() => Err(provider_verdict(r).unwrap_or_default().into()),
         Ok(r) if r.is_empty_completion() => Err("empty_completion".into()),
+        Ok(r) if !is_finished(r) => Err(UNFINISHED.into()),
         Ok(r) if structured && !is_valid_structured(r.content()) => Err("invalid".into()),
         Ok(_) => Ok(()),
         Err(e) => Err(failure_cause(&**e)),
     }
+}
+
+/// Whether the answer's first choice (the one judged) ended as a complete answer ends.
+fn is_finished(r: &ChatResponse) -> bool {
+    r.choices.first().is_some_and(|c| {
+        c.finish_reason
+            .as_deref()
+            .is_some_and(|f| COMPLETE_FINISH_REASONS.contains(&f))
+    })
 }
 
 /// The provider's own verdict on the prompt, when the answer carries one: a content
@@ -322,9 +342,14 @@ mod tests {
     use pgw_core::openai::{ChatMessage, Choice};
     use std::time::Duration;
 
+    /// A complete answer: `text`, ended as the simulator ends every answer.
     fn answer(text: &str) -> ChatResponse {
         ChatResponse {
-            choices: vec![Choice::new(0, ChatMessage::new("assistant", text), None)],
+            choices: vec![Choice::new(
+                0,
+                ChatMessage::new("assistant", text),
+                Some("stop".into()),
+            )],
             ..ChatResponse::default()
         }
     }
@@ -453,6 +478,17 @@ mod tests {
         );
         assert_eq!(judge_answer(true, &Ok(answer("[1]"))), Err("invalid".into()));
         assert_eq!(judge_answer(true, &Ok(answer("{}"))), Ok(()));
+        // Text without a finish_reason was cut before its end: a truncated stream
+        // accumulated, not an answer.
+        let mut cut = answer("The first half of an ans");
+        cut.choices[0].finish_reason = None;
+        assert_eq!(judge_answer(false, &Ok(cut.clone())), Err("unfinished".into()));
+        cut.choices[0].finish_reason = Some("error".into());
+        assert_eq!(judge_answer(false, &Ok(cut.clone())), Err("unfinished".into()));
+        for done in COMPLETE_FINISH_REASONS {
+            cut.choices[0].finish_reason = Some(done.into());
+            assert_eq!(judge_answer(false, &Ok(cut.clone())), Ok(()), "{done}");
+        }
         let mut filtered = answer("");
         filtered.choices[0].finish_reason = Some("content_filter".into());
         assert_eq!(judge_answer(false, &Ok(filtered)), Err("content_filter".into()));

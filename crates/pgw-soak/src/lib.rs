@@ -10,6 +10,8 @@
 //! - [`driver`]: bounded dispatch, the success judgement, progress, RSS samples;
 //! - [`telemetry`]: one row per attempt and per call, stored as JSON Lines;
 //! - [`scoreboard`]: judges stored rows (so `--rescore` re-judges offline);
+//! - [`acceptance`]: pgw against the oracle on the same scenario (goodput, and on P6
+//!   latency p95 and scenario time), gating pgw's verdict;
 //! - [`report`]: the side-by-side Markdown table and a hand-written SVG chart;
 //! - [`timing`]: what the success cost in time (goodput, latency, time to first token);
 //! - [`run`]: ties them together under tokio's paused clock;
@@ -32,6 +34,7 @@
 //! assert!(naive.check("accounting back to zero").unwrap().pass);
 //! ```
 
+pub mod acceptance;
 pub mod commands;
 pub mod driver;
 pub mod matrix;

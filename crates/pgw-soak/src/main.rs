@@ -227,6 +227,7 @@ fn matrix_main(args: &Args) -> Result<ExitCode, Box<dyn std::error::Error + Send
     let cells = run_matrix(&scenarios, &opts)?;
     print!("{}", matrix_table(&cells));
     println!("matrix: {}", dir.join("matrix.md").display());
+    // Each scenario's pgw row was judged against its oracle row by `run_matrix`.
     let pgw_failed = cells
         .iter()
         .any(|c| c.score.profile == ProfileKind::Pgw.as_str() && !c.score.passed());
@@ -293,8 +294,9 @@ fn parse_scale(s: &str) -> Result<f64, String> {
     Ok(v)
 }
 
-/// Fails when the pgw profile ran and failed a gating check (the baselines are
-/// expected to fall short; their verdicts are informational).
+/// Fails when the pgw profile ran and failed a gating check, its bars against the
+/// oracle included (`pgw_soak::acceptance`; the baselines are expected to fall short,
+/// their verdicts are informational).
 fn verdict(scores: &[pgw_soak::scoreboard::Score]) -> ExitCode {
     let pgw_failed = scores
         .iter()

@@ -15,6 +15,7 @@ use indicatif::ProgressBar;
 use pgw_core::BoxError;
 use pgw_core::sync::lock;
 
+use crate::acceptance::{self, OracleBars};
 use crate::profiles::ProfileKind;
 use crate::run::{describe, expectations, run_profile_virtual, write_report};
 use crate::scenario::Scenario;
@@ -101,11 +102,12 @@ pub fn run_matrix(scenarios: &[Scenario], opts: &MatrixOptions) -> Result<Vec<Ce
     results.sort_by_key(|(i, j, _)| (*i, *j));
     let mut cells = Vec::new();
     for (i, s) in scenarios.iter().enumerate() {
-        let scores = results
+        let mut scores = results
             .iter()
             .filter(|(k, _, _)| *k == i)
             .map(|(_, _, r)| r.clone())
             .collect::<Result<Vec<Score>, String>>()?;
+        acceptance::judge(&mut scores, OracleBars::of(s));
         let d = opts.dir.join(&s.name);
         let names: Vec<&str> = scores.iter().map(|s| s.profile.as_str()).collect();
         fs::write(d.join("profiles.txt"), names.join("\n") + "\n")?;

@@ -2,6 +2,7 @@
 
 use std::fmt::Write as _;
 
+use crate::acceptance;
 use crate::scoreboard::Score;
 use crate::timing::{Percentiles, ratio_to};
 
@@ -44,13 +45,20 @@ fn or_dash(p: &Percentiles, f: impl Fn(&Percentiles) -> String) -> String {
     if p.n == 0 { "-".into() } else { f(p) }
 }
 
-/// `value` as a ratio to the oracle's (`x0.42`), or `-` without an oracle to compare.
-fn vs_oracle(scores: &[Score], s: &Score, f: &dyn Fn(&Score) -> f64) -> String {
+/// `value` as a ratio to the oracle's (`x0.42`), or `-` without an oracle to compare
+/// or when either has no value (`f` gives `None` for a percentile of an empty sample:
+/// it is not 0 s, and a profile without a successful call is not x0.00 as fast).
+fn vs_oracle(scores: &[Score], s: &Score, f: &dyn Fn(&Score) -> Option<f64>) -> String {
     scores
         .iter()
         .find(|o| o.profile == ORACLE)
-        .and_then(|o| ratio_to(f(s), f(o)))
+        .and_then(|o| ratio_to(f(s)?, f(o)?))
         .map_or_else(|| "-".into(), |r| format!("x{r:.2}"))
+}
+
+/// `f(p)` in seconds, or `None` when `p` has no samples.
+fn secs_of(p: &Percentiles, f: impl Fn(&Percentiles) -> u64) -> Option<f64> {
+    (p.n > 0).then(|| secs(f(p)))
 }
 
 #[allow(clippy::cast_precision_loss)]
@@ -127,7 +135,7 @@ pub fn markdown(info: &RunInfo, scores: &[Score]) -> String {
         format!("**{:.1}**", s.timing.goodput_per_min)
     });
     row(&mut md, "goodput vs oracle", &|s| {
-        vs_oracle(scores, s, &|x| x.timing.goodput_per_min)
+        vs_oracle(scores, s, &|x| Some(x.timing.goodput_per_min))
     });
     row(&mut md, "upstream successes / min", &|s| {
         format!("{:.1}", s.timing.upstream_successes_per_min)
@@ -136,10 +144,10 @@ pub fn markdown(info: &RunInfo, scores: &[Score]) -> String {
         pct_line(&s.timing.success, true)
     });
     row(&mut md, "success p50 vs oracle", &|s| {
-        vs_oracle(scores, s, &|x| secs(x.timing.success.p50))
+        vs_oracle(scores, s, &|x| secs_of(&x.timing.success, |p| p.p50))
     });
     row(&mut md, "success p95 vs oracle", &|s| {
-        vs_oracle(scores, s, &|x| secs(x.timing.success.p95))
+        vs_oracle(scores, s, &|x| secs_of(&x.timing.success, |p| p.p95))
     });
     row(&mut md, "failed calls: latency", &|s| {
         pct_line(&s.timing.failure, true)
@@ -156,10 +164,12 @@ pub fn markdown(info: &RunInfo, scores: &[Score]) -> String {
         })
     });
 
+    md.push_str(&against_oracle(scores));
+
     md.push_str("\n## Invariants\n\n");
     header(&mut md, "check");
     let names = check_names(scores);
-    for name in names {
+    for name in names.into_iter().filter(|n| !acceptance::CHECKS.contains(n)) {
         row(&mut md, name, &|s| match s.check(name) {
             Some(c) => format!("{} {}", c.label(), c.detail),
             None => "-".into(),
@@ -250,6 +260,34 @@ pub fn markdown(info: &RunInfo, scores: &[Score]) -> String {
     md
 }
 
+/// The report's section on pgw against the oracle ([`acceptance`]): one line per bar
+/// of each judged profile, `oracle: goodput: PASS x0.87 (>= x0.80): ...`; nothing when
+/// no profile was judged.
+fn against_oracle(scores: &[Score]) -> String {
+    let mut md = String::new();
+    for s in scores {
+        let judged: Vec<_> = s
+            .checks
+            .iter()
+            .filter(|c| acceptance::CHECKS.contains(&c.name))
+            .collect();
+        if judged.is_empty() {
+            continue;
+        }
+        if md.is_empty() {
+            md.push_str(
+                "\n## Against the oracle\n\nThe acceptance: pgw's figures as ratios to the \
+                 `oracle` profile's on the same scenario and seed (gating: PASS or FAIL is in \
+                 the verdict).\n\n",
+            );
+        }
+        for c in judged {
+            let _ = writeln!(md, "- {} {}: {} {}", s.profile, c.name, c.label(), c.detail);
+        }
+    }
+    md
+}
+
 /// The side-by-side scoreboard for the terminal.
 #[must_use]
 pub fn terminal(scores: &[Score]) -> String {
@@ -288,7 +326,7 @@ pub fn terminal(scores: &[Score]) -> String {
         format!("{:.1}", s.timing.goodput_per_min)
     });
     line(&mut out, "goodput vs oracle", &|s| {
-        vs_oracle(scores, s, &|x| x.timing.goodput_per_min)
+        vs_oracle(scores, s, &|x| Some(x.timing.goodput_per_min))
     });
     line(&mut out, "ok latency p50/p95 s", &|s| {
         or_dash(&s.timing.success, |t| {
@@ -575,6 +613,8 @@ mod tests {
     use crate::telemetry::{AttemptRow, CallRow, ProfileRun};
 
     fn score(name: &str, ok: bool) -> Score {
+        let mut accounting = crate::telemetry::Accounting::default();
+        accounting.counters.insert("inflight s1".into(), 0);
         let run = ProfileRun {
             profile: name.into(),
             sources: vec!["s1".into(), "s<2>".into()],
@@ -602,6 +642,7 @@ mod tests {
                 cache_hit: false,
                 request_error: false,
             }],
+            accounting,
             ..ProfileRun::default()
         };
         judge(
@@ -630,6 +671,43 @@ mod tests {
         assert!(md.contains("| goodput vs oracle | x0.50 | x1.00 |"), "{md}");
         assert!(md.contains("| success p50 vs oracle | x2.00 | x1.00 |"), "{md}");
         assert!(terminal(&scores).contains("x0.50"));
+    }
+
+    /// pgw's successful calls at 3x the oracle's p95 on P6 fail its verdict, in the
+    /// report's verdict row, its section against the oracle and the terminal; a
+    /// profile without a successful call has no latency ratio (it was x0.00).
+    #[test]
+    fn the_bars_against_the_oracle_are_in_the_verdict() {
+        let naive = score("naive", false);
+        let mut pgw = score("pgw", true);
+        let oracle = score("oracle", true);
+        pgw.timing.success.p95 = oracle.timing.success.p95 * 3;
+        let mut scores = vec![naive, pgw, oracle];
+        assert!(scores.iter().all(Score::passed));
+        acceptance::judge(
+            &mut scores,
+            acceptance::OracleBars::of(&crate::scenario::Scenario::p6(1)),
+        );
+        let md = markdown(&RunInfo::default(), &scores);
+        assert!(md.contains("| verdict | PASS | FAIL | PASS |"), "{md}");
+        assert!(
+            md.contains("| success p95 vs oracle | - | x3.00 | x1.00 |"),
+            "{md}"
+        );
+        assert!(
+            md.contains(
+                "\n- pgw oracle: success p95: FAIL x3.00 (<= x2.00): 360.2 s against the oracle's 120.1 s\n"
+            ),
+            "{md}"
+        );
+        assert!(
+            md.contains("- pgw oracle: goodput: info not judged (the oracle's is 0.0 ok/min"),
+            "{md}"
+        );
+        assert!(!md.contains("| oracle: goodput |"), "not an invariant: {md}");
+        let t = terminal(&scores);
+        let row = t.lines().find(|l| l.starts_with("oracle: success p95")).unwrap();
+        assert!(row.contains("FAIL"), "{t}");
     }
 
     #[test]

@@ -11,6 +11,7 @@ use pgw_sim::p6::{Kind, Traffic, TrafficConfig};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
+use crate::acceptance::{self, OracleBars};
 use crate::driver::{DriveOptions, SoakCall, drive};
 use crate::profiles::{self, Env, ProfileKind, Upstream};
 use crate::report::{self, RunInfo};
@@ -249,6 +250,7 @@ pub fn run(scenario: &Scenario, opts: &RunOptions) -> Result<RunOutcome, BoxErro
         ));
         scores.push(score);
     }
+    acceptance::judge(&mut scores, OracleBars::of(scenario));
     if let Some(d) = &opts.dir {
         let names: Vec<&str> = scores.iter().map(|s| s.profile.as_str()).collect();
         fs::write(d.join("profiles.txt"), names.join("\n") + "\n")?;
@@ -301,10 +303,22 @@ pub fn write_report(dir: &Path, title: &str, scenario_line: &str, scores: &[Scor
     fs::write(dir.join("report.md"), report::markdown(&info, scores))
 }
 
+/// How far past a stored run's end ([`ProfileRun::scenario_ms`]) its rows may lie:
+/// the books are read after [`SETTLE`] for up to one attempt timeout (a detached probe
+/// may be admitted then), plus [`ROW_MARGIN`].
+fn row_slack_ms(scenario: &Scenario) -> u64 {
+    let patience = Duration::try_from_secs_f64(scenario.client.total_s).unwrap_or(Duration::MAX);
+    u64::try_from((SETTLE + ROW_MARGIN).saturating_add(patience).as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Margin past the settling of a stored run's rows that [`rescore`] still accepts.
+const ROW_MARGIN: Duration = Duration::from_secs(60);
+
 /// Re-judges a stored run without traffic (`--rescore RUN`), rewriting its report.
 ///
 /// # Errors
-/// The run directory is missing or malformed.
+/// The run directory is missing or malformed, or a row lies past the run's end (a
+/// damaged file).
 pub fn rescore(dir: &Path) -> Result<Vec<Score>, BoxError> {
     let scenario: Scenario = serde_json::from_slice(
         &fs::read(dir.join("scenario.json")).map_err(|e| format!("{}/scenario.json: {e}", dir.display()))?,
@@ -313,8 +327,11 @@ pub fn rescore(dir: &Path) -> Result<Vec<Score>, BoxError> {
     let mut scores = Vec::new();
     for p in stored_profiles(dir)? {
         let run = ProfileRun::load(dir, &p)?;
+        run.check_times(row_slack_ms(&scenario))
+            .map_err(|e| format!("{}: {e}", dir.display()))?;
         scores.push(scoreboard::judge(&run, &expectations(&p, &scenario)));
     }
+    acceptance::judge(&mut scores, OracleBars::of(&scenario));
     // A Redis-mode run keeps its description and its Redis commands (it was rewritten
     // as a memory run, its commands section dropped).
     let real: Option<crate::realtime::RealTime> =
@@ -331,4 +348,44 @@ pub fn rescore(dir: &Path) -> Result<Vec<Score>, BoxError> {
         fs::write(&report, md)?;
     }
     Ok(scores)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::telemetry::AttemptRow;
+
+    /// A stored row edited to an admission at `u64::MAX` is refused by `--rescore`
+    /// with the file and the row named, where it was judged as a time (and overflowed
+    /// the quota spans).
+    #[test]
+    fn rescore_refuses_a_row_past_the_runs_end() {
+        let dir = std::env::temp_dir().join(format!("pgw-soak-damaged-{}", std::process::id()));
+        let mut scenario = Scenario::p6(7);
+        scenario.calls = 5;
+        let opts = RunOptions {
+            profiles: vec![ProfileKind::Naive],
+            dir: Some(dir.clone()),
+            progress: false,
+        };
+        run(&scenario, &opts).unwrap();
+        rescore(&dir).unwrap();
+        let path = dir.join("naive.attempts.jsonl");
+        let text = fs::read_to_string(&path).unwrap();
+        let mut rows: Vec<AttemptRow> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        rows[0].admitted_ms = u64::MAX;
+        let damaged: Vec<String> = rows.iter().map(|r| serde_json::to_string(r).unwrap()).collect();
+        fs::write(&path, damaged.join("\n") + "\n").unwrap();
+        let e = rescore(&dir).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!(
+                "naive.attempts.jsonl: call {} attempt {} admitted at {} ms",
+                rows[0].call_id,
+                rows[0].attempt,
+                u64::MAX
+            )) && e.ends_with("the stored rows are damaged"),
+            "{e}"
+        );
+        let _ = fs::remove_dir_all(&dir);
+    }
 }

@@ -444,10 +444,11 @@ impl Scenario {
         ))
     }
 
-    /// Calls in flight over all workers.
+    /// Calls in flight over all workers (at most [`MAX_IN_FLIGHT`] in a valid
+    /// scenario; saturated, never overflowed, in one that is not).
     #[must_use]
     pub const fn global_concurrency(&self) -> u32 {
-        self.workers * self.concurrency
+        self.workers.saturating_mul(self.concurrency)
     }
 
     /// Checks the scenario; the error names the bad field.
@@ -480,6 +481,13 @@ impl Scenario {
         }
         if self.concurrency == 0 {
             return Err("concurrency: must be >= 1".into());
+        }
+        let in_flight = u64::from(self.workers) * u64::from(self.concurrency);
+        if in_flight > u64::from(MAX_IN_FLIGHT) {
+            return Err(format!(
+                "workers x concurrency: at most {MAX_IN_FLIGHT} calls in flight, got {} x {} = {in_flight}",
+                self.workers, self.concurrency
+            ));
         }
         let c = &self.client;
         for (name, v) in [
@@ -584,6 +592,11 @@ impl Scenario {
 /// `--calls` of `u64::MAX` aborted on its allocation).
 pub const MAX_CALLS: u64 = 1_000_000;
 
+/// The most calls a scenario runs at once, `workers x concurrency`: 65 536 (P6 runs
+/// 64). Each is a task with its own request, and the profiles count them in `u32`
+/// (the naive breaker's threshold is twice it).
+pub const MAX_IN_FLIGHT: u32 = 65_536;
+
 /// The scenario library: `(name, TOML)` of every file in `crates/pgw-soak/scenarios/`,
 /// compiled in so `--scenario NAME` works from any directory.
 pub const LIBRARY: &[(&str, &str)] = &[
@@ -658,6 +671,24 @@ mod tests {
         }
         let e = Scenario::parse("{\"name\": \"j\", \"calls\": \"x\"}", true).unwrap_err();
         assert!(e.starts_with("calls: invalid type"), "{e}");
+    }
+
+    /// `workers x concurrency` overflowed `u32` (a panic in a debug build, a wrapped
+    /// count in a release one): it is capped, and the error names both fields.
+    #[test]
+    fn calls_in_flight_are_capped() {
+        let mut bad = Scenario::p6(1);
+        (bad.workers, bad.concurrency) = (u32::MAX, 2);
+        let e = bad.validate().unwrap_err();
+        assert!(e.starts_with("workers x concurrency: at most 65536"), "{e}");
+        assert!(e.contains(&format!("{} x 2", u32::MAX)), "{e}");
+        assert_eq!(bad.global_concurrency(), u32::MAX);
+        (bad.workers, bad.concurrency) = (2, MAX_IN_FLIGHT / 2 + 1);
+        assert!(bad.validate().is_err());
+        (bad.workers, bad.concurrency) = (2, MAX_IN_FLIGHT / 2);
+        bad.validate().unwrap();
+        let e = Scenario::parse("workers = 65536\nconcurrency = 65536\n", false).unwrap_err();
+        assert!(e.starts_with("workers x concurrency"), "{e}");
     }
 
     #[test]

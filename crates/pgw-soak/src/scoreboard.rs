@@ -110,7 +110,8 @@ pub struct Score {
     pub violations: Vec<Violation>,
     /// Success rate per scenario minute (by the call's end), `(minute, calls, ok)`.
     pub success_by_minute: Vec<(u64, u64, u64)>,
-    /// The judged invariants.
+    /// The judged invariants, and for the pgw profile its bars against the oracle
+    /// ([`crate::acceptance::judge`], once every profile of the run is judged).
     pub checks: Vec<Check>,
     /// Scenario time of the run, ms.
     pub scenario_ms: u64,
@@ -125,7 +126,8 @@ pub struct Score {
 }
 
 impl Score {
-    /// Whether every gating check passed.
+    /// Whether every gating check passed (for pgw, its bars against the oracle too,
+    /// once [`crate::acceptance::judge`] has added them).
     #[must_use]
     pub fn passed(&self) -> bool {
         self.checks.iter().all(|c| c.pass || !c.gating)
@@ -345,16 +347,20 @@ pub fn quota_violations(run: &ProfileRun) -> Vec<Violation> {
             limit: rule.limit,
         };
         // Two pointers: rows[i..end] is the span starting at rows[i], `used` its sum.
-        let (mut end, mut used) = (0, 0u64);
+        // The span is measured from its start (`t - start < w`, rows are sorted), so a
+        // row at `u64::MAX` is in its own span; the sum is a u128, so no stored token
+        // count can overflow it.
+        let (mut end, mut used) = (0, 0u128);
         let mut run_of: Option<Violation> = None;
         for &(start, add) in &rows {
-            while end < rows.len() && rows[end].0 < start.saturating_add(w) {
-                used += rows[end].1;
+            while end < rows.len() && rows[end].0 - start < w {
+                used += u128::from(rows[end].1);
                 end += 1;
             }
-            if used > rule.limit {
+            if used > u128::from(rule.limit) {
+                let used = u64::try_from(used).unwrap_or(u64::MAX);
                 match &mut run_of {
-                    Some(v) if start < v.window_start_ms.saturating_add(w) => {
+                    Some(v) if start - v.window_start_ms < w => {
                         if used > v.used {
                             *v = violation(start, used);
                         }
@@ -362,7 +368,7 @@ pub fn quota_violations(run: &ProfileRun) -> Vec<Violation> {
                     _ => out.extend(run_of.replace(violation(start, used))),
                 }
             }
-            used -= add;
+            used -= u128::from(add);
         }
         out.extend(run_of);
     }
@@ -523,7 +529,7 @@ fn rss_check(run: &ProfileRun) -> Check {
     };
     let mid = median(&steady[..half]);
     let end = median(&steady[half..]);
-    let allowed = (mid as f64 * (1.0 + RSS_GROWTH_RATIO)) as u64 + RSS_GROWTH_SLACK_KIB;
+    let allowed = ((mid as f64 * (1.0 + RSS_GROWTH_RATIO)) as u64).saturating_add(RSS_GROWTH_SLACK_KIB);
     Check {
         name: "current RSS stable",
         pass: end <= allowed,
@@ -733,6 +739,48 @@ mod tests {
                 ("tpm", 300_000, 300)
             ]
         );
+    }
+
+    /// Damaged rows, as `--rescore` may read them from an edited file: an admission at
+    /// `u64::MAX` was never added to its span yet subtracted from it (an underflow), and
+    /// token counts near `u64::MAX` overflowed the span's sum.
+    #[test]
+    fn damaged_rows_are_judged_without_overflow() {
+        let mut r = run();
+        r.calls = (0..4).map(|i| call(&format!("c{i}"), true, 1)).collect();
+        r.quotas.push(QuotaRule {
+            scope: "source s4".into(),
+            sources: vec!["s4".into()],
+            dimension: "tpm".into(),
+            limit: 250,
+            window_ms: 60_000,
+        });
+        let tokens = |a: AttemptRow, tokens: u64| AttemptRow { tokens, ..a };
+        r.attempts = vec![
+            attempt("c0", 1, "s4", 0, false),
+            tokens(attempt("c1", 1, "s4", 1_000, false), u64::MAX),
+            tokens(attempt("c2", 1, "s4", 2_000, false), u64::MAX),
+            attempt("c3", 1, "s4", u64::MAX, false),
+        ];
+        let v: Vec<_> = quota_violations(&r)
+            .iter()
+            .map(|v| (v.dimension.clone(), v.window_start_ms, v.used))
+            .collect();
+        assert_eq!(
+            v,
+            [("rpm".to_owned(), 0, 3), ("tpm".to_owned(), 0, u64::MAX)],
+            "the sum saturates in the report; the row at u64::MAX is alone in its span"
+        );
+        let s = judged(&r);
+        assert!(!s.check("quotas never exceeded").unwrap().pass);
+        // An RSS sample near u64::MAX overflowed the allowed growth.
+        r.rss = (0..8)
+            .map(|i| RssSample {
+                calls_done: i,
+                rss_kib: u64::MAX,
+            })
+            .collect();
+        assert!(rss_check(&r).pass);
     }
 
     /// A request error the client counted against its source (a 404 for a model the

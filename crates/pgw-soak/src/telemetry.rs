@@ -462,6 +462,42 @@ impl ProfileRun {
         run.calls = read_jsonl(&dir.join(format!("{profile}.calls.jsonl")))?;
         Ok(run)
     }
+
+    /// Checks that every row lies within the run: no attempt admitted, no call started
+    /// or ended later than `slack_ms` after the run's end (`scenario_ms`; the books are
+    /// read a while after the last call, and an attempt may still be admitted then). A
+    /// stored run with such a row is damaged (an `admitted_ms` of `u64::MAX` was judged
+    /// as if it were a time).
+    ///
+    /// # Errors
+    /// The first row past the run's end, named.
+    pub fn check_times(&self, slack_ms: u64) -> Result<(), String> {
+        let end = self.scenario_ms.saturating_add(slack_ms);
+        let past = |what: String, ms: u64| {
+            format!(
+                "{what} at {ms} ms, after the run's end ({} ms) plus {slack_ms} ms: the stored \
+                 rows are damaged",
+                self.scenario_ms
+            )
+        };
+        let p = &self.profile;
+        if let Some(a) = self.attempts.iter().find(|a| a.admitted_ms > end) {
+            return Err(past(
+                format!(
+                    "{p}.attempts.jsonl: call {} attempt {} admitted",
+                    a.call_id, a.attempt
+                ),
+                a.admitted_ms,
+            ));
+        }
+        if let Some(c) = self.calls.iter().find(|c| c.started_ms.max(c.ended_ms) > end) {
+            return Err(past(
+                format!("{p}.calls.jsonl: call {} ended", c.call_id),
+                c.started_ms.max(c.ended_ms),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// The JSON file at `path` read as `T`, or `None` when there is no such file (a run
@@ -533,5 +569,57 @@ mod tests {
                 .contains("\"bogus\" is not a profile")
         );
         fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn rows_past_the_runs_end_are_named() {
+        let row = |call: &str, admitted_ms: u64| AttemptRow {
+            call_id: call.into(),
+            attempt: 2,
+            worker: 0,
+            source: "s1".into(),
+            admitted_ms,
+            latency_ms: 1,
+            ttft_ms: None,
+            tokens: 1,
+            outcome: "success".into(),
+            cache_hit: false,
+            request_error: false,
+        };
+        let call = |id: &str, ended_ms: u64| CallRow {
+            call_id: id.into(),
+            worker: 0,
+            kind: "P1".into(),
+            started_ms: 0,
+            ended_ms,
+            ok: true,
+            cause: "ok".into(),
+            stream: false,
+            first_chunk_ms: None,
+        };
+        let mut run = ProfileRun {
+            profile: "pgw".into(),
+            scenario_ms: 10_000,
+            attempts: vec![row("a", 0), row("b", 10_500)],
+            calls: vec![call("a", 10_000)],
+            ..ProfileRun::default()
+        };
+        run.check_times(1_000).unwrap();
+        run.attempts.push(row("c", u64::MAX));
+        let e = run.check_times(1_000).unwrap_err();
+        assert_eq!(
+            e,
+            format!(
+                "pgw.attempts.jsonl: call c attempt 2 admitted at {} ms, after the run's end \
+                 (10000 ms) plus 1000 ms: the stored rows are damaged",
+                u64::MAX
+            )
+        );
+        run.attempts.pop();
+        run.calls.push(call("z", 11_001));
+        let e = run.check_times(1_000).unwrap_err();
+        assert!(e.starts_with("pgw.calls.jsonl: call z ended at 11001 ms"), "{e}");
+        // A slack past u64::MAX saturates: nothing is past the end of time.
+        run.check_times(u64::MAX).unwrap();
     }
 }

@@ -45,6 +45,11 @@ fn flags_it_would_ignore_or_misread_are_refused() {
             vec!["--calls", "18446744073709551615", "--out", out],
             "calls: must be within",
         ),
+        // workers x concurrency overflowed u32: a panic where the profiles count them.
+        (
+            vec!["--workers", "4294967295", "--concurrency", "2", "--out", out],
+            "workers x concurrency: at most",
+        ),
     ] {
         let (code, stderr) = soak(&args);
         assert!(matches!(code, Some(1 | 2)), "{args:?}: {code:?} {stderr}");

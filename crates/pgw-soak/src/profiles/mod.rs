@@ -336,6 +336,16 @@ impl ResponseCache {
     }
 }
 
+/// The tokens an attempt counts against a TPM quota, as its [`AttemptRow`] records
+/// them and the scoreboard judges them: the usage the provider reported, else the
+/// `estimate` the gates charged (an error, or an answer without usage).
+pub(crate) fn counted_tokens(result: &Result<ChatAnswer, BoxError>, estimate: u64) -> u64 {
+    match result {
+        Ok(a) => a.stats.usage.as_ref().map_or(estimate, |u| u.total_tokens),
+        Err(_) => estimate,
+    }
+}
+
 /// One attempt on a recorded upstream client, as a concrete boxed future (an `async`
 /// block awaiting `oneshot` directly trips a higher-ranked lifetime error of rustc in
 /// the `Send` futures the driver needs).
@@ -451,15 +461,12 @@ where
             let result = fut.await;
             drop(guard);
             let outcome = AnswerClassifier.classify(&result);
-            let (ttft_ms, tokens) = match &result {
-                Ok(a) => (
-                    a.stats
-                        .ttft
-                        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
-                    a.stats.usage.as_ref().map_or(estimate, |u| u.total_tokens),
-                ),
-                Err(_) => (None, estimate),
-            };
+            let ttft_ms = result
+                .as_ref()
+                .ok()
+                .and_then(|a| a.stats.ttft)
+                .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+            let tokens = counted_tokens(&result, estimate);
             recorder.attempt(AttemptRow {
                 call_id,
                 attempt,

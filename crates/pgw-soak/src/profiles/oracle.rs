@@ -19,7 +19,9 @@
 //!   with `p_ok = 0` are never sent to; a call no source can answer fails at once
 //!   without an attempt. A call that has waited 30 s goes before later ones.
 //! - **Pacing.** Every quota the clients are given and every provider rate gate is
-//!   kept as a sliding 60-second log (never over any fixed or sliding window); every
+//!   kept as a sliding 60-second log (never over any fixed or sliding window; a TPM
+//!   quota is charged the clients' token estimate while the attempt is in flight and
+//!   settled to its usage, as the scoreboard counts it, when the attempt ends); every
 //!   hard limit of a key or an account as a mirror of the provider's token bucket;
 //!   concurrency caps are counted. An account with a 429 curve is paced at the arrival rate that
 //!   maximises its successful answers per minute, **derived from the model**: with
@@ -49,7 +51,7 @@ use pgw_sim::{LogNormal, PoolConfig, RateLimitCurve, SourceConfig};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::{Built, Env, Inflight, Recorded, ResponseCache, attempt_on, chat_call};
+use super::{Built, Env, Inflight, Recorded, ResponseCache, attempt_on, chat_call, counted_tokens};
 use crate::driver::{Client, Delivered, SoakCall, is_valid_structured, provider_verdict};
 use crate::scenario::{ClientSettings, Scenario};
 use crate::telemetry::{Accounting, Recorder};
@@ -142,6 +144,25 @@ impl Log {
             self.sum += cost;
         }
     }
+
+    /// Corrects the entry pushed at `at` with `charged` to `real` (an estimate settled
+    /// to what the attempt really used). An entry the window has dropped stays dropped:
+    /// it no longer counts, whatever it cost.
+    fn settle(&mut self, at: Instant, charged: u64, real: u64) {
+        if charged == real {
+            return;
+        }
+        if let Some(e) = self.entries.iter_mut().find(|e| **e == (at, charged)) {
+            // The entry is in the sum: `sum >= charged`.
+            self.sum = (self.sum - charged).saturating_add(real);
+            e.1 = real;
+        } else if charged == 0 {
+            // Nothing was pushed for it; its place keeps the log in time order.
+            let i = self.entries.partition_point(|e| e.0 <= at);
+            self.entries.insert(i, (at, real));
+            self.sum = self.sum.saturating_add(real);
+        }
+    }
 }
 
 /// The limits of one scope at one instant.
@@ -225,6 +246,15 @@ impl Meter {
         match self {
             Self::Log(l) => l.push(now, cost),
             Self::Bucket(b) => b.take(now, cost, limit),
+        }
+    }
+
+    /// Corrects what was taken at `at` from `charged` to `real`: a sliding log counts
+    /// what was used, as a quota that settles to real usage does; a token bucket keeps
+    /// what it took (the simulator's hard limits never give tokens back).
+    fn settle(&mut self, at: Instant, charged: u64, real: u64) {
+        if let Self::Log(l) = self {
+            l.settle(at, charged, real);
         }
     }
 }
@@ -313,8 +343,9 @@ impl Account {
 
 #[derive(Debug)]
 struct SourceState {
-    /// The quota the clients are given (counted in the clients' token estimate, as the
-    /// scoreboard judges it).
+    /// The quota the clients are given: charged the clients' token estimate while an
+    /// attempt is in flight, settled to its usage as the scoreboard counts it
+    /// ([`counted_tokens`]) when it ends.
     quota: Gate,
     /// The key's hard limits (counted in the simulator's own tokens, as it does).
     key: Gate,
@@ -557,14 +588,14 @@ impl Shared {
         ranked.into_iter().map(|o| o.2).collect()
     }
 
-    /// Tries to admit the call holding `ticket` on one of `ranked` now: `Ok(source)`
-    /// (reserved), else when to look again (`None`: at the next release).
+    /// Tries to admit the call holding `ticket` on one of `ranked` now: `Ok((source,
+    /// now))` (reserved), else when to look again (`None`: at the next release).
     #[allow(
         clippy::cast_precision_loss,
         clippy::cast_possible_truncation,
         clippy::cast_sign_loss
     )]
-    fn admit(&self, ranked: &[usize], cost: Cost, ticket: u64) -> Result<usize, Option<Instant>> {
+    fn admit(&self, ranked: &[usize], cost: Cost, ticket: u64) -> Result<(usize, Instant), Option<Instant>> {
         let now = Instant::now();
         let t = self.scenario_s(now);
         let mut st = lock(&self.state);
@@ -620,9 +651,18 @@ impl Shared {
             src.provider_gate.push(now, 1);
             acct.gate.take(now, cost.provider, acct_limits);
             st.waiting.remove(&ticket);
-            return Ok(i);
+            return Ok((i, now));
         }
         Err(wake)
+    }
+
+    /// Settles source `i`'s quota for the attempt admitted at `at`: the estimate it was
+    /// charged becomes what the attempt counts.
+    fn settle(&self, i: usize, at: Instant, cost: Cost, counted: u64) {
+        lock(&self.state).sources[i]
+            .quota
+            .tokens
+            .settle(at, cost.estimate, counted);
     }
 
     /// A ticket in the waiting line, taken now.
@@ -719,7 +759,7 @@ impl Worker {
         shape: &Shape,
         cost: Cost,
         retry: bool,
-    ) -> Result<usize, NoSourceCanAnswer> {
+    ) -> Result<(usize, Instant), NoSourceCanAnswer> {
         let shared = &self.shared;
         let mut ticket = Ticket { shared, id: None };
         loop {
@@ -734,9 +774,9 @@ impl Worker {
             }
             let id = *ticket.id.get_or_insert_with(|| shared.ticket());
             let wake = match shared.admit(&ranked, cost, id) {
-                Ok(i) => {
+                Ok(admitted) => {
                     ticket.id = None;
-                    return Ok(i);
+                    return Ok(admitted);
                 }
                 Err(w) => w,
             };
@@ -772,8 +812,8 @@ impl Worker {
         let mut last: Result<ChatResponse, BoxError> = Err(Box::new(NoSourceCanAnswer));
         while attempts > 0 {
             let retry = attempts < shared.client.max_attempts;
-            let source = match self.wait_for_source(&shape, cost, retry).await {
-                Ok(i) => i,
+            let (source, admitted) = match self.wait_for_source(&shape, cost, retry).await {
+                Ok(a) => a,
                 Err(e) => return Err(Box::new(e)),
             };
             let slot = Slot {
@@ -789,6 +829,8 @@ impl Worker {
                 shared.inflight.clone(),
             );
             let result: Result<ChatAnswer, BoxError> = attempt_on(svc, chat.clone()).await;
+            // Settled before the release wakes the waiting calls: they see the room.
+            shared.settle(source, admitted, cost, counted_tokens(&result, cost.estimate));
             drop(slot);
             let outcome = AnswerClassifier.classify(&result);
             match result {
@@ -1003,6 +1045,73 @@ mod tests {
             Some(t0 + Duration::from_secs(70))
         );
         assert_eq!(log.blocked_until(t0 + MINUTE, 1, Some(3)), None);
+    }
+
+    #[test]
+    fn an_entry_settles_to_real_usage() {
+        let t0 = Instant::now();
+        let t1 = t0 + Duration::from_secs(1);
+        let mut log = Log::new(MINUTE);
+        log.push(t0, 1_000);
+        log.push(t1, 1_000);
+        // 2000 charged of 2500: a third call of 1000 waits for the first entry.
+        assert_eq!(log.blocked_until(t1, 1_000, Some(2_500)), Some(t0 + MINUTE));
+        log.settle(t0, 1_000, 300);
+        assert_eq!(log.sum, 1_300, "the sum is the real usage plus what is in flight");
+        assert_eq!(log.blocked_until(t1, 1_000, Some(2_500)), None);
+        // Upwards too, and an entry the window dropped stays dropped.
+        log.settle(t1, 1_000, 1_200);
+        assert_eq!(log.sum, 1_500);
+        log.expire(t0 + MINUTE);
+        log.settle(t0, 300, 5_000);
+        assert_eq!((log.sum, log.entries.len()), (1_200, 1));
+        // Nothing was pushed for a zero charge: the real usage takes its place in order.
+        log.settle(t0 + Duration::from_millis(500), 0, 40);
+        assert_eq!(log.sum, 1_240);
+        assert_eq!(log.entries.front(), Some(&(t0 + Duration::from_millis(500), 40)));
+    }
+
+    /// The clients' TPM quota is charged the estimate at admission and settled to the
+    /// real usage at the attempt's end (the scoreboard judges real usage, and pgw's
+    /// limiter settles so): a second call whose estimate fits only beside the first's
+    /// real usage goes at once, where it waited for the first's estimate to leave the
+    /// minute.
+    #[test]
+    fn the_quota_settles_to_real_usage() {
+        use crate::profiles::ProfileKind;
+        use crate::run::{run_profile_virtual, traffic};
+        let mut sc = Scenario {
+            name: "tpm".into(),
+            calls: 2,
+            workers: 1,
+            concurrency: 1,
+            pool: PoolConfig::of(vec![SourceConfig::quick("a")]),
+            ..Scenario::default()
+        };
+        sc.traffic.mix = [1.0, 0.0, 0.0, 0.0, 0.0];
+        let estimates: Vec<u64> = traffic(&sc, 1.0).map(|c| c.request.estimate_tokens()).collect();
+        // Room for both estimates but one token.
+        let limit = estimates[0] + estimates[1] - 1;
+        sc.client.quotas = vec![crate::scenario::SourceQuota {
+            tpm: Some(limit),
+            ..crate::scenario::SourceQuota::unlimited("a")
+        }];
+        sc.validate().unwrap();
+        let run =
+            run_profile_virtual(&sc, ProfileKind::Oracle, None, &indicatif::ProgressBar::hidden()).unwrap();
+        let mut attempts = run.attempts.clone();
+        attempts.sort_by_key(|a| a.admitted_ms);
+        assert_eq!(attempts.len(), 2, "{attempts:?}");
+        assert!(attempts.iter().all(|a| a.outcome == "success" && !a.cache_hit));
+        assert!(attempts[0].tokens < estimates[0], "{attempts:?} {estimates:?}");
+        // The second went when the first ended (a quick source: seconds), not after
+        // the minute its estimate would have held.
+        let first_end = attempts[0].admitted_ms + attempts[0].latency_ms;
+        assert!(
+            attempts[1].admitted_ms <= first_end + 1_000,
+            "{attempts:?}, limit {limit}"
+        );
+        assert!(crate::scoreboard::quota_violations(&run).is_empty());
     }
 
     #[test]
