@@ -399,7 +399,10 @@ async fn a_request_over_every_primary_quota_goes_to_the_fallback() {
     let mut large = ChatRequest::user("primary", "hi");
     large.max_tokens = Some(5000);
     let a = gw.chat(large).await.unwrap();
-    assert_eq!(a.group, "backup", "never admitted by the primary: its fallback answered");
+    assert_eq!(
+        a.group, "backup",
+        "never admitted by the primary: its fallback answered"
+    );
     assert_eq!(received(&pool, "a"), 1, "no attempt on the primary");
 }
 

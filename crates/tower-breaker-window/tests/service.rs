@@ -164,7 +164,11 @@ async fn a_failed_inner_poll_ready_releases_the_probe() {
         inner: service_fn(act),
         failed: false,
     });
-    let err = svc.ready().await.err().expect("the inner service failed poll_ready");
+    let err = svc
+        .ready()
+        .await
+        .err()
+        .expect("the inner service failed poll_ready");
     assert_eq!(err.to_string(), "worker gone");
     assert!(
         !layer.handle().view().await.unwrap().probe_in_flight,
