@@ -19,7 +19,7 @@ use std::any::TypeId;
 use std::cell::{Cell, RefCell};
 use std::fmt;
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::time::Instant;
@@ -66,6 +66,8 @@ struct Records {
     /// recorded here) in the high 32: one word, so a reader never sees a probe counted
     /// in one and not yet in the other.
     numbered: AtomicU64,
+    /// [`CallHistory::may_wait`], negated (so `Default` is "may wait").
+    goes_elsewhere: AtomicBool,
     list: Mutex<List>,
 }
 
@@ -163,6 +165,28 @@ impl CallHistory {
         let word = self.inner.numbered.load(Ordering::Relaxed);
         let own = low(word).saturating_sub(u32::try_from(word >> 32).unwrap_or(u32::MAX));
         own as usize > self.len()
+    }
+
+    /// Says whether the call may wait for an admission where it is sent now: `false`
+    /// while its caller has somewhere else to send it at once (the next group of a
+    /// fallback chain: R3, a call waits only when nothing admits it). A refusal then
+    /// ends the call's turn there at once (the retry layer's
+    /// `Reason::NotAdmittedHere`; the balancer waits for no slot). Default `true`.
+    ///
+    /// ```
+    /// let h = pgw_core::CallHistory::new();
+    /// assert!(h.may_wait());
+    /// h.set_may_wait(false);
+    /// assert!(!h.clone().may_wait(), "one flag for every copy of the call");
+    /// ```
+    pub fn set_may_wait(&self, may: bool) {
+        self.inner.goes_elsewhere.store(!may, Ordering::Relaxed);
+    }
+
+    /// Whether the call may wait for an admission ([`set_may_wait`](Self::set_may_wait)).
+    #[must_use]
+    pub fn may_wait(&self) -> bool {
+        !self.inner.goes_elsewhere.load(Ordering::Relaxed)
     }
 
     /// Sets the call's deadline: the instant after which it may not wait (the retry

@@ -224,6 +224,16 @@ impl ApiError {
                 )),
             )
             .retry_after(Some(wait)),
+            // Refused at once where it had somewhere else to go (never the last word
+            // of a chain, which waits on the groups that refused it so; a caller of
+            // the stack's groups may see it).
+            Reason::NotAdmittedHere { retry_after } => Self::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                "rate_limit_exceeded",
+                detail(format!("the pool is at its quota; {}", r.reason())),
+            )
+            .retry_after(retry_after),
             // Ended on the upstream's pushback: the last error may be the hold's refusal
             // (holds on), not the 429 or 503 itself, so this goes by the reason, and by
             // the last attempt the upstream pushed back on.

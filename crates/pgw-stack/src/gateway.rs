@@ -24,7 +24,7 @@ use tower_service::Service;
 
 use crate::attempt::{AdmissionCell, RefusedTime};
 use crate::cache::{CacheKey, CachePartition, CachedAnswer};
-use crate::cached::{CacheFlow, Follow, Lookup, replay};
+use crate::cached::{CacheFlow, Flight, Follow, Lookup, replay};
 use crate::relay::ChatStream;
 use crate::route::ModelChain;
 use crate::source::SourceService;
@@ -476,65 +476,80 @@ impl Service<ChatCall> for Gateway {
             // it): its answers are kept as the first group's. Taken over from a
             // fallback (the first group failed otherwise), as a fallback's.
             let mut context_of_primary = false;
+            let permitted = |g: usize| allowed.as_ref().is_none_or(|a| a.permits(&inner.groups[g].name));
+            // R3: with another group to go to, a call does not wait for a quota, a hold
+            // or a slot in one: every group is asked at once, and the groups that
+            // refused it so are waited on after, in the chain's order (the primary
+            // first), only when none admitted it.
+            let mut deferred = Vec::new();
+            let mut ended = false;
             let mut next = 0;
             while let Some(&g) = chain.get(next) {
                 next += 1;
-                let group = &inner.groups[g];
-                if let Some(allowed) = &allowed
-                    && !allowed.permits(&group.name)
-                {
+                if !permitted(g) {
                     // A fallback (or context-window fallback) to a model the caller
                     // may not use: not taken.
                     continue;
                 }
-                let result = group.service.clone().oneshot(call.clone()).await;
-                match result {
-                    Ok(answer) => {
-                        inner.progress.record_success();
-                        let source = answer.stats.source.clone();
-                        if let Some((cache, key, flight)) = cached.take() {
-                            let primary = if context { context_of_primary } else { next == 1 };
-                            let ttl = cache.ttl_for(primary);
-                            cache
-                                .store(key, &answer, group.name.to_string(), ttl, flight)
-                                .await;
-                        }
-                        return Ok(GatewayAnswer {
-                            call_id,
-                            answer,
-                            group: group.name.to_string(),
-                            source,
-                            cache_hit: false,
-                        });
-                    }
+                let primary = if context { context_of_primary } else { next == 1 };
+                let elsewhere = chain.iter().filter(|&&h| permitted(h)).nth(1).is_some();
+                if let Some(h) = call.call_history() {
+                    h.set_may_wait(!elsewhere);
+                } else if elsewhere {
+                    let h = CallHistory::new();
+                    h.set_may_wait(false);
+                    call.set_call_history(h);
+                }
+                let e = match inner.ask(g, &call).await {
+                    Ok(answer) => return Ok(inner.answered(call_id, g, primary, answer, &mut cached).await),
+                    Err(e) => e,
+                };
+                let verdict = e.downcast_ref::<RetryError>();
+                let reason = verdict.map(RetryError::reason);
+                // Too large for this model: its context-window fallback chain may take
+                // it (and the next of that chain, if still too large).
+                let too_large = reason == Some(Reason::Rejected)
+                    && verdict
+                        .and_then(RetryError::last_error)
+                        .is_some_and(|l| exceeds_source(l));
+                // Every source of the group refused the call for good without an
+                // attempt (larger than a whole window's token quota, or a continuation
+                // none of them can prefill): the group's limits, not the request's
+                // fault, so the next group is asked.
+                let never_here = reason == Some(Reason::Rejected)
+                    && verdict
+                        .and_then(RetryError::last_error)
+                        .and_then(|l| NotAdmitted::of(l))
+                        == Some(NotAdmitted::Never);
+                tracing::debug!(call = call_id, group = %inner.groups[g].name, error = %e, "group failed");
+                let not_here = matches!(reason, Some(Reason::NotAdmittedHere { .. }));
+                failures.push((inner.groups[g].name.to_string(), e));
+                if not_here {
+                    deferred.push((g, primary));
+                } else if too_large && !context && !route.context.is_empty() {
+                    context_of_primary = next == 1;
+                    (chain, context, next) = (route.context.as_slice(), true, 0);
+                } else if too_large && context {
+                    // The next model of the context chain.
+                } else if never_here {
+                    // The next group of the chain.
+                } else if matches!(reason, Some(Reason::Rejected | Reason::DeadlineExceeded)) {
+                    ended = true;
+                    break;
+                }
+            }
+            if let Some(h) = call.call_history() {
+                h.set_may_wait(true);
+            }
+            // No group admitted the call at once: it waits on those that only refused
+            // it for now, the primary first.
+            for (g, primary) in deferred.into_iter().filter(|_| !ended) {
+                match inner.ask(g, &call).await {
+                    Ok(answer) => return Ok(inner.answered(call_id, g, primary, answer, &mut cached).await),
                     Err(e) => {
-                        let verdict = e.downcast_ref::<RetryError>();
-                        let reason = verdict.map(RetryError::reason);
-                        // Too large for this model: its context-window fallback chain
-                        // may take it (and the next of that chain, if still too large).
-                        let too_large = reason == Some(Reason::Rejected)
-                            && verdict
-                                .and_then(RetryError::last_error)
-                                .is_some_and(|l| exceeds_source(l));
-                        // Every source of the group refused the call for good without
-                        // an attempt (larger than a whole window's token quota, or a
-                        // continuation none of them can prefill): the group's limits,
-                        // not the request's fault, so the next group is asked.
-                        let never_here = reason == Some(Reason::Rejected)
-                            && verdict
-                                .and_then(RetryError::last_error)
-                                .and_then(|l| NotAdmitted::of(l))
-                                == Some(NotAdmitted::Never);
-                        tracing::debug!(call = call_id, group = %group.name, error = %e, "group failed");
-                        failures.push((group.name.to_string(), e));
-                        if too_large && !context && !route.context.is_empty() {
-                            context_of_primary = next == 1;
-                            (chain, context, next) = (route.context.as_slice(), true, 0);
-                        } else if too_large && context {
-                            // The next model of the context chain.
-                        } else if never_here {
-                            // The next group of the chain.
-                        } else if matches!(reason, Some(Reason::Rejected | Reason::DeadlineExceeded)) {
+                        let reason = e.downcast_ref::<RetryError>().map(RetryError::reason);
+                        failures.push((inner.groups[g].name.to_string(), e));
+                        if matches!(reason, Some(Reason::Rejected | Reason::DeadlineExceeded)) {
                             break;
                         }
                     }
@@ -550,6 +565,39 @@ impl Service<ChatCall> for Gateway {
     }
 }
 impl Inner {
+    /// One group's turn at `call`.
+    async fn ask(&self, g: usize, call: &ChatCall) -> Result<ChatAnswer, BoxError> {
+        self.groups[g].service.clone().oneshot(call.clone()).await
+    }
+
+    /// `answer` from group `g` as the call's: stored in the cache when the call has a
+    /// place there (a primary's answer for the primary's time to live).
+    async fn answered(
+        &self,
+        call_id: u64,
+        g: usize,
+        primary: bool,
+        answer: ChatAnswer,
+        cached: &mut Option<(&CacheFlow, CacheKey, Option<Flight>)>,
+    ) -> GatewayAnswer {
+        self.progress.record_success();
+        let group = &self.groups[g];
+        let source = answer.stats.source.clone();
+        if let Some((cache, key, flight)) = cached.take() {
+            let ttl = cache.ttl_for(primary);
+            cache
+                .store(key, &answer, group.name.to_string(), ttl, flight)
+                .await;
+        }
+        GatewayAnswer {
+            call_id,
+            answer,
+            group: group.name.to_string(),
+            source,
+            cache_hit: false,
+        }
+    }
+
     /// Sets `retry.max_call_duration` from now as `call`'s deadline: one for the whole
     /// call (every group, the cache's wait, the stream), not a fresh one per group; a
     /// sooner one of the call's own stands.

@@ -406,6 +406,51 @@ async fn a_request_over_every_primary_quota_goes_to_the_fallback() {
     assert_eq!(received(&pool, "a"), 1, "no attempt on the primary");
 }
 
+/// R3: a call the primary's quota refuses goes on at once to the fallback instead of
+/// waiting for the primary; when every group refuses it, it waits, on the primary
+/// first.
+#[tokio::test(start_paused = true)]
+async fn a_primary_at_its_quota_hands_the_call_to_the_fallback_at_once() {
+    let pool = pool(vec![serving("a", "big"), serving("b", "small")]);
+    let mut cfg = GatewayConfig::default();
+    for name in ["a", "b"] {
+        let mut s = source(name);
+        s.rpm = Some(1);
+        cfg.sources.push(s);
+    }
+    let mut primary = model(&[("a", Some("big"))]);
+    primary.fallback = vec!["backup".into()];
+    cfg.models.insert("primary".into(), primary);
+    cfg.models.insert("backup".into(), model(&[("b", Some("small"))]));
+    let gw = gateway(&pool, cfg, &MemorySink::new()).await;
+    let ask = || {
+        let mut r = ChatRequest::user("primary", "hi");
+        r.max_tokens = Some(10);
+        gw.chat(r)
+    };
+
+    let t0 = Instant::now();
+    assert_eq!(ask().await.unwrap().group, "primary");
+    let t1 = Instant::now();
+    let second = ask().await.unwrap();
+    assert_eq!(
+        second.group, "backup",
+        "the primary's quota is spent: the fallback answers"
+    );
+    assert!(
+        t1.elapsed() < Duration::from_secs(5),
+        "at once, not after the primary's minute: {:?}",
+        t1.elapsed()
+    );
+    // Both quotas spent: the call waits, for the primary (its minute ends first here,
+    // and it is the one the caller named).
+    let third = ask().await.unwrap();
+    assert_eq!(third.group, "primary");
+    assert!(t0.elapsed() >= Duration::from_secs(60), "{:?}", t0.elapsed());
+    assert!(t0.elapsed() < Duration::from_secs(70), "{:?}", t0.elapsed());
+    assert_eq!((received(&pool, "a"), received(&pool, "b")), (2, 1));
+}
+
 #[test]
 fn routing_config_errors_name_the_field() {
     let base = r#"

@@ -375,7 +375,19 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
     fn readiness_deadline(&mut self) -> Instant {
         let paced = clock::saturating_after(Instant::now(), self.config.paced_poll);
         let call_deadline = self.history().and_then(CallHistory::deadline);
-        paced.min(begin_wait(&mut self.wait, self.config.max_wait, call_deadline).deadline)
+        let max_wait = self.max_wait();
+        paced.min(begin_wait(&mut self.wait, max_wait, call_deadline).deadline)
+    }
+
+    /// The longest this call waits for an admission: `max_wait`, or nothing for a call
+    /// with somewhere else to go at once (a fallback group, [`CallHistory::may_wait`]):
+    /// the round's refusal is its answer (R3).
+    fn max_wait(&self) -> Duration {
+        if self.history().is_none_or(CallHistory::may_wait) {
+            self.config.max_wait
+        } else {
+            Duration::ZERO
+        }
     }
 
     /// The end of a round in which every source refused: fail, or wait and start a
@@ -389,7 +401,8 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
             return Poll::Ready(Err(Round::at(&mut self.round).earliest_open()));
         }
         let call_deadline = self.history().and_then(CallHistory::deadline);
-        let wait = begin_wait(&mut self.wait, self.config.max_wait, call_deadline);
+        let max_wait = self.max_wait();
+        let wait = begin_wait(&mut self.wait, max_wait, call_deadline);
         if wait.sleep.is_none() {
             let now = Instant::now();
             let round = Round::at(&mut self.round);

@@ -68,6 +68,14 @@ pub enum Reason {
         /// `max_pushback_wait`.
         limit: Duration,
     },
+    /// Nothing below admitted the call and it may not wait for an admission here: its
+    /// caller has somewhere else to send it at once (`CallHistory::may_wait` is
+    /// false: the next group of a fallback chain). Nothing was spent.
+    NotAdmittedHere {
+        /// When the service below said it may admit (a quota's or hold's end), if it
+        /// said.
+        retry_after: Option<Duration>,
+    },
     /// The call's deadline (`max_call_duration` or the request's own) passed; the
     /// attempt in flight, if any, was dropped.
     DeadlineExceeded,
@@ -87,8 +95,8 @@ pub enum Reason {
 impl Reason {
     /// A short stable name for telemetry: `budget_exhausted`, `reasks_exhausted`,
     /// `rejected`, `stalled`, `all_circuits_open`, `wait_too_long`,
-    /// `pushback_exhausted`, `deadline_exceeded`, `retry_budget_exhausted`, `throttled`,
-    /// `not_resendable`, `service_failed`.
+    /// `pushback_exhausted`, `not_admitted_here`, `deadline_exceeded`,
+    /// `retry_budget_exhausted`, `throttled`, `not_resendable`, `service_failed`.
     #[must_use]
     pub const fn as_str(self) -> &'static str {
         match self {
@@ -99,6 +107,7 @@ impl Reason {
             Self::AllCircuitsOpen { .. } => "all_circuits_open",
             Self::WaitTooLong { .. } => "wait_too_long",
             Self::PushbackExhausted { .. } => "pushback_exhausted",
+            Self::NotAdmittedHere { .. } => "not_admitted_here",
             Self::DeadlineExceeded => "deadline_exceeded",
             Self::RetryBudgetExhausted => "retry_budget_exhausted",
             Self::Throttled => "throttled",
@@ -139,6 +148,16 @@ impl fmt::Display for Reason {
                 wait.as_secs_f64(),
                 limit.as_secs_f64()
             ),
+            Self::NotAdmittedHere {
+                retry_after: Some(after),
+            } => write!(
+                f,
+                "not admitted here for {:.3}s, and the call goes elsewhere instead of waiting",
+                after.as_secs_f64()
+            ),
+            Self::NotAdmittedHere { retry_after: None } => {
+                f.write_str("not admitted here, and the call goes elsewhere instead of waiting")
+            }
             Self::DeadlineExceeded => f.write_str("call deadline exceeded"),
             Self::RetryBudgetExhausted => f.write_str("retry budget exhausted"),
             Self::Throttled => f.write_str("throttled locally (adaptive throttling)"),

@@ -248,6 +248,14 @@ impl<S, Req: CarriesHistory, C, R> Call<S, Req, C, R> {
     /// (history from the first retry on, or a request that cannot carry one) a new one,
     /// holding what the attempts sent without one recorded, attached to the next
     /// request so the service below sees it from now on.
+    /// [`CallHistory::may_wait`] of the call's history; a call without one may.
+    fn may_wait(&self) -> bool {
+        self.history
+            .as_ref()
+            .or_else(|| self.next.as_ref().and_then(CarriesHistory::call_history))
+            .is_none_or(CallHistory::may_wait)
+    }
+
     fn history(&mut self) -> &CallHistory {
         if self.history.is_none() {
             let carried = self.next.as_ref().and_then(CarriesHistory::call_history).cloned();
@@ -584,6 +592,13 @@ impl<S, Req: CarriesHistory, C, R> Call<S, Req, C, R> {
         }
         let now = Instant::now();
         self.start_waiting(now).last_error = result.err();
+        // Its caller has somewhere else to send it at once (a fallback group): a wait
+        // for a quota, a hold or a slot is not this call's (R3).
+        if matches!(refused, NotAdmitted::QuotaExceeded(_) | NotAdmitted::Paced) && !self.may_wait() {
+            return Next::Finish(self.fail(Reason::NotAdmittedHere {
+                retry_after: refused.retry_after(),
+            }));
+        }
         match refused {
             NotAdmitted::CircuitOpen(retry_after) => {
                 Next::Finish(self.fail(Reason::AllCircuitsOpen { retry_after }))
