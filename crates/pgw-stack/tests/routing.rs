@@ -243,7 +243,11 @@ async fn a_request_too_large_for_the_model_lands_on_its_context_fallback() {
     assert_eq!(a.group, "long", "the context fallback answered");
     assert_eq!(a.source.as_ref().unwrap().as_str(), "large");
     assert_eq!(a.answer.response.model, "m-200k");
-    assert!(pool.stats().sources["small"].context_length_exceeded >= 1);
+    assert_eq!(
+        pool.stats().sources["small"].context_length_exceeded,
+        2,
+        "the only route asked twice at most, not once per attempt of the budget"
+    );
     assert_eq!(
         breaker_of(&gw, "small/m-8k").await,
         BreakerState::Closed,

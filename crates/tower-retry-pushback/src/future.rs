@@ -483,9 +483,20 @@ impl<S, Req: CarriesHistory, C, R> Call<S, Req, C, R> {
             // upstream would get the same request again: final.
             Outcome::Rejected if too_large && balanced => {
                 let max_attempts = self.shared.config.max_attempts;
+                // The balancer sends a request to a source that said it does not fit
+                // only when no other is left: the same answer again, so it ends here
+                // (a single route would otherwise be sent the prompt max_attempts
+                // times).
+                let again = self
+                    .history()
+                    .attempts()
+                    .iter()
+                    .rev()
+                    .skip(1)
+                    .any(|a| a.too_large && a.source == source);
                 let slow = self.start_waiting(now);
                 slow.spent += 1;
-                if slow.spent >= max_attempts {
+                if again || slow.spent >= max_attempts {
                     Next::Finish(self.fail(Reason::Rejected))
                 } else {
                     self.unresendable().unwrap_or(Next::Dispatch)
