@@ -488,8 +488,10 @@ pub struct RetrySection {
     pub max_pushback_wait_s: Option<f64>,
     /// Deadline of one call, seconds, from its start: across the fallback chain (every
     /// group), the wait on an identical call's answer in the cache, and a committed
-    /// stream. A call's own sooner deadline (`CallDeadline`) stands. Default: 600
-    /// ([`crate::DEFAULT_MAX_CALL_DURATION`], the OpenAI SDKs' own request timeout).
+    /// stream. A call's own sooner deadline (`CallDeadline`) stands. Unset, a call
+    /// without a deadline of its own gets [`crate::DEFAULT_MAX_CALL_DURATION`] (600 s,
+    /// the OpenAI SDKs' own timeout) until its answer starts: a stream in progress is
+    /// not cut by it.
     pub max_call_duration_s: Option<f64>,
     /// The shared retry budget (`[retry.budget]`): retries at most `ratio` of requests
     /// over a sliding window, plus a floor of retries per second. Off unless the table

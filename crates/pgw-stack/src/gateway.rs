@@ -195,6 +195,12 @@ pub(crate) struct Inner {
     pub(crate) max_call_duration: Option<std::time::Duration>,
 }
 
+/// The call's [`CallDeadline`] is the gateway's default
+/// ([`crate::DEFAULT_MAX_CALL_DURATION`]), neither configured nor the caller's own: it
+/// bounds the call until its answer starts only.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct DefaultDeadline;
+
 /// The gateway: a tower `Service<ChatCall>` for OpenAI-compatible chat completions.
 ///
 /// Per call: the cache (a hit returns at once, recorded with `cache_hit`); then each
@@ -601,14 +607,27 @@ impl Inner {
     /// Sets `retry.max_call_duration` from now as `call`'s deadline: one for the whole
     /// call (every group, the cache's wait, the stream), not a fresh one per group; a
     /// sooner one of the call's own stands.
+    ///
+    /// Without either, the call gets [`crate::DEFAULT_MAX_CALL_DURATION`] from now,
+    /// marked [`DefaultDeadline`]: it bounds the call until its answer starts, not a
+    /// committed stream, and a continuation gets a fresh one.
     fn apply_max_call_duration(&self, call: &mut ChatCall) {
-        if let Some(at) = self
-            .max_call_duration
-            .and_then(|d| tokio::time::Instant::now().checked_add(d))
-        {
-            let own = call.extensions().get::<CallDeadline>().map(|d| d.0);
-            call.extensions_mut()
-                .insert(CallDeadline(own.map_or(at, |o| o.min(at))));
+        let now = tokio::time::Instant::now();
+        let own = call.extensions().get::<CallDeadline>().map(|d| d.0);
+        match self.max_call_duration {
+            Some(d) => {
+                if let Some(at) = now.checked_add(d) {
+                    call.extensions_mut()
+                        .insert(CallDeadline(own.map_or(at, |o| o.min(at))));
+                }
+            }
+            None if own.is_none() => {
+                if let Some(at) = now.checked_add(crate::DEFAULT_MAX_CALL_DURATION) {
+                    call.extensions_mut().insert(CallDeadline(at));
+                    call.extensions_mut().insert(DefaultDeadline);
+                }
+            }
+            None => {}
         }
     }
 

@@ -18,6 +18,7 @@ use tower::ServiceExt;
 use tower_retry_pushback::{CallDeadline, RetryError};
 
 use crate::attempt::Continuation;
+use crate::gateway::DefaultDeadline;
 use crate::{Gateway, GatewayAnswer};
 
 /// How many times one streamed call is continued after a cut: as many as a call has
@@ -282,7 +283,10 @@ impl Relay {
                 continue;
             }
             self.tail.as_ref()?;
+            // The gateway's default deadline bounds the wait for the answer, not a
+            // stream in progress.
             if self.deadline.is_none()
+                && self.call.extensions().get::<DefaultDeadline>().is_none()
                 && let Some(d) = self.call.extensions().get::<CallDeadline>()
             {
                 self.deadline = Some(Box::pin(tokio::time::sleep_until(d.0)));
@@ -356,6 +360,10 @@ impl Relay {
         // deadline, its cache choice and partition (a tenant's continuation is read
         // from and stored in its own), the caller's own extensions.
         *next.extensions_mut() = self.call.extensions().clone();
+        if next.extensions_mut().remove::<DefaultDeadline>().is_some() {
+            // The default bounds one wait for an answer: the continuation's own.
+            next.extensions_mut().remove::<CallDeadline>();
+        }
         next.set_call_history(self.call.call_history().cloned().unwrap_or_else(CallHistory::new));
         next.extensions_mut().insert(PassThrough);
         next.extensions_mut().insert(Continuation);

@@ -14,9 +14,12 @@ use crate::config::{
     config_error, quota, secs, secs_or_off,
 };
 
-/// `retry.max_call_duration_s` when the config leaves it out: every call has a
-/// deadline (DESIGN section 7), and this one is the OpenAI SDKs' own default request
-/// timeout (600 s), past which a caller using them has given up.
+/// The deadline of a call when neither the config (`retry.max_call_duration_s`) nor
+/// the call ([`tower_retry_pushback::CallDeadline`], the server's timeout header)
+/// gives one: every call has a deadline (DESIGN section 7). It is the OpenAI SDKs'
+/// own default timeout (600 s), past which such a caller waiting for an answer has
+/// given up; it bounds the call until its answer starts, not a stream in progress
+/// (the SDKs' timeout is per read: a stream may run longer).
 pub const DEFAULT_MAX_CALL_DURATION: Duration = Duration::from_secs(600);
 
 pub(crate) fn retry_config(cfg: &GatewayConfig) -> Result<RetryConfig, ConfigError> {
@@ -30,9 +33,7 @@ pub(crate) fn retry_config(cfg: &GatewayConfig) -> Result<RetryConfig, ConfigErr
         stall_window: secs("retry.stall_window_s", r.stall_window_s)?.unwrap_or(d.stall_window),
         max_pushback_wait: secs("retry.max_pushback_wait_s", r.max_pushback_wait_s)?
             .unwrap_or(d.max_pushback_wait),
-        max_call_duration: Some(
-            secs("retry.max_call_duration_s", r.max_call_duration_s)?.unwrap_or(DEFAULT_MAX_CALL_DURATION),
-        ),
+        max_call_duration: secs("retry.max_call_duration_s", r.max_call_duration_s)?.or(d.max_call_duration),
         retry_budget: match &r.budget {
             None => None,
             Some(b) => {

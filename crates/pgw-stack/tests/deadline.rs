@@ -457,3 +457,43 @@ async fn the_configured_call_duration_bounds_a_committed_stream() {
         "the upstream request was dropped"
     );
 }
+
+/// The default deadline (none configured, none of the call's own) bounds the wait for
+/// an answer, not a stream in progress: the OpenAI SDKs' own timeout, which it
+/// follows, is per read. A stream of 750 s (150 tokens at 0.2 a second) ends whole.
+#[tokio::test(start_paused = true)]
+async fn the_default_deadline_does_not_cut_a_committed_stream() {
+    use futures_util::StreamExt;
+    let mut slow = pgw_sim::SourceConfig {
+        ttft_s: pgw_sim::LogNormal::constant(1.0).into(),
+        tokens_per_second: pgw_sim::LogNormal::constant(0.2).into(),
+        ..pgw_sim::SourceConfig::healthy("slow")
+    };
+    slow.completion.min_fraction = 1.0;
+    slow.completion.max_fraction = 1.0;
+    let pool = SimPool::new(PoolConfig::of(vec![slow]), 11).unwrap();
+    let mut c = GatewayConfig::default();
+    c.cache.enabled = false;
+    let mut s = SourceConfig::new("slow", "http://sim.invalid/slow/v1", SecretKey::new("sk-x"));
+    s.inter_token_timeout_s = Some(30.0);
+    s.total_timeout_s = Some(3600.0);
+    c.sources.push(s);
+    let gw = support::sim_gateway(&pool, c, &MemorySink::default()).await;
+    let t0 = Instant::now();
+    let mut req = ChatRequest::user("m", "tell me a long story");
+    req.max_tokens = Some(150);
+    let mut stream = gw.chat_stream(req).await.unwrap();
+    let mut finish = None;
+    while let Some(item) = stream.next().await {
+        let chunk = item.expect("no error: the default deadline does not cut the stream");
+        if let Some(f) = chunk.choices.first().and_then(|c| c.finish_reason.clone()) {
+            finish = Some(f);
+        }
+    }
+    assert_eq!(finish.as_deref(), Some("stop"));
+    assert!(
+        t0.elapsed() > pgw_stack::DEFAULT_MAX_CALL_DURATION,
+        "{:?}",
+        t0.elapsed()
+    );
+}
