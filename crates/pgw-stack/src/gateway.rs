@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use futures_core::Stream;
 use futures_util::future::BoxFuture;
@@ -476,91 +477,80 @@ impl Service<ChatCall> for Gateway {
             call.extensions_mut().insert(AdmissionCell::default());
             call.extensions_mut().insert(RefusedTime::default());
             let mut failures = Vec::new();
-            let mut chain = route.chain.as_slice();
-            let mut context = false;
-            // The context chain took over from the call's first group (too large for
-            // it): its answers are kept as the first group's. Taken over from a
-            // fallback (the first group failed otherwise), as a fallback's.
-            let mut context_of_primary = false;
             let permitted = |g: usize| allowed.as_ref().is_none_or(|a| a.permits(&inner.groups[g].name));
-            // R3: with another group to go to, a call does not wait for a quota, a hold
-            // or a slot in one: every group is asked at once, and the groups that
-            // refused it so are waited on after, in the chain's order (the primary
-            // first), only when none admitted it.
-            let mut deferred = Vec::new();
-            let mut ended = false;
-            let mut next = 0;
-            while let Some(&g) = chain.get(next) {
-                next += 1;
-                if !permitted(g) {
-                    // A fallback (or context-window fallback) to a model the caller
-                    // may not use: not taken.
-                    continue;
-                }
-                let primary = if context { context_of_primary } else { next == 1 };
-                let elsewhere = chain.iter().filter(|&&h| permitted(h)).nth(1).is_some();
-                if let Some(h) = call.call_history() {
-                    h.set_may_wait(!elsewhere);
-                } else if elsewhere {
+            // R3: with another group to go to, a call does not wait in one for a
+            // quota, a hold or a slot: every group is asked at once (the first pass),
+            // and the groups that refused it so are asked again, waiting (the second
+            // pass), only when none took it: the soonest to admit first, the chain's
+            // order (the primary first) within a second.
+            let chain: Vec<usize> = route.chain.clone();
+            let mut turns = Turns {
+                chain,
+                next: 0,
+                context: false,
+                context_of_primary: false,
+                waiting: false,
+                deferred: Vec::new(),
+            };
+            // The flag that says so lives in the call's history, made for it only when
+            // a chain has another group to go to.
+            let several = |chain: &[usize]| chain.iter().filter(|&&g| permitted(g)).nth(1).is_some();
+            let history = (several(&route.chain) || several(&route.context)).then(|| {
+                call.call_history().cloned().unwrap_or_else(|| {
                     let h = CallHistory::new();
-                    h.set_may_wait(false);
-                    call.set_call_history(h);
-                }
-                let e = match inner.ask(g, &call).await {
-                    Ok(answer) => return Ok(inner.answered(call_id, g, primary, answer, &mut cached).await),
-                    Err(e) => e,
-                };
-                let verdict = e.downcast_ref::<RetryError>();
-                let reason = verdict.map(RetryError::reason);
-                // Too large for this model: its context-window fallback chain may take
-                // it (and the next of that chain, if still too large).
-                let too_large = reason == Some(Reason::Rejected)
-                    && verdict
-                        .and_then(RetryError::last_error)
-                        .is_some_and(|l| exceeds_source(l));
-                // Every source of the group refused the call for good without an
-                // attempt (larger than a whole window's token quota, or a continuation
-                // none of them can prefill): the group's limits, not the request's
-                // fault, so the next group is asked.
-                let never_here = reason == Some(Reason::Rejected)
-                    && verdict
-                        .and_then(RetryError::last_error)
-                        .and_then(|l| NotAdmitted::of(l))
-                        == Some(NotAdmitted::Never);
-                tracing::debug!(call = call_id, group = %inner.groups[g].name, error = %e, "group failed");
-                let not_here = matches!(reason, Some(Reason::NotAdmittedHere { .. }));
-                failures.push((inner.groups[g].name.to_string(), e));
-                if not_here {
-                    deferred.push((g, primary));
-                } else if too_large && !context && !route.context.is_empty() {
-                    context_of_primary = next == 1;
-                    (chain, context, next) = (route.context.as_slice(), true, 0);
-                } else if too_large && context {
-                    // The next model of the context chain.
-                } else if never_here {
-                    // The next group of the chain.
-                } else if matches!(reason, Some(Reason::Rejected | Reason::DeadlineExceeded)) {
-                    ended = true;
-                    break;
-                }
-            }
-            if let Some(h) = call.call_history() {
-                h.set_may_wait(true);
-            }
-            // No group admitted the call at once: it waits on those that only refused
-            // it for now, the primary first.
-            for (g, primary) in deferred.into_iter().filter(|_| !ended) {
-                match inner.ask(g, &call).await {
-                    Ok(answer) => return Ok(inner.answered(call_id, g, primary, answer, &mut cached).await),
-                    Err(e) => {
-                        let reason = e.downcast_ref::<RetryError>().map(RetryError::reason);
-                        failures.push((inner.groups[g].name.to_string(), e));
-                        if matches!(reason, Some(Reason::Rejected | Reason::DeadlineExceeded)) {
+                    call.set_call_history(h.clone());
+                    h
+                })
+            });
+            let _may_wait = history.clone().map(MayWaitAgain);
+            // The failure a second pass reports after its own: the request error that
+            // ended the first pass, when one did.
+            let mut rejected = None;
+            loop {
+                while let Some(&g) = turns.chain.get(turns.next) {
+                    turns.next += 1;
+                    if !permitted(g) {
+                        // A fallback (or context-window fallback) to a model the caller
+                        // may not use: not taken.
+                        continue;
+                    }
+                    let primary = turns.primary(g);
+                    if let Some(h) = &history {
+                        h.set_may_wait(turns.waiting || !several(&turns.chain));
+                    }
+                    let e = match inner.ask(g, &call).await {
+                        Ok(answer) => {
+                            return Ok(inner.answered(call_id, g, primary, answer, &mut cached).await);
+                        }
+                        Err(e) => e,
+                    };
+                    tracing::debug!(call = call_id, group = %inner.groups[g].name, error = %e, "group failed");
+                    let step = turns.after(g, primary, &e, !route.context.is_empty());
+                    failures.push((inner.groups[g].name.to_string(), e));
+                    match step {
+                        Step::Next => {}
+                        Step::Context => {
+                            turns.chain.clone_from(&route.context);
+                            turns.next = 0;
+                        }
+                        // A request error from this group: the groups the first pass
+                        // left for later never saw the request, and may take it.
+                        Step::Rejected if !turns.waiting => {
+                            rejected = failures.pop();
+                            break;
+                        }
+                        Step::Rejected | Step::Deadline => {
+                            turns.deferred.clear();
                             break;
                         }
                     }
                 }
+                if turns.waiting || turns.deferred.is_empty() {
+                    break;
+                }
+                turns.second_pass();
             }
+            failures.extend(rejected);
             Err(GatewayError {
                 call_id,
                 failures,
@@ -570,6 +560,101 @@ impl Service<ChatCall> for Gateway {
         })
     }
 }
+/// Where a call goes after a group failed it.
+enum Step {
+    /// The next group of the chain.
+    Next,
+    /// The context-window fallback chain, from its start.
+    Context,
+    /// A request error: every group would refuse it.
+    Rejected,
+    /// The call's deadline passed.
+    Deadline,
+}
+
+/// The groups a call is sent to, in turn: its chain, the context-window chain when
+/// it does not fit, and the groups that refused it for now, asked again waiting.
+struct Turns {
+    chain: Vec<usize>,
+    next: usize,
+    /// In the context-window chain.
+    context: bool,
+    /// The context chain took over from the call's first group (too large for it):
+    /// its answers are kept as the first group's. Taken over from a fallback (the
+    /// first group failed otherwise), as a fallback's.
+    context_of_primary: bool,
+    /// The second pass: the groups that refused the call for now, asked again.
+    waiting: bool,
+    /// The groups that refused the call for now in the first pass: the group, whether
+    /// it stood as the primary, and when it said it may admit.
+    deferred: Vec<(usize, bool, Duration)>,
+}
+
+impl Turns {
+    /// Whether group `g`, asked now, stands as the call's primary (for the cache's
+    /// time to live).
+    fn primary(&self, g: usize) -> bool {
+        if self.context {
+            self.context_of_primary
+        } else if self.waiting {
+            self.deferred.iter().any(|&(d, primary, _)| d == g && primary)
+        } else {
+            self.next == 1
+        }
+    }
+
+    /// Where the call goes after group `g` failed it with `e`.
+    fn after(&mut self, g: usize, primary: bool, e: &BoxError, has_context: bool) -> Step {
+        let verdict = e.downcast_ref::<RetryError>();
+        let reason = verdict.map(RetryError::reason);
+        let last = verdict.and_then(RetryError::last_error);
+        // Too large for this model: its context-window fallback chain may take it
+        // (and the next of that chain, if still too large).
+        let too_large = reason == Some(Reason::Rejected) && last.is_some_and(|l| exceeds_source(l));
+        // Every source of the group refused the call for good without an attempt
+        // (larger than a whole window's token quota, or a continuation none of them
+        // can prefill): the group's limits, not the request's fault.
+        let never_here = reason == Some(Reason::Rejected)
+            && last.and_then(|l| NotAdmitted::of(l)) == Some(NotAdmitted::Never);
+        match reason {
+            Some(Reason::NotAdmittedHere { retry_after }) => {
+                self.deferred.push((g, primary, retry_after.unwrap_or_default()));
+                Step::Next
+            }
+            _ if too_large && !self.context && has_context => {
+                self.context = true;
+                self.context_of_primary = primary;
+                Step::Context
+            }
+            _ if too_large && self.context => Step::Next,
+            _ if never_here => Step::Next,
+            Some(Reason::Rejected) => Step::Rejected,
+            Some(Reason::DeadlineExceeded) => Step::Deadline,
+            _ => Step::Next,
+        }
+    }
+
+    /// Starts the second pass: the groups that refused the call for now, the soonest
+    /// to admit first (by the whole second: the chain's order within one).
+    fn second_pass(&mut self) {
+        self.deferred.sort_by_key(|&(_, _, after)| after.as_secs());
+        self.chain = self.deferred.iter().map(|&(g, _, _)| g).collect();
+        self.next = 0;
+        self.context = false;
+        self.waiting = true;
+    }
+}
+
+/// Gives the call's history back its "may wait" when the gateway is done with the
+/// call, whichever way (an answer, an error, the caller dropping it).
+struct MayWaitAgain(CallHistory);
+
+impl Drop for MayWaitAgain {
+    fn drop(&mut self) {
+        self.0.set_may_wait(true);
+    }
+}
+
 impl Inner {
     /// One group's turn at `call`.
     async fn ask(&self, g: usize, call: &ChatCall) -> Result<ChatAnswer, BoxError> {

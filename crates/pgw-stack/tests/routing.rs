@@ -436,7 +436,16 @@ async fn a_primary_at_its_quota_hands_the_call_to_the_fallback_at_once() {
     let t0 = Instant::now();
     assert_eq!(ask().await.unwrap().group, "primary");
     let t1 = Instant::now();
-    let second = ask().await.unwrap();
+    // The caller's own history: its "may wait" is given back once the gateway is done.
+    let history = pgw_core::CallHistory::new();
+    let mut call = pgw_stack::ChatCall::new({
+        let mut r = ChatRequest::user("primary", "hi");
+        r.max_tokens = Some(10);
+        r
+    });
+    pgw_core::CarriesHistory::set_call_history(&mut call, history.clone());
+    let second = tower::ServiceExt::oneshot(gw.clone(), call).await.unwrap();
+    assert!(history.may_wait(), "the flag was given back");
     assert_eq!(
         second.group, "backup",
         "the primary's quota is spent: the fallback answers"
@@ -453,6 +462,86 @@ async fn a_primary_at_its_quota_hands_the_call_to_the_fallback_at_once() {
     assert!(t0.elapsed() >= Duration::from_secs(60), "{:?}", t0.elapsed());
     assert!(t0.elapsed() < Duration::from_secs(70), "{:?}", t0.elapsed());
     assert_eq!((received(&pool, "a"), received(&pool, "b")), (2, 1));
+}
+
+/// The second pass is not skipped by a fallback's request error: a call the primary's
+/// quota refused for now and the backup rejects (too large for it, no context chain)
+/// waits for the primary, which takes it.
+#[tokio::test(start_paused = true)]
+async fn a_fallbacks_rejection_does_not_end_a_call_the_primary_can_take_later() {
+    let small = pgw_sim::SourceConfig {
+        context_window: Some(4096),
+        ..serving("b", "small")
+    };
+    let pool = pool(vec![serving("a", "big"), small]);
+    let mut cfg = GatewayConfig::default();
+    let mut a = source("a");
+    a.rpm = Some(1);
+    cfg.sources.push(a);
+    cfg.sources.push(source("b"));
+    let mut primary = model(&[("a", Some("big"))]);
+    primary.fallback = vec!["backup".into()];
+    cfg.models.insert("primary".into(), primary);
+    cfg.models.insert("backup".into(), model(&[("b", Some("small"))]));
+    let gw = gateway(&pool, cfg, &MemorySink::new()).await;
+
+    let t0 = Instant::now();
+    let mut first = ChatRequest::user("primary", "hi");
+    first.max_tokens = Some(10);
+    assert_eq!(gw.chat(first).await.unwrap().group, "primary");
+    let mut large = ChatRequest::user("primary", "a long one");
+    large.max_tokens = Some(10_000);
+    let a = gw.chat(large).await.unwrap();
+    assert_eq!(a.group, "primary", "the backup's 400 did not end the call");
+    assert!(t0.elapsed() >= Duration::from_secs(59), "{:?}", t0.elapsed());
+    assert!(
+        pool.stats().sources["b"].context_length_exceeded >= 1,
+        "the backup was asked first"
+    );
+}
+
+/// A group asked again in the second pass that the request does not fit hands the
+/// call to the context-window chain, as in the first pass.
+#[tokio::test(start_paused = true)]
+async fn the_second_pass_follows_the_context_chain() {
+    let window = |name: &str, model: &str, w: u64| pgw_sim::SourceConfig {
+        context_window: Some(w),
+        ..serving(name, model)
+    };
+    let pool = pool(vec![
+        window("small", "m-8k", 4096),
+        window("other", "o-8k", 4096),
+        window("large", "m-200k", 200_000),
+    ]);
+    let mut cfg = GatewayConfig::default();
+    for name in ["small", "other"] {
+        let mut s = source(name);
+        s.rpm = Some(1);
+        cfg.sources.push(s);
+    }
+    cfg.sources.push(source("large"));
+    let mut chat = model(&[("small", Some("m-8k"))]);
+    chat.fallback = vec!["other".into()];
+    chat.context_fallback = vec!["long".into()];
+    cfg.models.insert("chat".into(), chat);
+    cfg.models
+        .insert("other".into(), model(&[("other", Some("o-8k"))]));
+    cfg.models
+        .insert("long".into(), model(&[("large", Some("m-200k"))]));
+    let gw = gateway(&pool, cfg, &MemorySink::new()).await;
+    let ask = |model: &str, max_tokens: u64| {
+        let mut r = ChatRequest::user(model, "hi");
+        r.max_tokens = Some(max_tokens);
+        gw.chat(r)
+    };
+    // Both quotas spent.
+    assert_eq!(ask("chat", 10).await.unwrap().group, "chat");
+    assert_eq!(ask("other", 10).await.unwrap().group, "other");
+    // Too large for both: refused for now by each, then asked again waiting, the
+    // primary first; it says the request does not fit, and the context chain answers.
+    let a = ask("chat", 100_000).await.unwrap();
+    assert_eq!(a.group, "long");
+    assert_eq!(pool.stats().sources["small"].context_length_exceeded, 1);
 }
 
 #[test]

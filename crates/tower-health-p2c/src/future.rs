@@ -375,19 +375,7 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
     fn readiness_deadline(&mut self) -> Instant {
         let paced = clock::saturating_after(Instant::now(), self.config.paced_poll);
         let call_deadline = self.history().and_then(CallHistory::deadline);
-        let max_wait = self.max_wait();
-        paced.min(begin_wait(&mut self.wait, max_wait, call_deadline).deadline)
-    }
-
-    /// The longest this call waits for an admission: `max_wait`, or nothing for a call
-    /// with somewhere else to go at once (a fallback group, [`CallHistory::may_wait`]):
-    /// the round's refusal is its answer (R3).
-    fn max_wait(&self) -> Duration {
-        if self.history().is_none_or(CallHistory::may_wait) {
-            self.config.max_wait
-        } else {
-            Duration::ZERO
-        }
+        paced.min(begin_wait(&mut self.wait, self.config.max_wait, call_deadline).deadline)
     }
 
     /// The end of a round in which every source refused: fail, or wait and start a
@@ -401,8 +389,10 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
             return Poll::Ready(Err(Round::at(&mut self.round).earliest_open()));
         }
         let call_deadline = self.history().and_then(CallHistory::deadline);
-        let max_wait = self.max_wait();
-        let wait = begin_wait(&mut self.wait, max_wait, call_deadline);
+        // A call with somewhere else to go at once (a fallback group) waits for no slot
+        // here: the round's refusal is its answer (R3).
+        let may_wait = self.history().is_none_or(CallHistory::may_wait);
+        let wait = begin_wait(&mut self.wait, self.config.max_wait, call_deadline);
         if wait.sleep.is_none() {
             let now = Instant::now();
             let round = Round::at(&mut self.round);
@@ -413,7 +403,7 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
             let wake_at = round.wake_after.map(|d| clock::saturating_after(now, d));
             let quota_end = round.quota_ends_first();
             let hopeless = !paced && wake_at.is_some_and(|at| at > wait.deadline);
-            if now >= wait.deadline || hopeless {
+            if now >= wait.deadline || hopeless || !may_wait {
                 if round.held_back {
                     // No credible source will admit in time: go on to the sources held
                     // back, in the same round.

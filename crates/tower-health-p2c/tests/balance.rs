@@ -2012,3 +2012,27 @@ async fn a_classifier_that_panics_does_not_silence_its_source() {
     assert!(next.is_ok(), "refused: {:?}", next.err().map(|e| e.to_string()));
     assert_eq!(hits.load(Ordering::SeqCst), 2);
 }
+
+/// A call that may not wait (`CallHistory::may_wait` false: it has a fallback group to
+/// go to) still gives a source whose `poll_ready` is briefly pending (a Redis round
+/// trip of its breaker) its readiness time: only the end of a round in which every
+/// source refused is its answer at once. Before, the readiness wait was zero too, and
+/// a healthy source lost the call to the fallback whenever its gate asked Redis.
+#[tokio::test(start_paused = true)]
+async fn a_call_that_may_not_wait_still_waits_for_a_source_getting_ready() {
+    let sources: Sources<tower_test::mock::Mock<Req, &'static str>> = Sources::new();
+    let (slow, mut handle) = tower_test::mock::pair::<Req, &'static str>();
+    handle.allow(0);
+    sources.insert("slow-ready".into(), slow);
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(3)).await;
+        handle.allow(1);
+        if let Some((_, send)) = handle.next_request().await {
+            send.send_response("answered");
+        }
+    });
+    let lb = HealthP2c::new(sources, BalanceConfig::default()).unwrap();
+    let history = CallHistory::new();
+    history.set_may_wait(false);
+    assert_eq!(lb.oneshot(Req(Some(history), false)).await.unwrap(), "answered");
+}

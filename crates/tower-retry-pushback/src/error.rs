@@ -70,7 +70,8 @@ pub enum Reason {
     },
     /// Nothing below admitted the call and it may not wait for an admission here: its
     /// caller has somewhere else to send it at once (`CallHistory::may_wait` is
-    /// false: the next group of a fallback chain). Nothing was spent.
+    /// false: the next group of a fallback chain). The refusal itself spends nothing;
+    /// the attempts before it (a 429 that held the source) are in the history.
     NotAdmittedHere {
         /// When the service below said it may admit (a quota's or hold's end), if it
         /// said.

@@ -244,10 +244,6 @@ pub(crate) struct CallStart<Req> {
 }
 
 impl<S, Req: CarriesHistory, C, R> Call<S, Req, C, R> {
-    /// The call's history: our own handle, else the one the next request carries, else
-    /// (history from the first retry on, or a request that cannot carry one) a new one,
-    /// holding what the attempts sent without one recorded, attached to the next
-    /// request so the service below sees it from now on.
     /// [`CallHistory::may_wait`] of the call's history; a call without one may.
     fn may_wait(&self) -> bool {
         self.history
@@ -256,6 +252,10 @@ impl<S, Req: CarriesHistory, C, R> Call<S, Req, C, R> {
             .is_none_or(CallHistory::may_wait)
     }
 
+    /// The call's history: our own handle, else the one the next request carries, else
+    /// (history from the first retry on, or a request that cannot carry one) a new one,
+    /// holding what the attempts sent without one recorded, attached to the next
+    /// request so the service below sees it from now on.
     fn history(&mut self) -> &CallHistory {
         if self.history.is_none() {
             let carried = self.next.as_ref().and_then(CarriesHistory::call_history).cloned();
