@@ -603,6 +603,17 @@ mod tests {
         }
     }
 
+    /// A TPM rule of 250 tokens a minute on source s4.
+    fn s4_tpm_250() -> QuotaRule {
+        QuotaRule {
+            scope: "source s4".into(),
+            sources: vec!["s4".into()],
+            dimension: "tpm".into(),
+            limit: 250,
+            window_ms: 60_000,
+        }
+    }
+
     fn run() -> ProfileRun {
         let mut accounting = Accounting::default();
         accounting.counters.insert("inflight s4".into(), 0);
@@ -718,13 +729,7 @@ mod tests {
                 .into_iter()
                 .map(|at| attempt("c0", 2, "s4", at, false)),
         );
-        r.quotas.push(QuotaRule {
-            scope: "source s4".into(),
-            sources: vec!["s4".into()],
-            dimension: "tpm".into(),
-            limit: 250,
-            window_ms: 60_000,
-        });
+        r.quotas.push(s4_tpm_250());
         let v = quota_violations(&r);
         let starts: Vec<_> = v
             .iter()
@@ -748,13 +753,7 @@ mod tests {
     fn damaged_rows_are_judged_without_overflow() {
         let mut r = run();
         r.calls = (0..4).map(|i| call(&format!("c{i}"), true, 1)).collect();
-        r.quotas.push(QuotaRule {
-            scope: "source s4".into(),
-            sources: vec!["s4".into()],
-            dimension: "tpm".into(),
-            limit: 250,
-            window_ms: 60_000,
-        });
+        r.quotas.push(s4_tpm_250());
         let tokens = |a: AttemptRow, tokens: u64| AttemptRow { tokens, ..a };
         r.attempts = vec![
             attempt("c0", 1, "s4", 0, false),

@@ -36,6 +36,30 @@ async fn one_black_hole(cfg: impl FnOnce(&mut GatewayConfig)) -> (SimPool, pgw_s
     (pool, gw, sink)
 }
 
+/// One source, `slow`, streaming every answer whole (its `max_tokens`) after `ttft_s`
+/// at `tokens_per_second`, behind a gateway (cache off) that `cfg` sets up.
+async fn slow_stream(
+    ttft_s: f64,
+    tokens_per_second: f64,
+    cfg: impl FnOnce(&mut GatewayConfig, &mut SourceConfig),
+) -> (SimPool, pgw_stack::Gateway) {
+    let mut slow = pgw_sim::SourceConfig {
+        ttft_s: pgw_sim::LogNormal::constant(ttft_s).into(),
+        tokens_per_second: pgw_sim::LogNormal::constant(tokens_per_second).into(),
+        ..pgw_sim::SourceConfig::healthy("slow")
+    };
+    slow.completion.min_fraction = 1.0;
+    slow.completion.max_fraction = 1.0;
+    let pool = SimPool::new(PoolConfig::of(vec![slow]), 11).unwrap();
+    let mut c = GatewayConfig::default();
+    c.cache.enabled = false;
+    let mut s = SourceConfig::new("slow", "http://sim.invalid/slow/v1", SecretKey::new("sk-x"));
+    cfg(&mut c, &mut s);
+    c.sources.push(s);
+    let gw = support::sim_gateway(&pool, c, &MemorySink::default()).await;
+    (pool, gw)
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_call_deadline_cuts_a_black_hole_and_releases_everything() {
     let (pool, gw, sink) = one_black_hole(|c| c.cache.enabled = false).await;
@@ -419,22 +443,12 @@ async fn the_configured_call_duration_spans_the_fallback_chain() {
 #[tokio::test(start_paused = true)]
 async fn the_configured_call_duration_bounds_a_committed_stream() {
     use futures_util::StreamExt;
-    let mut slow = pgw_sim::SourceConfig {
-        ttft_s: pgw_sim::LogNormal::constant(2.0).into(),
-        tokens_per_second: pgw_sim::LogNormal::constant(2.0).into(),
-        ..pgw_sim::SourceConfig::healthy("slow")
-    };
-    slow.completion.min_fraction = 1.0;
-    slow.completion.max_fraction = 1.0;
-    let pool = SimPool::new(PoolConfig::of(vec![slow]), 11).unwrap();
-    let mut c = GatewayConfig::default();
-    c.cache.enabled = false;
-    c.retry.max_call_duration_s = Some(10.0);
-    let mut s = SourceConfig::new("slow", "http://sim.invalid/slow/v1", SecretKey::new("sk-x"));
-    s.inter_token_timeout_s = Some(5.0);
-    s.total_timeout_s = Some(300.0);
-    c.sources.push(s);
-    let gw = support::sim_gateway(&pool, c, &MemorySink::default()).await;
+    let (pool, gw) = slow_stream(2.0, 2.0, |c, s| {
+        c.retry.max_call_duration_s = Some(10.0);
+        s.inter_token_timeout_s = Some(5.0);
+        s.total_timeout_s = Some(300.0);
+    })
+    .await;
     let t0 = Instant::now();
     let mut req = ChatRequest::user("m", "tell me a story");
     req.max_tokens = Some(60);
@@ -464,21 +478,11 @@ async fn the_configured_call_duration_bounds_a_committed_stream() {
 #[tokio::test(start_paused = true)]
 async fn the_default_deadline_does_not_cut_a_committed_stream() {
     use futures_util::StreamExt;
-    let mut slow = pgw_sim::SourceConfig {
-        ttft_s: pgw_sim::LogNormal::constant(1.0).into(),
-        tokens_per_second: pgw_sim::LogNormal::constant(0.2).into(),
-        ..pgw_sim::SourceConfig::healthy("slow")
-    };
-    slow.completion.min_fraction = 1.0;
-    slow.completion.max_fraction = 1.0;
-    let pool = SimPool::new(PoolConfig::of(vec![slow]), 11).unwrap();
-    let mut c = GatewayConfig::default();
-    c.cache.enabled = false;
-    let mut s = SourceConfig::new("slow", "http://sim.invalid/slow/v1", SecretKey::new("sk-x"));
-    s.inter_token_timeout_s = Some(30.0);
-    s.total_timeout_s = Some(3600.0);
-    c.sources.push(s);
-    let gw = support::sim_gateway(&pool, c, &MemorySink::default()).await;
+    let (_pool, gw) = slow_stream(1.0, 0.2, |_, s| {
+        s.inter_token_timeout_s = Some(30.0);
+        s.total_timeout_s = Some(3600.0);
+    })
+    .await;
     let t0 = Instant::now();
     let mut req = ChatRequest::user("m", "tell me a long story");
     req.max_tokens = Some(150);

@@ -93,6 +93,19 @@ fn two_models_on_one_provider() -> GatewayConfig {
     cfg
 }
 
+/// Model `primary` served by source `a` (upstream model `big`), falling back to model
+/// `backup` served by source `b` (`small`).
+fn primary_and_backup(a: SourceConfig, b: SourceConfig) -> GatewayConfig {
+    let mut cfg = GatewayConfig::default();
+    cfg.sources.push(a);
+    cfg.sources.push(b);
+    let mut primary = model(&[("a", Some("big"))]);
+    primary.fallback = vec!["backup".into()];
+    cfg.models.insert("primary".into(), primary);
+    cfg.models.insert("backup".into(), model(&[("b", Some("small"))]));
+    cfg
+}
+
 async fn breaker_of(gw: &Gateway, route: &str) -> BreakerState {
     let h = gw.sources().iter().find(|h| h.route.as_str() == route).unwrap();
     h.breaker.view().await.unwrap().state
@@ -363,13 +376,7 @@ async fn a_model_falls_back_to_another_when_its_routes_fail() {
         ..serving("a", "big")
     };
     let pool = pool(vec![down, serving("b", "small")]);
-    let mut cfg = GatewayConfig::default();
-    cfg.sources.push(source("a"));
-    cfg.sources.push(source("b"));
-    let mut primary = model(&[("a", Some("big"))]);
-    primary.fallback = vec!["backup".into()];
-    cfg.models.insert("primary".into(), primary);
-    cfg.models.insert("backup".into(), model(&[("b", Some("small"))]));
+    let cfg = primary_and_backup(source("a"), source("b"));
     let gw = gateway(&pool, cfg, &MemorySink::new()).await;
     let a = gw.chat(ChatRequest::user("primary", "hi")).await.unwrap();
     assert_eq!(a.group, "backup");
@@ -385,15 +392,9 @@ async fn a_model_falls_back_to_another_when_its_routes_fail() {
 #[tokio::test(start_paused = true)]
 async fn a_request_over_every_primary_quota_goes_to_the_fallback() {
     let pool = pool(vec![serving("a", "big"), serving("b", "small")]);
-    let mut cfg = GatewayConfig::default();
     let mut tight = source("a");
     tight.tpm = Some(1000);
-    cfg.sources.push(tight);
-    cfg.sources.push(source("b"));
-    let mut primary = model(&[("a", Some("big"))]);
-    primary.fallback = vec!["backup".into()];
-    cfg.models.insert("primary".into(), primary);
-    cfg.models.insert("backup".into(), model(&[("b", Some("small"))]));
+    let cfg = primary_and_backup(tight, source("b"));
     let gw = gateway(&pool, cfg, &MemorySink::new()).await;
 
     let mut small = ChatRequest::user("primary", "hi");
@@ -416,16 +417,12 @@ async fn a_request_over_every_primary_quota_goes_to_the_fallback() {
 #[tokio::test(start_paused = true)]
 async fn a_primary_at_its_quota_hands_the_call_to_the_fallback_at_once() {
     let pool = pool(vec![serving("a", "big"), serving("b", "small")]);
-    let mut cfg = GatewayConfig::default();
-    for name in ["a", "b"] {
+    let [a, b] = ["a", "b"].map(|name| {
         let mut s = source(name);
         s.rpm = Some(1);
-        cfg.sources.push(s);
-    }
-    let mut primary = model(&[("a", Some("big"))]);
-    primary.fallback = vec!["backup".into()];
-    cfg.models.insert("primary".into(), primary);
-    cfg.models.insert("backup".into(), model(&[("b", Some("small"))]));
+        s
+    });
+    let cfg = primary_and_backup(a, b);
     let gw = gateway(&pool, cfg, &MemorySink::new()).await;
     let ask = || {
         let mut r = ChatRequest::user("primary", "hi");
@@ -474,15 +471,9 @@ async fn a_fallbacks_rejection_does_not_end_a_call_the_primary_can_take_later() 
         ..serving("b", "small")
     };
     let pool = pool(vec![serving("a", "big"), small]);
-    let mut cfg = GatewayConfig::default();
     let mut a = source("a");
     a.rpm = Some(1);
-    cfg.sources.push(a);
-    cfg.sources.push(source("b"));
-    let mut primary = model(&[("a", Some("big"))]);
-    primary.fallback = vec!["backup".into()];
-    cfg.models.insert("primary".into(), primary);
-    cfg.models.insert("backup".into(), model(&[("b", Some("small"))]));
+    let cfg = primary_and_backup(a, source("b"));
     let gw = gateway(&pool, cfg, &MemorySink::new()).await;
 
     let t0 = Instant::now();
