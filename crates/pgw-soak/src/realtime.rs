@@ -440,6 +440,8 @@ pub fn run_worker(dir: &Path, index: u32) -> Result<(), BoxError> {
             time_scale: real.time_scale,
             redis_round_trips: Some(round_trips),
             redis_commands_sent: Some(commands_sent),
+            // The simulator runs in the parent process: not known to a worker.
+            provider_received: std::collections::BTreeMap::new(),
         })
     })?;
     drop(rt);

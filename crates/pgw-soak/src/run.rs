@@ -166,6 +166,14 @@ pub fn run_profile_virtual(
                 }
             })
             .await;
+        let provider_received = env
+            .upstream
+            .pool()
+            .stats()
+            .sources
+            .into_iter()
+            .map(|(name, st)| (name, st.received))
+            .collect();
         let (attempts, calls) = recorder.finish()?;
         Ok::<_, BoxError>(ProfileRun {
             profile: kind.as_str().to_owned(),
@@ -180,6 +188,7 @@ pub fn run_profile_virtual(
             time_scale: 1.0,
             redis_round_trips: None,
             redis_commands_sent: None,
+            provider_received,
         })
     })?;
     drop(rt);

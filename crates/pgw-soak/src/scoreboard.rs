@@ -220,6 +220,7 @@ pub fn judge(run: &ProfileRun, expect: &Expectations) -> Score {
     ));
     let violations = quota_violations(run);
     checks.push(quota_check(&violations, &run.quotas));
+    checks.push(rows_check(run));
     checks.push(ids_check(run, expect.calls));
     checks.push(accounting_check(run));
     checks.push(rss_check(run));
@@ -391,6 +392,48 @@ fn request_errors(run: &ProfileRun) -> (u64, u64) {
         .filter(|a| COUNTED_AGAINST_SOURCE.contains(&a.outcome.as_str()))
         .count();
     (errors.len() as u64, against as u64)
+}
+
+/// Every request a source received has its upstream row, and no row names a request
+/// the source never saw: the quota check judges the rows, so a request sent without
+/// one would go unjudged. Against the simulator's own count
+/// ([`ProfileRun::provider_received`]); not measured where it is not kept.
+fn rows_check(run: &ProfileRun) -> Check {
+    let name = "every upstream request recorded";
+    if run.provider_received.is_empty() {
+        return Check {
+            name,
+            pass: true,
+            gating: false,
+            detail: "not measured (the simulator is not in this process)".into(),
+        };
+    }
+    let mut rows: BTreeMap<&str, u64> = BTreeMap::new();
+    for a in run.attempts.iter().filter(|a| !a.cache_hit) {
+        *rows.entry(a.source.as_str()).or_default() += 1;
+    }
+    let mut off = Vec::new();
+    for (source, &received) in &run.provider_received {
+        let recorded = rows.remove(source.as_str()).unwrap_or(0);
+        if recorded != received {
+            off.push(format!("{source}: {recorded} rows, {received} received"));
+        }
+    }
+    off.extend(
+        rows.iter()
+            .map(|(source, n)| format!("{source}: {n} rows, no such source")),
+    );
+    let total: u64 = run.provider_received.values().sum();
+    Check {
+        name,
+        pass: off.is_empty(),
+        gating: true,
+        detail: if off.is_empty() {
+            format!("{total} requests received, each with its row")
+        } else {
+            off.join("; ")
+        },
+    }
 }
 
 fn request_error_check(errors: u64, against: u64, gating: bool) -> Check {
@@ -744,6 +787,37 @@ mod tests {
                 ("tpm", 300_000, 300)
             ]
         );
+    }
+
+    /// The rows are judged against what the provider received: a request sent without
+    /// a row, or a row naming a source the pool does not have, fails the check.
+    #[test]
+    fn every_request_the_provider_received_has_its_row() {
+        let mut r = run();
+        r.attempts = vec![
+            attempt("c0", 1, "s4", 0, false),
+            attempt("c1", 1, "s4", 1_000, false),
+            attempt("c2", 1, "s1", 2_000, false),
+        ];
+        let c = rows_check(&r);
+        assert!(
+            c.pass && !c.gating,
+            "not measured without the provider's count: {c:?}"
+        );
+        r.provider_received = [("s1".to_owned(), 1), ("s4".to_owned(), 2)].into();
+        let c = rows_check(&r);
+        assert!(c.pass && c.gating, "{c:?}");
+        // One request sent without its row.
+        r.provider_received.insert("s4".into(), 3);
+        let c = rows_check(&r);
+        assert!(!c.pass, "{c:?}");
+        assert_eq!(c.detail, "s4: 2 rows, 3 received");
+        // A row for a source the pool does not have (a name that matches no quota).
+        r.provider_received.insert("s4".into(), 2);
+        r.attempts.push(attempt("c3", 1, "s4:model", 3_000, false));
+        let c = rows_check(&r);
+        assert!(!c.pass);
+        assert_eq!(c.detail, "s4:model: 1 rows, no such source");
     }
 
     /// Damaged rows, as `--rescore` may read them from an edited file: an admission at

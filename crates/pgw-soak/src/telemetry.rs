@@ -369,6 +369,12 @@ pub struct ProfileRun {
     /// call once): the Redis mode's; `None` elsewhere.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub redis_commands_sent: Option<u64>,
+    /// The requests each source of the simulator received over the run, by its own
+    /// count (`pgw_sim::SourceStats::received`): what the provider saw, against which
+    /// the upstream rows are judged. Empty where the simulator is not in the process
+    /// (the Redis mode's workers) and in runs stored before it was kept.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub provider_received: BTreeMap<String, u64>,
 }
 
 const fn unscaled() -> f64 {
@@ -390,6 +396,7 @@ impl Default for ProfileRun {
             time_scale: 1.0,
             redis_round_trips: None,
             redis_commands_sent: None,
+            provider_received: BTreeMap::new(),
         }
     }
 }
