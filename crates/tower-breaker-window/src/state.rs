@@ -188,7 +188,8 @@ impl GateState {
             // success still shows the source answers, so it closes; any other verdict
             // is the current probe's to give. Else a source whose answers all take
             // longer than the lease would never close while calls keep coming.
-            if !current && !(verdict == BreakerVerdict::Success && ticket.probe <= self.probe_id) {
+            let late_success = verdict == BreakerVerdict::Success && ticket.probe <= self.probe_id;
+            if !(current || late_success) {
                 return Effect::Nothing;
             }
             return match verdict {
