@@ -197,6 +197,25 @@ impl CallHistory {
         list.deadline = Some(list.deadline.map_or(at, |d| d.min(at)));
     }
 
+    /// Forgets the call's deadline, so the next [`set_deadline`](Self::set_deadline)
+    /// sets it whole: a continuation of the call (a stream cut and asked again) that
+    /// brings a fresh deadline of its own, later than the first.
+    ///
+    /// ```
+    /// use tokio::time::{Duration, Instant};
+    /// let h = pgw_core::CallHistory::new();
+    /// let now = Instant::now();
+    /// h.set_deadline(now + Duration::from_secs(1));
+    /// h.set_deadline(now + Duration::from_secs(9));
+    /// assert_eq!(h.deadline(), Some(now + Duration::from_secs(1)), "only ever sooner");
+    /// h.clear_deadline();
+    /// h.set_deadline(now + Duration::from_secs(9));
+    /// assert_eq!(h.deadline(), Some(now + Duration::from_secs(9)));
+    /// ```
+    pub fn clear_deadline(&self) {
+        self.lock().deadline = None;
+    }
+
     /// The call's deadline, if it has one.
     #[must_use]
     pub fn deadline(&self) -> Option<Instant> {

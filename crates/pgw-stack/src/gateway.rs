@@ -1,7 +1,7 @@
 //! [`Gateway`]: the call flow (cache, then the fallback chain
 //! of model groups), and what it answers.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -15,6 +15,7 @@ use pgw_core::{
     BoxError, CallHistory, CarriesHistory, NotAdmitted, ProviderError, SourceId, UpstreamStatus,
     exceeds_source,
 };
+use tokio::time::Instant;
 use tower::ServiceExt;
 use tower_aimd::AimdHandle;
 use tower_breaker_window::{BreakerHandle, BreakerState};
@@ -476,22 +477,12 @@ impl Service<ChatCall> for Gateway {
             }
             call.extensions_mut().insert(AdmissionCell::default());
             call.extensions_mut().insert(RefusedTime::default());
-            let mut failures = Vec::new();
             let permitted = |g: usize| allowed.as_ref().is_none_or(|a| a.permits(&inner.groups[g].name));
             // R3: with another group to go to, a call does not wait in one for a
             // quota, a hold or a slot: every group is asked at once (the first pass),
             // and the groups that refused it so are asked again, waiting (the second
             // pass), only when none took it: the soonest to admit first, the chain's
-            // order (the primary first) within a second.
-            let chain: Vec<usize> = route.chain.clone();
-            let mut turns = Turns {
-                chain,
-                next: 0,
-                context: false,
-                context_of_primary: false,
-                waiting: false,
-                deferred: Vec::new(),
-            };
+            // order within a second.
             // The flag that says so lives in the call's history, made for it only when
             // a chain has another group to go to.
             let several = |chain: &[usize]| chain.iter().filter(|&&g| permitted(g)).nth(1).is_some();
@@ -503,54 +494,84 @@ impl Service<ChatCall> for Gateway {
                 })
             });
             let _may_wait = history.clone().map(MayWaitAgain);
-            // The failure a second pass reports after its own: the request error that
-            // ended the first pass, when one did.
-            let mut rejected = None;
-            loop {
-                while let Some(&g) = turns.chain.get(turns.next) {
-                    turns.next += 1;
-                    if !permitted(g) {
-                        // A fallback (or context-window fallback) to a model the caller
-                        // may not use: not taken.
-                        continue;
-                    }
-                    let primary = turns.primary(g);
-                    if let Some(h) = &history {
-                        h.set_may_wait(turns.waiting || !several(&turns.chain));
-                    }
-                    let e = match inner.ask(g, &call).await {
-                        Ok(answer) => {
-                            return Ok(inner.answered(call_id, g, primary, answer, &mut cached).await);
-                        }
-                        Err(e) => e,
-                    };
-                    tracing::debug!(call = call_id, group = %inner.groups[g].name, error = %e, "group failed");
-                    let step = turns.after(g, primary, &e, !route.context.is_empty());
-                    failures.push((inner.groups[g].name.to_string(), e));
-                    match step {
-                        Step::Next => {}
-                        Step::Context => {
-                            turns.chain.clone_from(&route.context);
-                            turns.next = 0;
-                        }
-                        // A request error from this group: the groups the first pass
-                        // left for later never saw the request, and may take it.
-                        Step::Rejected if !turns.waiting => {
-                            rejected = failures.pop();
-                            break;
-                        }
-                        Step::Rejected | Step::Deadline => {
-                            turns.deferred.clear();
-                            break;
-                        }
-                    }
+            let mut turns = Turns::new(route.chain.clone());
+            // The first pass: the chain, and the context chain when the request does
+            // not fit.
+            while let Some(turn) = turns.next_of_chain() {
+                if !permitted(turn.g) {
+                    // A fallback (or context-window fallback) to a model the caller
+                    // may not use: not taken.
+                    continue;
                 }
-                if turns.waiting || turns.deferred.is_empty() {
+                if let Some(h) = &history {
+                    h.set_may_wait(!several(&turns.chain));
+                }
+                let e = match inner.ask(turn.g, &call).await {
+                    Ok(answer) => {
+                        return Ok(inner
+                            .answered(call_id, turn.g, turn.primary, answer, &mut cached)
+                            .await);
+                    }
+                    Err(e) => e,
+                };
+                tracing::debug!(call = call_id, group = %inner.groups[turn.g].name, error = %e, "group failed");
+                let verdict = Verdict::of(&e);
+                let failure = (inner.groups[turn.g].name.to_string(), e);
+                if let Verdict::NotHere(after) = verdict {
+                    turns.defer(turn, after);
+                    turns.failures.push(failure);
+                } else if verdict.too_large() && !turn.context && !route.context.is_empty() {
+                    turns.failures.push(failure);
+                    turns.enter_context(&route.context, turn.primary);
+                } else if verdict.too_large() && turn.context || verdict == Verdict::NeverHere {
+                    // The next group of the context chain (of the chain).
+                    turns.failures.push(failure);
+                } else if matches!(verdict, Verdict::Rejected | Verdict::TooLarge)
+                    && !turns.deferred.is_empty()
+                {
+                    // A request error from this group, with groups left for later that
+                    // never saw the request: this group's verdict, not the call's.
+                    turns.rejections.push(failure);
+                } else if matches!(verdict, Verdict::Rejected | Verdict::TooLarge | Verdict::Deadline) {
+                    turns.failures.push(failure);
+                    turns.deferred.clear();
                     break;
+                } else {
+                    turns.failures.push(failure);
                 }
-                turns.second_pass();
             }
-            failures.extend(rejected);
+            // The second pass: the groups that refused the call for now, waiting.
+            turns.start_waiting();
+            while let Some(turn) = turns.waiting.pop_front() {
+                if let Some(h) = &history {
+                    h.set_may_wait(true);
+                }
+                let e = match inner.ask(turn.g, &call).await {
+                    Ok(answer) => {
+                        return Ok(inner
+                            .answered(call_id, turn.g, turn.primary, answer, &mut cached)
+                            .await);
+                    }
+                    Err(e) => e,
+                };
+                tracing::debug!(call = call_id, group = %inner.groups[turn.g].name, error = %e, "group failed, waiting");
+                let verdict = Verdict::of(&e);
+                let failure = (inner.groups[turn.g].name.to_string(), e);
+                turns.asked.push(turn.g);
+                if verdict.too_large() && !turn.context {
+                    turns.failures.push(failure);
+                    turns.wait_on_context(&permitted, &route.context, turn.primary);
+                } else if verdict == Verdict::Rejected && !turn.primary {
+                    // A fallback's request error: the groups after it may take it.
+                    turns.rejections.push(failure);
+                } else if matches!(verdict, Verdict::Rejected | Verdict::Deadline) {
+                    turns.failures.push(failure);
+                    break;
+                } else {
+                    turns.failures.push(failure);
+                }
+            }
+            let failures = turns.into_failures();
             Err(GatewayError {
                 call_id,
                 failures,
@@ -560,88 +581,172 @@ impl Service<ChatCall> for Gateway {
         })
     }
 }
-/// Where a call goes after a group failed it.
-enum Step {
-    /// The next group of the chain.
-    Next,
-    /// The context-window fallback chain, from its start.
-    Context,
-    /// A request error: every group would refuse it.
+/// What a group's failure says of the call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Verdict {
+    /// Refused for now where it may not wait (`Reason::NotAdmittedHere`): when the
+    /// group said it may admit, if it said.
+    NotHere(Option<Duration>),
+    /// Too large for the group's model (its context window).
+    TooLarge,
+    /// Every source of the group refused it for good without an attempt (larger
+    /// than a whole window's token quota, or a continuation none of them can
+    /// prefill): the group's limits, not the request's fault.
+    NeverHere,
+    /// A request error.
     Rejected,
     /// The call's deadline passed.
     Deadline,
+    /// Anything else: the next group may do better.
+    Failed,
 }
 
-/// The groups a call is sent to, in turn: its chain, the context-window chain when
-/// it does not fit, and the groups that refused it for now, asked again waiting.
+impl Verdict {
+    fn of(e: &BoxError) -> Self {
+        let verdict = e.downcast_ref::<RetryError>();
+        let last = verdict.and_then(RetryError::last_error);
+        match verdict.map(RetryError::reason) {
+            Some(Reason::NotAdmittedHere { retry_after }) => Self::NotHere(retry_after),
+            Some(Reason::Rejected) if last.is_some_and(|l| exceeds_source(l)) => Self::TooLarge,
+            Some(Reason::Rejected) if last.and_then(|l| NotAdmitted::of(l)) == Some(NotAdmitted::Never) => {
+                Self::NeverHere
+            }
+            Some(Reason::Rejected) => Self::Rejected,
+            Some(Reason::DeadlineExceeded) => Self::Deadline,
+            _ => Self::Failed,
+        }
+    }
+
+    fn too_large(self) -> bool {
+        self == Self::TooLarge
+    }
+}
+
+/// One group's turn at a call.
+#[derive(Clone, Copy, Debug)]
+struct Turn {
+    g: usize,
+    /// The group stands as the call's primary (for the cache's time to live): the
+    /// chain's first, or a context chain's group reached from it.
+    primary: bool,
+    /// The group is of the context-window chain.
+    context: bool,
+}
+
+/// The groups a call is sent to, in turn, and what they answered.
 struct Turns {
+    /// The chain of the first pass: the model's, then the context-window chain's
+    /// when the request does not fit.
     chain: Vec<usize>,
     next: usize,
-    /// In the context-window chain.
-    context: bool,
-    /// The context chain took over from the call's first group (too large for it):
-    /// its answers are kept as the first group's. Taken over from a fallback (the
-    /// first group failed otherwise), as a fallback's.
-    context_of_primary: bool,
-    /// The second pass: the groups that refused the call for now, asked again.
-    waiting: bool,
-    /// The groups that refused the call for now in the first pass: the group, whether
-    /// it stood as the primary, and when it said it may admit.
-    deferred: Vec<(usize, bool, Duration)>,
+    /// In the context-window chain, reached from a primary (or not).
+    context: Option<bool>,
+    /// The groups that refused the call for now in the first pass, and when each
+    /// said it may admit.
+    deferred: Vec<(Turn, Instant)>,
+    /// The second pass's groups, in order.
+    waiting: VecDeque<Turn>,
+    /// The groups the second pass asked.
+    asked: Vec<usize>,
+    /// Every group's failure, in order, but the request errors of groups that were
+    /// not the call's last word.
+    failures: Vec<(String, BoxError)>,
+    /// Request errors of groups after which others were asked.
+    rejections: Vec<(String, BoxError)>,
 }
 
 impl Turns {
-    /// Whether group `g`, asked now, stands as the call's primary (for the cache's
-    /// time to live).
-    fn primary(&self, g: usize) -> bool {
-        if self.context {
-            self.context_of_primary
-        } else if self.waiting {
-            self.deferred.iter().any(|&(d, primary, _)| d == g && primary)
-        } else {
-            self.next == 1
+    fn new(chain: Vec<usize>) -> Self {
+        Self {
+            chain,
+            next: 0,
+            context: None,
+            deferred: Vec::new(),
+            waiting: VecDeque::new(),
+            asked: Vec::new(),
+            failures: Vec::new(),
+            rejections: Vec::new(),
         }
     }
 
-    /// Where the call goes after group `g` failed it with `e`.
-    fn after(&mut self, g: usize, primary: bool, e: &BoxError, has_context: bool) -> Step {
-        let verdict = e.downcast_ref::<RetryError>();
-        let reason = verdict.map(RetryError::reason);
-        let last = verdict.and_then(RetryError::last_error);
-        // Too large for this model: its context-window fallback chain may take it
-        // (and the next of that chain, if still too large).
-        let too_large = reason == Some(Reason::Rejected) && last.is_some_and(|l| exceeds_source(l));
-        // Every source of the group refused the call for good without an attempt
-        // (larger than a whole window's token quota, or a continuation none of them
-        // can prefill): the group's limits, not the request's fault.
-        let never_here = reason == Some(Reason::Rejected)
-            && last.and_then(|l| NotAdmitted::of(l)) == Some(NotAdmitted::Never);
-        match reason {
-            Some(Reason::NotAdmittedHere { retry_after }) => {
-                self.deferred.push((g, primary, retry_after.unwrap_or_default()));
-                Step::Next
-            }
-            _ if too_large && !self.context && has_context => {
-                self.context = true;
-                self.context_of_primary = primary;
-                Step::Context
-            }
-            _ if too_large && self.context => Step::Next,
-            _ if never_here => Step::Next,
-            Some(Reason::Rejected) => Step::Rejected,
-            Some(Reason::DeadlineExceeded) => Step::Deadline,
-            _ => Step::Next,
-        }
+    /// The first pass's next turn.
+    fn next_of_chain(&mut self) -> Option<Turn> {
+        let g = *self.chain.get(self.next)?;
+        self.next += 1;
+        Some(match self.context {
+            Some(primary) => Turn {
+                g,
+                primary,
+                context: true,
+            },
+            None => Turn {
+                g,
+                primary: self.next == 1,
+                context: false,
+            },
+        })
     }
 
-    /// Starts the second pass: the groups that refused the call for now, the soonest
-    /// to admit first (by the whole second: the chain's order within one).
-    fn second_pass(&mut self) {
-        self.deferred.sort_by_key(|&(_, _, after)| after.as_secs());
-        self.chain = self.deferred.iter().map(|&(g, _, _)| g).collect();
+    /// The first pass goes on with the context-window chain, from its start.
+    fn enter_context(&mut self, context: &[usize], primary: bool) {
+        self.chain = context.to_vec();
         self.next = 0;
-        self.context = false;
-        self.waiting = true;
+        self.context = Some(primary);
+    }
+
+    fn defer(&mut self, turn: Turn, after: Option<Duration>) {
+        let at = pgw_core::clock::saturating_after(Instant::now(), after.unwrap_or_default());
+        self.deferred.push((turn, at));
+    }
+
+    /// The second pass: the deferred groups, the soonest to admit first (by the whole
+    /// second: the chain's order within one).
+    fn start_waiting(&mut self) {
+        let start = Instant::now();
+        let mut deferred = std::mem::take(&mut self.deferred);
+        deferred.sort_by_key(|&(_, at)| at.saturating_duration_since(start).as_secs());
+        self.waiting = deferred.into_iter().map(|(turn, _)| turn).collect();
+    }
+
+    /// The request does not fit a main group asked in the second pass: the context
+    /// chain's groups not yet asked go first, waiting too, before the rest.
+    fn wait_on_context(&mut self, permitted: &impl Fn(usize) -> bool, context: &[usize], primary: bool) {
+        let fresh: Vec<Turn> = context
+            .iter()
+            .copied()
+            .filter(|&g| {
+                permitted(g)
+                    && !self.asked.contains(&g)
+                    && !self.waiting.iter().any(|t| t.g == g)
+                    && !self.chain.contains(&g)
+            })
+            .map(|g| Turn {
+                g,
+                primary,
+                context: true,
+            })
+            .collect();
+        for turn in fresh.into_iter().rev() {
+            self.waiting.push_front(turn);
+        }
+    }
+
+    /// Every failure, the call's last word last: the second pass's when it asked a
+    /// group, else a request error.
+    fn into_failures(self) -> Vec<(String, BoxError)> {
+        let Self {
+            mut failures,
+            mut rejections,
+            asked,
+            ..
+        } = self;
+        if asked.is_empty() {
+            failures.append(&mut rejections);
+            failures
+        } else {
+            rejections.append(&mut failures);
+            rejections
+        }
     }
 }
 

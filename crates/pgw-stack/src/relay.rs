@@ -360,11 +360,14 @@ impl Relay {
         // deadline, its cache choice and partition (a tenant's continuation is read
         // from and stored in its own), the caller's own extensions.
         *next.extensions_mut() = self.call.extensions().clone();
+        let history = self.call.call_history().cloned().unwrap_or_else(CallHistory::new);
         if next.extensions_mut().remove::<DefaultDeadline>().is_some() {
-            // The default bounds one wait for an answer: the continuation's own.
+            // The default bounds one wait for an answer: the continuation's own, in
+            // its history too (where the balancer reads it), not the first's.
             next.extensions_mut().remove::<CallDeadline>();
+            history.clear_deadline();
         }
-        next.set_call_history(self.call.call_history().cloned().unwrap_or_else(CallHistory::new));
+        next.set_call_history(history);
         next.extensions_mut().insert(PassThrough);
         next.extensions_mut().insert(Continuation);
         match self.gateway.clone().oneshot(next).await {

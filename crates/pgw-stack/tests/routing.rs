@@ -491,6 +491,81 @@ async fn a_fallbacks_rejection_does_not_end_a_call_the_primary_can_take_later() 
     );
 }
 
+/// In the second pass a fallback asked first (its slot frees before the primary's
+/// minute ends) that rejects the request does not end the call: the primary, asked
+/// after it, takes it.
+#[tokio::test(start_paused = true)]
+async fn a_fallbacks_rejection_in_the_second_pass_leaves_the_primary_its_turn() {
+    let small = pgw_sim::SourceConfig {
+        context_window: Some(4096),
+        ..serving("b", "small")
+    };
+    let pool = pool(vec![serving("a", "big"), small]);
+    let mut a = source("a");
+    a.rpm = Some(1);
+    let mut b = source("b");
+    b.max_concurrency = Some(1);
+    let gw = gateway(&pool, primary_and_backup(a, b), &MemorySink::new()).await;
+    let ask = |model: &str, max_tokens: u64| {
+        let mut r = ChatRequest::user(model, "hi");
+        r.max_tokens = Some(max_tokens);
+        gw.chat(r)
+    };
+
+    let t0 = Instant::now();
+    assert_eq!(ask("primary", 10).await.unwrap().group, "primary");
+    // The backup's one slot, held for about 15 s (3000 tokens at 200 a second).
+    let busy = tokio::spawn({
+        let gw = gw.clone();
+        async move {
+            let mut r = ChatRequest::user("backup", "a long answer");
+            r.max_tokens = Some(3000);
+            gw.chat(r).await
+        }
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Too large for the backup, refused for now by both: the backup's slot frees
+    // first, it rejects the request, and the primary's minute ends.
+    let a = ask("primary", 10_000).await.unwrap();
+    assert_eq!(a.group, "primary", "the backup's rejection did not end the call");
+    assert!(t0.elapsed() >= Duration::from_secs(59), "{:?}", t0.elapsed());
+    assert_eq!(busy.await.unwrap().unwrap().group, "backup");
+}
+
+/// When the second pass fails too, its failure is the call's last word, not the
+/// fallback's request error of the first pass: a deadline that ends the wait for the
+/// primary is reported as such (a 429 or 504 to a server's caller, not a 400 it
+/// would not retry).
+#[tokio::test(start_paused = true)]
+async fn the_second_pass_failure_is_reported_after_a_fallbacks_rejection() {
+    let small = pgw_sim::SourceConfig {
+        context_window: Some(4096),
+        ..serving("b", "small")
+    };
+    let pool = pool(vec![serving("a", "big"), small]);
+    let mut a = source("a");
+    a.rpm = Some(1);
+    let gw = gateway(&pool, primary_and_backup(a, source("b")), &MemorySink::new()).await;
+    let mut first = ChatRequest::user("primary", "hi");
+    first.max_tokens = Some(10);
+    assert_eq!(gw.chat(first).await.unwrap().group, "primary");
+    let mut large = ChatRequest::user("primary", "a long one");
+    large.max_tokens = Some(10_000);
+    let mut call = pgw_stack::ChatCall::new(large);
+    call.extensions_mut().insert(pgw_stack::retry::CallDeadline(
+        Instant::now() + Duration::from_secs(30),
+    ));
+    let err = tower::ServiceExt::oneshot(gw.clone(), call).await.unwrap_err();
+    let gateway_error = err.downcast_ref::<GatewayError>().unwrap();
+    let reason = gateway_error
+        .last_retry_error()
+        .map(pgw_stack::retry::RetryError::reason);
+    assert!(
+        !matches!(reason, Some(pgw_stack::retry::Reason::Rejected)),
+        "the primary's wait ended the call, not the backup's 400: {err}"
+    );
+}
+
 /// A group asked again in the second pass that the request does not fit hands the
 /// call to the context-window chain, as in the first pass.
 #[tokio::test(start_paused = true)]

@@ -461,3 +461,39 @@ async fn a_continuation_keeps_the_callers_cache_partition() {
         "the continuation was stored in the tenant's partition"
     );
 }
+
+/// A continuation brings a fresh default deadline, and the call's history (where the
+/// balancer reads the deadline) carries it too: the first call's, which only ever
+/// moves sooner, would have every wait of a continuation begun past it fail at once.
+#[tokio::test(start_paused = true)]
+async fn a_continuation_takes_a_fresh_default_deadline_into_its_history() {
+    let pool = pool(vec![stalling("a"), slow("b")]);
+    let sink = MemorySink::default();
+    let gw = gateway(&pool, &sink, &["b"]).await;
+    let mut continued = false;
+    for _ in 0..6 {
+        let t0 = Instant::now();
+        let history = pgw_core::CallHistory::new();
+        let mut r = request();
+        r.stream = true;
+        let mut call = pgw_stack::ChatCall::new(r);
+        pgw_core::CarriesHistory::set_call_history(&mut call, history.clone());
+        let stream = gw.stream_call(call).await.unwrap();
+        if stream.source().map(pgw_core::SourceId::as_str) != Some("a") {
+            drop(drain(stream, Instant::now()).await);
+            continue;
+        }
+        let (_, times, err, _) = drain(stream, Instant::now()).await;
+        assert!(err.is_none(), "{err:?}");
+        // Continued: the stall (the one gap past the 5 s watchdog) was cut.
+        if !times.windows(2).any(|w| w[1] - w[0] >= Duration::from_secs(5)) {
+            continue;
+        }
+        let first = t0 + pgw_stack::DEFAULT_MAX_CALL_DURATION;
+        let deadline = history.deadline().expect("the continuation's deadline");
+        assert!(deadline > first, "{:?} after the first deadline", deadline - t0);
+        continued = true;
+        break;
+    }
+    assert!(continued, "a call committed to the stalling source");
+}

@@ -193,9 +193,8 @@ fn index_of<S>(entries: &[Entry<S>], source: &pgw_core::SourceId) -> Option<usiz
 }
 
 /// The plan of a round that starts with `first`: that candidate alone (the fast path)
-/// for a call with no attempt yet (no history, or an empty one) and no source known too
-/// large for it; else the full order, [`deprioritize`]d by the call's attempts and the
-/// sources known too large.
+/// for a call with no attempt yet and no source known too large for it; else the full
+/// order, [`deprioritize`]d by the call's attempts and the sources known too large.
 pub(crate) fn plan<S>(
     policy: Policy,
     entries: &[Entry<S>],
@@ -204,9 +203,7 @@ pub(crate) fn plan<S>(
     history: Option<&CallHistory>,
     oversized: Option<&[bool]>,
 ) -> Plan {
-    // A history without attempts (one carried only for the call's deadline, say)
-    // changes no order: the fast path too.
-    if history.is_none_or(CallHistory::is_empty) && oversized.is_none() {
+    if history.is_none() && oversized.is_none() {
         return Plan::First(first);
     }
     let attempts = history.map(CallHistory::attempts).unwrap_or_default();
