@@ -506,17 +506,10 @@ impl Service<ChatCall> for Gateway {
                 if let Some(h) = &history {
                     h.set_may_wait(!several(&turns.chain));
                 }
-                let e = match inner.ask(turn.g, &call).await {
-                    Ok(answer) => {
-                        return Ok(inner
-                            .answered(call_id, turn.g, turn.primary, answer, &mut cached)
-                            .await);
-                    }
-                    Err(e) => e,
+                let (verdict, failure) = match inner.take_turn(call_id, turn, &call, &mut cached).await {
+                    Ok(answer) => return Ok(answer),
+                    Err(failed) => failed,
                 };
-                tracing::debug!(call = call_id, group = %inner.groups[turn.g].name, error = %e, "group failed");
-                let verdict = Verdict::of(&e);
-                let failure = (inner.groups[turn.g].name.to_string(), e);
                 if let Verdict::NotHere(after) = verdict {
                     turns.defer(turn, after);
                     turns.failures.push(failure);
@@ -546,17 +539,10 @@ impl Service<ChatCall> for Gateway {
                 if let Some(h) = &history {
                     h.set_may_wait(true);
                 }
-                let e = match inner.ask(turn.g, &call).await {
-                    Ok(answer) => {
-                        return Ok(inner
-                            .answered(call_id, turn.g, turn.primary, answer, &mut cached)
-                            .await);
-                    }
-                    Err(e) => e,
+                let (verdict, failure) = match inner.take_turn(call_id, turn, &call, &mut cached).await {
+                    Ok(answer) => return Ok(answer),
+                    Err(failed) => failed,
                 };
-                tracing::debug!(call = call_id, group = %inner.groups[turn.g].name, error = %e, "group failed, waiting");
-                let verdict = Verdict::of(&e);
-                let failure = (inner.groups[turn.g].name.to_string(), e);
                 turns.asked.push(turn.g);
                 if verdict.too_large() && !turn.context {
                     turns.failures.push(failure);
@@ -761,9 +747,23 @@ impl Drop for MayWaitAgain {
 }
 
 impl Inner {
-    /// One group's turn at `call`.
-    async fn ask(&self, g: usize, call: &ChatCall) -> Result<ChatAnswer, BoxError> {
-        self.groups[g].service.clone().oneshot(call.clone()).await
+    /// One group's turn at `call`: its answer, the call's; or its failure, with what
+    /// that says of the call.
+    async fn take_turn(
+        &self,
+        call_id: u64,
+        turn: Turn,
+        call: &ChatCall,
+        cached: &mut Option<(&CacheFlow, CacheKey, Option<Flight>)>,
+    ) -> Result<GatewayAnswer, (Verdict, (String, BoxError))> {
+        let group = &self.groups[turn.g];
+        match group.service.clone().oneshot(call.clone()).await {
+            Ok(answer) => Ok(self.answered(call_id, turn.g, turn.primary, answer, cached).await),
+            Err(e) => {
+                tracing::debug!(call = call_id, group = %group.name, error = %e, "group failed");
+                Err((Verdict::of(&e), (group.name.to_string(), e)))
+            }
+        }
     }
 
     /// `answer` from group `g` as the call's: stored in the cache when the call has a

@@ -106,6 +106,18 @@ fn primary_and_backup(a: SourceConfig, b: SourceConfig) -> GatewayConfig {
     cfg
 }
 
+/// The pool of [`primary_and_backup`] with the backup's context window 4096 tokens,
+/// and source `a` at 1 request a minute.
+fn primary_at_one_rpm_and_a_small_backup() -> (SimPool, SourceConfig) {
+    let small = pgw_sim::SourceConfig {
+        context_window: Some(4096),
+        ..serving("b", "small")
+    };
+    let mut a = source("a");
+    a.rpm = Some(1);
+    (pool(vec![serving("a", "big"), small]), a)
+}
+
 async fn breaker_of(gw: &Gateway, route: &str) -> BreakerState {
     let h = gw.sources().iter().find(|h| h.route.as_str() == route).unwrap();
     h.breaker.view().await.unwrap().state
@@ -466,13 +478,7 @@ async fn a_primary_at_its_quota_hands_the_call_to_the_fallback_at_once() {
 /// waits for the primary, which takes it.
 #[tokio::test(start_paused = true)]
 async fn a_fallbacks_rejection_does_not_end_a_call_the_primary_can_take_later() {
-    let small = pgw_sim::SourceConfig {
-        context_window: Some(4096),
-        ..serving("b", "small")
-    };
-    let pool = pool(vec![serving("a", "big"), small]);
-    let mut a = source("a");
-    a.rpm = Some(1);
+    let (pool, a) = primary_at_one_rpm_and_a_small_backup();
     let cfg = primary_and_backup(a, source("b"));
     let gw = gateway(&pool, cfg, &MemorySink::new()).await;
 
@@ -496,13 +502,7 @@ async fn a_fallbacks_rejection_does_not_end_a_call_the_primary_can_take_later() 
 /// after it, takes it.
 #[tokio::test(start_paused = true)]
 async fn a_fallbacks_rejection_in_the_second_pass_leaves_the_primary_its_turn() {
-    let small = pgw_sim::SourceConfig {
-        context_window: Some(4096),
-        ..serving("b", "small")
-    };
-    let pool = pool(vec![serving("a", "big"), small]);
-    let mut a = source("a");
-    a.rpm = Some(1);
+    let (pool, a) = primary_at_one_rpm_and_a_small_backup();
     let mut b = source("b");
     b.max_concurrency = Some(1);
     let gw = gateway(&pool, primary_and_backup(a, b), &MemorySink::new()).await;
@@ -538,13 +538,7 @@ async fn a_fallbacks_rejection_in_the_second_pass_leaves_the_primary_its_turn() 
 /// would not retry).
 #[tokio::test(start_paused = true)]
 async fn the_second_pass_failure_is_reported_after_a_fallbacks_rejection() {
-    let small = pgw_sim::SourceConfig {
-        context_window: Some(4096),
-        ..serving("b", "small")
-    };
-    let pool = pool(vec![serving("a", "big"), small]);
-    let mut a = source("a");
-    a.rpm = Some(1);
+    let (pool, a) = primary_at_one_rpm_and_a_small_backup();
     let gw = gateway(&pool, primary_and_backup(a, source("b")), &MemorySink::new()).await;
     let mut first = ChatRequest::user("primary", "hi");
     first.max_tokens = Some(10);
