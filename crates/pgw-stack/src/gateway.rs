@@ -503,8 +503,15 @@ impl Service<ChatCall> for Gateway {
                     // may not use: not taken.
                     continue;
                 }
+                if turns.asked.contains(&turn.g) {
+                    // In the chain and the context chain both: asked once a pass.
+                    continue;
+                }
+                turns.asked.push(turn.g);
                 if let Some(h) = &history {
-                    h.set_may_wait(!several(&turns.chain));
+                    // Waits only with nowhere else to go: no other group in its chain,
+                    // and none left for the second pass.
+                    h.set_may_wait(turns.deferred.is_empty() && !several(&turns.chain));
                 }
                 let (verdict, failure) = match inner.take_turn(call_id, turn, &call, &mut cached).await {
                     Ok(answer) => return Ok(answer),
@@ -524,7 +531,7 @@ impl Service<ChatCall> for Gateway {
                 {
                     // A request error from this group, with groups left for later that
                     // never saw the request: this group's verdict, not the call's.
-                    turns.rejections.push(failure);
+                    turns.failures.push(failure);
                 } else if matches!(verdict, Verdict::Rejected | Verdict::TooLarge | Verdict::Deadline) {
                     turns.failures.push(failure);
                     turns.deferred.clear();
@@ -535,6 +542,7 @@ impl Service<ChatCall> for Gateway {
             }
             // The second pass: the groups that refused the call for now, waiting.
             turns.start_waiting();
+            turns.asked.clear();
             while let Some(turn) = turns.waiting.pop_front() {
                 if let Some(h) = &history {
                     h.set_may_wait(true);
@@ -547,9 +555,10 @@ impl Service<ChatCall> for Gateway {
                 if verdict.too_large() && !turn.context {
                     turns.failures.push(failure);
                     turns.wait_on_context(&permitted, &route.context, turn.primary);
-                } else if verdict == Verdict::Rejected && !turn.primary {
-                    // A fallback's request error: the groups after it may take it.
-                    turns.rejections.push(failure);
+                } else if verdict == Verdict::Rejected && !(turn.primary && !turn.context) {
+                    // A fallback's (or a context model's) request error: the groups
+                    // after it may take it.
+                    turns.failures.push(failure);
                 } else if matches!(verdict, Verdict::Rejected | Verdict::Deadline) {
                     turns.failures.push(failure);
                     break;
@@ -557,7 +566,7 @@ impl Service<ChatCall> for Gateway {
                     turns.failures.push(failure);
                 }
             }
-            let failures = turns.into_failures();
+            let failures = turns.failures;
             Err(GatewayError {
                 call_id,
                 failures,
@@ -632,13 +641,11 @@ struct Turns {
     deferred: Vec<(Turn, Instant)>,
     /// The second pass's groups, in order.
     waiting: VecDeque<Turn>,
-    /// The groups the second pass asked.
+    /// The groups asked in the pass under way.
     asked: Vec<usize>,
-    /// Every group's failure, in order, but the request errors of groups that were
-    /// not the call's last word.
+    /// Every group's failure, in the order they came: the last is the call's last
+    /// word (what a server answers).
     failures: Vec<(String, BoxError)>,
-    /// Request errors of groups after which others were asked.
-    rejections: Vec<(String, BoxError)>,
 }
 
 impl Turns {
@@ -651,7 +658,6 @@ impl Turns {
             waiting: VecDeque::new(),
             asked: Vec::new(),
             failures: Vec::new(),
-            rejections: Vec::new(),
         }
     }
 
@@ -714,24 +720,6 @@ impl Turns {
             .collect();
         for turn in fresh.into_iter().rev() {
             self.waiting.push_front(turn);
-        }
-    }
-
-    /// Every failure, the call's last word last: the second pass's when it asked a
-    /// group, else a request error.
-    fn into_failures(self) -> Vec<(String, BoxError)> {
-        let Self {
-            mut failures,
-            mut rejections,
-            asked,
-            ..
-        } = self;
-        if asked.is_empty() {
-            failures.append(&mut rejections);
-            failures
-        } else {
-            rejections.append(&mut failures);
-            rejections
         }
     }
 }

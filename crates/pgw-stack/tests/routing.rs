@@ -560,6 +560,36 @@ async fn the_second_pass_failure_is_reported_after_a_fallbacks_rejection() {
     );
 }
 
+/// The call's last word is what came last: a fallback's request error in the second
+/// pass, not its own refusal for now from the first (a stale 429 to a server's caller).
+#[tokio::test(start_paused = true)]
+async fn the_last_failure_is_the_last_that_came() {
+    let down = pgw_sim::SourceConfig {
+        server_error_rate: 1.0.into(),
+        ..serving("a", "big")
+    };
+    let policy = pgw_sim::SourceConfig {
+        content_policy_rate: 1.0.into(),
+        ..serving("b", "small")
+    };
+    let pool = pool(vec![down, policy]);
+    let mut b = source("b");
+    b.rpm = Some(1);
+    let gw = gateway(&pool, primary_and_backup(source("a"), b), &MemorySink::new()).await;
+    // The backup's one request of the minute.
+    let mut r = ChatRequest::user("backup", "hi");
+    r.max_tokens = Some(10);
+    assert!(gw.chat(r).await.is_err(), "the backup refuses every prompt");
+    // The primary fails (5xx), the backup refuses for now, then rejects the prompt.
+    let err = gw.chat(ChatRequest::user("primary", "hi")).await.unwrap_err();
+    let reason = err
+        .downcast_ref::<GatewayError>()
+        .unwrap()
+        .last_retry_error()
+        .map(pgw_stack::retry::RetryError::reason);
+    assert_eq!(reason, Some(pgw_stack::retry::Reason::Rejected), "{err}");
+}
+
 /// A group asked again in the second pass that the request does not fit hands the
 /// call to the context-window chain, as in the first pass.
 #[tokio::test(start_paused = true)]
