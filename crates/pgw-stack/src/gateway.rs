@@ -555,7 +555,7 @@ impl Service<ChatCall> for Gateway {
                 if verdict.too_large() && !turn.context {
                     turns.failures.push(failure);
                     turns.wait_on_context(&permitted, &route.context, turn.primary);
-                } else if verdict == Verdict::Rejected && !(turn.primary && !turn.context) {
+                } else if verdict == Verdict::Rejected && (turn.context || !turn.primary) {
                     // A fallback's (or a context model's) request error: the groups
                     // after it may take it.
                     turns.failures.push(failure);
