@@ -68,6 +68,8 @@ struct Records {
     numbered: AtomicU64,
     /// [`CallHistory::may_wait`], negated (so `Default` is "may wait").
     goes_elsewhere: AtomicBool,
+    /// [`CallHistory::sources`]; 0 while unknown.
+    sources: AtomicUsize,
     list: Mutex<List>,
 }
 
@@ -195,6 +197,27 @@ impl CallHistory {
     pub fn set_deadline(&self, at: Instant) {
         let mut list = self.lock();
         list.deadline = Some(list.deadline.map_or(at, |d| d.min(at)));
+    }
+
+    /// Notes how many sources the service below chooses from for this call (a
+    /// balancer sets it as it takes the call): a request every one of them said does
+    /// not fit ends there, not sent to one of them again.
+    pub fn set_sources(&self, n: usize) {
+        self.inner.sources.store(n, Ordering::Relaxed);
+    }
+
+    /// How many sources the service below chooses from for this call, once it said
+    /// ([`set_sources`](Self::set_sources)).
+    ///
+    /// ```
+    /// let h = pgw_core::CallHistory::new();
+    /// assert_eq!(h.sources(), None);
+    /// h.set_sources(3);
+    /// assert_eq!(h.sources(), Some(3));
+    /// ```
+    #[must_use]
+    pub fn sources(&self) -> Option<usize> {
+        Some(self.inner.sources.load(Ordering::Relaxed)).filter(|&n| n > 0)
     }
 
     /// Forgets the call's deadline, so the next [`set_deadline`](Self::set_deadline)

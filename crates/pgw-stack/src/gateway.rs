@@ -552,14 +552,18 @@ impl Service<ChatCall> for Gateway {
                     Err(failed) => failed,
                 };
                 turns.asked.push(turn.g);
-                if verdict.too_large() && !turn.context {
+                if verdict.too_large() && !turn.context && !route.context.is_empty() {
                     turns.failures.push(failure);
                     turns.wait_on_context(&permitted, &route.context, turn.primary);
-                } else if verdict == Verdict::Rejected && (turn.context || !turn.primary) {
+                } else if matches!(verdict, Verdict::Rejected | Verdict::TooLarge)
+                    && (turn.context || !turn.primary)
+                {
                     // A fallback's (or a context model's) request error: the groups
                     // after it may take it.
                     turns.failures.push(failure);
-                } else if matches!(verdict, Verdict::Rejected | Verdict::Deadline) {
+                } else if matches!(verdict, Verdict::Rejected | Verdict::TooLarge | Verdict::Deadline) {
+                    // The primary's own request error (too large for it with no
+                    // context chain, as in the first pass), or the deadline.
                     turns.failures.push(failure);
                     break;
                 } else {
@@ -703,6 +707,13 @@ impl Turns {
     /// The request does not fit a main group asked in the second pass: the context
     /// chain's groups not yet asked go first, waiting too, before the rest.
     fn wait_on_context(&mut self, permitted: &impl Fn(usize) -> bool, context: &[usize], primary: bool) {
+        if primary {
+            // Reached from the primary now: a context group already waiting (deferred
+            // after a fallback's turn) answers as the primary's, for the cache.
+            for turn in self.waiting.iter_mut().filter(|t| t.context) {
+                turn.primary = true;
+            }
+        }
         let fresh: Vec<Turn> = context
             .iter()
             .copied()

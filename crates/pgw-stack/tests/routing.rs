@@ -270,8 +270,8 @@ async fn a_request_too_large_for_the_model_lands_on_its_context_fallback() {
     assert_eq!(a.answer.response.model, "m-200k");
     assert_eq!(
         pool.stats().sources["small"].context_length_exceeded,
-        2,
-        "the only route asked twice at most, not once per attempt of the budget"
+        1,
+        "the only route asked once, not once per attempt of the budget"
     );
     assert_eq!(
         breaker_of(&gw, "small/m-8k").await,
@@ -588,6 +588,35 @@ async fn the_last_failure_is_the_last_that_came() {
         .last_retry_error()
         .map(pgw_stack::retry::RetryError::reason);
     assert_eq!(reason, Some(pgw_stack::retry::Reason::Rejected), "{err}");
+}
+
+/// The primary too small for the request, with no context chain, ends the call in the
+/// second pass as it does in the first: the provider's 400, not a fallback taking a
+/// request the model the caller named cannot.
+#[tokio::test(start_paused = true)]
+async fn the_primary_too_small_ends_the_second_pass_without_a_context_chain() {
+    let small = pgw_sim::SourceConfig {
+        context_window: Some(4096),
+        ..serving("a", "big")
+    };
+    let pool = pool(vec![small, serving("b", "small")]);
+    let [a, b] = ["a", "b"].map(|name| {
+        let mut s = source(name);
+        s.rpm = Some(1);
+        s
+    });
+    let gw = gateway(&pool, primary_and_backup(a, b), &MemorySink::new()).await;
+    for model in ["primary", "backup"] {
+        let mut r = ChatRequest::user(model, "hi");
+        r.max_tokens = Some(10);
+        assert_eq!(gw.chat(r).await.unwrap().group, model);
+    }
+    let mut large = ChatRequest::user("primary", "a long one");
+    large.max_tokens = Some(10_000);
+    let err = gw.chat(large).await.unwrap_err();
+    let status = UpstreamStatus::find(&*err).expect("the provider's answer");
+    assert_eq!(status.code(), Some("context_length_exceeded"), "{err}");
+    assert_eq!(received(&pool, "b"), 1, "the backup was not asked to take it");
 }
 
 /// A group asked again in the second pass that the request does not fit hands the

@@ -226,6 +226,9 @@ where
         let policy = self.config.policy;
         let class = self.class_of.class_of(&req).min(HEALTH_CLASSES - 1);
         let size = self.class_of.size_of(&req);
+        if let Some(h) = req.call_history() {
+            h.set_sources(snapshot.entries.len());
+        }
         let plan = if snapshot.entries.is_empty() {
             Plan::Empty
         } else {

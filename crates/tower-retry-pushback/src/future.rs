@@ -101,6 +101,9 @@ struct Call<S, Req, C, R> {
     /// History records known so far: more after an attempt means the service below
     /// recorded it (with its source).
     known_len: usize,
+    /// History records before this layer's first attempt: the attempts of the call
+    /// made elsewhere (another group of a fallback chain), not this one's.
+    first_record: usize,
     deadline_at: Option<Instant>,
     /// Created at the first failed or refused attempt, so a call that succeeds at once
     /// carries (and moves) only what it needs.
@@ -286,6 +289,7 @@ impl<S, Req: CarriesHistory, C, R> Call<S, Req, C, R> {
             recording: start.recording,
             own_history: start.own_history,
             known_len: start.known_len,
+            first_record: start.known_len,
             deadline_at: start.deadline_at,
             slow: None,
         }
@@ -483,17 +487,27 @@ impl<S, Req: CarriesHistory, C, R> Call<S, Req, C, R> {
             // upstream would get the same request again: final.
             Outcome::Rejected if too_large && balanced => {
                 let max_attempts = self.shared.config.max_attempts;
-                // The balancer sends a request to a source that said it does not fit
-                // only when no other is left: the same answer again, so it ends here
-                // (a single route would otherwise be sent the prompt max_attempts
-                // times).
-                let again = self
-                    .history()
-                    .attempts()
+                // Every source the balancer chooses from said, in this layer's
+                // attempts, it does not fit (a single route, say): sent again, it
+                // would give the same answer, after waiting for its quota. The balancer offers a source that said so
+                // only when no other is left: such a second answer ends it too.
+                let first_record = self.first_record;
+                let history = self.history();
+                let attempts = history.attempts();
+                let mut said: Vec<&pgw_core::SourceId> = attempts
+                    .iter()
+                    .skip(first_record)
+                    .filter(|a| a.too_large)
+                    .filter_map(|a| a.source.as_ref())
+                    .collect();
+                let again = attempts
                     .iter()
                     .rev()
                     .skip(1)
                     .any(|a| a.too_large && a.source == source);
+                said.sort_unstable();
+                said.dedup();
+                let again = again || history.sources().is_some_and(|n| said.len() >= n);
                 let slow = self.start_waiting(now);
                 slow.spent += 1;
                 if again || slow.spent >= max_attempts {
