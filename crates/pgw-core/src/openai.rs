@@ -256,15 +256,17 @@ impl ChatRequest {
     /// ```
     #[must_use]
     pub fn spend_completion_tokens(&mut self, used: u64) -> bool {
-        let left = |limit: Option<u64>| limit.map(|l| l.checked_sub(used).filter(|&n| n > 0));
-        let newer = self
-            .extra
-            .get("max_completion_tokens")
-            .filter(|v| !v.is_null())
-            .map(|v| v.as_number().and_then(number_u64));
-        let (older, newer) = match (left(self.max_tokens), newer.map(left)) {
-            (Some(None), _) | (_, Some(Some(None) | None)) => return false,
-            (older, newer) => (older.flatten(), newer.flatten().flatten()),
+        let left = |limit: u64| limit.checked_sub(used).filter(|&n| n > 0);
+        let older = match self.max_tokens.map(left) {
+            Some(None) => return false,
+            older => older.flatten(),
+        };
+        let newer = match self.extra.get("max_completion_tokens").filter(|v| !v.is_null()) {
+            Some(v) => match v.as_number().and_then(number_u64).and_then(left) {
+                None => return false,
+                newer => newer,
+            },
+            None => None,
         };
         if older.is_some() {
             self.max_tokens = older;

@@ -494,7 +494,7 @@ impl Service<ChatCall> for Gateway {
                 })
             });
             let _may_wait = history.clone().map(MayWaitAgain);
-            let mut turns = Turns::new(route.chain.clone());
+            let mut turns = Turns::new(&route.chain);
             // The first pass: the chain, and the context chain when the request does
             // not fit.
             while let Some(turn) = turns.next_of_chain() {
@@ -503,15 +503,15 @@ impl Service<ChatCall> for Gateway {
                     // may not use: not taken.
                     continue;
                 }
-                if turns.asked.contains(&turn.g) {
-                    // In the chain and the context chain both: asked once a pass.
-                    continue;
-                }
-                turns.asked.push(turn.g);
                 if let Some(h) = &history {
+                    if turns.asked.contains(&turn.g) {
+                        // In the chain and the context chain both: asked once a pass.
+                        continue;
+                    }
+                    turns.asked.push(turn.g);
                     // Waits only with nowhere else to go: no other group in its chain,
                     // and none left for the second pass.
-                    h.set_may_wait(turns.deferred.is_empty() && !several(&turns.chain));
+                    h.set_may_wait(turns.deferred.is_empty() && !several(turns.chain));
                 }
                 let (verdict, failure) = match inner.take_turn(call_id, turn, &call, &mut cached).await {
                     Ok(answer) => return Ok(answer),
@@ -633,10 +633,10 @@ struct Turn {
 }
 
 /// The groups a call is sent to, in turn, and what they answered.
-struct Turns {
+struct Turns<'a> {
     /// The chain of the first pass: the model's, then the context-window chain's
     /// when the request does not fit.
-    chain: Vec<usize>,
+    chain: &'a [usize],
     next: usize,
     /// In the context-window chain, reached from a primary (or not).
     context: Option<bool>,
@@ -645,15 +645,16 @@ struct Turns {
     deferred: Vec<(Turn, Instant)>,
     /// The second pass's groups, in order.
     waiting: VecDeque<Turn>,
-    /// The groups asked in the pass under way.
+    /// The groups asked in the pass under way (kept for calls with several groups:
+    /// a single group cannot come twice).
     asked: Vec<usize>,
     /// Every group's failure, in the order they came: the last is the call's last
     /// word (what a server answers).
     failures: Vec<(String, BoxError)>,
 }
 
-impl Turns {
-    fn new(chain: Vec<usize>) -> Self {
+impl<'a> Turns<'a> {
+    fn new(chain: &'a [usize]) -> Self {
         Self {
             chain,
             next: 0,
@@ -684,8 +685,8 @@ impl Turns {
     }
 
     /// The first pass goes on with the context-window chain, from its start.
-    fn enter_context(&mut self, context: &[usize], primary: bool) {
-        self.chain = context.to_vec();
+    fn enter_context(&mut self, context: &'a [usize], primary: bool) {
+        self.chain = context;
         self.next = 0;
         self.context = Some(primary);
     }

@@ -489,8 +489,9 @@ impl<S, Req: CarriesHistory, C, R> Call<S, Req, C, R> {
                 let max_attempts = self.shared.config.max_attempts;
                 // Every source the balancer chooses from said, in this layer's
                 // attempts, it does not fit (a single route, say): sent again, it
-                // would give the same answer, after waiting for its quota. The balancer offers a source that said so
-                // only when no other is left: such a second answer ends it too.
+                // would give the same answer, after waiting for its quota. The
+                // balancer offers a source that said so only when no other is left:
+                // such a second answer ends it too.
                 let first_record = self.first_record;
                 let history = self.history();
                 let attempts = history.attempts();
