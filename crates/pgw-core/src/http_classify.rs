@@ -271,8 +271,9 @@ pub fn classify_response(resp: &ChatResponse) -> Outcome {
 
 /// The outcome of an attempt that ended in an error: walks the source chain for an
 /// [`UpstreamStatus`] (classified by [`classify_upstream`]), an [`InvalidResponse`]
-/// (`Invalid`) or an [`EmptyCompletion`] (`Transient`); anything else (timeouts,
-/// connect errors, resets, watchdog cuts, garbage bytes) is `Transient`.
+/// (`Invalid`), an [`EmptyCompletion`] (`Transient`) or an I/O error of the process's
+/// own exhaustion (`LocalExhaustion`, see [`is_local_exhaustion`]); anything else
+/// (timeouts, connect errors, resets, watchdog cuts, garbage bytes) is `Transient`.
 #[must_use]
 pub fn classify_error(err: &(dyn Error + 'static)) -> Outcome {
     let mut cur: Option<&(dyn Error + 'static)> = Some(err);
@@ -288,7 +289,51 @@ pub fn classify_error(err: &(dyn Error + 'static)) -> Outcome {
         }
         cur = e.source();
     }
-    Outcome::Transient
+    if is_local_exhaustion(err) {
+        Outcome::LocalExhaustion
+    } else {
+        Outcome::Transient
+    }
+}
+
+/// Whether an error's source chain holds an I/O error that says this process ran out
+/// of what it needs to open a connection: file descriptors (`EMFILE`, the process's
+/// own limit; `ENFILE`, the system's), socket buffers (`ENOBUFS`) or memory
+/// (`ENOMEM`). Such an attempt never reached the source, and every other source would
+/// fail alike: [`classify_error`] makes it `LocalExhaustion`, which no breaker, health
+/// score or budget counts. Unix only (elsewhere always `false`).
+///
+/// ```
+/// use pgw_core::is_local_exhaustion;
+///
+/// let emfile = std::io::Error::from_raw_os_error(24); // EMFILE on Linux
+/// assert!(is_local_exhaustion(&emfile));
+/// let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+/// assert!(!is_local_exhaustion(&refused));
+/// ```
+#[must_use]
+pub fn is_local_exhaustion(err: &(dyn Error + 'static)) -> bool {
+    let mut cur: Option<&(dyn Error + 'static)> = Some(err);
+    while let Some(e) = cur {
+        if e.downcast_ref::<std::io::Error>().is_some_and(exhausted) {
+            return true;
+        }
+        cur = e.source();
+    }
+    false
+}
+
+#[cfg(unix)]
+fn exhausted(e: &std::io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+    )
+}
+
+#[cfg(not(unix))]
+fn exhausted(_: &std::io::Error) -> bool {
+    false
 }
 
 /// Classifies raw `http::Response`s by status and `Retry-After` header; errors by

@@ -64,7 +64,7 @@ pub use history::{AttemptRecord, CallHistory, CarriesHistory, Recording, Recordi
 pub use hold::{Hold, HoldFuture, NoHold};
 pub use http_classify::{
     HttpClassifier, OpenAiClassifier, classify_error, classify_response, classify_status, classify_upstream,
-    is_quota_exhausted,
+    is_local_exhaustion, is_quota_exhausted,
 };
 pub use metric_handles::MetricHandles;
 pub use outcome::{BreakerVerdict, Outcome};

@@ -17,6 +17,7 @@ use std::time::Duration;
 /// | `SourceDead` | force open | fail | - | consumed |
 /// | `Rejected` | ignored | not fed | - | fail fast |
 /// | `Invalid` | ignored | not fed | - | own re-ask budget |
+/// | `LocalExhaustion` | ignored | not fed | - | fail fast |
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Outcome {
     /// A real answer (for chat completions: text, a tool call, or the provider's
@@ -41,6 +42,12 @@ pub enum Outcome {
     Rejected,
     /// An answer arrived, but the caller's validator refused it.
     Invalid,
+    /// The gateway's own process could not make the attempt: it is out of file
+    /// descriptors (`EMFILE`, `ENFILE`), socket buffers (`ENOBUFS`) or memory
+    /// (`ENOMEM`) for the connection. Nothing about the source: every source would
+    /// fail alike, so the call ends at once (a server answers 503 and sheds load)
+    /// and no breaker, health score or budget counts it.
+    LocalExhaustion,
 }
 
 /// What the circuit breaker does with an [`Outcome`].
@@ -65,7 +72,9 @@ impl Outcome {
             Self::Success => BreakerVerdict::Success,
             Self::Transient => BreakerVerdict::Failure,
             Self::SourceDead => BreakerVerdict::ForceOpen,
-            Self::RateLimited { .. } | Self::Rejected | Self::Invalid => BreakerVerdict::Ignore,
+            Self::RateLimited { .. } | Self::Rejected | Self::Invalid | Self::LocalExhaustion => {
+                BreakerVerdict::Ignore
+            }
         }
     }
 
@@ -76,7 +85,7 @@ impl Outcome {
         match self {
             Self::Success => Some(true),
             Self::RateLimited { .. } | Self::Transient | Self::SourceDead => Some(false),
-            Self::Rejected | Self::Invalid => None,
+            Self::Rejected | Self::Invalid | Self::LocalExhaustion => None,
         }
     }
 
@@ -109,7 +118,7 @@ impl Outcome {
     }
 
     /// The outcome's name as used in telemetry and config: `success`, `rate_limited`,
-    /// `transient`, `source_dead`, `rejected`, `invalid`.
+    /// `transient`, `source_dead`, `rejected`, `invalid`, `local_exhaustion`.
     #[must_use]
     pub const fn as_str(self) -> &'static str {
         match self {
@@ -119,6 +128,7 @@ impl Outcome {
             Self::SourceDead => "source_dead",
             Self::Rejected => "rejected",
             Self::Invalid => "invalid",
+            Self::LocalExhaustion => "local_exhaustion",
         }
     }
 }
@@ -151,6 +161,7 @@ mod tests {
             (Outcome::SourceDead, BreakerVerdict::ForceOpen, Some(false), true),
             (Outcome::Rejected, BreakerVerdict::Ignore, None, false),
             (Outcome::Invalid, BreakerVerdict::Ignore, None, false),
+            (Outcome::LocalExhaustion, BreakerVerdict::Ignore, None, false),
         ];
         for (o, breaker, health, budget) in rows {
             assert_eq!(o.breaker_verdict(), breaker, "{o}");

@@ -255,7 +255,9 @@ impl ApiError {
                 "stalled",
                 detail(r.reason().to_string()),
             ),
-            Reason::RetryBudgetExhausted | Reason::Throttled => Self::new(
+            // Throttled here, or this process out of descriptors or memory for a
+            // connection (no source was blamed): shed like any load.
+            Reason::RetryBudgetExhausted | Reason::Throttled | Reason::LocalExhaustion => Self::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "service_unavailable",
                 "overloaded",
@@ -390,8 +392,17 @@ impl ApiError {
             )
             .retry_after(n.retry_after());
         }
-        if classify_error(e) == Outcome::Rejected {
-            return Self::rejected(e, detail);
+        match classify_error(e) {
+            Outcome::Rejected => return Self::rejected(e, detail),
+            Outcome::LocalExhaustion => {
+                return Self::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "service_unavailable",
+                    "overloaded",
+                    detail("this process is out of file descriptors or memory for a connection".into()),
+                );
+            }
+            _ => {}
         }
         Self::new(
             StatusCode::BAD_GATEWAY,
@@ -667,6 +678,37 @@ mod tests {
         assert_eq!(e.status, StatusCode::TOO_MANY_REQUESTS, "{}", e.message);
         assert_eq!(e.code.as_deref(), Some("rate_limit_exceeded"));
         assert_eq!(e.retry_after, Some(Duration::from_secs(30)));
+    }
+
+    /// A call that failed because this process is out of file descriptors (`EMFILE`
+    /// on the upstream connect) is shed, 503 `overloaded` (the server adds its
+    /// `Retry-After`), not a 502 that blames the upstream; with or without the retry
+    /// layer's verdict around it.
+    #[cfg(unix)]
+    #[tokio::test(start_paused = true)]
+    async fn running_out_of_file_descriptors_is_503_overloaded() {
+        use pgw_stack::retry::{RetryConfig, RetryLayer};
+        use tower::{Layer, ServiceExt};
+
+        let emfile = || -> BoxError { Box::new(std::io::Error::from_raw_os_error(24)) };
+        let layer = RetryLayer::new(RetryConfig::default())
+            .unwrap()
+            .classifier(pgw_core::OpenAiClassifier);
+        let upstream = tower::service_fn(move |_: pgw_stack::ChatCall| async move {
+            Err::<pgw_core::openai::ChatResponse, BoxError>(emfile())
+        });
+        let call = pgw_stack::ChatCall::new(pgw_core::openai::ChatRequest::user("m", "hi"));
+        let through_retry = layer.layer(upstream).oneshot(call).await.unwrap_err();
+        for err in [through_retry, emfile()] {
+            let e = ApiError::from_gateway(&err, false);
+            assert_eq!(e.status, StatusCode::SERVICE_UNAVAILABLE, "{}", e.message);
+            assert_eq!(e.code.as_deref(), Some("overloaded"), "{}", e.message);
+        }
+        let refused: BoxError = Box::new(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+        assert_eq!(
+            ApiError::from_gateway(&refused, false).status,
+            StatusCode::BAD_GATEWAY
+        );
     }
 
     #[test]

@@ -66,6 +66,46 @@ const TOKEN_BUCKETS: &[f64] = &[
     1_048_576.0,
 ];
 
+/// Descriptors the process keeps besides client and upstream connections: the
+/// listener, Redis connections, the runtime's own, standard streams, a log file.
+const SPARE_FILES: u64 = 64;
+
+/// Raises this process's soft limit of open files to its hard limit (as Go's runtime
+/// does at start; Rust's does not), and returns the limit now in force. A process out
+/// of descriptors fails its upstream connects: pgw counts that as its own failure
+/// (503 `overloaded`, no source blamed), and this makes it rarer. Logs a warning when
+/// the limit is still below what `max_connections` client connections, one upstream
+/// connection per call in flight (`max_in_flight`) and 64 more (the listener, Redis) may take:
+/// raise the hard limit (`LimitNOFILE=` in a systemd unit, `--ulimit nofile=` for a
+/// container) or lower the caps.
+///
+/// # Errors
+/// The `getrlimit`/`setrlimit` error, when the limit cannot be read or set.
+///
+/// ```
+/// let limit = pgw_server::raise_open_files_limit(16, 16).unwrap();
+/// assert!(limit >= 16);
+/// ```
+pub fn raise_open_files_limit(max_connections: usize, max_in_flight: usize) -> std::io::Result<u64> {
+    let limit = rlimit::increase_nofile_limit(u64::MAX)?;
+    let want = u64::try_from(max_connections.saturating_add(max_in_flight))
+        .unwrap_or(u64::MAX)
+        .saturating_add(SPARE_FILES);
+    if limit < want {
+        tracing::warn!(
+            limit,
+            max_connections,
+            max_in_flight,
+            "the open-files limit is below what server.max_connections and server.max_in_flight may open: \
+             raise it (LimitNOFILE=, --ulimit nofile=) or lower them"
+        );
+    } else {
+        tracing::debug!(limit, "open-files limit");
+    }
+    Ok(limit)
+}
+
+
 /// Installs the process-wide Prometheus recorder once and returns its handle (every
 /// `metrics` counter, gauge and histogram of the gateway and the server lands there).
 /// `None` when another recorder was installed first.

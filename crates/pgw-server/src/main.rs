@@ -179,6 +179,9 @@ async fn serve(cfg: ServerConfig) -> Result<(), pgw_core::BoxError> {
     // "serving" and the first poll of a lazily registered handler took the default
     // action and killed the process without a drain.
     let shutdown = first_signal();
+    if let Err(e) = pgw_server::raise_open_files_limit(cfg.server.max_connections, cfg.server.max_in_flight) {
+        tracing::warn!(error = %e, "cannot read or raise the open-files limit");
+    }
     let metrics = pgw_server::install_metrics();
     let gateway = pgw_stack::Gateway::builder(cfg.gateway.clone())
         .transport(per_thread_transport)

@@ -532,7 +532,7 @@ impl Service<ChatCall> for Gateway {
                     // A request error from this group, with groups left for later that
                     // never saw the request: this group's verdict, not the call's.
                     turns.failures.push(failure);
-                } else if matches!(verdict, Verdict::Rejected | Verdict::TooLarge | Verdict::Deadline) {
+                } else if matches!(verdict, Verdict::Rejected | Verdict::TooLarge | Verdict::Ends) {
                     turns.failures.push(failure);
                     turns.deferred.clear();
                     break;
@@ -561,7 +561,7 @@ impl Service<ChatCall> for Gateway {
                     // A fallback's (or a context model's) request error: the groups
                     // after it may take it.
                     turns.failures.push(failure);
-                } else if matches!(verdict, Verdict::Rejected | Verdict::TooLarge | Verdict::Deadline) {
+                } else if matches!(verdict, Verdict::Rejected | Verdict::TooLarge | Verdict::Ends) {
                     // The primary's own request error (too large for it with no
                     // context chain, as in the first pass), or the deadline.
                     turns.failures.push(failure);
@@ -594,8 +594,10 @@ enum Verdict {
     NeverHere,
     /// A request error.
     Rejected,
-    /// The call's deadline passed.
-    Deadline,
+    /// The call ends here: its deadline passed, or the process ran out of what it
+    /// needs for a connection (`Reason::LocalExhaustion`; every group would fail
+    /// alike).
+    Ends,
     /// Anything else: the next group may do better.
     Failed,
 }
@@ -611,7 +613,7 @@ impl Verdict {
                 Self::NeverHere
             }
             Some(Reason::Rejected) => Self::Rejected,
-            Some(Reason::DeadlineExceeded) => Self::Deadline,
+            Some(Reason::DeadlineExceeded | Reason::LocalExhaustion) => Self::Ends,
             _ => Self::Failed,
         }
     }

@@ -131,3 +131,106 @@ async fn a_redis_outage_of_the_limiter_opens_no_breaker_and_feeds_no_health() {
     }
     assert_eq!(received(), 3, "both sources serve at once after the outage");
 }
+
+/// An error as hyper-util's client gives it: a message over its cause.
+#[derive(Debug)]
+struct Wrapped(&'static str, Box<dyn std::error::Error + Send + Sync>);
+
+impl std::fmt::Display for Wrapped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0)
+    }
+}
+
+impl std::error::Error for Wrapped {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.1)
+    }
+}
+
+/// The process out of file descriptors (`EMFILE` on its upstream connects, as a flood
+/// of client connections leaves it) is its own failure: no breaker opens, no health
+/// falls, the call ends at once on its first attempt (every other source would fail
+/// alike), and the sources serve as soon as descriptors are back.
+#[cfg(unix)]
+#[tokio::test(start_paused = true)]
+async fn running_out_of_file_descriptors_opens_no_breaker_and_ends_the_call_at_once() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    use bytes::Bytes;
+    use pgw_core::BoxError;
+    use pgw_stack::client::box_transport;
+    use tower_retry_pushback::{Reason, RetryError};
+
+    const EMFILE: i32 = 24; // "Too many open files" on Linux, the BSDs and macOS
+
+    let pool = SimPool::new(PoolConfig::of(vec![quick("a"), quick("b")]), 7).unwrap();
+    let mut cfg = GatewayConfig::default();
+    cfg.cache.enabled = false;
+    for name in pool.sources() {
+        cfg.sources.push(SourceConfig::new(
+            name.as_str(),
+            format!("http://sim.invalid/{name}/v1"),
+            SecretKey::new(KEY),
+        ));
+    }
+    let exhausted = Arc::new(AtomicBool::new(true));
+    let sink = MemorySink::new();
+    let (p, out) = (pool.clone(), exhausted.clone());
+    let gw = Gateway::builder(cfg)
+        .sink(Arc::new(sink.clone()))
+        .transport(move |sc: &SourceConfig| -> Result<_, BoxError> {
+            let sim = p.service(&sc.name).ok_or("unknown sim source")?;
+            let out = out.clone();
+            let svc = tower::service_fn(move |req: http::Request<Bytes>| {
+                let (mut sim, out) = (sim.clone(), out.clone());
+                async move {
+                    if out.load(Ordering::SeqCst) {
+                        let io = std::io::Error::from_raw_os_error(EMFILE);
+                        let connect = Wrapped("tcp open error", Box::new(io));
+                        return Err(Box::new(Wrapped("client error (Connect)", Box::new(connect))) as BoxError);
+                    }
+                    tower::Service::call(&mut sim, req).await
+                }
+            });
+            Ok(box_transport(svc))
+        })
+        .build()
+        .await
+        .unwrap();
+
+    let calls = 20; // four times the breaker's consecutive threshold
+    for i in 0..calls {
+        let started = tokio::time::Instant::now();
+        let err = gw
+            .chat(ChatRequest::user("m", format!("during {i}")))
+            .await
+            .unwrap_err();
+        let reason = std::iter::successors(Some(&*err as &(dyn std::error::Error + 'static)), |e| e.source())
+            .find_map(|e| e.downcast_ref::<RetryError>())
+            .map(RetryError::reason);
+        assert_eq!(reason, Some(Reason::LocalExhaustion), "call {i}: {err}");
+        assert_eq!(started.elapsed(), std::time::Duration::ZERO, "call {i} waited");
+    }
+    let records = sink.records();
+    assert_eq!(records.len(), calls, "one attempt per call");
+    assert!(
+        records.iter().all(|r| r.outcome == "local_exhaustion"),
+        "{:?}",
+        records.iter().map(|r| r.outcome).collect::<Vec<_>>()
+    );
+    for h in gw.sources() {
+        let view = h.breaker.view().await.unwrap();
+        assert_eq!(view.state, BreakerState::Closed, "{}: {view:?}", h.source);
+        assert_eq!(view.failures, 0, "{}: no failure recorded", h.source);
+        assert_eq!(gw.health(h.source.as_str()), Some(1.0), "{}: no health sample", h.source);
+    }
+
+    exhausted.store(false, Ordering::SeqCst);
+    for i in 0..2 {
+        gw.chat(ChatRequest::user("m", format!("after {i}"))).await.unwrap();
+    }
+    let received: u64 = pool.stats().sources.values().map(|s| s.received).sum();
+    assert_eq!(received, 2, "the sources serve at once once descriptors are back");
+}

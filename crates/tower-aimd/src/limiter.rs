@@ -198,7 +198,11 @@ impl Limiter {
                     self.update(|l| (l + 1.0 / l).min(self.ceiling));
                 }
             }
-            Outcome::Transient | Outcome::SourceDead | Outcome::Rejected | Outcome::Invalid => {}
+            Outcome::Transient
+            | Outcome::SourceDead
+            | Outcome::Rejected
+            | Outcome::Invalid
+            | Outcome::LocalExhaustion => {}
         }
     }
 

@@ -91,13 +91,19 @@ pub enum Reason {
     /// error is the [`RetryError`]'s source): a service that errors there cannot be
     /// called again.
     ServiceFailed,
+    /// The attempt failed for want of this process's own resources (`Outcome::
+    /// LocalExhaustion`: out of file descriptors, socket buffers or memory): every
+    /// source would fail alike, so the call ends at once; nothing was counted
+    /// against the source.
+    LocalExhaustion,
 }
 
 impl Reason {
     /// A short stable name for telemetry: `budget_exhausted`, `reasks_exhausted`,
     /// `rejected`, `stalled`, `all_circuits_open`, `wait_too_long`,
     /// `pushback_exhausted`, `not_admitted_here`, `deadline_exceeded`,
-    /// `retry_budget_exhausted`, `throttled`, `not_resendable`, `service_failed`.
+    /// `retry_budget_exhausted`, `throttled`, `not_resendable`, `service_failed`,
+    /// `local_exhaustion`.
     #[must_use]
     pub const fn as_str(self) -> &'static str {
         match self {
@@ -114,6 +120,7 @@ impl Reason {
             Self::Throttled => "throttled",
             Self::NotResendable => "not_resendable",
             Self::ServiceFailed => "service_failed",
+            Self::LocalExhaustion => "local_exhaustion",
         }
     }
 }
@@ -164,6 +171,9 @@ impl fmt::Display for Reason {
             Self::Throttled => f.write_str("throttled locally (adaptive throttling)"),
             Self::NotResendable => f.write_str("request cannot be re-sent"),
             Self::ServiceFailed => f.write_str("the service below failed before a retry"),
+            Self::LocalExhaustion => f.write_str(
+                "this process is out of file descriptors, socket buffers or memory for a connection",
+            ),
         }
     }
 }

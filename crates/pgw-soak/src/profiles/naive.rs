@@ -159,7 +159,7 @@ fn record(shared: &Shared, s: &SourceState, probe: bool, outcome: Outcome) {
                 b.open_until = Some(now + shared.cooldown);
             }
         }
-        Outcome::Rejected => {}
+        Outcome::Rejected | Outcome::LocalExhaustion => {}
     }
 }
 
