@@ -105,7 +105,6 @@ pub fn raise_open_files_limit(max_connections: usize, max_in_flight: usize) -> s
     Ok(limit)
 }
 
-
 /// Installs the process-wide Prometheus recorder once and returns its handle (every
 /// `metrics` counter, gauge and histogram of the gateway and the server lands there).
 /// `None` when another recorder was installed first.

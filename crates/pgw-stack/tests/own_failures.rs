@@ -155,8 +155,8 @@ impl std::error::Error for Wrapped {
 #[cfg(unix)]
 #[tokio::test(start_paused = true)]
 async fn running_out_of_file_descriptors_opens_no_breaker_and_ends_the_call_at_once() {
-    use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
 
     use bytes::Bytes;
     use pgw_core::BoxError;
@@ -189,7 +189,9 @@ async fn running_out_of_file_descriptors_opens_no_breaker_and_ends_the_call_at_o
                     if out.load(Ordering::SeqCst) {
                         let io = std::io::Error::from_raw_os_error(EMFILE);
                         let connect = Wrapped("tcp open error", Box::new(io));
-                        return Err(Box::new(Wrapped("client error (Connect)", Box::new(connect))) as BoxError);
+                        return Err(
+                            Box::new(Wrapped("client error (Connect)", Box::new(connect))) as BoxError
+                        );
                     }
                     tower::Service::call(&mut sim, req).await
                 }
@@ -224,12 +226,19 @@ async fn running_out_of_file_descriptors_opens_no_breaker_and_ends_the_call_at_o
         let view = h.breaker.view().await.unwrap();
         assert_eq!(view.state, BreakerState::Closed, "{}: {view:?}", h.source);
         assert_eq!(view.failures, 0, "{}: no failure recorded", h.source);
-        assert_eq!(gw.health(h.source.as_str()), Some(1.0), "{}: no health sample", h.source);
+        assert_eq!(
+            gw.health(h.source.as_str()),
+            Some(1.0),
+            "{}: no health sample",
+            h.source
+        );
     }
 
     exhausted.store(false, Ordering::SeqCst);
     for i in 0..2 {
-        gw.chat(ChatRequest::user("m", format!("after {i}"))).await.unwrap();
+        gw.chat(ChatRequest::user("m", format!("after {i}")))
+            .await
+            .unwrap();
     }
     let received: u64 = pool.stats().sources.values().map(|s| s.received).sum();
     assert_eq!(received, 2, "the sources serve at once once descriptors are back");

@@ -416,6 +416,13 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
                 let last = round.last_error();
                 return Poll::Ready(Err(Box::new(NoneAdmitted::new(waited, last))));
             }
+            if !paced {
+                // No source refused for want of a slot: a release cannot admit this
+                // call. A listener kept from the wake-up before this round would take
+                // the next release's wake-up (first in line) from a call waiting for
+                // one; dropped, a wake-up it already got goes on to the next waiter.
+                wait.armed = None;
+            }
             if paced && wait.armed.is_none() && std::mem::take(&mut wait.disarmed) {
                 // Armed again after an attempt: a release since then is the `Notify`'s
                 // permit, and this listener completes at once on it.
@@ -588,7 +595,13 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
             Some(at) if answered_now => at,
             _ => Instant::now(),
         };
-        heard_from(state, &result, dispatched_at.unwrap_or(now), now);
+        heard_from(
+            state,
+            &self.classifier,
+            &result,
+            dispatched_at.unwrap_or(now),
+            now,
+        );
         if self.classifier.in_progress(&result) {
             self.dispatched_at = None;
             state.answered();
@@ -753,14 +766,24 @@ where
 
 /// What an attempt dispatched at `at` that ended `now` says of its source's silence:
 /// a timeout is one more; any answer (a committed stream's first chunk included) says
-/// it is alive, and a success also how fast it answers.
-pub(crate) fn heard_from<T>(state: &SourceState, result: &Result<T, BoxError>, at: Instant, now: Instant) {
+/// it is alive, and a success (or a stream under way: its first chunk) also how fast
+/// it answers. A failure in an `Ok` (an empty completion, a 503 response, as
+/// `classifier` says) answered fast must not make the source look fast.
+pub(crate) fn heard_from<T, C>(
+    state: &SourceState,
+    classifier: &C,
+    result: &Result<T, BoxError>,
+    at: Instant,
+    now: Instant,
+) where
+    C: Classify<T, BoxError>,
+{
     if result.as_ref().err().is_some_and(|e| pgw_core::is_timeout(&**e)) {
         state.timed_out(at, now);
     } else {
         state.heard(now);
         state.answered_sent_at(at);
-        if result.is_ok() {
+        if result.is_ok() && (classifier.in_progress(result) || classifier.classify(result).is_success()) {
             // An answer in the poll that dispatched it took no time: no subtraction.
             let latency = if now == at {
                 Duration::ZERO
@@ -969,7 +992,12 @@ where
                         let req = &this.ctx.req;
                         match entry.dispatch(cx, || req.clone()) {
                             Dispatch::Called(fut) => this.state.set(State::Calling { fut }),
-                            Dispatch::Own(svc) => this.state.set(State::Ready { svc, patience: None }),
+                            Dispatch::Own(svc) => {
+                                // Waiting on this source's readiness, not on releases:
+                                // the listener would hold a release's wake-up meanwhile.
+                                this.ctx.disarm();
+                                this.state.set(State::Ready { svc, patience: None });
+                            }
                             Dispatch::Refused(e) => {
                                 if let Some(r) = this.ctx.finish(Err(e.into()), true) {
                                     this.state.set(State::Done);

@@ -71,7 +71,7 @@ pub(crate) fn send<S, Req, C>(
             // A gate below refused it: not an attempt, nothing learnt.
             return;
         }
-        heard_from(&probing.0, &result, at, Instant::now());
+        heard_from(&probing.0, &classifier, &result, at, Instant::now());
         // A stream is judged at its end; dropping it (below) ends it unjudged, and the
         // hold goes back with the dropped judgement.
         let judging = classifier.clone();

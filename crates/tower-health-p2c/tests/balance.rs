@@ -337,6 +337,78 @@ async fn a_release_wakes_a_waiting_call_not_one_already_dispatched() {
     }
 }
 
+/// A call refused only by a quota (nothing paced: a freed slot cannot admit it) does
+/// not listen for releases: the wake-up of a slot freed goes to the call waiting for
+/// one. `a` is refused by a quota for 100 s at a time (its wake-ups by timer); `b`
+/// waits for one of the two slots, freed at 110 s. `a`'s listener, armed again at its
+/// timer's wake-up, took that release's wake-up (first in line), ran a round it could
+/// not use, and `b` slept until the next release at 400 s.
+#[tokio::test(start_paused = true)]
+async fn a_release_wakes_the_call_waiting_for_a_slot_not_one_refused_by_a_quota() {
+    let sources: Sources<Svc> = Sources::new();
+    let gate = AimdLayer::new(AimdConfig {
+        initial_limit: 2.0,
+        max_concurrency: Some(2),
+        ..AimdConfig::default()
+    })
+    .unwrap()
+    .with_source("s1".into())
+    .with_release_signal(sources.wake_signal())
+    .shedding();
+    // The two busy calls hold a slot until 110 s and 400 s; `b` then runs 10 s.
+    let n = Arc::new(AtomicUsize::new(0));
+    let slots = BoxCloneSyncService::new(gate.layer(service_fn(move |_: Req| {
+        let i = n.fetch_add(1, Ordering::SeqCst);
+        async move {
+            tokio::time::sleep(Duration::from_secs([110, 400, 10][i.min(2)])).await;
+            Ok::<_, BoxError>("done")
+        }
+    })));
+    // `a` (its history has a deadline) is refused by a quota before the slots.
+    let svc = service_fn(move |req: Req| {
+        let slots = slots.clone();
+        async move {
+            if req.0.as_ref().and_then(CallHistory::deadline).is_some() {
+                return Err::<&str, BoxError>(Box::new(QuotaExceeded::new("rpm", Duration::from_secs(100))));
+            }
+            slots.oneshot(req).await
+        }
+    });
+    sources.insert("s1".into(), BoxCloneSyncService::new(svc));
+    let lb = HealthP2c::new(
+        sources.clone(),
+        BalanceConfig {
+            // No polling: only the release signal wakes `b` in time.
+            paced_poll: Duration::from_secs(1000),
+            max_wait: Duration::from_secs(500),
+            // Attempts of minutes here are the test's, not a silent source's.
+            silent_after: None,
+            ..BalanceConfig::default()
+        },
+    )
+    .unwrap();
+    let t0 = Instant::now();
+    let busy: Vec<_> = (0..2)
+        .map(|_| tokio::spawn(lb.clone().oneshot(Req::default())))
+        .collect();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let history = CallHistory::new();
+    history.set_deadline(t0 + Duration::from_secs(10_000));
+    let a = tokio::spawn(lb.clone().oneshot(Req(Some(history), false)));
+    tokio::time::sleep(Duration::from_secs(104)).await;
+    let b = lb.clone().oneshot(Req::default()).await.unwrap();
+    assert_eq!(b, "done");
+    assert_eq!(
+        t0.elapsed(),
+        Duration::from_secs(120),
+        "b woken by the release at 110 s"
+    );
+    a.abort();
+    for c in busy {
+        c.await.unwrap().unwrap();
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn all_paced_waits_for_a_release_and_consumes_nothing() {
     let sources: Sources<Svc> = Sources::new();
@@ -2035,4 +2107,55 @@ async fn a_call_that_may_not_wait_still_waits_for_a_source_getting_ready() {
     let history = CallHistory::new();
     history.set_may_wait(false);
     assert_eq!(lb.oneshot(Req(Some(history), false)).await.unwrap(), "answered");
+}
+
+/// `Ok("empty")` is a failure (as an empty completion is to `OpenAiClassifier`).
+#[derive(Clone)]
+struct EmptyIsTransient;
+
+impl pgw_core::Classify<&'static str, BoxError> for EmptyIsTransient {
+    fn classify(&self, result: &Result<&'static str, BoxError>) -> Outcome {
+        match result {
+            Ok(s) if *s != "empty" => Outcome::Success,
+            _ => Outcome::Transient,
+        }
+    }
+}
+
+/// A failure handed up as `Ok` (an empty completion, a 503 response) and answered at
+/// once does not make its source look fast: its latency is its successes' (2 s), so
+/// a source failing 40% scores below a healthy one of the same speed. Sampled, the
+/// instant failures pulled the latency down by the failure rate and the score came
+/// out `health / (health x 2 s)`: health no longer counted.
+#[tokio::test(start_paused = true)]
+async fn failures_answered_as_ok_do_not_make_a_source_look_fast() {
+    let sources: Sources<Svc> = Sources::new();
+    let n = Arc::new(AtomicUsize::new(0));
+    sources.insert(
+        "s1".into(),
+        BoxCloneSyncService::new(service_fn(move |_: Req| {
+            let i = n.fetch_add(1, Ordering::SeqCst);
+            async move {
+                if matches!(i % 5, 0 | 3) {
+                    return Ok::<_, BoxError>("empty");
+                }
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                Ok("done")
+            }
+        })),
+    );
+    let mut lb = HealthP2c::new(sources.clone(), BalanceConfig::default())
+        .unwrap()
+        .with_classifier(EmptyIsTransient);
+    for _ in 0..50 {
+        let _ = lb.ready().await.unwrap().call(Req::default()).await;
+    }
+    let view = sources.view("s1").unwrap();
+    assert!(view.health() < 0.9, "failures counted: {}", view.health());
+    // The score is health / ((1 + inflight) x latency), nothing in flight.
+    let latency = view.health() / view.score();
+    assert!(
+        (latency - 2.0).abs() < 0.01,
+        "latency {latency} s, not its successes' 2 s"
+    );
 }
