@@ -65,12 +65,15 @@ where
                 if let Some(permit) = permit.take() {
                     // The slot is held until the attempt ends (a stream passed through
                     // ends after this future). A not-admitted answer from below is not
-                    // an attempt: the limit stays, only the slot is given back.
+                    // an attempt: the limit stays, and the slot goes back as one the
+                    // gate below refused in `poll_ready` (`Permit::unused`: it wakes a
+                    // waiter only for a refusal counted while it was held). Released as
+                    // an attempt's, it answered an old refusal: a balancer round woken
+                    // for it met the same refusal below, and so on, round after round.
                     let c = classifier.clone();
-                    settle(&*classifier, &mut result, move |r| {
-                        if let Some(outcome) = attempt_outcome(&c, r) {
-                            permit.on_outcome(outcome);
-                        }
+                    settle(&*classifier, &mut result, move |r| match attempt_outcome(&c, r) {
+                        Some(outcome) => permit.on_outcome(outcome),
+                        None => permit.unused(),
                     });
                 }
                 Poll::Ready(result)

@@ -770,8 +770,26 @@ impl RedisGate {
             Err(_) => {
                 if let Ok(rt) = tokio::runtime::Handle::try_current() {
                     rt.spawn(async move {
-                        let Ok(Ok(reply)) = tokio::time::timeout(LATE_ANSWER_WAIT, question).await else {
-                            return;
+                        let reply = match tokio::time::timeout(LATE_ANSWER_WAIT, question).await {
+                            Ok(Ok(reply)) => reply,
+                            late_answer => {
+                                // Whether it ran is unknown, as after a connection that
+                                // broke: its request and tokens stay charged, its lease
+                                // is given back blindly.
+                                let error = match late_answer {
+                                    Ok(Err(e)) => e.to_string(),
+                                    _ => format!("no answer within {LATE_ANSWER_WAIT:?} more"),
+                                };
+                                tracing::warn!(
+                                    scopes = ?late.inner.labels,
+                                    %error,
+                                    "an admission that timed out never answered; its request and tokens stay charged for their window"
+                                );
+                                if let Some(lease) = lease {
+                                    late.release_in_background(lease);
+                                }
+                                return;
+                            }
                         };
                         if let [1, now, ..] = reply.as_slice() {
                             let undo = Settle {
