@@ -79,19 +79,9 @@ async fn shed_mode_answers_paced_with_the_source_and_fires_the_signal() {
 #[tokio::test(start_paused = true)]
 async fn a_slot_given_back_unused_wakes_only_for_refusals_while_it_was_held() {
     let signal = Arc::new(tokio::sync::Notify::new());
-    let layer = one_slot_shedding(&signal);
+    let layer = with_two_old_refusals(&signal).await;
     let h = layer.handle();
     let ok = || service_fn(|_: &str| async { Ok::<_, BoxError>("ok") });
-    // `a` holds the only slot; three sheds count three refusals.
-    let mut a = layer.layer(ok());
-    assert!(matches!(a.ready().now_or_never(), Some(Ok(_))));
-    for _ in 0..3 {
-        let mut b = layer.layer(ok());
-        let _ = b.ready().await.unwrap().call("shed").await.unwrap_err();
-    }
-    // A real release answers one of them (the signal's permit, taken here).
-    assert_eq!(a.call("one").await.unwrap(), "ok");
-    assert!(Arc::clone(&signal).notified_owned().now_or_never().is_some());
     // A gate below that refuses in `poll_ready`: the slot goes back, nobody is woken.
     let mut c = layer.layer(Refusing(Arc::new(|| {})));
     assert!(matches!(c.ready().now_or_never(), Some(Err(_))));
@@ -125,17 +115,9 @@ async fn a_slot_given_back_unused_wakes_only_for_refusals_while_it_was_held() {
 #[tokio::test(start_paused = true)]
 async fn a_slot_refused_below_in_its_future_wakes_only_for_refusals_while_it_was_held() {
     let signal = Arc::new(tokio::sync::Notify::new());
-    let layer = one_slot_shedding(&signal);
+    let layer = with_two_old_refusals(&signal).await;
     let h = layer.handle();
     let ok = || service_fn(|_: &str| async { Ok::<_, BoxError>("ok") });
-    let mut a = layer.layer(ok());
-    assert!(matches!(a.ready().now_or_never(), Some(Ok(_))));
-    for _ in 0..3 {
-        let mut b = layer.layer(ok());
-        let _ = b.ready().await.unwrap().call("shed").await.unwrap_err();
-    }
-    assert_eq!(a.call("one").await.unwrap(), "ok");
-    assert!(Arc::clone(&signal).notified_owned().now_or_never().is_some());
     // Two old refusals are left. A gate below that is ready but refuses the call.
     let refusing = || {
         service_fn(|_: &str| async {
@@ -221,6 +203,23 @@ fn one_slot_waiting(signal: &Arc<tokio::sync::Notify>) -> AimdLayer {
 }
 
 /// One slot in shed mode, source `s1`, releases signalled on `signal`.
+/// A one-slot shedding layer with two refusals counted and unanswered: a service of
+/// it held the only slot while three sheds counted three refusals, and its release
+/// answered one (the signal's permit, taken here).
+async fn with_two_old_refusals(signal: &Arc<tokio::sync::Notify>) -> AimdLayer {
+    let layer = one_slot_shedding(signal);
+    let ok = || service_fn(|_: &str| async { Ok::<_, BoxError>("ok") });
+    let mut a = layer.layer(ok());
+    assert!(matches!(a.ready().now_or_never(), Some(Ok(_))));
+    for _ in 0..3 {
+        let mut b = layer.layer(ok());
+        let _ = b.ready().await.unwrap().call("shed").await.unwrap_err();
+    }
+    assert_eq!(a.call("one").await.unwrap(), "ok");
+    assert!(Arc::clone(signal).notified_owned().now_or_never().is_some());
+    layer
+}
+
 fn one_slot_shedding(signal: &Arc<tokio::sync::Notify>) -> AimdLayer {
     one_slot_waiting(signal)
         .with_source(SourceId::from("s1"))

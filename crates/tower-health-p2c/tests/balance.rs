@@ -278,6 +278,20 @@ async fn all_breaker_open_fails_at_once_with_the_earliest_retry_after() {
     );
 }
 
+/// Source `s1`'s AIMD gate of two slots for good (successes do not raise it), shedding,
+/// its releases signalled to `sources`' waiting calls.
+fn two_slots(sources: &Sources<Svc>) -> AimdLayer {
+    AimdLayer::new(AimdConfig {
+        initial_limit: 2.0,
+        max_concurrency: Some(2),
+        ..AimdConfig::default()
+    })
+    .unwrap()
+    .with_source("s1".into())
+    .with_release_signal(sources.wake_signal())
+    .shedding()
+}
+
 /// A call that waited and then dispatched no longer listens for releases: a slot
 /// freed while its attempt runs wakes a call still waiting. Before, the dispatched
 /// call's listener (armed again when it woke) stayed first in line and took the
@@ -285,16 +299,7 @@ async fn all_breaker_open_fails_at_once_with_the_earliest_retry_after() {
 #[tokio::test(start_paused = true)]
 async fn a_release_wakes_a_waiting_call_not_one_already_dispatched() {
     let sources: Sources<Svc> = Sources::new();
-    let gate = AimdLayer::new(AimdConfig {
-        initial_limit: 2.0,
-        // Two slots for good: successes do not raise it.
-        max_concurrency: Some(2),
-        ..AimdConfig::default()
-    })
-    .unwrap()
-    .with_source("s1".into())
-    .with_release_signal(sources.wake_signal())
-    .shedding();
+    let gate = two_slots(&sources);
     // Attempts of 10 s, 15 s and then 20 s.
     let n = Arc::new(AtomicUsize::new(0));
     let inner = BoxCloneSyncService::new(service_fn(move |_: Req| {
@@ -346,15 +351,7 @@ async fn a_release_wakes_a_waiting_call_not_one_already_dispatched() {
 #[tokio::test(start_paused = true)]
 async fn a_release_wakes_the_call_waiting_for_a_slot_not_one_refused_by_a_quota() {
     let sources: Sources<Svc> = Sources::new();
-    let gate = AimdLayer::new(AimdConfig {
-        initial_limit: 2.0,
-        max_concurrency: Some(2),
-        ..AimdConfig::default()
-    })
-    .unwrap()
-    .with_source("s1".into())
-    .with_release_signal(sources.wake_signal())
-    .shedding();
+    let gate = two_slots(&sources);
     // The two busy calls hold a slot until 110 s and 400 s; `b` then runs 10 s.
     let n = Arc::new(AtomicUsize::new(0));
     let slots = BoxCloneSyncService::new(gate.layer(service_fn(move |_: Req| {
