@@ -462,7 +462,7 @@ fn too_large(tokens: u64, max: u64, scope: &str) -> RequestTooLarge {
 }
 
 /// A new lease id, unique in this process.
-fn next_lease() -> LeaseId {
+pub(crate) fn next_lease() -> LeaseId {
     LeaseId::MIN.saturating_add(NEXT_LEASE.fetch_add(1, Ordering::Relaxed))
 }
 

@@ -988,6 +988,115 @@ async fn a_refusal_judged_before_a_refund_landed_is_forgotten_when_it_lands() {
     p.finish(None).await.unwrap();
 }
 
+/// The same for a limiter without a concurrency quota, which has no lease to tell a
+/// second run by: on a cluster, its settle names a marker of its own (`SET NX`), and
+/// the script run again with it gives nothing back. Before, the second refund took
+/// another call's request out of the window: two more admitted against rpm 1.
+#[tokio::test]
+async fn a_settle_without_a_lease_run_twice_gives_back_once() {
+    let (_server, conn) = private_redis().await;
+    for round in 0..3 {
+        let config = RateLimitConfig::new(format!("s1-{round}"), Quota::unlimited().requests(1))
+            .window(Duration::from_secs(60))
+            .sub_windows(2);
+        let sub_ms = u64::try_from(config.sub_window_len().as_millis()).unwrap();
+        let [[window_key, lease_key, _]] = <[[String; 3]; 1]>::try_from(RedisBackend::keys(&config)).unwrap();
+        let l = RateLimiter::new(config.clone(), RedisBackend::new(conn.clone())).unwrap();
+        let a = l.acquire(0).await.unwrap();
+        let at_ms = u64::try_from(a.admission().at().as_millis()).unwrap();
+        // A's refund, as the limiter sends it on a cluster: one scope, the request
+        // given back, no lease, rpm 1, tpm and concurrency unlimited, and its marker.
+        let marker = format!("{window_key}:settled:test-{round}");
+        let settle = redis::Script::new(concat!(
+            include_str!("../src/lua/window.lua"),
+            include_str!("../src/lua/settle.lua")
+        ));
+        let run = || {
+            let mut c = conn.clone();
+            let mut inv = settle.prepare_invoke();
+            inv.key(&window_key)
+                .key(&lease_key)
+                .key(&marker)
+                .arg(1)
+                .arg(sub_ms)
+                .arg(60_000 / sub_ms)
+                .arg(at_ms)
+                .arg(-1)
+                .arg(0)
+                .arg("")
+                .arg(1)
+                .arg(-1)
+                .arg(-1);
+            async move { inv.invoke_async::<i64>(&mut c).await.unwrap() }
+        };
+        assert_eq!(run().await, 1, "the first run gives the request back");
+        // Another process (this one remembers its window full: it never saw the
+        // refund it did not send).
+        let second = RateLimiter::new(config.clone(), RedisBackend::new(conn.clone())).unwrap();
+        let b = second.acquire(0).await.expect("A's request is back");
+        let b_ms = u64::try_from(b.admission().at().as_millis()).unwrap();
+        if b_ms / sub_ms != at_ms / sub_ms {
+            // The second refund would go to A's sub-window, not B's: no proof.
+            b.finish(None).await.unwrap();
+            continue;
+        }
+        assert_eq!(
+            run().await,
+            2,
+            "the second run found its marker and gave nothing back"
+        );
+        b.finish(None).await.unwrap();
+        let other = RateLimiter::new(config, RedisBackend::new(conn.clone())).unwrap();
+        let e = other
+            .acquire(0)
+            .await
+            .expect_err("B's request still counts: one a window");
+        assert!(e.to_string().contains("rpm"), "{e}");
+        // A's own settle: nothing to give back or charge, so nothing is sent.
+        a.finish(None).await.unwrap();
+        assert_eq!(l.stats().settle_failures, 0);
+        return;
+    }
+    panic!("A and B straddled a 30 s sub-window boundary three times");
+}
+
+/// On a cluster the limiter's own settle of a leaseless admission that gives back
+/// names such a marker, in its scope's hash slot, kept for a window.
+#[tokio::test]
+async fn on_a_cluster_a_leaseless_refund_names_its_marker() {
+    let h = Harness::redis(common::cluster(), "cluster_leaseless_marker").await;
+    let config = h
+        .config("s1", Quota::unlimited().requests(1))
+        .window(Duration::from_secs(60));
+    let [[window_key, _, _]] = <[[String; 3]; 1]>::try_from(RedisBackend::keys(&config)).unwrap();
+    let here = h.limiter(config.clone());
+    here.acquire(0).await.unwrap().refund().await.unwrap();
+    // Back once: the next admission is taken, and the one after it refused.
+    let p = here.acquire(0).await.expect("the request given back");
+    let elsewhere = h.other_process(config).unwrap();
+    elsewhere.acquire(0).await.expect_err("rpm 1");
+    p.finish(None).await.unwrap();
+    let mut markers = Vec::new();
+    for node in pgw_test_support::redis_cluster_nodes().expect("REDIS_CLUSTER_NODES") {
+        let client = redis::Client::open(node).unwrap();
+        let mut c = client.get_multiplexed_async_connection().await.unwrap();
+        let found: Vec<String> = redis::cmd("KEYS")
+            .arg(format!("{window_key}:settled:*"))
+            .query_async(&mut c)
+            .await
+            .unwrap();
+        for key in found {
+            let ttl: i64 = redis::cmd("PTTL").arg(&key).query_async(&mut c).await.unwrap();
+            markers.push((key, ttl));
+        }
+    }
+    let [(_, ttl)] = markers.as_slice() else {
+        panic!("one marker: {markers:?}")
+    };
+    assert!((1..=60_000).contains(ttl), "kept for a window: {ttl} ms");
+    assert_eq!(here.stats().settle_failures, 0);
+}
+
 /// A settle run twice gives back once: a cluster client resends a script whose answer
 /// it lost (its connection dropped after Redis ran it), and a second refund would count
 /// another call's request out of the window. The settle finds its lease gone and gives

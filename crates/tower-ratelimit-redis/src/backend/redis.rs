@@ -714,6 +714,16 @@ impl Drop for Armed {
     }
 }
 
+/// A key unique to one settle, in the hash slot of the gate's keys (the first scope's
+/// window key, extended): `settle.lua`'s marker for a settle without a lease.
+fn settle_marker(k: &GateKeys) -> String {
+    let id = unique_id(crate::limiter::next_lease().get());
+    match k.settle_keys.first() {
+        Some(w) => format!("{w}:settled:{id}"),
+        None => format!("settled:{id}"),
+    }
+}
+
 fn lease_member(id: LeaseId) -> String {
     unique_id(id.get())
 }
@@ -1268,9 +1278,8 @@ impl Gate for RedisGate {
         // Redis ran it, and the script carrying the refunds (an admission, a settle, a
         // flush) has no lease to tell a second run by, so it would give them back
         // twice (the settle script's own refund finds its lease gone the second time
-        // and gives nothing back, when it has a lease: a limiter with no concurrency
-        // quota is not protected, see the README). A standalone connection sends a
-        // script once. There,
+        // and gives nothing back; without a lease, its marker, below). A standalone
+        // connection sends a script once. There,
         // such a refund does not depend on the lease being still there: a lease that
         // expired before its settle gets its unused tokens back too.
         let tokens = if k.limits_tokens() { s.tokens } else { 0 };
@@ -1283,6 +1292,7 @@ impl Gate for RedisGate {
                 None => BackendFuture::ready(Ok(())),
             };
         }
+        let leaseless = s.lease.is_none();
         let mut inv = settle_invocation(
             k,
             u64::try_from(s.at.as_millis()).unwrap_or(u64::MAX),
@@ -1290,6 +1300,13 @@ impl Gate for RedisGate {
             tokens,
             s.lease.map(lease_member).unwrap_or_default(),
         );
+        if leaseless && refund != 0 && self.conn.is_cluster() {
+            // No lease to tell a second run of this script by (a cluster client resends
+            // one whose answer it lost): a marker of its own, set once (`SET NX`), so
+            // a second run gives nothing back again. One command more, on a cluster
+            // only, for a settle that gives back without a lease.
+            inv.key(settle_marker(k));
+        }
         let mut conn = self.conn.clone();
         let timeout = k.timeout;
         // One reference for the counts when it lands and the warning.
@@ -1310,8 +1327,8 @@ impl Gate for RedisGate {
                 tracing::warn!(
                     scopes = ?k.labels,
                     "a settle found its concurrency lease gone (it expired, or this settle \
-                     already ran): its refund was not given back, the reservation stays \
-                     counted for its window"
+                     already ran: a cluster client resent it): its refund was not given \
+                     back, the reservation stays counted for its window"
                 );
             }
             Ok(())

@@ -4,7 +4,9 @@
 -- tokens used beyond the estimate are charged to the sub-window the settle lands in
 -- (server clock), so they count in every span from now on. The lease is released.
 --
--- KEYS, two per scope: w (window hash), c (lease zset)
+-- KEYS, two per scope: w (window hash), c (lease zset); then, for a settle without a
+--   lease that gives something back on a cluster, a marker unique to this settle (same
+--   hash tag): its SET NX tells a second run of the script, as a lease's ZREM does.
 -- ARGV: nscopes, sub_ms, subs, admitted_ms, delta_requests, delta_tokens,
 --       lease_id ('' = none), then per scope: rpm, tpm, concurrency (-1 = unlimited),
 --       then m and m pairs (admitted_ms, tokens < 0): token refunds of earlier settles
@@ -28,6 +30,7 @@ ats[#ats + 1] = at
 -- second refund would count another call's request or tokens out), what it charges is
 -- charged (counted twice at worst, never under).
 local leased, held = false, false
+local marker = KEYS[2 * n + 1]
 if lease ~= '' then
   for i = 0, n - 1 do
     if tonumber(ARGV[10 + 3 * i]) >= 0 then
@@ -36,6 +39,12 @@ if lease ~= '' then
         held = true
       end
     end
+  end
+elseif marker then
+  -- Kept for a window: a refund goes back only while its sub-window counts.
+  leased = true
+  if redis.call('SET', marker, 1, 'NX', 'PX', g * k) then
+    held = true
   end
 end
 local dropped = 0
