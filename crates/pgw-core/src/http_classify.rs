@@ -271,8 +271,8 @@ pub fn classify_response(resp: &ChatResponse) -> Outcome {
 
 /// The outcome of an attempt that ended in an error: walks the source chain for an
 /// [`UpstreamStatus`] (classified by [`classify_upstream`]), an [`InvalidResponse`]
-/// (`Invalid`), an [`EmptyCompletion`] (`Transient`) or an I/O error of the process's
-/// own exhaustion (`LocalExhaustion`, see [`is_local_exhaustion`]); anything else
+/// (`Invalid`), an [`EmptyCompletion`] (`Transient`) or the process out of file
+/// descriptors (`LocalExhaustion`, see [`is_local_exhaustion`]); anything else
 /// (timeouts, connect errors, resets, watchdog cuts, garbage bytes) is `Transient`.
 #[must_use]
 pub fn classify_error(err: &(dyn Error + 'static)) -> Outcome {
@@ -297,17 +297,19 @@ pub fn classify_error(err: &(dyn Error + 'static)) -> Outcome {
 }
 
 /// Whether an error's source chain holds an I/O error that says this process ran out
-/// of what it needs to open a connection: file descriptors (`EMFILE`, the process's
-/// own limit; `ENFILE`, the system's), socket buffers (`ENOBUFS`) or memory
-/// (`ENOMEM`). Such an attempt never reached the source, and every other source would
-/// fail alike: [`classify_error`] makes it `LocalExhaustion`, which no breaker, health
-/// score or budget counts. Unix only (elsewhere always `false`).
+/// of file descriptors (`EMFILE`, the process's own limit; `ENFILE`, the system's). A
+/// descriptor is taken only to open a connection (or resolve its name), before any
+/// byte of the request is sent: such an attempt never reached the source, and every
+/// other source would fail alike. [`classify_error`] makes it `LocalExhaustion`, which
+/// no breaker, health score, budget or quota counts. (`ENOBUFS` and `ENOMEM` may come
+/// after a request was sent: they stay `Transient`.) Unix only (elsewhere always
+/// `false`).
 ///
 /// ```
 /// use pgw_core::is_local_exhaustion;
 ///
-/// let emfile = std::io::Error::from_raw_os_error(24); // EMFILE on Linux
-/// assert!(is_local_exhaustion(&emfile));
+/// let emfile = std::io::Error::from_raw_os_error(24); // EMFILE on Linux, the BSDs, macOS
+/// assert_eq!(is_local_exhaustion(&emfile), cfg!(unix));
 /// let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
 /// assert!(!is_local_exhaustion(&refused));
 /// ```
@@ -325,10 +327,7 @@ pub fn is_local_exhaustion(err: &(dyn Error + 'static)) -> bool {
 
 #[cfg(unix)]
 fn exhausted(e: &std::io::Error) -> bool {
-    matches!(
-        e.raw_os_error(),
-        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
-    )
+    matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE))
 }
 
 #[cfg(not(unix))]

@@ -43,10 +43,10 @@ pub enum Outcome {
     /// An answer arrived, but the caller's validator refused it.
     Invalid,
     /// The gateway's own process could not make the attempt: it is out of file
-    /// descriptors (`EMFILE`, `ENFILE`), socket buffers (`ENOBUFS`) or memory
-    /// (`ENOMEM`) for the connection. Nothing about the source: every source would
-    /// fail alike, so the call ends at once (a server answers 503 and sheds load)
-    /// and no breaker, health score or budget counts it.
+    /// descriptors (`EMFILE`, `ENFILE`) for the connection, and nothing was sent.
+    /// Nothing about the source: every source would fail alike, so the call ends at
+    /// once (a server answers 503 and sheds load), and no breaker, health score,
+    /// budget or quota counts it.
     LocalExhaustion,
 }
 

@@ -255,8 +255,8 @@ impl ApiError {
                 "stalled",
                 detail(r.reason().to_string()),
             ),
-            // Throttled here, or this process out of descriptors or memory for a
-            // connection (no source was blamed): shed like any load.
+            // Throttled here, or this process out of descriptors for a connection (no
+            // source was blamed): shed like any load.
             Reason::RetryBudgetExhausted | Reason::Throttled | Reason::LocalExhaustion => Self::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "service_unavailable",
@@ -399,7 +399,7 @@ impl ApiError {
                     StatusCode::SERVICE_UNAVAILABLE,
                     "service_unavailable",
                     "overloaded",
-                    detail("this process is out of file descriptors or memory for a connection".into()),
+                    detail("this process is out of file descriptors for a connection".into()),
                 );
             }
             _ => {}
@@ -416,17 +416,17 @@ impl ApiError {
 /// Whether a failed call may have reached a provider: the gateway's verdict
 /// ([`GatewayError::reached_a_provider`]), or for another error, anything but a
 /// refusal before any attempt ([`NotAdmitted`]: a quota, open circuits, the backend
-/// down, ...; or a request no window admits). What is not known to be a refusal counts as
-/// reached.
+/// down, ...; or a request no window admits) or an attempt this process could not make
+/// (out of file descriptors). What is not known to be a refusal counts as reached.
 pub(crate) fn reached_a_provider(e: &BoxError) -> bool {
     if let Some(g) = e.downcast_ref::<GatewayError>() {
         return g.reached_a_provider();
     }
     if let Some(r) = e.downcast_ref::<RetryError>() {
-        return !r.attempts().is_empty();
+        return r.reached_a_provider();
     }
     let e: &(dyn std::error::Error + 'static) = &**e;
-    NotAdmitted::of(e).is_none() && find::<RequestTooLarge>(e).is_none()
+    NotAdmitted::of(e).is_none() && find::<RequestTooLarge>(e).is_none() && !pgw_core::is_local_exhaustion(e)
 }
 
 /// The first error of type `T` in `e`'s source chain.
@@ -682,8 +682,9 @@ mod tests {
 
     /// A call that failed because this process is out of file descriptors (`EMFILE`
     /// on the upstream connect) is shed, 503 `overloaded` (the server adds its
-    /// `Retry-After`), not a 502 that blames the upstream; with or without the retry
-    /// layer's verdict around it.
+    /// `Retry-After`), not a 502 that blames the upstream, and did not reach a
+    /// provider (the tenant's quota gets it back); with or without the retry layer's
+    /// verdict around it.
     #[cfg(unix)]
     #[tokio::test(start_paused = true)]
     async fn running_out_of_file_descriptors_is_503_overloaded() {
@@ -703,12 +704,15 @@ mod tests {
             let e = ApiError::from_gateway(&err, false);
             assert_eq!(e.status, StatusCode::SERVICE_UNAVAILABLE, "{}", e.message);
             assert_eq!(e.code.as_deref(), Some("overloaded"), "{}", e.message);
+            // Nothing was sent: the tenant's quota gets the call back.
+            assert!(!reached_a_provider(&err), "{err}");
         }
         let refused: BoxError = Box::new(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
         assert_eq!(
             ApiError::from_gateway(&refused, false).status,
             StatusCode::BAD_GATEWAY
         );
+        assert!(reached_a_provider(&refused));
     }
 
     #[test]

@@ -97,8 +97,9 @@ impl GatewayError {
     /// Whether an attempt of the call may have reached a provider (and cost it, or a
     /// quota, something). `false` when no route serves the model, or when every group
     /// refused before its first attempt: its retry verdict lists no attempt (circuits
-    /// open, quotas full, the call's deadline passed while it waited). A group's failure
-    /// without a retry verdict counts as reached: nothing says it was not.
+    /// open, quotas full, the call's deadline passed while it waited), or none that left
+    /// the process ([`RetryError::reached_a_provider`]: out of file descriptors). A
+    /// group's failure without a retry verdict counts as reached: nothing says it was not.
     ///
     /// The server gives such a call back to the tenant's quota: a client whose
     /// retries meet open circuits must not spend its own budget on them.
@@ -107,7 +108,7 @@ impl GatewayError {
         !self.no_route
             && self.failures.iter().any(|(_, e)| {
                 e.downcast_ref::<RetryError>()
-                    .is_none_or(|v| !v.attempts().is_empty())
+                    .is_none_or(RetryError::reached_a_provider)
             })
     }
 

@@ -157,8 +157,8 @@ impl std::error::Error for Wrapped {
 
 /// The process out of file descriptors (`EMFILE` on its upstream connects, as a flood
 /// of client connections leaves it) is its own failure: no breaker opens, no health
-/// falls, the call ends at once on its first attempt (every other source would fail
-/// alike), and the sources serve as soon as descriptors are back.
+/// falls, no quota is charged, the call ends at once on its first attempt (every other
+/// source would fail alike), and the sources serve as soon as descriptors are back.
 #[cfg(unix)]
 #[tokio::test(start_paused = true)]
 async fn running_out_of_file_descriptors_opens_no_breaker_and_ends_the_call_at_once() {
@@ -176,11 +176,15 @@ async fn running_out_of_file_descriptors_opens_no_breaker_and_ends_the_call_at_o
     let mut cfg = GatewayConfig::default();
     cfg.cache.enabled = false;
     for name in pool.sources() {
-        cfg.sources.push(SourceConfig::new(
+        let mut s = SourceConfig::new(
             name.as_str(),
             format!("http://sim.invalid/{name}/v1"),
             SecretKey::new(KEY),
-        ));
+        );
+        // Far fewer than the calls below: an attempt that never left the process
+        // gives its request back to the quota (charged, the calls would wait for it).
+        s.rpm = Some(5);
+        cfg.sources.push(s);
     }
     let exhausted = Arc::new(AtomicBool::new(true));
     let sink = MemorySink::new();
@@ -232,11 +236,18 @@ async fn running_out_of_file_descriptors_opens_no_breaker_and_ends_the_call_at_o
     nothing_counted_against_a_source(&gw).await;
 
     exhausted.store(false, Ordering::SeqCst);
+    let back = tokio::time::Instant::now();
     for i in 0..2 {
         gw.chat(ChatRequest::user("m", format!("after {i}")))
             .await
             .unwrap();
     }
+    // Their answers' own time (the simulator's), not a wait for a quota's window.
+    assert!(
+        back.elapsed() < std::time::Duration::from_secs(1),
+        "no quota left charged: {:?}",
+        back.elapsed()
+    );
     let received: u64 = pool.stats().sources.values().map(|s| s.received).sum();
     assert_eq!(received, 2, "the sources serve at once once descriptors are back");
 }

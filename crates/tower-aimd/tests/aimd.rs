@@ -117,7 +117,6 @@ async fn a_slot_refused_below_in_its_future_wakes_only_for_refusals_while_it_was
     let signal = Arc::new(tokio::sync::Notify::new());
     let layer = with_two_old_refusals(&signal).await;
     let h = layer.handle();
-    let ok = || service_fn(|_: &str| async { Ok::<_, BoxError>("ok") });
     // Two old refusals are left. A gate below that is ready but refuses the call.
     let refusing = || {
         service_fn(|_: &str| async {

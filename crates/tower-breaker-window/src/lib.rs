@@ -17,7 +17,7 @@
 //! probe at a time is admitted under a lease with a TTL (an expired lease is re-issued,
 //! so a lost probe never hangs a source). Every outcome is recorded against the epoch
 //! it was admitted under; stale epochs change nothing. Outcomes come from a
-//! [`pgw_core::Classify`]: `RateLimited`, `Rejected` and `Invalid` are ignored,
+//! [`pgw_core::Classify`]: `RateLimited`, `Rejected`, `Invalid` and `LocalExhaustion` are ignored,
 //! `SourceDead` forces the breaker open.
 //!
 //! By default a refused call fails at once with [`pgw_core::CircuitOpen`] (carrying

@@ -416,12 +416,21 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
                 let last = round.last_error();
                 return Poll::Ready(Err(Box::new(NoneAdmitted::new(waited, last))));
             }
-            if !paced {
+            if !paced
+                && let Some(mut listener) = wait.armed.take()
+                && listener
+                    .as_mut()
+                    .poll(&mut Context::from_waker(std::task::Waker::noop()))
+                    .is_ready()
+            {
                 // No source refused for want of a slot: a release cannot admit this
                 // call. A listener kept from the wake-up before this round would take
                 // the next release's wake-up (first in line) from a call waiting for
-                // one; dropped, a wake-up it already got goes on to the next waiter.
-                wait.armed = None;
+                // one. Dropped; a wake-up it got already (a release during the round,
+                // or the signal's stored permit, taken when it was armed) goes on to
+                // the next waiter, as tokio's `Notified` would not pass on a permit
+                // it took.
+                self.snapshot.wake.notify_one();
             }
             if paced && wait.armed.is_none() && std::mem::take(&mut wait.disarmed) {
                 // Armed again after an attempt: a release since then is the `Notify`'s
@@ -778,6 +787,11 @@ pub(crate) fn heard_from<T, C>(
 ) where
     C: Classify<T, BoxError>,
 {
+    if result.is_err() && classifier.classify(result) == pgw_core::Outcome::LocalExhaustion {
+        // Never left this process (out of descriptors for the connection): nothing
+        // heard, and no timeout either.
+        return;
+    }
     if result.as_ref().err().is_some_and(|e| pgw_core::is_timeout(&**e)) {
         state.timed_out(at, now);
     } else {
@@ -992,12 +1006,7 @@ where
                         let req = &this.ctx.req;
                         match entry.dispatch(cx, || req.clone()) {
                             Dispatch::Called(fut) => this.state.set(State::Calling { fut }),
-                            Dispatch::Own(svc) => {
-                                // Waiting on this source's readiness, not on releases:
-                                // the listener would hold a release's wake-up meanwhile.
-                                this.ctx.disarm();
-                                this.state.set(State::Ready { svc, patience: None });
-                            }
+                            Dispatch::Own(svc) => this.state.set(State::Ready { svc, patience: None }),
                             Dispatch::Refused(e) => {
                                 if let Some(r) = this.ctx.finish(Err(e.into()), true) {
                                     this.state.set(State::Done);

@@ -739,6 +739,52 @@ impl<S> fmt::Debug for Sources<S> {
 mod tests {
     use super::*;
 
+    /// An attempt this process could not make (out of file descriptors for its
+    /// connection) says nothing of the source's silence: a silent source stays so (its
+    /// timeouts and the time it was last heard unchanged), where any other error is
+    /// an answer. Before, it reset the timeouts: a black hole probed while the process
+    /// ran out of descriptors looked alive, and calls went back to it.
+    #[tokio::test(start_paused = true)]
+    async fn an_attempt_that_never_left_the_process_is_not_an_answer() {
+        use crate::future::heard_from;
+        use pgw_core::BoxError;
+        let s = SourceState::new("hole".into());
+        let sent = Instant::now();
+        tokio::time::advance(Duration::from_secs(30)).await;
+        let timeout: Result<http::Response<()>, BoxError> = Err(Box::new(pgw_core::TimedOut));
+        heard_from(&s, &pgw_core::HttpClassifier, &timeout, sent, Instant::now());
+        heard_from(&s, &pgw_core::HttpClassifier, &timeout, sent, Instant::now());
+        assert!(s.timed_out_since_heard(2));
+        let heard = s.heard_at();
+        let emfile: Result<http::Response<()>, BoxError> =
+            Err(Box::new(std::io::Error::from_raw_os_error(24)));
+        heard_from(
+            &s,
+            &pgw_core::HttpClassifier,
+            &emfile,
+            Instant::now(),
+            Instant::now(),
+        );
+        assert_eq!(
+            s.timed_out_since_heard(2),
+            cfg!(unix),
+            "EMFILE (unix): still two timeouts since heard"
+        );
+        if cfg!(unix) {
+            assert_eq!(s.heard_at(), heard);
+        }
+        // Any other error is an answer: the source is alive.
+        let reset: Result<http::Response<()>, BoxError> = Err("connection reset".into());
+        heard_from(
+            &s,
+            &pgw_core::HttpClassifier,
+            &reset,
+            Instant::now(),
+            Instant::now(),
+        );
+        assert!(!s.timed_out_since_heard(1));
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_refused_size_is_known_too_large_until_a_success_or_the_memory_ends() {
         let s = SourceState::new("small".into());

@@ -355,12 +355,14 @@ fn waits(limiter: &crate::RateLimiter) -> bool {
     matches!(limiter.config().mode, crate::Mode::Wait { .. })
 }
 
-/// How a call ended, for its settle: a refusal from below refunds (it was not an
-/// attempt); anything else is charged its real usage when the response reports it.
+/// How a call ended, for its settle: a refusal from below, or an attempt this process
+/// could not make (out of file descriptors for its connection: nothing was sent,
+/// `pgw_core::is_local_exhaustion`), refunds (it was not an attempt); anything else is
+/// charged its real usage when the response reports it.
 fn ending<R, U: UsageReport<R>>(usage: &U, out: &Result<R, BoxError>) -> Ending {
     match out {
         Ok(res) => Ending::Finished(usage.tokens_used(res)),
-        Err(e) if NotAdmitted::of(&**e).is_some() => Ending::Refunded,
+        Err(e) if NotAdmitted::of(&**e).is_some() || pgw_core::is_local_exhaustion(&**e) => Ending::Refunded,
         Err(e) => Ending::Finished(usage.tokens_used_by_error(e)),
     }
 }

@@ -92,9 +92,9 @@ pub enum Reason {
     /// called again.
     ServiceFailed,
     /// The attempt failed for want of this process's own resources (`Outcome::
-    /// LocalExhaustion`: out of file descriptors, socket buffers or memory): every
-    /// source would fail alike, so the call ends at once; nothing was counted
-    /// against the source.
+    /// LocalExhaustion`: out of file descriptors for the connection): every source
+    /// would fail alike, so the call ends at once; nothing was counted against the
+    /// source.
     LocalExhaustion,
 }
 
@@ -171,9 +171,7 @@ impl fmt::Display for Reason {
             Self::Throttled => f.write_str("throttled locally (adaptive throttling)"),
             Self::NotResendable => f.write_str("request cannot be re-sent"),
             Self::ServiceFailed => f.write_str("the service below failed before a retry"),
-            Self::LocalExhaustion => f.write_str(
-                "this process is out of file descriptors, socket buffers or memory for a connection",
-            ),
+            Self::LocalExhaustion => f.write_str("this process is out of file descriptors for a connection"),
         }
     }
 }
@@ -226,6 +224,17 @@ impl RetryError {
     #[must_use]
     pub fn attempts(&self) -> &[AttemptRecord] {
         &self.attempts
+    }
+
+    /// Whether an attempt of the call may have reached a provider (and cost it, or a
+    /// quota, something): any attempt but one this process could not make
+    /// ([`Outcome::LocalExhaustion`](pgw_core::Outcome::LocalExhaustion): out of file
+    /// descriptors for the connection, nothing was sent).
+    #[must_use]
+    pub fn reached_a_provider(&self) -> bool {
+        self.attempts
+            .iter()
+            .any(|a| a.outcome != pgw_core::Outcome::LocalExhaustion)
     }
 
     /// The error of the last attempt (or of the refusal that ended the call), if any.

@@ -518,8 +518,8 @@ impl<S, Req: CarriesHistory, C, R> Call<S, Req, C, R> {
                 }
             }
             Outcome::Rejected => Next::Finish(self.fail(Reason::Rejected)),
-            // The process itself is out of descriptors or memory: another source would
-            // fail alike, and waiting here holds what little is left.
+            // The process itself is out of descriptors: another source would fail
+            // alike, and waiting here holds what little is left.
             Outcome::LocalExhaustion => Next::Finish(self.fail(Reason::LocalExhaustion)),
             Outcome::Invalid => {
                 let max_reasks = self.shared.config.max_reasks;

@@ -12,7 +12,7 @@
 //! | `RateLimited` | spends **nothing**; holds the source for `max(Retry-After, backoff)` through a [`Hold`](pgw_core::Hold) hook and goes on at once (or, with no hook, sleeps that long itself) |
 //! | `Rejected` | fails at once; `context_length_exceeded` (too large for that source only) spends an attempt and moves on under a balancer (alone: fails at once) |
 //! | `Invalid` | re-asks up to `max_reasks` (default 2), apart from the attempt budget |
-//! | `LocalExhaustion` | fails at once: `Reason::LocalExhaustion` (this process is out of file descriptors or memory for a connection) |
+//! | `LocalExhaustion` | fails at once: `Reason::LocalExhaustion` (this process is out of file descriptors for a connection) |
 //! | not admitted | not an attempt: `CircuitOpen` fails at once ([`Reason::AllCircuitsOpen`]); `QuotaExceeded`/`Paced` waits for the gate, then tries again |
 //!
 //! - A wait longer than the call may still wait (the stall window, the deadline) fails
