@@ -207,6 +207,10 @@ struct CallState<S, Req, C> {
 
 impl<S, Req, C> Drop for CallState<S, Req, C> {
     fn drop(&mut self) {
+        // Dropped while it listened for releases: a wake-up it took goes on.
+        if let Some(wait) = self.wait.as_mut() {
+            pass_on(&mut wait.armed, &self.snapshot.wake);
+        }
         // Dropped or panicked mid-attempt: give the inflight count back (A4).
         if let Some(i) = self.dispatched.take() {
             let state = &self.snapshot.entries[i].state;
@@ -329,8 +333,9 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
     /// release it got goes on to the next waiter.
     fn disarm(&mut self) {
         if let Some(wait) = self.wait.as_mut()
-            && wait.armed.take().is_some()
+            && wait.armed.is_some()
         {
+            pass_on(&mut wait.armed, &self.snapshot.wake);
             wait.disarmed = true;
         }
     }
@@ -414,23 +419,15 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
                 }
                 let waited = now - wait.started;
                 let last = round.last_error();
+                pass_on(&mut wait.armed, &self.snapshot.wake);
                 return Poll::Ready(Err(Box::new(NoneAdmitted::new(waited, last))));
             }
-            if !paced
-                && let Some(mut listener) = wait.armed.take()
-                && listener
-                    .as_mut()
-                    .poll(&mut Context::from_waker(std::task::Waker::noop()))
-                    .is_ready()
-            {
+            if !paced {
                 // No source refused for want of a slot: a release cannot admit this
                 // call. A listener kept from the wake-up before this round would take
                 // the next release's wake-up (first in line) from a call waiting for
-                // one. Dropped; a wake-up it got already (a release during the round,
-                // or the signal's stored permit, taken when it was armed) goes on to
-                // the next waiter, as tokio's `Notified` would not pass on a permit
-                // it took.
-                self.snapshot.wake.notify_one();
+                // one.
+                pass_on(&mut wait.armed, &self.snapshot.wake);
             }
             if paced && wait.armed.is_none() && std::mem::take(&mut wait.disarmed) {
                 // Armed again after an attempt: a release since then is the `Notify`'s
@@ -885,6 +882,22 @@ impl Drop for Inflight {
     }
 }
 
+/// Drops the call's release listener. A wake-up it had taken already (a release, or
+/// the signal's stored permit taken when it was armed) goes on to the next waiter:
+/// tokio's `Notified` passes on, when dropped, a wake-up it was sent but not one it
+/// took. A call that stops listening never keeps a freed slot's wake-up from the call
+/// waiting for it.
+fn pass_on(armed: &mut Option<Pin<Box<OwnedNotified>>>, wake: &tokio::sync::Notify) {
+    if let Some(mut listener) = armed.take()
+        && listener
+            .as_mut()
+            .poll(&mut Context::from_waker(std::task::Waker::noop()))
+            .is_ready()
+    {
+        wake.notify_one();
+    }
+}
+
 fn armed<S>(snapshot: &Snapshot<S>) -> Pin<Box<OwnedNotified>> {
     let mut n = Box::pin(Arc::clone(&snapshot.wake).notified_owned());
     n.as_mut().enable();
@@ -1094,5 +1107,48 @@ impl<S, F, Req, C> fmt::Debug for ResponseFuture<S, F, Req, C> {
                     .map(|i| self.ctx.snapshot.entries[i].state.id()),
             )
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::task::{Context, Waker};
+
+    use tokio::sync::Notify;
+
+    use super::pass_on;
+
+    fn notified_now(wake: &Arc<Notify>) -> bool {
+        let mut n = Box::pin(Arc::clone(wake).notified_owned());
+        n.as_mut().enable();
+        n.as_mut()
+            .poll(&mut Context::from_waker(Waker::noop()))
+            .is_ready()
+    }
+
+    /// A listener that took the signal's stored permit when it was armed, dropped,
+    /// keeps it (tokio passes on only a wake-up it sent and was not taken): `pass_on`
+    /// gives it to the next waiter. One that got nothing passes nothing on.
+    #[test]
+    fn a_wake_up_a_dropped_listener_took_goes_on_and_none_is_made_up() {
+        let wake = Arc::new(Notify::new());
+        wake.notify_one(); // a release with nobody listening: a stored permit
+        let mut armed = Some(Box::pin(Arc::clone(&wake).notified_owned()));
+        armed.as_mut().unwrap().as_mut().enable(); // takes the permit
+        drop(armed.take());
+        assert!(!notified_now(&wake), "tokio's drop alone loses the permit");
+
+        wake.notify_one();
+        let mut armed = Some(Box::pin(Arc::clone(&wake).notified_owned()));
+        armed.as_mut().unwrap().as_mut().enable();
+        pass_on(&mut armed, &wake);
+        assert!(armed.is_none());
+        assert!(notified_now(&wake), "passed on to the next waiter");
+
+        let mut armed = Some(Box::pin(Arc::clone(&wake).notified_owned()));
+        armed.as_mut().unwrap().as_mut().enable();
+        pass_on(&mut armed, &wake);
+        assert!(!notified_now(&wake), "nothing taken, nothing passed on");
     }
 }

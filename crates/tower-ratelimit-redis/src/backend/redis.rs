@@ -1302,9 +1302,11 @@ impl Gate for RedisGate {
         );
         if leaseless && refund != 0 && self.conn.is_cluster() {
             // No lease to tell a second run of this script by (a cluster client resends
-            // one whose answer it lost): a marker of its own, set once (`SET NX`), so
-            // a second run gives nothing back again. One command more, on a cluster
-            // only, for a settle that gives back without a lease.
+            // one whose answer it lost): a marker of its own, set once (`SET NX`, kept
+            // 30 s), so a second run gives nothing back again. One command more, on a
+            // cluster only, for a settle that gives back without a lease: nearly every
+            // call of a limiter with a token quota and no concurrency quota (an
+            // estimate above the usage gives tokens back).
             inv.key(settle_marker(k));
         }
         let mut conn = self.conn.clone();
@@ -1326,9 +1328,10 @@ impl Gate for RedisGate {
             if applied? == 2 {
                 tracing::warn!(
                     scopes = ?k.labels,
-                    "a settle found its concurrency lease gone (it expired, or this settle \
-                     already ran: a cluster client resent it): its refund was not given \
-                     back, the reservation stays counted for its window"
+                    "a settle found its concurrency lease gone, or its marker set (it \
+                     expired, or this settle already ran: a cluster client resent it): \
+                     its refund was not given back again, the reservation stays counted \
+                     for its window"
                 );
             }
             Ok(())

@@ -41,9 +41,11 @@ if lease ~= '' then
     end
   end
 elseif marker then
-  -- Kept for a window: a refund goes back only while its sub-window counts.
+  -- Kept for 30 s (or the window, when shorter): a cluster client resends a script
+  -- within its response timeout and retry, seconds; a marker per settle kept for a
+  -- long window (a daily quota) would pile up on the scope's node.
   leased = true
-  if redis.call('SET', marker, 1, 'NX', 'PX', g * k) then
+  if redis.call('SET', marker, 1, 'NX', 'PX', math.min(g * k, 30000)) then
     held = true
   end
 end
