@@ -988,6 +988,25 @@ async fn a_refusal_judged_before_a_refund_landed_is_forgotten_when_it_lands() {
     p.finish(None).await.unwrap();
 }
 
+/// Source `s1-{round}`'s limit of `quota` over a 60 s window of two 30 s sub-windows:
+/// its config, the sub-window's length (ms), its window and lease keys.
+fn one_minute_of_two(round: usize, quota: Quota) -> (RateLimitConfig, u64, String, String) {
+    let config = RateLimitConfig::new(format!("s1-{round}"), quota)
+        .window(Duration::from_secs(60))
+        .sub_windows(2);
+    let sub_ms = u64::try_from(config.sub_window_len().as_millis()).unwrap();
+    let [[window_key, lease_key, _]] = <[[String; 3]; 1]>::try_from(RedisBackend::keys(&config)).unwrap();
+    (config, sub_ms, window_key, lease_key)
+}
+
+/// The settle script as the limiter runs it (window.lua prepended).
+fn settle_script() -> redis::Script {
+    redis::Script::new(concat!(
+        include_str!("../src/lua/window.lua"),
+        include_str!("../src/lua/settle.lua")
+    ))
+}
+
 /// The same for a limiter without a concurrency quota, which has no lease to tell a
 /// second run by: on a cluster, its settle names a marker of its own (`SET NX`), and
 /// the script run again with it gives nothing back. Before, the second refund took
@@ -996,21 +1015,15 @@ async fn a_refusal_judged_before_a_refund_landed_is_forgotten_when_it_lands() {
 async fn a_settle_without_a_lease_run_twice_gives_back_once() {
     let (_server, conn) = private_redis().await;
     for round in 0..3 {
-        let config = RateLimitConfig::new(format!("s1-{round}"), Quota::unlimited().requests(1))
-            .window(Duration::from_secs(60))
-            .sub_windows(2);
-        let sub_ms = u64::try_from(config.sub_window_len().as_millis()).unwrap();
-        let [[window_key, lease_key, _]] = <[[String; 3]; 1]>::try_from(RedisBackend::keys(&config)).unwrap();
+        let (config, sub_ms, window_key, lease_key) =
+            one_minute_of_two(round, Quota::unlimited().requests(1));
         let l = RateLimiter::new(config.clone(), RedisBackend::new(conn.clone())).unwrap();
         let a = l.acquire(0).await.unwrap();
         let at_ms = u64::try_from(a.admission().at().as_millis()).unwrap();
         // A's refund, as the limiter sends it on a cluster: one scope, the request
         // given back, no lease, rpm 1, tpm and concurrency unlimited, and its marker.
         let marker = format!("{window_key}:settled:test-{round}");
-        let settle = redis::Script::new(concat!(
-            include_str!("../src/lua/window.lua"),
-            include_str!("../src/lua/settle.lua")
-        ));
+        let settle = settle_script();
         let run = || {
             let mut c = conn.clone();
             let mut inv = settle.prepare_invoke();
@@ -1115,14 +1128,8 @@ async fn a_settle_run_twice_gives_back_once() {
     // (else it goes to A's, already empty): 30 s sub-windows, and a fresh scope when the
     // two straddle a boundary anyway, so the test cannot pass without the fix.
     for round in 0..3 {
-        let config = RateLimitConfig::new(
-            format!("s1-{round}"),
-            Quota::unlimited().requests(1).concurrency(1),
-        )
-        .window(Duration::from_secs(60))
-        .sub_windows(2);
-        let sub_ms = u64::try_from(config.sub_window_len().as_millis()).unwrap();
-        let [[window_key, lease_key, _]] = <[[String; 3]; 1]>::try_from(RedisBackend::keys(&config)).unwrap();
+        let (config, sub_ms, window_key, lease_key) =
+            one_minute_of_two(round, Quota::unlimited().requests(1).concurrency(1));
         let l = RateLimiter::new(config.clone(), RedisBackend::new(conn.clone())).unwrap();
         let a = l.acquire(0).await.unwrap();
         let at_ms = u64::try_from(a.admission().at().as_millis()).unwrap();
@@ -1146,10 +1153,7 @@ async fn a_settle_run_twice_gives_back_once() {
         }
         // A's settle again, with the arguments the limiter sent: one scope, the request
         // given back, its lease, the scope's rpm 1, tpm unlimited, concurrency 1.
-        let settle = redis::Script::new(concat!(
-            include_str!("../src/lua/window.lua"),
-            include_str!("../src/lua/settle.lua")
-        ));
+        let settle = settle_script();
         let again: i64 = settle
             .key(&window_key)
             .key(&lease_key)
