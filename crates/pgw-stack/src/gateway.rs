@@ -518,27 +518,21 @@ impl Service<ChatCall> for Gateway {
                     Ok(answer) => return Ok(answer),
                     Err(failed) => failed,
                 };
+                turns.failures.push(failure);
                 if let Verdict::NotHere(after) = verdict {
                     turns.defer(turn, after);
-                    turns.failures.push(failure);
                 } else if verdict.too_large() && !turn.context && !route.context.is_empty() {
-                    turns.failures.push(failure);
                     turns.enter_context(&route.context, turn.primary);
-                } else if verdict.too_large() && turn.context || verdict == Verdict::NeverHere {
-                    // The next group of the context chain (of the chain).
-                    turns.failures.push(failure);
-                } else if matches!(verdict, Verdict::Rejected | Verdict::TooLarge)
-                    && !turns.deferred.is_empty()
+                } else if verdict.too_large() && turn.context
+                    || verdict == Verdict::NeverHere
+                    || matches!(verdict, Verdict::Rejected | Verdict::TooLarge) && !turns.deferred.is_empty()
                 {
-                    // A request error from this group, with groups left for later that
-                    // never saw the request: this group's verdict, not the call's.
-                    turns.failures.push(failure);
+                    // The next group of the context chain (of the chain); or a request
+                    // error from this group, with groups left for later that never saw
+                    // the request: this group's verdict, not the call's.
                 } else if matches!(verdict, Verdict::Rejected | Verdict::TooLarge | Verdict::Ends) {
-                    turns.failures.push(failure);
                     turns.deferred.clear();
                     break;
-                } else {
-                    turns.failures.push(failure);
                 }
             }
             // The second pass: the groups that refused the call for now, waiting.
@@ -553,22 +547,18 @@ impl Service<ChatCall> for Gateway {
                     Err(failed) => failed,
                 };
                 turns.asked.push(turn.g);
+                turns.failures.push(failure);
                 if verdict.too_large() && !turn.context && !route.context.is_empty() {
-                    turns.failures.push(failure);
                     turns.wait_on_context(&permitted, &route.context, turn.primary);
                 } else if matches!(verdict, Verdict::Rejected | Verdict::TooLarge)
                     && (turn.context || !turn.primary)
                 {
                     // A fallback's (or a context model's) request error: the groups
                     // after it may take it.
-                    turns.failures.push(failure);
                 } else if matches!(verdict, Verdict::Rejected | Verdict::TooLarge | Verdict::Ends) {
                     // The primary's own request error (too large for it with no
                     // context chain, as in the first pass), or the deadline.
-                    turns.failures.push(failure);
                     break;
-                } else {
-                    turns.failures.push(failure);
                 }
             }
             let failures = turns.failures;

@@ -1,8 +1,11 @@
-//! Our own failures are never outcomes of a source: a Redis that refuses the limiter's
-//! round trips while the breakers' still land. On a private `redis-server` (the test
-//! changes its ACL) and tokio's real clock: Redis answers on its own clock, and a paused
-//! tokio clock would run out the gateway's Redis response timeouts while the server is
-//! still answering. Nothing here sleeps; the simulator answers within milliseconds.
+//! Our own failures are never outcomes of a source:
+//! - a Redis that refuses the limiter's round trips while the breakers' still land. On
+//!   a private `redis-server` (the test changes its ACL) and tokio's real clock: Redis
+//!   answers on its own clock, and a paused tokio clock would run out the gateway's
+//!   Redis response timeouts while the server is still answering. Nothing there sleeps;
+//!   the simulator answers within milliseconds.
+//! - the process out of file descriptors for its upstream connects: the memory backend,
+//!   on tokio's paused clock.
 
 mod support;
 
@@ -188,30 +191,22 @@ async fn running_out_of_file_descriptors_opens_no_breaker_and_ends_the_call_at_o
     }
     let exhausted = Arc::new(AtomicBool::new(true));
     let sink = MemorySink::new();
-    let (p, out) = (pool.clone(), exhausted.clone());
-    let gw = Gateway::builder(cfg)
-        .sink(Arc::new(sink.clone()))
-        .transport(move |sc: &SourceConfig| -> Result<_, BoxError> {
-            let sim = p.service(&sc.name).ok_or("unknown sim source")?;
-            let out = out.clone();
-            let svc = tower::service_fn(move |req: http::Request<Bytes>| {
-                let (mut sim, out) = (sim.clone(), out.clone());
-                async move {
-                    if out.load(Ordering::SeqCst) {
-                        let io = std::io::Error::from_raw_os_error(EMFILE);
-                        let connect = Wrapped("tcp open error", Box::new(io));
-                        return Err(
-                            Box::new(Wrapped("client error (Connect)", Box::new(connect))) as BoxError
-                        );
-                    }
-                    tower::Service::call(&mut sim, req).await
+    let out = exhausted.clone();
+    let gw = support::sim_gateway_with(&pool, cfg, &sink, move |sim| {
+        let out = out.clone();
+        box_transport(tower::service_fn(move |req: http::Request<Bytes>| {
+            let (mut sim, out) = (sim.clone(), out.clone());
+            async move {
+                if out.load(Ordering::SeqCst) {
+                    let io = std::io::Error::from_raw_os_error(EMFILE);
+                    let connect = Wrapped("tcp open error", Box::new(io));
+                    return Err(Box::new(Wrapped("client error (Connect)", Box::new(connect))) as BoxError);
                 }
-            });
-            Ok(box_transport(svc))
-        })
-        .build()
-        .await
-        .unwrap();
+                tower::Service::call(&mut sim, req).await
+            }
+        }))
+    })
+    .await;
 
     let calls = 20; // four times the breaker's consecutive threshold
     for i in 0..calls {

@@ -454,6 +454,10 @@ async fn a_primary_at_its_quota_hands_the_call_to_the_fallback_at_once() {
     });
     pgw_core::CarriesHistory::set_call_history(&mut call, history.clone());
     let second = tower::ServiceExt::oneshot(gw.clone(), call).await.unwrap();
+    assert!(
+        history.sources().is_some(),
+        "the gateway used the caller's history"
+    );
     assert!(history.may_wait(), "the flag was given back");
     assert_eq!(
         second.group, "backup",
@@ -530,6 +534,10 @@ async fn a_fallbacks_rejection_in_the_second_pass_leaves_the_primary_its_turn() 
     assert_eq!(a.group, "primary", "the backup's rejection did not end the call");
     assert!(t0.elapsed() >= Duration::from_secs(59), "{:?}", t0.elapsed());
     assert_eq!(busy.await.unwrap().unwrap().group, "backup");
+    assert!(
+        pool.stats().sources["b"].context_length_exceeded >= 1,
+        "the backup was asked, and rejected it"
+    );
 }
 
 /// When the second pass fails too, its failure is the call's last word, not the
@@ -555,8 +563,12 @@ async fn the_second_pass_failure_is_reported_after_a_fallbacks_rejection() {
         .last_retry_error()
         .map(pgw_stack::retry::RetryError::reason);
     assert!(
-        !matches!(reason, Some(pgw_stack::retry::Reason::Rejected)),
+        matches!(reason, Some(pgw_stack::retry::Reason::WaitTooLong { .. })),
         "the primary's wait ended the call, not the backup's 400: {err}"
+    );
+    assert!(
+        pool.stats().sources["b"].context_length_exceeded >= 1,
+        "the backup's 400 came first"
     );
 }
 

@@ -9,7 +9,7 @@ use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use pgw_core::{
-    AttemptRecord, BoxError, CallHistory, CarriesHistory, CircuitOpen, Classify, NotAdmitted, Paced,
+    AttemptRecord, BoxError, CallHistory, CarriesHistory, CircuitOpen, Classify, NotAdmitted, Outcome, Paced,
     Recording, clock,
 };
 use pin_project_lite::pin_project;
@@ -601,14 +601,24 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
             Some(at) if answered_now => at,
             _ => Instant::now(),
         };
-        heard_from(
-            state,
-            &self.classifier,
-            &result,
-            dispatched_at.unwrap_or(now),
-            now,
-        );
-        if self.classifier.in_progress(&result) {
+        // Classified once, here: `None` for a stream under way (judged at its end).
+        let outcome = (!self.classifier.in_progress(&result)).then(|| self.classifier.classify(&result));
+        heard_from(state, outcome, &result, dispatched_at.unwrap_or(now), now);
+        if let Some(outcome) = outcome {
+            // Judged now, borrowing: no reference to take and give back. The count is
+            // given back after (by `CallState`'s drop if judging panicked).
+            judge::<Req, _>(
+                state,
+                (self.class, self.size),
+                self.history(),
+                true,
+                outcome,
+                &result,
+            );
+            self.dispatched = None;
+            self.dispatched_at = None;
+            state.answered_and_ended();
+        } else {
             self.dispatched_at = None;
             state.answered();
             // Judged at its end: the closure owns what it needs, the inflight count too
@@ -626,30 +636,16 @@ impl<S, Req: CarriesHistory, C> CallState<S, Req, C> {
             self.classifier.defer(
                 &mut result,
                 Box::new(move |r| {
-                    judge::<Req, _, _>(
+                    judge::<Req, _>(
                         &inflight.0,
                         (class, size),
                         history.as_ref(),
                         false,
-                        &classifier,
+                        classifier.classify(r),
                         r,
                     );
                 }),
             );
-        } else {
-            // Judged now, borrowing: no reference to take and give back. The count is
-            // given back after (by `CallState`'s drop if judging panicked).
-            judge::<Req, _, _>(
-                state,
-                (self.class, self.size),
-                self.history(),
-                true,
-                &self.classifier,
-                &result,
-            );
-            self.dispatched = None;
-            self.dispatched_at = None;
-            state.answered_and_ended();
         }
         Some(result)
     }
@@ -772,19 +768,17 @@ where
 
 /// What an attempt dispatched at `at` that ended `now` says of its source's silence:
 /// a timeout is one more; any answer (a committed stream's first chunk included) says
-/// it is alive, and a success (or a stream under way: its first chunk) also how fast
-/// it answers. A failure in an `Ok` (an empty completion, a 503 response, as
-/// `classifier` says) answered fast must not make the source look fast.
-pub(crate) fn heard_from<T, C>(
+/// it is alive, and a success (or a stream under way, `outcome` `None`: its first
+/// chunk) also how fast it answers. A failure in an `Ok` (an empty completion, a 503
+/// response, as the classifier says) answered fast must not make the source look fast.
+pub(crate) fn heard_from<T>(
     state: &SourceState,
-    classifier: &C,
+    outcome: Option<Outcome>,
     result: &Result<T, BoxError>,
     at: Instant,
     now: Instant,
-) where
-    C: Classify<T, BoxError>,
-{
-    if result.is_err() && classifier.classify(result) == pgw_core::Outcome::LocalExhaustion {
+) {
+    if outcome == Some(Outcome::LocalExhaustion) {
         // Never left this process (out of descriptors for the connection): nothing
         // heard, and no timeout either.
         return;
@@ -794,7 +788,7 @@ pub(crate) fn heard_from<T, C>(
     } else {
         state.heard(now);
         state.answered_sent_at(at);
-        if result.is_ok() && (classifier.in_progress(result) || classifier.classify(result).is_success()) {
+        if result.is_ok() && outcome.is_none_or(Outcome::is_success) {
             // An answer in the poll that dispatched it took no time: no subtraction.
             let latency = if now == at {
                 Duration::ZERO
@@ -811,18 +805,15 @@ pub(crate) fn heard_from<T, C>(
 /// that runs it), the history of the call's [`Recording`] in scope. With the request's
 /// size (`shape`: its class and size), what the source fits: a refusal as too large,
 /// or a success.
-pub(crate) fn judge<Req: 'static, T, C>(
+pub(crate) fn judge<Req: 'static, T>(
     state: &SourceState,
     shape: (usize, Option<u64>),
     history: Option<&CallHistory>,
     offer: bool,
-    classifier: &C,
+    outcome: Outcome,
     result: &Result<T, BoxError>,
-) where
-    C: Classify<T, BoxError>,
-{
+) {
     let (class, size) = shape;
-    let outcome = classifier.classify(result);
     if let Some(ok) = outcome.health_sample() {
         state.record(class, ok);
     }

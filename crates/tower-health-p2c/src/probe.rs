@@ -71,12 +71,14 @@ pub(crate) fn send<S, Req, C>(
             // A gate below refused it: not an attempt, nothing learnt.
             return;
         }
-        heard_from(&probing.0, &classifier, &result, at, Instant::now());
+        let outcome = (!classifier.in_progress(&result)).then(|| classifier.classify(&result));
+        heard_from(&probing.0, outcome, &result, at, Instant::now());
         // A stream is judged at its end; dropping it (below) ends it unjudged, and the
         // hold goes back with the dropped judgement.
         let judging = classifier.clone();
         settle(&classifier, &mut result, move |r| {
-            judge::<Req, _, _>(&probing.0, (class, None), None, false, &judging, r);
+            let outcome = outcome.unwrap_or_else(|| judging.classify(r));
+            judge::<Req, _>(&probing.0, (class, None), None, false, outcome, r);
             drop(probing);
         });
     });
