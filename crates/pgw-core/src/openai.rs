@@ -85,6 +85,12 @@ pub const FINISH_ERROR: &str = "error";
 /// The `finish_reason` of an answer cut by the caller's token limit (`max_tokens`).
 pub const FINISH_LENGTH: &str = "length";
 
+/// The `finish_reason` of an answer that ended by itself.
+pub const FINISH_STOP: &str = "stop";
+
+/// The `finish_reason` of an answer that ends to call tools.
+pub const FINISH_TOOL_CALLS: &str = "tool_calls";
+
 /// One message of a chat.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ChatMessage {

@@ -4,8 +4,9 @@
 //! The issue that asked for the soak (issue 12) states three bars for P6: pgw's
 //! goodput at least 0.80 x the oracle's, its successful calls' latency p95 at most
 //! 2 x the oracle's, its scenario time at most 1.25 x the oracle's. The goodput bar is
-//! every scenario's (the matrix judges it on each); the latency and time bars are
-//! P6's, judged on the scenario named `p6` only ([`OracleBars::of`]).
+//! every scenario's (the matrix judges it on each); the latency and time bars are the
+//! scenario's own (`oracle_success_p95_max`, `oracle_scenario_time_max`), which P6
+//! states ([`OracleBars::of`]).
 //!
 //! [`judge`] adds one gating check per bar to the pgw profile's [`Score`], so
 //! [`Score::passed`], the report's verdict row, the exit code and the matrix's verdict
@@ -16,7 +17,7 @@
 use crate::profiles::ProfileKind;
 use crate::scenario::Scenario;
 use crate::scoreboard::{Check, Score};
-use crate::timing::ratio_to;
+use crate::timing::{ratio_to, secs};
 
 /// pgw's goodput must be at least this fraction of the oracle's, on every scenario
 /// (issue 12: ">= 0.8 x the oracle's").
@@ -27,9 +28,6 @@ pub const P6_SUCCESS_P95_BAR: f64 = 2.0;
 /// On P6, pgw's scenario time must be at most this many times the oracle's (issue 12:
 /// "<= 1.25 x").
 pub const P6_SCENARIO_TIME_BAR: f64 = 1.25;
-
-/// The name of the scenario the latency and time bars apply to.
-const P6: &str = "p6";
 
 /// The check of pgw's goodput against the oracle's.
 pub const GOODPUT: &str = "oracle: goodput";
@@ -53,15 +51,14 @@ pub struct OracleBars {
 }
 
 impl OracleBars {
-    /// The bars of `scenario`: the goodput bar everywhere, and P6's latency and time
-    /// bars on the scenario named `p6` (no other scenario states them).
+    /// The bars of `scenario`: the goodput bar everywhere, and the latency and time
+    /// bars it states (P6 does; no other library scenario).
     #[must_use]
     pub fn of(scenario: &Scenario) -> Self {
-        let p6 = scenario.name == P6;
         Self {
             goodput_min: GOODPUT_BAR,
-            success_p95_max: p6.then_some(P6_SUCCESS_P95_BAR),
-            scenario_time_max: p6.then_some(P6_SCENARIO_TIME_BAR),
+            success_p95_max: scenario.oracle_success_p95_max,
+            scenario_time_max: scenario.oracle_scenario_time_max,
         }
     }
 }
@@ -85,16 +82,18 @@ impl Figures {
     fn of(s: &Score) -> Self {
         Self {
             goodput_per_min: s.timing.goodput_per_min,
-            success_p95_ms: (s.timing.success.n > 0).then_some(s.timing.success.p95),
+            success_p95_ms: s.timing.success.get(|p| p.p95),
             scenario_ms: s.scenario_ms,
         }
     }
 }
 
-/// Judges the pgw profile against the oracle on the bars of the scenario: adds one
-/// check per bar to every `pgw` score of `scores` (gating when both figures exist,
-/// shown as not judged otherwise). Judging again replaces the checks.
-pub fn judge(scores: &mut [Score], bars: OracleBars) {
+/// Judges the pgw profile against the oracle on the bars of `scenario`
+/// ([`OracleBars::of`]): adds one check per bar to every `pgw` score of `scores`
+/// (gating when both figures exist, shown as not judged otherwise). Judging again
+/// replaces the checks.
+pub fn judge(scores: &mut [Score], scenario: &Scenario) {
+    let bars = OracleBars::of(scenario);
     let oracle = scores
         .iter()
         .find(|s| s.profile == ProfileKind::Oracle.as_str())
@@ -109,9 +108,7 @@ pub fn judge(scores: &mut [Score], bars: OracleBars) {
     }
 }
 
-#[allow(clippy::cast_precision_loss)] // ms far below 2^52
 fn checks(pgw: &Figures, oracle: Option<&Figures>, bars: OracleBars) -> Vec<Check> {
-    let secs = |ms: u64| ms as f64 / 1000.0;
     let mut out = vec![compare(
         GOODPUT,
         Bound::AtLeast(bars.goodput_min),
@@ -249,8 +246,8 @@ mod tests {
         )
     }
 
-    fn p6_bars() -> OracleBars {
-        OracleBars::of(&Scenario::p6(1))
+    fn p6() -> Scenario {
+        Scenario::p6(1)
     }
 
     #[test]
@@ -261,7 +258,7 @@ mod tests {
             score("oracle", 10, 10_000, 600_000),
         ];
         assert!(scores[0].passed(), "{:?}", scores[0].checks);
-        judge(&mut scores, p6_bars());
+        judge(&mut scores, &p6());
         let pgw = &scores[0];
         let p95 = pgw.check(SUCCESS_P95).unwrap();
         assert!(p95.gating && !p95.pass, "{p95:?}");
@@ -276,7 +273,7 @@ mod tests {
         assert!(pgw.check(SCENARIO_TIME).unwrap().pass);
         // Only pgw is judged; judging again replaces, it does not add.
         assert!(scores[1].check(GOODPUT).is_none());
-        judge(&mut scores, p6_bars());
+        judge(&mut scores, &p6());
         assert_eq!(scores[0].checks.iter().filter(|c| c.name == GOODPUT).count(), 1);
     }
 
@@ -288,7 +285,7 @@ mod tests {
             score("pgw", 8, 1_000, 600_000),
             score("oracle", 10, 1_000, 480_000),
         ];
-        judge(&mut scores, p6_bars());
+        judge(&mut scores, &p6());
         let pgw = &scores[0];
         assert!(!pgw.check(GOODPUT).unwrap().pass);
         let time = pgw.check(SCENARIO_TIME).unwrap();
@@ -314,11 +311,19 @@ mod tests {
         let flapping = Scenario::named_or_file("flapping").unwrap();
         let bars = OracleBars::of(&flapping);
         assert_eq!((bars.success_p95_max, bars.scenario_time_max), (None, None));
+        // The bars are the scenario's, whatever its name: P6's file, copied and renamed.
+        let mut copy = Scenario::named_or_file("p6").unwrap();
+        copy.name = "my-p6".into();
+        let kept = OracleBars::of(&copy);
+        assert_eq!(
+            (kept.success_p95_max, kept.scenario_time_max),
+            (Some(P6_SUCCESS_P95_BAR), Some(P6_SCENARIO_TIME_BAR))
+        );
         let mut scores = vec![
             score("pgw", 10, 30_000, 600_000),
             score("oracle", 10, 10_000, 600_000),
         ];
-        judge(&mut scores, bars);
+        judge(&mut scores, &flapping);
         let names: Vec<_> = scores[0].checks.iter().map(|c| c.name).collect();
         assert!(names.contains(&GOODPUT), "{names:?}");
         assert!(!names.contains(&SUCCESS_P95) && !names.contains(&SCENARIO_TIME));
@@ -329,7 +334,7 @@ mod tests {
     fn without_an_oracle_or_a_sample_nothing_is_judged() {
         // No oracle row: every bar says so, and the verdict is the invariants'.
         let mut alone = vec![score("pgw", 10, 1_000, 600_000)];
-        judge(&mut alone, p6_bars());
+        judge(&mut alone, &p6());
         for name in CHECKS {
             let c = alone[0].check(name).unwrap();
             assert!(!c.gating, "{c:?}");
@@ -339,7 +344,7 @@ mod tests {
         assert!(alone[0].passed());
         // An empty latency sample is not judged, never compared as 0 s (x0.00).
         let mut scores = vec![score("pgw", 10, 1_000, 600_000), score("oracle", 0, 0, 600_000)];
-        judge(&mut scores, p6_bars());
+        judge(&mut scores, &p6());
         let p95 = scores[0].check(SUCCESS_P95).unwrap();
         assert!(!p95.gating, "{p95:?}");
         assert_eq!(p95.detail, "not judged (the oracle has no sample)");
@@ -352,7 +357,7 @@ mod tests {
         );
         // pgw without a successful call: its p95 is not judged, its goodput fails.
         let mut scores = vec![score("pgw", 0, 0, 600_000), score("oracle", 10, 1_000, 600_000)];
-        judge(&mut scores, p6_bars());
+        judge(&mut scores, &p6());
         assert_eq!(
             scores[0].check(SUCCESS_P95).unwrap().detail,
             "not judged (pgw has no sample)"

@@ -88,7 +88,11 @@ pub fn is_valid_structured(content: &str) -> bool {
 /// caller's token budget (`length`: what the caller asked for), or to call tools
 /// (`tool_calls`). The simulator ends every complete answer with `stop`, streamed or
 /// not, structured or not; the profiles' caches keep the answer as it came.
-pub const COMPLETE_FINISH_REASONS: [&str; 3] = ["stop", "length", "tool_calls"];
+pub const COMPLETE_FINISH_REASONS: [&str; 3] = [
+    pgw_core::openai::FINISH_STOP,
+    pgw_core::openai::FINISH_LENGTH,
+    pgw_core::openai::FINISH_TOOL_CALLS,
+];
 
 /// The cause of a call whose answer has text but no `finish_reason` of a complete
 /// answer ([`COMPLETE_FINISH_REASONS`]): it was cut before its end.
@@ -483,7 +487,7 @@ mod tests {
         let mut cut = answer("The first half of an ans");
         cut.choices[0].finish_reason = None;
         assert_eq!(judge_answer(false, &Ok(cut.clone())), Err("unfinished".into()));
-        cut.choices[0].finish_reason = Some("error".into());
+        cut.choices[0].finish_reason = Some(pgw_core::openai::FINISH_ERROR.into());
         assert_eq!(judge_answer(false, &Ok(cut.clone())), Err("unfinished".into()));
         for done in COMPLETE_FINISH_REASONS {
             cut.choices[0].finish_reason = Some(done.into());

@@ -15,7 +15,7 @@ use indicatif::ProgressBar;
 use pgw_core::BoxError;
 use pgw_core::sync::lock;
 
-use crate::acceptance::{self, OracleBars};
+use crate::acceptance;
 use crate::profiles::ProfileKind;
 use crate::run::{describe, expectations, run_profile_virtual, write_report};
 use crate::scenario::Scenario;
@@ -107,7 +107,7 @@ pub fn run_matrix(scenarios: &[Scenario], opts: &MatrixOptions) -> Result<Vec<Ce
             .filter(|(k, _, _)| *k == i)
             .map(|(_, _, r)| r.clone())
             .collect::<Result<Vec<Score>, String>>()?;
-        acceptance::judge(&mut scores, OracleBars::of(s));
+        acceptance::judge(&mut scores, s);
         let d = opts.dir.join(&s.name);
         let names: Vec<&str> = scores.iter().map(|s| s.profile.as_str()).collect();
         fs::write(d.join("profiles.txt"), names.join("\n") + "\n")?;
@@ -132,14 +132,12 @@ fn vs(cell: &Cell) -> String {
         .map_or_else(|| "-".into(), |r| format!("x{r:.2}"))
 }
 
-#[allow(clippy::cast_precision_loss)]
 fn p95_s(cell: &Cell) -> String {
-    let t = &cell.score.timing.success;
-    if t.n == 0 {
-        "-".into()
-    } else {
-        format!("{:.1}", t.p95 as f64 / 1000.0)
-    }
+    cell.score
+        .timing
+        .success
+        .get(|p| p.p95)
+        .map_or_else(|| "-".into(), |ms| format!("{:.1}", crate::timing::secs(ms)))
 }
 
 fn verdict(cell: &Cell) -> &'static str {

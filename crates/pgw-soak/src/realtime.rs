@@ -281,7 +281,7 @@ pub fn run_redis(scenario: &Scenario, opts: &RedisOptions) -> Result<RunOutcome,
     fs::write(dir.join("profiles.txt"), format!("{pgw}\n"))?;
     let mut scores = vec![score];
     // Only pgw runs here: its bars against the oracle say they are not judged.
-    crate::acceptance::judge(&mut scores, crate::acceptance::OracleBars::of(&scenario));
+    crate::acceptance::judge(&mut scores, &scenario);
     write_report(dir, &scenario.name, &describe_redis(&scenario, &real), &scores)?;
     let report = dir.join("report.md");
     let mut md = fs::read_to_string(&report)?;

@@ -4,7 +4,7 @@ use std::fmt::Write as _;
 
 use crate::acceptance;
 use crate::scoreboard::Score;
-use crate::timing::{Percentiles, ratio_to};
+use crate::timing::{Percentiles, ratio_to, secs};
 
 /// The profile every other is compared with: the clairvoyant client.
 const ORACLE: &str = "oracle";
@@ -58,17 +58,12 @@ fn vs_oracle(scores: &[Score], s: &Score, f: &dyn Fn(&Score) -> Option<f64>) -> 
 
 /// `f(p)` in seconds, or `None` when `p` has no samples.
 fn secs_of(p: &Percentiles, f: impl Fn(&Percentiles) -> u64) -> Option<f64> {
-    (p.n > 0).then(|| secs(f(p)))
+    p.get(f).map(secs)
 }
 
 #[allow(clippy::cast_precision_loss)]
 fn mib(kib: u64) -> f64 {
     kib as f64 / 1024.0
-}
-
-#[allow(clippy::cast_precision_loss)]
-fn secs(ms: u64) -> f64 {
-    ms as f64 / 1000.0
 }
 
 /// The Markdown report: the side-by-side table, failures by cause, attempts per source,
@@ -684,10 +679,7 @@ mod tests {
         pgw.timing.success.p95 = oracle.timing.success.p95 * 3;
         let mut scores = vec![naive, pgw, oracle];
         assert!(scores.iter().all(Score::passed));
-        acceptance::judge(
-            &mut scores,
-            acceptance::OracleBars::of(&crate::scenario::Scenario::p6(1)),
-        );
+        acceptance::judge(&mut scores, &crate::scenario::Scenario::p6(1));
         let md = markdown(&RunInfo::default(), &scores);
         assert!(md.contains("| verdict | PASS | FAIL | PASS |"), "{md}");
         assert!(

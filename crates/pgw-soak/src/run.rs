@@ -11,7 +11,7 @@ use pgw_sim::p6::{Kind, Traffic, TrafficConfig};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use crate::acceptance::{self, OracleBars};
+use crate::acceptance;
 use crate::driver::{DriveOptions, SoakCall, drive};
 use crate::profiles::{self, Env, ProfileKind, Upstream};
 use crate::report::{self, RunInfo};
@@ -259,7 +259,7 @@ pub fn run(scenario: &Scenario, opts: &RunOptions) -> Result<RunOutcome, BoxErro
         ));
         scores.push(score);
     }
-    acceptance::judge(&mut scores, OracleBars::of(scenario));
+    acceptance::judge(&mut scores, scenario);
     if let Some(d) = &opts.dir {
         let names: Vec<&str> = scores.iter().map(|s| s.profile.as_str()).collect();
         fs::write(d.join("profiles.txt"), names.join("\n") + "\n")?;
@@ -340,7 +340,7 @@ pub fn rescore(dir: &Path) -> Result<Vec<Score>, BoxError> {
             .map_err(|e| format!("{}: {e}", dir.display()))?;
         scores.push(scoreboard::judge(&run, &expectations(&p, &scenario)));
     }
-    acceptance::judge(&mut scores, OracleBars::of(&scenario));
+    acceptance::judge(&mut scores, &scenario);
     // A Redis-mode run keeps its description and its Redis commands (it was rewritten
     // as a memory run, its commands section dropped).
     let real: Option<crate::realtime::RealTime> =

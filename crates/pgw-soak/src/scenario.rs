@@ -306,6 +306,13 @@ pub struct Scenario {
     /// default none). `all-dead` sets 60: the first minute is for learning that the pool
     /// is dead.
     pub fail_fast_after_s: Option<f64>,
+    /// pgw's successful calls' latency p95 at most this many times the oracle's
+    /// (gating; default none: not judged). P6:
+    /// [`P6_SUCCESS_P95_BAR`](crate::acceptance::P6_SUCCESS_P95_BAR).
+    pub oracle_success_p95_max: Option<f64>,
+    /// pgw's scenario time at most this many times the oracle's (gating; default
+    /// none: not judged). P6: [`P6_SCENARIO_TIME_BAR`](crate::acceptance::P6_SCENARIO_TIME_BAR).
+    pub oracle_scenario_time_max: Option<f64>,
     /// The naive profile's own knobs.
     pub naive: NaiveSettings,
     /// The tower-stock profile's own knobs.
@@ -333,6 +340,8 @@ impl Default for Scenario {
             description: String::new(),
             client: ClientSettings::default(),
             naive_band: None,
+            oracle_success_p95_max: None,
+            oracle_scenario_time_max: None,
             ..Self::p6(DEFAULT_SEED)
         }
     }
@@ -382,6 +391,8 @@ impl Scenario {
             naive_band: Some(P6_NAIVE_BAND),
             request_errors_gate: false,
             fail_fast_after_s: None,
+            oracle_success_p95_max: Some(crate::acceptance::P6_SUCCESS_P95_BAR),
+            oracle_scenario_time_max: Some(crate::acceptance::P6_SCENARIO_TIME_BAR),
             naive: NaiveSettings::default(),
             tower_stock: TowerStockSettings::default(),
             pgw: PgwSettings::default(),
@@ -558,6 +569,16 @@ impl Scenario {
                 "success_bar: must be within [0, 1], got {}",
                 self.success_bar
             ));
+        }
+        for (field, bar) in [
+            ("oracle_success_p95_max", self.oracle_success_p95_max),
+            ("oracle_scenario_time_max", self.oracle_scenario_time_max),
+        ] {
+            if let Some(b) = bar
+                && !(b.is_finite() && b > 0.0)
+            {
+                return Err(format!("{field}: must be a finite number > 0, got {b}"));
+            }
         }
         if let Some([lo, hi]) = self.naive_band
             && !(0.0 <= lo && lo <= hi && hi <= 1.0)

@@ -185,13 +185,9 @@ pub fn judge(run: &ProfileRun, expect: &Expectations) -> Score {
     let upstream: Vec<_> = run.attempts.iter().filter(|a| !a.cache_hit).collect();
     let attempts = upstream.len() as u64;
     let cache_hits = run.attempts.len() as u64 - attempts;
-    let mut by_source: Vec<(String, u64)> = run.sources.iter().map(|s| (s.clone(), 0)).collect();
+    let by_source = attempts_by_source(run);
     let mut outcomes = BTreeMap::new();
     for a in &upstream {
-        match by_source.iter_mut().find(|(s, _)| *s == a.source) {
-            Some((_, n)) => *n += 1,
-            None => by_source.push((a.source.clone(), 1)),
-        }
         *outcomes.entry(a.outcome.clone()).or_insert(0) += 1;
     }
 
@@ -220,7 +216,7 @@ pub fn judge(run: &ProfileRun, expect: &Expectations) -> Score {
     ));
     let violations = quota_violations(run);
     checks.push(quota_check(&violations, &run.quotas));
-    checks.push(rows_check(run));
+    checks.push(rows_check(run, &by_source));
     checks.push(ids_check(run, expect.calls));
     checks.push(accounting_check(run));
     checks.push(rss_check(run));
@@ -398,7 +394,21 @@ fn request_errors(run: &ProfileRun) -> (u64, u64) {
 /// the source never saw: the quota check judges the rows, so a request sent without
 /// one would go unjudged. Against the simulator's own count
 /// ([`ProfileRun::provider_received`]); not measured where it is not kept.
-fn rows_check(run: &ProfileRun) -> Check {
+/// Upstream attempts (cache hits excluded) per source: the pool's sources first, in
+/// their order (0 for one never asked), then any other name a row carries.
+fn attempts_by_source(run: &ProfileRun) -> Vec<(String, u64)> {
+    let mut by_source: Vec<(String, u64)> = run.sources.iter().map(|s| (s.clone(), 0)).collect();
+    for a in run.attempts.iter().filter(|a| !a.cache_hit) {
+        match by_source.iter_mut().find(|(s, _)| *s == a.source) {
+            Some((_, n)) => *n += 1,
+            None => by_source.push((a.source.clone(), 1)),
+        }
+    }
+    by_source
+}
+
+/// `by_source`: the run's [`attempts_by_source`].
+fn rows_check(run: &ProfileRun, by_source: &[(String, u64)]) -> Check {
     let name = "every upstream request recorded";
     if run.provider_received.is_empty() {
         return Check {
@@ -408,19 +418,17 @@ fn rows_check(run: &ProfileRun) -> Check {
             detail: "not measured (the simulator is not in this process)".into(),
         };
     }
-    let mut rows: BTreeMap<&str, u64> = BTreeMap::new();
-    for a in run.attempts.iter().filter(|a| !a.cache_hit) {
-        *rows.entry(a.source.as_str()).or_default() += 1;
-    }
     let mut off = Vec::new();
     for (source, &received) in &run.provider_received {
-        let recorded = rows.remove(source.as_str()).unwrap_or(0);
+        let recorded = by_source.iter().find(|(s, _)| s == source).map_or(0, |&(_, n)| n);
         if recorded != received {
             off.push(format!("{source}: {recorded} rows, {received} received"));
         }
     }
     off.extend(
-        rows.iter()
+        by_source
+            .iter()
+            .filter(|(source, n)| *n > 0 && !run.provider_received.contains_key(source))
             .map(|(source, n)| format!("{source}: {n} rows, no such source")),
     );
     let total: u64 = run.provider_received.values().sum();
@@ -799,23 +807,23 @@ mod tests {
             attempt("c1", 1, "s4", 1_000, false),
             attempt("c2", 1, "s1", 2_000, false),
         ];
-        let c = rows_check(&r);
+        let c = rows_check(&r, &attempts_by_source(&r));
         assert!(
             c.pass && !c.gating,
             "not measured without the provider's count: {c:?}"
         );
         r.provider_received = [("s1".to_owned(), 1), ("s4".to_owned(), 2)].into();
-        let c = rows_check(&r);
+        let c = rows_check(&r, &attempts_by_source(&r));
         assert!(c.pass && c.gating, "{c:?}");
         // One request sent without its row.
         r.provider_received.insert("s4".into(), 3);
-        let c = rows_check(&r);
+        let c = rows_check(&r, &attempts_by_source(&r));
         assert!(!c.pass, "{c:?}");
         assert_eq!(c.detail, "s4: 2 rows, 3 received");
         // A row for a source the pool does not have (a name that matches no quota).
         r.provider_received.insert("s4".into(), 2);
         r.attempts.push(attempt("c3", 1, "s4:model", 3_000, false));
-        let c = rows_check(&r);
+        let c = rows_check(&r, &attempts_by_source(&r));
         assert!(!c.pass);
         assert_eq!(c.detail, "s4:model: 1 rows, no such source");
     }

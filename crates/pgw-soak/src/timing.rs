@@ -31,7 +31,20 @@ pub struct Percentiles {
     pub max: u64,
 }
 
+/// Milliseconds as seconds, for display and ratios.
+#[allow(clippy::cast_precision_loss)] // ms far below 2^52
+#[must_use]
+pub fn secs(ms: u64) -> f64 {
+    ms as f64 / 1000.0
+}
+
 impl Percentiles {
+    /// `f` of these percentiles, or `None` when there are no samples.
+    #[must_use]
+    pub fn get(&self, f: impl Fn(&Self) -> u64) -> Option<u64> {
+        (self.n > 0).then(|| f(self))
+    }
+
     /// The percentiles of `samples` (ms); all zero when there are none.
     #[must_use]
     pub fn of(samples: impl IntoIterator<Item = u64>) -> Self {

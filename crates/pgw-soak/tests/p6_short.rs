@@ -15,8 +15,6 @@ use pgw_soak::scenario::Scenario;
 /// 8000-call P6 at 99.36%).
 const CALLS: u64 = pgw_soak::scenario::P6_CALLS;
 const SEED: u64 = pgw_soak::scenario::DEFAULT_SEED;
-/// pgw's goodput against the oracle's on P6 (issue 12: at least 80%).
-const GOODPUT_BAR: f64 = pgw_soak::acceptance::GOODPUT_BAR;
 
 fn scenario() -> Scenario {
     let mut s = Scenario::p6(SEED);
@@ -103,12 +101,6 @@ fn short_p6_side_by_side() {
         assert!(pgw.violations.is_empty(), "{:?}", pgw.violations);
         assert!(pgw.success_rate > naive.success_rate);
         assert!(pgw.success_rate >= PGW_SUCCESS_BAR, "pgw {:.4}", pgw.success_rate);
-        assert!(
-            pgw.timing.goodput_per_min >= GOODPUT_BAR * oracle.timing.goodput_per_min,
-            "pgw {:.1} ok/min against the oracle's {:.1}",
-            pgw.timing.goodput_per_min,
-            oracle.timing.goodput_per_min
-        );
         // Every bar against the oracle was judged (both rows ran) and is in the verdict.
         for name in pgw_soak::acceptance::CHECKS {
             let c = pgw.check(name).unwrap();

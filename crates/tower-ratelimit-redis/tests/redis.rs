@@ -999,12 +999,37 @@ fn one_minute_of_two(round: usize, quota: Quota) -> (RateLimitConfig, u64, Strin
     (config, sub_ms, window_key, lease_key)
 }
 
-/// The settle script as the limiter runs it (window.lua prepended).
-fn settle_script() -> redis::Script {
-    redis::Script::new(concat!(
+/// Runs the settle script (window.lua prepended) as the limiter sends the refund of
+/// one request admitted at `at_ms` to one scope of [`one_minute_of_two`] with rpm 1
+/// (tpm unlimited, concurrency `concurrency`, -1 for none): `keys` its window and lease
+/// keys (and a marker), `lease` the admission's lease member ("" for none).
+async fn refund_one_request(
+    conn: &RedisConn,
+    keys: &[&str],
+    sub_ms: u64,
+    at_ms: u64,
+    lease: &str,
+    concurrency: i64,
+) -> i64 {
+    let settle = redis::Script::new(concat!(
         include_str!("../src/lua/window.lua"),
         include_str!("../src/lua/settle.lua")
-    ))
+    ));
+    let mut inv = settle.prepare_invoke();
+    for key in keys {
+        inv.key(*key);
+    }
+    inv.arg(1)
+        .arg(sub_ms)
+        .arg(60_000 / sub_ms)
+        .arg(at_ms)
+        .arg(-1)
+        .arg(0)
+        .arg(lease)
+        .arg(1)
+        .arg(-1)
+        .arg(concurrency);
+    inv.invoke_async(&mut conn.clone()).await.unwrap()
 }
 
 /// The same for a limiter without a concurrency quota, which has no lease to tell a
@@ -1023,25 +1048,8 @@ async fn a_settle_without_a_lease_run_twice_gives_back_once() {
         // A's refund, as the limiter sends it on a cluster: one scope, the request
         // given back, no lease, rpm 1, tpm and concurrency unlimited, and its marker.
         let marker = format!("{window_key}:settled:test-{round}");
-        let settle = settle_script();
-        let run = || {
-            let mut c = conn.clone();
-            let mut inv = settle.prepare_invoke();
-            inv.key(&window_key)
-                .key(&lease_key)
-                .key(&marker)
-                .arg(1)
-                .arg(sub_ms)
-                .arg(60_000 / sub_ms)
-                .arg(at_ms)
-                .arg(-1)
-                .arg(0)
-                .arg("")
-                .arg(1)
-                .arg(-1)
-                .arg(-1);
-            async move { inv.invoke_async::<i64>(&mut c).await.unwrap() }
-        };
+        let keys = [window_key.as_str(), lease_key.as_str(), marker.as_str()];
+        let run = || refund_one_request(&conn, &keys, sub_ms, at_ms, "", -1);
         assert_eq!(run().await, 1, "the first run gives the request back");
         // Another process (this one remembers its window full: it never saw the
         // refund it did not send).
@@ -1153,23 +1161,7 @@ async fn a_settle_run_twice_gives_back_once() {
         }
         // A's settle again, with the arguments the limiter sent: one scope, the request
         // given back, its lease, the scope's rpm 1, tpm unlimited, concurrency 1.
-        let settle = settle_script();
-        let again: i64 = settle
-            .key(&window_key)
-            .key(&lease_key)
-            .arg(1)
-            .arg(sub_ms)
-            .arg(60_000 / sub_ms)
-            .arg(at_ms)
-            .arg(-1)
-            .arg(0)
-            .arg(lease)
-            .arg(1)
-            .arg(-1)
-            .arg(1)
-            .invoke_async(&mut c)
-            .await
-            .unwrap();
+        let again = refund_one_request(&conn, &[&window_key, &lease_key], sub_ms, at_ms, lease, 1).await;
         assert_eq!(again, 2, "the settle found its lease gone and gave nothing back");
         b.finish(None).await.unwrap();
         // Another process: no memory of refusals, it asks Redis.

@@ -152,7 +152,14 @@ impl Log {
         if charged == real {
             return;
         }
-        if let Some(e) = self.entries.iter_mut().find(|e| **e == (at, charged)) {
+        // The log is in time order: the entry is among those of its instant.
+        let from = self.entries.partition_point(|e| e.0 < at);
+        let entry = self
+            .entries
+            .range_mut(from..)
+            .take_while(|e| e.0 == at)
+            .find(|e| e.1 == charged);
+        if let Some(e) = entry {
             // The entry is in the sum: `sum >= charged`.
             self.sum = (self.sum - charged).saturating_add(real);
             e.1 = real;
