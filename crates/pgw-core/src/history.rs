@@ -90,6 +90,8 @@ struct List {
     rest: Vec<AttemptRecord>,
     deadline: Option<Instant>,
     waiting_since: Option<Instant>,
+    /// The last record is provisional ([`CallHistory::record_provisional`]).
+    provisional: bool,
 }
 
 impl List {
@@ -266,8 +268,58 @@ impl CallHistory {
     /// Records one attempt as it ended.
     pub fn push(&self, attempt: AttemptRecord) {
         let mut list = self.lock();
+        list.provisional = false;
         list.push(attempt);
         // Written under the lock only: a plain store, no read-modify-write.
+        self.inner.len.store(list.len(), Ordering::Release);
+    }
+
+    /// Records the success of an attempt whose end a layer below may record later, in
+    /// its place ([`settle`](Self::settle)): a stream committed to the caller, which
+    /// the retry layer sees succeed without its source, and the balancer judges at its
+    /// end. Without such a layer it stays, as [`record`](Self::record) would have it.
+    pub fn record_provisional(&self, outcome: Outcome) {
+        let mut list = self.lock();
+        list.push(AttemptRecord {
+            source: None,
+            outcome,
+            timed_out: false,
+            too_large: false,
+            status: None,
+        });
+        list.provisional = true;
+        self.inner.len.store(list.len(), Ordering::Release);
+    }
+
+    /// Records one attempt judged after its answer began (a stream, at its end): in
+    /// place of the provisional record of it ([`record_provisional`](Self::record_provisional))
+    /// when that is the last one, else as [`push`](Self::push). One attempt, one record.
+    ///
+    /// ```
+    /// use pgw_core::{AttemptRecord, CallHistory, Outcome, SourceId};
+    /// let h = CallHistory::new();
+    /// h.record_provisional(Outcome::Success);
+    /// let end = AttemptRecord { source: Some(SourceId::from("a")), outcome: Outcome::Transient,
+    ///     timed_out: true, too_large: false, status: None };
+    /// h.settle(end.clone());
+    /// assert_eq!(h.attempts(), vec![end.clone()]);
+    /// h.settle(end.clone());
+    /// assert_eq!(h.len(), 2, "nothing provisional left: appended");
+    /// ```
+    pub fn settle(&self, attempt: AttemptRecord) {
+        let mut list = self.lock();
+        if std::mem::take(&mut list.provisional) {
+            let last = if list.rest.is_empty() {
+                list.first.as_mut()
+            } else {
+                list.rest.last_mut()
+            };
+            if let Some(last) = last {
+                *last = attempt;
+                return;
+            }
+        }
+        list.push(attempt);
         self.inner.len.store(list.len(), Ordering::Release);
     }
 

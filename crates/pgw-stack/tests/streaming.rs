@@ -497,3 +497,35 @@ async fn a_continuation_takes_a_fresh_default_deadline_into_its_history() {
     }
     assert!(continued, "a call committed to the stalling source");
 }
+
+/// A streamed attempt is one record in the call's history, with its source and the
+/// outcome of its end: the retry layer's record of the stream's commit (a success,
+/// without its source) is taken over by the balancer's at the stream's end. Before,
+/// both stayed: a cut stream read as a success and a failure.
+#[tokio::test(start_paused = true)]
+async fn a_streamed_attempt_is_one_record_in_the_calls_history() {
+    for (source, outcome) in [
+        (slow("a"), pgw_core::Outcome::Success),
+        (stalling("a"), pgw_core::Outcome::Transient),
+    ] {
+        let pool = pool(vec![source]);
+        let sink = MemorySink::default();
+        let gw = gateway(&pool, &sink, &[]).await;
+        let history = pgw_core::CallHistory::new();
+        let mut r = request();
+        r.stream = true;
+        let mut call = pgw_stack::ChatCall::new(r);
+        pgw_core::CarriesHistory::set_call_history(&mut call, history.clone());
+        let (_, _, err, _) = drain(gw.stream_call(call).await.unwrap(), Instant::now()).await;
+        assert_eq!(err.is_some(), outcome != pgw_core::Outcome::Success, "{err:?}");
+        let attempts = history.attempts();
+        assert_eq!(attempts.len(), 1, "{attempts:?}");
+        assert_eq!(
+            attempts[0].source.as_ref().map(pgw_core::SourceId::as_str),
+            Some("a")
+        );
+        assert_eq!(attempts[0].outcome, outcome);
+        assert!(!history.in_flight());
+        all_released(&gw, &pool).await;
+    }
+}

@@ -802,7 +802,9 @@ pub(crate) fn heard_from<T>(
 
 /// Records an attempt's outcome: the health sample of its class and the call's
 /// history; when the request carries none and `offer` (an attempt judged in the poll
-/// that runs it), the history of the call's [`Recording`] in scope. With the request's
+/// that runs it), the history of the call's [`Recording`] in scope. Not `offer` (a
+/// stream judged at its end), its record takes the place of the provisional one the
+/// retry layer made when the stream was committed ([`CallHistory::settle`]). With the request's
 /// size (`shape`: its class and size), what the source fits: a refusal as too large,
 /// or a success.
 pub(crate) fn judge<Req: 'static, T>(
@@ -841,6 +843,9 @@ pub(crate) fn judge<Req: 'static, T>(
         }
     };
     match history {
+        // Judged at its end (a stream): in place of the retry layer's provisional
+        // record of its success, if it made one.
+        Some(h) if !offer => h.settle(record()),
         Some(h) => h.push(record()),
         // A success recorded nowhere yet is left so: a call whose first attempt
         // succeeds needs no history, and the retry layer above records it, without its
