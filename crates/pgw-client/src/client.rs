@@ -431,13 +431,17 @@ where
         (acc.finish(), chunks, None)
     } else {
         let bytes = read_body(body, after(start, t.total), t, MAX_ANSWER_BODY).await?;
-        let resp: ChatResponse = serde_json::from_slice(&bytes).map_err(|e| {
-            let key = prepared.settings.key.as_ref();
-            MalformedResponse::new(clean(
-                format!("body is not a chat completion: {e}: {}", snippet(&bytes, key)),
-                key,
-            ))
-        })?;
+        let resp: ChatResponse = match pgw_core::openai::from_json_bytes(&bytes) {
+            Some(resp) => resp,
+            // Read again only to say what is wrong, in serde_json's words.
+            None => serde_json::from_slice(&bytes).map_err(|e| {
+                let key = prepared.settings.key.as_ref();
+                MalformedResponse::new(clean(
+                    format!("body is not a chat completion: {e}: {}", snippet(&bytes, key)),
+                    key,
+                ))
+            })?,
+        };
         if resp.extra.contains_key("error")
             && let Some(status) = error_in_answer(&bytes, prepared.settings.key.as_ref(), "")
         {
