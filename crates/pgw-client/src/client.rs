@@ -433,7 +433,8 @@ where
         let bytes = read_body(body, after(start, t.total), t, MAX_ANSWER_BODY).await?;
         let resp: ChatResponse = match pgw_core::openai::from_json_bytes(&bytes) {
             Some(resp) => resp,
-            // Read again only to say what is wrong, in serde_json's words.
+            // Read again to say what is wrong, in serde_json's words (or to read bytes
+            // whose only invalid UTF-8 is in a string the answer's type skips).
             None => serde_json::from_slice(&bytes).map_err(|e| {
                 let key = prepared.settings.key.as_ref();
                 MalformedResponse::new(clean(

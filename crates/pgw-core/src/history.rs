@@ -277,7 +277,9 @@ impl CallHistory {
     /// Records the success of an attempt whose end a layer below may record later, in
     /// its place ([`settle`](Self::settle)): a stream committed to the caller, which
     /// the retry layer sees succeed without its source, and the balancer judges at its
-    /// end. Without such a layer it stays, as [`record`](Self::record) would have it.
+    /// end. Without such a layer, or when the stream is dropped before its end (the
+    /// caller gone, a deadline's cut), it stays, as [`record`](Self::record) would
+    /// have it.
     pub fn record_provisional(&self, outcome: Outcome) {
         let mut list = self.lock();
         list.push(AttemptRecord {

@@ -430,9 +430,9 @@ impl<S, Req: CarriesHistory, C, R> Call<S, Req, C, R> {
         if outcome.is_success() {
             self.shared.progress.record_success_if_watched();
             if !self.own_history {
-                // The caller reads the history: make sure this attempt is in it. A
-                // stream's is provisional: the balancer below, judging it at its end,
-                // records it with its source in its place.
+                // The caller reads the history: make sure this attempt is in it,
+                // provisionally: a stream's is replaced by the balancer below, judging
+                // it at its end, with its source (others stay as recorded here).
                 let known_len = self.known_len;
                 let history = self.history();
                 if history.len() == known_len {

@@ -164,9 +164,9 @@ impl<'de> Deserialize<'de> for Content {
 /// their order, at every depth (numbers are re-encoded by value: `1e3` is written
 /// `1000.0`).
 ///
-/// The order is kept by this type itself rather than by serde_json's
-/// `preserve_order` feature, which would reorder the keys of every other map in the
-/// workspace (the simulator's frozen transcripts among them).
+/// The order is kept by this type itself, whatever serde_json's features: a user of
+/// this crate may build it without `preserve_order` (this workspace turns it on for
+/// every other map since 2026-12-05, so a schema's keys stay in the caller's order).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct ContentPart(Json);
 
