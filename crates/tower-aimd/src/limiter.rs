@@ -119,25 +119,33 @@ impl Limiter {
         }
     }
 
-    /// Like [`try_acquire`](Self::try_acquire), but a refusal is counted so a release
-    /// wakes one waiter for it. The caller must have enabled its `Notified` before
-    /// calling this if it means to wait on it.
-    pub(crate) fn acquire_or_mark(&self) -> bool {
-        if self.try_acquire() {
-            return true;
+    /// Takes a slot as [`try_acquire`](Self::try_acquire) does; the refusals counted
+    /// before it was taken (read before, for its [`Permit`]), or `None`.
+    pub(crate) fn take(&self) -> Option<u64> {
+        let seen = self.marked.load(Ordering::SeqCst);
+        self.try_acquire().then_some(seen)
+    }
+
+    /// Like [`take`](Self::take), but a refusal is counted so a release wakes one
+    /// waiter for it. The caller must have enabled its `Notified` before calling this
+    /// if it means to wait on it.
+    pub(crate) fn acquire_or_mark(&self) -> Option<u64> {
+        if let Some(seen) = self.take() {
+            return Some(seen);
         }
         // Dekker-style: count the refusal, then re-check. A release that the re-check
         // does not see comes later in the SeqCst order and therefore sees the count.
         self.refused.fetch_add(1, Ordering::SeqCst);
-        self.marked.fetch_add(1, Ordering::SeqCst);
+        // Our own refusal is among those counted before the slot: it is withdrawn.
+        let seen = self.marked.fetch_add(1, Ordering::SeqCst).wrapping_add(1);
         if self.try_acquire() {
             // Admitted after all: the refusal is withdrawn (unless a release took it
             // already, whose wake-up then finds a waiter who re-checks, or is kept
             // for the next one to wait).
             self.take_refusal();
-            return true;
+            return Some(seen);
         }
-        false
+        None
     }
 
     /// Takes one unanswered refusal, if any (a waiter admitted without its wake-up
@@ -152,6 +160,11 @@ impl Limiter {
     /// waited longest (`Notify` is first in, first out).
     pub(crate) fn release(&self) {
         self.inflight.fetch_sub(1, Ordering::SeqCst);
+        self.answer_a_refusal();
+    }
+
+    /// Wakes one waiter if a refusal is unanswered (taking it).
+    fn answer_a_refusal(&self) {
         if self.refused.load(Ordering::SeqCst) > 0 && self.take_refusal() {
             self.wake_one();
         }
@@ -268,19 +281,23 @@ pub(crate) struct Permit {
     limiter: Arc<Limiter>,
     /// The congestion episode the request is sent in.
     episode: u64,
-    /// The limiter's count of refusals ever counted when the slot was taken; `None`
-    /// once given back unused with none counted since (its drop then wakes nobody).
-    marked: Option<u64>,
+    /// The limiter's count of refusals ever counted, read before the slot was taken
+    /// ([`Limiter::take`]).
+    marked: u64,
+    /// Given back unused ([`unused`](Self::unused)).
+    unused: bool,
 }
 
 impl Permit {
-    pub(crate) fn new(limiter: Arc<Limiter>) -> Self {
+    /// The slot just taken, `marked` being what [`Limiter::take`] or
+    /// [`Limiter::acquire_or_mark`] answered.
+    pub(crate) fn new(limiter: Arc<Limiter>, marked: u64) -> Self {
         let episode = limiter.episode();
-        let marked = Some(limiter.marked.load(Ordering::SeqCst));
         Self {
             limiter,
             episode,
             marked,
+            unused: false,
         }
     }
 
@@ -291,9 +308,7 @@ impl Permit {
     /// gave its slot back again, one round after another while old refusals were
     /// counted.
     pub(crate) fn unused(mut self) {
-        if self.marked == Some(self.limiter.marked.load(Ordering::SeqCst)) {
-            self.marked = None;
-        }
+        self.unused = true;
     }
 
     /// Feeds the request's outcome to its limiter, in the episode it was sent in.
@@ -304,10 +319,17 @@ impl Permit {
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        if self.marked.is_some() {
+        if !self.unused {
             self.limiter.release();
-        } else {
-            self.limiter.inflight.fetch_sub(1, Ordering::SeqCst);
+            return;
+        }
+        // The slot first, then the count: a refusal counted since the slot was taken,
+        // up to its return, is answered (a refuser that saw it taken counted before
+        // this read; one that came after finds the slot). Read before the return, a
+        // refusal between the two waited for a wake-up nobody sent.
+        self.limiter.inflight.fetch_sub(1, Ordering::SeqCst);
+        if self.limiter.marked.load(Ordering::SeqCst) != self.marked {
+            self.limiter.answer_a_refusal();
         }
     }
 }
@@ -425,8 +447,8 @@ mod tests {
         // Half the limit in flight: each success adds a whole slot.
         let held: Vec<Permit> = (0..6)
             .map(|_| {
-                assert!(l.try_acquire());
-                Permit::new(Arc::clone(&l))
+                let seen = l.take().expect("a slot");
+                Permit::new(Arc::clone(&l), seen)
             })
             .collect();
         for p in &held[..3] {
@@ -450,8 +472,8 @@ mod tests {
             ..AimdConfig::default()
         });
         let send = || {
-            assert!(l.try_acquire());
-            Permit::new(Arc::clone(&l))
+            let seen = l.take().expect("a slot");
+            Permit::new(Arc::clone(&l), seen)
         };
         // Eight requests sent in the same episode, all answered 429: one cut, not eight.
         let sent: Vec<Permit> = (0..8).map(|_| send()).collect();
@@ -517,13 +539,33 @@ mod tests {
         });
         assert!(l.try_acquire());
         assert!(l.try_acquire());
-        assert!(!l.acquire_or_mark());
+        assert!(l.acquire_or_mark().is_none());
         assert_eq!(l.inflight(), 2);
         l.release();
         assert!(l.try_acquire());
         l.release();
         l.release();
         assert_eq!(l.inflight(), 0);
+    }
+
+    /// A refusal counted after a slot was taken but before its permit was made (on
+    /// another thread) is one counted while it was held: the slot given back unused
+    /// answers it. Before, the permit read the count when it was made, took the
+    /// refusal for an old one, and the refused waiter slept with the slot free.
+    #[test]
+    fn a_refusal_between_the_slot_and_its_permit_is_answered_by_the_unused_slot() {
+        use futures_util::FutureExt;
+        let l = limiter(&AimdConfig {
+            initial_limit: 1.0,
+            ..AimdConfig::default()
+        });
+        let seen = l.take().expect("the one slot");
+        let mut waiter = Box::pin(Arc::clone(l.signal()).notified_owned());
+        waiter.as_mut().enable();
+        assert!(l.acquire_or_mark().is_none(), "refused: the slot is taken");
+        Permit::new(Arc::clone(&l), seen).unused();
+        assert_eq!(l.inflight(), 0);
+        assert!(waiter.now_or_never().is_some(), "the refused waiter is woken");
     }
 
     #[tokio::test(start_paused = true)]
@@ -536,7 +578,7 @@ mod tests {
         let notified = Arc::clone(l.signal()).notified_owned();
         let mut notified = Box::pin(notified);
         notified.as_mut().enable();
-        assert!(!l.acquire_or_mark());
+        assert!(l.acquire_or_mark().is_none());
         l.release();
         // Completes at once: the release saw the mark.
         tokio::time::timeout(std::time::Duration::from_secs(1), notified)

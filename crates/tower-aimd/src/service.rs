@@ -144,17 +144,17 @@ impl<S, C> Aimd<S, C> {
 
     /// Waits for a slot (Mode::Wait).
     fn poll_slot(&mut self, cx: &mut Context<'_>) -> Poll<()> {
-        loop {
+        let seen = loop {
             // A wake-up is taken before the slot: a `Notified` dropped with its wake-up
             // unread would pass it on to the next waiter, who would find no slot.
             if self.waiting.as_mut().is_some_and(|w| w.poll_woken(cx)) {
                 self.waiting = None;
             }
-            if self.limiter.try_acquire() {
+            if let Some(seen) = self.limiter.take() {
                 // Admitted before our wake-up came: dropping the wait withdraws the
                 // refusal it was for.
                 self.waiting = None;
-                break;
+                break seen;
             }
             if self.waiting.is_some() {
                 return Poll::Pending;
@@ -163,15 +163,15 @@ impl<S, C> Aimd<S, C> {
             // still wakes us.
             let mut n = Box::pin(Arc::clone(self.limiter.signal()).notified_owned());
             n.as_mut().enable();
-            if self.limiter.acquire_or_mark() {
-                break;
+            if let Some(seen) = self.limiter.acquire_or_mark() {
+                break seen;
             }
             self.waiting = Some(Waiting {
                 notified: Some(n),
                 limiter: Arc::clone(&self.limiter),
             });
-        }
-        self.permit = Some(Permit::new(Arc::clone(&self.limiter)));
+        };
+        self.permit = Some(Permit::new(Arc::clone(&self.limiter), seen));
         Poll::Ready(())
     }
 }
@@ -203,15 +203,15 @@ where
             match self.mode {
                 Mode::Wait => ready!(self.poll_slot(cx)),
                 Mode::Shed if self.shed => return Poll::Ready(Ok(())),
-                Mode::Shed if self.limiter.acquire_or_mark() => {
-                    self.permit = Some(Permit::new(Arc::clone(&self.limiter)));
-                }
-                Mode::Shed => {
-                    // Over the limit: the call answers `Paced`, and nothing below is
-                    // asked (the cheapest gate first).
-                    self.shed = true;
-                    return Poll::Ready(Ok(()));
-                }
+                Mode::Shed => match self.limiter.acquire_or_mark() {
+                    Some(seen) => self.permit = Some(Permit::new(Arc::clone(&self.limiter), seen)),
+                    None => {
+                        // Over the limit: the call answers `Paced`, and nothing below
+                        // is asked (the cheapest gate first).
+                        self.shed = true;
+                        return Poll::Ready(Ok(()));
+                    }
+                },
             }
         }
         let ready = self.inner.poll_ready(cx).map_err(Into::into);
@@ -231,8 +231,10 @@ where
         }
         let permit = match self.permit.take() {
             Some(p) => p,
-            None if self.limiter.acquire_or_mark() => Permit::new(Arc::clone(&self.limiter)),
-            None => return ResponseFuture::paced(self.paced()),
+            None => match self.limiter.acquire_or_mark() {
+                Some(seen) => Permit::new(Arc::clone(&self.limiter), seen),
+                None => return ResponseFuture::paced(self.paced()),
+            },
         };
         ResponseFuture::called(self.inner.call(req), permit, self.classifier.clone())
     }
