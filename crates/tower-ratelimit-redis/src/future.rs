@@ -336,6 +336,12 @@ where
                         ready!(timer.as_mut().poll(cx));
                         limiter.forget_slot_refusals();
                     }
+                    // Asked again at the clock the wait read: in the poll a balancer
+                    // dispatches in, `pgw_core::clock` answers the dispatch's instant,
+                    // and a hold or lease that ended between it and the wait's reading
+                    // was refused at it and found over by the wait, again and again
+                    // in the same poll, for ever.
+                    let _now = pgw_core::clock::Dispatched::enter(Instant::now());
                     match limiter.start(deferred.tokens) {
                         Ok(p) => deferred.pending = Some(InFlight::new(limiter.clone(), p.fut, p.ticket)),
                         Err(e) => {

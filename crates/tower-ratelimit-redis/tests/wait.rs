@@ -262,3 +262,54 @@ async fn max_wait_below_the_slot_hint_waits_for_a_release() {
     drop(held);
     assert_eq!(l.held().await.unwrap().leases(), 0);
 }
+
+/// In the poll a balancer dispatches in, `pgw_core::clock` answers the dispatch's
+/// instant. A hold that ended between that instant and the wait's own clock reading
+/// refused the admission at the first and was over at the second: the waiter asked
+/// again at once, was refused again at the dispatch's instant, and so on for ever in
+/// the same poll. The admission after a wait now reads the clock the wait read.
+///
+/// The poll runs on a thread of its own, so a regression fails here (after 30 s of
+/// real time, a bound only: the poll answers at once) instead of hanging the suite.
+#[test]
+fn an_admission_after_a_wait_reads_the_clock_the_wait_read() {
+    let (done, answer) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .start_paused(true)
+            .build()
+            .unwrap();
+        let l = waiting(Quota::unlimited().requests(100), None);
+        let stats = l.clone();
+        let answered = rt.block_on(async move {
+            l.hold(
+                tower_ratelimit_redis::HoldScope::Source,
+                Duration::from_millis(10),
+            )
+            .await
+            .unwrap();
+            let dispatched = tokio::time::Instant::now();
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            let mut svc = RateLimitLayer::new(l)
+                .token_estimate(NoTokens)
+                .usage(NoTokens)
+                .layer(service_fn(|()| async { Ok::<_, BoxError>("ok") }));
+            let mut cx = Context::from_waker(Waker::noop());
+            let _scope = pgw_core::clock::Dispatched::enter(dispatched);
+            assert!(svc.poll_ready(&mut cx).is_ready());
+            let mut call = Box::pin(svc.call(()));
+            format!("{:?}", call.as_mut().poll(&mut cx))
+        });
+        let _ = done.send((answered, tries(stats.stats())));
+    });
+    let (answered, tried) = answer
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the poll never returned");
+    assert_eq!(answered, r#"Ready(Ok("ok"))"#);
+    assert_eq!(
+        tried,
+        (1, 1),
+        "refused at the dispatch's instant, admitted at the wait's"
+    );
+}
