@@ -873,3 +873,55 @@ async fn waiters_hear_that_their_question_failed() {
         );
     }
 }
+
+/// A Redis that takes connections and answers nothing holds one caller for its record,
+/// the backend's timeout, not every caller (B12: recording never blocks the caller):
+/// once a record failed, callers get their answers at once while their records go out
+/// on their own; the first record that lands makes callers wait for theirs again (a
+/// caller's next admission then sees its outcome). Paused clock, frozen server.
+#[tokio::test]
+async fn records_a_silent_redis_does_not_answer_hold_one_caller_not_all() {
+    let server = PrivateRedis::start();
+    let target = RedisTarget::Standalone(server.url());
+    let timeout = Duration::from_millis(300);
+    let conn = RedisConn::connect_with(&target, timeout, timeout).await.unwrap();
+    let backend = RedisBackend::new(conn)
+        .with_prefix("silent")
+        .with_timeout(timeout)
+        .with_deferred_successes(false);
+    let gate = backend.gate(&"s".into(), &config(100));
+    // Scripts loaded, and three admissions in hand while the server answers.
+    call(&gate, S).await;
+    let tickets = [admit(&gate).await, admit(&gate).await, admit(&gate).await];
+
+    server.freeze();
+    tokio::time::pause();
+    let start = tokio::time::Instant::now();
+    gate.record(tickets[0], BreakerVerdict::Failure).await;
+    assert!(
+        start.elapsed() >= timeout,
+        "the first record waited out the timeout"
+    );
+    assert_eq!(gate.record_errors(), 1);
+    let second = gate.record(tickets[1], BreakerVerdict::Failure);
+    assert!(
+        futures_util::FutureExt::now_or_never(second).is_some(),
+        "not held while records fail"
+    );
+    // Its record still went out, and failed on its own.
+    tokio::time::sleep(timeout * 2).await;
+    assert_eq!(gate.record_errors(), 2);
+    tokio::time::resume();
+    server.thaw();
+
+    // Landed (not waited for: the last one failed), then callers wait again.
+    call(&gate, F).await;
+    for _ in 0..100 {
+        let waited = gate.record(tickets[2], BreakerVerdict::Failure);
+        if futures_util::FutureExt::now_or_never(waited).is_none() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("records were never waited for again after one landed");
+}

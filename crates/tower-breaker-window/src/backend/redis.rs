@@ -17,7 +17,7 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -173,6 +173,7 @@ impl Backend for RedisBackend {
             params: Params::of(config),
             timeout: self.timeout,
             record_errors: AtomicU64::new(0),
+            records_failing: AtomicBool::new(false),
             closed_view: self.closed_view,
             defer_successes: self.defer_successes && !self.closed_view.is_zero(),
             deferred: std::sync::Mutex::new(Deferred {
@@ -195,6 +196,9 @@ struct Inner {
     params: Params,
     timeout: Duration,
     record_errors: AtomicU64,
+    /// The last record this process sent did not land: until one does, callers are
+    /// not held for theirs (B12).
+    records_failing: AtomicBool,
     closed_view: Duration,
     defer_successes: bool,
     /// Successes counted here and not yet sent (see
@@ -589,6 +593,7 @@ impl RedisGate {
             .arg(oks);
         match run("record", inner.timeout, call.invoke_async::<i64>(&mut conn)).await {
             Ok(code) => {
+                inner.records_failing.store(false, Ordering::Release);
                 let effect = Effect::from_code(code);
                 if ticket.is_probe() {
                     // This process's probe is over (closed, reopened, or released
@@ -610,6 +615,7 @@ impl RedisGate {
                 tracing::trace!(source = %inner.source, effect = ?effect, "breaker record");
             }
             Err(e) => {
+                inner.records_failing.store(true, Ordering::Release);
                 inner.record_errors.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(
                     source = %inner.source,
@@ -694,11 +700,19 @@ impl Gate for RedisGate {
             return RecordFuture(None);
         };
         let inner = self.0.clone();
+        // While records fail (Redis down or not answering), the caller is not held for
+        // this one: each would wait out the backend's timeout with its answer in hand.
+        // The record still goes out; the first that lands makes callers wait again,
+        // so a caller's next admission sees its outcome.
+        let failing = inner.records_failing.load(Ordering::Acquire);
         // Spawned, so the record lands even when the caller drops the future (B3).
         match tokio::runtime::Handle::try_current() {
-            Ok(rt) => RecordFuture(Some(rt.spawn(async move {
-                Self::record_once(&inner, ticket, verdict, oks).await;
-            }))),
+            Ok(rt) => {
+                let landing = rt.spawn(async move {
+                    Self::record_once(&inner, ticket, verdict, oks).await;
+                });
+                RecordFuture((!failing).then_some(landing))
+            }
             Err(_) => {
                 inner.record_errors.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(source = %inner.source, "breaker outcome not recorded: no tokio runtime");
