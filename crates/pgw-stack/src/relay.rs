@@ -12,7 +12,7 @@ use std::task::{Context, Poll};
 use futures_core::Stream;
 use futures_util::StreamExt;
 use pgw_client::{ChatCall, PassThrough, TailStream};
-use pgw_core::openai::{ChatChunk, ChatMessage, Usage};
+use pgw_core::openai::{ChatChunk, ChatMessage, ChatRequest, Content, Usage};
 use pgw_core::{BoxError, CallHistory, CarriesHistory, SourceId};
 use tower::ServiceExt;
 use tower_retry_pushback::{CallDeadline, RetryError};
@@ -352,9 +352,7 @@ impl Relay {
             return None;
         }
         self.continued += 1;
-        request
-            .messages
-            .push(ChatMessage::new("assistant", self.text.clone()));
+        prefill(&mut request, &self.text);
         let mut next = ChatCall::from_arc(Arc::new(request)).with_call_id(self.call.id());
         // Everything the caller's call carries holds for the continuation too: its
         // deadline, its cache choice and partition (a tenant's continuation is read
@@ -381,6 +379,24 @@ impl Relay {
             }
         }
     }
+}
+
+/// Makes `request` end with an assistant message that holds `text` as its last words:
+/// the caller's own prefill (a trailing assistant message of text, `{` to start a
+/// JSON answer) extended by it, else a new assistant message of it. A second assistant
+/// message after the caller's would be closed as a turn of its own by the templates
+/// that continue the last message (vLLM's and llama.cpp's `continue_final_message`):
+/// the source would start a new answer after the prefill instead of going on with it.
+fn prefill(request: &mut ChatRequest, text: &str) {
+    if let Some(last) = request.messages.last_mut()
+        && last.role == "assistant"
+        && !last.calls_tool()
+        && let Content::Text(own) = &mut last.content
+    {
+        own.push_str(text);
+        return;
+    }
+    request.messages.push(ChatMessage::new("assistant", text));
 }
 
 impl Relay {
@@ -411,6 +427,34 @@ mod tests {
 
     fn raw(c: &ChatChunk) -> Option<&[u8]> {
         c.raw.as_deref()
+    }
+
+    /// A continuation extends the caller's own prefill (one assistant message ending
+    /// with the text relayed), and adds one only when the request has none: a second
+    /// assistant message would be a turn of its own to the templates that continue the
+    /// last one. A trailing assistant message that calls tools is no prefill.
+    #[test]
+    fn a_continuation_extends_the_callers_prefill_and_adds_one_only_without() {
+        let mut own = ChatRequest::user("m", "a JSON object please");
+        own.messages.push(ChatMessage::new("assistant", "{"));
+        prefill(&mut own, "\"a\": 1,");
+        assert_eq!(own.messages.len(), 2);
+        assert_eq!(own.messages[1].role, "assistant");
+        assert_eq!(own.messages[1].text(), "{\"a\": 1,");
+
+        let mut none = ChatRequest::user("m", "hi");
+        prefill(&mut none, "Hello");
+        assert_eq!(none.messages.len(), 2);
+        assert_eq!(none.messages[1].text(), "Hello");
+
+        let mut tools = ChatRequest::user("m", "hi");
+        let mut call = ChatMessage::new("assistant", "");
+        call.extra
+            .insert("tool_calls".into(), serde_json::json!([{"id": "t"}]));
+        tools.messages.push(call);
+        prefill(&mut tools, "Hello");
+        assert_eq!(tools.messages.len(), 3, "a tool call is not extended");
+        assert_eq!(tools.messages[2].text(), "Hello");
     }
 
     #[test]
