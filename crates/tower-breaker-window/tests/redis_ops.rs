@@ -234,6 +234,35 @@ async fn successes_kept_in_an_ended_epoch_do_not_stop_deferring() {
     assert_eq!(gate.deferred_successes(), 2, "the new epoch's two");
 }
 
+/// With a rate window shorter than the closed view, kept successes are sent once kept
+/// half a window: kept a whole view, they were dropped as older than the window first,
+/// and a process whose calls all succeeded counted none of them in Redis, where other
+/// processes' failures alone then opened the breaker.
+#[tokio::test]
+async fn kept_successes_are_sent_within_a_window_shorter_than_the_view() {
+    let server = PrivateRedis::start();
+    let target = RedisTarget::Standalone(server.url());
+    let backend = RedisBackend::new(RedisConn::connect(&target).await.unwrap())
+        .with_prefix("short")
+        .with_closed_view(Duration::from_secs(3600));
+    let window = Duration::from_millis(400);
+    let config = BreakerConfig::builder()
+        .fail_threshold(3)
+        .cooldown(REDIS_UNIT)
+        .window(window)
+        .build()
+        .unwrap();
+    let gate = backend.gate(&"s".into(), &config);
+    for _ in 0..3 {
+        call(&gate, S).await;
+    }
+    assert_eq!(gate.deferred_successes(), 3, "kept under the view");
+    tokio::time::sleep(window / 2 + window / 8).await;
+    call(&gate, S).await;
+    assert_eq!(gate.deferred_successes(), 0, "sent once kept half a window");
+    assert_eq!(still(&gate).await.window_calls, 4);
+}
+
 /// Successes kept under the closed view are sent at the first success once they were
 /// kept a whole view, though every admission renews the view (a process that records
 /// no failure asks Redis as each view ends, and is told "closed" again). Before, they

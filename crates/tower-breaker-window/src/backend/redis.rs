@@ -276,8 +276,10 @@ impl Inner {
             // after the view" never came, and the kept successes were sent only by a
             // failure here (or dropped after a window): another process's run of
             // failures opened the breaker on the consecutive channel meanwhile.
-            let kept_a_view =
-                deferred.n > 0 && now.saturating_duration_since(deferred.since) >= self.closed_view;
+            // Within half a window, when the view is longer: kept successes older than
+            // the window are dropped above, so a view as long as it sent none of them.
+            let kept_a_view = deferred.n > 0
+                && now.saturating_duration_since(deferred.since) >= self.closed_view.min(self.window / 2);
             if in_view
                 && !kept_a_view
                 && (deferred.n == 0 || deferred.epoch == ticket.epoch())
