@@ -525,11 +525,14 @@ impl Service<ChatCall> for Gateway {
                     turns.enter_context(&route.context, turn.primary);
                 } else if verdict.too_large() && turn.context
                     || verdict == Verdict::NeverHere
-                    || matches!(verdict, Verdict::Rejected | Verdict::TooLarge) && !turns.deferred.is_empty()
+                    || matches!(verdict, Verdict::Rejected | Verdict::TooLarge)
+                        && (!turns.deferred.is_empty() || turn.context || !turn.primary)
                 {
                     // The next group of the context chain (of the chain); or a request
                     // error from this group, with groups left for later that never saw
-                    // the request: this group's verdict, not the call's.
+                    // the request, or from a fallback or a context model (as in the
+                    // second pass: its model's own limits, `max_tokens` past its
+                    // maximum, say): this group's verdict, not the call's.
                 } else if matches!(verdict, Verdict::Rejected | Verdict::TooLarge | Verdict::Ends) {
                     turns.deferred.clear();
                     break;

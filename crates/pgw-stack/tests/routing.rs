@@ -477,6 +477,38 @@ async fn a_primary_at_its_quota_hands_the_call_to_the_fallback_at_once() {
     assert_eq!((received(&pool, "a"), received(&pool, "b")), (2, 1));
 }
 
+/// A fallback's request error hands the call on, as in the second pass, whatever the
+/// primary failed of: the primary answers 5xx, the backup rejects the request as too
+/// large for its model (no context chain), and the third group answers. Before, the
+/// backup's 400 ended the call in the first pass (and not when the primary had been
+/// refused for now instead).
+#[tokio::test(start_paused = true)]
+async fn a_fallbacks_request_error_hands_the_call_on_after_a_failed_primary() {
+    let broken = pgw_sim::SourceConfig {
+        server_error_rate: 1.0.into(),
+        ..serving("a", "big")
+    };
+    let small = pgw_sim::SourceConfig {
+        context_window: Some(4096),
+        ..serving("b", "small")
+    };
+    let pool = pool(vec![broken, small, serving("c", "large")]);
+    let mut cfg = primary_and_backup(source("a"), source("b"));
+    cfg.sources.push(source("c"));
+    cfg.models.get_mut("primary").unwrap().fallback = vec!["backup".into(), "third".into()];
+    cfg.models.insert("third".into(), model(&[("c", Some("large"))]));
+    let gw = gateway(&pool, cfg, &MemorySink::new()).await;
+    let mut large = ChatRequest::user("primary", "a long one");
+    large.max_tokens = Some(10_000);
+    let answer = gw.chat(large).await.unwrap();
+    assert_eq!(answer.group, "third");
+    assert!(received(&pool, "a") >= 1, "the primary was asked");
+    assert!(
+        pool.stats().sources["b"].context_length_exceeded >= 1,
+        "the backup was asked, and rejected it"
+    );
+}
+
 /// The second pass is not skipped by a fallback's request error: a call the primary's
 /// quota refused for now and the backup rejects (too large for it, no context chain)
 /// waits for the primary, which takes it.
