@@ -22,6 +22,11 @@ use crate::route::{Pushback, QuotaHold};
 use crate::telemetry::{AttemptTelemetry, Telemetry};
 use crate::validate::Validator;
 
+/// The group a call's turn is in (the gateway's), for its attempts' records: a route
+/// serving two public models is one `Attempt`, built with the first of them.
+#[derive(Clone, Debug)]
+pub(crate) struct TurnGroup(pub(crate) Arc<str>);
+
 /// Where the rate limiter's admission observer leaves the admission of the attempt
 /// about to be dispatched, for the attempt's record below it. Each copy of a call has
 /// a cell of its own (a clone is empty): the balancer dispatches a copy per attempt,
@@ -273,7 +278,7 @@ where
             telemetry: self.telemetry.clone(),
             call_id: call.id().0,
             attempt,
-            group: Arc::clone(&self.group),
+            group: Arc::clone(call.extensions().get::<TurnGroup>().map_or(&self.group, |g| &g.0)),
             source: self.source.clone(),
             // An `Arc` increment, not a copy of the model name, per attempt.
             model: match &self.model {

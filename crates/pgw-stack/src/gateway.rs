@@ -24,7 +24,7 @@ use tower_ratelimit_redis::RateLimiter;
 use tower_retry_pushback::{CallDeadline, Progress, Reason, RetryError};
 use tower_service::Service;
 
-use crate::attempt::{AdmissionCell, RefusedTime};
+use crate::attempt::{AdmissionCell, RefusedTime, TurnGroup};
 use crate::cache::{CacheKey, CachePartition, CachedAnswer};
 use crate::cached::{CacheFlow, Flight, Follow, Lookup, replay};
 use crate::relay::ChatStream;
@@ -753,7 +753,9 @@ impl Inner {
         cached: &mut Option<(&CacheFlow, CacheKey, Option<Flight>)>,
     ) -> Result<GatewayAnswer, (Verdict, (String, BoxError))> {
         let group = &self.groups[turn.g];
-        match group.service.clone().oneshot(call.clone()).await {
+        let mut call = call.clone();
+        call.extensions_mut().insert(TurnGroup(Arc::clone(&group.name)));
+        match group.service.clone().oneshot(call).await {
             Ok(answer) => Ok(self.answered(call_id, turn.g, turn.primary, answer, cached).await),
             Err(e) => {
                 tracing::debug!(call = call_id, group = %group.name, error = %e, "group failed");

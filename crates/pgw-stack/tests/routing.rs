@@ -477,6 +477,26 @@ async fn a_primary_at_its_quota_hands_the_call_to_the_fallback_at_once() {
     assert_eq!((received(&pool, "a"), received(&pool, "b")), (2, 1));
 }
 
+/// A route serving two public models records each call's attempts under the model the
+/// call named: before, every attempt through the route was recorded under the first
+/// of them (in name order), and cost and counts per model were misattributed.
+#[tokio::test(start_paused = true)]
+async fn a_route_shared_by_two_models_records_attempts_under_the_called_one() {
+    let pool = pool(vec![serving("a", "big")]);
+    let mut cfg = GatewayConfig::default();
+    cfg.sources.push(source("a"));
+    cfg.models.insert("alpha".into(), model(&[("a", Some("big"))]));
+    cfg.models.insert("zeta".into(), model(&[("a", Some("big"))]));
+    let sink = MemorySink::new();
+    let gw = gateway(&pool, cfg, &sink).await;
+    for name in ["zeta", "alpha"] {
+        let answer = gw.chat(ChatRequest::user(name, "hi")).await.unwrap();
+        assert_eq!(answer.group, name);
+    }
+    let groups: Vec<String> = sink.records().into_iter().map(|r| r.group).collect();
+    assert_eq!(groups, ["zeta", "alpha"]);
+}
+
 /// A fallback's request error hands the call on, as in the second pass, whatever the
 /// primary failed of: the primary answers 5xx, the backup rejects the request as too
 /// large for its model (no context chain), and the third group answers. Before, the
