@@ -14,7 +14,7 @@ use pgw_core::{BackendUnavailable, BoxError, BreakerVerdict};
 use pgw_test_support::PrivateRedis;
 use tower::{Service, ServiceExt, service_fn};
 use tower_breaker_window::{
-    Admission, Backend, BreakerConfig, BreakerLayer, BreakerState, Gate, RedisBackend,
+    Admission, Backend, BreakerConfig, BreakerLayer, BreakerState, Gate, RedisBackend, RedisGate,
 };
 use tower_layer::Layer;
 
@@ -174,15 +174,13 @@ async fn successes_under_the_closed_view_travel_with_the_next_failure() {
     assert_eq!(still(&gate).await.state, BreakerState::Open);
 }
 
-/// Kept successes older than the window are dropped, not sent: sent with the first
-/// failure after an idle spell, they landed in the current bucket and outweighed the
-/// failures of a source that died meanwhile (the window showed 6 calls, 1 failure).
-#[tokio::test]
-async fn successes_kept_past_the_window_are_dropped_not_sent() {
+/// A gate on a server of its own whose rate window (400 ms, answered) is far shorter
+/// than its closed view (an hour): every admission within the test is the view's.
+async fn short_window_under_a_long_view(prefix: &str) -> (PrivateRedis, RedisGate, Duration) {
     let server = PrivateRedis::start();
     let target = RedisTarget::Standalone(server.url());
     let backend = RedisBackend::new(RedisConn::connect(&target).await.unwrap())
-        .with_prefix("old")
+        .with_prefix(prefix)
         .with_closed_view(Duration::from_secs(3600));
     let window = Duration::from_millis(400);
     let config = BreakerConfig::builder()
@@ -192,6 +190,15 @@ async fn successes_kept_past_the_window_are_dropped_not_sent() {
         .build()
         .unwrap();
     let gate = backend.gate(&"s".into(), &config);
+    (server, gate, window)
+}
+
+/// Kept successes older than the window are dropped, not sent: sent with the first
+/// failure after an idle spell, they landed in the current bucket and outweighed the
+/// failures of a source that died meanwhile (the window showed 6 calls, 1 failure).
+#[tokio::test]
+async fn successes_kept_past_the_window_are_dropped_not_sent() {
+    let (_server, gate, window) = short_window_under_a_long_view("old").await;
     for _ in 0..5 {
         call(&gate, S).await;
     }
@@ -240,19 +247,7 @@ async fn successes_kept_in_an_ended_epoch_do_not_stop_deferring() {
 /// processes' failures alone then opened the breaker.
 #[tokio::test]
 async fn kept_successes_are_sent_within_a_window_shorter_than_the_view() {
-    let server = PrivateRedis::start();
-    let target = RedisTarget::Standalone(server.url());
-    let backend = RedisBackend::new(RedisConn::connect(&target).await.unwrap())
-        .with_prefix("short")
-        .with_closed_view(Duration::from_secs(3600));
-    let window = Duration::from_millis(400);
-    let config = BreakerConfig::builder()
-        .fail_threshold(3)
-        .cooldown(REDIS_UNIT)
-        .window(window)
-        .build()
-        .unwrap();
-    let gate = backend.gate(&"s".into(), &config);
+    let (_server, gate, window) = short_window_under_a_long_view("short").await;
     for _ in 0..3 {
         call(&gate, S).await;
     }
