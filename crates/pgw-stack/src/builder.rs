@@ -238,7 +238,7 @@ impl GatewayBuilder {
                 handles,
                 progress,
                 validator: self.validator,
-                accepts_prefill: cfg.sources.iter().any(|s| s.accepts_prefill),
+                prefill_routes: sources.prefill,
                 max_call_duration,
             }),
         })
@@ -325,6 +325,8 @@ struct Wiring<'a> {
 #[derive(Default)]
 struct SourceParts {
     built: HashMap<usize, (BoxTransport, RateLimiter)>,
+    /// The routes whose source continues an assistant prefill.
+    prefill: Vec<pgw_core::SourceId>,
 }
 
 impl Wiring<'_> {
@@ -361,6 +363,9 @@ impl Wiring<'_> {
             }
         };
         let source = settings.id.clone();
+        if sc.accepts_prefill {
+            parts.prefill.push(source.clone());
+        }
         let pushback = Pushback::default();
         let max_conc = quota(&format!("{at}.max_concurrency"), sc.max_concurrency)?;
         let breaker_cfg = breaker_config(cfg, max_conc, attempt_timeout)?;

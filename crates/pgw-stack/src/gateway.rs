@@ -191,8 +191,9 @@ pub(crate) struct Inner {
     /// The default validator, also applied to cache hits (a hit stored by a call
     /// with a more lenient validator of its own must not bypass it).
     pub(crate) validator: Option<Validator>,
-    /// Some source accepts an assistant prefill: a cut stream may be continued.
-    pub(crate) accepts_prefill: bool,
+    /// The routes whose source accepts an assistant prefill (none: a cut stream is
+    /// never continued).
+    pub(crate) prefill_routes: Vec<SourceId>,
     /// `retry.max_call_duration_s`: the deadline of a call that brings none sooner, from
     /// its start, across the fallback chain, the cache and a committed stream.
     pub(crate) max_call_duration: Option<std::time::Duration>,

@@ -12,7 +12,7 @@ use std::task::{Context, Poll};
 use futures_core::Stream;
 use futures_util::StreamExt;
 use pgw_client::{ChatCall, PassThrough, TailStream};
-use pgw_core::openai::{ChatChunk, ChatMessage, ChatRequest, Content, Usage};
+use pgw_core::openai::{ChatChunk, ChatMessage, ChatRequest, Content, ContentPart, Usage};
 use pgw_core::{BoxError, CallHistory, CarriesHistory, SourceId};
 use tower::ServiceExt;
 use tower_retry_pushback::{CallDeadline, RetryError};
@@ -139,7 +139,12 @@ impl ChatStream {
             .get("n")
             .and_then(serde_json::Value::as_u64)
             .is_none_or(|n| n <= 1);
+        let continues_prefill = head
+            .source
+            .as_ref()
+            .is_some_and(|s| gateway.inner.prefill_routes.contains(s));
         let relay = Relay {
+            continues_prefill,
             usage: Arc::clone(&usage),
             gateway,
             call,
@@ -243,6 +248,10 @@ struct Relay {
     /// be continued from it (a tool call's arguments or a second choice would be sent
     /// twice, as broken JSON or interleaved text).
     text_only: bool,
+    /// The source the stream was committed to continues an assistant prefill: the text
+    /// relayed goes on from the caller's own prefill, if it sent one (a source that
+    /// does not answers it with a turn of its own).
+    continues_prefill: bool,
     /// The caller's deadline ([`CallDeadline`]) as one timer for the whole stream,
     /// armed when the tail is first read (not a timer per chunk).
     deadline: Option<Pin<Box<tokio::time::Sleep>>>,
@@ -342,7 +351,10 @@ impl Relay {
     /// `None` when there is none or it failed too (the cut's error is the one the
     /// caller gets: a prefill refusal must not hide it).
     async fn continuation(&mut self, cut: &BoxError) -> Option<GatewayAnswer> {
-        if self.continued >= MAX_CONTINUATIONS || !self.gateway.inner.accepts_prefill || !self.text_only {
+        if self.continued >= MAX_CONTINUATIONS
+            || self.gateway.inner.prefill_routes.is_empty()
+            || !self.text_only
+        {
             return None;
         }
         let mut request = self.call.request().clone();
@@ -352,7 +364,7 @@ impl Relay {
             return None;
         }
         self.continued += 1;
-        prefill(&mut request, &self.text);
+        prefill(&mut request, &self.text, self.continues_prefill);
         let mut next = ChatCall::from_arc(Arc::new(request)).with_call_id(self.call.id());
         // Everything the caller's call carries holds for the continuation too: its
         // deadline, its cache choice and partition (a tenant's continuation is read
@@ -381,20 +393,31 @@ impl Relay {
     }
 }
 
-/// Makes `request` end with an assistant message that holds `text` as its last words:
-/// the caller's own prefill (a trailing assistant message of text, `{` to start a
-/// JSON answer) extended by it, else a new assistant message of it. A second assistant
-/// message after the caller's would be closed as a turn of its own by the templates
-/// that continue the last message (vLLM's and llama.cpp's `continue_final_message`):
-/// the source would start a new answer after the prefill instead of going on with it.
-fn prefill(request: &mut ChatRequest, text: &str) {
-    if let Some(last) = request.messages.last_mut()
+/// Makes `request` end with an assistant message that holds `text` as its last words.
+/// When the text went on from the caller's own prefill (`continued`: the source cut
+/// continues a prefill; the request ends with an assistant message of text or text
+/// parts, `{` to start a JSON answer), that message is extended by it: a second
+/// assistant message after it would be closed as a turn of its own by the templates
+/// that continue the last message (vLLM's and llama.cpp's `continue_final_message`),
+/// and the source would start a new answer. Else (no prefill, or a source that
+/// answered it with a turn of its own) a new assistant message of it.
+fn prefill(request: &mut ChatRequest, text: &str, continued: bool) {
+    if continued
+        && let Some(last) = request.messages.last_mut()
         && last.role == "assistant"
         && !last.calls_tool()
-        && let Content::Text(own) = &mut last.content
     {
-        own.push_str(text);
-        return;
+        match &mut last.content {
+            Content::Text(own) => {
+                own.push_str(text);
+                return;
+            }
+            Content::Parts(parts) if parts.iter().all(|p| p.text().is_some()) => {
+                parts.push(ContentPart::new_text(text));
+                return;
+            }
+            _ => {}
+        }
     }
     request.messages.push(ChatMessage::new("assistant", text));
 }
@@ -437,13 +460,26 @@ mod tests {
     fn a_continuation_extends_the_callers_prefill_and_adds_one_only_without() {
         let mut own = ChatRequest::user("m", "a JSON object please");
         own.messages.push(ChatMessage::new("assistant", "{"));
-        prefill(&mut own, "\"a\": 1,");
+        let mut answered = own.clone();
+        prefill(&mut own, "\"a\": 1,", true);
         assert_eq!(own.messages.len(), 2);
         assert_eq!(own.messages[1].role, "assistant");
         assert_eq!(own.messages[1].text(), "{\"a\": 1,");
+        // A source that does not continue a prefill answered it with a turn of its own.
+        prefill(&mut answered, "Sure.", false);
+        assert_eq!(answered.messages.len(), 3);
+        assert_eq!(answered.messages[2].text(), "Sure.");
+
+        let mut parts = ChatRequest::user("m", "a JSON object please");
+        let mut open = ChatMessage::new("assistant", "");
+        open.content = Content::Parts(vec![ContentPart::new_text("{")]);
+        parts.messages.push(open);
+        prefill(&mut parts, "\"a\": 1,", true);
+        assert_eq!(parts.messages.len(), 2, "text parts extended by one more");
+        assert_eq!(parts.messages[1].content.text_bytes(), 8);
 
         let mut none = ChatRequest::user("m", "hi");
-        prefill(&mut none, "Hello");
+        prefill(&mut none, "Hello", true);
         assert_eq!(none.messages.len(), 2);
         assert_eq!(none.messages[1].text(), "Hello");
 
@@ -452,7 +488,7 @@ mod tests {
         call.extra
             .insert("tool_calls".into(), serde_json::json!([{"id": "t"}]));
         tools.messages.push(call);
-        prefill(&mut tools, "Hello");
+        prefill(&mut tools, "Hello", true);
         assert_eq!(tools.messages.len(), 3, "a tool call is not extended");
         assert_eq!(tools.messages[2].text(), "Hello");
     }
