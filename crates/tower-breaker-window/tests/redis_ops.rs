@@ -949,3 +949,35 @@ async fn records_a_silent_redis_does_not_answer_hold_one_caller_not_all() {
     }
     panic!("records were never waited for again after one landed");
 }
+
+/// An admission Redis answers ends the "records fail" state as a landed record does:
+/// callers wait for their records again at once after an outage, not only once a
+/// record sent after it landed (with successes kept under the view, the first record
+/// after an outage may be the failure that opens the breaker, and its caller's next
+/// admission must see it).
+#[tokio::test]
+async fn an_answered_admission_makes_callers_wait_for_their_records_again() {
+    let server = PrivateRedis::start();
+    let target = RedisTarget::Standalone(server.url());
+    let timeout = Duration::from_millis(300);
+    let conn = RedisConn::connect_with(&target, timeout, timeout).await.unwrap();
+    let backend = RedisBackend::new(conn)
+        .with_prefix("answered")
+        .with_timeout(timeout)
+        .with_closed_view(Duration::ZERO);
+    let gate = backend.gate(&"s".into(), &config(100));
+    call(&gate, S).await;
+    let failed = admit(&gate).await;
+    server.freeze();
+    tokio::time::pause();
+    gate.record(failed, BreakerVerdict::Failure).await;
+    tokio::time::resume();
+    server.thaw();
+    assert_eq!(gate.record_errors(), 1);
+    let next = admit(&gate).await; // asked (no view), answered
+    let waited = gate.record(next, BreakerVerdict::Failure);
+    assert!(
+        futures_util::FutureExt::now_or_never(waited).is_none(),
+        "the record is waited for again"
+    );
+}

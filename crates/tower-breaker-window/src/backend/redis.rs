@@ -17,7 +17,7 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -173,7 +173,8 @@ impl Backend for RedisBackend {
             params: Params::of(config),
             timeout: self.timeout,
             record_errors: AtomicU64::new(0),
-            records_failing: AtomicBool::new(false),
+            records: AtomicU64::new(0),
+            record_seq: AtomicU64::new(0),
             closed_view: self.closed_view,
             defer_successes: self.defer_successes && !self.closed_view.is_zero(),
             deferred: std::sync::Mutex::new(Deferred {
@@ -196,9 +197,12 @@ struct Inner {
     params: Params,
     timeout: Duration,
     record_errors: AtomicU64,
-    /// The last record this process sent did not land: until one does, callers are
-    /// not held for theirs (B12).
-    records_failing: AtomicBool,
+    /// How the newest record that ended went ([`record_ended`]): its number (in the
+    /// order sent) and whether it failed. While it failed, callers are not held for
+    /// their records (B12), until a newer one lands or an admission is answered.
+    records: AtomicU64,
+    /// The numbers of records as sent.
+    record_seq: AtomicU64,
     closed_view: Duration,
     defer_successes: bool,
     /// Successes counted here and not yet sent (see
@@ -300,6 +304,17 @@ impl Inner {
             return Some(n);
         }
         Some(0)
+    }
+
+    /// Record number `seq` ended, `landed` or not: it says how records go if no newer
+    /// one ended before it (a timeout sent before a record that landed may end after
+    /// it, and says nothing of Redis now).
+    fn record_ended(&self, seq: u64, landed: bool) {
+        let _ = self
+            .records
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
+                record_state(w, seq, landed)
+            });
     }
 
     /// A probe is over (recorded, or its lease released): a "probe out" this process
@@ -546,6 +561,8 @@ impl RedisGate {
     /// What one admission's answer, to a question sent at `sent`, teaches this
     /// process's view, and the admission it is.
     fn heard(inner: &Inner, sent: Instant, opens: u64, reply: AdmitReply) -> Admission {
+        // Redis answers: records are waited for again.
+        inner.records.fetch_and(!1, Ordering::AcqRel);
         let (admitted, epoch, probe, retry_ms, open) = reply;
         if admitted == 1 {
             let (epoch, probe) = (non_negative(epoch), non_negative(probe));
@@ -575,7 +592,7 @@ impl RedisGate {
         }
     }
 
-    async fn record_once(inner: &Inner, ticket: Ticket, verdict: BreakerVerdict, oks: u32) {
+    async fn record_once(inner: &Inner, seq: u64, ticket: Ticket, verdict: BreakerVerdict, oks: u32) {
         let sent = Instant::now();
         let opens = inner.opens.load(Ordering::Acquire);
         let mut conn = inner.conn.clone();
@@ -595,7 +612,7 @@ impl RedisGate {
             .arg(oks);
         match run("record", inner.timeout, call.invoke_async::<i64>(&mut conn)).await {
             Ok(code) => {
-                inner.records_failing.store(false, Ordering::Release);
+                inner.record_ended(seq, true);
                 let effect = Effect::from_code(code);
                 if ticket.is_probe() {
                     // This process's probe is over (closed, reopened, or released
@@ -617,7 +634,7 @@ impl RedisGate {
                 tracing::trace!(source = %inner.source, effect = ?effect, "breaker record");
             }
             Err(e) => {
-                inner.records_failing.store(true, Ordering::Release);
+                inner.record_ended(seq, false);
                 inner.record_errors.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(
                     source = %inner.source,
@@ -704,14 +721,16 @@ impl Gate for RedisGate {
         let inner = self.0.clone();
         // While records fail (Redis down or not answering), the caller is not held for
         // this one: each would wait out the backend's timeout with its answer in hand.
-        // The record still goes out; the first that lands makes callers wait again,
-        // so a caller's next admission sees its outcome.
-        let failing = inner.records_failing.load(Ordering::Acquire);
+        // The record still goes out; a newer one that lands, or an admission Redis
+        // answers, makes callers wait again, so a caller's next admission sees its
+        // outcome.
+        let failing = records_failing(inner.records.load(Ordering::Acquire));
+        let seq = inner.record_seq.fetch_add(1, Ordering::Relaxed) + 1;
         // Spawned, so the record lands even when the caller drops the future (B3).
         match tokio::runtime::Handle::try_current() {
             Ok(rt) => {
                 let landing = rt.spawn(async move {
-                    Self::record_once(&inner, ticket, verdict, oks).await;
+                    Self::record_once(&inner, seq, ticket, verdict, oks).await;
                 });
                 RecordFuture((!failing).then_some(landing))
             }
@@ -759,6 +778,17 @@ impl Gate for RedisGate {
     }
 }
 
+/// The record state word after record `seq` ended (`None`: unchanged, a newer one
+/// ended first): its number shifted left, the low bit set when it failed.
+fn record_state(word: u64, seq: u64, landed: bool) -> Option<u64> {
+    (seq >= word >> 1).then_some(seq << 1 | u64::from(!landed))
+}
+
+/// Whether the newest record that ended failed.
+const fn records_failing(word: u64) -> bool {
+    word & 1 == 1
+}
+
 /// Waits for a spawned record to land. Dropping it does not cancel the record.
 #[derive(Debug)]
 pub struct RecordFuture(Option<JoinHandle<()>>);
@@ -771,5 +801,28 @@ impl Future for RecordFuture {
             Some(h) => Pin::new(h).poll(cx).map(|_| ()),
             None => Poll::Ready(()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{record_state, records_failing};
+
+    /// The newest record sent that ended says how records go: an older one ending
+    /// after it (a timeout sent before it) changes nothing. Before, whichever ended
+    /// last said it, and a late timeout left callers unheld after Redis came back.
+    #[test]
+    fn the_newest_record_that_ended_says_how_records_go() {
+        let mut w = 0;
+        let mut end = |seq, landed| {
+            if let Some(next) = record_state(w, seq, landed) {
+                w = next;
+            }
+            records_failing(w)
+        };
+        assert!(end(1, false), "failed");
+        assert!(!end(3, true), "a newer one landed");
+        assert!(!end(2, false), "an older timeout ending late says nothing");
+        assert!(end(4, false));
     }
 }
