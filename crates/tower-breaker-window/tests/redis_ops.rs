@@ -857,6 +857,17 @@ async fn a_probe_lease_whose_caller_is_gone_is_released() {
     assert!(t.is_probe());
 }
 
+/// A backend on a server of its own (to freeze) whose operations time out after
+/// 300 ms, and that timeout.
+async fn timing_out_backend(prefix: &str) -> (PrivateRedis, RedisBackend, Duration) {
+    let server = PrivateRedis::start();
+    let target = RedisTarget::Standalone(server.url());
+    let timeout = Duration::from_millis(300);
+    let conn = RedisConn::connect_with(&target, timeout, timeout).await.unwrap();
+    let backend = RedisBackend::new(conn).with_prefix(prefix).with_timeout(timeout);
+    (server, backend, timeout)
+}
+
 /// Admissions waiting on a question that Redis does not answer fail with it, after
 /// the backend's timeout, and do not ask again: before, each waited that timeout and
 /// then asked, and was answered after twice the timeout. Paused clock, so the timeout
@@ -864,11 +875,7 @@ async fn a_probe_lease_whose_caller_is_gone_is_released() {
 /// nothing answered).
 #[tokio::test]
 async fn waiters_hear_that_their_question_failed() {
-    let server = PrivateRedis::start();
-    let target = RedisTarget::Standalone(server.url());
-    let timeout = Duration::from_millis(300);
-    let conn = RedisConn::connect_with(&target, timeout, timeout).await.unwrap();
-    let backend = RedisBackend::new(conn).with_prefix("heard").with_timeout(timeout);
+    let (server, backend, timeout) = timing_out_backend("heard").await;
     let gate = backend.gate(&"s".into(), &config(3));
     // Load the script (a first question must not fail on NOSCRIPT's retry).
     let _ = admit(&backend.gate(&"warm".into(), &config(3))).await;
@@ -905,14 +912,8 @@ async fn waiters_hear_that_their_question_failed() {
 /// caller's next admission then sees its outcome). Paused clock, frozen server.
 #[tokio::test]
 async fn records_a_silent_redis_does_not_answer_hold_one_caller_not_all() {
-    let server = PrivateRedis::start();
-    let target = RedisTarget::Standalone(server.url());
-    let timeout = Duration::from_millis(300);
-    let conn = RedisConn::connect_with(&target, timeout, timeout).await.unwrap();
-    let backend = RedisBackend::new(conn)
-        .with_prefix("silent")
-        .with_timeout(timeout)
-        .with_deferred_successes(false);
+    let (server, backend, timeout) = timing_out_backend("silent").await;
+    let backend = backend.with_deferred_successes(false);
     let gate = backend.gate(&"s".into(), &config(100));
     // Scripts loaded, and three admissions in hand while the server answers.
     call(&gate, S).await;
@@ -957,14 +958,8 @@ async fn records_a_silent_redis_does_not_answer_hold_one_caller_not_all() {
 /// admission must see it).
 #[tokio::test]
 async fn an_answered_admission_makes_callers_wait_for_their_records_again() {
-    let server = PrivateRedis::start();
-    let target = RedisTarget::Standalone(server.url());
-    let timeout = Duration::from_millis(300);
-    let conn = RedisConn::connect_with(&target, timeout, timeout).await.unwrap();
-    let backend = RedisBackend::new(conn)
-        .with_prefix("answered")
-        .with_timeout(timeout)
-        .with_closed_view(Duration::ZERO);
+    let (server, backend, _) = timing_out_backend("answered").await;
+    let backend = backend.with_closed_view(Duration::ZERO);
     let gate = backend.gate(&"s".into(), &config(100));
     call(&gate, S).await;
     let failed = admit(&gate).await;
