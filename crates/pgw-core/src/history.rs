@@ -110,6 +110,21 @@ impl List {
             self.rest.push(attempt);
         }
     }
+
+    fn last_mut(&mut self) -> Option<&mut AttemptRecord> {
+        self.rest.last_mut().or(self.first.as_mut())
+    }
+}
+
+/// An attempt's record that neither timed out nor was too large for its source.
+const fn plain(source: Option<SourceId>, outcome: Outcome) -> AttemptRecord {
+    AttemptRecord {
+        source,
+        outcome,
+        timed_out: false,
+        too_large: false,
+        status: None,
+    }
 }
 
 impl fmt::Debug for CallHistory {
@@ -256,19 +271,21 @@ impl CallHistory {
 
     /// Records one attempt that neither timed out nor was too large for its source.
     pub fn record(&self, source: Option<SourceId>, outcome: Outcome) {
-        self.push(AttemptRecord {
-            source,
-            outcome,
-            timed_out: false,
-            too_large: false,
-            status: None,
-        });
+        self.push(plain(source, outcome));
     }
 
     /// Records one attempt as it ended.
     pub fn push(&self, attempt: AttemptRecord) {
-        let mut list = self.lock();
-        list.provisional = false;
+        self.put(attempt, false);
+    }
+
+    /// Appends `attempt`, provisional or not ([`settle`](Self::settle)).
+    fn put(&self, attempt: AttemptRecord, provisional: bool) {
+        self.put_in(&mut self.lock(), attempt, provisional);
+    }
+
+    fn put_in(&self, list: &mut List, attempt: AttemptRecord, provisional: bool) {
+        list.provisional = provisional;
         list.push(attempt);
         // Written under the lock only: a plain store, no read-modify-write.
         self.inner.len.store(list.len(), Ordering::Release);
@@ -281,16 +298,7 @@ impl CallHistory {
     /// caller gone, a deadline's cut), it stays, as [`record`](Self::record) would
     /// have it.
     pub fn record_provisional(&self, outcome: Outcome) {
-        let mut list = self.lock();
-        list.push(AttemptRecord {
-            source: None,
-            outcome,
-            timed_out: false,
-            too_large: false,
-            status: None,
-        });
-        list.provisional = true;
-        self.inner.len.store(list.len(), Ordering::Release);
+        self.put(plain(None, outcome), true);
     }
 
     /// Records one attempt judged after its answer began (a stream, at its end): in
@@ -310,19 +318,13 @@ impl CallHistory {
     /// ```
     pub fn settle(&self, attempt: AttemptRecord) {
         let mut list = self.lock();
-        if std::mem::take(&mut list.provisional) {
-            let last = if list.rest.is_empty() {
-                list.first.as_mut()
-            } else {
-                list.rest.last_mut()
-            };
-            if let Some(last) = last {
-                *last = attempt;
-                return;
-            }
+        if std::mem::take(&mut list.provisional)
+            && let Some(last) = list.last_mut()
+        {
+            *last = attempt;
+            return;
         }
-        list.push(attempt);
-        self.inner.len.store(list.len(), Ordering::Release);
+        self.put_in(&mut list, attempt, false);
     }
 
     /// How many attempts of this call failed on `source` (outcomes whose health sample

@@ -1032,6 +1032,17 @@ async fn refund_one_request(
     inv.invoke_async(&mut conn.clone()).await.unwrap()
 }
 
+/// B's request (admitted, its call finished) still counts in its window: another
+/// process (no memory of refusals: it asks Redis) is refused on the rpm of 1.
+async fn b_still_counts(config: RateLimitConfig, conn: &RedisConn) {
+    let other = RateLimiter::new(config, RedisBackend::new(conn.clone())).unwrap();
+    let e = other
+        .acquire(0)
+        .await
+        .expect_err("B's request still counts: one a window");
+    assert!(e.to_string().contains("rpm"), "{e}");
+}
+
 /// The same for a limiter without a concurrency quota, which has no lease to tell a
 /// second run by: on a cluster, its settle names a marker of its own (`SET NX`), and
 /// the script run again with it gives nothing back. Before, the second refund took
@@ -1067,12 +1078,7 @@ async fn a_settle_without_a_lease_run_twice_gives_back_once() {
             "the second run found its marker and gave nothing back"
         );
         b.finish(None).await.unwrap();
-        let other = RateLimiter::new(config, RedisBackend::new(conn.clone())).unwrap();
-        let e = other
-            .acquire(0)
-            .await
-            .expect_err("B's request still counts: one a window");
-        assert!(e.to_string().contains("rpm"), "{e}");
+        b_still_counts(config, &conn).await;
         // A's own settle: nothing to give back or charge, so nothing is sent.
         a.finish(None).await.unwrap();
         assert_eq!(l.stats().settle_failures, 0);
@@ -1164,13 +1170,7 @@ async fn a_settle_run_twice_gives_back_once() {
         let again = refund_one_request(&conn, &[&window_key, &lease_key], sub_ms, at_ms, lease, 1).await;
         assert_eq!(again, 2, "the settle found its lease gone and gave nothing back");
         b.finish(None).await.unwrap();
-        // Another process: no memory of refusals, it asks Redis.
-        let other = RateLimiter::new(config, RedisBackend::new(conn.clone())).unwrap();
-        let e = other
-            .acquire(0)
-            .await
-            .expect_err("B's request still counts: one a window");
-        assert!(e.to_string().contains("rpm"), "{e}");
+        b_still_counts(config, &conn).await;
         return;
     }
     panic!("A and B straddled a 30 s sub-window boundary three times");
